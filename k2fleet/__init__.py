@@ -1,0 +1,1 @@
+"""k2fleet: take a fleet of GPU hosts to a serving Kimi-K2 deployment."""
