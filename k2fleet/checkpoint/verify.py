@@ -1,0 +1,605 @@
+#!/usr/bin/env python3
+"""Verify a downloaded checkpoint directory against its manifest.
+
+STANDARD LIBRARY ONLY, and no k2fleet imports: this file is copied to fleet
+hosts and run there as ``python3 verify.py DIR [--manifest PATH] [--full]
+[--workers N] [--json]``.
+
+What is checked:
+
+* every file of the manifest is present with the manifest's size;
+* every shard named by ``model.safetensors.index.json``'s ``weight_map`` is in
+  the manifest (and so on disk), and every ``.safetensors`` file beside the
+  index is named by it;
+* every ``.safetensors`` header parses (8-byte little-endian length, JSON,
+  ``data_offsets`` inside the file, byte counts consistent with dtype/shape);
+* every file's sha256 (LFS files) or git blob sha1 (small non-LFS files)
+  matches.
+
+Files are hashed concurrently (one thread per file, ``hashlib`` releases the
+GIL) in large blocks read into one reused buffer per thread, so memory use is
+constant. When everything passes, ``DIR/.k2fleet/verified.json`` records the
+manifest digest and each file's size, mtime_ns, ctime_ns and inode; a later
+run without ``--full`` does not re-hash a file whose stat is unchanged. A
+failed run removes the marker.
+
+Manifest (``DIR/.k2fleet/manifest.json``)::
+
+    {"repo_id": "moonshotai/Kimi-K2-Thinking",
+     "revision": "<40-hex commit>",
+     "files": {"config.json": {"size": 3571, "sha256": null,
+                               "git_blob_sha1": "<40 hex>"},
+               "model-00001-of-000062.safetensors":
+                   {"size": 9_000_000_000, "sha256": "<64 hex>"}},
+     "overlay": {...optional, ignored here...}}
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import struct
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+STATE_DIR = ".k2fleet"
+MANIFEST_NAME = "manifest.json"
+MARKER_NAME = "verified.json"
+INDEX_NAME = "model.safetensors.index.json"
+BLOCK_SIZE = 16 * 1024 * 1024
+MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
+MARKER_FORMAT = 1
+
+MISSING = "missing"
+SIZE_MISMATCH = "size_mismatch"
+BAD_HEADER = "bad_header"
+HASH_MISMATCH = "hash_mismatch"
+NOT_IN_INDEX = "not_in_index"
+INDEX_UNKNOWN_SHARD = "index_unknown_shard"
+BAD_INDEX = "bad_index"
+BAD_MANIFEST = "bad_manifest"
+CHANGED = "changed_during_verify"
+UNREADABLE = "unreadable"
+
+_HEX40 = re.compile(r"[0-9a-f]{40}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}
+
+
+@dataclass
+class Problem:
+    """One thing wrong with one file (or with the manifest/index)."""
+
+    path: str
+    kind: str
+    detail: str = ""
+
+    def line(self) -> str:
+        """One human-readable line, e.g. ``FAIL hash_mismatch model-1.safetensors: ...``."""
+        return f"FAIL {self.kind} {self.path}: {self.detail}".rstrip(": ")
+
+
+@dataclass
+class Report:
+    """Outcome of :func:`verify`; ``ok`` is True only when ``problems`` is empty."""
+
+    dir: str
+    revision: str
+    ok: bool = False
+    problems: list[Problem] = field(default_factory=list)
+    files_total: int = 0
+    files_hashed: int = 0
+    files_skipped: int = 0
+    bytes_total: int = 0
+    bytes_hashed: int = 0
+    seconds: float = 0.0
+    full: bool = False
+    marker_written: bool = False
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (used by ``--json``)."""
+        return asdict(self)
+
+    def lines(self) -> list[str]:
+        """One line per problem, then one summary line."""
+        out = [p.line() for p in sorted(self.problems, key=lambda p: (p.path, p.kind))]
+        out += [f"WARN {w}" for w in self.warnings]
+        rate = self.bytes_hashed / self.seconds / 1e6 if self.seconds > 0 else 0.0
+        summary = (
+            f"{self.files_total} files, {self.bytes_total} bytes; hashed {self.files_hashed} "
+            f"({self.bytes_hashed} bytes, {rate:.0f} MB/s), unchanged since last verify "
+            f"{self.files_skipped}; {self.seconds:.2f}s"
+        )
+        if self.ok:
+            out.append(f"OK revision {self.revision}: {summary}")
+        else:
+            out.append(f"FAILED revision {self.revision}: {len(self.problems)} problem(s); {summary}")
+        return out
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+def state_dir(root: str) -> str:
+    """``ROOT/.k2fleet`` (not created)."""
+    return os.path.join(root, STATE_DIR)
+
+
+def load_manifest(path: str) -> dict[str, Any]:
+    """Read a manifest JSON file.
+
+    Example:
+        >>> m = load_manifest("/models/k2/.k2fleet/manifest.json")  # doctest: +SKIP
+        >>> m["revision"]  # doctest: +SKIP
+        '612681931a8c906ddb349f8ad0f582cb552189cd'
+    """
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def manifest_problems(manifest: Any) -> list[Problem]:
+    """Structural problems of a manifest (empty list when it is usable).
+
+    Example:
+        >>> manifest_problems({"repo_id": "a/b", "revision": "0" * 40, "files": {}})
+        []
+    """
+    if not isinstance(manifest, dict):
+        return [Problem("<manifest>", BAD_MANIFEST, "not a JSON object")]
+    out: list[Problem] = []
+    rev = manifest.get("revision")
+    if not isinstance(rev, str) or not _HEX40.fullmatch(rev):
+        out.append(Problem("<manifest>", BAD_MANIFEST, f"revision {rev!r} is not a 40-hex commit sha"))
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return out + [Problem("<manifest>", BAD_MANIFEST, "'files' is not an object")]
+    for rel, entry in files.items():
+        out += _entry_problems(rel, entry)
+    return out
+
+
+def _entry_problems(rel: str, entry: Any) -> list[Problem]:
+    if not _safe_relpath(rel):
+        return [Problem(rel, BAD_MANIFEST, "path is absolute or escapes the directory")]
+    if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or entry["size"] < 0:
+        return [Problem(rel, BAD_MANIFEST, "entry has no integer 'size'")]
+    sha256, sha1 = entry.get("sha256"), entry.get("git_blob_sha1")
+    if isinstance(sha256, str) and _HEX64.fullmatch(sha256):
+        return []
+    if sha256 is None and isinstance(sha1, str) and _HEX40.fullmatch(sha1):
+        return []
+    return [Problem(rel, BAD_MANIFEST, "entry has neither a sha256 nor a git_blob_sha1")]
+
+
+def _safe_relpath(rel: str) -> bool:
+    parts = rel.split("/")
+    return bool(rel) and not rel.startswith("/") and ".." not in parts and "" not in parts
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """sha256 of the manifest's identity (repo_id, revision, files); ``overlay`` is excluded.
+
+    Example:
+        >>> len(manifest_digest({"repo_id": "a/b", "revision": "0" * 40, "files": {}}))
+        64
+    """
+    core = {k: manifest.get(k) for k in ("repo_id", "revision", "files")}
+    blob = json.dumps(core, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+# --------------------------------------------------------------------------- marker
+
+
+def marker_path(root: str) -> str:
+    """``ROOT/.k2fleet/verified.json``."""
+    return os.path.join(state_dir(root), MARKER_NAME)
+
+
+def _stat_record(st: os.stat_result) -> dict[str, int]:
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino}
+
+
+def load_marker(root: str, manifest: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Per-file stat records of a marker that matches ``manifest`` ({} if none/stale)."""
+    try:
+        with open(marker_path(root), encoding="utf-8") as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if (
+        not isinstance(marker, dict)
+        or marker.get("format") != MARKER_FORMAT
+        or marker.get("revision") != manifest.get("revision")
+        or marker.get("manifest_sha256") != manifest_digest(manifest)
+        or not isinstance(marker.get("files"), dict)
+    ):
+        return {}
+    return marker["files"]
+
+
+def write_marker(root: str, manifest: dict[str, Any], stats: dict[str, dict[str, int]]) -> None:
+    """Atomically write ``verified.json`` (temp file, fsync, rename, fsync dir)."""
+    marker = {
+        "format": MARKER_FORMAT,
+        "repo_id": manifest.get("repo_id"),
+        "revision": manifest["revision"],
+        "manifest_sha256": manifest_digest(manifest),
+        "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "files": stats,
+    }
+    atomic_write_json(marker_path(root), marker)
+
+
+def remove_marker(root: str) -> None:
+    """Delete ``verified.json`` if present."""
+    try:
+        os.unlink(marker_path(root))
+    except FileNotFoundError:
+        pass
+
+
+def atomic_write_json(path: str, obj: Any) -> None:
+    """Write JSON to ``path`` atomically (same-directory temp file + ``os.replace``)."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    dfd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def is_verified(root: str, manifest: dict[str, Any]) -> bool:
+    """True when a matching marker exists and no file's stat changed since (no hashing).
+
+    Example:
+        >>> is_verified("/nonexistent", {"revision": "0" * 40, "files": {}})
+        False
+    """
+    recorded = load_marker(root, manifest)
+    if not recorded or set(recorded) != set(manifest.get("files", {})):
+        return False
+    for rel, rec in recorded.items():
+        try:
+            if _stat_record(os.stat(os.path.join(root, rel))) != rec:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def safetensors_header_problem(fd: int, size: int) -> str | None:
+    """Why the safetensors header of open file ``fd`` (``size`` bytes) is bad, or None.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryFile() as f:
+        ...     _ = f.write(b"\\x02\\x00\\x00\\x00\\x00\\x00\\x00\\x00{}"); f.flush()
+        ...     safetensors_header_problem(f.fileno(), 10) is None
+        True
+    """
+    if size < 8:
+        return f"file is {size} bytes, shorter than the 8-byte header length"
+    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    if n < 2 or n > min(MAX_SAFETENSORS_HEADER, size - 8):
+        return f"header length {n} does not fit a {size}-byte file"
+    raw = os.pread(fd, n, 8)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        return f"header is not valid JSON ({e.__class__.__name__})"
+    if not isinstance(header, dict):
+        return "header is not a JSON object"
+    data_size = size - 8 - n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        why = _tensor_problem(info, data_size)
+        if why:
+            return f"tensor {name!r}: {why}"
+    return None
+
+
+def _tensor_problem(info: Any, data_size: int) -> str | None:
+    if not isinstance(info, dict):
+        return "entry is not an object"
+    offs, shape, dtype = info.get("data_offsets"), info.get("shape"), info.get("dtype")
+    if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(x, int) for x in offs)):
+        return "data_offsets is not [begin, end]"
+    begin, end = offs
+    if not 0 <= begin <= end <= data_size:
+        return f"data_offsets {offs} outside the {data_size}-byte data section"
+    if not (isinstance(shape, list) and all(isinstance(x, int) and x >= 0 for x in shape)):
+        return "shape is not a list of non-negative integers"
+    itemsize = _DTYPE_BYTES.get(dtype) if isinstance(dtype, str) else None
+    if itemsize is not None:
+        count = 1
+        for dim in shape:
+            count *= dim
+        if count * itemsize != end - begin:
+            return f"{dtype}{shape} needs {count * itemsize} bytes, data_offsets give {end - begin}"
+    return None
+
+
+def _new_hasher(entry: dict[str, Any], size: int) -> tuple[Any, str, str]:
+    """(hasher, algorithm label, expected hex) for a manifest entry."""
+    if entry.get("sha256"):
+        return hashlib.sha256(), "sha256", entry["sha256"]
+    h = hashlib.sha1()
+    h.update(b"blob %d\0" % size)
+    return h, "git_blob_sha1", entry["git_blob_sha1"]
+
+
+def _advise(fd: int, offset: int, length: int, advice_name: str) -> None:
+    advice = getattr(os, advice_name, None)
+    if advice is None or not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        os.posix_fadvise(fd, offset, length, advice)
+    except OSError:
+        pass
+
+
+def hash_fd(fd: int, hasher: Any, buf: bytearray) -> int:
+    """Stream ``fd`` from offset 0 into ``hasher`` using ``buf``; returns bytes hashed.
+
+    Reads ahead with ``POSIX_FADV_SEQUENTIAL`` and a ``WILLNEED`` hint for the
+    next block so the disk works while the CPU hashes.
+    """
+    _advise(fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
+    view = memoryview(buf)
+    block = len(buf)
+    total = 0
+    os.lseek(fd, 0, os.SEEK_SET)
+    while True:
+        _advise(fd, total + block, 2 * block, "POSIX_FADV_WILLNEED")
+        n = os.readv(fd, [view])
+        if n <= 0:
+            return total
+        hasher.update(view[:n])
+        total += n
+
+
+@dataclass
+class _FileResult:
+    rel: str
+    problems: list[Problem] = field(default_factory=list)
+    stat: dict[str, int] | None = None
+    hashed_bytes: int = 0
+    skipped: bool = False
+
+
+class _Verifier:
+    """Per-run state: root, manifest, prior marker, per-thread buffers."""
+
+    def __init__(self, root: str, manifest: dict[str, Any], full: bool) -> None:
+        self.root = root
+        self.files: dict[str, dict[str, Any]] = manifest["files"]
+        self.prior = {} if full else load_marker(root, manifest)
+        self._local = threading.local()
+
+    def _buffer(self) -> bytearray:
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = bytearray(BLOCK_SIZE)
+        return buf
+
+    def check(self, rel: str) -> _FileResult:
+        """Size, header and hash checks of one manifest file."""
+        res = _FileResult(rel)
+        entry = self.files[rel]
+        path = os.path.join(self.root, rel)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            res.problems.append(Problem(rel, MISSING, "not on disk"))
+            return res
+        except OSError as e:
+            res.problems.append(Problem(rel, UNREADABLE, str(e)))
+            return res
+        try:
+            self._check_open(fd, res, entry)
+        except OSError as e:
+            res.problems.append(Problem(rel, UNREADABLE, str(e)))
+        finally:
+            os.close(fd)
+        return res
+
+    def _check_open(self, fd: int, res: _FileResult, entry: dict[str, Any]) -> None:
+        before = _stat_record(os.fstat(fd))
+        if before["size"] != entry["size"]:
+            res.problems.append(
+                Problem(res.rel, SIZE_MISMATCH, f"expected {entry['size']} bytes, found {before['size']}")
+            )
+            return
+        if res.rel.endswith(".safetensors"):
+            why = safetensors_header_problem(fd, before["size"])
+            if why:
+                res.problems.append(Problem(res.rel, BAD_HEADER, why))
+                return
+        if self.prior.get(res.rel) == before:
+            res.stat, res.skipped = before, True
+            return
+        hasher, algo, expected = _new_hasher(entry, before["size"])
+        res.hashed_bytes = hash_fd(fd, hasher, self._buffer())
+        got = hasher.hexdigest()
+        if got != expected:
+            res.problems.append(Problem(res.rel, HASH_MISMATCH, f"{algo} expected {expected}, got {got}"))
+            return
+        after = _stat_record(os.fstat(fd))
+        if after != before or res.hashed_bytes != before["size"]:
+            res.problems.append(Problem(res.rel, CHANGED, "file changed while it was being hashed"))
+            return
+        res.stat = before
+
+
+def index_problems(root: str, manifest: dict[str, Any]) -> list[Problem]:
+    """Cross-check ``model.safetensors.index.json``'s weight_map against the manifest.
+
+    Example:
+        >>> index_problems("/nonexistent", {"files": {}})
+        []
+    """
+    files: dict[str, Any] = manifest["files"]
+    index_rels = [rel for rel in files if rel.rsplit("/", 1)[-1] == INDEX_NAME]
+    if not index_rels and os.path.exists(os.path.join(root, INDEX_NAME)):
+        index_rels = [INDEX_NAME]
+    out: list[Problem] = []
+    for index_rel in index_rels:
+        out += _one_index_problems(root, index_rel, files)
+    return out
+
+
+def _one_index_problems(root: str, index_rel: str, files: dict[str, Any]) -> list[Problem]:
+    prefix = index_rel[: -len(INDEX_NAME)]
+    try:
+        with open(os.path.join(root, index_rel), encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise ValueError("weight_map is not an object")
+    except FileNotFoundError:
+        return []  # reported as missing by the per-file checks when it is in the manifest
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [Problem(index_rel, BAD_INDEX, f"cannot read weight_map ({e.__class__.__name__}: {e})")]
+    named = {prefix + str(shard) for shard in weight_map.values()}
+    out: list[Problem] = []
+    for shard in sorted(named - set(files)):
+        where = "on disk" if os.path.exists(os.path.join(root, shard)) else "not on disk either"
+        out.append(Problem(shard, INDEX_UNKNOWN_SHARD, f"named by {index_rel} but not in the manifest ({where})"))
+    for rel in sorted(files):
+        in_dir = rel.startswith(prefix) and "/" not in rel[len(prefix):]
+        if in_dir and rel.endswith(".safetensors") and rel not in named:
+            out.append(Problem(rel, NOT_IN_INDEX, f"shard is not named by {index_rel}"))
+    return out
+
+
+def default_workers() -> int:
+    """Number of hashing threads: the CPUs this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def verify(
+    root: str,
+    manifest: dict[str, Any],
+    full: bool = False,
+    workers: int | None = None,
+) -> Report:
+    """Verify directory ``root`` against ``manifest``; write or remove the marker.
+
+    With ``full=False`` a file whose size, mtime_ns, ctime_ns and inode match
+    the marker of a previous successful run is not re-hashed.
+
+    Example:
+        >>> m = load_manifest("/models/k2/.k2fleet/manifest.json")  # doctest: +SKIP
+        >>> r = verify("/models/k2", m, full=True)                  # doctest: +SKIP
+        >>> r.ok, [p.line() for p in r.problems]                    # doctest: +SKIP
+        (True, [])
+    """
+    t0 = time.monotonic()
+    report = Report(dir=root, revision=str(manifest.get("revision")), full=full)
+    report.problems = manifest_problems(manifest)
+    if report.problems:
+        return _finish(report, root, manifest, {}, t0)
+    files: dict[str, dict[str, Any]] = manifest["files"]
+    report.files_total = len(files)
+    report.bytes_total = sum(int(e["size"]) for e in files.values())
+    report.problems += index_problems(root, manifest)
+    verifier = _Verifier(root, manifest, full)
+    order = sorted(files, key=lambda rel: -int(files[rel]["size"]))
+    nworkers = max(1, min(workers or default_workers(), len(order) or 1))
+    with ThreadPoolExecutor(max_workers=nworkers, thread_name_prefix="k2verify") as pool:
+        results = list(pool.map(verifier.check, order))
+    stats: dict[str, dict[str, int]] = {}
+    for res in results:
+        report.problems += res.problems
+        report.bytes_hashed += res.hashed_bytes
+        report.files_hashed += 1 if res.hashed_bytes or (res.stat and not res.skipped) else 0
+        report.files_skipped += 1 if res.skipped else 0
+        if res.stat is not None:
+            stats[res.rel] = res.stat
+    return _finish(report, root, manifest, stats, t0)
+
+
+def _finish(
+    report: Report, root: str, manifest: dict[str, Any], stats: dict[str, dict[str, int]], t0: float
+) -> Report:
+    report.ok = not report.problems
+    try:
+        if report.ok:
+            write_marker(root, manifest, stats)
+            report.marker_written = True
+        else:
+            remove_marker(root)
+    except OSError as e:
+        report.warnings.append(f"could not update {marker_path(root)}: {e}")
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the exit code (0 ok, 1 problems).
+
+    Example:
+        $ python3 verify.py /models/k2 --full
+        OK revision 6126...: 67 files, ...
+    """
+    ap = argparse.ArgumentParser(prog="verify.py", description="Verify a checkpoint directory against its manifest.")
+    ap.add_argument("dir")
+    ap.add_argument("--manifest", help="manifest path (default DIR/.k2fleet/manifest.json)")
+    ap.add_argument("--full", action="store_true", help="re-hash every file, ignoring the verified marker")
+    ap.add_argument("--workers", type=int, default=None, help="hashing threads (default: CPU count)")
+    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = ap.parse_args(argv)
+    root = os.path.abspath(args.dir)
+    mpath = args.manifest or os.path.join(state_dir(root), MANIFEST_NAME)
+    try:
+        manifest = load_manifest(mpath)
+    except (OSError, ValueError) as e:
+        report = Report(dir=root, revision="?", problems=[Problem(mpath, BAD_MANIFEST, f"cannot load: {e}")])
+        report = _finish(report, root, {}, {}, time.monotonic())
+    else:
+        report = verify(root, manifest, full=args.full, workers=args.workers)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1, sort_keys=True))
+    else:
+        for line in report.lines():
+            print(line)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

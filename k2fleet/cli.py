@@ -1,0 +1,110 @@
+"""``k2fleet`` command line: validate and plan inventories offline, run the sandbox fleet.
+
+    k2fleet validate inventories/h200.py
+    k2fleet plan inventories/h200.py [--json]
+    k2fleet keys                      # every inventory key, as Markdown
+    k2fleet sandbox up 3 | down | status
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from k2fleet.deployment import Deployment, resolve
+from k2fleet.inventory import load_fleet
+from k2fleet.plan import Plan, make_plan
+from k2fleet.render.common import shell_join
+from k2fleet.spec import SpecError, keys_markdown
+
+
+def load_plan(inventory: str | Path) -> tuple[Deployment, Plan]:
+    """Inventory file → validated deployment and its plan (no host is contacted)."""
+    dep = resolve(load_fleet(inventory))
+    return dep, make_plan(dep)
+
+
+def format_plan(plan: Plan) -> str:
+    out = [
+        f"# {plan.source}: {plan.engine} {plan.engine_version} ({plan.runtime}"
+        + (f", {plan.image}" if plan.image else "")
+        + ")",
+        f"# checkpoint: {plan.checkpoint_path}",
+    ]
+    endpoint = plan.endpoint()
+    if endpoint:
+        out.append(f"# endpoint: http://{endpoint[0]}:{endpoint[1]}/v1")
+    for host in plan.hosts.values():
+        out.append(f"\n== {host.name} ({host.address}) role={host.role}")
+        for svc in host.services:
+            out.append(f"  [stage {svc.stage}] {svc.name}: {svc.description}")
+            for key, value in sorted(svc.env.items()):
+                out.append(f"    env {key}={value}")
+            out.append(f"    $ {shell_join(svc.argv)}")
+            if svc.workdir:
+                out.append(f"    (in {svc.workdir})")
+            for path, content in svc.files.items():
+                out.append(f"    file {path}:")
+                out.extend(f"      {line}" for line in content.rstrip("\n").splitlines())
+    return "\n".join(out) + "\n"
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    dep, plan = load_plan(args.inventory)
+    n = sum(len(h.services) for h in plan.hosts.values())
+    print(f"ok: {args.inventory}: {len(plan.hosts)} hosts, {n} services, {dep.engine} {dep.version}")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    _, plan = load_plan(args.inventory)
+    if args.json:
+        json.dump(plan.to_json(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(format_plan(plan))
+    return 0
+
+
+def _cmd_keys(args: argparse.Namespace) -> int:
+    sys.stdout.write(keys_markdown())
+    return 0
+
+
+def _cmd_sandbox(args: argparse.Namespace) -> int:
+    from k2fleet import sandbox
+
+    return int(sandbox.main(args.rest) or 0)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="k2fleet", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    v = sub.add_parser("validate", help="check an inventory; no host is contacted")
+    v.add_argument("inventory")
+    v.set_defaults(func=_cmd_validate)
+    pl = sub.add_parser("plan", help="print what every host will run; no host is contacted")
+    pl.add_argument("inventory")
+    pl.add_argument("--json", action="store_true", help="machine-readable plan")
+    pl.set_defaults(func=_cmd_plan)
+    k = sub.add_parser("keys", help="print the inventory key reference (Markdown)")
+    k.set_defaults(func=_cmd_keys)
+    sb = sub.add_parser("sandbox", help="local sandbox fleet: up N | down | status", add_help=False)
+    sb.add_argument("rest", nargs=argparse.REMAINDER)
+    sb.set_defaults(func=_cmd_sandbox)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except SpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

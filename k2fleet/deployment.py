@@ -1,0 +1,338 @@
+"""A validated fleet with every default resolved: what the planner and renderers read.
+
+:func:`resolve` applies the cross-key rules (parallel sizes, node counts, hardware
+fit, PD completeness, versions) and raises :class:`~k2fleet.spec.SpecError` naming the
+key and the fix for the first one broken. Port clashes are checked on the plan
+(:func:`k2fleet.plan.make_plan`), where every port of every process is known.
+"""
+
+from __future__ import annotations
+
+import math
+import posixpath
+from dataclasses import dataclass
+
+from k2fleet import catalog
+from k2fleet.spec import SHA_RE, Fleet, HostEntry, HostSettings, SpecError
+
+KV_RESERVE_GIB = 4.0  # the least KV cache per GPU worth serving with
+DEFAULT_GPU_UTIL = 0.9
+PD_ROLES = ("prefill", "decode", "router")
+
+
+@dataclass(frozen=True)
+class Pool:
+    """Hosts of one role and how they split into engine instances."""
+
+    role: str
+    hosts: tuple[HostEntry, ...]
+    settings: HostSettings
+    tp: int
+    instance_gpus: int
+    nodes_per_instance: int
+
+    @property
+    def instances(self) -> list[tuple[HostEntry, ...]]:
+        n = self.nodes_per_instance
+        return [self.hosts[i : i + n] for i in range(0, len(self.hosts), n)]
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Everything the renderers need, defaults resolved."""
+
+    fleet: Fleet
+    engine: str
+    version: str
+    platform: str
+    runtime: str
+    image: str | None
+    gpu: catalog.GpuType | None
+    gpus_per_node: int
+    checkpoint_bytes: int
+    quantization: str
+    reasoning_parser: str | None
+    served_model_name: str
+    pools: dict[str, Pool]
+
+    @property
+    def s(self) -> HostSettings:
+        return self.fleet.settings
+
+    @property
+    def version_tuple(self) -> tuple[int, ...]:
+        return catalog.version_tuple(self.version)
+
+    @property
+    def checkpoint_path(self) -> str:
+        """``k2_model_dir/<org>--<name>/<revision>`` on every host."""
+        return posixpath.join(self.s.model_dir, self.s.model.replace("/", "--"), self.s.revision)
+
+    @property
+    def gguf_path(self) -> str | None:
+        if not self.s.gguf_repo:
+            return None
+        return posixpath.join(self.s.model_dir, self.s.gguf_repo.replace("/", "--"), str(self.s.gguf_revision))
+
+    @property
+    def serve_path(self) -> str:
+        """What engines load: the verified checkpoint, or its config overlay."""
+        if self.s.model_type_override:
+            return self.checkpoint_path + ".overlay-" + self.s.model_type_override
+        return self.checkpoint_path
+
+
+def _fail(key: str, msg: str, fleet: Fleet) -> SpecError:
+    return SpecError(key, msg, fleet.source)
+
+
+def _check_model(fleet: Fleet) -> tuple[int, str, bool]:
+    s = fleet.settings
+    if not SHA_RE.match(s.revision):
+        raise _fail(
+            "k2_revision",
+            f"{s.revision!r} is not a pinned commit; set the 40-hex commit sha of {s.model} "
+            "(HfApi().model_info(repo).sha), never a branch or tag",
+            fleet,
+        )
+    if s.gguf_repo and (not s.gguf_revision or not SHA_RE.match(s.gguf_revision)):
+        raise _fail("k2_gguf_revision", "set the 40-hex commit sha of k2_gguf_repo", fleet)
+    known = catalog.CHECKPOINTS.get(s.model)
+    size = s.checkpoint_bytes or (known.bytes if known else None)
+    quant = s.quantization or (known.quantization if known else None)
+    if size is None or quant is None:
+        raise _fail(
+            "k2_checkpoint_bytes" if size is None else "k2_quantization",
+            f"{s.model} is not in k2fleet's catalog; set k2_checkpoint_bytes and k2_quantization",
+            fleet,
+        )
+    reasoning = known.reasoning if known else "thinking" in s.model.lower()
+    return size, quant, reasoning
+
+
+def _check_hardware(fleet: Fleet) -> tuple[catalog.GpuType | None, int, str]:
+    s = fleet.settings
+    if s.simulated_gpus and not s.engine_doubles:
+        raise _fail(
+            "k2_simulated_gpus",
+            "simulated GPUs are for the sandbox fleet only (with k2_engine_doubles: true); "
+            "remove it from a production inventory",
+            fleet,
+        )
+    if s.engine_doubles and not s.simulated_gpus:
+        raise _fail("k2_engine_doubles", "engine test doubles need k2_simulated_gpus: true (sandbox only)", fleet)
+    gpu = catalog.GPUS.get(s.gpu.lower())
+    if gpu is None:
+        raise _fail("k2_gpu", f"unknown GPU type {s.gpu!r}; one of {', '.join(catalog.GPUS)}", fleet)
+    per_node = s.gpus_per_node or gpu.default_per_node
+    platform = s.platform or ("rocm" if gpu.vendor == "amd" else "cuda")
+    if platform == "rocm" and gpu.vendor != "amd":
+        raise _fail("k2_platform", f"a ROCm engine cannot run on NVIDIA {gpu.name} hosts; use platform cuda", fleet)
+    if platform == "cuda" and gpu.vendor == "amd":
+        raise _fail("k2_platform", f"a CUDA engine cannot run on AMD {gpu.name} hosts; use platform rocm", fleet)
+    image = (s.image or "").lower()
+    if "rocm" in image and gpu.vendor != "amd":
+        raise _fail("k2_image", f"{s.image} is a ROCm image but the hosts have NVIDIA {gpu.name} GPUs", fleet)
+    return gpu, per_node, platform
+
+
+def _check_engine(fleet: Fleet, platform: str) -> tuple[str, str, str | None]:
+    s = fleet.settings
+    versions = catalog.ENGINE_VERSIONS[s.engine]
+    version = s.engine_version or versions[0]
+    if version not in versions:
+        raise _fail(
+            "k2_engine_version",
+            f"{s.engine} {version} is not supported; supported pins: {', '.join(versions)}",
+            fleet,
+        )
+    if platform == "rocm" and s.engine not in ("vllm", "sglang"):
+        raise _fail("k2_engine", f"{s.engine} has no ROCm build; use vllm or sglang on AMD GPUs", fleet)
+    runtime = s.runtime or ("container" if s.engine == "trtllm" or platform == "rocm" else "venv")
+    if s.engine == "trtllm" and runtime == "venv" and not s.engine_doubles:
+        raise _fail("k2_runtime", "TensorRT-LLM ships as a container image (the PyPI package is a stub); use container", fleet)
+    image = s.image
+    if runtime == "container" and image is None:
+        template = catalog.DEFAULT_IMAGES.get((s.engine, platform))
+        if template is None:
+            raise _fail("k2_image", f"no default image for {s.engine} on {platform}; set k2_image", fleet)
+        image = template.format(version=version)
+    return version, runtime, image
+
+
+def _instance_gpus(s: HostSettings, engine: str, tp: int) -> int:
+    if engine == "vllm":
+        return tp * s.pp * s.dp
+    if engine == "sglang" and not s.attn_dp:
+        return tp * s.pp * s.dp
+    return tp * s.pp  # SGLang DP attention / TRT-LLM attention DP run inside the TP group
+
+
+def _check_pool(fleet: Fleet, role: str, hosts: list[HostEntry], engine: str, per_node: int) -> Pool:
+    s = hosts[0].settings
+    where = f"{role} pool ({', '.join(h.name for h in hosts)})"
+    if role in ("router", "slurm-submit"):
+        return Pool(role, tuple(hosts), s, tp=0, instance_gpus=0, nodes_per_instance=1)
+    tp = s.tp or per_node
+    if engine == "vllm":
+        if s.dcp > 1 and tp % s.dcp:
+            divisors = [d for d in range(1, tp + 1) if tp % d == 0]
+            raise _fail("k2_dcp", f"k2_dcp={s.dcp} does not divide k2_tp={tp}; use one of {divisors}", fleet)
+        if s.dp > 1 and s.pp > 1:
+            raise _fail("k2_pp", f"vLLM data parallel (k2_dp={s.dp}) cannot be combined with k2_pp={s.pp}; set k2_pp: 1 or k2_dp: 1", fleet)
+        if s.ep > 1 and s.ep != tp * s.dp:
+            raise _fail("k2_ep", f"vLLM expert parallel spans tp×dp = {tp * s.dp}; set k2_ep to {tp * s.dp} (or 1 for off)", fleet)
+    elif s.dcp > 1:
+        raise _fail("k2_dcp", f"decode context parallel is a vLLM feature; remove it for {engine}", fleet)
+    if engine == "sglang" and s.attn_dp and tp % s.dp:
+        raise _fail("k2_dp", f"SGLang DP attention needs k2_dp ({s.dp}) to divide k2_tp ({tp})", fleet)
+    gpus = _instance_gpus(s, engine, tp)
+    if gpus > per_node and gpus % per_node:
+        raise _fail(
+            "k2_tp",
+            f"{where}: parallel sizes use {gpus} GPUs per instance, not a whole number of "
+            f"{per_node}-GPU nodes; make tp×pp{'×dp' if engine == 'vllm' else ''} a multiple of {per_node}",
+            fleet,
+        )
+    if gpus < per_node:
+        raise _fail(
+            "k2_tp",
+            f"{where}: parallel sizes multiply to {gpus} GPUs but each node has {per_node}; "
+            f"make tp×pp{'×dp' if engine == 'vllm' else ''} = {per_node} (or a multiple) or set k2_gpus_per_node",
+            fleet,
+        )
+    nodes = math.ceil(gpus / per_node)
+    if len(hosts) < nodes:
+        raise _fail(
+            "inventory",
+            f"{where}: the topology needs {nodes} nodes of {per_node} GPUs ({gpus} GPUs) but the "
+            f"inventory lists {len(hosts)}; add hosts or lower the parallel sizes",
+            fleet,
+        )
+    if len(hosts) % nodes:
+        raise _fail(
+            "inventory",
+            f"{where}: {len(hosts)} hosts do not split into instances of {nodes} nodes; "
+            f"list a multiple of {nodes} hosts",
+            fleet,
+        )
+    if engine == "vllm" and s.dp > 1 and nodes > 1:
+        hybrid = any(k.lstrip("-") in ("data-parallel-hybrid-lb", "dph") for k in s.engine_args)
+        if hybrid:
+            raise _fail(
+                "k2_engine_args",
+                "--data-parallel-hybrid-lb starts an API server on every node, which conflicts "
+                "with the headless ranks k2fleet plans; remove it",
+                fleet,
+            )
+    if engine == "vllm" and s.multinode_backend == "ray" and s.dp > 1 and nodes > 1:
+        raise _fail("k2_multinode_backend", "vLLM DP across nodes uses headless ranks, not Ray; set mp", fleet)
+    return Pool(role, tuple(hosts), s, tp=tp, instance_gpus=gpus, nodes_per_instance=nodes)
+
+
+def _check_fit(fleet: Fleet, pool: Pool, gpu: catalog.GpuType, size: int, quant: str, engine: str) -> None:
+    if engine == "ktransformers" or pool.instance_gpus == 0:
+        return  # KTransformers keeps experts in host RAM; preflight checks RAM instead
+    s = pool.settings
+    shards = pool.instance_gpus if s.ep > 1 else pool.tp * s.pp
+    per_gpu_gib = size / shards / catalog.GIB
+    util = s.gpu_memory_utilization or DEFAULT_GPU_UTIL
+    budget = gpu.memory_gib * util
+    if per_gpu_gib + KV_RESERVE_GIB > budget:
+        need = math.ceil(size / catalog.GIB / (budget - KV_RESERVE_GIB) / 8) * 8
+        raise _fail(
+            "k2_tp",
+            f"{pool.role} pool: {size / 1e9:.0f} GB of {quant} weights over {shards} GPUs is "
+            f"{per_gpu_gib:.1f} GiB per GPU + {KV_RESERVE_GIB:.0f} GiB KV reserve > {budget:.1f} GiB "
+            f"usable on {gpu.name} (at {util:.2f} utilisation); spread the weights over at least "
+            f"{need} GPUs (more nodes, larger tp/pp or expert parallel)",
+            fleet,
+        )
+
+
+def _check_roles(fleet: Fleet, engine: str) -> None:
+    roles = set(fleet.pools)
+    pd = roles & set(PD_ROLES)
+    if pd:
+        if engine != "sglang":
+            raise _fail("k2_role", f"prefill/decode/router roles are planned for SGLang; {engine} cannot use them", fleet)
+        missing = [r for r in PD_ROLES if r not in roles]
+        if missing:
+            raise _fail(
+                "k2_role",
+                f"prefill/decode disaggregation needs prefill, decode and router hosts; none has role "
+                f"{', '.join(missing)}",
+                fleet,
+            )
+        if "serve" in roles:
+            raise _fail("k2_role", "mixing role serve with prefill/decode hosts; give every host a PD role", fleet)
+        if len(fleet.pools["router"]) != 1:
+            raise _fail("k2_role", "exactly one router host is planned", fleet)
+    if "slurm-submit" in roles:
+        if engine != "trtllm":
+            raise _fail("k2_role", "slurm-submit is the TRT-LLM SLURM disaggregated path", fleet)
+        s = fleet.pools["slurm-submit"][0].settings
+        if not s.slurm or not s.disagg or not {"ctx", "gen"} <= set(s.disagg):
+            raise _fail("k2_disagg", "a slurm-submit host needs k2_slurm and k2_disagg with ctx and gen worker configs", fleet)
+
+
+def _check_slurm(fleet: Fleet, gpu: catalog.GpuType, per_node: int, size: int) -> None:
+    s = fleet.pools["slurm-submit"][0].settings
+    assert s.slurm is not None and s.disagg is not None
+    hardware = s.slurm.get("hardware", {})
+    if hardware.get("gpus_per_node", per_node) != per_node:
+        raise _fail("k2_slurm", f"hardware.gpus_per_node {hardware['gpus_per_node']} != k2_gpus_per_node {per_node}", fleet)
+    for side in ("ctx", "gen"):
+        worker = s.disagg[side]
+        tp = int(worker.get("tensor_parallel_size", 1))
+        ep = int(worker.get("moe_expert_parallel_size", 1))
+        if tp % per_node and per_node % tp:
+            raise _fail("k2_disagg", f"{side}.tensor_parallel_size {tp} does not fit {per_node}-GPU nodes", fleet)
+        if ep > tp:
+            raise _fail("k2_disagg", f"{side}.moe_expert_parallel_size {ep} exceeds tensor_parallel_size {tp}", fleet)
+        per_gpu = size / (ep if ep > 1 else tp) / catalog.GIB
+        free = float(worker.get("kv_cache_config", {}).get("free_gpu_memory_fraction", 0.9))
+        if per_gpu + KV_RESERVE_GIB > gpu.memory_gib * 0.95:
+            raise _fail("k2_disagg", f"{side}: {per_gpu:.0f} GiB of weights per GPU does not fit {gpu.name}", fleet)
+        del free
+
+
+def resolve(fleet: Fleet) -> Deployment:
+    """Check the cross-key rules and resolve defaults; raises SpecError on the first problem."""
+    s = fleet.settings
+    size, quant, reasoning = _check_model(fleet)
+    gpu, per_node, platform = _check_hardware(fleet)
+    if quant == "nvfp4" and gpu is not None and gpu.arch != catalog.BLACKWELL:
+        raise _fail(
+            "k2_gpu",
+            f"NVFP4 weights ({s.model}) need Blackwell GPUs (b200, b300, gb200, gb300), not {gpu.name}; "
+            "use an FP8/INT4 checkpoint on this hardware",
+            fleet,
+        )
+    version, runtime, image = _check_engine(fleet, platform)
+    if s.engine == "ktransformers" and not s.gguf_repo:
+        raise _fail("k2_gguf_repo", "KTransformers serves GGUF weights; set k2_gguf_repo, k2_gguf_revision and k2_gguf_pattern", fleet)
+    _check_roles(fleet, s.engine)
+    pools = {}
+    for role, hosts in fleet.pools.items():
+        pools[role] = _check_pool(fleet, role, hosts, s.engine, per_node)
+        if gpu is not None:
+            _check_fit(fleet, pools[role], gpu, size, quant, s.engine)
+    if "slurm-submit" in pools and gpu is not None:
+        _check_slurm(fleet, gpu, per_node, size)
+    reasoning_parser = s.reasoning_parser or ("kimi_k2" if reasoning else None)
+    return Deployment(
+        fleet=fleet,
+        engine=s.engine,
+        version=version,
+        platform=platform,
+        runtime=runtime,
+        image=image,
+        gpu=gpu,
+        gpus_per_node=per_node,
+        checkpoint_bytes=size,
+        quantization=quant,
+        reasoning_parser=reasoning_parser,
+        served_model_name=s.served_model_name or s.model,
+        pools=pools,
+    )

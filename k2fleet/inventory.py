@@ -1,0 +1,43 @@
+"""Read a pyinfra inventory file into a :class:`~k2fleet.spec.Fleet` without connecting.
+
+pyinfra's own loader is used, so host data, group data, ``group_data/<group>.py`` files
+next to the inventory and the implicit group named after the file all merge exactly as
+they will during ``pyinfra INVENTORY deploys/kimi.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from k2fleet.spec import Fleet, HostEntry, SpecError, build_fleet, parse_host
+
+
+def inventory_host_data(path: str | Path) -> list[tuple[str, dict[str, Any], tuple[str, ...]]]:
+    """``[(host name, merged data, groups)]`` in inventory order; no connection is made."""
+    from pyinfra.api import State
+    from pyinfra.context import ctx_state
+    from pyinfra_cli.inventory import make_inventory_from_files
+
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError("inventory", f"no inventory file at {path}", str(path))
+    with ctx_state.use(State()):
+        try:
+            inventory = make_inventory_from_files(str(path))
+        except Exception as exc:  # the inventory is user Python: report, don't trace
+            raise SpecError("inventory", f"could not be loaded: {exc}", str(path)) from None
+    return [(h.name, h.data.dict(), tuple(g for g in h.groups)) for h in inventory]
+
+
+def fleet_from_hosts(source: str, hosts: list[tuple[str, dict[str, Any], tuple[str, ...]]]) -> Fleet:
+    entries: list[HostEntry] = []
+    for name, data, groups in hosts:
+        entry = parse_host(name, data, source)
+        entries.append(HostEntry(entry.name, entry.settings, entry.ssh_hostname, groups))
+    return build_fleet(source, entries)
+
+
+def load_fleet(path: str | Path) -> Fleet:
+    """Load and type-check an inventory file (cross-key rules: :mod:`k2fleet.validate`)."""
+    return fleet_from_hosts(str(path), inventory_host_data(path))

@@ -1,0 +1,136 @@
+"""The plan: for each host, the processes it runs, in which order across hosts.
+
+``make_plan(deployment)`` is pure: it reads a resolved :class:`Deployment` and returns
+a :class:`Plan` of :class:`Service` records (argv, environment, files, ports, start
+stage, health check). The deploy's roles turn services into systemd units; ``k2fleet
+plan`` prints them. Nothing here connects to a host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from k2fleet.deployment import Deployment
+from k2fleet.spec import SpecError
+
+
+@dataclass
+class Health:
+    """How the health gate proves a service serves: /health 200 and a real completion."""
+
+    port: int
+    path: str = "/health"
+    chat: bool = True
+
+
+@dataclass
+class Service:
+    """One long-running (or oneshot) process on one host.
+
+    ``stage``: services start stage by stage across the whole fleet (0 first); a
+    stage starts only after every service of the previous one is running.
+    ``ports``: inventory key → port, used for the port clash check.
+    """
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+    stage: int = 0
+    rank: int = 0
+    role: str = "serve"
+    health: Health | None = None
+    oneshot: bool = False
+    workdir: str | None = None
+    needs_checkpoint: bool = True
+    description: str = ""
+
+
+@dataclass
+class HostPlan:
+    name: str
+    address: str
+    role: str
+    services: list[Service] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """Hosts in inventory order; ``to_json()`` is the ``k2fleet plan --json`` document."""
+
+    source: str
+    engine: str
+    engine_version: str
+    runtime: str
+    image: str | None
+    checkpoint_path: str
+    hosts: dict[str, HostPlan]
+
+    def services(self) -> list[tuple[HostPlan, Service]]:
+        return [(h, s) for h in self.hosts.values() for s in h.services]
+
+    def stages(self) -> list[int]:
+        return sorted({s.stage for _, s in self.services()})
+
+    def endpoint(self) -> tuple[str, int] | None:
+        """The address clients use: the router if any, else the first healthy service."""
+        for host, svc in self.services():
+            if svc.role == "router" and svc.health:
+                return host.address, svc.health.port
+        for host, svc in self.services():
+            if svc.health:
+                return host.address, svc.health.port
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "engine": self.engine,
+            "engine_version": self.engine_version,
+            "runtime": self.runtime,
+            "image": self.image,
+            "checkpoint_path": self.checkpoint_path,
+            "hosts": {
+                name: {"address": h.address, "role": h.role, "services": [asdict(s) for s in h.services]}
+                for name, h in self.hosts.items()
+            },
+        }
+
+
+def _check_ports(plan: Plan, host_ports: dict[str, int]) -> None:
+    for host in plan.hosts.values():
+        seen: dict[int, str] = {port: key for key, port in host_ports.items()}
+        for svc in host.services:
+            for key, port in svc.ports.items():
+                other = seen.get(port)
+                if other is not None and other != key:
+                    raise SpecError(
+                        key,
+                        f"port {port} on host {host.name} is also used by {other}; give them different ports",
+                        plan.source,
+                    )
+                seen[port] = key
+
+
+def make_plan(dep: Deployment) -> Plan:
+    """Render every host's services for ``dep``; raises SpecError on port clashes."""
+    from k2fleet.render import render_services
+
+    hosts = {
+        h.name: HostPlan(name=h.name, address=h.address, role=h.settings.role) for h in dep.fleet.hosts
+    }
+    for host_name, service in render_services(dep):
+        hosts[host_name].services.append(service)
+    plan = Plan(
+        source=dep.fleet.source,
+        engine=dep.engine,
+        engine_version=dep.version,
+        runtime=dep.runtime,
+        image=dep.image,
+        checkpoint_path=dep.serve_path,
+        hosts=hosts,
+    )
+    _check_ports(plan, {"k2_mesh_port": dep.s.mesh_port})
+    return plan

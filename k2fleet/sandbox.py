@@ -1,0 +1,658 @@
+"""Sandbox fleet: N local Debian bookworm hosts booted with systemd-nspawn.
+
+Each sandbox host is a real Debian bookworm userland with systemd as PID 1
+and sshd, booted by ``systemd-nspawn --boot`` over a writable overlay on top
+of one shared, cached root filesystem.  Every host lives in its own network
+namespace, joined to the bridge ``k2sb0`` (10.213.0.1/24) on the control
+machine by a veth pair.  Hosts reach the control machine and each other and
+have no default route, so nothing else is reachable from them.
+
+Layout::
+
+    /var/cache/k2fleet/sandbox-rootfs/<hash>/   shared lower root fs (cache)
+    STATE/id_ed25519{,.pub}                      sandbox control key pair
+    STATE/known_hosts                            host keys pinned by IP
+    STATE/hosts.json                             inventory for the deploy
+    STATE/hosts/k2sb-N/{upper,work,root,docker}  per-host overlay + docker dir
+    STATE/run/k2sb-N.pid, STATE/logs/k2sb-N.log  nspawn pid and console log
+
+Usage: ``python -m k2fleet.sandbox up 3 | down | status``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DEFAULT_STATE_DIR = Path(os.environ.get("K2FLEET_SANDBOX_DIR", "/var/lib/k2fleet-sandbox"))
+ROOTFS_CACHE = Path(os.environ.get("K2FLEET_SANDBOX_CACHE", "/var/cache/k2fleet/sandbox-rootfs"))
+
+SUITE = "bookworm"
+VARIANT = "minbase"
+PACKAGES: tuple[str, ...] = (
+    "systemd",
+    "systemd-sysv",
+    "openssh-server",
+    "python3",
+    "iproute2",
+    "sudo",
+    "dbus",
+)
+# Bump when the post-debootstrap image tweaks change, to invalidate the cache.
+IMAGE_REVISION = 1
+
+PREFIX = "k2sb"
+BRIDGE = "k2sb0"
+SUBNET = "10.213.0"
+BRIDGE_ADDRESS = f"{SUBNET}.1"
+PREFIX_LEN = 24
+FIRST_HOST_OCTET = 11
+MAX_HOSTS = 200
+
+CONTROL_TOOLS: dict[str, str] = {
+    "debootstrap": "debootstrap",
+    "systemd-nspawn": "systemd-container",
+    "ip": "iproute2",
+    "ssh": "openssh-client",
+    "ssh-keygen": "openssh-client",
+}
+
+BOOT_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 30.0
+
+SSHD_DROPIN = """\
+# k2fleet sandbox: root by key only, one pre-generated host key.
+HostKey /etc/ssh/ssh_host_ed25519_key
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UseDNS no
+"""
+
+
+class SandboxError(RuntimeError):
+    """Raised when the sandbox cannot be built, booted or torn down."""
+
+
+@dataclass(frozen=True)
+class SandboxHost:
+    """One sandbox host as written to ``hosts.json``."""
+
+    name: str
+    address: str
+    ssh_user: str
+    ssh_key: str
+    ssh_known_hosts_file: str
+
+
+# --------------------------------------------------------------------------
+# small helpers
+
+
+def run(cmd: list[str], *, check: bool = True, capture: bool = True,
+        env: dict[str, str] | None = None, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` without a shell; raise SandboxError with stderr on failure."""
+    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=capture, text=True,
+                          env=env, timeout=timeout)
+    if check and proc.returncode != 0:
+        detail = (proc.stderr or proc.stdout or "").strip() if capture else ""
+        raise SandboxError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{detail}")
+    return proc
+
+
+def host_name(index: int) -> str:
+    """Name (hostname and netns name) of host ``index`` (1-based)."""
+    return f"{PREFIX}-{index}"
+
+
+def host_address(index: int) -> str:
+    """IPv4 address of host ``index`` (1-based)."""
+    return f"{SUBNET}.{FIRST_HOST_OCTET + index - 1}"
+
+
+def veth_names(index: int) -> tuple[str, str]:
+    """(bridge side, namespace side) veth names for host ``index``; <=15 chars."""
+    return f"{PREFIX}v{index}", f"{PREFIX}c{index}"
+
+
+def _paths(state_dir: Path) -> dict[str, Path]:
+    """Well-known paths inside ``state_dir``."""
+    return {
+        "key": state_dir / "id_ed25519",
+        "known_hosts": state_dir / "known_hosts",
+        "hosts_json": state_dir / "hosts.json",
+        "hosts": state_dir / "hosts",
+        "run": state_dir / "run",
+        "logs": state_dir / "logs",
+    }
+
+
+def _require_root() -> None:
+    if os.geteuid() != 0:
+        raise SandboxError("the sandbox needs root (netns, bridges, systemd-nspawn)")
+
+
+# --------------------------------------------------------------------------
+# control machine tools
+
+
+def ensure_tools() -> None:
+    """Install the control machine packages the sandbox needs, if missing."""
+    missing = sorted({pkg for tool, pkg in CONTROL_TOOLS.items() if shutil.which(tool) is None})
+    if not missing:
+        return
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]
+    if run(install, check=False, env=env).returncode != 0:
+        run(["apt-get", "update", "-q"], env=env)
+        run(install, env=env)
+
+
+# --------------------------------------------------------------------------
+# root filesystem cache
+
+
+def _deb822_mirrors(text: str) -> list[tuple[str, list[str]]]:
+    """(uri, suites) pairs from a deb822 ``.sources`` file."""
+    found: list[tuple[str, list[str]]] = []
+    for stanza in text.split("\n\n"):
+        fields: dict[str, str] = {}
+        for line in stanza.splitlines():
+            if line.startswith("#") or ":" not in line or line[:1].isspace():
+                continue
+            key, _, value = line.partition(":")
+            fields[key.strip().lower()] = value.strip()
+        if "deb" not in fields.get("types", "").split() or fields.get("enabled", "yes") == "no":
+            continue
+        suites = fields.get("suites", "").split()
+        found += [(uri, suites) for uri in fields.get("uris", "").split()]
+    return found
+
+
+def _one_line_mirrors(text: str) -> list[tuple[str, list[str]]]:
+    """(uri, suites) pairs from a one-line-style ``.list`` file."""
+    found: list[tuple[str, list[str]]] = []
+    for line in text.splitlines():
+        words = line.split("#", 1)[0].split()
+        if not words or words[0] != "deb":
+            continue
+        words = words[1:]
+        if words and words[0].startswith("["):
+            while words and not words[0].endswith("]"):
+                words = words[1:]
+            words = words[1:]
+        if len(words) >= 2:
+            found.append((words[0], [words[1]]))
+    return found
+
+
+def apt_mirror(suite: str = SUITE) -> str:
+    """The Debian mirror this machine's apt uses for ``suite`` (not security)."""
+    sources = [Path("/etc/apt/sources.list")]
+    sources += sorted(Path("/etc/apt/sources.list.d").glob("*.list"))
+    sources += sorted(Path("/etc/apt/sources.list.d").glob("*.sources"))
+    for path in sources:
+        if not path.is_file():
+            continue
+        text = path.read_text(errors="replace")
+        parse = _deb822_mirrors if path.suffix == ".sources" else _one_line_mirrors
+        for uri, suites in parse(text):
+            if suite in suites and "security" not in uri:
+                return uri
+    raise SandboxError(f"no apt source for '{suite}' found in /etc/apt; cannot pick a debootstrap mirror")
+
+
+def rootfs_key() -> str:
+    """Cache key: hash of everything that determines the root fs contents."""
+    spec = {"suite": SUITE, "variant": VARIANT, "packages": sorted(PACKAGES), "rev": IMAGE_REVISION}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _mounts_under(path: Path) -> list[str]:
+    """Mount points at or below ``path``, deepest first."""
+    prefix = str(path.resolve())
+    points = []
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        point = line.split()[1].replace("\\040", " ")
+        if point == prefix or point.startswith(prefix + "/"):
+            points.append(point)
+    return sorted(points, key=len, reverse=True)
+
+
+def _unmount_all(path: Path) -> None:
+    """Unmount everything at or below ``path``; raise if something stays mounted."""
+    for point in _mounts_under(path):
+        run(["umount", point], check=False)
+        if point in _mounts_under(path):
+            run(["umount", "--lazy", point], check=False)
+    left = _mounts_under(path)
+    if left:
+        raise SandboxError(f"still mounted under {path}: {left}")
+
+
+def _safe_rmtree(path: Path) -> None:
+    """Remove ``path`` after making sure nothing is mounted below it."""
+    if not path.exists() and not path.is_symlink():
+        return
+    _unmount_all(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def _prepare_image(root: Path) -> None:
+    """Make a fresh debootstrap tree host-neutral (no shared identity)."""
+    for key in (root / "etc/ssh").glob("ssh_host_*"):
+        key.unlink()
+    (root / "etc/machine-id").write_text("")
+    dbus_id = root / "var/lib/dbus/machine-id"
+    if dbus_id.exists() or dbus_id.is_symlink():
+        dbus_id.unlink()
+    (root / "etc/ssh/sshd_config.d").mkdir(parents=True, exist_ok=True)
+    (root / "etc/ssh/sshd_config.d/k2fleet-sandbox.conf").write_text(SSHD_DROPIN)
+    for deb in (root / "var/cache/apt/archives").glob("*.deb"):
+        deb.unlink()
+
+
+def ensure_rootfs(cache: Path = ROOTFS_CACHE) -> Path:
+    """Return the cached root fs, building it with debootstrap if missing."""
+    target = cache / rootfs_key()
+    if (target / "etc/os-release").exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = cache / f".build-{rootfs_key()}-{os.getpid()}"
+    _safe_rmtree(tmp)
+    cmd = ["debootstrap", f"--variant={VARIANT}", f"--include={','.join(PACKAGES)}",
+           SUITE, str(tmp), apt_mirror()]
+    try:
+        run(cmd)
+        _prepare_image(tmp)
+        _safe_rmtree(target)
+        tmp.rename(target)
+    finally:
+        _safe_rmtree(tmp)
+    return target
+
+
+# --------------------------------------------------------------------------
+# keys and per-host files
+
+
+def ensure_control_key(state_dir: Path) -> Path:
+    """Create the sandbox control key pair once; return the private key path."""
+    key = _paths(state_dir)["key"]
+    if not key.exists():
+        run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "k2fleet-sandbox", "-f", str(key)])
+    return key
+
+
+def _write(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write ``text`` to ``path`` with ``mode``, creating parents."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(mode)
+
+
+def prepare_upper(upper: Path, index: int, count: int, pubkey: str) -> str:
+    """Seed a host's overlay upper dir with its identity; return its host pubkey line."""
+    name = host_name(index)
+    _write(upper / "etc/hostname", f"{name}\n")
+    _write(upper / "etc/machine-id", f"{uuid.uuid4().hex}\n", 0o444)
+    hosts = ["127.0.0.1 localhost", f"127.0.1.1 {name}", "::1 localhost ip6-localhost ip6-loopback",
+             f"{BRIDGE_ADDRESS} {PREFIX}-control"]
+    hosts += [f"{host_address(i)} {host_name(i)}" for i in range(1, count + 1)]
+    _write(upper / "etc/hosts", "\n".join(hosts) + "\n")
+    (upper / "root").mkdir(mode=0o700, parents=True, exist_ok=True)
+    (upper / "root").chmod(0o700)
+    _write(upper / "root/.ssh/authorized_keys", pubkey, 0o600)
+    (upper / "root/.ssh").chmod(0o700)
+    hostkey = upper / "etc/ssh/ssh_host_ed25519_key"
+    hostkey.parent.mkdir(parents=True, exist_ok=True)
+    run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"root@{name}", "-f", str(hostkey)])
+    keytype, keydata = Path(f"{hostkey}.pub").read_text().split()[:2]
+    return f"{keytype} {keydata}"
+
+
+# --------------------------------------------------------------------------
+# network
+
+
+def _link_exists(name: str) -> bool:
+    return run(["ip", "link", "show", "dev", name], check=False).returncode == 0
+
+
+def setup_bridge() -> None:
+    """Create the bridge with the control machine's sandbox address."""
+    if not _link_exists(BRIDGE):
+        run(["ip", "link", "add", BRIDGE, "type", "bridge"])
+    run(["ip", "addr", "replace", f"{BRIDGE_ADDRESS}/{PREFIX_LEN}", "dev", BRIDGE])
+    run(["ip", "link", "set", BRIDGE, "up"])
+
+
+def setup_host_network(index: int) -> None:
+    """Create netns + veth for a host; address it inside, with no default route."""
+    ns, (outer, inner) = host_name(index), veth_names(index)
+    run(["ip", "netns", "add", ns])
+    run(["ip", "link", "add", outer, "type", "veth", "peer", "name", inner, "netns", ns])
+    run(["ip", "link", "set", outer, "master", BRIDGE, "up"])
+    run(["ip", "-n", ns, "link", "set", inner, "name", "eth0"])
+    run(["ip", "-n", ns, "addr", "add", f"{host_address(index)}/{PREFIX_LEN}", "dev", "eth0"])
+    run(["ip", "-n", ns, "link", "set", "lo", "up"])
+    run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+
+
+def _sandbox_netns() -> list[str]:
+    out = run(["ip", "netns", "list"], check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0].startswith(PREFIX)]
+
+
+def _sandbox_links() -> list[str]:
+    out = run(["ip", "-o", "link", "show"], check=False).stdout
+    names = [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line]
+    return [name for name in names if name.startswith(PREFIX)]
+
+
+def teardown_network() -> None:
+    """Delete every k2sb* netns (killing what runs in it), veth and the bridge."""
+    for ns in _sandbox_netns():
+        pids = run(["ip", "netns", "pids", ns], check=False).stdout.split()
+        for pid in pids:
+            _signal(int(pid), signal.SIGKILL)
+        run(["ip", "netns", "delete", ns], check=False)
+    for link in _sandbox_links():
+        if link != BRIDGE:
+            run(["ip", "link", "delete", link], check=False)
+    if _link_exists(BRIDGE):
+        run(["ip", "link", "delete", BRIDGE], check=False)
+
+
+# --------------------------------------------------------------------------
+# processes
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    """True if ``pid`` runs and is not a zombie (reaps it if it is our child)."""
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _is_our_nspawn(pid: int, name: str) -> bool:
+    """True if ``pid`` is the systemd-nspawn we started for host ``name``."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return bool(argv) and argv[0].endswith(b"systemd-nspawn") and f"--machine={name}".encode() in argv
+
+
+def _read_pid(pidfile: Path) -> int | None:
+    try:
+        return int(pidfile.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def mount_root(lower: Path, hostdir: Path) -> None:
+    """Mount the host's root: its writable ``upper`` over the shared ``lower``."""
+    for sub in ("upper", "work", "root"):
+        (hostdir / sub).mkdir(parents=True, exist_ok=True)
+    options = f"lowerdir={lower},upperdir={hostdir / 'upper'},workdir={hostdir / 'work'}"
+    run(["mount", "-t", "overlay", hostdir.name, "-o", options, str(hostdir / "root")])
+
+
+def nspawn_command(index: int, hostdir: Path, docker: bool) -> list[str]:
+    """The systemd-nspawn command line booting host ``index``."""
+    name = host_name(index)
+    cmd = ["systemd-nspawn", "--boot", f"--machine={name}", f"--directory={hostdir / 'root'}",
+           "--register=no", "--keep-unit",
+           f"--network-namespace-path=/run/netns/{name}", "--link-journal=no",
+           "--resolv-conf=off", "--timezone=off", "--console=read-only"]
+    if docker:
+        cmd += ["--capability=all", f"--bind={hostdir / 'docker'}:/var/lib/docker",
+                "--bind=/sys/fs/cgroup", "--system-call-filter=@keyring bpf"]
+    return cmd
+
+
+def start_host(index: int, lower: Path, state_dir: Path, docker: bool) -> int:
+    """Start a host's nspawn detached; record and return its pid."""
+    paths, name = _paths(state_dir), host_name(index)
+    hostdir = paths["hosts"] / name
+    mount_root(lower, hostdir)
+    (hostdir / "docker").mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    if docker:
+        env["SYSTEMD_NSPAWN_API_VFS_WRITABLE"] = "1"
+    with open(paths["logs"] / f"{name}.log", "ab") as log:
+        proc = subprocess.Popen(nspawn_command(index, hostdir, docker), stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    (paths["run"] / f"{name}.pid").write_text(f"{proc.pid}\n")
+    return proc.pid
+
+
+def stop_hosts(state_dir: Path, timeout: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM every recorded nspawn (clean poweroff), SIGKILL after ``timeout``."""
+    run_dir = _paths(state_dir)["run"]
+    pids = {}
+    for pidfile in sorted(run_dir.glob(f"{PREFIX}-*.pid")) if run_dir.is_dir() else []:
+        pid = _read_pid(pidfile)
+        if pid and _alive(pid) and _is_our_nspawn(pid, pidfile.stem):
+            pids[pid] = pidfile.stem
+            _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in pids:
+        if _alive(pid):
+            _signal(pid, signal.SIGKILL)
+    for pid in pids:
+        for _ in range(50):
+            if not _alive(pid):
+                break
+            time.sleep(0.1)
+
+
+# --------------------------------------------------------------------------
+# ssh
+
+
+def ssh_command(host: SandboxHost, remote: str, connect_timeout: int = 5) -> list[str]:
+    """ssh argv running ``remote`` on ``host`` with the pinned key and known_hosts."""
+    return ["ssh", "-i", host.ssh_key, "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
+            "-o", f"UserKnownHostsFile={host.ssh_known_hosts_file}", "-o", "StrictHostKeyChecking=yes",
+            "-o", f"ConnectTimeout={connect_timeout}", "-o", "LogLevel=ERROR",
+            f"{host.ssh_user}@{host.address}", remote]
+
+
+def ssh(host: SandboxHost, remote: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    """Run ``remote`` on ``host`` over ssh; never raises on a non-zero exit."""
+    try:
+        return run(ssh_command(host, remote), check=False, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess([], 255, "", "timeout")
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def wait_ready(hosts: list[SandboxHost], state_dir: Path, timeout: float = BOOT_TIMEOUT_S) -> None:
+    """Wait until every host's systemd is running/degraded, checked over ssh."""
+    pending = {h.name: h for h in hosts}
+    last: dict[str, str] = {}
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        for name, host in list(pending.items()):
+            pid = _read_pid(_paths(state_dir)["run"] / f"{name}.pid")
+            if pid is None or not _alive(pid):
+                raise SandboxError(f"{name}: systemd-nspawn exited during boot; log tail:\n"
+                                   f"{_tail(_paths(state_dir)['logs'] / f'{name}.log')}")
+            proc = ssh(host, "systemctl is-system-running", timeout=15)
+            last[name] = (proc.stdout.strip() or proc.stderr.strip())[-200:]
+            if proc.stdout.strip() in ("running", "degraded"):
+                del pending[name]
+        if pending:
+            time.sleep(1)
+    if pending:
+        detail = "\n".join(f"  {n}: last answer {last.get(n, '-')!r}; log tail:\n"
+                           f"{_tail(_paths(state_dir)['logs'] / f'{n}.log', 8)}" for n in pending)
+        raise SandboxError(f"sandbox hosts not ready after {timeout:.0f}s:\n{detail}")
+
+
+# --------------------------------------------------------------------------
+# public API
+
+
+def load_hosts(state_dir: Path = DEFAULT_STATE_DIR) -> list[SandboxHost]:
+    """Hosts recorded in ``state_dir/hosts.json`` (empty if none)."""
+    path = _paths(state_dir)["hosts_json"]
+    if not path.exists():
+        return []
+    return [SandboxHost(**entry) for entry in json.loads(path.read_text())]
+
+
+def _is_up(state_dir: Path, n: int) -> bool:
+    """True if exactly ``n`` recorded hosts have a live nspawn and answer on :22."""
+    hosts = load_hosts(state_dir)
+    if len(hosts) != n:
+        return False
+    return all(entry["running"] and entry["ssh"] for entry in status(state_dir))
+
+
+def up(n: int, state_dir: Path = DEFAULT_STATE_DIR, docker: bool = True) -> list[SandboxHost]:
+    """Bring up ``n`` sandbox hosts (no-op if exactly those are already up)."""
+    _require_root()
+    if not 1 <= n <= MAX_HOSTS:
+        raise SandboxError(f"host count must be 1..{MAX_HOSTS}, got {n}")
+    state_dir = state_dir.resolve()
+    if _is_up(state_dir, n):
+        return load_hosts(state_dir)
+    ensure_tools()
+    down(state_dir)
+    lower = ensure_rootfs()
+    paths = _paths(state_dir)
+    for key in ("hosts", "run", "logs"):
+        paths[key].mkdir(parents=True, exist_ok=True)
+    state_dir.chmod(0o700)
+    key = ensure_control_key(state_dir)
+    pubkey = Path(f"{key}.pub").read_text()
+    hosts: list[SandboxHost] = []
+    known: list[str] = []
+    for index in range(1, n + 1):
+        hostkey = prepare_upper(paths["hosts"] / host_name(index) / "upper", index, n, pubkey)
+        known.append(f"{host_address(index)} {hostkey}\n")
+        hosts.append(SandboxHost(host_name(index), host_address(index), "root", str(key),
+                                 str(paths["known_hosts"])))
+    _write(paths["known_hosts"], "".join(known))
+    setup_bridge()
+    try:
+        for index in range(1, n + 1):
+            setup_host_network(index)
+            start_host(index, lower, state_dir, docker)
+        wait_ready(hosts, state_dir)
+    except BaseException:
+        down(state_dir)
+        raise
+    _write(paths["hosts_json"], json.dumps([asdict(h) for h in hosts], indent=2) + "\n")
+    return hosts
+
+
+def down(state_dir: Path = DEFAULT_STATE_DIR) -> None:
+    """Stop all sandbox hosts and remove everything ``up`` made (idempotent).
+
+    Keeps the control key pair in ``state_dir`` and the root fs cache.
+    """
+    _require_root()
+    state_dir = state_dir.resolve()
+    stop_hosts(state_dir)
+    teardown_network()
+    paths = _paths(state_dir)
+    if state_dir.exists():
+        _unmount_all(state_dir)
+    for key in ("hosts", "run", "logs", "hosts_json", "known_hosts"):
+        _safe_rmtree(paths[key])
+
+
+def status(state_dir: Path = DEFAULT_STATE_DIR) -> list[dict[str, object]]:
+    """Per-host state: name, address, nspawn pid, whether it runs, whether :22 answers."""
+    state_dir = state_dir.resolve()
+    result: list[dict[str, object]] = []
+    for host in load_hosts(state_dir):
+        pid = _read_pid(_paths(state_dir)["run"] / f"{host.name}.pid")
+        running = pid is not None and _alive(pid) and _is_our_nspawn(pid, host.name)
+        result.append({"name": host.name, "address": host.address, "pid": pid,
+                       "running": running, "ssh": running and _port_open(host.address, 22)})
+    return result
+
+
+def _port_open(address: str, port: int, timeout: float = 2.0) -> bool:
+    try:
+        with socket.create_connection((address, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: ``up N`` / ``down`` / ``status`` [--state-dir DIR]."""
+    parser = argparse.ArgumentParser(prog="k2fleet sandbox", description=__doc__.splitlines()[0])
+    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_up = sub.add_parser("up", help="boot N sandbox hosts")
+    p_up.add_argument("n", type=int)
+    p_up.add_argument("--no-docker", action="store_true", help="omit the docker-in-host nspawn flags")
+    sub.add_parser("down", help="stop and remove the sandbox")
+    sub.add_parser("status", help="show sandbox hosts")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "up":
+            started = time.monotonic()
+            hosts = up(args.n, args.state_dir, docker=not args.no_docker)
+            print(f"{len(hosts)} sandbox hosts up in {time.monotonic() - started:.1f}s; "
+                  f"inventory: {_paths(args.state_dir.resolve())['hosts_json']}")
+        elif args.command == "down":
+            down(args.state_dir)
+        else:
+            rows = status(args.state_dir)
+            for row in rows:
+                print(f"{row['name']:10} {row['address']:15} pid={row['pid']} "
+                      f"running={row['running']} ssh={row['ssh']}")
+            if not rows:
+                print("sandbox is down")
+    except SandboxError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
