@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from k2fleet import catalog
 from k2fleet.spec import SHA_RE, Fleet, HostEntry, HostSettings, SpecError
 
-KV_RESERVE_GIB = 4.0  # the least KV cache per GPU worth serving with
+KV_RESERVE_GIB = 4.0  # the least KV cache per GPU worth serving with...
+KV_RESERVE_FRACTION = 0.08  # ...or this share of the GPU, whichever is more
 DEFAULT_GPU_UTIL = 0.9
 PD_ROLES = ("prefill", "decode", "router")
 
@@ -238,12 +239,13 @@ def _check_fit(fleet: Fleet, pool: Pool, gpu: catalog.GpuType, size: int, quant:
     per_gpu_gib = size / shards / catalog.GIB
     util = s.gpu_memory_utilization or DEFAULT_GPU_UTIL
     budget = gpu.memory_gib * util
-    if per_gpu_gib + KV_RESERVE_GIB > budget:
-        need = math.ceil(size / catalog.GIB / (budget - KV_RESERVE_GIB) / 8) * 8
+    reserve = max(KV_RESERVE_GIB, KV_RESERVE_FRACTION * gpu.memory_gib)
+    if per_gpu_gib + reserve > budget:
+        need = math.ceil(size / catalog.GIB / (budget - reserve) / 8) * 8
         raise _fail(
             "k2_tp",
             f"{pool.role} pool: {size / 1e9:.0f} GB of {quant} weights over {shards} GPUs is "
-            f"{per_gpu_gib:.1f} GiB per GPU + {KV_RESERVE_GIB:.0f} GiB KV reserve > {budget:.1f} GiB "
+            f"{per_gpu_gib:.1f} GiB per GPU + {reserve:.1f} GiB KV reserve > {budget:.1f} GiB "
             f"usable on {gpu.name} (at {util:.2f} utilisation); spread the weights over at least "
             f"{need} GPUs (more nodes, larger tp/pp or expert parallel)",
             fleet,

@@ -7,17 +7,38 @@ they will during ``pyinfra INVENTORY deploys/kimi.py``.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+import types
 from pathlib import Path
 from typing import Any
 
 from k2fleet.spec import Fleet, HostEntry, SpecError, build_fleet, parse_host
 
 
+def _import_pyinfra_cli_inventory() -> types.ModuleType:
+    """Import ``pyinfra_cli.inventory`` without running ``pyinfra_cli/__init__``.
+
+    That ``__init__`` calls ``gevent.monkey.patch_all()``, which must not happen as a
+    side effect of planning (it turns the caller's threads into greenlets). Under the
+    pyinfra CLI the package is already imported and this is a plain import.
+    """
+    if "pyinfra_cli" not in sys.modules:
+        spec = importlib.util.find_spec("pyinfra_cli")
+        assert spec is not None and spec.submodule_search_locations is not None
+        package = types.ModuleType("pyinfra_cli")
+        package.__path__ = list(spec.submodule_search_locations)
+        sys.modules["pyinfra_cli"] = package
+    import pyinfra_cli.inventory
+
+    return pyinfra_cli.inventory
+
+
 def inventory_host_data(path: str | Path) -> list[tuple[str, dict[str, Any], tuple[str, ...]]]:
     """``[(host name, merged data, groups)]`` in inventory order; no connection is made."""
     from pyinfra.api import State
     from pyinfra.context import ctx_state
-    from pyinfra_cli.inventory import make_inventory_from_files
+    make_inventory_from_files = _import_pyinfra_cli_inventory().make_inventory_from_files
 
     path = Path(path)
     if not path.is_file():

@@ -199,9 +199,9 @@ def _from_hf_cache(root: Path, repo_id: str | None) -> dict[str, Any]:
         repo_id = repo_folder.name[len("models--"):].replace("--", "/")
     files: dict[str, dict[str, Any]] = {}
     for path in sorted(snapshot.rglob("*")):
-        if not path.is_file():
-            continue
         rel = path.relative_to(snapshot).as_posix()
+        if not path.is_file() or rel.split("/")[0] in (".k2fleet", ".cache"):
+            continue
         etag = os.path.basename(os.path.realpath(path))
         size = path.stat().st_size
         if _SHA256_RE.fullmatch(etag):

@@ -273,6 +273,7 @@ class RendezvousServer:
                          f"still missing {self.missing()}")
         _send_line(conn, {"ok": True, "server": DOUBLE_NAME})
         conn.settimeout(None)
+        _keepalive(conn)
         try:
             while conn.recv(1024):
                 pass
@@ -281,6 +282,14 @@ class RendezvousServer:
         with self._lock:
             self._members.pop(conn, None)
         log(self.engine, f"member {hello.get('host')} left; missing ranks {self.missing()}")
+
+
+def _keepalive(conn: socket.socket) -> None:
+    """Notice a head host that vanished without closing the connection."""
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, option):
+            conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 def join(engine: str, host: str, port: int, hello: JsonDict, timeout: float) -> socket.socket:
@@ -306,6 +315,7 @@ def join(engine: str, host: str, port: int, hello: JsonDict, timeout: float) -> 
             conn.close()
             raise RendezvousError(f"rendezvous peer {address} refused us: {reply.get('error')}")
         conn.settimeout(None)
+        _keepalive(conn)
         return conn
     raise RendezvousError(f"could not rendezvous with peer {address} within "
                           f"{timeout:g}s (last error: {last_error})")

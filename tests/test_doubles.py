@@ -1,0 +1,376 @@
+"""Tests for the k2fleet-test-double engines in files/doubles (loopback only).
+
+Every test runs the doubles as real processes, exactly as systemd would, on
+free loopback ports, and talks to them over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import pytest
+
+DOUBLES = Path(__file__).resolve().parent.parent / "files" / "doubles"
+BIN = DOUBLES / "bin"
+LOCAL = "127.0.0.1"
+DEBIAN_PYTHON = "/usr/bin/python3"
+
+
+# ---------------------------------------------------------------- helpers
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOCAL, 0))
+        return int(sock.getsockname()[1])
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "K2FLEET_DOUBLE_", "PMIX_"))}
+    env.update(PYTHONPATH=str(DOUBLES), PYTHONUNBUFFERED="1", K2FLEET_DOUBLE_RDZV_TIMEOUT="20")
+    env.update(extra)
+    return env
+
+
+def http(method: str, url: str, body: Optional[bytes] = None) -> tuple[int, Any, dict[str, str]]:
+    request = urllib.request.Request(url, data=body, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            raw, status, headers = response.read(), response.status, dict(response.headers)
+    except urllib.error.HTTPError as exc:
+        raw, status, headers = exc.read(), exc.code, dict(exc.headers)
+    try:
+        return status, json.loads(raw), headers
+    except ValueError:
+        return status, raw.decode(), headers
+
+
+def get(url: str) -> tuple[int, Any, dict[str, str]]:
+    return http("GET", url)
+
+
+def post(url: str, payload: Any) -> tuple[int, Any, dict[str, str]]:
+    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return http("POST", url, data)
+
+
+def status_or_none(url: str) -> Optional[int]:
+    try:
+        return get(url)[0]
+    except OSError:
+        return None
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 15, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def wait_status(url: str, expected: int, timeout: float = 15) -> None:
+    wait_for(lambda: status_or_none(url) == expected, timeout, f"{url} -> {expected}")
+
+
+class Procs:
+    """Starts doubles with logs in tmp files; terminates them by pid at teardown."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp, self.started = tmp, []
+
+    def start(self, argv: list[str], env: Optional[dict[str, str]] = None) -> subprocess.Popen:
+        log = open(self.tmp / f"proc{len(self.started)}.log", "w+")
+        proc = subprocess.Popen(argv, env=env or base_env(), stdout=log,
+                                stderr=subprocess.STDOUT, cwd=self.tmp)
+        proc.log = log  # type: ignore[attr-defined]
+        self.started.append(proc)
+        return proc
+
+    @staticmethod
+    def output(proc: subprocess.Popen) -> str:
+        proc.log.flush()  # type: ignore[attr-defined]
+        return Path(proc.log.name).read_text()  # type: ignore[attr-defined]
+
+    def stop_all(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.started:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            proc.log.close()  # type: ignore[attr-defined]
+
+
+def run(argv: list[str], env: Optional[dict[str, str]] = None, timeout: float = 15) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, env=env or base_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def vllm(*args: str) -> list[str]:
+    return [sys.executable, str(BIN / "vllm"), "serve", *args]
+
+
+def sglang(*args: str) -> list[str]:
+    return [sys.executable, "-m", "sglang.launch_server", *args]
+
+
+def trtllm(*args: str) -> list[str]:
+    return [sys.executable, str(BIN / "trtllm-serve"), *args]
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    manager = Procs(tmp_path)
+    yield manager
+    manager.stop_all()
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> str:
+    path = tmp_path / "Kimi-K2-Instruct"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "kimi_k2"}))
+    return str(path)
+
+
+CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {}}}}]
+
+
+# ---------------------------------------------------------------- vLLM
+
+def test_vllm_single_node_serves_openai_api(procs: Procs, model: str) -> None:
+    port = free_port()
+    procs.start(vllm(model, "--host", LOCAL, "--port", str(port), "--served-model-name", "kimi-k2",
+                     "--trust-remote-code", "-tp", "8", "--reasoning-parser", "kimi_k2",
+                     "--enable-auto-tool-choice", "--tool-call-parser", "kimi_k2",
+                     "--max-model-len", "128k", "--no-enable-prefix-caching"))
+    url = f"http://{LOCAL}:{port}"
+    wait_status(f"{url}/health", 200)
+
+    status, models, headers = get(f"{url}/v1/models")
+    assert status == 200 and "k2fleet-test-double" in headers["Server"]
+    entry = models["data"][0]
+    assert entry["id"] == "kimi-k2" and entry["metadata"]["model_type"] == "kimi_k2"
+
+    status, answer, _ = post(f"{url}/v1/chat/completions", dict(CHAT, model="kimi-k2"))
+    assert status == 200 and answer["system_fingerprint"] == "k2fleet-test-double"
+    message = answer["choices"][0]["message"]
+    assert message["content"] and message["reasoning_content"]
+    assert post(f"{url}/v1/chat/completions", CHAT)[1]["choices"][0]["message"] == message
+
+    status, answer, _ = post(f"{url}/v1/chat/completions", dict(CHAT, tools=TOOLS))
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    call = choice["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {}
+
+    short = post(f"{url}/v1/chat/completions", dict(CHAT, max_tokens=3))[1]["choices"][0]
+    assert len(short["message"]["content"].split()) <= 3 and short["finish_reason"] == "length"
+    assert post(f"{url}/v1/chat/completions", b"{not json")[0] == 400
+    assert post(f"{url}/v1/chat/completions", {"model": "kimi-k2"})[0] == 400
+    assert post(f"{url}/v1/chat/completions", dict(CHAT, model="other"))[0] == 404
+    assert post(f"{url}/v1/completions", {"prompt": "Hello"})[1]["choices"][0]["text"]
+
+
+def test_vllm_refuses_unknown_and_inconsistent_argv(model: str) -> None:
+    result = run(vllm(model, "--double-startup-delay", "3"))
+    assert result.returncode == 2 and "unrecognized arguments" in result.stderr
+    result = run(vllm(model, "-tp", "8", "-dcp", "3"))
+    assert result.returncode == 2 and "divide" in result.stderr
+    result = run(vllm(model, "--headless"))
+    assert result.returncode == 2 and "--headless requires" in result.stderr
+    version = run([sys.executable, str(BIN / "vllm"), "--version"])
+    assert version.returncode == 0 and "k2fleet-test-double" in version.stdout
+
+
+def test_vllm_tools_need_auto_tool_choice(procs: Procs, model: str) -> None:
+    port = free_port()
+    procs.start(vllm(model, "--host", LOCAL, "--port", str(port)))
+    wait_status(f"http://{LOCAL}:{port}/health", 200)
+    status, body, _ = post(f"http://{LOCAL}:{port}/v1/chat/completions", dict(CHAT, tools=TOOLS))
+    assert status == 400 and "--enable-auto-tool-choice" in json.dumps(body)
+
+
+def test_vllm_data_parallel_head_waits_for_headless(procs: Procs, model: str) -> None:
+    port, rpc = free_port(), free_port()
+    dp = ["-dp", "2", "-dpl", "1", "-dpa", LOCAL, "-dpp", str(rpc), "-tp", "8",
+          "--enable-expert-parallel"]
+    procs.start(vllm(model, "--host", LOCAL, "--port", str(port), *dp))
+    health = f"http://{LOCAL}:{port}/health"
+    wait_status(health, 503)
+    time.sleep(0.5)
+    assert status_or_none(health) == 503
+
+    headless = procs.start(vllm(model, "--headless", "-dpr", "1", *dp))
+    wait_status(health, 200)
+    assert "joined rendezvous" in procs.output(headless)
+
+    headless.terminate()
+    headless.wait(5)
+    wait_status(health, 503)
+
+
+def test_vllm_multinode_master_rendezvous(procs: Procs, model: str) -> None:
+    port, master = free_port(), free_port()
+    nodes = ["-tp", "16", "--nnodes", "2", "--master-addr", LOCAL, "--master-port", str(master),
+             "--distributed-executor-backend", "mp"]
+    procs.start(vllm(model, "--host", LOCAL, "--port", str(port), "--node-rank", "0", *nodes))
+    health = f"http://{LOCAL}:{port}/health"
+    wait_status(health, 503)
+    procs.start(vllm(model, "--headless", "--node-rank", "1", *nodes))
+    wait_status(health, 200)
+
+
+def test_vllm_headless_without_head_times_out(model: str) -> None:
+    rpc = free_port()
+    result = run(vllm(model, "--headless", "-dp", "2", "-dpl", "1", "-dpr", "1", "-dpa", LOCAL,
+                      "-dpp", str(rpc)), env=base_env(K2FLEET_DOUBLE_RDZV_TIMEOUT="1"))
+    assert result.returncode == 1 and f"{LOCAL}:{rpc}" in result.stderr
+
+
+def test_vllm_ray_backend_across_nodes_refused_without_ray(model: str) -> None:
+    result = run(vllm(model, "-tp", "16", "--distributed-executor-backend", "ray"))
+    assert result.returncode == 1 and "ray" in result.stderr
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "trtllm"])
+def test_model_dir_without_config_is_refused(tmp_path: Path, engine: str) -> None:
+    empty = tmp_path / "no-config"
+    empty.mkdir()
+    argv = {"vllm": vllm(str(empty)), "sglang": sglang("--model-path", str(empty)),
+            "trtllm": trtllm(str(empty))}[engine]
+    result = run(argv)
+    assert result.returncode == 1 and "config.json" in result.stderr
+
+
+def test_hub_id_model_is_accepted_after_simulated_load(procs: Procs) -> None:
+    port = free_port()
+    procs.start(sglang("--model-path", "moonshotai/Kimi-K2-Instruct", "--port", str(port)),
+                env=base_env(K2FLEET_DOUBLE_STARTUP_SECONDS="1"))
+    health = f"http://{LOCAL}:{port}/health"
+    wait_status(health, 503)
+    wait_status(health, 200)
+    assert get(f"http://{LOCAL}:{port}/v1/models")[1]["data"][0]["id"] == "moonshotai/Kimi-K2-Instruct"
+
+
+# ---------------------------------------------------------------- SGLang
+
+def test_sglang_two_node_dist_init(procs: Procs, model: str) -> None:
+    port, dist = free_port(), free_port()
+    common = ["--model-path", model, "--tp-size", "16", "--nnodes", "2",
+              "--dist-init-addr", f"{LOCAL}:{dist}", "--trust-remote-code",
+              "--tool-call-parser", "kimi_k2", "--reasoning-parser", "kimi_k2",
+              "--host", LOCAL, "--port", str(port)]
+    procs.start(sglang(*common, "--node-rank", "0"))
+    health = f"http://{LOCAL}:{port}/health"
+    wait_status(health, 503)
+    worker = procs.start(sglang(*common, "--node-rank", "1"))
+    wait_status(health, 200)
+    assert worker.poll() is None and "no HTTP server" in procs.output(worker)
+    answer = post(f"http://{LOCAL}:{port}/v1/chat/completions", dict(CHAT, tools=TOOLS))[1]
+    assert answer["choices"][0]["message"]["tool_calls"]
+    assert run(sglang(*common, "--node-rank", "0", "--bogus-flag")).returncode == 2
+
+
+def test_sglang_router_over_prefill_and_decode(procs: Procs, model: str) -> None:
+    prefill, decode, router, boot = free_port(), free_port(), free_port(), free_port()
+    pd = ["--model-path", model, "--host", LOCAL, "--disaggregation-ib-device", "mlx5_0",
+          "--reasoning-parser", "kimi_k2"]
+    procs.start(sglang(*pd, "--port", str(prefill), "--disaggregation-mode", "prefill",
+                       "--disaggregation-bootstrap-port", str(boot)))
+    decode_proc = procs.start(sglang(*pd, "--port", str(decode), "--disaggregation-mode", "decode"))
+    procs.start([sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                 "--prefill", f"http://{LOCAL}:{prefill}", str(boot),
+                 "--decode", f"http://{LOCAL}:{decode}",
+                 "--host", LOCAL, "--port", str(router), "--policy", "round_robin"])
+    health = f"http://{LOCAL}:{router}/health"
+    wait_status(health, 200)
+    assert get(f"http://{LOCAL}:{boot}/health")[0] == 200
+
+    status, answer, _ = post(f"http://{LOCAL}:{router}/v1/chat/completions", CHAT)
+    assert status == 200 and answer["choices"][0]["message"]["reasoning_content"]
+
+    decode_proc.terminate()
+    decode_proc.wait(5)
+    wait_status(health, 503)
+
+
+# ---------------------------------------------------------------- TensorRT-LLM
+
+def mpi_env(rank: int, size: int, rdzv: str) -> dict[str, str]:
+    return base_env(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE=str(size),
+                    K2FLEET_DOUBLE_RDZV=rdzv)
+
+
+def test_trtllm_tcp_rendezvous_under_faked_mpi(procs: Procs, model: str, tmp_path: Path) -> None:
+    port, rdzv = free_port(), f"{LOCAL}:{free_port()}"
+    config = tmp_path / "extra.yaml"
+    config.write_text("enable_attention_dp: true\nkv_cache_config:\n  dtype: fp8\n")
+    argv = trtllm("serve", model, "--host", LOCAL, "--port", str(port), "--backend", "pytorch",
+                  "--tp_size", "2", "--ep_size", "2", "--trust_remote_code",
+                  "--config", str(config), "--reasoning_parser", "deepseek-r1")
+    head = procs.start(argv, env=mpi_env(0, 2, rdzv))
+    health = f"http://{LOCAL}:{port}/health"
+    wait_status(health, 503)
+    worker = procs.start(argv, env=mpi_env(1, 2, rdzv))
+    wait_status(health, 200)
+    models = get(f"http://{LOCAL}:{port}/v1/models")[1]
+    assert models["data"][0]["metadata"]["extra_llm_api_options"] == ["enable_attention_dp",
+                                                                      "kv_cache_config"]
+    head.terminate()
+    head.wait(5)
+    assert worker.wait(10) == 0
+
+
+def test_trtllm_refuses_bad_world_yaml_and_flags(model: str, tmp_path: Path) -> None:
+    rdzv = f"{LOCAL}:{free_port()}"
+    result = run(trtllm(model, "--tp_size", "4"), env=mpi_env(0, 2, rdzv))
+    assert result.returncode == 1 and "world size 2" in result.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("")
+    result = run(trtllm(model, "--extra_llm_api_options", str(bad)))
+    assert result.returncode == 1 and "extra_llm_api_options" in result.stderr
+    result = run(trtllm(model, "--tp-size", "2"))
+    assert result.returncode == 2
+
+
+def mpirun_usable() -> Optional[str]:
+    if not shutil.which("mpirun"):
+        return "mpirun is not installed (apt-get install openmpi-bin python3-mpi4py)"
+    probe = subprocess.run([DEBIAN_PYTHON, "-c", "import mpi4py"], capture_output=True)
+    if probe.returncode:
+        return f"{DEBIAN_PYTHON} has no mpi4py (apt-get install python3-mpi4py)"
+    return None
+
+
+@pytest.mark.skipif(mpirun_usable() is not None, reason=str(mpirun_usable()))
+def test_trtllm_real_mpirun_with_mpi4py(procs: Procs, model: str) -> None:
+    port = free_port()
+    env = base_env(PATH=f"{BIN}:/usr/bin:/bin")
+    env.pop("K2FLEET_DOUBLE_RDZV", None)
+    mpirun = procs.start(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2",
+                          "-x", "PATH", "-x", "PYTHONPATH", "-x", "PYTHONUNBUFFERED",
+                          DEBIAN_PYTHON, str(BIN / "trtllm-llmapi-launch"), "trtllm-serve", model,
+                          "--host", LOCAL, "--port", str(port), "--tp_size", "2"], env=env)
+    wait_status(f"http://{LOCAL}:{port}/health", 200, timeout=30)
+    assert "MPI rendezvous complete: rank 1/2" in procs.output(mpirun)
+    mpirun.terminate()
+    mpirun.wait(15)
