@@ -63,6 +63,13 @@ class HostSettings(BaseModel):
     gguf_pattern: str | None = _key(
         FLEET, "KTransformers: files of `k2_gguf_repo` to fetch, e.g. `Q4_K_M/*`.", default=None
     )
+    checkpoint_source: str = _key(
+        FLEET,
+        "Where the checkpoint comes from: `hub` (huggingface-hub at `k2_revision`) or "
+        "`control:/path` (a directory on the control machine holding the files and "
+        "`.k2fleet/manifest.json`, e.g. made by `hf download` on a connected machine).",
+        default="hub",
+    )
     model_dir: str = _key(
         FLEET, "Where checkpoints live on hosts: `DIR/<org>--<name>/<revision>`.", default="/srv/k2fleet/models"
     )
@@ -86,6 +93,12 @@ class HostSettings(BaseModel):
     venv: str = _key(FLEET, "Python virtual environment of the engine (venv runtime).", default="/opt/k2fleet/venv")
     platform: Literal["cuda", "rocm"] | None = _key(
         FLEET, "Engine build: `cuda` or `rocm`; default from the GPU vendor.", default=None
+    )
+    package_source: Literal["apt", "bundle"] = _key(
+        FLEET,
+        "Host packages (rsync, OpenMPI, ...) from `apt` (hosts reach a mirror) or `bundle` "
+        "(an offline .deb bundle with its full dependency closure, built on the control machine).",
+        default="apt",
     )
     config_dir: str = _key(FLEET, "Where rendered config files go on hosts.", default="/etc/k2fleet")
     # --- hardware --------------------------------------------------------------

@@ -53,7 +53,8 @@ STATE_DIR = ".k2fleet"
 MANIFEST_NAME = "manifest.json"
 MARKER_NAME = "verified.json"
 INDEX_NAME = "model.safetensors.index.json"
-BLOCK_SIZE = 16 * 1024 * 1024
+BLOCK_SIZE = 4 * 1024 * 1024  # per-thread read buffer; measured as fast as 8-16 MiB, warm and cold
+READ_AHEAD = 2 * BLOCK_SIZE  # POSIX_FADV_WILLNEED window kept in flight ahead of the hasher
 MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
 MARKER_FORMAT = 1
 
@@ -380,7 +381,7 @@ def hash_fd(fd: int, hasher: Any, buf: bytearray) -> int:
     total = 0
     os.lseek(fd, 0, os.SEEK_SET)
     while True:
-        _advise(fd, total + block, 2 * block, "POSIX_FADV_WILLNEED")
+        _advise(fd, total + block, READ_AHEAD, "POSIX_FADV_WILLNEED")
         n = os.readv(fd, [view])
         if n <= 0:
             return total

@@ -19,7 +19,6 @@ from k2fleet.plan import Health, Service
 from k2fleet.render.common import container_argv, engine_env, extra_flags, venv_bin
 from k2fleet.spec import HostEntry
 
-MESH_DIR = "/etc/k2fleet/mesh"
 RENAMED_KEYS = {("cuda_graph_config", "padding_enabled"): "enable_padding"}
 
 

@@ -1,0 +1,202 @@
+"""Benchmark k2fleet's checkpoint verifier against raw reads and ``sha256sum`` (not a pytest test).
+
+Generates a ~3 GB synthetic Kimi-K2-layout checkpoint (62 shards) under
+/var/tmp, then on the same files:
+
+* cold cache (``sync; echo 3 > /proc/sys/vm/drop_caches`` before each pass,
+  or ``POSIX_FADV_DONTNEED`` on every file when that is not permitted):
+  raw sequential read (``cat`` and a Python read loop; the faster counts),
+  ``sha256sum``, full verify — interleaved over several rounds, medians kept,
+  because a shared virtual disk drifts;
+* warm cache: one core's hashlib sha256 rate, full verify, and an unchanged
+  re-verify (marker hit, no hashing).
+
+Ends with ``ratios: verify_vs_read=X verify_vs_sha256sum=X verify_vs_cores=X reverify_vs_full=X``
+where verify_vs_cores = warm verify rate / (cores × one core's sha256 rate),
+1.0 meaning every core hashes flat out.
+
+Usage: ``python3 bench/verify_bench.py [--gb 3] [--rounds 3] [--dir /var/tmp/k2fleet-verify-bench] [--keep]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
+
+from synth_checkpoint import describe_dir, make_checkpoint, manifest_for  # noqa: E402
+
+from k2fleet.checkpoint.verify import default_workers, verify  # noqa: E402
+
+NUM_SHARDS = 62
+
+
+def prepare(workdir: Path, gb: float) -> tuple[Path, dict[str, Any]]:
+    """Create (or reuse) the checkpoint and its manifest."""
+    root = workdir / "ckpt"
+    stamp = workdir / "manifest.json"
+    shard_bytes = int(gb * 1e9 / NUM_SHARDS)
+    if stamp.is_file():
+        cached = json.loads(stamp.read_text())
+        if cached.get("shard_bytes") == shard_bytes and root.is_dir():
+            return root, cached["manifest"]
+    shutil.rmtree(workdir, ignore_errors=True)
+    t0 = time.monotonic()
+    make_checkpoint(root, num_shards=NUM_SHARDS, shard_bytes=shard_bytes)
+    manifest = manifest_for(describe_dir(root), "moonshotai/Kimi-K2-Thinking", "c" * 40)
+    stamp.write_text(json.dumps({"shard_bytes": shard_bytes, "manifest": manifest}))
+    print(f"generated {len(manifest['files'])} files in {root} ({time.monotonic() - t0:.1f}s)")
+    return root, manifest
+
+
+class Cache:
+    """Cold-cache control: drop_caches when permitted, else per-file DONTNEED."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self.files = files
+        self.method = "drop_caches" if self._drop_caches() else "fadvise"
+        if self.method == "fadvise":
+            print("note: writing /proc/sys/vm/drop_caches is not permitted here; "
+                  "cold passes evict the files with POSIX_FADV_DONTNEED instead")
+
+    @staticmethod
+    def _drop_caches() -> bool:
+        os.sync()
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+            return True
+        except OSError:
+            return False
+
+    def drop(self) -> None:
+        """Make the checkpoint's pages cold."""
+        if self.method == "drop_caches" and self._drop_caches():
+            return
+        os.sync()
+        for path in self.files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t0 = time.monotonic()
+    fn()
+    return time.monotonic() - t0
+
+
+def python_read(files: list[Path]) -> None:
+    """Sequential single-thread read loop (readinto a reused 16 MiB buffer)."""
+    buf = bytearray(16 << 20)
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+def run_cmd(argv: list[str]) -> None:
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+
+
+def one_core_sha256() -> float:
+    """hashlib sha256 bytes/s of one thread on an in-memory buffer."""
+    data = os.urandom(256 << 20)
+    hashlib.sha256(data[: 1 << 20]).digest()
+    best = 0.0
+    for _ in range(3):
+        dt = timed(lambda: hashlib.sha256(data).digest())
+        best = max(best, len(data) / dt)
+    return best
+
+
+def mbps(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e6:8.0f} MB/s ({seconds:6.2f} s)"
+
+
+def cold_rounds(root: Path, manifest: dict[str, Any], files: list[Path], cache: Cache, rounds: int, workers: int) -> dict[str, list[float]]:
+    """Interleaved cold passes; returns seconds per measurement per round."""
+    names = [str(p) for p in files]
+    out: dict[str, list[float]] = {"cat": [], "pyread": [], "sha256sum": [], "verify": []}
+    for r in range(rounds):
+        passes: list[tuple[str, Callable[[], Any]]] = [
+            ("cat", lambda: subprocess.run(["cat", *names], check=True, stdout=subprocess.DEVNULL)),
+            ("pyread", lambda: python_read(files)),
+            ("verify", lambda: _check(verify(str(root), manifest, full=True, workers=workers))),
+            ("sha256sum", lambda: run_cmd(["sha256sum", *names])),
+        ]
+        for name, fn in passes:
+            cache.drop()
+            out[name].append(timed(fn))
+        print(f"  round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in out.items()))
+    return out
+
+
+def _check(report: Any) -> None:
+    if not report.ok:
+        raise SystemExit("verify failed on the benchmark checkpoint: " + "; ".join(report.lines()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", default="/var/tmp/k2fleet-verify-bench")
+    ap.add_argument("--gb", type=float, default=3.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--keep", action="store_true", help="keep the generated files for the next run")
+    args = ap.parse_args(argv)
+    workdir = Path(args.dir)
+    root, manifest = prepare(workdir, args.gb)
+    files = [root / rel for rel in sorted(manifest["files"])]
+    total = sum(e["size"] for e in manifest["files"].values())
+    cores = default_workers()
+    workers = args.workers or cores
+    print(f"checkpoint: {len(files)} files, {total / 1e9:.2f} GB; cores {cores}, verify workers {workers}")
+    cache = Cache(files)
+    try:
+        cold = cold_rounds(root, manifest, files, cache, args.rounds, workers)
+        read_s = min(statistics.median(cold["cat"]), statistics.median(cold["pyread"]))
+        sha_s = statistics.median(cold["sha256sum"])
+        cold_verify_s = statistics.median(cold["verify"])
+        print(f"cold raw read (cat)       {mbps(total, statistics.median(cold['cat']))}")
+        print(f"cold raw read (python)    {mbps(total, statistics.median(cold['pyread']))}")
+        print(f"cold sha256sum            {mbps(total, sha_s)}")
+        print(f"cold full verify          {mbps(total, cold_verify_s)}  [cache control: {cache.method}]")
+
+        python_read(files)  # warm the page cache
+        core_rate = one_core_sha256()
+        warm_full = [timed(lambda: _check(verify(str(root), manifest, full=True, workers=workers))) for _ in range(3)]
+        warm_full_s = statistics.median(warm_full)
+        reverify = [timed(lambda: _check(verify(str(root), manifest, full=False, workers=workers))) for _ in range(3)]
+        reverify_s = statistics.median(reverify)
+        print(f"warm hashlib sha256 1 core {core_rate / 1e6:7.0f} MB/s")
+        print(f"warm full verify          {mbps(total, warm_full_s)}")
+        print(f"unchanged re-verify       {reverify_s:.3f} s (full verify {warm_full_s:.2f} s)")
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    ratios = {
+        "verify_vs_read": read_s / cold_verify_s,
+        "verify_vs_sha256sum": sha_s / cold_verify_s,
+        "verify_vs_cores": (total / warm_full_s) / (cores * core_rate),
+        "reverify_vs_full": reverify_s / warm_full_s,
+    }
+    print("ratios: " + " ".join(f"{k}={v:.3f}" for k, v in ratios.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,24 @@
+"""The k2fleet deploy: bare hosts in an inventory → a serving, health-checked Kimi-K2.
+
+    pyinfra inventories/h200.py deploys/kimi.py
+
+Stages, each a role in ``roles/`` driven by the plan ``k2fleet plan INVENTORY`` prints:
+preflight facts → host packages → SSH mesh → engine runtime → checkpoint → services
+(stage by stage across hosts) → health gate. A bad inventory stops here with the
+validator's message before the first operation.
+"""
+
+from roles import checkpoint, engine, health, mesh, packages, preflight, services
+from roles.context import fleet
+from roles.state import fleet_changed
+
+from k2fleet.packages import required_packages
+
+ctx = fleet()
+preflight.check()
+packages.install_packages(required_packages(ctx.dep, ctx.host_plan(), mesh.enabled(ctx)), ctx.dep.s.package_source)
+mesh.configure()
+engine.install()
+checkpoint.ensure()
+services.start()
+health.gate(changed=fleet_changed)

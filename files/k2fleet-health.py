@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""k2fleet health gate, run ON a host: a service is healthy when ``/health`` answers
+200 AND a real chat completion returns a non-empty answer, within a timeout.
+
+    k2fleet-health.py --base http://127.0.0.1:8000 --model NAME --unit k2-vllm.service --timeout 600
+
+On failure it exits 1 naming the host and unit, with the unit's last log lines.
+Standard library only (hosts have only python3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+
+def get_status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (OSError, ValueError):
+        return None
+
+
+def chat(base: str, model: str) -> str:
+    body = json.dumps({
+        "model": model,
+        "messages": [{"role": "user", "content": "Reply with one word: ready?"}],
+        "max_tokens": 16,
+        "temperature": 0,
+    }).encode()
+    request = urllib.request.Request(f"{base}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        data = json.load(response)
+    message = data["choices"][0]["message"]
+    return (message.get("content") or message.get("reasoning_content") or "").strip()
+
+
+def journal_tail(unit: str, lines: int = 30) -> str:
+    try:
+        out = subprocess.run(["journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "cat"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"(no journal: {exc})"
+
+
+def wait_healthy(base: str, model: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while time.monotonic() < deadline:
+        status = get_status(f"{base}/health")
+        if status == 200:
+            try:
+                answer = chat(base, model)
+                if answer:
+                    return answer
+                last = "chat completion returned an empty answer"
+            except (OSError, ValueError, KeyError, IndexError) as exc:
+                last = f"chat completion failed: {exc}"
+        else:
+            last = f"/health answered {status}"
+        time.sleep(1)
+    raise TimeoutError(last)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--unit", required=True)
+    ap.add_argument("--timeout", type=float, default=600)
+    args = ap.parse_args()
+    try:
+        answer = wait_healthy(args.base, args.model, args.timeout)
+    except TimeoutError as exc:
+        print(f"{socket.gethostname()}: {args.unit} not healthy after {args.timeout:.0f}s: {exc}", file=sys.stderr)
+        print(f"--- last log lines of {args.unit} ---", file=sys.stderr)
+        print(journal_tail(args.unit), file=sys.stderr)
+        return 1
+    print(f"{socket.gethostname()}: {args.unit} healthy; completion: {answer[:60]!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

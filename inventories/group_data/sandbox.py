@@ -1,0 +1,30 @@
+"""Sandbox fleet data (inventories/sandbox.py): simulated GPUs, engine test doubles,
+a synthetic checkpoint from the control machine, packages from an offline bundle."""
+
+import os as _os
+
+from k2fleet.synthetic import SANDBOX_MODEL, SANDBOX_REVISION, sandbox_checkpoint_dir
+
+_SCENARIO = _os.environ.get("K2FLEET_SANDBOX_SCENARIO", "vllm")
+
+k2_model = SANDBOX_MODEL
+k2_revision = SANDBOX_REVISION
+k2_checkpoint_source = f"control:{sandbox_checkpoint_dir()}"
+k2_checkpoint_bytes = 8_000_000
+k2_quantization = "int4"
+k2_gpu = "h200"
+k2_simulated_gpus = True
+k2_engine_doubles = True
+k2_package_source = "bundle"
+k2_health_timeout = 120
+if _SCENARIO == "trtllm-mpi":
+    k2_engine = "trtllm"
+    k2_runtime = "venv"
+    k2_tp = 16
+    k2_ep = 8
+    k2_attn_dp = True
+    k2_trtllm_config = {"cuda_graph_config": {"enable_padding": True, "batch_sizes": [1, 2, 4, 8]}, "print_iter_log": True}
+    k2_engine_args = {"kv_cache_free_gpu_memory_fraction": 0.95, "max_batch_size": 128, "max_num_tokens": 4096}
+else:
+    k2_engine = "vllm"
+    k2_tp = 8

@@ -1,0 +1,24 @@
+"""Which Debian packages a host needs for its part of the plan (pure)."""
+
+from __future__ import annotations
+
+from k2fleet.deployment import Deployment
+from k2fleet.plan import HostPlan
+
+
+def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool) -> list[str]:
+    """Debian packages for ``host_plan``: rsync for checkpoints, sshd for the mesh,
+    OpenMPI where mpirun runs on the host (not in a container), mpi4py for doubles."""
+    needed = {"rsync"}
+    if mesh:
+        needed |= {"openssh-server", "openssh-client"}
+    uses_mpirun = any(s.argv and s.argv[0].endswith("mpirun") for s in host_plan.services)
+    if dep.engine == "trtllm" and dep.runtime != "container" and len(dep.fleet.hosts) > 1:
+        uses_mpirun = True  # every rank host needs orted
+    if uses_mpirun:
+        needed |= {"openmpi-bin"}
+        if dep.s.engine_doubles:
+            needed |= {"python3-mpi4py"}
+    if dep.runtime == "venv" and not dep.s.engine_doubles:
+        needed |= {"python3-venv"}
+    return sorted(needed)

@@ -1,0 +1,41 @@
+"""The sandbox fleet's checkpoint: synthetic, with Kimi-K2-Thinking's real layout
+(62 shards, index, config with model_type kimi_k2, tokenizer files) and a manifest,
+in a control-machine directory the sandbox inventory serves from (``control:``).
+
+    python -m k2fleet.synthetic      # make it (idempotent), print its path
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from k2fleet.synthetic_checkpoint import make_checkpoint, manifest_for
+
+SANDBOX_MODEL = "k2fleet-test/Kimi-K2-Thinking-synthetic"
+SANDBOX_REVISION = "5a4db0c5e1f3f1d0d1b5e8f7a6c3b2a1908f7e6d"  # fixed: the generator is deterministic
+SHARDS, SHARD_BYTES = 62, 64 * 1024
+
+
+def sandbox_checkpoint_dir() -> Path:
+    base = Path(os.environ.get("K2FLEET_SANDBOX_CHECKPOINTS", "/var/cache/k2fleet/sandbox-checkpoints"))
+    return base / SANDBOX_MODEL.replace("/", "--") / SANDBOX_REVISION
+
+
+def ensure_sandbox_checkpoint() -> Path:
+    """Create the synthetic checkpoint and its manifest once; return its directory."""
+    root = sandbox_checkpoint_dir()
+    manifest = root / ".k2fleet" / "manifest.json"
+    if manifest.exists():
+        return root
+    tmp = root.with_name(root.name + ".tmp")
+    files = make_checkpoint(tmp, num_shards=SHARDS, shard_bytes=SHARD_BYTES)
+    (tmp / ".k2fleet").mkdir(exist_ok=True)
+    (tmp / ".k2fleet" / "manifest.json").write_text(json.dumps(manifest_for(files, SANDBOX_MODEL, SANDBOX_REVISION), indent=1))
+    tmp.rename(root)
+    return root
+
+
+if __name__ == "__main__":
+    print(ensure_sandbox_checkpoint())

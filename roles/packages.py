@@ -1,0 +1,146 @@
+"""Host packages from the network (apt) or from an offline bundle (air-gapped).
+
+The bundle path builds/reuses a :mod:`k2fleet.bundle` tar on the control
+machine while the deploy is planned, ships it to each host and serves it to apt
+as a flat ``file:`` repository.  apt is always restricted to that one source,
+so an air-gapped host never tries the network.
+
+Every step is gated so that a run with nothing to do executes no command on
+the hosts: the upload compares checksums, extraction and ``apt-get update`` run
+only when their inputs changed (``_if=`` is evaluated at execution time) or
+when something is missing, and ``apt.packages`` installs only what is absent.
+"""
+
+from __future__ import annotations
+
+import io
+from functools import lru_cache
+from pathlib import Path
+
+from pyinfra import host
+from pyinfra.api import deploy
+from pyinfra.facts.deb import DebPackages
+from pyinfra.facts.files import Directory
+from pyinfra.operations import apt, files, server
+
+from k2fleet.bundle import ensure_bundle, key_of
+
+SOURCES = ("apt", "bundle")
+REMOTE_TAR_DIR = "/var/cache/k2fleet"
+REMOTE_REPO_ROOT = "/var/lib/k2fleet/apt-bundle"
+BUNDLE_LIST = "/etc/apt/sources.list.d/k2fleet-bundle.list"
+
+
+@lru_cache(maxsize=None)
+def _bundle_for(packages: tuple[str, ...]) -> Path:
+    """The control machine's bundle tar for ``packages`` (once per process)."""
+    return ensure_bundle(list(packages))
+
+
+def bundle_apt_options(list_path: str = BUNDLE_LIST) -> str:
+    """apt-get options that restrict apt to the bundle's source list only."""
+    return (f"-o Dir::Etc::sourcelist={list_path} -o Dir::Etc::sourceparts=- "
+            "-o APT::Get::List-Cleanup=0")
+
+
+def bundle_source_line(repo_dir: str) -> str:
+    """The one-line apt source for an extracted bundle in ``repo_dir``."""
+    return f"deb [trusted=yes] file:{repo_dir} ./\n"
+
+
+def extract_command(tar: str, repo_dir: str) -> str:
+    """Shell command unpacking ``tar`` into ``repo_dir`` atomically (tmp + mv)."""
+    tmp = f"{repo_dir}.tmp"
+    return (f"rm -rf {tmp} && mkdir -p {tmp} && tar -xf {tar} -C {tmp} && "
+            f"rm -rf {repo_dir} && mv {tmp} {repo_dir}")
+
+
+def _base_name(spec: str) -> str:
+    """Package name of an apt spec (``name``, ``name=version``, ``name:arch``)."""
+    return spec.split("=", 1)[0].split(":", 1)[0]
+
+
+def _install_from_bundle(packages: list[str]) -> None:
+    """Ship, index and install the offline bundle for ``packages`` (see module doc)."""
+    tar = _bundle_for(tuple(sorted(set(packages))))
+    key = key_of(tar)
+    remote_tar = f"{REMOTE_TAR_DIR}/{tar.name}"
+    repo_dir = f"{REMOTE_REPO_ROOT}/{key}"
+    apt_options = bundle_apt_options()
+
+    # Two facts at planning time decide the "something is missing" gates.
+    have_repo = bool(host.get_fact(Directory, path=repo_dir))
+    installed = host.get_fact(DebPackages) or {}
+    missing = [p for p in packages if _base_name(p) not in installed]
+
+    upload = files.put(
+        name=f"Upload package bundle {key}",
+        src=str(tar),
+        dest=remote_tar,
+        mode="644",
+    )
+    extract = server.shell(
+        name=f"Extract package bundle {key}",
+        commands=[extract_command(remote_tar, repo_dir)],
+        _if=lambda: upload.did_change() or not have_repo,
+    )
+    source_list = files.put(
+        name="Point apt at the package bundle",
+        src=io.StringIO(bundle_source_line(repo_dir)),
+        dest=BUNDLE_LIST,
+        mode="644",
+    )
+    server.shell(
+        name="Update apt lists (bundle source only)",
+        commands=[f"DEBIAN_FRONTEND=noninteractive apt-get -q update {apt_options}"],
+        _if=lambda: extract.did_change() or source_list.did_change() or bool(missing),
+    )
+    apt.packages(
+        name="Install packages from the bundle",
+        packages=packages,
+        no_recommends=True,
+        extra_install_args=apt_options,
+    )
+
+
+@deploy("k2fleet: host packages")
+def install_packages(packages: list[str], source: str = "bundle") -> None:
+    """
+    Install Debian packages on the hosts, online or from an offline bundle.
+
+    + packages: Debian package names (``name`` or ``name=version``)
+    + source: ``"apt"`` to install from the hosts' own apt sources (network),
+      ``"bundle"`` to ship the full dependency closure from the control machine
+      and install it with apt restricted to that bundle (air-gapped hosts)
+
+    Bundle:
+        The bundle is built (or reused from ``/var/cache/k2fleet/bundles``) on the
+        control machine, uploaded to ``/var/cache/k2fleet/bundle-<key>.tar``,
+        extracted to ``/var/lib/k2fleet/apt-bundle/<key>/`` and listed in
+        ``/etc/apt/sources.list.d/k2fleet-bundle.list``. A second run with
+        everything in place executes no command.
+
+    **Example:**
+
+    .. code:: python
+
+        from roles.packages import install_packages
+
+        install_packages(
+            ["openmpi-bin", "rsync", "python3-venv", "python3-mpi4py"],
+            source="bundle",
+        )
+    """
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+    if not packages:
+        return
+    if source == "apt":
+        apt.packages(
+            name="Install packages (apt)",
+            packages=packages,
+            update=True,
+            no_recommends=True,
+        )
+        return
+    _install_from_bundle(packages)
