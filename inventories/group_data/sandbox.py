@@ -1,6 +1,7 @@
 """Sandbox fleet data (inventories/sandbox.py): simulated GPUs, engine test doubles,
 a synthetic checkpoint from the control machine, packages from an offline bundle."""
 
+import json as _json
 import os as _os
 
 from k2fleet.synthetic import SANDBOX_MODEL, SANDBOX_REVISION, sandbox_checkpoint_dir
@@ -28,3 +29,6 @@ if _SCENARIO == "trtllm-mpi":
 else:
     k2_engine = "vllm"
     k2_tp = 8
+    k2_engine_args = {}
+# tests change one engine flag through this (JSON object of extra flags)
+k2_engine_args = {**k2_engine_args, **_json.loads(_os.environ.get("K2FLEET_SANDBOX_ENGINE_ARGS", "{}"))}
