@@ -150,7 +150,8 @@ def resolve_closure(packages: Iterable[str]) -> list[ResolvedPackage]:
                "-o", "Debug::NoLocking=1", "-o", "APT::Install-Recommends=0",
                "-o", "APT::Install-Suggests=0", "install", *names]
         resolved = parse_simulation(_run(cmd, env=_apt_env()).stdout)
-    if not {r.name for r in resolved} >= set(names):
+    wanted = {n.split("=", 1)[0].split(":", 1)[0] for n in names}
+    if not {r.name for r in resolved} >= wanted:
         raise BundleError(f"apt did not resolve all of {names}: got {[r.name for r in resolved]}")
     return resolved
 

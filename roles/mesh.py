@@ -12,7 +12,10 @@ one host key per host, so known_hosts is pinned before any host is contacted.
 
 from __future__ import annotations
 
+import os
 import subprocess
+import time
+import uuid
 from pathlib import Path
 
 from pyinfra import host
@@ -27,10 +30,24 @@ UNIT_PATH = f"/etc/systemd/system/{render.UNIT}"
 
 
 def _keypair(path: Path, comment: str) -> tuple[bytes, bytes]:
-    if not path.exists():
+    """The key pair at ``path``, generated once; safe when hosts plan concurrently
+    (a fresh pair is linked into place only if none exists: first writer wins)."""
+    public = path.with_name(path.name + ".pub")
+    if not public.exists():
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)], check=True)
-    return path.read_bytes(), path.with_suffix(".pub").read_bytes()
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(tmp)], check=True)
+        try:
+            os.link(tmp, path)
+            os.link(tmp.with_name(tmp.name + ".pub"), public)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+            tmp.with_name(tmp.name + ".pub").unlink()
+    while not (path.exists() and public.exists()):  # another host's planning is linking it
+        time.sleep(0.01)
+    return path.read_bytes(), public.read_bytes()
 
 
 def enabled(ctx: FleetContext) -> bool:

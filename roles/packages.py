@@ -14,6 +14,7 @@ when something is missing, and ``apt.packages`` installs only what is absent.
 from __future__ import annotations
 
 import io
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -31,10 +32,19 @@ REMOTE_REPO_ROOT = "/var/lib/k2fleet/apt-bundle"
 BUNDLE_LIST = "/etc/apt/sources.list.d/k2fleet-bundle.list"
 
 
+_BUILD_LOCK = threading.Lock()  # cooperative under pyinfra's gevent: hosts plan concurrently
+
+
 @lru_cache(maxsize=None)
-def _bundle_for(packages: tuple[str, ...]) -> Path:
-    """The control machine's bundle tar for ``packages`` (once per process)."""
+def _bundle_for_locked(packages: tuple[str, ...]) -> Path:
     return ensure_bundle(list(packages))
+
+
+def _bundle_for(packages: tuple[str, ...]) -> Path:
+    """The control machine's bundle tar for ``packages`` (built once per process; the
+    bundle's own file lock is a blocking syscall, so greenlets must queue here first)."""
+    with _BUILD_LOCK:
+        return _bundle_for_locked(packages)
 
 
 def bundle_apt_options(list_path: str = BUNDLE_LIST) -> str:

@@ -17,9 +17,10 @@ What is checked:
   matches.
 
 Files are hashed concurrently (one thread per file, ``hashlib`` releases the
-GIL) in large blocks read into one reused buffer per thread, so memory use is
-constant. When everything passes, ``DIR/.k2fleet/verified.json`` records the
-manifest digest and each file's size, mtime_ns, ctime_ns and inode; a later
+GIL), read with a 16 MiB read-ahead window into one reused 1 MiB buffer per
+thread, so memory use is constant. When everything passes,
+``DIR/.k2fleet/verified.json`` records the manifest digest and each file's
+size, mtime_ns, ctime_ns and inode; a later
 run without ``--full`` does not re-hash a file whose stat is unchanged. A
 failed run removes the marker.
 
@@ -53,8 +54,11 @@ STATE_DIR = ".k2fleet"
 MANIFEST_NAME = "manifest.json"
 MARKER_NAME = "verified.json"
 INDEX_NAME = "model.safetensors.index.json"
-BLOCK_SIZE = 4 * 1024 * 1024  # per-thread read buffer; measured as fast as 8-16 MiB, warm and cold
-READ_AHEAD = 2 * BLOCK_SIZE  # POSIX_FADV_WILLNEED window kept in flight ahead of the hasher
+# Disk I/O goes out in a 16 MiB POSIX_FADV_WILLNEED window (on top of the kernel's sequential
+# readahead) kept ahead of the hasher; the copy-and-hash block is 1 MiB so it stays in L2.
+# Measured on the 2-core bench: 1 MiB/16 MiB beat 4, 8 and 16 MiB blocks, cold and warm.
+BLOCK_SIZE = 1024 * 1024
+READ_AHEAD = 16 * 1024 * 1024
 MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
 MARKER_FORMAT = 1
 
@@ -372,16 +376,19 @@ def _advise(fd: int, offset: int, length: int, advice_name: str) -> None:
 def hash_fd(fd: int, hasher: Any, buf: bytearray) -> int:
     """Stream ``fd`` from offset 0 into ``hasher`` using ``buf``; returns bytes hashed.
 
-    Reads ahead with ``POSIX_FADV_SEQUENTIAL`` and a ``WILLNEED`` hint for the
-    next block so the disk works while the CPU hashes.
+    Reads ahead with ``POSIX_FADV_SEQUENTIAL`` and, whenever less than half of
+    ``READ_AHEAD`` is already requested, a ``WILLNEED`` hint for the next
+    ``READ_AHEAD`` bytes, so the disk works while the CPU hashes (one hint per
+    16 MiB keeps the warm-cache cost negligible).
     """
     _advise(fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
     view = memoryview(buf)
-    block = len(buf)
-    total = 0
+    total = requested = 0
     os.lseek(fd, 0, os.SEEK_SET)
     while True:
-        _advise(fd, total + block, READ_AHEAD, "POSIX_FADV_WILLNEED")
+        if requested - total < READ_AHEAD // 2:
+            _advise(fd, requested, READ_AHEAD, "POSIX_FADV_WILLNEED")
+            requested += READ_AHEAD
         n = os.readv(fd, [view])
         if n <= 0:
             return total
