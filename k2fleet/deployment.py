@@ -76,6 +76,11 @@ class Deployment:
         return posixpath.join(self.s.model_dir, self.s.gguf_repo.replace("/", "--"), str(self.s.gguf_revision))
 
     @property
+    def api_model_name(self) -> str:
+        """The ``model`` clients send: trtllm-serve names the model by its path."""
+        return self.serve_path if self.engine == "trtllm" else self.served_model_name
+
+    @property
     def serve_path(self) -> str:
         """What engines load: the verified checkpoint, or its config overlay."""
         if self.s.model_type_override:

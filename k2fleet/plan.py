@@ -50,10 +50,14 @@ class Service:
 
 @dataclass
 class HostPlan:
+    """``files``: config a host needs without running a service of its own (e.g. the
+    TRT-LLM options YAML on every mpirun rank host)."""
+
     name: str
     address: str
     role: str
     services: list[Service] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -93,7 +97,7 @@ class Plan:
             "image": self.image,
             "checkpoint_path": self.checkpoint_path,
             "hosts": {
-                name: {"address": h.address, "role": h.role, "services": [asdict(s) for s in h.services]}
+                name: {"address": h.address, "role": h.role, "files": h.files, "services": [asdict(s) for s in h.services]}
                 for name, h in self.hosts.items()
             },
         }
@@ -121,8 +125,11 @@ def make_plan(dep: Deployment) -> Plan:
     hosts = {
         h.name: HostPlan(name=h.name, address=h.address, role=h.settings.role) for h in dep.fleet.hosts
     }
-    for host_name, service in render_services(dep):
-        hosts[host_name].services.append(service)
+    for host_name, item in render_services(dep):
+        if isinstance(item, Service):
+            hosts[host_name].services.append(item)
+        else:
+            hosts[host_name].files.update(item)
     plan = Plan(
         source=dep.fleet.source,
         engine=dep.engine,

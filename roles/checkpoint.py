@@ -35,7 +35,9 @@ def checks(ctx: FleetContext) -> dict[str, list[str]]:
 
 
 def needs_checkpoint(ctx: FleetContext) -> bool:
-    return any(s.needs_checkpoint for s in ctx.host_plan().services)
+    """Every GPU host loads weights (mpirun ranks too, with no service of their own)."""
+    hp = ctx.host_plan()
+    return hp.role not in ("router", "slurm-submit") or any(s.needs_checkpoint for s in hp.services)
 
 
 def _ssh_command() -> list[str]:

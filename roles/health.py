@@ -28,7 +28,7 @@ def _gate_argv(ctx: FleetContext, timeout: int) -> list[str] | None:
     for svc in ctx.host_plan().services:
         if svc.health and svc.health.chat:
             return ["/usr/bin/python3", SCRIPT, "--base", f"http://127.0.0.1:{svc.health.port}",
-                    "--model", ctx.dep.served_model_name, "--unit", f"{svc.name}.service", "--timeout", str(timeout)]
+                    "--model", ctx.dep.api_model_name, "--unit", f"{svc.name}.service", "--timeout", str(timeout)]
     return None
 
 

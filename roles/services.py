@@ -40,8 +40,12 @@ def service_files(ctx: FleetContext, name: str) -> dict[str, tuple[bytes, str]]:
     return files
 
 
+def host_files(ctx: FleetContext) -> dict[str, tuple[bytes, str]]:
+    return {path: (content.encode(), "644") for path, content in ctx.host_plan().files.items()}
+
+
 def desired_files(ctx: FleetContext) -> dict[str, tuple[bytes, str]]:
-    out: dict[str, tuple[bytes, str]] = {}
+    out: dict[str, tuple[bytes, str]] = host_files(ctx)
     for svc in ctx.host_plan().services:
         out |= service_files(ctx, svc.name)
     return out
@@ -57,6 +61,7 @@ def start() -> None:
     track(command(name="stop and remove k2fleet units the plan no longer has",
                   argv=f"systemctl disable --now {stale_units}; rm -f {' '.join(stale)}" if stale else "true",
                   _if=lambda: bool(stale)))
+    track(synced_files(name="config files of ranks this host serves", files=host_files(ctx), current=rep.files))
     written = {}
     for stage, name in ctx.slots():
         written[name] = track(synced_files(name=f"unit, env and config of {name}", files=service_files(ctx, name), current=rep.files))

@@ -36,7 +36,11 @@ def fleet(tmp_path_factory, request):
 
 
 def chat(address: str, port: int = 8000, tools: bool = False) -> dict:
-    body = {"model": SANDBOX_MODEL, "messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 32}
+    status, models = http_json(f"http://{address}:{port}/v1/models")
+    assert status == 200, models
+    name = models["data"][0]["id"]
+    assert name == SANDBOX_MODEL or name.startswith("/srv/k2fleet/models/")  # trtllm-serve names it by path
+    body = {"model": name, "messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 32}
     if tools:
         body["tools"] = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}]
     status, answer = http_json(f"http://{address}:{port}/v1/chat/completions", body)
@@ -109,14 +113,18 @@ GOOD = "-p 2233 -F /etc/k2fleet/mesh/ssh_config"
 def test_mpirun_mesh_works_only_with_the_right_port_key_and_known_hosts(fleet) -> None:
     head, worker = fleet[0], fleet[1]
     run = lambda rsh: ssh(head, MPI.format(a=head["address"], b=worker["address"], rsh=rsh) + " 2>&1", check=False)
-    ok = run(GOOD)
-    assert ok.returncode == 0, ok.stdout
-    assert sorted(ok.stdout.split()) == sorted([head["name"], worker["name"]])
+    explicit = ("-p 2233 -i /etc/k2fleet/mesh/id_ed25519 -o IdentitiesOnly=yes -o UserKnownHostsFile=/etc/k2fleet/mesh/known_hosts "
+                "-o StrictHostKeyChecking=yes -o BatchMode=yes")
+    for rsh in (GOOD, explicit):
+        ok = run(rsh)
+        assert ok.returncode == 0, ok.stdout
+        assert sorted(ok.stdout.split()) == sorted([head["name"], worker["name"]])
     ssh(head, "test -f /tmp/other_key || ssh-keygen -q -t ed25519 -N '' -f /tmp/other_key")
     ssh(head, ": > /tmp/empty_known_hosts")
     bad = {
         "wrong port": "-p 22 -F /etc/k2fleet/mesh/ssh_config",
-        "wrong key": "-p 2233 -F /etc/k2fleet/mesh/ssh_config -o IdentityFile=/tmp/other_key -o IdentitiesOnly=yes -i /tmp/other_key",
+        "wrong key": "-p 2233 -i /tmp/other_key -o IdentitiesOnly=yes -o UserKnownHostsFile=/etc/k2fleet/mesh/known_hosts "
+                     "-o StrictHostKeyChecking=yes -o BatchMode=yes",
         "empty known_hosts": "-p 2233 -F /etc/k2fleet/mesh/ssh_config -o UserKnownHostsFile=/tmp/empty_known_hosts",
     }
     for what, rsh in bad.items():

@@ -123,6 +123,8 @@ def _multi_node(dep: Deployment, pool: Pool, nodes: tuple[HostEntry, ...], confi
     else:
         argv = mpirun_words(dep, nodes, env) + [venv_bin(dep, "trtllm-llmapi-launch"), venv_bin(dep, "trtllm-serve"), *words]
         argv[0] = "/usr/bin/mpirun"
+        for host in nodes[1:]:  # every rank reads the options YAML
+            yield host.name, files
     yield head.name, Service(
         name="k2-trtllm", argv=argv, env=env, files=files, ports={"k2_port": dep.s.port},
         stage=1, role=pool.role, health=Health(dep.s.port),
