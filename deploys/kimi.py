@@ -10,13 +10,11 @@ validator's message before the first operation.
 
 from roles import checkpoint, engine, health, mesh, packages, preflight, services
 from roles.context import fleet
-from roles.state import fleet_changed
-
-from k2fleet.packages import required_packages
+from roles.state import desired, fleet_changed, report
 
 ctx = fleet()
 preflight.check()
-packages.install_packages(required_packages(ctx.dep, ctx.host_plan(), mesh.enabled(ctx)), ctx.dep.s.package_source)
+packages.install_packages(desired().packages, ctx.dep.s.package_source, installed=list(report().packages))
 mesh.configure()
 engine.install()
 checkpoint.ensure()

@@ -156,6 +156,27 @@ def resolve_closure(packages: Iterable[str]) -> list[ResolvedPackage]:
     return resolved
 
 
+def _lists_signature() -> str:
+    """Identity of the apt lists the closure is resolved against (name, size, mtime)."""
+    entries = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in APT_LISTS_DIR.glob("*_Packages*"))
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
+
+
+def _memo_resolve(names: list[str], cache_dir: Path) -> list[ResolvedPackage]:
+    """:func:`resolve_closure`, remembered per request and apt lists state: a no-op
+    deploy must not pay apt's solver (seconds) to find the bundle it already has."""
+    key = hashlib.sha256(json.dumps([BUNDLE_FORMAT, names, _lists_signature()]).encode()).hexdigest()[:24]
+    memo = cache_dir / f"resolved-{key}.json"
+    if memo.is_file():
+        return [ResolvedPackage(**r) for r in json.loads(memo.read_text())]
+    resolved = resolve_closure(names)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps([{"name": r.name, "version": r.version, "arch": r.arch} for r in resolved]))
+    tmp.replace(memo)
+    return resolved
+
+
 def bundle_key(packages: Iterable[str], resolved: Iterable[ResolvedPackage]) -> str:
     """Cache key: hash of the sorted request and the resolved closure."""
     payload = {"format": BUNDLE_FORMAT, "requested": _normalize(packages),
@@ -297,7 +318,7 @@ def ensure_bundle(packages: list[str], cache_dir: Path = DEFAULT_CACHE_DIR) -> P
         # /var/cache/k2fleet/bundles/bundle-3f1c....tar
     """
     names = _normalize(packages)
-    resolved = resolve_closure(names)
+    resolved = _memo_resolve(names, cache_dir)
     tar_path = bundle_path(bundle_key(names, resolved), cache_dir)
     with _locked(cache_dir):
         if not tar_path.is_file():

@@ -114,7 +114,7 @@ def _install_from_bundle(packages: list[str]) -> None:
 
 
 @deploy("k2fleet: host packages")
-def install_packages(packages: list[str], source: str = "bundle") -> None:
+def install_packages(packages: list[str], source: str = "bundle", installed: list[str] | None = None) -> None:
     """
     Install Debian packages on the hosts, online or from an offline bundle.
 
@@ -122,6 +122,9 @@ def install_packages(packages: list[str], source: str = "bundle") -> None:
     + source: ``"apt"`` to install from the hosts' own apt sources (network),
       ``"bundle"`` to ship the full dependency closure from the control machine
       and install it with apt restricted to that bundle (air-gapped hosts)
+    + installed: packages already known to be installed (e.g. from k2fleet's
+      HostState fact); when it covers ``packages`` nothing is planned at all, so a
+      settled host costs no extra round trip
 
     Bundle:
         The bundle is built (or reused from ``/var/cache/k2fleet/bundles``) on the
@@ -143,7 +146,7 @@ def install_packages(packages: list[str], source: str = "bundle") -> None:
     """
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
-    if not packages:
+    if not packages or (installed is not None and {_base_name(p) for p in packages} <= set(installed)):
         return
     if source == "apt":
         apt.packages(

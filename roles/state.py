@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from pyinfra import host
 
+from k2fleet.packages import required_packages
 from k2fleet.preflight import HostReport
 from k2fleet.units import LIB_DIR
 from roles.context import fleet
@@ -26,6 +27,7 @@ class Desired:
     units: list[str] = field(default_factory=list)
     checks: dict[str, list[str]] = field(default_factory=dict)
     exists: list[str] = field(default_factory=list)
+    packages: list[str] = field(default_factory=list)
 
     def all_paths(self) -> list[str]:
         return sorted({p for files in self.files.values() for p in files})
@@ -59,6 +61,7 @@ def desired() -> Desired:
         d.units = ["k2-mesh-sshd.service"] + services.unit_names(ctx)
         d.checks = checkpoint.checks(ctx) | health.checks(ctx)
         d.exists = engine.exists_paths(ctx)
+        d.packages = required_packages(ctx.dep, ctx.host_plan(), mesh.enabled(ctx))
         _DESIRED[host.name] = d
     return _DESIRED[host.name]
 
@@ -74,7 +77,7 @@ def report() -> HostReport:
             "checks": d.checks,
             "exists": d.exists,
             "globs": [UNIT_GLOB],
-            "packages": [],
+            "packages": d.packages,
         }
         _REPORTS[host.name] = host.get_fact(HostState, query=query)
     return _REPORTS[host.name]
