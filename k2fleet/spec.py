@@ -70,6 +70,30 @@ class HostSettings(BaseModel):
         "`.k2fleet/manifest.json`, e.g. made by `hf download` on a connected machine).",
         default="hub",
     )
+    checkpoint_cache: str = _key(
+        FLEET,
+        "Control-machine directory the `hub` source downloads into and verifies "
+        "(`DIR/<org>--<name>/<revision>`); the fleet then receives it from there once.",
+        default="/var/cache/k2fleet/checkpoints",
+    )
+    hub_endpoint: str | None = _key(
+        FLEET,
+        "Hub URL for the `hub` source (an internal mirror); default: env `HF_ENDPOINT`, "
+        "else huggingface.co.",
+        default=None,
+    )
+    hub_token_file: str | None = _key(
+        FLEET,
+        "File on the control machine holding the Hub token; default: env `HF_TOKEN`. "
+        "The token is read at execution time, never put in argv, logs or the plan.",
+        default=None,
+    )
+    shared_storage: bool = _key(
+        FLEET,
+        "`k2_model_dir` is shared storage (NFS, Lustre) seen by every host: only the first "
+        "host fetches and verifies the checkpoint, the others only pass the gate.",
+        default=False,
+    )
     model_dir: str = _key(
         FLEET, "Where checkpoints live on hosts: `DIR/<org>--<name>/<revision>`.", default="/srv/k2fleet/models"
     )

@@ -1,12 +1,22 @@
-"""Checkpoint role: the pinned checkpoint is on every host and verified before any
-engine may start (the units' ``ExecStartPre`` re-checks the verified marker).
+"""Checkpoint role: the pinned checkpoint is fetched once per fleet, passed host to host,
+verified file by file on every host before any engine may start (the units'
+``ExecStartPre`` re-checks the verified marker) or any peer copies from it.
 
 Sources (``k2_checkpoint_source``):
 
+- ``hub`` (default): the control machine downloads ``k2_model`` at the pinned
+  ``k2_revision`` with huggingface_hub into ``k2_checkpoint_cache`` (endpoint
+  ``k2_hub_endpoint`` or env ``HF_ENDPOINT``; token env ``HF_TOKEN`` or
+  ``k2_hub_token_file``, read at execution time only) and verifies it there;
 - ``control:/path`` — a directory on the control machine with the files and
-  ``.k2fleet/manifest.json`` (air-gapped fleets): rsync over SSH to each host that
-  lacks a verified copy, then ``verify.py`` on the host (sha256 of every file against
-  the manifest, index completeness, safetensors headers) writes the marker.
+  ``.k2fleet/manifest.json`` (air-gapped fleets), verified there.
+
+Fan-out (:mod:`k2fleet.checkpoint.fanout`): one transfer leaves the control machine, to
+the first host that loads weights; the others pull from verified peers over the SSH
+mesh in doubling rounds. A host whose gate fails re-receives only the files
+``verify.py --json`` names. With ``k2_shared_storage`` only the first host fetches.
+Every step runs at execution time and only on hosts whose gate failed in the one
+HostState fact, so ``--dry`` and no-op runs transfer (and ask) nothing.
 
 .. code:: python
 
@@ -16,28 +26,48 @@ Sources (``k2_checkpoint_source``):
 
 from __future__ import annotations
 
-import shlex
-import subprocess
-
 from pyinfra import host
 from pyinfra.api import deploy
 from pyinfra.operations import python
 
+from k2fleet.checkpoint import fanout
+from k2fleet.mesh import mesh_dir
 from k2fleet.spec import SpecError
-from k2fleet.units import gate_argv
+from k2fleet.units import LIB_DIR, gate_argv
 from roles.context import FleetContext, fleet
 from roles.ops import command
 from roles.state import CHECKPOINT_CHECK, report, track
+
+VERIFY_PY = f"{LIB_DIR}/verify.py"
+TRANSFER_LOG = "checkpoint-transfers.jsonl"
 
 
 def checks(ctx: FleetContext) -> dict[str, list[str]]:
     return {CHECKPOINT_CHECK: gate_argv(ctx.dep)}
 
 
-def needs_checkpoint(ctx: FleetContext) -> bool:
+def _loads_weights(hp) -> bool:
     """Every GPU host loads weights (mpirun ranks too, with no service of their own)."""
-    hp = ctx.host_plan()
     return hp.role not in ("router", "slurm-submit") or any(s.needs_checkpoint for s in hp.services)
+
+
+def needs_checkpoint(ctx: FleetContext) -> bool:
+    return _loads_weights(ctx.host_plan())
+
+
+def fanout_plan(ctx: FleetContext) -> fanout.FanoutPlan:
+    names = [h.name for h in ctx.dep.fleet.hosts if _loads_weights(ctx.plan.hosts[h.name])]
+    return fanout.plan_fanout(names, shared_storage=ctx.dep.s.shared_storage)
+
+
+def control_source(ctx: FleetContext) -> tuple[str, bool]:
+    """(control-machine directory, fetched from the Hub?) of the checkpoint."""
+    s = ctx.dep.s
+    if s.checkpoint_source == "hub":
+        return fanout.control_dir(s.checkpoint_cache, s.model, s.revision), True
+    if s.checkpoint_source.startswith("control:/"):
+        return s.checkpoint_source.removeprefix("control:"), False
+    raise SpecError("k2_checkpoint_source", f"{s.checkpoint_source!r} is neither `hub` nor `control:/absolute/path`")
 
 
 def _ssh_command() -> list[str]:
@@ -50,34 +80,52 @@ def _ssh_command() -> list[str]:
     return ssh
 
 
-def push_from_control(source: str, dest: str, target: str, ssh: list[str]) -> None:
-    """rsync ``source/`` to ``target:dest/`` (resumable: partial files are kept)."""
-    argv = ["rsync", "-a", "--partial", "--mkpath", "--delete", "-e", shlex.join(ssh), f"{source.rstrip('/')}/", f"{target}:{dest}/"]
-    result = subprocess.run(argv, capture_output=True, text=True)
-    if result.returncode:
-        raise RuntimeError(f"rsync to {target} failed: {result.stderr.strip()[-2000:]}")
-
-
 @deploy("k2fleet: checkpoint")
 def ensure() -> None:
     ctx = fleet()
     dep = ctx.dep
-    verified = report().passed(CHECKPOINT_CHECK)
-    wanted = needs_checkpoint(ctx) and not verified
-    source = dep.s.checkpoint_source
-    if wanted and not source.startswith("control:"):
-        raise SpecError("k2_checkpoint_source", f"source {source!r} is not available in this version; use control:/path")
-    user = host.data.get("ssh_user") or "root"
-    target = f"{user}@{host.data.get('ssh_hostname') or host.name}"
+    source_dir, from_hub = control_source(ctx)
+    plan = fanout_plan(ctx)
+    me = host.name
+    wanted = needs_checkpoint(ctx) and not report().passed(CHECKPOINT_CHECK)
+    my_round = plan.round_of(me)
+    is_root = me == plan.root
+    root_wanted = wanted and is_root
+    path = dep.checkpoint_path
+    addresses = {h.name: h.address for h in dep.fleet.hosts}
+
+    # Round 0: the control machine's copy (Hub download or control: dir, verified there),
+    # then the one transfer that leaves the control machine, to the root.
     python.call(
-        name="copy the checkpoint from the control machine",
-        function=push_from_control,
-        source=source.removeprefix("control:"),
-        dest=dep.checkpoint_path,
-        target=target,
-        ssh=_ssh_command(),
-        _if=lambda: wanted,
+        name="fetch + verify the checkpoint on the control machine (once per fleet)",
+        function=fanout.ensure_control_copy,
+        repo_id=dep.s.model, revision=dep.s.revision, root=source_dir, hub=from_hub,
+        endpoint=dep.s.hub_endpoint, token_file=dep.s.hub_token_file,
+        _if=lambda: root_wanted,
+    )
+    user = host.data.get("ssh_user") or "root"
+    python.call(
+        name="send the checkpoint (or only its bad files) from the control machine",
+        function=fanout.push_to_host,
+        source=source_dir, dest=path, target=f"{user}@{host.data.get('ssh_hostname') or me}",
+        ssh=_ssh_command(), verify_py=VERIFY_PY, log_file=str(ctx.state_dir / TRANSFER_LOG),
+        _if=lambda: root_wanted,
     )
     track(command(name="verify every checkpoint file (sha256, index, headers)",
-            argv=["/usr/bin/python3", "/opt/k2fleet/lib/verify.py", "--full", dep.checkpoint_path],
-            _if=lambda: wanted))
+                  argv=["/usr/bin/python3", VERIFY_PY, "--full", path], _if=lambda: root_wanted))
+
+    # Rounds 1..: every other host pulls from a verified peer over the mesh (one sequence
+    # on all hosts; a host is active only in its own round and only if its gate failed).
+    rsh = fanout.mesh_rsh(mesh_dir(dep))
+    for rnd in range(1, len(plan.rounds)):
+        active = wanted and my_round == rnd
+        parent = plan.parents.get(me) if active else None
+        argv = fanout.host_pull_argv(path, VERIFY_PY, f"{addresses[parent]}:{path}", rsh) if parent else ["true"]
+        command(name=f"checkpoint round {rnd}: pull (only bad files) from a verified peer over the mesh",
+                argv=argv, _if=lambda active=active: active)
+        track(command(name=f"checkpoint round {rnd}: verify every file before serving or passing it on",
+                      argv=["/usr/bin/python3", VERIFY_PY, "--full", path], _if=lambda active=active: active))
+
+    # Shared storage: the root fetched into the shared path; the others only pass the gate.
+    command(name="checkpoint gate on shared storage",
+            argv=gate_argv(dep), _if=lambda: plan.shared and wanted and not is_root)

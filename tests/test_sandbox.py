@@ -44,10 +44,15 @@ def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def hosts(state_dir: Path) -> Iterator[list[sandbox.SandboxHost]]:
+    from tests.sandbox_harness import hold_sandbox_lock
+
+    lock = hold_sandbox_lock()  # the sandbox's names are global: one user at a time
+    sandbox.down()  # a fleet left up by the demo or another state dir uses the same names
     try:
         yield sandbox.up(N_HOSTS, state_dir)
     finally:
         sandbox.down(state_dir)
+        lock.close()
 
 
 def test_inventory(hosts: list[sandbox.SandboxHost], state_dir: Path) -> None:

@@ -1,5 +1,5 @@
 """Sandbox fleet data (inventories/sandbox.py): simulated GPUs, engine test doubles,
-a synthetic checkpoint from the control machine, packages from an offline bundle."""
+a synthetic checkpoint from the control machine (or the Hub test double), packages from an offline bundle."""
 
 import json as _json
 import os as _os
@@ -11,6 +11,14 @@ _SCENARIO = _os.environ.get("K2FLEET_SANDBOX_SCENARIO", "vllm")
 k2_model = SANDBOX_MODEL
 k2_revision = SANDBOX_REVISION
 k2_checkpoint_source = f"control:{sandbox_checkpoint_dir()}"
+# tests and benches switch to the Hub source served by tests/hub_double.py on loopback:
+# K2FLEET_SANDBOX_CHECKPOINT=hub, K2FLEET_SANDBOX_HUB=http://127.0.0.1:PORT,
+# K2FLEET_SANDBOX_CHECKPOINT_CACHE=DIR (the control-side cache)
+if _os.environ.get("K2FLEET_SANDBOX_CHECKPOINT") == "hub":
+    k2_checkpoint_source = "hub"
+    k2_hub_endpoint = _os.environ.get("K2FLEET_SANDBOX_HUB") or None
+    if _os.environ.get("K2FLEET_SANDBOX_CHECKPOINT_CACHE"):
+        k2_checkpoint_cache = _os.environ["K2FLEET_SANDBOX_CHECKPOINT_CACHE"]
 k2_checkpoint_bytes = 8_000_000
 k2_quantization = "int4"
 k2_gpu = "h200"
