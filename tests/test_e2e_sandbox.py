@@ -28,6 +28,7 @@ def fleet(tmp_path_factory, request):
     mp = pytest.MonkeyPatch()
     mp.setenv("K2FLEET_STATE_DIR", str(state))
     ensure_sandbox_checkpoint()
+    sandbox.down()  # start from fresh hosts: the deploy must work on bare ones
     hosts = sandbox.up(3)
     yield [dataclasses.asdict(h) for h in hosts]
     sandbox.down()
