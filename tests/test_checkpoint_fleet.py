@@ -1,0 +1,374 @@
+"""Checkpoint fetched once per fleet, fanned out host to host, verified shard by shard,
+repaired file by file.
+
+Unit tests: the fan-out plan, the rsync argv, the host-side pull helper (run here on
+local directories with the real rsync and verify.py), the control-side cache against
+the Hub TEST DOUBLE (tests/hub_double.py, loopback only).
+
+Sandbox tests (``@pytest.mark.sandbox``): the real 3-host sandbox fleet, the real CLI
+``pyinfra -y inventories/sandbox.py deploys/kimi.py`` with the sandbox inventory on the
+``hub`` source (the double on 127.0.0.1: only the control machine downloads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+for p in (str(REPO_ROOT), str(Path(__file__).resolve().parent)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from hub_double import HubDouble  # noqa: E402
+from synth_checkpoint import describe_dir, make_checkpoint, manifest_for, shard_name  # noqa: E402
+
+from k2fleet.checkpoint import fanout  # noqa: E402
+from k2fleet.checkpoint.verify import load_manifest, verify  # noqa: E402
+
+VERIFY_PY = str(REPO_ROOT / "k2fleet" / "checkpoint" / "verify.py")
+REPO = "k2fleet-test/Kimi-K2-Thinking-synthetic"
+
+
+def shard(i: int) -> str:
+    return shard_name(i, 62)
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 13, 64])
+def test_fanout_plan_one_control_transfer_parents_before_children(n: int) -> None:
+    hosts = [f"h{i}" for i in range(1, n + 1)]
+    plan = fanout.plan_fanout(hosts)
+    assert plan.root == "h1" and plan.parents["h1"] is None
+    assert plan.control_transfers() == 1
+    assert sorted(h for r in plan.rounds for h in r) == sorted(hosts)  # everyone exactly once
+    assert len(plan.rounds) == 1 + math.ceil(math.log2(n))
+    for h in hosts[1:]:
+        parent = plan.parents[h]
+        assert parent in hosts and plan.round_of(parent) < plan.round_of(h)
+    # a source serves at most one peer per round
+    for r in plan.rounds:
+        sources = [plan.parents[h] for h in r]
+        assert len(sources) == len(set(sources))
+
+
+def test_fanout_plan_shared_storage_only_root_fetches() -> None:
+    plan = fanout.plan_fanout(["a", "b", "c"], shared_storage=True)
+    assert plan.rounds == (("a",),)
+    assert plan.round_of("b") is None and plan.round_of("a") == 0
+    assert fanout.plan_fanout([]).root is None
+
+
+def test_rsync_argv_full_and_repair() -> None:
+    full = fanout.rsync_argv("10.0.0.1:/m/k2", "/m/k2", "ssh -F /etc/k2fleet/mesh/ssh_config")
+    assert full[-2:] == ["10.0.0.1:/m/k2/", "/m/k2/"]
+    assert "--delete" in full and "--partial" in full and "--files-from" not in " ".join(full)
+    assert full[full.index("-e") + 1] == "ssh -F /etc/k2fleet/mesh/ssh_config"
+    assert "--exclude=/.k2fleet/verified.json" in full and "--exclude=/.cache/" in full
+    repair = fanout.rsync_argv("/c/k2", "root@h:/m/k2", "ssh -p 22", files_from="/tmp/list")
+    assert "--files-from=/tmp/list" in repair and "--ignore-times" in repair and "--delete" not in repair
+    assert fanout.mesh_rsh("/etc/k2fleet/mesh") == "ssh -F /etc/k2fleet/mesh/ssh_config"
+
+
+def test_files_to_send_and_rsync_stats() -> None:
+    assert fanout.files_to_send({"ok": True, "problems": []}) == []
+    assert fanout.files_to_send(None) is None
+    bad = [{"path": "b", "kind": "missing"}, {"path": "a", "kind": "size_mismatch"}, {"path": "a", "kind": "hash_mismatch"}]
+    assert fanout.files_to_send({"ok": False, "problems": bad}) == ["a", "b"]
+    assert fanout.files_to_send({"ok": False, "problems": bad + [{"path": "i", "kind": "bad_index"}]}) is None
+    out = fanout.parse_rsync_output("K2SENT .k2fleet/\nK2SENT x.safetensors\nTotal bytes sent: 4,321,000\nTotal bytes received: 1.234\n")
+    assert out == {"files": ["x.safetensors"], "bytes_sent": 4321000, "bytes_received": 1234}
+
+
+# --------------------------------------------------------------------------- host-side pull helper
+
+
+def _with_manifest(root: Path) -> dict[str, Any]:
+    manifest = manifest_for(describe_dir(root), REPO, "a" * 40)
+    (root / ".k2fleet").mkdir(exist_ok=True)
+    (root / ".k2fleet" / "manifest.json").write_text(json.dumps(manifest))
+    return manifest
+
+
+def _pull(src: Path, dst: Path, log: Path) -> dict[str, Any]:
+    argv = fanout.host_pull_argv(str(dst), VERIFY_PY, str(src), "ssh", str(log))
+    argv[0] = sys.executable
+    out = subprocess.run(argv, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def flip_bit_keep_stat(path: Path, offset: int = 4096) -> None:
+    ref = path.with_name(path.name + ".ref")
+    shutil.copy2(path, ref)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+    subprocess.run(["touch", "-r", str(ref), str(path)], check=True)
+    ref.unlink()
+
+
+def test_host_pull_full_then_only_bad_files_then_nothing(tmp_path: Path) -> None:
+    src, dst, log = tmp_path / "src", tmp_path / "dst", tmp_path / "log.jsonl"
+    make_checkpoint(src, num_shards=62, shard_bytes=8192)
+    manifest = _with_manifest(src)
+    assert verify(str(src), manifest).ok  # the source has its own marker: never copied
+    (src / ".cache").mkdir()
+    (src / ".cache" / "junk").write_text("hf download metadata")
+
+    first = _pull(src, dst, log)
+    assert first["mode"] == "full" and len(first["files"]) == len(manifest["files"]) + 1  # + manifest.json
+    assert not (dst / ".cache").exists() and not (dst / ".k2fleet" / "verified.json").exists()
+    assert verify(str(dst), load_manifest(str(dst / ".k2fleet" / "manifest.json")), full=True).ok
+
+    inodes = {rel: (dst / rel).stat().st_ino for rel in manifest["files"]}
+    flip_bit_keep_stat(dst / shard(7))
+    os.truncate(dst / shard(8), 1000)
+    (dst / shard(9)).unlink()
+    again = _pull(src, dst, log)
+    assert again["mode"] == "repair"
+    assert sorted(again["files"]) == sorted(again["asked"]) == sorted([shard(7), shard(8), shard(9)])
+    assert verify(str(dst), manifest, full=True).ok
+    changed = {rel for rel in manifest["files"] if (dst / rel).stat().st_ino != inodes[rel]}
+    assert changed == {shard(7), shard(8), shard(9)}
+
+    assert _pull(src, dst, log)["mode"] == "none"  # unchanged copy: nothing re-sent
+    assert [json.loads(line)["mode"] for line in log.read_text().splitlines()] == ["full", "repair", "none"]
+
+
+# --------------------------------------------------------------------------- control-side cache (Hub double)
+
+
+@pytest.fixture
+def hf_isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+
+
+def get_counts(hub: HubDouble) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in hub.requests:
+        if r.method == "GET" and r.rfilename is not None and r.sent:
+            counts[r.rfilename] = counts.get(r.rfilename, 0) + 1
+    return counts
+
+
+def test_control_cache_downloads_once_then_repairs_one_file(tmp_path: Path, hf_isolated: None) -> None:
+    src = tmp_path / "served"
+    make_checkpoint(src, num_shards=62, shard_bytes=8192)
+    token_file = tmp_path / "token"
+    token_file.write_text("hf_test_secret_token\n")
+    with HubDouble() as hub:
+        sha = hub.add_commit(REPO, src)
+        root = fanout.control_dir(str(tmp_path / "cache"), REPO, sha)
+        first = fanout.ensure_control_copy(REPO, sha, root, hub=True, endpoint=hub.url, token_file=str(token_file))
+        assert first["action"] == "download"
+        files = {f.path for f in describe_dir(src)}
+        assert get_counts(hub) == {f: 1 for f in files}  # every file fetched exactly once
+        assert all(r.authorization == "Bearer hf_test_secret_token" for r in hub.requests if r.rfilename)
+        hub.reset_counters()
+        assert fanout.ensure_control_copy(REPO, sha, root, hub=True, endpoint=hub.url)["action"] == "none"
+        assert hub.requests == []  # a verified cache asks the Hub nothing
+        flip_bit_keep_stat(Path(root) / shard(3))
+        fixed = fanout.ensure_control_copy(REPO, sha, root, hub=True, endpoint=hub.url, token_file=str(token_file))
+        assert fixed["action"] == "repair" and get_counts(hub) == {shard(3): 1}
+    with pytest.raises(RuntimeError, match="no .k2fleet/manifest.json"):
+        fanout.ensure_control_copy(REPO, sha, str(tmp_path / "empty"), hub=False)
+
+
+# --------------------------------------------------------------------------- the real sandbox fleet
+
+
+def _bridge_tx() -> int:
+    """Bytes the control machine sent into the sandbox bridge (its own IP stack only:
+    frames forwarded host-to-host by the bridge are not counted on the bridge device)."""
+    return int(Path("/sys/class/net/k2sb0/statistics/tx_bytes").read_text())
+
+
+@dataclasses.dataclass
+class Fleet:
+    hosts: list[dict[str, Any]]
+    hub: HubDouble
+    env: dict[str, str]
+    state: Path
+    cache: Path
+    served: Path
+    size: int
+
+    def control_log(self) -> list[dict[str, Any]]:
+        lines = [line for f in sorted(self.state.glob("*/checkpoint-transfers.jsonl")) for line in f.read_text().splitlines()]
+        return [json.loads(line) for line in lines]
+
+    def host_log(self, host: dict[str, Any]) -> list[dict[str, Any]]:
+        from tests.sandbox_harness import ssh
+
+        out = ssh(host, f"cat {fanout.HOST_LOG} 2>/dev/null || true").stdout
+        return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def hubfleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    if os.geteuid() != 0:
+        pytest.skip("the sandbox fleet needs root")
+    from k2fleet import sandbox
+    from k2fleet.synthetic import SANDBOX_MODEL, SANDBOX_REVISION, ensure_sandbox_checkpoint
+    from tests.sandbox_harness import hold_sandbox_lock
+
+    lock = hold_sandbox_lock()
+    state = tmp_path_factory.mktemp("k2state")
+    cache = tmp_path_factory.mktemp("k2cache")
+    served = ensure_sandbox_checkpoint()
+    size = sum(e["size"] for e in load_manifest(str(served / ".k2fleet" / "manifest.json"))["files"].values())
+    hub = HubDouble().start()
+    try:
+        assert hub.add_commit(SANDBOX_MODEL, served, sha=SANDBOX_REVISION) == SANDBOX_REVISION
+        sandbox.down()  # a fresh fleet: nothing on the hosts yet
+        hosts = [dataclasses.asdict(h) for h in sandbox.up(3)]
+        env = {
+            "K2FLEET_STATE_DIR": str(state),
+            "K2FLEET_SANDBOX_CHECKPOINT": "hub",
+            "K2FLEET_SANDBOX_HUB": hub.url,
+            "K2FLEET_SANDBOX_CHECKPOINT_CACHE": str(cache),
+            "HF_HOME": str(state / "hf_home"),
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            "HF_TOKEN": "",
+        }
+        yield Fleet(hosts, hub, env, state, cache, served, size)
+    finally:
+        hub.stop()
+        sandbox.down()
+        lock.close()
+
+
+def _healthy(fleet: Fleet) -> None:
+    from tests.sandbox_harness import http_json, ssh
+
+    for host in fleet.hosts:
+        status, _ = http_json(f"http://{host['address']}:8000/health")
+        assert status == 200, host["name"]
+        status, models = http_json(f"http://{host['address']}:8000/v1/models")
+        body = {"model": models["data"][0]["id"], "messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 16}
+        status, answer = http_json(f"http://{host['address']}:8000/v1/chat/completions", body)
+        assert status == 200 and answer["choices"][0]["message"]["content"].strip(), answer
+        gate = ssh(host, "python3 /opt/k2fleet/lib/verify.py /srv/k2fleet/models/*/*/", check=False)
+        assert gate.returncode == 0, gate.stdout + gate.stderr
+
+
+def _inodes(host: dict[str, Any]) -> dict[str, int]:
+    from tests.sandbox_harness import ssh
+
+    out = ssh(host, "cd /srv/k2fleet/models/*/*/ && stat -c '%i %n' *").stdout
+    return {name: int(ino) for ino, name in (line.split(" ", 1) for line in out.splitlines())}
+
+
+@pytest.mark.sandbox
+def test_hub_deploy_fetches_once_and_fans_out_over_the_mesh(hubfleet: Fleet) -> None:
+    from tests.sandbox_harness import deploy
+
+    fleet = hubfleet
+    fleet.hub.reset_counters()
+    result = deploy(fleet.env)
+    assert result.returncode == 0, result.output[-4000:]
+    _healthy(fleet)
+    files = set(load_manifest(str(fleet.served / ".k2fleet" / "manifest.json"))["files"])
+    assert get_counts(fleet.hub) == {f: 1 for f in files}  # the double served each file exactly once
+    assert "hf_" not in result.output
+    control = fleet.control_log()
+    assert [(r["target"].split("@")[1], r["mode"]) for r in control] == [(fleet.hosts[0]["address"], "full")]
+    assert abs(control[0]["bytes_sent"] - fleet.size) < 0.02 * fleet.size  # ≈ the checkpoint, once
+    for host in fleet.hosts[1:]:
+        (pull,) = fleet.host_log(host)
+        assert pull["mode"] == "full" and pull["source"].startswith(fleet.hosts[0]["address"] + ":")
+    assert fleet.host_log(fleet.hosts[0]) == []
+
+
+@pytest.mark.sandbox
+def test_second_deploy_resends_nothing(hubfleet: Fleet) -> None:
+    from tests.sandbox_harness import deploy
+
+    fleet = hubfleet
+    fleet.hub.reset_counters()
+    before = (len(fleet.control_log()), [len(fleet.host_log(h)) for h in fleet.hosts])
+    result = deploy(fleet.env)
+    assert result.returncode == 0 and result.changed == 0, result.output[-4000:]
+    assert fleet.hub.requests == []
+    assert (len(fleet.control_log()), [len(fleet.host_log(h)) for h in fleet.hosts]) == before
+
+
+@pytest.mark.sandbox
+def test_damaged_files_are_the_only_ones_resent(hubfleet: Fleet) -> None:
+    from tests.sandbox_harness import deploy, ssh
+
+    fleet = hubfleet
+    h1, h2, h3 = fleet.hosts
+    d = "/srv/k2fleet/models/*/*"
+    inodes = {h["name"]: _inodes(h) for h in fleet.hosts}
+    flip = ("python3 -c \"import sys; f=open(sys.argv[1],'r+b'); f.seek(5000); b=f.read(1); f.seek(5000); "
+            "f.write(bytes([b[0]^1])); f.close()\" {p}")
+    ssh(h3, f"p=$(echo {d}/{shard(11)}); cp -p $p /tmp/ref && " + flip.format(p="$p") + " && touch -r /tmp/ref $p")
+    ssh(h2, f"truncate -s 1000 {d}/{shard(22)}")
+    ssh(h1, f"rm {d}/{shard(33)}")
+    cache_root = Path(fanout.control_dir(str(fleet.cache), REPO, load_manifest(str(fleet.served / ".k2fleet" / "manifest.json"))["revision"]))
+    flip_bit_keep_stat(cache_root / shard(44), offset=5000)  # the control cache has a bad file too
+    fleet.hub.reset_counters()
+    n_control, n_hosts = len(fleet.control_log()), {h["name"]: len(fleet.host_log(h)) for h in fleet.hosts}
+    tx0 = _bridge_tx()
+
+    result = deploy(fleet.env)
+    egress = _bridge_tx() - tx0
+    assert result.returncode == 0, result.output[-4000:]
+    assert get_counts(fleet.hub) == {shard(44): 1}  # only the cache's bad file, re-fetched alone
+    (push,) = fleet.control_log()[n_control:]
+    assert push["mode"] == "repair" and push["files"] == [shard(33)] and push["target"].endswith(h1["address"])
+    for host, bad in ((h2, shard(22)), (h3, shard(11))):
+        (pull,) = fleet.host_log(host)[n_hosts[host["name"]]:]
+        assert pull["mode"] == "repair" and pull["files"] == [bad], pull
+        assert pull["source"].startswith(h1["address"] + ":")
+    assert fleet.host_log(h1)[n_hosts[h1["name"]]:] == []
+    for host, bad in ((h1, shard(33)), (h2, shard(22)), (h3, shard(11))):
+        now = _inodes(host)
+        assert {f for f in now if now[f] != inodes[host["name"]].get(f)} == {bad}, host["name"]
+    _healthy(fleet)
+    print(f"repair: control egress {egress} bytes; shard {(fleet.served / shard(33)).stat().st_size} bytes; "
+          f"control rsync sent {push['bytes_sent']}")
+    assert egress < fleet.size / 4  # one shard and pyinfra's own traffic, not the checkpoint
+
+
+@pytest.mark.sandbox
+def test_control_egress_is_one_checkpoint_for_three_hosts(hubfleet: Fleet) -> None:
+    from tests.sandbox_harness import deploy, ssh
+
+    fleet = hubfleet
+    tx0 = _bridge_tx()
+    noop = deploy(fleet.env)
+    baseline = _bridge_tx() - tx0
+    assert noop.returncode == 0 and noop.changed == 0
+    for host in fleet.hosts:
+        ssh(host, "rm -rf /srv/k2fleet/models/*/*/")
+    tx0 = _bridge_tx()
+    result = deploy(fleet.env)
+    egress = _bridge_tx() - tx0
+    assert result.returncode == 0, result.output[-4000:]
+    _healthy(fleet)
+    ratio = egress / fleet.size
+    print(f"egress: {egress} bytes for a {fleet.size}-byte checkpoint on 3 hosts, ratio {ratio:.3f} "
+          f"(no-op deploy baseline {baseline} bytes; ratio without it {(egress - baseline) / fleet.size:.3f})")
+    assert (egress - baseline) / fleet.size <= 1.10  # one copy, not three
+    assert ratio < 1.5
