@@ -33,7 +33,7 @@ sandbox_hosts = [
             "ssh_key": e["ssh_key"],
             "ssh_known_hosts_file": e["ssh_known_hosts_file"],
             "ssh_strict_host_key_checking": "yes",
-            "k2_nic": "eth0",
+            "k2_nic": _os.environ.get("K2FLEET_SANDBOX_NIC", "eth0"),  # tests break it to prove preflight
         },
     )
     for e in _ENTRIES

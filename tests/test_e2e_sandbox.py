@@ -49,6 +49,15 @@ def chat(address: str, port: int = 8000, tools: bool = False) -> dict:
     return answer["choices"][0]
 
 
+def test_preflight_refuses_a_host_before_any_change(fleet) -> None:
+    result = deploy({"K2FLEET_SANDBOX_NIC": "eth9"})
+    assert result.returncode != 0
+    assert "preflight failed" in result.output and "k2_nic eth9 does not exist" in result.output
+    assert "Starting operation" not in result.output  # stopped while planning: nothing ran
+    for host in fleet:
+        assert ssh(host, "ls /etc/k2fleet /opt/k2fleet 2>/dev/null | wc -l").stdout.strip() == "0"
+
+
 def test_vllm_deploy_to_a_healthy_fleet(fleet) -> None:
     result = deploy()
     assert result.returncode == 0, result.output[-4000:]
