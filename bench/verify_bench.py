@@ -12,11 +12,22 @@ Generates a ~3 GB synthetic Kimi-K2-layout checkpoint (62 shards) under
 * warm cache: one core's hashlib sha256 rate, full verify, and an unchanged
   re-verify (marker hit, no hashing).
 
-Ends with ``ratios: verify_vs_read=X verify_vs_sha256sum=X verify_vs_cores=X reverify_vs_full=X``
+* fan-out egress (root only; takes /tmp/k2sb.lock and brings the 3-host sandbox up,
+  and down again if it was down): a ``--fanout-mb`` synthetic checkpoint served by the
+  Hub TEST DOUBLE on loopback, deployed with ``pyinfra -y inventories/sandbox.py
+  deploys/kimi.py`` on the ``hub`` source; then every host's copy is removed and the
+  deploy re-run while the bytes the control machine sends into the sandbox bridge are
+  counted (``k2sb0`` tx_bytes: the control machine's own traffic, pyinfra's included;
+  host-to-host frames the bridge forwards are not counted).
+  ``egress_vs_size`` = those bytes ÷ checkpoint size (goal ≤ 1.05; 3.0 would be a push
+  to every host).
+
+Ends with ``ratios: verify_vs_read=X verify_vs_sha256sum=X verify_vs_cores=X reverify_vs_full=X egress_vs_size=X``
 where verify_vs_cores = warm verify rate / (cores × one core's sha256 rate),
 1.0 meaning every core hashes flat out.
 
-Usage: ``python3 bench/verify_bench.py [--gb 3] [--rounds 3] [--dir /var/tmp/k2fleet-verify-bench] [--keep]``
+Usage: ``python3 bench/verify_bench.py [--gb 3] [--rounds 3] [--dir /var/tmp/k2fleet-verify-bench] [--keep]
+[--fanout-mb 128 | --no-fanout]``
 """
 
 from __future__ import annotations
@@ -151,6 +162,56 @@ def _check(report: Any) -> None:
         raise SystemExit("verify failed on the benchmark checkpoint: " + "; ".join(report.lines()))
 
 
+def fanout_egress(workdir: Path, mb: float) -> float:  # noqa: C901 - one linear measurement
+    """Bytes the control machine sends for a 3-host fan-out ÷ checkpoint size (see module doc)."""
+    import tempfile
+
+    from hub_double import HubDouble
+    from sandbox_harness import deploy, hold_sandbox_lock, ssh
+
+    from k2fleet import sandbox
+    from k2fleet.synthetic import SANDBOX_MODEL, SANDBOX_REVISION
+
+    if os.geteuid() != 0:
+        raise RuntimeError("the sandbox fleet needs root")
+    tmp = Path(tempfile.mkdtemp(prefix="k2fleet-fanout-bench-", dir=workdir.parent))
+    src = tmp / "ckpt"
+    make_checkpoint(src, num_shards=NUM_SHARDS, shard_bytes=int(mb * 1e6 / NUM_SHARDS))
+    size = sum(f.size for f in describe_dir(src))
+    tx = Path("/sys/class/net/k2sb0/statistics/tx_bytes")
+    lock = hold_sandbox_lock()
+    was_up = sandbox._is_up(sandbox.DEFAULT_STATE_DIR.resolve(), 3)
+    try:
+        hosts = [{"name": h.name, "address": h.address, "ssh_key": h.ssh_key,
+                  "ssh_known_hosts_file": h.ssh_known_hosts_file} for h in sandbox.up(3)]
+        with HubDouble() as hub:
+            hub.add_commit(SANDBOX_MODEL, src, sha=SANDBOX_REVISION)
+            env = {"K2FLEET_STATE_DIR": str(tmp / "state"), "K2FLEET_SANDBOX_CHECKPOINT": "hub",
+                   "K2FLEET_SANDBOX_HUB": hub.url, "K2FLEET_SANDBOX_CHECKPOINT_CACHE": str(tmp / "cache"),
+                   "HF_HOME": str(tmp / "hf"), "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_TOKEN": ""}
+            t0 = time.monotonic()
+            first = deploy(env)
+            if first.returncode:
+                raise RuntimeError("deploy failed:\n" + first.output[-3000:])
+            print(f"fan-out: first deploy (download + fan-out + services) {time.monotonic() - t0:.1f}s")
+            for h in hosts:
+                ssh(h, "rm -rf /srv/k2fleet/models/*/*/")
+            before, t0 = int(tx.read_text()), time.monotonic()
+            again = deploy(env)
+            egress, seconds = int(tx.read_text()) - before, time.monotonic() - t0
+            if again.returncode:
+                raise RuntimeError("deploy failed:\n" + again.output[-3000:])
+            gets = sum(1 for r in hub.requests if r.method == "GET" and r.rfilename and r.sent)
+        print(f"fan-out: {size / 1e6:.0f} MB checkpoint to 3 hosts in {seconds:.1f}s (deploy included); "
+              f"control machine sent {egress / 1e6:.1f} MB; Hub GETs with a body: {gets} for {len(describe_dir(src))} files")
+        return egress / size
+    finally:
+        if not was_up:
+            sandbox.down()
+        lock.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default="/var/tmp/k2fleet-verify-bench")
@@ -158,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the generated files for the next run")
+    ap.add_argument("--fanout-mb", type=float, default=128.0, help="checkpoint size of the fan-out egress measurement")
+    ap.add_argument("--no-fanout", action="store_true", help="skip the fan-out egress measurement (no sandbox)")
     args = ap.parse_args(argv)
     workdir = Path(args.dir)
     root, manifest = prepare(workdir, args.gb)
@@ -197,7 +260,13 @@ def main(argv: list[str] | None = None) -> int:
         "verify_vs_sha256sum": statistics.median(cold["sha256sum"][i] / cold["verify"][i] for i in rounds),
         "verify_vs_cores": (total / warm_full_s) / (cores * core_rate),
         "reverify_vs_full": reverify_s / warm_full_s,
+        "egress_vs_size": float("nan"),
     }
+    if not args.no_fanout:
+        try:
+            ratios["egress_vs_size"] = fanout_egress(workdir, args.fanout_mb)
+        except Exception as e:  # noqa: BLE001 - a bench reports, it does not hide the other ratios
+            print(f"fan-out egress not measured: {e}")
     print("ratios: " + " ".join(f"{k}={v:.3f}" for k, v in ratios.items()))
     return 0
 

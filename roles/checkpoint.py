@@ -98,9 +98,10 @@ def ensure() -> None:
     # then the one transfer that leaves the control machine, to the root.
     python.call(
         name="fetch + verify the checkpoint on the control machine (once per fleet)",
-        function=fanout.ensure_control_copy,
+        function=fanout.prepare_control_copy,
         repo_id=dep.s.model, revision=dep.s.revision, root=source_dir, hub=from_hub,
         endpoint=dep.s.hub_endpoint, token_file=dep.s.hub_token_file,
+        log_file=str(ctx.state_dir / TRANSFER_LOG),
         _if=lambda: root_wanted,
     )
     user = host.data.get("ssh_user") or "root"

@@ -37,6 +37,7 @@ from k2fleet.checkpoint.verify import load_manifest, verify  # noqa: E402
 
 VERIFY_PY = str(REPO_ROOT / "k2fleet" / "checkpoint" / "verify.py")
 REPO = "k2fleet-test/Kimi-K2-Thinking-synthetic"
+SECRET = "hf_k2fleet_sandbox_secret_token"
 
 
 def shard(i: int) -> str:
@@ -87,6 +88,9 @@ def test_files_to_send_and_rsync_stats() -> None:
     bad = [{"path": "b", "kind": "missing"}, {"path": "a", "kind": "size_mismatch"}, {"path": "a", "kind": "hash_mismatch"}]
     assert fanout.files_to_send({"ok": False, "problems": bad}) == ["a", "b"]
     assert fanout.files_to_send({"ok": False, "problems": bad + [{"path": "i", "kind": "bad_index"}]}) is None
+    gone = [{"path": "a", "kind": "missing"}, {"path": "b", "kind": "missing"}]
+    assert fanout.files_to_send({"ok": False, "files_total": 2, "problems": gone}) is None  # nothing there: full
+    assert fanout.files_to_send({"ok": False, "files_total": 3, "problems": gone}) == ["a", "b"]
     out = fanout.parse_rsync_output("K2SENT .k2fleet/\nK2SENT x.safetensors\nTotal bytes sent: 4,321,000\nTotal bytes received: 1.234\n")
     assert out == {"files": ["x.safetensors"], "bytes_sent": 4321000, "bytes_received": 1234}
 
@@ -147,6 +151,13 @@ def test_host_pull_full_then_only_bad_files_then_nothing(tmp_path: Path) -> None
 
     assert _pull(src, dst, log)["mode"] == "none"  # unchanged copy: nothing re-sent
     assert [json.loads(line)["mode"] for line in log.read_text().splitlines()] == ["full", "repair", "none"]
+
+    # a new manifest at the source (same path): the host checks against the source's manifest
+    (src / shard(5)).write_bytes((src / shard(5)).read_bytes()[:-8] + b"\0" * 8)
+    manifest = _with_manifest(src)
+    changed_source = _pull(src, dst, log)
+    assert changed_source["mode"] == "repair" and changed_source["files"] == [shard(5)]
+    assert verify(str(dst), manifest, full=True).ok
 
 
 # --------------------------------------------------------------------------- control-side cache (Hub double)
@@ -211,9 +222,10 @@ class Fleet:
     served: Path
     size: int
 
-    def control_log(self) -> list[dict[str, Any]]:
+    def control_log(self, step: str = "push") -> list[dict[str, Any]]:
+        """Records of the control machine's steps: ``push`` (to the root), ``control-copy``."""
         lines = [line for f in sorted(self.state.glob("*/checkpoint-transfers.jsonl")) for line in f.read_text().splitlines()]
-        return [json.loads(line) for line in lines]
+        return [r for r in map(json.loads, lines) if r.get("step") == step]
 
     def host_log(self, host: dict[str, Any]) -> list[dict[str, Any]]:
         from tests.sandbox_harness import ssh
@@ -248,7 +260,7 @@ def hubfleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             "HF_HOME": str(state / "hf_home"),
             "HF_HUB_DISABLE_TELEMETRY": "1",
             "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-            "HF_TOKEN": "",
+            "HF_TOKEN": SECRET,  # read by the download process from its environment only
         }
         yield Fleet(hosts, hub, env, state, cache, served, size)
     finally:
@@ -289,7 +301,13 @@ def test_hub_deploy_fetches_once_and_fans_out_over_the_mesh(hubfleet: Fleet) -> 
     _healthy(fleet)
     files = set(load_manifest(str(fleet.served / ".k2fleet" / "manifest.json"))["files"])
     assert get_counts(fleet.hub) == {f: 1 for f in files}  # the double served each file exactly once
-    assert "hf_" not in result.output
+    # the token reached the Hub and nothing else: not the output, the plan, the transfer logs
+    assert {r.authorization for r in fleet.hub.requests} == {f"Bearer {SECRET}"}
+    assert SECRET not in result.output
+    assert not any(SECRET in f.read_text() for f in fleet.state.rglob("*.jsonl"))
+    plan = subprocess.run(["k2fleet", "plan", "inventories/sandbox.py", "--json"], cwd=REPO_ROOT,
+                          env=os.environ | fleet.env, capture_output=True, text=True)
+    assert plan.returncode == 0 and SECRET not in plan.stdout + plan.stderr
     control = fleet.control_log()
     assert [(r["target"].split("@")[1], r["mode"]) for r in control] == [(fleet.hosts[0]["address"], "full")]
     assert abs(control[0]["bytes_sent"] - fleet.size) < 0.02 * fleet.size  # ≈ the checkpoint, once
@@ -297,6 +315,7 @@ def test_hub_deploy_fetches_once_and_fans_out_over_the_mesh(hubfleet: Fleet) -> 
         (pull,) = fleet.host_log(host)
         assert pull["mode"] == "full" and pull["source"].startswith(fleet.hosts[0]["address"] + ":")
     assert fleet.host_log(fleet.hosts[0]) == []
+    assert [r["action"] for r in fleet.control_log("control-copy")] == ["download"]
 
 
 @pytest.mark.sandbox
@@ -335,6 +354,7 @@ def test_damaged_files_are_the_only_ones_resent(hubfleet: Fleet) -> None:
     egress = _bridge_tx() - tx0
     assert result.returncode == 0, result.output[-4000:]
     assert get_counts(fleet.hub) == {shard(44): 1}  # only the cache's bad file, re-fetched alone
+    assert fleet.control_log("control-copy")[-1]["action"] == "repair"
     (push,) = fleet.control_log()[n_control:]
     assert push["mode"] == "repair" and push["files"] == [shard(33)] and push["target"].endswith(h1["address"])
     for host, bad in ((h2, shard(22)), (h3, shard(11))):
@@ -370,5 +390,7 @@ def test_control_egress_is_one_checkpoint_for_three_hosts(hubfleet: Fleet) -> No
     ratio = egress / fleet.size
     print(f"egress: {egress} bytes for a {fleet.size}-byte checkpoint on 3 hosts, ratio {ratio:.3f} "
           f"(no-op deploy baseline {baseline} bytes; ratio without it {(egress - baseline) / fleet.size:.3f})")
-    assert (egress - baseline) / fleet.size <= 1.10  # one copy, not three
-    assert ratio < 1.5
+    (push,) = fleet.control_log()[-1:]
+    assert push["mode"] == "full" and push["target"].endswith(fleet.hosts[0]["address"])
+    assert egress - push["bytes_sent"] < 0.05 * fleet.size  # hosts 2 and 3 got ~nothing from the control machine
+    assert ratio <= 1.05  # one copy leaves the control machine, not three

@@ -13,9 +13,10 @@ its checkpoint gate fails. A parent always comes in an earlier round than its
 children, so by the time a child pulls, its parent either passed the gate already or
 was (re)fetched and verified.
 
-Repair: a host with a copy runs ``verify.py --json`` first and transfers only the
-files it names (``rsync --files-from``, ``--ignore-times`` because a bit flip keeps
-size and mtime), from the same source; a host with no usable copy gets a full sync.
+Repair: a host with a copy first receives the source's manifest (a few KB, compared by
+checksum), runs ``verify.py --json`` against it and then receives only the files it
+names (``rsync --files-from``, ``--ignore-times`` because a bit flip keeps size and
+mtime), from the same source; a host with no usable copy gets a full sync.
 
 Pure planning (who pulls from whom, the rsync argv, which files to re-send) is at the
 top; the control-side steps (Hub download into the cache, push to the root) follow.
@@ -34,6 +35,7 @@ import posixpath
 import re
 import shlex
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -154,7 +156,10 @@ def files_to_send(report: Any) -> list[str] | None:
     problems = report["problems"]
     if not problems or any(not isinstance(p, dict) or p.get("kind") not in REPAIRABLE for p in problems):
         return None
-    return sorted({str(p["path"]) for p in problems})
+    paths = sorted({str(p["path"]) for p in problems})
+    if all(p["kind"] == "missing" for p in problems) and len(paths) >= int(report.get("files_total") or 0):
+        return None  # nothing there yet: a full sync
+    return paths
 
 
 def parse_rsync_output(text: str) -> dict[str, Any]:
@@ -182,6 +187,12 @@ REPAIRABLE = %(repairable)r
 EXCLUDES = %(excludes)r
 send = None
 if os.path.isfile(os.path.join(d, ".k2fleet", "manifest.json")):
+    # the source's manifest first (tiny; compared by checksum), so the check below is against it
+    m = subprocess.run(["rsync", "-a", "--checksum", "-e", rsh, source.rstrip("/") + "/.k2fleet/manifest.json",
+                        os.path.join(d, ".k2fleet", "manifest.json")], capture_output=True, text=True)
+    if m.returncode:
+        sys.stderr.write(m.stderr[-3000:])
+        sys.exit(m.returncode)
     r = subprocess.run([sys.executable, verify_py, "--json", d], capture_output=True, text=True)
     try:
         rep = json.loads(r.stdout)
@@ -191,6 +202,8 @@ if os.path.isfile(os.path.join(d, ".k2fleet", "manifest.json")):
         send = []
     elif isinstance(rep, dict) and rep.get("problems") and all(p.get("kind") in REPAIRABLE for p in rep["problems"]):
         send = sorted({p["path"] for p in rep["problems"]})
+        if all(p["kind"] == "missing" for p in rep["problems"]) and len(send) >= int(rep.get("files_total") or 0):
+            send = None
 argv = ["rsync", "-a", "--partial", "--stats", "--out-format=K2SENT %%n"] + ["--exclude=" + e for e in EXCLUDES] + ["-e", rsh]
 listing = None
 if send == []:
@@ -302,6 +315,43 @@ def ensure_control_copy(
             "bytes": report.bytes_total, "files": report.files_total}
 
 
+def prepare_control_copy(
+    repo_id: str,
+    revision: str,
+    root: str,
+    *,
+    hub: bool,
+    endpoint: str | None = None,
+    token_file: str | None = None,
+    log_file: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
+    """:func:`ensure_control_copy` in a child process (pyinfra's gevent-patched process
+    cannot import huggingface_hub's HTTP stack, and hashing there would stall every
+    host's connection). The endpoint goes in the child's environment, the token is
+    read by the child (env ``HF_TOKEN`` or ``token_file``): neither is in argv."""
+    argv = [sys.executable, "-m", "k2fleet.checkpoint.fanout", "control-copy", repo_id, revision, root]
+    argv += ["--hub"] if hub else []
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")]))
+    if endpoint:
+        env["HF_ENDPOINT"] = endpoint
+    if token_file:
+        env["K2FLEET_HUB_TOKEN_FILE"] = token_file
+    result = subprocess.run(argv, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+    if result.returncode:
+        raise RuntimeError(f"control copy of {repo_id}@{revision} failed:\n{result.stderr.strip()[-3000:]}")
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    if log_file:
+        _append(log_file, {"step": "control-copy", **record})
+    return record
+
+
+def _append(log_file: str | os.PathLike[str], record: dict[str, Any]) -> None:
+    Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, sort_keys=True) + "\n")
+
+
 def push_to_host(
     source: str,
     dest: str,
@@ -313,13 +363,23 @@ def push_to_host(
     """Control machine → one host (the root): verify the host's copy over SSH, then rsync
     only the bad files (or everything when it has no usable copy). Returns the record
     also appended as one JSON line to ``log_file``."""
+    rsh = shlex.join(ssh)
+    manifest = f"{dest.rstrip('/')}/.k2fleet/manifest.json"
     remote = shlex.join(["/usr/bin/python3", verify_py, "--json", dest])
-    probe = subprocess.run([*ssh, target, f"test -f {shlex.quote(dest)}/.k2fleet/manifest.json && {remote}"],
+    probe = subprocess.run([*ssh, target, f"test -f {shlex.quote(manifest)} && echo yes"],
                            capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    try:
-        report = json.loads(probe.stdout) if probe.stdout.strip() else None
-    except ValueError:
-        report = None
+    report = None
+    if probe.stdout.strip() == "yes":
+        # the source's manifest first (tiny; compared by checksum), so the check is against it
+        sync = subprocess.run(["rsync", "-a", "--checksum", "-e", rsh, f"{source.rstrip('/')}/.k2fleet/manifest.json",
+                               f"{target}:{manifest}"], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        if sync.returncode:
+            raise RuntimeError(f"rsync of the manifest to {target} failed: {sync.stderr.strip()[-2000:]}")
+        check = subprocess.run([*ssh, target, remote], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        try:
+            report = json.loads(check.stdout)
+        except ValueError:
+            report = None
     send = files_to_send(report)
     record: dict[str, Any] = {"target": target, "source": source, "dir": dest, "asked": send}
     if send == []:
@@ -329,7 +389,7 @@ def push_to_host(
             if send is not None:
                 listing.write("".join(f + "\n" for f in send))
                 listing.flush()
-            argv = rsync_argv(source, f"{target}:{dest}", shlex.join(ssh), listing.name if send is not None else None)
+            argv = rsync_argv(source, f"{target}:{dest}", rsh, listing.name if send is not None else None)
             t0 = time.monotonic()
             result = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         if result.returncode:
@@ -338,7 +398,34 @@ def push_to_host(
                       seconds=round(time.monotonic() - t0, 3))
     record["time"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     if log_file:
-        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-        with open(log_file, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
+        _append(log_file, {"step": "push", **record})
     return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m k2fleet.checkpoint.fanout control-copy REPO REVISION DIR [--hub]``
+    (endpoint: env ``HF_ENDPOINT``; token: env ``HF_TOKEN`` or ``K2FLEET_HUB_TOKEN_FILE``)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m k2fleet.checkpoint.fanout")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    cc = sub.add_parser("control-copy", help="make DIR a verified copy of REPO@REVISION on this machine")
+    cc.add_argument("repo_id")
+    cc.add_argument("revision")
+    cc.add_argument("dir")
+    cc.add_argument("--hub", action="store_true", help="fetch missing or bad files from the Hub")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        record = ensure_control_copy(args.repo_id, args.revision, args.dir, hub=args.hub,
+                                     endpoint=os.environ.get("HF_ENDPOINT") or None,
+                                     token_file=os.environ.get("K2FLEET_HUB_TOKEN_FILE") or None)
+    except (RuntimeError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(record, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
