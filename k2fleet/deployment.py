@@ -112,6 +112,9 @@ def _check_model(fleet: Fleet) -> tuple[int, str, bool]:
             f"{s.model} is not in k2fleet's catalog; set k2_checkpoint_bytes and k2_quantization",
             fleet,
         )
+    source = s.checkpoint_source
+    if source != "hub" and not source.startswith("control:/"):
+        raise _fail("k2_checkpoint_source", f"{source!r} is neither `hub` nor `control:/absolute/path`", fleet)
     reasoning = known.reasoning if known else "thinking" in s.model.lower()
     return size, quant, reasoning
 

@@ -127,6 +127,13 @@ def ensure() -> None:
         track(command(name=f"checkpoint round {rnd}: verify every file before serving or passing it on",
                       argv=["/usr/bin/python3", VERIFY_PY, "--full", path], _if=lambda active=active: active))
 
+    # model_type fallback: a config overlay over the verified files, never an edit of them.
+    override = dep.s.model_type_override
+    overlay_missing = bool(override) and not report().exists.get(f"{dep.serve_path}/config.json", False)
+    track(command(name=f"config overlay with model_type {override}",
+                  argv=["/usr/bin/python3", f"{LIB_DIR}/overlay.py", path, dep.serve_path, "--model-type", str(override)],
+                  _if=lambda: bool(override) and needs_checkpoint(ctx) and (wanted or overlay_missing)))
+
     # Shared storage: the root fetched into the shared path; the others only pass the gate.
     command(name="checkpoint gate on shared storage",
             argv=gate_argv(dep), _if=lambda: plan.shared and wanted and not is_root)

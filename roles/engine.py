@@ -35,6 +35,7 @@ ENTRY = {"vllm": "vllm", "sglang": "python", "ktransformers": "python", "trtllm"
 def _lib_files() -> dict[str, tuple[bytes, str]]:
     return {
         f"{LIB_DIR}/verify.py": ((REPO / "k2fleet/checkpoint/verify.py").read_bytes(), "755"),
+        f"{LIB_DIR}/overlay.py": ((REPO / "k2fleet/checkpoint/overlay.py").read_bytes(), "755"),
         f"{LIB_DIR}/k2fleet-health.py": ((FILES / "k2fleet-health.py").read_bytes(), "755"),
     }
 
@@ -63,7 +64,10 @@ def desired_files(ctx: FleetContext) -> dict[str, tuple[bytes, str]]:
 
 
 def exists_paths(ctx: FleetContext) -> list[str]:
-    return [f"{ctx.dep.s.venv}/bin/{ENTRY[ctx.dep.engine]}"]
+    paths = [f"{ctx.dep.s.venv}/bin/{ENTRY[ctx.dep.engine]}"]
+    if ctx.dep.s.model_type_override:
+        paths.append(f"{ctx.dep.serve_path}/config.json")
+    return paths
 
 
 def _venv_install(ctx: FleetContext) -> list[str]:

@@ -5,6 +5,7 @@ k2fleet's test doubles (no GPUs here)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -101,6 +102,22 @@ def test_dry_run_touches_nothing(fleet) -> None:
     for host in fleet:
         assert ssh(host, "sha256sum /etc/systemd/system/k2-vllm.service").stdout == units[host["name"]]
         assert main_pid(host, "k2-vllm.service") == pids[host["name"]]
+
+
+def test_model_type_fallback_serves_an_overlay_and_leaves_verified_files_alone(fleet) -> None:
+    env = {"K2FLEET_SANDBOX_MODEL_TYPE": "deepseek_v3"}
+    result = deploy(env)
+    assert result.returncode == 0, result.output[-4000:]
+    for host in fleet:
+        status, models = http_json(f"http://{host['address']}:8000/v1/models")
+        assert status == 200 and "deepseek_v3" in json.dumps(models), models
+        base = ssh(host, "ls -d /srv/k2fleet/models/*/*[0-9a-f] | head -1").stdout.strip()
+        assert '"model_type": "kimi_k2"' in ssh(host, f"cat {base}/config.json").stdout  # verified file untouched
+        assert ssh(host, f"python3 /opt/k2fleet/lib/verify.py --full {base}", check=False).returncode == 0
+        manifest = json.loads(ssh(host, f"cat {base}/.k2fleet/manifest.json").stdout)
+        assert manifest["overlay"]["model_type"] == "deepseek_v3"  # recorded in the manifest
+    again = deploy(env)
+    assert again.returncode == 0 and again.changed == 0, again.output[-3000:]
 
 
 def test_trtllm_two_node_mpirun_over_the_mesh(fleet) -> None:

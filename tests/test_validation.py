@@ -47,6 +47,7 @@ CASES: list[tuple[str, int | list, dict[str, Any], str, str]] = [
     ("simulated-gpus-in-production", 1, {"k2_simulated_gpus": True}, "k2_simulated_gpus", "sandbox"),
     ("fleet-key-differs", [("a", {"k2_port": 8000}), ("b", {"k2_port": 8001})], {}, "k2_port", "same on every host"),
     ("unknown-gpu", 1, {"k2_gpu": "rtx4090"}, "k2_gpu", "unknown GPU type"),
+    ("bad-checkpoint-source", 1, {"k2_checkpoint_source": "s3://bucket/k2"}, "k2_checkpoint_source", "neither `hub`"),
     ("vllm-ep-size", 1, {"k2_tp": 8, "k2_ep": 4}, "k2_ep", "tp×dp = 8"),
 ]
 

@@ -40,3 +40,5 @@ else:
     k2_engine_args = {}
 # tests change one engine flag through this (JSON object of extra flags)
 k2_engine_args = {**k2_engine_args, **_json.loads(_os.environ.get("K2FLEET_SANDBOX_ENGINE_ARGS", "{}"))}
+# tests switch on the model_type fallback overlay through this (e.g. deepseek_v3)
+k2_model_type_override = _os.environ.get("K2FLEET_SANDBOX_MODEL_TYPE") or None

@@ -9,6 +9,7 @@ directory is never written to (other than by verify's own marker).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -16,7 +17,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from k2fleet.checkpoint.verify import atomic_write_json, is_verified
+try:
+    from k2fleet.checkpoint.verify import atomic_write_json, is_verified, load_manifest
+except ImportError:  # on a fleet host: this file and verify.py sit side by side in /opt/k2fleet/lib
+    from verify import atomic_write_json, is_verified, load_manifest  # type: ignore[no-redef]
 
 CONFIG = "config.json"
 DEFAULT_MODEL_TYPE_MAP = {"kimi_k2": "deepseek_v3"}
@@ -127,3 +131,29 @@ def overlay_problems(record: dict[str, Any], manifest: dict[str, Any]) -> list[s
         if not link.is_symlink() or os.readlink(link) != str(src / rel):
             out.append(f"{link}: not a symlink to {src / rel}")
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``overlay.py VERIFIED_DIR OVERLAY_DIR [--model-type T]``: build the overlay and
+    record it in the manifest (``VERIFIED_DIR/.k2fleet/manifest.json``, key ``overlay``;
+    the manifest digest that the verified marker pins excludes that key)."""
+    ap = argparse.ArgumentParser(prog="overlay.py", description="model_type fallback overlay")
+    ap.add_argument("verified_dir")
+    ap.add_argument("overlay_dir")
+    ap.add_argument("--model-type", default=None)
+    args = ap.parse_args(argv)
+    manifest_file = Path(args.verified_dir) / ".k2fleet" / "manifest.json"
+    manifest = load_manifest(str(manifest_file))
+    try:
+        record = make_overlay(args.verified_dir, args.overlay_dir, manifest, args.model_type)
+    except (NotVerifiedError, ValueError) as exc:
+        print(f"overlay.py: {exc}")
+        return 1
+    manifest["overlay"] = record
+    atomic_write_json(str(manifest_file), manifest)
+    print(f"overlay {record['dir']}: model_type {record['source_model_type']} -> {record['model_type']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
