@@ -301,10 +301,8 @@ def _check_slurm(fleet: Fleet, gpu: catalog.GpuType, per_node: int, size: int) -
         if ep > tp:
             raise _fail("k2_disagg", f"{side}.moe_expert_parallel_size {ep} exceeds tensor_parallel_size {tp}", fleet)
         per_gpu = size / (ep if ep > 1 else tp) / catalog.GIB
-        free = float(worker.get("kv_cache_config", {}).get("free_gpu_memory_fraction", 0.9))
         if per_gpu + KV_RESERVE_GIB > gpu.memory_gib * 0.95:
             raise _fail("k2_disagg", f"{side}: {per_gpu:.0f} GiB of weights per GPU does not fit {gpu.name}", fleet)
-        del free
 
 
 def resolve(fleet: Fleet) -> Deployment:

@@ -13,7 +13,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-from k2fleet.spec import Fleet, HostEntry, SpecError, build_fleet, parse_host
+from k2fleet.spec import Fleet, SpecError, build_fleet, parse_host
 
 
 def _import_pyinfra_cli_inventory() -> types.ModuleType:
@@ -52,11 +52,7 @@ def inventory_host_data(path: str | Path) -> list[tuple[str, dict[str, Any], tup
 
 
 def fleet_from_hosts(source: str, hosts: list[tuple[str, dict[str, Any], tuple[str, ...]]]) -> Fleet:
-    entries: list[HostEntry] = []
-    for name, data, groups in hosts:
-        entry = parse_host(name, data, source)
-        entries.append(HostEntry(entry.name, entry.settings, entry.ssh_hostname, groups))
-    return build_fleet(source, entries)
+    return build_fleet(source, [parse_host(name, data, source, groups) for name, data, groups in hosts])
 
 
 def load_fleet(path: str | Path) -> Fleet:

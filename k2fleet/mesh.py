@@ -30,7 +30,7 @@ def sshd_config(dep: Deployment, entry: HostEntry) -> str:
         f"Port {dep.s.mesh_port}",
         f"ListenAddress {entry.address}",
         f"HostKey {d}/ssh_host_ed25519_key",
-        f"PidFile /run/k2-mesh-sshd.pid",
+        "PidFile /run/k2-mesh-sshd.pid",
         f"AuthorizedKeysFile {d}/authorized_keys",
         "PubkeyAuthentication yes",
         "PasswordAuthentication no",

@@ -248,7 +248,7 @@ class Fleet:
         return self.hosts[0].settings
 
 
-def parse_host(name: str, data: dict[str, Any], where: str = "") -> HostEntry:
+def parse_host(name: str, data: dict[str, Any], where: str = "", groups: tuple[str, ...] = ()) -> HostEntry:
     """Type-check one host's ``k2_*`` keys.
 
     >>> parse_host("n1", {"k2_model": "m/x", "k2_revision": "0"*40, "k2_engine": "vllm",
@@ -271,7 +271,7 @@ def parse_host(name: str, data: dict[str, Any], where: str = "") -> HostEntry:
         else:
             msg = f"{err['msg']} (got {err.get('input')!r} on host {name})"
         raise SpecError(loc, msg, where) from None
-    return HostEntry(name=name, settings=settings, ssh_hostname=data.get("ssh_hostname"), groups=())
+    return HostEntry(name=name, settings=settings, ssh_hostname=data.get("ssh_hostname"), groups=groups)
 
 
 def build_fleet(source: str, entries: list[HostEntry]) -> Fleet:

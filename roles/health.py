@@ -17,11 +17,12 @@ from collections.abc import Callable
 
 from pyinfra.api import deploy
 
+from k2fleet.units import LIB_DIR
 from roles.context import FleetContext, fleet
 from roles.ops import command
 from roles.state import report
 
-SCRIPT = "/opt/k2fleet/lib/k2fleet-health.py"
+SCRIPT = f"{LIB_DIR}/k2fleet-health.py"
 
 
 def _gate_argv(ctx: FleetContext, timeout: int) -> list[str] | None:

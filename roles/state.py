@@ -13,7 +13,6 @@ from pyinfra import host
 
 from k2fleet.packages import required_packages
 from k2fleet.preflight import HostReport
-from k2fleet.units import LIB_DIR
 from roles.context import fleet
 from roles.facts import HostState
 
@@ -81,7 +80,3 @@ def report() -> HostReport:
         }
         _REPORTS[host.name] = host.get_fact(HostState, query=query)
     return _REPORTS[host.name]
-
-
-def lib_path(name: str) -> str:
-    return f"{LIB_DIR}/{name}"

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from k2fleet.deployment import Deployment, Pool
+from k2fleet.mesh import mesh_dir
 from k2fleet.plan import Health, Service
 from k2fleet.render.common import container_argv, engine_env, extra_flags, venv_bin
 from k2fleet.spec import HostEntry
@@ -24,7 +25,7 @@ RENAMED_KEYS = {("cuda_graph_config", "padding_enabled"): "enable_padding"}
 
 def mesh_paths(dep: Deployment) -> dict[str, str]:
     """Where the mesh role puts the deployment key and pinned known_hosts."""
-    base = f"{dep.s.config_dir}/mesh"
+    base = mesh_dir(dep)
     return {"key": f"{base}/id_ed25519", "known_hosts": f"{base}/known_hosts", "sshd_config": f"{base}/sshd_config"}
 
 
