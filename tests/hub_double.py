@@ -21,7 +21,8 @@ fixed commit shas, implementing exactly what huggingface_hub 2.4's
 For tests and benchmarks it counts bytes served per file and logs every
 request (method, path, Range, Authorization), can cut the next K GET
 responses of a file after N bytes (closing the connection, as a dropped
-download would) or fail them with a status, and keeps branches ("main") that
+download would), stall one after N bytes (as a hung download would, until
+released) or fail them with a status, and keeps branches ("main") that
 can be moved to another commit.
 
 Example:
@@ -93,6 +94,7 @@ class _Fault:
     after_bytes: int | None  # cut after this many body bytes (None: fail with status)
     status: int
     times: int
+    stalled: threading.Event | None = None  # stall (not cut) after after_bytes; set once the bytes are out
 
 
 @dataclass
@@ -135,6 +137,7 @@ class HubDouble:
         self.lfs_suffixes = lfs_suffixes
         self.repos: dict[str, _Repo] = {}
         self.bytes_served: Counter[str] = Counter()
+        self._release = threading.Event()
         self.requests: list[RequestRecord] = []
         self._faults: dict[str, list[_Fault]] = {}
         self._lock = threading.Lock()
@@ -158,6 +161,7 @@ class HubDouble:
 
     def stop(self) -> None:
         """Stop serving and close the socket."""
+        self._release.set()
         self._server.shutdown()
         self._server.server_close()
         if self._thread is not None:
@@ -218,6 +222,19 @@ class HubDouble:
         """The next ``times`` GETs of ``rfilename`` send ``after_bytes`` body bytes, then drop the connection."""
         with self._lock:
             self._faults.setdefault(rfilename, []).append(_Fault(after_bytes, 0, times))
+
+    def stall_next(self, rfilename: str, after_bytes: int) -> threading.Event:
+        """The next GET of ``rfilename`` sends ``after_bytes`` body bytes, then hangs (as a
+        stuck download would) until :meth:`release` or :meth:`stop`, then drops the
+        connection. Returns an event set once those bytes are sent."""
+        stalled = threading.Event()
+        with self._lock:
+            self._faults.setdefault(rfilename, []).append(_Fault(after_bytes, 0, 1, stalled))
+        return stalled
+
+    def release(self) -> None:
+        """Let stalled responses end (their connections are dropped)."""
+        self._release.set()
 
     def fail_next(self, rfilename: str, status: int = 403, times: int = 1) -> None:
         """The next ``times`` GETs of ``rfilename`` answer ``status`` with no body."""
@@ -448,6 +465,10 @@ class _Handler(BaseHTTPRequestHandler):
         count = length if fault is None else min(length, fault.after_bytes or 0)
         sent = self._sendfile(blob.local, start, count)
         self._record(status, blob.path, sent)
+        if fault is not None and fault.stalled is not None:
+            self.wfile.flush()
+            fault.stalled.set()
+            self.hub._release.wait(timeout=300)
         if fault is not None and count < length:
             self.close_connection = True
             try:

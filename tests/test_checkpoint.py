@@ -200,14 +200,7 @@ def test_instruct_style_unpadded_shard_names_verify(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- interrupted downloads
 
 
-def test_dropped_connection_resumes_with_range(
-    hub: HubDouble, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import huggingface_hub.constants as hfc
-
-    # huggingface_hub resumes from the last whole chunk it wrote (10 MiB on the Hub); shrink the
-    # chunk so a 64 KiB test shard spans several chunks. Nothing else is patched.
-    monkeypatch.setattr(hfc, "DOWNLOAD_CHUNK_SIZE", 16 * 1024)
+def test_dropped_connection_resumes_with_range(hub: HubDouble, tmp_path: Path) -> None:
     victim, cut = shard(11), 40_000
     hub.cut_next(victim, after_bytes=cut)
     target = tmp_path / "ckpt"
@@ -215,35 +208,78 @@ def test_dropped_connection_resumes_with_range(
     assert report.ok, report.lines()
 
     gets = hub.requests_for(victim, "GET")
-    assert [g.range is None for g in gets] == [True, False]
-    resumed_at = int(gets[1].range.removeprefix("bytes=").rstrip("-"))  # type: ignore[union-attr]
-    assert 0 < resumed_at <= cut and gets[1].status == 206
-    size = (target / victim).stat().st_size
-    assert hub.bytes_served[victim] == size + (cut - resumed_at)  # only the lost tail was sent twice
+    assert [(g.range, g.status) for g in gets] == [(None, 200), (f"bytes={cut}-", 206)]
+    assert hub.bytes_served[victim] == (target / victim).stat().st_size  # no byte sent twice
 
 
-def test_rerun_after_failed_download_fetches_only_what_is_missing(
-    hub: HubDouble, source: Path, tmp_path: Path
-) -> None:
+def test_rerun_after_failed_download_fetches_only_what_is_missing(hub: HubDouble, tmp_path: Path) -> None:
     from huggingface_hub.errors import HfHubHTTPError
 
     victim = shard(9)
     target = tmp_path / "ckpt"
+    manifest = build_manifest(REPO, hub.sha, endpoint=hub.url)  # type: ignore[attr-defined]
     hub.fail_next(victim, status=403)
     with pytest.raises(HfHubHTTPError):
-        download(REPO, hub.sha, target, endpoint=hub.url)  # type: ignore[attr-defined]
-    wanted = {f.path for f in describe_dir(source)}
-    finished = {rel for rel in wanted if (target / rel).is_file()}
-    assert victim not in finished and finished  # hf cancels not-yet-started files after a failure
+        download(REPO, hub.sha, target, manifest["files"], endpoint=hub.url)  # type: ignore[attr-defined]
+    finished = {rel for rel in manifest["files"] if (target / rel).is_file()}
+    assert finished == set(manifest["files"]) - {victim}  # one failure does not cancel the others
     orphan = target / ".cache" / "huggingface" / "download" / f"x.{'0' * 64}.deadbeef.incomplete"
-    orphan.write_bytes(b"partial bytes left by a killed process")
+    orphan.parent.mkdir(parents=True, exist_ok=True)
+    orphan.write_bytes(b"partial bytes left by a killed hf_hub_download")
 
     hub.reset_counters()
-    download(REPO, hub.sha, target, endpoint=hub.url)  # type: ignore[attr-defined]
-    assert set(hub.bytes_served) == wanted - finished  # finished files are not fetched again
-    assert not list(target.rglob("*.incomplete"))
-    manifest = build_manifest(REPO, hub.sha, endpoint=hub.url)  # type: ignore[attr-defined]
+    download(REPO, hub.sha, target, manifest["files"], endpoint=hub.url)  # type: ignore[attr-defined]
+    assert set(hub.bytes_served) == {victim}  # finished files are not fetched again
+    assert not list(target.rglob("*.incomplete")) and not list(target.rglob("*.part"))
     assert verify(str(target), manifest).ok
+
+
+def _download_cli(hub: HubDouble, target: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "k2fleet.checkpoint.download", REPO, "--revision", hub.sha,  # type: ignore[attr-defined]
+         "--dir", str(target), "--max-workers", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+        env={**os.environ, "HF_ENDPOINT": hub.url, "PYTHONPATH": str(REPO_ROOT)},
+    )
+
+
+def test_killed_download_resumes_partial_file_and_skips_finished_ones(hub: HubDouble, tmp_path: Path) -> None:
+    import signal
+    import time
+
+    victim, cut = shard(30), 40_000
+    target = tmp_path / "ckpt"
+    stalled = hub.stall_next(victim, after_bytes=cut)
+    proc = _download_cli(hub, target)
+    try:
+        assert stalled.wait(60), "the download never reached the victim shard"
+        manifest = build_manifest(REPO, hub.sha, endpoint=hub.url)  # type: ignore[attr-defined]
+        others = set(manifest["files"]) - {victim}
+        parts = target / ".k2fleet" / "partial"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # everything else lands, the victim hangs at `cut` bytes
+            done = {rel for rel in others if (target / rel).is_file()}
+            part_bytes = sum(p.stat().st_size for p in parts.glob(f"{victim}.*.part"))
+            if done == others and part_bytes == cut:
+                break
+            time.sleep(0.05)
+        assert done == others and part_bytes == cut
+        proc.send_signal(signal.SIGKILL)  # no cleanup of any kind
+        proc.wait(10)
+    finally:
+        proc.kill()
+        hub.release()
+    assert proc.returncode == -signal.SIGKILL and not (target / victim).exists()
+
+    hub.reset_counters()
+    rerun = _download_cli(hub, target)
+    out, err = rerun.communicate(timeout=120)
+    assert rerun.returncode == 0, err
+    gets = [r for r in hub.requests if r.method == "GET" and r.rfilename in manifest["files"]]
+    assert [(g.rfilename, g.range, g.status) for g in gets] == [(victim, f"bytes={cut}-", 206)]
+    size = manifest["files"][victim]["size"]
+    assert hub.bytes_served == {victim: size - cut}  # only the missing tail crossed the network
+    assert verify(str(target), manifest, full=True).ok and not list(parts.glob("*"))
 
 
 # --------------------------------------------------------------------------- fast re-verify + CLI
@@ -357,7 +393,7 @@ def test_moving_branch_is_refused_or_resolved_explicitly(
     assert build_manifest(REPO, "main", endpoint=hub.url, resolve=True)["revision"] == second
 
     with pytest.raises(ValueError, match="pin"):
-        download(REPO, "main", tmp_path / "x", endpoint=hub.url)
+        download(REPO, "main", tmp_path / "x", {}, endpoint=hub.url)
     target = tmp_path / "pinned"
     assert fetch_and_verify(REPO, first, target, endpoint=hub.url).ok
     assert (target / "config.json").read_bytes() == (source / "config.json").read_bytes()
@@ -409,11 +445,13 @@ def test_manifest_from_dir_air_gapped(fetched: tuple[Path, dict[str, Any]], hub:
     target, manifest = fetched
     assert manifest_from_dir(target) == manifest  # .k2fleet/manifest.json
 
-    (target / ".k2fleet" / "manifest.json").unlink()  # local_dir download: hf's tree listing
-    from_tree = manifest_from_dir(target, repo_id=REPO)
-    assert from_tree["revision"] == manifest["revision"] and from_tree["files"] == manifest["files"]
-
     from huggingface_hub import snapshot_download
+
+    # what `hf download REPO --revision SHA --local-dir D` leaves: hf's own tree listing
+    hf_local = tmp_path / "hf_local_dir"
+    snapshot_download(REPO, revision=hub.sha, local_dir=str(hf_local), endpoint=hub.url)  # type: ignore[attr-defined]
+    from_tree = manifest_from_dir(hf_local, repo_id=REPO)
+    assert from_tree["revision"] == manifest["revision"] and from_tree["files"] == manifest["files"]
 
     cache = tmp_path / "hf_cache"
     snapshot = snapshot_download(REPO, revision=hub.sha, cache_dir=str(cache), endpoint=hub.url)  # type: ignore[attr-defined]

@@ -4,21 +4,23 @@ The token comes from a file (``--token-file``) or env ``HF_TOKEN`` and is
 never printed or put on a command line; the endpoint comes from env
 ``HF_ENDPOINT`` (default: the Hub).
 
-Resumption, as huggingface_hub 2.4 actually behaves (read from its
-``file_download.py``):
+Resumption. huggingface_hub 2.4 resumes a dropped connection only within one
+call: each download goes to a process-unique ``<hash>.<etag>.<uuid>.incomplete``
+that is deleted on failure, so a killed or rebooted download starts that file
+from zero again (read from its ``file_download.py``). k2fleet therefore fetches
+each file itself with huggingface_hub's own pieces — :func:`hf_hub_url`,
+:func:`get_hf_file_metadata` (commit, ETag, size, redirect), its auth headers,
+HTTP client and error mapping — into a *stable* partial file
+``DIR/.k2fleet/partial/<file>.<etag>.part``, appended as bytes arrive. A later
+run (after a kill, a reboot, a lost connection) sends ``Range: bytes=<partial
+size>-`` and only the missing tail crosses the network; a file already in
+place is not fetched again. When the Hub marks a file as Xet-stored and
+``hf_xet`` is installed, the file goes through ``hf_hub_download`` instead (the
+fast path, which keeps its own chunk cache across runs).
 
-* Within one run, a connection dropped mid-file is retried by ``http_get``
-  with ``Range: bytes=N-`` from the last whole 10 MiB chunk it had written
-  (up to 5 retries without progress, 1 s apart).
-* Across runs, a partial file is *not* resumed: each download goes to a
-  process-unique ``.cache/huggingface/download/<hash>.<etag>.<uuid>.incomplete``
-  that is deleted when the download fails (a killed process leaves it as an
-  orphan, which :func:`download` removes). Finished files are kept and are not
-  fetched again: a re-run only fetches what is missing.
-* A present file whose ``.metadata`` names the pinned commit is trusted
-  without any check — which is why every download is followed by
-  :func:`k2fleet.checkpoint.verify.verify`, and :func:`repair` deletes a bad
-  file (and its metadata) before fetching it again.
+Nothing is trusted because it was downloaded: every download is followed by
+:func:`k2fleet.checkpoint.verify.verify` against the manifest, and
+:func:`repair` deletes a bad file before fetching it again.
 """
 
 from __future__ import annotations
@@ -28,10 +30,13 @@ import contextlib
 import fcntl
 import logging
 import os
+import shutil
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
+from urllib.parse import urlsplit
 
 from k2fleet.checkpoint.manifest import build_manifest, is_commit_sha, manifest_path, save_manifest
 from k2fleet.checkpoint.verify import (
@@ -97,7 +102,11 @@ def download_lock(local_dir: str | os.PathLike[str]) -> Iterator[None]:
 
 
 def remove_orphaned_partials(local_dir: str | os.PathLike[str]) -> list[Path]:
-    """Delete ``*.incomplete`` files a killed download left (call while holding the lock)."""
+    """Delete ``*.incomplete`` files a killed ``hf_hub_download`` left (call while holding the lock).
+
+    huggingface_hub never reuses them (their names are process-unique); k2fleet's own
+    resumable ``.part`` files are kept.
+    """
     base = Path(local_dir) / ".cache" / "huggingface" / "download"
     removed = sorted(base.rglob("*.incomplete")) if base.is_dir() else []
     for path in removed:
@@ -105,39 +114,134 @@ def remove_orphaned_partials(local_dir: str | os.PathLike[str]) -> list[Path]:
     return removed
 
 
-def download(
+PARTIAL_DIR = "partial"
+_STREAM_CHUNK = 1 << 20  # bytes written per write(); the partial file grows as bytes arrive
+_RETRIES_WITHOUT_PROGRESS = 5
+
+
+def partial_path(local_dir: str | os.PathLike[str], rel: str, etag: str) -> Path:
+    """Stable partial-download path of ``rel`` for content ``etag`` (same name on every run).
+
+    Example:
+        >>> str(partial_path("/m/k2", "model-00001-of-000062.safetensors", '"ab12"'))
+        '/m/k2/.k2fleet/partial/model-00001-of-000062.safetensors.ab12.part'
+    """
+    tag = "".join(c for c in etag if c.isalnum())[:64] or "noetag"
+    return Path(state_dir(str(local_dir))) / PARTIAL_DIR / f"{rel}.{tag}.part"
+
+
+def _transient_errors() -> tuple[type[BaseException], ...]:
+    try:
+        import httpx2 as httpx  # huggingface_hub 2.x
+    except ImportError:  # pragma: no cover - huggingface_hub 1.x
+        import httpx  # type: ignore[no-redef]
+    return (httpx.TransportError,)
+
+
+def _stream_into(url: str, part: Path, size: int | None, headers: dict[str, str]) -> int:
+    """Append ``url``'s bytes to ``part`` from its current size on; returns bytes received.
+
+    ``Range: bytes=N-`` when ``part`` holds N bytes; a 200 answer (Range ignored) restarts
+    the file, a 416 (partial longer than the file) discards it. A dropped connection is
+    retried from the new end, up to 5 times in a row without progress.
+    """
+    from huggingface_hub.utils import hf_raise_for_status, http_stream_backoff
+
+    received, stalls = 0, 0
+    while True:
+        have = part.stat().st_size if part.exists() else 0
+        if size is not None and have == size:
+            return received
+        if size is not None and have > size:
+            part.unlink()
+            have = 0
+        request = dict(headers)
+        if have:
+            request["Range"] = f"bytes={have}-"
+        try:
+            with http_stream_backoff("GET", url, headers=request, retry_on_exceptions=(),
+                                     retry_on_status_codes=(408, 429, 500, 502, 503, 504)) as response:
+                if response.status_code == 416:
+                    part.unlink(missing_ok=True)
+                    stalls += 1
+                    if stalls > _RETRIES_WITHOUT_PROGRESS:
+                        raise OSError(f"{url}: the server refuses every byte range")
+                    continue
+                hf_raise_for_status(response)
+                mode = "ab" if have and response.status_code == 206 else "wb"
+                with open(part, mode, buffering=0) as f:
+                    for chunk in response.iter_bytes():
+                        f.write(chunk)
+                        received += len(chunk)
+                        stalls = 0
+        except _transient_errors() as exc:
+            stalls += 1
+            if stalls > _RETRIES_WITHOUT_PROGRESS:
+                raise
+            log.warning("%s: %s; resuming from byte %d", url, exc, part.stat().st_size if part.exists() else 0)
+            time.sleep(1)
+            continue
+        got = part.stat().st_size
+        if size is None or got == size:
+            return received
+        if got > size:
+            part.unlink()
+            raise OSError(f"{url}: received {got} bytes, the Hub said {size}")
+        stalls += 1  # a short body without an error: ask for the rest
+        if stalls > _RETRIES_WITHOUT_PROGRESS:
+            raise OSError(f"{url}: stuck at {got} of {size} bytes")
+
+
+def fetch_file(
     repo_id: str,
     revision: str,
     local_dir: str | os.PathLike[str],
+    rel: str,
     *,
     token: str | None = None,
     endpoint: str | None = None,
-    allow_patterns: list[str] | None = None,
-    max_workers: int = 8,
-) -> Path:
-    """Fetch ``repo_id`` at commit ``revision`` into ``local_dir`` (only missing files are fetched).
+) -> dict[str, Any]:
+    """Fetch ``rel`` at commit ``revision`` into ``local_dir/rel``, resuming a partial file.
+
+    Returns ``{"path", "resumed_from", "received", "via"}``; ``via`` is ``http`` or ``xet``.
 
     Example:
-        >>> download("moonshotai/Kimi-K2-Thinking", "6126...", "/models/k2",
-        ...          token=read_token(), max_workers=16)  # doctest: +SKIP
-        PosixPath('/models/k2')
+        >>> fetch_file("moonshotai/Kimi-K2-Thinking", "6126...", "/models/k2",
+        ...            "model-00007-of-000062.safetensors")  # doctest: +SKIP
+        {'path': 'model-00007-of-000062.safetensors', 'resumed_from': 2147483648, ...}
     """
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers
+    from huggingface_hub.utils._runtime import is_xet_available
 
     _require_commit(revision)
-    Path(local_dir).mkdir(parents=True, exist_ok=True)
-    with download_lock(local_dir):
-        remove_orphaned_partials(local_dir)
-        path = snapshot_download(
-            repo_id,
-            revision=revision,
-            local_dir=str(local_dir),
-            allow_patterns=allow_patterns,
-            max_workers=max_workers,
-            token=token,
-            endpoint=hub_endpoint(endpoint),
-        )
-    return Path(path)
+    endpoint = hub_endpoint(endpoint)
+    root = Path(local_dir)
+    url = hf_hub_url(repo_id, rel, revision=revision, endpoint=endpoint)
+    meta = get_hf_file_metadata(url, token=token, endpoint=endpoint)
+    if meta.commit_hash and meta.commit_hash != revision:
+        raise RuntimeError(f"{rel}: the Hub answered for commit {meta.commit_hash}, not the pinned {revision}")
+    if meta.xet_file_data is not None and is_xet_available():
+        hf_hub_download(repo_id, rel, revision=revision, local_dir=str(root), token=token, endpoint=endpoint)
+        return {"path": rel, "resumed_from": 0, "received": meta.size, "via": "xet"}
+    headers = build_hf_headers(token=token)
+    if urlsplit(meta.location)[:2] != urlsplit(url)[:2]:
+        headers.pop("authorization", None)  # a signed CDN URL: the token stays with the Hub
+    part = partial_path(root, rel, meta.etag or "")
+    part.parent.mkdir(parents=True, exist_ok=True)
+    resumed_from = part.stat().st_size if part.exists() else 0
+    received = _stream_into(meta.location, part, meta.size, headers)
+    dest = root / rel
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(part, dest)
+    if resumed_from:
+        log.info("%s: resumed at byte %d, received %d", rel, resumed_from, received)
+    return {"path": rel, "resumed_from": resumed_from, "received": received, "via": "http"}
+
+
+def _remove_partials(local_dir: Path) -> None:
+    """Drop leftover partial files (after every wanted file is in place)."""
+    shutil.rmtree(Path(state_dir(str(local_dir))) / PARTIAL_DIR, ignore_errors=True)
 
 
 def fetch_files(
@@ -148,20 +252,66 @@ def fetch_files(
     *,
     token: str | None = None,
     endpoint: str | None = None,
-    max_workers: int = 4,
-) -> None:
-    """``hf_hub_download`` each of ``files`` at ``revision`` into ``local_dir`` (in parallel)."""
-    from huggingface_hub import hf_hub_download
-
+    max_workers: int = 8,
+) -> list[dict[str, Any]]:
+    """:func:`fetch_file` each of ``files`` in parallel; every file is attempted, then the
+    first error (if any) is raised. Call while holding :func:`download_lock`."""
     _require_commit(revision)
+    errors: list[BaseException] = []
 
-    def one(rel: str) -> str:
-        return hf_hub_download(
-            repo_id, rel, revision=revision, local_dir=str(local_dir), token=token, endpoint=hub_endpoint(endpoint)
-        )
+    def one(rel: str) -> dict[str, Any] | None:
+        try:
+            return fetch_file(repo_id, revision, local_dir, rel, token=token, endpoint=endpoint)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the other files
+            log.error("%s: %s", rel, exc)
+            errors.append(exc)
+            return None
 
     with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(files) or 1))) as pool:
-        list(pool.map(one, files))
+        results = [r for r in pool.map(one, files) if r is not None]
+    if errors:
+        raise errors[0]
+    return results
+
+
+def download(
+    repo_id: str,
+    revision: str,
+    local_dir: str | os.PathLike[str],
+    files: dict[str, Any],
+    *,
+    token: str | None = None,
+    endpoint: str | None = None,
+    max_workers: int = 8,
+) -> list[dict[str, Any]]:
+    """Fetch the manifest's ``files`` of ``repo_id`` at commit ``revision`` that are not in
+    ``local_dir`` yet (largest first); partial files from an earlier run are resumed.
+
+    Example:
+        >>> m = ensure_manifest("moonshotai/Kimi-K2-Thinking", "6126...", "/models/k2",
+        ...                     token=read_token(), endpoint=None)       # doctest: +SKIP
+        >>> download(m["repo_id"], m["revision"], "/models/k2", m["files"], max_workers=16)  # doctest: +SKIP
+        [{'path': 'model-00001-of-000062.safetensors', 'resumed_from': 0, ...}, ...]
+    """
+    _require_commit(revision)
+    root = Path(local_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    with download_lock(root):
+        remove_orphaned_partials(root)
+        missing = sorted((rel for rel in files if not (root / rel).is_file()),
+                         key=lambda rel: (-int(files[rel].get("size") or 0), rel))
+        _check_free_space(root, sum(int(files[rel].get("size") or 0) for rel in missing))
+        results = fetch_files(repo_id, revision, root, missing, token=token, endpoint=endpoint, max_workers=max_workers)
+        _remove_partials(root)
+    return results
+
+
+def _check_free_space(root: Path, needed: int) -> None:
+    part_dir = Path(state_dir(str(root))) / PARTIAL_DIR
+    have = sum(p.stat().st_size for p in part_dir.rglob("*.part")) if part_dir.is_dir() else 0
+    free = shutil.disk_usage(root).free
+    if needed - have > free:
+        raise OSError(f"{root}: {needed - have} bytes still to download but only {free} free")
 
 
 def _forget_local_copy(local_dir: Path, rel: str) -> None:
@@ -246,10 +396,8 @@ def fetch_and_verify(
     if only:
         repair(local_dir, manifest, only, token=token, endpoint=endpoint, max_workers=max_workers)
     else:
-        download(
-            repo_id, revision, local_dir, token=token, endpoint=endpoint,
-            allow_patterns=sorted(manifest["files"]), max_workers=max_workers,
-        )
+        download(repo_id, revision, local_dir, manifest["files"], token=token, endpoint=endpoint,
+                 max_workers=max_workers)
     report = verify(str(local_dir), manifest)
     bad = repairable_files(report)
     if bad and len(bad) == len({p.path for p in report.problems}):

@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 CONTROL = None  # a host's parent when it receives from the control machine
 MESH_SSH = "ssh -F {config}"
 # Never copied between machines: per-machine verify marker, hf download's cache/lock.
-EXCLUDES = ("/.cache/", "/.k2fleet/verified.json", "/.k2fleet/download.lock", "/.k2fleet/*.tmp.*")
+EXCLUDES = ("/.cache/", "/.k2fleet/verified.json", "/.k2fleet/download.lock", "/.k2fleet/partial/", "/.k2fleet/*.tmp.*")
 # Problems a re-transfer of the named file fixes (the same set download.repair accepts).
 REPAIRABLE = ("missing", "size_mismatch", "hash_mismatch", "bad_header", "changed_during_verify")
 HOST_LOG = "/var/log/k2fleet/checkpoint-transfers.jsonl"
