@@ -15,6 +15,11 @@ Layout::
     STATE/hosts.json                             inventory for the deploy
     STATE/hosts/k2sb-N/{upper,work,root,docker}  per-host overlay + docker dir
     STATE/run/k2sb-N.pid, STATE/logs/k2sb-N.log  nspawn pid and console log
+    STATE/shared/                                bound at /mnt/k2shared on every host
+
+``/mnt/k2shared`` is the sandbox's shared storage: one directory of the control
+machine bind-mounted into every host, so all hosts see the same files, inodes and
+mtimes, as they would on an NFS or Lustre mount (``k2_shared_storage``).
 
 Usage: ``python -m k2fleet.sandbox up 3 | down | status``.
 """
@@ -36,6 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 DEFAULT_STATE_DIR = Path(os.environ.get("K2FLEET_SANDBOX_DIR", "/var/lib/k2fleet-sandbox"))
+SHARED_MOUNT = "/mnt/k2shared"  # every host's view of STATE/shared (the sandbox's shared storage)
 ROOTFS_CACHE = Path(os.environ.get("K2FLEET_SANDBOX_CACHE", "/var/cache/k2fleet/sandbox-rootfs"))
 
 SUITE = "bookworm"
@@ -135,6 +141,7 @@ def _paths(state_dir: Path) -> dict[str, Path]:
         "hosts": state_dir / "hosts",
         "run": state_dir / "run",
         "logs": state_dir / "logs",
+        "shared": state_dir / "shared",
     }
 
 
@@ -427,11 +434,11 @@ def mount_root(lower: Path, hostdir: Path) -> None:
     run(["mount", "-t", "overlay", hostdir.name, "-o", options, str(hostdir / "root")])
 
 
-def nspawn_command(index: int, hostdir: Path, docker: bool) -> list[str]:
-    """The systemd-nspawn command line booting host ``index``."""
+def nspawn_command(index: int, hostdir: Path, docker: bool, shared: Path) -> list[str]:
+    """The systemd-nspawn command line booting host ``index`` (``shared`` bound at SHARED_MOUNT)."""
     name = host_name(index)
     cmd = ["systemd-nspawn", "--boot", f"--machine={name}", f"--directory={hostdir / 'root'}",
-           "--register=no", "--keep-unit",
+           "--register=no", "--keep-unit", f"--bind={shared}:{SHARED_MOUNT}",
            f"--network-namespace-path=/run/netns/{name}", "--link-journal=no",
            "--resolv-conf=off", "--timezone=off", "--console=read-only"]
     if docker:
@@ -446,11 +453,12 @@ def start_host(index: int, lower: Path, state_dir: Path, docker: bool) -> int:
     hostdir = paths["hosts"] / name
     mount_root(lower, hostdir)
     (hostdir / "docker").mkdir(parents=True, exist_ok=True)
+    paths["shared"].mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     if docker:
         env["SYSTEMD_NSPAWN_API_VFS_WRITABLE"] = "1"
     with open(paths["logs"] / f"{name}.log", "ab") as log:
-        proc = subprocess.Popen(nspawn_command(index, hostdir, docker), stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(nspawn_command(index, hostdir, docker, paths["shared"]), stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     (paths["run"] / f"{name}.pid").write_text(f"{proc.pid}\n")
     return proc.pid
@@ -598,7 +606,7 @@ def down(state_dir: Path = DEFAULT_STATE_DIR) -> None:
     paths = _paths(state_dir)
     if state_dir.exists():
         _unmount_all(state_dir)
-    for key in ("hosts", "run", "logs", "hosts_json", "known_hosts"):
+    for key in ("hosts", "run", "logs", "hosts_json", "known_hosts", "shared"):
         _safe_rmtree(paths[key])
 
 

@@ -45,6 +45,14 @@ def deploy(env: dict[str, str] | None = None, *extra: str, inventory: str = "inv
     return DeployResult(out.returncode, out.stdout + out.stderr)
 
 
+def start_deploy(env: dict[str, str] | None = None, inventory: str = "inventories/sandbox.py") -> subprocess.Popen:
+    """The same deploy as :func:`deploy`, in the background, in its own process group
+    (``os.killpg(proc.pid, SIGKILL)`` kills pyinfra and every child it started)."""
+    return subprocess.Popen(["pyinfra", "-y", inventory, "deploys/kimi.py"], cwd=ROOT, env=os.environ | (env or {}),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
 def ssh(host: dict[str, Any], command: str, check: bool = True) -> subprocess.CompletedProcess:
     argv = ["ssh", "-i", host["ssh_key"], "-o", "IdentitiesOnly=yes", "-o", f"UserKnownHostsFile={host['ssh_known_hosts_file']}",
             "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", f"root@{host['address']}", command]

@@ -269,7 +269,7 @@ def hubfleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         lock.close()
 
 
-def _healthy(fleet: Fleet) -> None:
+def _healthy(fleet: Fleet, model_dir: str = "/srv/k2fleet/models") -> None:
     from tests.sandbox_harness import http_json, ssh
 
     for host in fleet.hosts:
@@ -279,7 +279,7 @@ def _healthy(fleet: Fleet) -> None:
         body = {"model": models["data"][0]["id"], "messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 16}
         status, answer = http_json(f"http://{host['address']}:8000/v1/chat/completions", body)
         assert status == 200 and answer["choices"][0]["message"]["content"].strip(), answer
-        gate = ssh(host, "python3 /opt/k2fleet/lib/verify.py /srv/k2fleet/models/*/*/", check=False)
+        gate = ssh(host, f"python3 /opt/k2fleet/lib/verify.py {model_dir}/*/*/", check=False)
         assert gate.returncode == 0, gate.stdout + gate.stderr
 
 
@@ -290,17 +290,58 @@ def _inodes(host: dict[str, Any]) -> dict[str, int]:
     return {name: int(ino) for ino, name in (line.split(" ", 1) for line in out.splitlines())}
 
 
+def manifest_revision(fleet: Fleet) -> str:
+    return load_manifest(str(fleet.served / ".k2fleet" / "manifest.json"))["revision"]
+
+
+def _kill_control_download_midway(fleet: Fleet, victim: str, cut: int) -> None:
+    """Start the deploy, let the control machine's Hub download stall ``cut`` bytes into
+    ``victim`` once every other file is in, then SIGKILL pyinfra's whole process group."""
+    import signal
+    import time
+
+    from tests.sandbox_harness import start_deploy
+
+    files = set(load_manifest(str(fleet.served / ".k2fleet" / "manifest.json"))["files"]) - {victim}
+    root = Path(fanout.control_dir(str(fleet.cache), REPO, manifest_revision(fleet)))
+    stalled = fleet.hub.stall_next(victim, after_bytes=cut)
+    proc = start_deploy(fleet.env)
+    try:
+        assert stalled.wait(600), "the deploy never reached the Hub download"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done = {rel for rel in files if (root / rel).is_file()}
+            part = sum(p.stat().st_size for p in (root / ".k2fleet" / "partial").glob(f"{victim}.*.part"))
+            if done == files and part == cut:
+                break
+            time.sleep(0.05)
+        assert done == files and part == cut, (len(done), len(files), part)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        fleet.hub.release()
+    assert not (root / victim).exists()
+
+
 @pytest.mark.sandbox
-def test_hub_deploy_fetches_once_and_fans_out_over_the_mesh(hubfleet: Fleet) -> None:
+def test_hub_deploy_killed_midway_resumes_then_fans_out_over_the_mesh(hubfleet: Fleet) -> None:
     from tests.sandbox_harness import deploy
 
     fleet = hubfleet
+    victim, cut = shard(17), 40_000
+    manifest = load_manifest(str(fleet.served / ".k2fleet" / "manifest.json"))
     fleet.hub.reset_counters()
+    _kill_control_download_midway(fleet, victim, cut)
     result = deploy(fleet.env)
     assert result.returncode == 0, result.output[-4000:]
     _healthy(fleet)
-    files = set(load_manifest(str(fleet.served / ".k2fleet" / "manifest.json"))["files"])
-    assert get_counts(fleet.hub) == {f: 1 for f in files}  # the double served each file exactly once
+    files = set(manifest["files"])
+    # across the killed run and the re-run, the double served every file's bytes exactly once
+    assert dict(fleet.hub.bytes_served) == {f: manifest["files"][f]["size"] for f in files}
+    assert [(g.range, g.status) for g in fleet.hub.requests_for(victim, "GET")] == [(None, 200), (f"bytes={cut}-", 206)]
+    assert get_counts(fleet.hub) == {f: 1 for f in files} | {victim: 2}
     # the token reached the Hub and nothing else: not the output, the plan, the transfer logs
     assert {r.authorization for r in fleet.hub.requests} == {f"Bearer {SECRET}"}
     assert SECRET not in result.output
@@ -315,7 +356,9 @@ def test_hub_deploy_fetches_once_and_fans_out_over_the_mesh(hubfleet: Fleet) -> 
         (pull,) = fleet.host_log(host)
         assert pull["mode"] == "full" and pull["source"].startswith(fleet.hosts[0]["address"] + ":")
     assert fleet.host_log(fleet.hosts[0]) == []
-    assert [r["action"] for r in fleet.control_log("control-copy")] == ["download"]
+    # the killed run logged nothing; the re-run found the manifest and every file but the
+    # victim verified, and fetched the victim alone (resuming its partial file)
+    assert [r["action"] for r in fleet.control_log("control-copy")] == ["repair"]
 
 
 @pytest.mark.sandbox
@@ -344,7 +387,7 @@ def test_damaged_files_are_the_only_ones_resent(hubfleet: Fleet) -> None:
     ssh(h3, f"p=$(echo {d}/{shard(11)}); cp -p $p /tmp/ref && " + flip.format(p="$p") + " && touch -r /tmp/ref $p")
     ssh(h2, f"truncate -s 1000 {d}/{shard(22)}")
     ssh(h1, f"rm {d}/{shard(33)}")
-    cache_root = Path(fanout.control_dir(str(fleet.cache), REPO, load_manifest(str(fleet.served / ".k2fleet" / "manifest.json"))["revision"]))
+    cache_root = Path(fanout.control_dir(str(fleet.cache), REPO, manifest_revision(fleet)))
     flip_bit_keep_stat(cache_root / shard(44), offset=5000)  # the control cache has a bad file too
     fleet.hub.reset_counters()
     n_control, n_hosts = len(fleet.control_log()), {h["name"]: len(fleet.host_log(h)) for h in fleet.hosts}
@@ -394,3 +437,43 @@ def test_control_egress_is_one_checkpoint_for_three_hosts(hubfleet: Fleet) -> No
     assert push["mode"] == "full" and push["target"].endswith(fleet.hosts[0]["address"])
     assert egress - push["bytes_sent"] < 0.05 * fleet.size  # hosts 2 and 3 got ~nothing from the control machine
     assert ratio <= 1.05  # one copy leaves the control machine, not three
+
+
+SHARED = "/mnt/k2shared/models"  # sandbox shared storage: one directory bound into every host
+
+
+@pytest.mark.sandbox
+def test_shared_storage_is_fetched_and_verified_once_not_per_host(hubfleet: Fleet) -> None:
+    from tests.sandbox_harness import deploy, ssh
+
+    fleet = hubfleet
+    env = fleet.env | {"K2FLEET_SANDBOX_SHARED": "1"}
+    h1, h2, h3 = fleet.hosts
+    n_control, n_hosts = len(fleet.control_log()), {h["name"]: len(fleet.host_log(h)) for h in fleet.hosts}
+    tx0 = _bridge_tx()
+    result = deploy(env)
+    egress = _bridge_tx() - tx0
+    assert result.returncode == 0, result.output[-4000:]
+    _healthy(fleet, SHARED)
+    (push,) = fleet.control_log()[n_control:]
+    assert push["mode"] == "full" and push["target"].endswith(h1["address"]) and push["dir"].startswith(SHARED)
+    assert {h["name"]: len(fleet.host_log(h)) for h in fleet.hosts} == n_hosts  # no host pulled from a peer
+    print(f"shared storage: control egress {egress} bytes for a {fleet.size}-byte checkpoint, 3 hosts")
+    assert egress < 1.05 * fleet.size
+    marker = [ssh(h, f"stat -c %i {SHARED}/*/*/.k2fleet/verified.json").stdout.strip() for h in fleet.hosts]
+    assert len(set(marker)) == 1 and marker[0], marker  # the same marker file on every host
+    for host in fleet.hosts:  # every engine serves from the shared path
+        unit = ssh(host, "systemctl cat k2-vllm.service").stdout
+        assert f"{SHARED}/" in unit and "/srv/k2fleet/models" not in unit, host["name"]
+
+    # a shard broken on the shared storage (seen by every host) is re-sent once, to host 1 only
+    ssh(h3, f"truncate -s 1000 {SHARED}/*/*/{shard(40)}")
+    n_control, n_hosts = len(fleet.control_log()), {h["name"]: len(fleet.host_log(h)) for h in fleet.hosts}
+    result = deploy(env)
+    assert result.returncode == 0, result.output[-4000:]
+    (push,) = fleet.control_log()[n_control:]
+    assert push["mode"] == "repair" and push["files"] == [shard(40)] and push["target"].endswith(h1["address"])
+    assert {h["name"]: len(fleet.host_log(h)) for h in fleet.hosts} == n_hosts
+    _healthy(fleet, SHARED)
+    again = deploy(env)
+    assert again.returncode == 0 and again.changed == 0, again.output[-4000:]

@@ -19,6 +19,11 @@ if _os.environ.get("K2FLEET_SANDBOX_CHECKPOINT") == "hub":
     k2_hub_endpoint = _os.environ.get("K2FLEET_SANDBOX_HUB") or None
     if _os.environ.get("K2FLEET_SANDBOX_CHECKPOINT_CACHE"):
         k2_checkpoint_cache = _os.environ["K2FLEET_SANDBOX_CHECKPOINT_CACHE"]
+# tests put the model directory on the sandbox's shared storage through this: /mnt/k2shared
+# is one control-machine directory bound into every host (as an NFS or Lustre mount would be)
+if _os.environ.get("K2FLEET_SANDBOX_SHARED") == "1":
+    k2_shared_storage = True
+    k2_model_dir = "/mnt/k2shared/models"
 k2_checkpoint_bytes = 8_000_000
 k2_quantization = "int4"
 k2_gpu = "h200"
