@@ -260,6 +260,23 @@ def _check_fit(fleet: Fleet, pool: Pool, gpu: catalog.GpuType, size: int, quant:
         )
 
 
+def _check_fetcher(fleet: Fleet) -> None:
+    fetcher = fleet.settings.checkpoint_fetcher
+    if fetcher == "control":
+        return
+    if fleet.settings.checkpoint_source != "hub":
+        raise _fail("k2_checkpoint_fetcher", f"{fetcher!r} downloads from the Hub, but k2_checkpoint_source is "
+                    f"{fleet.settings.checkpoint_source!r}; use `control` (or k2_checkpoint_source: hub)", fleet)
+    entry = next((h for h in fleet.hosts if h.name == fetcher), None)
+    if entry is None:
+        raise _fail("k2_checkpoint_fetcher", f"{fetcher!r} is neither `control` nor a host of this inventory "
+                    f"({', '.join(h.name for h in fleet.hosts)})", fleet)
+    role = entry.settings.role
+    if role in ("router", "slurm-submit"):
+        raise _fail("k2_checkpoint_fetcher", f"{fetcher} is a {role} host and holds no checkpoint; "
+                    "name a host that loads weights", fleet)
+
+
 def _check_roles(fleet: Fleet, engine: str) -> None:
     roles = set(fleet.pools)
     pd = roles & set(PD_ROLES)
@@ -321,6 +338,7 @@ def resolve(fleet: Fleet) -> Deployment:
     if s.engine == "ktransformers" and not s.gguf_repo:
         raise _fail("k2_gguf_repo", "KTransformers serves GGUF weights; set k2_gguf_repo, k2_gguf_revision and k2_gguf_pattern", fleet)
     _check_roles(fleet, s.engine)
+    _check_fetcher(fleet)
     pools = {}
     for role, hosts in fleet.pools.items():
         pools[role] = _check_pool(fleet, role, hosts, s.engine, per_node)

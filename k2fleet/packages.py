@@ -8,7 +8,8 @@ from k2fleet.plan import HostPlan
 
 def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool) -> list[str]:
     """Debian packages for ``host_plan``: rsync for checkpoints, sshd for the mesh,
-    OpenMPI where mpirun runs on the host (not in a container), mpi4py for doubles."""
+    OpenMPI where mpirun runs on the host (not in a container), mpi4py for doubles,
+    python3-venv for engine venvs and for the Hub client of ``k2_checkpoint_fetcher``."""
     needed = {"rsync"}
     if mesh:
         needed |= {"openssh-server", "openssh-client"}
@@ -19,6 +20,6 @@ def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool) -> list[
         needed |= {"openmpi-bin"}
         if dep.s.engine_doubles:
             needed |= {"python3-mpi4py"}
-    if dep.runtime == "venv" and not dep.s.engine_doubles:
+    if dep.runtime == "venv" and not dep.s.engine_doubles or dep.s.checkpoint_fetcher == host_plan.name:
         needed |= {"python3-venv"}
     return sorted(needed)

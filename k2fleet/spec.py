@@ -88,6 +88,15 @@ class HostSettings(BaseModel):
         "The token is read at execution time, never put in argv, logs or the plan.",
         default=None,
     )
+    checkpoint_fetcher: str = _key(
+        FLEET,
+        "Who talks to the Hub for the `hub` source: `control` (the control machine downloads "
+        "into `k2_checkpoint_cache`, verifies, and sends the fleet one copy) or the name of one "
+        "inventory host that loads weights (it downloads into `k2_model_dir` itself, with "
+        "huggingface_hub from an offline wheelhouse the control machine ships; the token goes "
+        "there as a root-only file, removed after the download). The others receive from peers.",
+        default="control",
+    )
     shared_storage: bool = _key(
         FLEET,
         "`k2_model_dir` is shared storage (NFS, Lustre) seen by every host: only the first "

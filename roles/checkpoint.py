@@ -4,16 +4,21 @@ verified file by file on every host before any engine may start (the units'
 
 Sources (``k2_checkpoint_source``):
 
-- ``hub`` (default): the control machine downloads ``k2_model`` at the pinned
-  ``k2_revision`` with huggingface_hub into ``k2_checkpoint_cache`` (endpoint
-  ``k2_hub_endpoint`` or env ``HF_ENDPOINT``; token env ``HF_TOKEN`` or
-  ``k2_hub_token_file``, read at execution time only) and verifies it there;
+- ``hub`` (default): ``k2_model`` at the pinned ``k2_revision`` with huggingface_hub
+  (endpoint ``k2_hub_endpoint`` or env ``HF_ENDPOINT``; token env ``HF_TOKEN`` or
+  ``k2_hub_token_file``, read at execution time only), fetched by
+  ``k2_checkpoint_fetcher``: ``control`` (default) downloads into
+  ``k2_checkpoint_cache`` on the control machine and verifies it there; a host name
+  makes that host download into ``k2_model_dir`` itself (Hub client from
+  :mod:`roles.hub_client`; the token reaches it only as a root-only file under
+  ``/run/k2fleet``, deleted when the download ends) and the control machine sends
+  no checkpoint bytes at all;
 - ``control:/path`` — a directory on the control machine with the files and
   ``.k2fleet/manifest.json`` (air-gapped fleets), verified there.
 
 Fan-out (:mod:`k2fleet.checkpoint.fanout`): one transfer leaves the control machine, to
-the first host that loads weights; the others pull from verified peers over the SSH
-mesh in doubling rounds. A host whose gate fails re-receives only the files
+the first host that loads weights (or the fetcher host downloads it); the others pull
+from verified peers over the SSH mesh in doubling rounds. A host whose gate fails re-receives only the files
 ``verify.py --json`` names. With ``k2_shared_storage`` only the first host fetches.
 Every step runs at execution time and only on hosts whose gate failed in the one
 HostState fact, so ``--dry`` and no-op runs transfer (and ask) nothing.
@@ -26,20 +31,27 @@ HostState fact, so ``--dry`` and no-op runs transfer (and ask) nothing.
 
 from __future__ import annotations
 
+import shlex
+from io import BytesIO
+
 from pyinfra import host
 from pyinfra.api import deploy
 from pyinfra.operations import python
 
 from k2fleet.checkpoint import fanout
+from k2fleet.checkpoint.download import read_token
 from k2fleet.mesh import mesh_dir
 from k2fleet.spec import SpecError
 from k2fleet.units import LIB_DIR, gate_argv
 from roles.context import FleetContext, fleet
+from roles.hub_client import download_argv
 from roles.ops import command
 from roles.state import CHECKPOINT_CHECK, report, track
 
 VERIFY_PY = f"{LIB_DIR}/verify.py"
 TRANSFER_LOG = "checkpoint-transfers.jsonl"
+TOKEN_DIR = "/run/k2fleet"
+TOKEN_PATH = f"{TOKEN_DIR}/hf_token"
 
 
 def checks(ctx: FleetContext) -> dict[str, list[str]]:
@@ -57,7 +69,9 @@ def needs_checkpoint(ctx: FleetContext) -> bool:
 
 def fanout_plan(ctx: FleetContext) -> fanout.FanoutPlan:
     names = [h.name for h in ctx.dep.fleet.hosts if _loads_weights(ctx.plan.hosts[h.name])]
-    return fanout.plan_fanout(names, shared_storage=ctx.dep.s.shared_storage)
+    fetcher = ctx.dep.s.checkpoint_fetcher
+    return fanout.plan_fanout(names, shared_storage=ctx.dep.s.shared_storage,
+                              root=None if fetcher == "control" else fetcher)
 
 
 def control_source(ctx: FleetContext) -> tuple[str, bool]:
@@ -80,6 +94,23 @@ def _ssh_command() -> list[str]:
     return ssh
 
 
+def send_token(token_file: str | None) -> None:
+    """Put the Hub token (env ``HF_TOKEN`` or ``token_file``, read now) on the current
+    host as ``/run/k2fleet/hf_token``, root-only; nothing when there is no token."""
+    token = read_token(token_file)
+    host.run_shell_command(f"install -d -m 700 {TOKEN_DIR} && rm -f {TOKEN_PATH}")
+    if token:
+        host.put_file(BytesIO(token.encode()), TOKEN_PATH)
+        host.run_shell_command(f"chmod 600 {TOKEN_PATH}")
+
+
+def host_download_command(ctx: FleetContext) -> str:
+    """Shell line of the fetcher's Hub download; the token file is removed however it ends."""
+    argv = shlex.join(download_argv(ctx, None))
+    return (f"trap 'rm -f {TOKEN_PATH}' EXIT; if [ -f {TOKEN_PATH} ]; then set -- --token-file {TOKEN_PATH}; fi; "
+            f'{argv} "$@"')
+
+
 @deploy("k2fleet: checkpoint")
 def ensure() -> None:
     ctx = fleet()
@@ -91,6 +122,8 @@ def ensure() -> None:
     my_round = plan.round_of(me)
     is_root = me == plan.root
     root_wanted = wanted and is_root
+    on_host = dep.s.checkpoint_fetcher != "control"
+    control_wanted = root_wanted and not on_host
     path = dep.checkpoint_path
     addresses = {h.name: h.address for h in dep.fleet.hosts}
 
@@ -102,7 +135,7 @@ def ensure() -> None:
         repo_id=dep.s.model, revision=dep.s.revision, root=source_dir, hub=from_hub,
         endpoint=dep.s.hub_endpoint, token_file=dep.s.hub_token_file,
         log_file=str(ctx.state_dir / TRANSFER_LOG),
-        _if=lambda: root_wanted,
+        _if=lambda: control_wanted,
     )
     user = host.data.get("ssh_user") or "root"
     python.call(
@@ -110,10 +143,15 @@ def ensure() -> None:
         function=fanout.push_to_host,
         source=source_dir, dest=path, target=f"{user}@{host.data.get('ssh_hostname') or me}",
         ssh=_ssh_command(), verify_py=VERIFY_PY, log_file=str(ctx.state_dir / TRANSFER_LOG),
-        _if=lambda: root_wanted,
+        _if=lambda: control_wanted,
     )
     track(command(name="verify every checkpoint file (sha256, index, headers)",
-                  argv=["/usr/bin/python3", VERIFY_PY, "--full", path], _if=lambda: root_wanted))
+                  argv=["/usr/bin/python3", VERIFY_PY, "--full", path], _if=lambda: control_wanted))
+    # Or round 0 on the fetcher host itself: the Hub → this host (resumable, verified, repaired).
+    python.call(name="Hub token to the fetcher host (root-only file)", function=send_token,
+                token_file=dep.s.hub_token_file, _if=lambda: root_wanted and on_host)
+    track(command(name="download + verify the checkpoint from the Hub on this host (once per fleet)",
+                  argv=["sh", "-c", host_download_command(ctx)], _if=lambda: root_wanted and on_host))
 
     # Rounds 1..: every other host pulls from a verified peer over the mesh (one sequence
     # on all hosts; a host is active only in its own round and only if its gate failed).

@@ -50,15 +50,16 @@ _REPORTS: dict[str, HostReport] = {}
 
 def desired() -> Desired:
     if host.name not in _DESIRED:
-        from roles import checkpoint, engine, health, mesh, services
+        from roles import checkpoint, engine, health, hub_client, mesh, services
 
         ctx = fleet()
         d = Desired()
         d.files["mesh"] = mesh.desired_files(ctx)
         d.files["engine"] = engine.desired_files(ctx)
         d.files["services"] = services.desired_files(ctx)
+        d.files["hub_client"] = hub_client.desired_files(ctx)
         d.units = ["k2-mesh-sshd.service"] + services.unit_names(ctx)
-        d.checks = checkpoint.checks(ctx) | health.checks(ctx)
+        d.checks = checkpoint.checks(ctx) | health.checks(ctx) | hub_client.checks(ctx)
         d.exists = engine.exists_paths(ctx)
         d.packages = required_packages(ctx.dep, ctx.host_plan(), mesh.enabled(ctx))
         _DESIRED[host.name] = d

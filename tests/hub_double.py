@@ -87,6 +87,7 @@ class RequestRecord:
     status: int
     authorization: str | None
     sent: int = 0
+    client: str = ""  # the address the request came from
 
 
 @dataclass
@@ -396,7 +397,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.hub._log(
             RequestRecord(
                 self.command, urlsplit(self.path).path, rfilename, self.headers.get("Range"), status,
-                self.headers.get("Authorization"), sent,
+                self.headers.get("Authorization"), sent, self.client_address[0],
             )
         )
 

@@ -477,3 +477,41 @@ def test_shared_storage_is_fetched_and_verified_once_not_per_host(hubfleet: Flee
     _healthy(fleet, SHARED)
     again = deploy(env)
     assert again.returncode == 0 and again.changed == 0, again.output[-4000:]
+
+
+@pytest.mark.sandbox
+def test_fetcher_host_downloads_from_the_hub_and_the_control_machine_sends_no_checkpoint(hubfleet: Fleet) -> None:
+    """``k2_checkpoint_fetcher: k2sb-2``: host 2 downloads from the Hub double (listening on
+    the sandbox bridge, the one address besides its peers a sandbox host can reach), with
+    huggingface_hub installed from the control machine's offline wheelhouse; hosts 1 and 3
+    pull from it over the mesh; the token exists on host 2 only while it downloads."""
+    from tests.sandbox_harness import deploy, ssh
+
+    fleet = hubfleet
+    h1, h2, h3 = fleet.hosts
+    with HubDouble(host="10.213.0.1") as hub:
+        hub.add_commit(REPO, fleet.served, sha=manifest_revision(fleet))
+        env = fleet.env | {"K2FLEET_SANDBOX_HUB": hub.url, "K2FLEET_SANDBOX_FETCHER": h2["name"]}
+        for host in fleet.hosts:  # nothing on any host: the whole checkpoint must come from the Hub
+            ssh(host, "rm -rf /srv/k2fleet/models/*/*/")
+        n_control, n_hosts = len(fleet.control_log()), {h["name"]: len(fleet.host_log(h)) for h in fleet.hosts}
+        fleet.hub.reset_counters()
+        result = deploy(env)
+        assert result.returncode == 0, result.output[-4000:]
+        _healthy(fleet)
+        manifest = load_manifest(str(fleet.served / ".k2fleet" / "manifest.json"))
+        assert {r.client for r in hub.requests} == {h2["address"]}  # only the fetcher talked to the Hub
+        assert dict(hub.bytes_served) == {f: e["size"] for f, e in manifest["files"].items()}  # once each
+        assert {r.authorization for r in hub.requests} == {f"Bearer {SECRET}"} and SECRET not in result.output
+        assert fleet.hub.requests == [] and fleet.control_log()[n_control:] == []  # no control download, no push
+        for host in (h1, h3):
+            (pull,) = fleet.host_log(host)[n_hosts[host["name"]]:]
+            assert pull["mode"] == "full" and pull["source"].startswith(h2["address"] + ":"), pull
+        assert fleet.host_log(h2)[n_hosts[h2["name"]]:] == []
+        for host in fleet.hosts:
+            assert ssh(host, "ls /run/k2fleet/hf_token", check=False).returncode != 0, host["name"]
+        assert ssh(h1, "test -e /opt/k2fleet/hubenv", check=False).returncode != 0  # the client is on h2 only
+        hub.reset_counters()
+        again = deploy(env)
+        assert again.returncode == 0 and again.changed == 0, again.output[-4000:]
+        assert hub.requests == []

@@ -48,6 +48,11 @@ CASES: list[tuple[str, int | list, dict[str, Any], str, str]] = [
     ("fleet-key-differs", [("a", {"k2_port": 8000}), ("b", {"k2_port": 8001})], {}, "k2_port", "same on every host"),
     ("unknown-gpu", 1, {"k2_gpu": "rtx4090"}, "k2_gpu", "unknown GPU type"),
     ("bad-checkpoint-source", 1, {"k2_checkpoint_source": "s3://bucket/k2"}, "k2_checkpoint_source", "neither `hub`"),
+    ("fetcher-not-a-host", 1, {"k2_checkpoint_fetcher": "stager"}, "k2_checkpoint_fetcher", "neither `control` nor a host"),
+    ("fetcher-without-hub", 1, {"k2_checkpoint_fetcher": "node-0", "k2_checkpoint_source": "control:/srv/k2"},
+     "k2_checkpoint_fetcher", "downloads from the Hub"),
+    ("fetcher-is-router", [("p0", {"k2_role": "prefill"}), ("d0", {"k2_role": "decode"}), ("r0", {"k2_role": "router"})],
+     {"k2_engine": "sglang", "k2_tp": 8, "k2_checkpoint_fetcher": "r0"}, "k2_checkpoint_fetcher", "holds no checkpoint"),
     ("vllm-ep-size", 1, {"k2_tp": 8, "k2_ep": 4}, "k2_ep", "tp×dp = 8"),
 ]
 

@@ -19,6 +19,8 @@ if _os.environ.get("K2FLEET_SANDBOX_CHECKPOINT") == "hub":
     k2_hub_endpoint = _os.environ.get("K2FLEET_SANDBOX_HUB") or None
     if _os.environ.get("K2FLEET_SANDBOX_CHECKPOINT_CACHE"):
         k2_checkpoint_cache = _os.environ["K2FLEET_SANDBOX_CHECKPOINT_CACHE"]
+    # K2FLEET_SANDBOX_FETCHER=k2sb-2: that host downloads from the double (on the bridge address)
+    k2_checkpoint_fetcher = _os.environ.get("K2FLEET_SANDBOX_FETCHER") or "control"
 # tests put the model directory on the sandbox's shared storage through this: /mnt/k2shared
 # is one control-machine directory bound into every host (as an NFS or Lustre mount would be)
 if _os.environ.get("K2FLEET_SANDBOX_SHARED") == "1":

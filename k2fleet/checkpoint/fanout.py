@@ -84,8 +84,10 @@ class FanoutPlan:
         return sum(1 for h in self.order if self.parents.get(h, "") is CONTROL and self.round_of(h) is not None)
 
 
-def plan_fanout(hosts: list[str], shared_storage: bool = False) -> FanoutPlan:
-    """The doubling fan-out over ``hosts`` (fleet order, only hosts that load weights).
+def plan_fanout(hosts: list[str], shared_storage: bool = False, root: str | None = None) -> FanoutPlan:
+    """The doubling fan-out over ``hosts`` (fleet order, only hosts that load weights),
+    rooted at ``root`` (default: the first host) — the one host that gets the checkpoint
+    from outside the fleet (from the control machine, or from the Hub itself).
 
     Example:
         >>> p = plan_fanout(["h1", "h2", "h3", "h4", "h5"])
@@ -95,8 +97,14 @@ def plan_fanout(hosts: list[str], shared_storage: bool = False) -> FanoutPlan:
         ('h1', 'h2')
         >>> plan_fanout(["h1", "h2"], shared_storage=True).rounds
         (('h1',),)
+        >>> plan_fanout(["h1", "h2", "h3"], root="h2").parents
+        {'h2': None, 'h1': 'h2', 'h3': 'h2'}
     """
     order = tuple(dict.fromkeys(hosts))
+    if root is not None:
+        if root not in order:
+            raise ValueError(f"fan-out root {root} is not among the hosts that load weights")
+        order = (root,) + tuple(h for h in order if h != root)
     if not order:
         return FanoutPlan(order=(), shared=shared_storage)
     if shared_storage:
