@@ -258,14 +258,19 @@ def fetch_files(
     first error (if any) is raised. Call while holding :func:`download_lock`."""
     _require_commit(revision)
     errors: list[BaseException] = []
+    done: list[dict[str, Any]] = []
 
     def one(rel: str) -> dict[str, Any] | None:
         try:
-            return fetch_file(repo_id, revision, local_dir, rel, token=token, endpoint=endpoint)
+            result = fetch_file(repo_id, revision, local_dir, rel, token=token, endpoint=endpoint)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the other files
             log.error("%s: %s", rel, exc)
             errors.append(exc)
             return None
+        done.append(result)
+        log.info("fetched %s (%d/%d files, %d bytes received so far)", rel, len(done), len(files),
+                 sum(r["received"] or 0 for r in done))
+        return result
 
     with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(files) or 1))) as pool:
         results = [r for r in pool.map(one, files) if r is not None]
