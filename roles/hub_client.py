@@ -18,6 +18,7 @@ changes nothing.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 from pyinfra import host
@@ -68,6 +69,8 @@ def download_argv(ctx: FleetContext, token_file: str | None) -> list[str]:
     argv = ["env", f"PYTHONPATH={PY_LIB}", "HF_HUB_DISABLE_TELEMETRY=1", "HF_HUB_DISABLE_PROGRESS_BARS=1"]
     if s.hub_endpoint:
         argv.append(f"HF_ENDPOINT={s.hub_endpoint}")
+    if os.environ.get("HF_HUB_DISABLE_XET"):  # the operator's choice of the resumable HTTP path
+        argv.append("HF_HUB_DISABLE_XET=1")
     argv += [f"{HUB_ENV}/bin/python", "-m", "k2fleet.checkpoint.download", s.model, "--revision", s.revision,
              "--dir", ctx.dep.checkpoint_path]
     return argv + (["--token-file", token_file] if token_file else [])
