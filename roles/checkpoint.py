@@ -18,8 +18,8 @@ Sources (``k2_checkpoint_source``):
 
 Fan-out (:mod:`k2fleet.checkpoint.fanout`): one transfer leaves the control machine, to
 the first host that loads weights (or the fetcher host downloads it); the others pull
-from verified peers over the SSH mesh in doubling rounds. A host whose gate fails re-receives only the files
-``verify.py --json`` names. With ``k2_shared_storage`` only the first host fetches.
+from verified peers over the SSH mesh in doubling rounds. A host whose gate fails
+re-receives only the files ``verify.py --json`` names. With ``k2_shared_storage`` only the first host fetches.
 Every step runs at execution time and only on hosts whose gate failed in the one
 HostState fact, so ``--dry`` and no-op runs transfer (and ask) nothing.
 
@@ -98,10 +98,11 @@ def send_token(token_file: str | None) -> None:
     """Put the Hub token (env ``HF_TOKEN`` or ``token_file``, read now) on the current
     host as ``/run/k2fleet/hf_token``, root-only; nothing when there is no token."""
     token = read_token(token_file)
-    host.run_shell_command(f"install -d -m 700 {TOKEN_DIR} && rm -f {TOKEN_PATH}")
-    if token:
-        host.put_file(BytesIO(token.encode()), TOKEN_PATH)
-        host.run_shell_command(f"chmod 600 {TOKEN_PATH}")
+    ok = host.run_shell_command(f"install -d -m 700 {TOKEN_DIR} && rm -f {TOKEN_PATH}")[0]
+    if ok and token:
+        ok = host.put_file(BytesIO(token.encode()), TOKEN_PATH) and host.run_shell_command(f"chmod 600 {TOKEN_PATH}")[0]
+    if not ok:
+        raise RuntimeError(f"{host.name}: could not place the Hub token in {TOKEN_DIR}")
 
 
 def host_download_command(ctx: FleetContext) -> str:
