@@ -81,7 +81,7 @@ def install() -> None:
     ctx = fleet()
     files = desired_files(ctx)
     upload = synced_files(name="Hub client: downloader and offline wheelhouse", files=files, current=report().files)
-    want = wheelhouse.hub_client_requirement() if files else "huggingface_hub"
+    want = wheelhouse.hub_client_requirement()
     pip = f"{HUB_ENV}/bin/pip install --quiet --no-index --find-links {WHEEL_DIR} {want}"
     command(name=f"Hub client: venv {HUB_ENV} with {want} (no package index)",
             argv=["sh", "-c", f"python3 -m venv {HUB_ENV} && {pip}"],
