@@ -1,7 +1,7 @@
 """``k2fleet`` command line: validate and plan inventories offline, run the sandbox fleet.
 
-    k2fleet validate inventories/h200.py
-    k2fleet plan inventories/h200.py [--json]
+    k2fleet validate inventories/h200.py [--data KEY=VALUE ...]
+    k2fleet plan inventories/h200.py [--json] [--data KEY=VALUE ...]
     k2fleet keys                      # every inventory key, as Markdown
     k2fleet sandbox up 3 | down | status
 """
@@ -13,17 +13,19 @@ import json
 import sys
 from pathlib import Path
 
-from k2fleet.deployment import Deployment, resolve
-from k2fleet.inventory import load_fleet
-from k2fleet.plan import Plan, make_plan
+from k2fleet.deployment import Deployment
+from k2fleet.gate import check_hosts, refuse
+from k2fleet.inventory import inventory_host_data, parse_data_overrides
+from k2fleet.plan import Plan
 from k2fleet.render.common import shell_join
 from k2fleet.spec import SpecError, keys_markdown
 
 
-def load_plan(inventory: str | Path) -> tuple[Deployment, Plan]:
-    """Inventory file → validated deployment and its plan (no host is contacted)."""
-    dep = resolve(load_fleet(inventory))
-    return dep, make_plan(dep)
+def load_plan(inventory: str | Path, data: list[str] | tuple[str, ...] = ()) -> tuple[Deployment, Plan]:
+    """Inventory file (+ pyinfra-style ``--data KEY=VALUE`` overrides) → validated
+    deployment and its plan (no host is contacted)."""
+    hosts = inventory_host_data(inventory, parse_data_overrides(data))
+    return check_hosts(str(inventory), hosts)
 
 
 def format_plan(plan: Plan) -> str:
@@ -52,14 +54,14 @@ def format_plan(plan: Plan) -> str:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    dep, plan = load_plan(args.inventory)
+    dep, plan = load_plan(args.inventory, args.data)
     n = sum(len(h.services) for h in plan.hosts.values())
     print(f"ok: {args.inventory}: {len(plan.hosts)} hosts, {n} services, {dep.engine} {dep.version}")
     return 0
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    _, plan = load_plan(args.inventory)
+    _, plan = load_plan(args.inventory, args.data)
     if args.json:
         json.dump(plan.to_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -84,10 +86,14 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("validate", help="check an inventory; no host is contacted")
     v.add_argument("inventory")
+    v.add_argument("--data", action="append", default=[], metavar="KEY=VALUE",
+                   help="override inventory data, exactly as pyinfra's --data")
     v.set_defaults(func=_cmd_validate)
     pl = sub.add_parser("plan", help="print what every host will run; no host is contacted")
     pl.add_argument("inventory")
     pl.add_argument("--json", action="store_true", help="machine-readable plan")
+    pl.add_argument("--data", action="append", default=[], metavar="KEY=VALUE",
+                    help="override inventory data, exactly as pyinfra's --data")
     pl.set_defaults(func=_cmd_plan)
     k = sub.add_parser("keys", help="print the inventory key reference (Markdown)")
     k.set_defaults(func=_cmd_keys)
@@ -102,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except SpecError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        refuse(exc)
 
 
 if __name__ == "__main__":

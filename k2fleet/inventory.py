@@ -34,8 +34,29 @@ def _import_pyinfra_cli_inventory() -> types.ModuleType:
     return pyinfra_cli.inventory
 
 
-def inventory_host_data(path: str | Path) -> list[tuple[str, dict[str, Any], tuple[str, ...]]]:
-    """``[(host name, merged data, groups)]`` in inventory order; no connection is made."""
+def parse_data_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """``--data KEY=VALUE`` items parsed exactly as pyinfra's CLI parses them.
+
+    >>> parse_data_overrides(["k2_port=9000", 'k2_engine_args={"max-num-seqs": 64}'])
+    {'k2_port': 9000, 'k2_engine_args': {'max-num-seqs': 64}}
+    """
+    _import_pyinfra_cli_inventory()
+    from pyinfra_cli.util import parse_cli_arg
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SpecError("--data", f"{item!r} is not KEY=VALUE")
+        out[key] = parse_cli_arg(value)
+    return out
+
+
+def inventory_host_data(
+    path: str | Path, override_data: dict[str, Any] | None = None
+) -> list[tuple[str, dict[str, Any], tuple[str, ...]]]:
+    """``[(host name, merged data, groups)]`` in inventory order, with pyinfra's
+    ``--data`` overrides applied the way pyinfra applies them; no connection is made."""
     from pyinfra.api import State
     from pyinfra.context import ctx_state
     make_inventory_from_files = _import_pyinfra_cli_inventory().make_inventory_from_files
@@ -45,7 +66,9 @@ def inventory_host_data(path: str | Path) -> list[tuple[str, dict[str, Any], tup
         raise SpecError("inventory", f"no inventory file at {path}", str(path))
     with ctx_state.use(State()):
         try:
-            inventory = make_inventory_from_files(str(path))
+            inventory = make_inventory_from_files(str(path), override_data or None)
+        except SystemExit as exc:  # an inventory that stops itself (e.g. no sandbox yet)
+            raise SpecError("inventory", f"could not be loaded: {exc}", str(path)) from None
         except Exception as exc:  # the inventory is user Python: report, don't trace
             raise SpecError("inventory", f"could not be loaded: {exc}", str(path)) from None
     return [(h.name, h.data.dict(), tuple(g for g in h.groups)) for h in inventory]
@@ -55,6 +78,6 @@ def fleet_from_hosts(source: str, hosts: list[tuple[str, dict[str, Any], tuple[s
     return build_fleet(source, [parse_host(name, data, source, groups) for name, data, groups in hosts])
 
 
-def load_fleet(path: str | Path) -> Fleet:
-    """Load and type-check an inventory file (cross-key rules: :mod:`k2fleet.validate`)."""
-    return fleet_from_hosts(str(path), inventory_host_data(path))
+def load_fleet(path: str | Path, override_data: dict[str, Any] | None = None) -> Fleet:
+    """Load and type-check an inventory file (cross-key rules: :mod:`k2fleet.deployment`)."""
+    return fleet_from_hosts(str(path), inventory_host_data(path, override_data))

@@ -1,0 +1,81 @@
+"""The trust boundary: an inventory is validated before any host is contacted, on
+every entry — ``pyinfra INVENTORY deploys/kimi.py``, ``k2fleet validate`` and
+``k2fleet plan`` — with the same one-line message, exit code 2 and no traceback.
+
+pyinfra's CLI runs ``config.py`` (repository root), loads the inventory (host data,
+group data, ``--data``), calls ``State.init`` and only then ``connect_all``. The
+repository's ``config.py`` calls :func:`install_pyinfra_gate`, which wraps that one
+``State.init`` call: the loaded inventory is checked there, before the first TCP
+connection, and a bad one ends the run.
+
+>>> refusal_line(SpecError("k2_port", "not a port", "inventories/x.py"))
+'error: inventories/x.py: k2_port: not a port'
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from typing import Any, NoReturn
+
+from k2fleet.spec import SpecError
+
+HostData = tuple[str, dict[str, Any], tuple[str, ...]]
+
+
+def refusal_line(exc: SpecError) -> str:
+    """The one line every entry prints for a bad inventory."""
+    return "error: " + " ".join(str(exc).split())
+
+
+def refuse(exc: SpecError) -> NoReturn:
+    """Print :func:`refusal_line` to stderr and exit 2 (no traceback)."""
+    sys.stderr.write(refusal_line(exc) + "\n")
+    sys.stderr.flush()
+    raise SystemExit(2)
+
+
+def host_data(inventory: Iterable[Any]) -> list[HostData]:
+    """``[(name, merged data, groups)]`` of a loaded pyinfra ``Inventory``, in order."""
+    return [(h.name, h.data.dict(), tuple(h.groups)) for h in inventory]
+
+
+def check_hosts(source: str, hosts: list[HostData]):
+    """Validate an inventory's hosts and plan them; raises SpecError on the first problem."""
+    from k2fleet.deployment import resolve
+    from k2fleet.inventory import fleet_from_hosts
+    from k2fleet.plan import make_plan
+
+    dep = resolve(fleet_from_hosts(source, hosts))
+    return dep, make_plan(dep)
+
+
+def _cli_inventory_argument() -> str:
+    """The INVENTORY argument pyinfra's CLI was given (for the message), if known."""
+    try:
+        import click
+
+        ctx = click.get_current_context(silent=True)
+        return str(ctx.params.get("inventory")) if ctx is not None else "inventory"
+    except Exception:  # noqa: BLE001 - only a label
+        return "inventory"
+
+
+def install_pyinfra_gate(state: Any) -> None:
+    """Check the inventory inside ``state.init`` (before ``connect_all``); see module doc.
+
+    Installed once per pyinfra run by the repository's ``config.py``.
+    """
+    if getattr(state, "_k2fleet_gate", False):
+        return
+    original_init = state.init
+
+    def gated_init(inventory: Any, config: Any, initial_limit: Any = None) -> None:
+        try:
+            check_hosts(_cli_inventory_argument(), host_data(inventory))
+        except SpecError as exc:
+            refuse(exc)
+        original_init(inventory, config, initial_limit=initial_limit)
+
+    state.init = gated_init
+    state._k2fleet_gate = True
