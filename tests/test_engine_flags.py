@@ -1,0 +1,108 @@
+"""Engine flag tables vs. what k2fleet renders, and the k2_engine_args / LLM API checks."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import yaml
+
+from k2fleet.cli import load_plan
+from k2fleet.engine_flags import DATA, OWNED_FLAGS, check_engine_args, check_llm_api_config, has_table, known_flags
+from k2fleet.spec import SpecError
+
+ENTRY = {"vllm": "serve", "trtllm": "trtllm-serve", "sglang": "sglang.launch_server",
+         "ktransformers": ("sglang.launch_server", "ktransformers.server.main")}
+SCENARIOS = sorted(p for p in glob.glob("inventories/*.py") if not os.path.basename(p).startswith("sandbox"))
+
+
+def _engine_words(argv: list[str]) -> list[str] | None:
+    for i, word in enumerate(argv):
+        base = os.path.basename(word)
+        if base in ("serve", "trtllm-serve", "sglang.launch_server", "ktransformers.server.main") and (
+            base != "serve" or i == 0 or os.path.basename(argv[i - 1]) in ("vllm",) or argv[i - 1] == "--entrypoint" or "vllm" in argv[i - 1] or True
+        ):
+            return argv[i + 1:]
+    return None
+
+
+@pytest.mark.parametrize("inventory", SCENARIOS)
+def test_rendered_flags_are_known(inventory):
+    dep, plan = load_plan(inventory)
+    if not has_table(dep.engine, dep.version):
+        pytest.skip(f"no table for {dep.engine} {dep.version}")
+    flags = known_flags(dep.engine, dep.version)
+    seen = 0
+    for host in plan.hosts.values():
+        for service in host.services.values() if isinstance(host.services, dict) else host.services:
+            words = _engine_words(list(service.argv))
+            if words is None:
+                continue
+            for w in words:
+                if w.startswith("-") and not w.lstrip("-").replace(".", "").isdigit():
+                    assert w in flags, f"{inventory}: {service.name} renders {w}, unknown to {dep.engine} {dep.version}"
+                    seen += 1
+    assert seen or dep.engine == "trtllm"
+
+
+def test_typo_refused_with_did_you_mean():
+    with pytest.raises(SpecError, match=r"--tensor-paralel-size is not a flag of vllm 0.33.0; did you mean --tensor-parallel-size\?"):
+        check_engine_args("vllm", "0.33.0", {"--tensor-paralel-size": 8})
+    check_engine_args("vllm", "0.33.0", {"max-num-seqs": 256, "--no-enable-prefix-caching": True})
+
+
+@pytest.mark.parametrize("engine,flag,owner", [("vllm", "--port", "k2_port"), ("vllm", "-tp", "k2_tp"),
+                                               ("sglang", "tp-size", "k2_tp"), ("trtllm", "tp_size", "k2_tp")])
+def test_owned_flag_refused(engine, flag, owner):
+    version = {"vllm": "0.33.0", "sglang": "0.5.23", "trtllm": "1.2.0"}[engine]
+    with pytest.raises(SpecError, match=f"set by k2fleet from {owner}"):
+        check_engine_args(engine, version, {flag: 8})
+
+
+def test_version_specific_flag():
+    # --nnodes exists at vLLM 0.33 but not at 0.10; SGLang's --kt-* flags are new since 0.4.9
+    assert "--nnodes" in known_flags("vllm", "0.33.0") and "--nnodes" not in known_flags("vllm", "0.10.0")
+    check_engine_args("sglang", "0.5.23", {"kt-weight-path": "/gguf"})  # a real 0.5.23 flag
+    with pytest.raises(SpecError, match="--kt-weight-path is not a flag of sglang 0.4.9"):
+        check_engine_args("sglang", "0.4.9", {"kt-weight-path": "/gguf"})
+
+
+def test_renamed_flag_checked_by_translation():
+    check_engine_args("sglang", "0.5.23", {"enable-deepep-moe": True})  # → --moe-a2a-backend deepep
+    check_engine_args("sglang", "0.4.9", {"enable-deepep-moe": True})
+
+
+TREE = {"extra": "forbid", "fields": {"tensor_parallel_size": None, "cuda_graph_config": {
+    "extra": "forbid", "fields": {"enable_padding": None, "batch_sizes": None}}}}
+
+
+def test_llm_api_walk():
+    check_llm_api_config("1.2.0", {"cuda_graph_config": {"padding_enabled": True}}, schema=TREE)
+    with pytest.raises(SpecError, match=r"cuda_graph_config.enable_padingg is not .*did you mean enable_padding\?"):
+        check_llm_api_config("1.2.0", {"cuda_graph_config": {"enable_padingg": True}}, schema=TREE)
+    with pytest.raises(SpecError, match="tensor_parallel_size: 8 contradicts k2_tp=16"):
+        check_llm_api_config("1.2.0", {"tensor_parallel_size": 8}, owned_values={"tensor_parallel_size": 16}, schema=TREE)
+    check_llm_api_config("1.2.0", {"tensor_parallel_size": 16}, owned_values={"tensor_parallel_size": 16}, schema=TREE)
+
+
+@pytest.mark.parametrize("inventory", [p for p in SCENARIOS if "trtllm" in p])
+def test_scenario_trtllm_yaml(inventory):
+    dep, plan = load_plan(inventory)
+    for host in plan.hosts.values():
+        services = host.services.values() if isinstance(host.services, dict) else host.services
+        for service in services:
+            for path, text in (service.files or {}).items():
+                if path.endswith("extra-llm-api-config.yml"):
+                    check_llm_api_config(dep.version, yaml.safe_load(text))
+
+
+def test_tables_have_source():
+    files = sorted(DATA.glob("*.json"))
+    assert len(files) >= 8
+    for f in files:
+        data = json.loads(f.read_text())
+        assert data["source"]["date"] and data["source"]["files"], f
+        assert data["flags"] == sorted(set(data["flags"])), f
+    assert set(OWNED_FLAGS) == {"vllm", "sglang", "ktransformers", "trtllm"}
