@@ -60,10 +60,26 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def plan_document(dep: Deployment, plan: Plan) -> dict:
+    """The ``k2fleet plan --json`` document: the plan, and per host its desired state
+    (files with mode and sha256, units, packages, checks, checkpoint parent and round).
+    Control artifacts (mesh keys, wheels) are only read: missing ones show sha256 null."""
+    from k2fleet.control import read_control_artifacts
+    from k2fleet.desired import desired_state
+    from k2fleet.wheelhouse import hub_client_requirement
+
+    requirement = hub_client_requirement() if dep.s.checkpoint_fetcher != "control" else None
+    desired = desired_state(dep, plan, read_control_artifacts(dep, plan), hub_requirement=requirement)
+    doc = plan.to_json()
+    for name, host in doc["hosts"].items():
+        host["desired"] = desired[name].to_json()
+    return doc
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
-    _, plan = load_plan(args.inventory, args.data)
+    dep, plan = load_plan(args.inventory, args.data)
     if args.json:
-        json.dump(plan.to_json(), sys.stdout, indent=2)
+        json.dump(plan_document(dep, plan), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(format_plan(plan))

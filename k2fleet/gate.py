@@ -18,6 +18,10 @@ import sys
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
+from k2fleet.deployment import Deployment, resolve
+from k2fleet.inventory import fleet_from_hosts
+from k2fleet.plan import Plan
+from k2fleet.planner import make_plan
 from k2fleet.spec import SpecError
 
 HostData = tuple[str, dict[str, Any], tuple[str, ...]]
@@ -40,12 +44,8 @@ def host_data(inventory: Iterable[Any]) -> list[HostData]:
     return [(h.name, h.data.dict(), tuple(h.groups)) for h in inventory]
 
 
-def check_hosts(source: str, hosts: list[HostData]):
+def check_hosts(source: str, hosts: list[HostData]) -> tuple[Deployment, Plan]:
     """Validate an inventory's hosts and plan them; raises SpecError on the first problem."""
-    from k2fleet.deployment import resolve
-    from k2fleet.inventory import fleet_from_hosts
-    from k2fleet.plan import make_plan
-
     dep = resolve(fleet_from_hosts(source, hosts))
     return dep, make_plan(dep)
 

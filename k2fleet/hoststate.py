@@ -1,6 +1,6 @@
 """Host-side state probe: one round trip returns everything the deploy decides on.
 
-This file is run ON THE HOST by the :class:`roles.facts.HostState` fact (``python3 -``
+This file is run ON THE HOST by the :class:`k2fleet.facts.HostState` fact (``python3 -``
 with the source on stdin), so it is standard-library only and imports nothing from
 k2fleet. Input: one JSON document (argv[1]) naming what to look at; output: one JSON
 document with hardware facts (GPUs, driver, disk, RAM, /dev/shm, NICs, IB HCAs) and the

@@ -1,9 +1,7 @@
-"""The plan: for each host, the processes it runs, in which order across hosts.
+"""The plan's data model: for each host, the processes it runs, in which order.
 
-``make_plan(deployment)`` is pure: it reads a resolved :class:`Deployment` and returns
-a :class:`Plan` of :class:`Service` records (argv, environment, files, ports, start
-stage, health check). The deploy's roles turn services into systemd units; ``k2fleet
-plan`` prints them. Nothing here connects to a host.
+:func:`k2fleet.planner.make_plan` fills it from a resolved Deployment (pure);
+:mod:`k2fleet.desired` turns it into everything each host must hold.
 """
 
 from __future__ import annotations
@@ -11,8 +9,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from k2fleet.deployment import Deployment
-from k2fleet.spec import SpecError
 
 
 @dataclass
@@ -101,43 +97,3 @@ class Plan:
                 for name, h in self.hosts.items()
             },
         }
-
-
-def _check_ports(plan: Plan, host_ports: dict[str, int]) -> None:
-    for host in plan.hosts.values():
-        seen: dict[int, str] = {port: key for key, port in host_ports.items()}
-        for svc in host.services:
-            for key, port in svc.ports.items():
-                other = seen.get(port)
-                if other is not None and other != key:
-                    raise SpecError(
-                        key,
-                        f"port {port} on host {host.name} is also used by {other}; give them different ports",
-                        plan.source,
-                    )
-                seen[port] = key
-
-
-def make_plan(dep: Deployment) -> Plan:
-    """Render every host's services for ``dep``; raises SpecError on port clashes."""
-    from k2fleet.render import render_services
-
-    hosts = {
-        h.name: HostPlan(name=h.name, address=h.address, role=h.settings.role) for h in dep.fleet.hosts
-    }
-    for host_name, item in render_services(dep):
-        if isinstance(item, Service):
-            hosts[host_name].services.append(item)
-        else:
-            hosts[host_name].files.update(item)
-    plan = Plan(
-        source=dep.fleet.source,
-        engine=dep.engine,
-        engine_version=dep.version,
-        runtime=dep.runtime,
-        image=dep.image,
-        checkpoint_path=dep.serve_path,
-        hosts=hosts,
-    )
-    _check_ports(plan, {"k2_mesh_port": dep.s.mesh_port})
-    return plan

@@ -23,10 +23,6 @@ re-receives only the files ``verify.py --json`` names. With ``k2_shared_storage`
 Every step runs at execution time and only on hosts whose gate failed in the one
 HostState fact, so ``--dry`` and no-op runs transfer (and ask) nothing.
 
-.. code:: python
-
-    from roles import checkpoint
-    checkpoint.ensure()
 """
 
 from __future__ import annotations
@@ -39,49 +35,24 @@ from pyinfra.api import deploy
 from pyinfra.operations import python
 
 from k2fleet.checkpoint import fanout
-from k2fleet.checkpoint.download import read_token
+from k2fleet.checkpoint.manifest import read_token
+from k2fleet.deployment import Deployment
+from k2fleet.desired import CHECKPOINT_CHECK, HUB_ENV, OVERLAY_PY, PY_LIB, VERIFY_PY, HostDesired
 from k2fleet.mesh import mesh_dir
-from k2fleet.spec import SpecError
-from k2fleet.units import LIB_DIR, gate_argv
-from roles.context import FleetContext, fleet
-from roles.hub_client import download_argv
-from roles.ops import command
-from roles.state import CHECKPOINT_CHECK, report, track
+from k2fleet.operations import command
+from k2fleet.preflight import HostReport
+from k2fleet.units import gate_argv
 
-VERIFY_PY = f"{LIB_DIR}/verify.py"
-TRANSFER_LOG = "checkpoint-transfers.jsonl"
 TOKEN_DIR = "/run/k2fleet"
 TOKEN_PATH = f"{TOKEN_DIR}/hf_token"
 
 
-def checks(ctx: FleetContext) -> dict[str, list[str]]:
-    return {CHECKPOINT_CHECK: gate_argv(ctx.dep)}
-
-
-def _loads_weights(hp) -> bool:
-    """Every GPU host loads weights (mpirun ranks too, with no service of their own)."""
-    return hp.role not in ("router", "slurm-submit") or any(s.needs_checkpoint for s in hp.services)
-
-
-def needs_checkpoint(ctx: FleetContext) -> bool:
-    return _loads_weights(ctx.host_plan())
-
-
-def fanout_plan(ctx: FleetContext) -> fanout.FanoutPlan:
-    names = [h.name for h in ctx.dep.fleet.hosts if _loads_weights(ctx.plan.hosts[h.name])]
-    fetcher = ctx.dep.s.checkpoint_fetcher
-    return fanout.plan_fanout(names, shared_storage=ctx.dep.s.shared_storage,
-                              root=None if fetcher == "control" else fetcher)
-
-
-def control_source(ctx: FleetContext) -> tuple[str, bool]:
+def control_source(dep: Deployment) -> tuple[str, bool]:
     """(control-machine directory, fetched from the Hub?) of the checkpoint."""
-    s = ctx.dep.s
+    s = dep.s
     if s.checkpoint_source == "hub":
         return fanout.control_dir(s.checkpoint_cache, s.model, s.revision), True
-    if s.checkpoint_source.startswith("control:/"):
-        return s.checkpoint_source.removeprefix("control:"), False
-    raise SpecError("k2_checkpoint_source", f"{s.checkpoint_source!r} is neither `hub` nor `control:/absolute/path`")
+    return s.checkpoint_source.removeprefix("control:"), False
 
 
 def _ssh_command() -> list[str]:
@@ -105,24 +76,51 @@ def send_token(token_file: str | None) -> None:
         raise RuntimeError(f"{host.name}: could not place the Hub token in {TOKEN_DIR}")
 
 
-def host_download_command(ctx: FleetContext) -> str:
+def download_argv(dep: Deployment, xet_disabled: bool) -> list[str]:
+    """The Hub download on the fetcher host (the token only by file, never its value)."""
+    s = dep.s
+    argv = ["env", f"PYTHONPATH={PY_LIB}", "HF_HUB_DISABLE_TELEMETRY=1", "HF_HUB_DISABLE_PROGRESS_BARS=1"]
+    if s.hub_endpoint:
+        argv.append(f"HF_ENDPOINT={s.hub_endpoint}")
+    if xet_disabled:  # the operator's choice of the resumable HTTP path
+        argv.append("HF_HUB_DISABLE_XET=1")
+    return argv + [f"{HUB_ENV}/bin/python", "-m", "k2fleet.checkpoint.download", s.model, "--revision", s.revision,
+                   "--dir", dep.checkpoint_path]
+
+
+def host_download_command(dep: Deployment, xet_disabled: bool) -> str:
     """Shell line of the fetcher's Hub download; the token file is removed however it ends."""
-    argv = shlex.join(download_argv(ctx, None))
+    argv = shlex.join(download_argv(dep, xet_disabled))
     return (f"trap 'rm -f {TOKEN_PATH}' EXIT; if [ -f {TOKEN_PATH} ]; then set -- --token-file {TOKEN_PATH}; fi; "
             f'{argv} "$@"')
 
 
 @deploy("k2fleet: checkpoint")
-def ensure() -> None:
-    ctx = fleet()
-    dep = ctx.dep
-    source_dir, from_hub = control_source(ctx)
-    plan = fanout_plan(ctx)
-    me = host.name
-    wanted = needs_checkpoint(ctx) and not report().passed(CHECKPOINT_CHECK)
-    my_round = plan.round_of(me)
-    is_root = me == plan.root
-    root_wanted = wanted and is_root
+def ensure(dep: Deployment, desired: HostDesired, fact: HostReport, tracked: list,
+           log_file: str, xet_disabled: bool = False) -> None:
+    """
+    Bring this host's copy of the pinned checkpoint to verified, from the control
+    machine, the Hub (fetcher host) or a verified peer, in its fan-out round.
+
+    + dep: the validated deployment (model, revision, source, paths, fetcher)
+    + desired: this host's desired state (``fanout``: parent, round, root, shared)
+    + fact: this host's HostState (the read-only ``checkpoint-verified`` check)
+    + tracked: list the run's health gate watches; verify operations are appended
+    + log_file: control-machine JSON-lines log of checkpoint transfers
+    + xet_disabled: pass ``HF_HUB_DISABLE_XET=1`` to the fetcher host's download
+
+    **Example:**
+
+    .. code:: python
+
+        checkpoint.ensure(run.dep, run.desired[host.name], fact, run.tracked,
+                          log_file="/root/.local/state/k2fleet/ID/checkpoint-transfers.jsonl")
+    """
+    fan = desired.fanout
+    assert fan is not None
+    source_dir, from_hub = control_source(dep)
+    wanted = fan.loads_weights and not fact.passed(CHECKPOINT_CHECK)
+    root_wanted = wanted and fan.is_root
     on_host = dep.s.checkpoint_fetcher != "control"
     control_wanted = root_wanted and not on_host
     path = dep.checkpoint_path
@@ -134,45 +132,45 @@ def ensure() -> None:
         name="fetch + verify the checkpoint on the control machine (once per fleet)",
         function=fanout.prepare_control_copy,
         repo_id=dep.s.model, revision=dep.s.revision, root=source_dir, hub=from_hub,
-        endpoint=dep.s.hub_endpoint, token_file=dep.s.hub_token_file,
-        log_file=str(ctx.state_dir / TRANSFER_LOG),
+        endpoint=dep.s.hub_endpoint, token_file=dep.s.hub_token_file, log_file=log_file,
         _if=lambda: control_wanted,
     )
     user = host.data.get("ssh_user") or "root"
     python.call(
         name="send the checkpoint (or only its bad files) from the control machine",
         function=fanout.push_to_host,
-        source=source_dir, dest=path, target=f"{user}@{host.data.get('ssh_hostname') or me}",
-        ssh=_ssh_command(), verify_py=VERIFY_PY, log_file=str(ctx.state_dir / TRANSFER_LOG),
+        source=source_dir, dest=path, target=f"{user}@{host.data.get('ssh_hostname') or desired.name}",
+        ssh=_ssh_command(), verify_py=VERIFY_PY, log_file=log_file,
         _if=lambda: control_wanted,
     )
-    track(command(name="verify every checkpoint file (sha256, index, headers)",
-                  argv=["/usr/bin/python3", VERIFY_PY, "--full", path], _if=lambda: control_wanted))
+    tracked.append(command(name="verify every checkpoint file (sha256, index, headers)",
+                           argv=["/usr/bin/python3", VERIFY_PY, "--full", path], _if=lambda: control_wanted))
     # Or round 0 on the fetcher host itself: the Hub → this host (resumable, verified, repaired).
     python.call(name="Hub token to the fetcher host (root-only file)", function=send_token,
                 token_file=dep.s.hub_token_file, _if=lambda: root_wanted and on_host)
-    track(command(name="download + verify the checkpoint from the Hub on this host (once per fleet)",
-                  argv=["sh", "-c", host_download_command(ctx)], _if=lambda: root_wanted and on_host))
+    tracked.append(command(name="download + verify the checkpoint from the Hub on this host (once per fleet)",
+                           argv=["sh", "-c", host_download_command(dep, xet_disabled)],
+                           _if=lambda: root_wanted and on_host))
 
     # Rounds 1..: every other host pulls from a verified peer over the mesh (one sequence
     # on all hosts; a host is active only in its own round and only if its gate failed).
     rsh = fanout.mesh_rsh(mesh_dir(dep))
-    for rnd in range(1, len(plan.rounds)):
-        active = wanted and my_round == rnd
-        parent = plan.parents.get(me) if active else None
+    for rnd in range(1, fan.rounds):
+        active = wanted and fan.round == rnd
+        parent = fan.parent if active else None
         argv = fanout.host_pull_argv(path, VERIFY_PY, f"{addresses[parent]}:{path}", rsh) if parent else ["true"]
         command(name=f"checkpoint round {rnd}: pull (only bad files) from a verified peer over the mesh",
                 argv=argv, _if=lambda active=active: active)
-        track(command(name=f"checkpoint round {rnd}: verify every file before serving or passing it on",
-                      argv=["/usr/bin/python3", VERIFY_PY, "--full", path], _if=lambda active=active: active))
+        tracked.append(command(name=f"checkpoint round {rnd}: verify every file before serving or passing it on",
+                               argv=["/usr/bin/python3", VERIFY_PY, "--full", path], _if=lambda active=active: active))
 
     # model_type fallback: a config overlay over the verified files, never an edit of them.
     override = dep.s.model_type_override
-    overlay_missing = bool(override) and not report().exists.get(f"{dep.serve_path}/config.json", False)
-    track(command(name=f"config overlay with model_type {override}",
-                  argv=["/usr/bin/python3", f"{LIB_DIR}/overlay.py", path, dep.serve_path, "--model-type", str(override)],
-                  _if=lambda: bool(override) and needs_checkpoint(ctx) and (wanted or overlay_missing)))
+    overlay_missing = bool(override) and not fact.exists.get(f"{dep.serve_path}/config.json", False)
+    tracked.append(command(name=f"config overlay with model_type {override}",
+                           argv=["/usr/bin/python3", OVERLAY_PY, path, dep.serve_path, "--model-type", str(override)],
+                           _if=lambda: bool(override) and fan.loads_weights and (wanted or overlay_missing)))
 
     # Shared storage: the root fetched into the shared path; the others only pass the gate.
     command(name="checkpoint gate on shared storage",
-            argv=gate_argv(dep), _if=lambda: plan.shared and wanted and not is_root)
+            argv=gate_argv(dep), _if=lambda: fan.shared and wanted and not fan.is_root)

@@ -1,7 +1,7 @@
 """Host packages from the network (apt) or from an offline bundle (air-gapped).
 
-The bundle path builds/reuses a :mod:`k2fleet.bundle` tar on the control
-machine while the deploy is planned, ships it to each host and serves it to apt
+The bundle path ships the :mod:`k2fleet.bundle` tar that the control-machine step
+(:func:`k2fleet.control.prepare_control_artifacts`) built, and serves it to apt
 as a flat ``file:`` repository.  apt is always restricted to that one source,
 so an air-gapped host never tries the network.
 
@@ -14,8 +14,6 @@ when something is missing, and ``apt.packages`` installs only what is absent.
 from __future__ import annotations
 
 import io
-import threading
-from functools import lru_cache
 from pathlib import Path
 
 from pyinfra import host
@@ -24,27 +22,13 @@ from pyinfra.facts.deb import DebPackages
 from pyinfra.facts.files import Directory
 from pyinfra.operations import apt, files, server
 
-from k2fleet.bundle import ensure_bundle, key_of
+from k2fleet.bundle import key_of
+from k2fleet.operations import command
 
 SOURCES = ("apt", "bundle")
 REMOTE_TAR_DIR = "/var/cache/k2fleet"
 REMOTE_REPO_ROOT = "/var/lib/k2fleet/apt-bundle"
 BUNDLE_LIST = "/etc/apt/sources.list.d/k2fleet-bundle.list"
-
-
-_BUILD_LOCK = threading.Lock()  # cooperative under pyinfra's gevent: hosts plan concurrently
-
-
-@lru_cache(maxsize=None)
-def _bundle_for_locked(packages: tuple[str, ...]) -> Path:
-    return ensure_bundle(list(packages))
-
-
-def _bundle_for(packages: tuple[str, ...]) -> Path:
-    """The control machine's bundle tar for ``packages`` (built once per process; the
-    bundle's own file lock is a blocking syscall, so greenlets must queue here first)."""
-    with _BUILD_LOCK:
-        return _bundle_for_locked(packages)
 
 
 def bundle_apt_options(list_path: str = BUNDLE_LIST) -> str:
@@ -70,9 +54,9 @@ def _base_name(spec: str) -> str:
     return spec.split("=", 1)[0].split(":", 1)[0]
 
 
-def _install_from_bundle(packages: list[str]) -> None:
-    """Ship, index and install the offline bundle for ``packages`` (see module doc)."""
-    tar = _bundle_for(tuple(sorted(set(packages))))
+def _install_from_bundle(packages: list[str], bundle: str) -> None:
+    """Ship, index and install the offline bundle ``bundle`` for ``packages``."""
+    tar = Path(bundle)
     key = key_of(tar)
     remote_tar = f"{REMOTE_TAR_DIR}/{tar.name}"
     repo_dir = f"{REMOTE_REPO_ROOT}/{key}"
@@ -114,7 +98,8 @@ def _install_from_bundle(packages: list[str]) -> None:
 
 
 @deploy("k2fleet: host packages")
-def install_packages(packages: list[str], source: str = "bundle", installed: list[str] | None = None) -> None:
+def install_packages(packages: list[str], source: str = "bundle", installed: list[str] | None = None,
+                     bundle: str | None = None) -> None:
     """
     Install Debian packages on the hosts, online or from an offline bundle.
 
@@ -125,10 +110,12 @@ def install_packages(packages: list[str], source: str = "bundle", installed: lis
     + installed: packages already known to be installed (e.g. from k2fleet's
       HostState fact); when it covers ``packages`` nothing is planned at all, so a
       settled host costs no extra round trip
+    + bundle: path of the bundle tar on the control machine (source ``bundle``),
+      made by the control-machine step; None under ``--dry`` before it exists
 
     Bundle:
-        The bundle is built (or reused from ``/var/cache/k2fleet/bundles``) on the
-        control machine, uploaded to ``/var/cache/k2fleet/bundle-<key>.tar``,
+        The bundle (built or reused from ``/var/cache/k2fleet/bundles`` on the
+        control machine by the control-machine step) is uploaded to ``/var/cache/k2fleet/bundle-<key>.tar``,
         extracted to ``/var/lib/k2fleet/apt-bundle/<key>/`` and listed in
         ``/etc/apt/sources.list.d/k2fleet-bundle.list``. A second run with
         everything in place executes no command.
@@ -142,6 +129,7 @@ def install_packages(packages: list[str], source: str = "bundle", installed: lis
         install_packages(
             ["openmpi-bin", "rsync", "python3-venv", "python3-mpi4py"],
             source="bundle",
+            bundle="/var/cache/k2fleet/bundles/bundle-3f1c.tar",
         )
     """
     if source not in SOURCES:
@@ -156,4 +144,8 @@ def install_packages(packages: list[str], source: str = "bundle", installed: lis
             no_recommends=True,
         )
         return
-    _install_from_bundle(packages)
+    if bundle is None:
+        command(name="install packages from the offline bundle (built by the control-machine step)",
+                argv=["true"])
+        return
+    _install_from_bundle(packages, bundle)

@@ -1,21 +1,15 @@
 """Preflight role: refuse, before any change, a host that cannot run its part of the
 plan (GPUs, driver, disk at ``k2_model_dir``, RAM, /dev/shm, ``k2_nic``, ``k2_ib_hcas``,
 fleet address). Sandbox inventories declare simulated GPUs; production ones never can.
-
-.. code:: python
-
-    from roles import preflight
-    preflight.check()
 """
 
 from __future__ import annotations
 
-from pyinfra import host
 from pyinfra.api import deploy
 
-from k2fleet.preflight import check_host
-from roles.context import fleet
-from roles.state import CHECKPOINT_CHECK, report
+from k2fleet.deployment import Deployment
+from k2fleet.desired import CHECKPOINT_CHECK, HostDesired
+from k2fleet.preflight import HostReport, check_host
 
 
 class PreflightError(Exception):
@@ -23,10 +17,21 @@ class PreflightError(Exception):
 
 
 @deploy("k2fleet: preflight")
-def check() -> None:
-    ctx = fleet()
-    entry = next(h for h in ctx.dep.fleet.hosts if h.name == host.name)
-    rep = report()
-    problems = check_host(ctx.dep, entry, rep, checkpoint_present=rep.passed(CHECKPOINT_CHECK))
+def check(dep: Deployment, desired: HostDesired, fact: HostReport) -> None:
+    """
+    Stop the deploy, naming the host and every reason, if this host cannot run its part.
+
+    + dep: the validated deployment (``k2fleet.run.FleetRun.dep``)
+    + desired: this host's desired state (its name picks its inventory entry)
+    + fact: this host's :class:`~k2fleet.facts.HostState`
+
+    **Example:**
+
+    .. code:: python
+
+        preflight.check(run.dep, run.desired[host.name], fact)
+    """
+    entry = next(h for h in dep.fleet.hosts if h.name == desired.name)
+    problems = check_host(dep, entry, fact, checkpoint_present=fact.passed(CHECKPOINT_CHECK))
     if problems:
-        raise PreflightError(f"{host.name}: preflight failed: " + "; ".join(problems))
+        raise PreflightError(f"{desired.name}: preflight failed: " + "; ".join(problems))

@@ -142,9 +142,10 @@ def test_second_build_reuses_cache(rsync_bundle: Path, monkeypatch: pytest.Monke
 
 
 DEPLOY = f"""\
+from k2fleet.bundle import ensure_bundle
 from roles.packages import install_packages
 
-install_packages({SANDBOX_PACKAGES!r}, "bundle")
+install_packages({SANDBOX_PACKAGES!r}, "bundle", bundle=str(ensure_bundle({SANDBOX_PACKAGES!r})))
 """
 
 

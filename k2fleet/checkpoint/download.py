@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import urlsplit
 
-from k2fleet.checkpoint.manifest import build_manifest, is_commit_sha, manifest_path, save_manifest
+from k2fleet.checkpoint.manifest import build_manifest, is_commit_sha, manifest_path, read_token, save_manifest
 from k2fleet.checkpoint.verify import (
     BAD_HEADER,
     CHANGED,
@@ -55,21 +55,6 @@ from k2fleet.checkpoint.verify import (
 log = logging.getLogger(__name__)
 
 REPAIRABLE = {MISSING, SIZE_MISMATCH, HASH_MISMATCH, BAD_HEADER, CHANGED}
-
-
-def read_token(token_file: str | os.PathLike[str] | None = None) -> str | None:
-    """Hub token from ``token_file`` if given, else env ``HF_TOKEN``, else None. Never log it.
-
-    Example:
-        >>> read_token("/run/secrets/hf_token")  # doctest: +SKIP
-        'hf_...'
-    """
-    if token_file:
-        token = Path(token_file).read_text(encoding="utf-8").strip()
-        if not token:
-            raise ValueError(f"token file {token_file} is empty")
-        return token
-    return os.environ.get("HF_TOKEN") or None
 
 
 def hub_endpoint(endpoint: str | None = None) -> str | None:

@@ -225,6 +225,21 @@ def _find_snapshot(root: Path) -> Path:
     return snapshots[0]
 
 
+def read_token(token_file: str | os.PathLike[str] | None = None) -> str | None:
+    """Hub token from ``token_file`` if given, else env ``HF_TOKEN``, else None. Never log it.
+
+    Example:
+        >>> read_token("/run/secrets/hf_token")  # doctest: +SKIP
+        'hf_...'
+    """
+    if token_file:
+        token = Path(token_file).read_text(encoding="utf-8").strip()
+        if not token:
+            raise ValueError(f"token file {token_file} is empty")
+        return token
+    return os.environ.get("HF_TOKEN") or None
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m k2fleet.checkpoint.manifest REPO --revision SHA [--out PATH] [--resolve]``."""
     import argparse
@@ -236,8 +251,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--token-file", help="file holding the Hub token (default: env HF_TOKEN)")
     ap.add_argument("--out", help="write here instead of stdout")
     args = ap.parse_args(argv)
-    from k2fleet.checkpoint.download import read_token
-
     try:
         manifest = build_manifest(
             args.repo_id, args.revision, token=read_token(args.token_file), resolve=args.resolve

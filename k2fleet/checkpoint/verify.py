@@ -597,9 +597,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=None, help="cores to keep hashing (default: CPU count); "
                     f"{STREAMS_PER_WORKER} files are read per worker so disk waits overlap hashing")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    ap.add_argument("--marker-only", action="store_true",
+                    help="read-only: exit 0 only if the verified marker matches the manifest and no file's "
+                    "stat changed since; hashes nothing and never writes or removes the marker")
     args = ap.parse_args(argv)
     root = os.path.abspath(args.dir)
     mpath = args.manifest or os.path.join(state_dir(root), MANIFEST_NAME)
+    if args.marker_only:
+        try:
+            return 0 if is_verified(root, load_manifest(mpath)) else 1
+        except (OSError, ValueError):
+            return 1
     try:
         manifest = load_manifest(mpath)
     except (OSError, ValueError) as e:

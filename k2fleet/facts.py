@@ -2,7 +2,10 @@
 
 :class:`HostState` is the only fact the deploy gathers: one round trip per host that
 returns hardware (GPUs, driver, disk, RAM, /dev/shm, NICs, IB HCAs) and the state of
-everything k2fleet manages there (file digests, units, packages, health endpoints).
+everything k2fleet manages there (file digests, units, packages, read-only checks such
+as the checkpoint's verified marker and a short health probe). It changes nothing on
+the host: the probe (:mod:`k2fleet.hoststate`) only reads, and its checks are
+read-only programs.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pyinfra.api import FactBase
 
 from k2fleet.preflight import HostReport
 
-PROBE = (Path(__file__).resolve().parents[1] / "k2fleet" / "hoststate.py").read_text()
+PROBE = (Path(__file__).resolve().parent / "hoststate.py").read_text()
 
 
 class HostState(FactBase[HostReport]):

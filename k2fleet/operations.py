@@ -1,5 +1,5 @@
-"""k2fleet's own pyinfra operations: decided from the one HostState fact, so a no-op
-re-run costs no extra round trips.
+"""k2fleet's own pyinfra operations: decided from the one HostState fact
+(:mod:`k2fleet.facts`), so a no-op re-run costs no extra round trips.
 
 Each operation yields commands only when the host differs from the plan; gate
 follow-ups on them with ``_if=`` (evaluated at execution time).
@@ -7,7 +7,6 @@ follow-ups on them with ``_if=`` (evaluated at execution time).
 
 from __future__ import annotations
 
-import hashlib
 import posixpath
 import shlex
 from io import BytesIO
@@ -15,28 +14,33 @@ from io import BytesIO
 from pyinfra import host
 from pyinfra.api import FileUploadCommand, StringCommand, operation
 
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+from k2fleet.desired import FileSpec
 
 
 @operation()
-def synced_files(files: dict[str, tuple[bytes, str]], current: dict[str, str | None]):
-    """Upload every ``path: (content, mode)`` whose sha256 differs from ``current[path]``.
+def synced_files(files: dict[str, FileSpec], current: dict[str, str | None]):
+    """Upload every file of the desired state whose sha256 differs from ``current[path]``.
 
-    + files: desired content and octal mode per absolute path
+    + files: :class:`~k2fleet.desired.FileSpec` (content, octal mode) per absolute path
     + current: sha256 per path as the HostState fact saw it (None: missing)
+
+    A spec without content (a control artifact not made yet, only under ``--dry``) is
+    reported as a change with no command.
 
     **Example:**
 
     .. code:: python
 
-        synced_files(name="mesh files", files={"/etc/k2fleet/x": (b"hi\\n", "600")},
-                     current=report.files)
+        synced_files(name="mesh files", files={"/etc/k2fleet/x": FileSpec.of(b"hi\\n", "600")},
+                     current=fact.files)
     """
     for path in sorted(files):
-        data, mode = files[path]
-        if current.get(path) == sha256(data):
+        spec = files[path]
+        if spec.content is None:
+            yield StringCommand(f"true  # {shlex.quote(path)}: made by the control-machine step")
+            continue
+        data, mode = spec.content, spec.mode
+        if current.get(path) == spec.sha256:
             continue
         directory = posixpath.dirname(path)
         yield StringCommand(f"mkdir -p {shlex.quote(directory)}")

@@ -1,0 +1,115 @@
+"""Control-machine effects, in one explicit step: :func:`prepare_control_artifacts`.
+
+A deployment needs a few things made on the control machine before any host can be
+told what to hold: the mesh key pairs (one client key for the fleet, one host key per
+host, so known_hosts is pinned before a host is contacted), the Hub-client wheelhouse
+for a ``k2_checkpoint_fetcher`` host, and the offline .deb bundles for
+``k2_package_source: bundle``. :func:`read_control_artifacts` only reads what exists
+(``k2fleet plan`` and ``pyinfra --dry`` use it and change nothing);
+:func:`prepare_control_artifacts` makes what is missing and is called once per real
+run by ``deploys/kimi.py``. The checkpoint cache (a Hub download on the control
+machine) is filled later, by the checkpoint role's first operation, and only when a
+host's checkpoint gate fails — a settled fleet never asks the Hub.
+
+Generated state lives under ``$K2FLEET_STATE_DIR/<deployment id>`` (default
+``~/.local/state/k2fleet``), caches under ``/var/cache/k2fleet``.
+
+>>> deployment_id("m/x", "0" * 40, ["10.0.0.2", "10.0.0.1"]) == deployment_id("m/x", "0" * 40, ["10.0.0.1", "10.0.0.2"])
+True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+from k2fleet import bundle, wheelhouse
+from k2fleet.deployment import Deployment
+from k2fleet.desired import ControlArtifacts, mesh_enabled
+from k2fleet.packages import required_packages
+from k2fleet.plan import Plan
+
+
+def deployment_id(model: str, revision: str, addresses: list[str]) -> str:
+    """Stable id of a deployment: its model, revision and the fleet's addresses."""
+    return hashlib.sha256("|".join([model, revision, *sorted(addresses)]).encode()).hexdigest()[:12]
+
+
+def dep_id(dep: Deployment) -> str:
+    return deployment_id(dep.s.model, dep.s.revision, [h.address for h in dep.fleet.hosts])
+
+
+def state_dir(dep: Deployment) -> Path:
+    """Control-machine directory of this deployment's generated state (not created here)."""
+    base = Path(os.environ.get("K2FLEET_STATE_DIR", Path.home() / ".local/state/k2fleet"))
+    return base / dep_id(dep)
+
+
+def _mesh_paths(dep: Deployment) -> tuple[Path, dict[str, Path]]:
+    base = state_dir(dep) / "mesh"
+    return base / "id_ed25519", {h.name: base / "hosts" / h.name / "ssh_host_ed25519_key" for h in dep.fleet.hosts}
+
+
+def _read_pair(path: Path) -> tuple[bytes, bytes] | None:
+    public = path.with_name(path.name + ".pub")
+    if path.is_file() and public.is_file():
+        return path.read_bytes(), public.read_bytes()
+    return None
+
+
+def _package_sets(dep: Deployment, plan: Plan) -> set[tuple[str, ...]]:
+    mesh = mesh_enabled(dep)
+    return {tuple(sorted(set(required_packages(dep, plan.hosts[h.name], mesh)))) for h in dep.fleet.hosts}
+
+
+def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
+    """What exists already (read only; missing pieces stay None/absent)."""
+    client, hosts = _mesh_paths(dep)
+    host_pairs = {name: pair for name, path in hosts.items() if (pair := _read_pair(path)) is not None}
+    wheels = None
+    if dep.s.checkpoint_fetcher != "control":
+        target = wheelhouse.DEFAULT_CACHE_DIR / wheelhouse.wheelhouse_key([wheelhouse.hub_client_requirement()])
+        if (target / wheelhouse.DONE).is_file():
+            wheels = wheelhouse.wheel_files(target)
+    return ControlArtifacts(mesh_client=_read_pair(client) if mesh_enabled(dep) else None,
+                            mesh_hosts=host_pairs if mesh_enabled(dep) else {}, wheels=wheels)
+
+
+def _keypair(path: Path, comment: str) -> tuple[bytes, bytes]:
+    """The key pair at ``path``, generated once (a fresh pair is linked into place only
+    if none exists: first writer wins, so concurrent runs agree)."""
+    public = path.with_name(path.name + ".pub")
+    if not public.exists():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(tmp)], check=True)
+        try:
+            os.link(tmp, path)
+            os.link(tmp.with_name(tmp.name + ".pub"), public)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+            tmp.with_name(tmp.name + ".pub").unlink()
+    return path.read_bytes(), public.read_bytes()
+
+
+def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
+    """THE control-machine step: make the mesh keys, the Hub-client wheelhouse and the
+    package bundles this deployment needs (each only once; cached), then return them."""
+    client_path, host_paths = _mesh_paths(dep)
+    client, hosts = None, {}
+    state_dir(dep).mkdir(parents=True, exist_ok=True, mode=0o700)
+    if mesh_enabled(dep):
+        client = _keypair(client_path, f"k2fleet-mesh-{dep_id(dep)}")
+        hosts = {name: _keypair(path, name) for name, path in host_paths.items()}
+    wheels = None
+    if dep.s.checkpoint_fetcher != "control":
+        wheels = wheelhouse.wheel_files(wheelhouse.ensure_wheelhouse())
+    bundles = {}
+    if dep.s.package_source == "bundle":
+        bundles = {names: str(bundle.ensure_bundle(list(names))) for names in _package_sets(dep, plan) if names}
+    return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, wheels=wheels, bundles=bundles)

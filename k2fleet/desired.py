@@ -1,0 +1,311 @@
+"""The desired state: everything each host must hold, computed from the plan (pure).
+
+:func:`desired_state` turns a validated :class:`~k2fleet.deployment.Deployment`, its
+:class:`~k2fleet.plan.Plan` and a read-only view of the control machine's artifacts
+(:class:`ControlArtifacts`: mesh keys, Hub-client wheels) into one
+:class:`HostDesired` per host: files (path, mode, content, sha256) grouped by the role
+that writes them, systemd units, Debian packages, read-only checks the HostState fact
+runs, paths whose existence matters, and the host's place in the checkpoint fan-out.
+``k2fleet plan --json`` prints it; the deploy's roles only carry it out.
+
+Computing it connects to nothing and writes nothing. A control artifact that does not
+exist yet (first run under ``--dry``) is a file with unknown content (``sha256`` None),
+made by :func:`k2fleet.control.prepare_control_artifacts`.
+
+>>> FileSpec.of(b"hi\\n", "644").sha256[:12]
+'98ea6e4f216f'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k2fleet import mesh
+from k2fleet.checkpoint import fanout
+from k2fleet.deployment import Deployment
+from k2fleet.packages import required_packages
+from k2fleet.plan import HostPlan, Plan, Service
+from k2fleet.units import LIB_DIR, env_file, env_path, unit_file, unit_name, unit_path
+
+REPO = Path(__file__).resolve().parents[1]
+FILES = REPO / "files"
+DOUBLES_DIR = "/opt/k2fleet/doubles"
+HUB_ENV = "/opt/k2fleet/hubenv"
+WHEEL_DIR = "/var/cache/k2fleet/wheelhouse"
+PY_LIB = f"{LIB_DIR}/py"
+HEALTH_PY = f"{LIB_DIR}/k2fleet-health.py"
+VERIFY_PY = f"{LIB_DIR}/verify.py"
+OVERLAY_PY = f"{LIB_DIR}/overlay.py"
+UNIT_GLOB = "/etc/systemd/system/k2-*.service"
+MESH_UNIT_PATH = f"/etc/systemd/system/{mesh.UNIT}"
+CHECKPOINT_CHECK = "checkpoint-verified"
+HEALTH_CHECK = "healthy"
+HUB_CLIENT_CHECK = "hub-client"
+ENGINE_ENTRY = {"vllm": "vllm", "sglang": "python", "ktransformers": "python", "trtllm": "trtllm-serve"}
+HOST_PROGRAMS = {  # stdlib-only programs k2fleet runs on hosts: host path → repository path
+    VERIFY_PY: "k2fleet/checkpoint/verify.py",
+    OVERLAY_PY: "k2fleet/checkpoint/overlay.py",
+    HEALTH_PY: "files/k2fleet-health.py",
+}
+DOWNLOADER = ("k2fleet/__init__.py", "k2fleet/checkpoint/__init__.py", "k2fleet/checkpoint/verify.py",
+              "k2fleet/checkpoint/manifest.py", "k2fleet/checkpoint/download.py")
+
+
+@dataclass(frozen=True)
+class FileSpec:
+    """One file a host must hold. ``content`` None: a control artifact not made yet."""
+
+    content: bytes | None
+    mode: str
+    origin: str = "plan"
+
+    @classmethod
+    def of(cls, content: bytes, mode: str, origin: str = "plan") -> FileSpec:
+        return cls(content, mode, origin)
+
+    @property
+    def sha256(self) -> str | None:
+        return None if self.content is None else hashlib.sha256(self.content).hexdigest()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mode": self.mode, "sha256": self.sha256,
+                "bytes": None if self.content is None else len(self.content), "origin": self.origin}
+
+
+@dataclass(frozen=True)
+class ControlArtifacts:
+    """What the control machine generated for this deployment (read-only view).
+
+    ``mesh_client``: (private, public) key of the fleet's mesh user; ``mesh_hosts``:
+    host name → (private, public) mesh host key; ``wheels``: Hub-client wheel name →
+    bytes (None: not built); ``bundles``: package set → offline bundle tar path.
+    """
+
+    mesh_client: tuple[bytes, bytes] | None = None
+    mesh_hosts: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)
+    wheels: dict[str, bytes] | None = None
+    bundles: dict[tuple[str, ...], str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FanoutPlace:
+    """Where a host receives the checkpoint from (None: control machine / the Hub)."""
+
+    loads_weights: bool
+    parent: str | None
+    round: int | None
+    rounds: int
+    is_root: bool
+    shared: bool
+
+
+@dataclass
+class HostDesired:
+    """Everything one host must hold; see the module doc."""
+
+    name: str
+    address: str
+    files: dict[str, dict[str, FileSpec]] = field(default_factory=dict)  # role → path → spec
+    service_files: dict[str, dict[str, FileSpec]] = field(default_factory=dict)  # service → path → spec
+    units: list[str] = field(default_factory=list)
+    slots: list[tuple[int, str]] = field(default_factory=list)  # fleet-wide (stage, service): one op sequence
+    packages: list[str] = field(default_factory=list)
+    checks: dict[str, list[str]] = field(default_factory=dict)
+    exists: list[str] = field(default_factory=list)
+    fanout: FanoutPlace | None = None
+    health_argv: list[str] | None = None
+    venv_install: list[str] | None = None
+    engine_entry: str = ""
+
+    def all_paths(self) -> list[str]:
+        paths = {p for files in self.files.values() for p in files}
+        paths |= {p for files in self.service_files.values() for p in files}
+        return sorted(paths)
+
+    def fact_query(self, disk_path: str) -> dict[str, Any]:
+        """The HostState query for this host: one round trip answers every decision."""
+        return {"disk_path": disk_path, "files": self.all_paths(), "units": self.units, "checks": self.checks,
+                "exists": self.exists, "globs": [UNIT_GLOB], "packages": self.packages}
+
+    def to_json(self) -> dict[str, Any]:
+        fan = self.fanout
+        return {
+            "files": {p: spec.to_json() for files in (*self.files.values(), *self.service_files.values())
+                      for p, spec in sorted(files.items())},
+            "units": self.units,
+            "packages": self.packages,
+            "checks": self.checks,
+            "checkpoint": None if fan is None or not fan.loads_weights else {
+                "parent": fan.parent if fan.round else None, "from": _source_label(fan), "round": fan.round},
+        }
+
+
+def _source_label(fan: FanoutPlace) -> str:
+    if fan.is_root:
+        return "control-or-hub"
+    if fan.shared:
+        return "shared-storage"
+    return "peer"
+
+
+# --------------------------------------------------------------------------- per role
+
+
+def loads_weights(hp: HostPlan) -> bool:
+    """Every GPU host loads weights (mpirun ranks too, with no service of their own)."""
+    return hp.role not in ("router", "slurm-submit") or any(s.needs_checkpoint for s in hp.services)
+
+
+def mesh_enabled(dep: Deployment) -> bool:
+    """The mesh exists on fleets of more than one host (mpirun, checkpoint fan-out)."""
+    return len(dep.fleet.hosts) > 1
+
+
+def _key(pair: tuple[bytes, bytes] | None, index: int, mode: str, origin: str) -> FileSpec:
+    return FileSpec(None if pair is None else pair[index], mode, origin)
+
+
+def mesh_files(dep: Deployment, host_name: str, art: ControlArtifacts) -> dict[str, FileSpec]:
+    if not mesh_enabled(dep):
+        return {}
+    entry = next(h for h in dep.fleet.hosts if h.name == host_name)
+    d = mesh.mesh_dir(dep)
+    files = {
+        f"{d}/id_ed25519": _key(art.mesh_client, 0, "600", "mesh-keys"),
+        f"{d}/id_ed25519.pub": _key(art.mesh_client, 1, "644", "mesh-keys"),
+        f"{d}/ssh_config": FileSpec.of(mesh.ssh_config(dep).encode(), "644"),
+        f"{d}/sshd_config": FileSpec.of(mesh.sshd_config(dep, entry).encode(), "644"),
+        f"{d}/ssh_host_ed25519_key": _key(art.mesh_hosts.get(host_name), 0, "600", "mesh-keys"),
+        f"{d}/ssh_host_ed25519_key.pub": _key(art.mesh_hosts.get(host_name), 1, "644", "mesh-keys"),
+        MESH_UNIT_PATH: FileSpec.of(mesh.unit_file(dep).encode(), "644"),
+    }
+    if art.mesh_client is not None:
+        files[f"{d}/authorized_keys"] = FileSpec.of(mesh.authorized_keys(dep, art.mesh_client[1].decode()).encode(), "644")
+    else:
+        files[f"{d}/authorized_keys"] = FileSpec(None, "644", "mesh-keys")
+    if all(h.name in art.mesh_hosts for h in dep.fleet.hosts):
+        publics = {n: k[1].decode() for n, k in art.mesh_hosts.items()}
+        files[f"{d}/known_hosts"] = FileSpec.of(mesh.known_hosts(dep, publics).encode(), "644")
+    else:
+        files[f"{d}/known_hosts"] = FileSpec(None, "644", "mesh-keys")
+    return files
+
+
+def engine_files(dep: Deployment) -> dict[str, FileSpec]:
+    """k2fleet's host programs, and (sandbox only) the engine test doubles + wrappers."""
+    files = {path: FileSpec.of((REPO / rel).read_bytes(), "755", "k2fleet") for path, rel in HOST_PROGRAMS.items()}
+    if not dep.s.engine_doubles:
+        return files
+    root = FILES / "doubles"
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            mode = "755" if path.parent.name == "bin" else "644"
+            files[f"{DOUBLES_DIR}/{path.relative_to(root)}"] = FileSpec.of(path.read_bytes(), mode, "k2fleet")
+    venv = dep.s.venv
+    for name in ("vllm", "trtllm-serve", "trtllm-llmapi-launch"):
+        wrapper = f'#!/bin/sh\n# k2fleet engine TEST DOUBLE wrapper (sandbox only)\nexec {DOUBLES_DIR}/bin/{name} "$@"\n'
+        files[f"{venv}/bin/{name}"] = FileSpec.of(wrapper.encode(), "755", "k2fleet")
+    python = (f"#!/bin/sh\n# k2fleet engine TEST DOUBLE python (sandbox only)\n"
+              f'PYTHONPATH={DOUBLES_DIR} exec /usr/bin/python3 "$@"\n')
+    files[f"{venv}/bin/python"] = FileSpec.of(python.encode(), "755", "k2fleet")
+    return files
+
+
+def hub_client_files(dep: Deployment, host_name: str, art: ControlArtifacts) -> dict[str, FileSpec]:
+    if dep.s.checkpoint_fetcher != host_name:
+        return {}
+    files = {f"{PY_LIB}/{rel}": FileSpec.of((REPO / rel).read_bytes(), "644", "k2fleet") for rel in DOWNLOADER}
+    if art.wheels is None:
+        files[f"{WHEEL_DIR}/"] = FileSpec(None, "644", "wheelhouse")
+    else:
+        files |= {f"{WHEEL_DIR}/{name}": FileSpec.of(data, "644", "wheelhouse") for name, data in art.wheels.items()}
+    return files
+
+
+def service_files(dep: Deployment, svc: Service) -> dict[str, FileSpec]:
+    files = {
+        unit_path(svc): FileSpec.of(unit_file(dep, svc).encode(), "644"),
+        env_path(dep, svc): FileSpec.of(env_file(svc).encode(), "600"),
+    }
+    for path, content in svc.files.items():
+        files[path] = FileSpec.of(content.encode(), "644")
+    return files
+
+
+def health_argv(dep: Deployment, hp: HostPlan, timeout: int) -> list[str] | None:
+    """The health gate of this host's first chat-serving service: /health 200 + a completion."""
+    for svc in hp.services:
+        if svc.health and svc.health.chat:
+            return ["/usr/bin/python3", HEALTH_PY, "--base", f"http://127.0.0.1:{svc.health.port}",
+                    "--model", dep.api_model_name, "--unit", unit_name(svc), "--timeout", str(timeout)]
+    return None
+
+
+def marker_check_argv(dep: Deployment) -> list[str]:
+    """Read-only checkpoint check for the HostState fact: the verified marker matches the
+    manifest and no file's stat changed (never writes or removes the marker)."""
+    return ["/usr/bin/python3", VERIFY_PY, "--marker-only", dep.checkpoint_path]
+
+
+def hub_client_check(requirement: str) -> list[str]:
+    want = requirement.split("==", 1)[1]
+    return [f"{HUB_ENV}/bin/python", "-c", f"import sys, huggingface_hub as h; sys.exit(h.__version__ != {want!r})"]
+
+
+def venv_install_argv(dep: Deployment) -> list[str]:
+    """``python3 -m venv`` + pip install of the pinned engine (offline wheelhouse first)."""
+    pip_names = {"vllm": "vllm", "sglang": "sglang[all]", "ktransformers": "ktransformers", "trtllm": "tensorrt_llm"}
+    venv = dep.s.venv
+    pip = shlex.join([f"{venv}/bin/pip", "install", f"{pip_names[dep.engine]}=={dep.version}"])
+    wheelhouse = shlex.quote(f"{venv}/wheelhouse")
+    return ["sh", "-c", f"python3 -m venv {shlex.quote(venv)} && {pip} --no-index --find-links {wheelhouse} || {pip}"]
+
+
+# --------------------------------------------------------------------------- the whole fleet
+
+
+def fanout_plan(dep: Deployment, plan: Plan) -> fanout.FanoutPlan:
+    names = [h.name for h in dep.fleet.hosts if loads_weights(plan.hosts[h.name])]
+    fetcher = dep.s.checkpoint_fetcher
+    return fanout.plan_fanout(names, shared_storage=dep.s.shared_storage, root=None if fetcher == "control" else fetcher)
+
+
+def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts,
+                  hub_requirement: str | None = None) -> dict[str, HostDesired]:
+    """One :class:`HostDesired` per host, in inventory order (pure)."""
+    slots = sorted({(svc.stage, svc.name) for _, svc in plan.services()})
+    fan = fanout_plan(dep, plan)
+    engine = engine_files(dep)
+    out: dict[str, HostDesired] = {}
+    for h in dep.fleet.hosts:
+        hp = plan.hosts[h.name]
+        d = HostDesired(name=h.name, address=h.address, slots=slots)
+        d.files["mesh"] = mesh_files(dep, h.name, art)
+        d.files["engine"] = dict(engine)
+        d.files["hub_client"] = hub_client_files(dep, h.name, art)
+        d.files["host"] = {p: FileSpec.of(c.encode(), "644") for p, c in hp.files.items()}
+        d.service_files = {svc.name: service_files(dep, svc) for svc in hp.services}
+        d.units = [mesh.UNIT] + [unit_name(s) for s in hp.services]
+        d.packages = required_packages(dep, hp, mesh_enabled(dep))
+        d.checks = {CHECKPOINT_CHECK: marker_check_argv(dep)}
+        d.health_argv = health_argv(dep, hp, dep.s.health_timeout)
+        quick = health_argv(dep, hp, 5)
+        if quick:
+            d.checks[HEALTH_CHECK] = quick
+        if dep.s.checkpoint_fetcher == h.name and hub_requirement:
+            d.checks[HUB_CLIENT_CHECK] = hub_client_check(hub_requirement)
+        d.engine_entry = f"{dep.s.venv}/bin/{ENGINE_ENTRY[dep.engine]}"
+        d.exists = [d.engine_entry]
+        if dep.s.model_type_override:
+            d.exists.append(f"{dep.serve_path}/config.json")
+        if dep.runtime == "venv" and not dep.s.engine_doubles:
+            d.venv_install = venv_install_argv(dep)
+        rnd = fan.round_of(h.name)
+        d.fanout = FanoutPlace(loads_weights=loads_weights(hp), parent=fan.parents.get(h.name),
+                               round=rnd, rounds=len(fan.rounds), is_root=h.name == fan.root, shared=fan.shared)
+        out[h.name] = d
+    return out

@@ -1,0 +1,78 @@
+"""One pyinfra run of the k2fleet deploy: the validated plan, the control-machine
+artifacts and every host's desired state, computed once and kept on pyinfra's own
+``State`` (no module globals).
+
+``deploys/kimi.py`` calls :func:`fleet_run` for each host it plans; the first call
+validates the inventory pyinfra loaded (already checked by the gate in ``config.py``),
+runs the one control-machine step (:func:`k2fleet.control.prepare_control_artifacts`,
+skipped under ``--dry``, where only existing artifacts are read) and computes the
+desired state (:func:`k2fleet.desired.desired_state`). Later calls return the same
+object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k2fleet import control
+from k2fleet.deployment import Deployment
+from k2fleet.desired import ControlArtifacts, HostDesired, desired_state
+from k2fleet.gate import check_hosts, host_data, refuse
+from k2fleet.plan import Plan
+from k2fleet.spec import SpecError
+from k2fleet.wheelhouse import hub_client_requirement
+
+STATE_ATTRIBUTE = "k2fleet_run"
+
+
+@dataclass
+class FleetRun:
+    """Per-run state of the deploy (see module doc)."""
+
+    dep: Deployment
+    plan: Plan
+    artifacts: ControlArtifacts
+    desired: dict[str, HostDesired]
+    dry: bool
+    hub_requirement: str | None
+    state_dir: Path
+    tracked: list[Any] = field(default_factory=list)  # ops whose change re-runs the health gate
+
+    def track(self, *ops: Any) -> None:
+        self.tracked.extend(op for op in ops if op is not None)
+
+    def fleet_changed(self) -> bool:
+        """Did any tracked operation on any host change something (execution time)?"""
+        return any(op.is_complete() and op.did_change() for op in self.tracked)
+
+
+def _cli_flag(name: str) -> bool:
+    """A flag of the pyinfra CLI invocation (``dry``), when run under the CLI."""
+    try:
+        import click
+
+        ctx = click.get_current_context(silent=True)
+        return bool(ctx is not None and ctx.params.get(name))
+    except Exception:  # noqa: BLE001 - not under click: the API caller decides
+        return False
+
+
+def fleet_run(state: Any, inventory: Any, dry: bool | None = None) -> FleetRun:
+    """The run's :class:`FleetRun`, made on first use and kept on ``state``."""
+    run = getattr(state, STATE_ATTRIBUTE, None)
+    if run is not None:
+        return run
+    try:
+        dep, plan = check_hosts("inventory", host_data(inventory))
+    except SpecError as exc:
+        refuse(exc)
+    dry = _cli_flag("dry") if dry is None else dry
+    artifacts = control.read_control_artifacts(dep, plan) if dry else control.prepare_control_artifacts(dep, plan)
+    requirement = hub_client_requirement() if dep.s.checkpoint_fetcher != "control" else None
+    run = FleetRun(dep=dep, plan=plan, artifacts=artifacts, dry=dry, hub_requirement=requirement,
+                   state_dir=control.state_dir(dep),
+                   desired=desired_state(dep, plan, artifacts, hub_requirement=requirement))
+    setattr(state, STATE_ATTRIBUTE, run)
+    return run
