@@ -46,10 +46,12 @@ CHECKPOINT_CHECK = "checkpoint-verified"
 HEALTH_CHECK = "healthy"
 HUB_CLIENT_CHECK = "hub-client"
 ENGINE_ENTRY = {"vllm": "vllm", "sglang": "python", "ktransformers": "python", "trtllm": "trtllm-serve"}
+PULL_PY = f"{LIB_DIR}/pull.py"
 HOST_PROGRAMS = {  # stdlib-only programs k2fleet runs on hosts: host path → repository path
     VERIFY_PY: "k2fleet/checkpoint/verify.py",
     OVERLAY_PY: "k2fleet/checkpoint/overlay.py",
-    HEALTH_PY: "files/k2fleet-health.py",
+    HEALTH_PY: "k2fleet/host/health.py",
+    PULL_PY: "k2fleet/host/pull.py",
 }
 DOWNLOADER = ("k2fleet/__init__.py", "k2fleet/checkpoint/__init__.py", "k2fleet/checkpoint/verify.py",
               "k2fleet/checkpoint/manifest.py", "k2fleet/checkpoint/download.py")

@@ -4,7 +4,7 @@
 returns hardware (GPUs, driver, disk, RAM, /dev/shm, NICs, IB HCAs) and the state of
 everything k2fleet manages there (file digests, units, packages, read-only checks such
 as the checkpoint's verified marker and a short health probe). It changes nothing on
-the host: the probe (:mod:`k2fleet.hoststate`) only reads, and its checks are
+the host: the probe (:mod:`k2fleet.host.hoststate`) only reads, and its checks are
 read-only programs.
 """
 
@@ -19,7 +19,7 @@ from pyinfra.api import FactBase
 
 from k2fleet.preflight import HostReport
 
-PROBE = (Path(__file__).resolve().parent / "hoststate.py").read_text()
+PROBE = (Path(__file__).resolve().parent / "host" / "hoststate.py").read_text()
 
 
 class HostState(FactBase[HostReport]):

@@ -36,7 +36,7 @@ class Gpus:
 
 @dataclass(frozen=True)
 class HostReport:
-    """What :mod:`k2fleet.hoststate` saw on a host."""
+    """What :mod:`k2fleet.host.hoststate` saw on a host."""
 
     gpus: Gpus
     disk_free: int

@@ -40,16 +40,15 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from k2fleet.host.pull import EXCLUDES, REPAIRABLE
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 CONTROL = None  # a host's parent when it receives from the control machine
 MESH_SSH = "ssh -F {config}"
-# Never copied between machines: per-machine verify marker, hf download's cache/lock.
-EXCLUDES = ("/.cache/", "/.k2fleet/verified.json", "/.k2fleet/download.lock", "/.k2fleet/partial/", "/.k2fleet/*.tmp.*")
-# Problems a re-transfer of the named file fixes (the same set download.repair accepts).
-REPAIRABLE = ("missing", "size_mismatch", "hash_mismatch", "bad_header", "changed_during_verify")
+PULL_PY = "/opt/k2fleet/lib/pull.py"  # k2fleet/host/pull.py on every host
 HOST_LOG = "/var/log/k2fleet/checkpoint-transfers.jsonl"
 
 
@@ -186,75 +185,16 @@ def parse_rsync_output(text: str) -> dict[str, Any]:
     return out
 
 
-# Runs ON a host (python3 -c; standard library only): repair-or-full pull from a peer.
-# argv: DIR VERIFY_PY SOURCE RSH LOG. Prints one JSON line (also appended to LOG).
-HOST_PULL = r'''
-import json, os, re, subprocess, sys, tempfile, time
-d, verify_py, source, rsh, logf = sys.argv[1:6]
-REPAIRABLE = %(repairable)r
-EXCLUDES = %(excludes)r
-send = None
-if os.path.isfile(os.path.join(d, ".k2fleet", "manifest.json")):
-    # the source's manifest first (tiny; compared by checksum), so the check below is against it
-    m = subprocess.run(["rsync", "-a", "--checksum", "-e", rsh, source.rstrip("/") + "/.k2fleet/manifest.json",
-                        os.path.join(d, ".k2fleet", "manifest.json")], capture_output=True, text=True)
-    if m.returncode:
-        sys.stderr.write(m.stderr[-3000:])
-        sys.exit(m.returncode)
-    r = subprocess.run([sys.executable, verify_py, "--json", d], capture_output=True, text=True)
-    try:
-        rep = json.loads(r.stdout)
-    except ValueError:
-        rep = None
-    if isinstance(rep, dict) and rep.get("ok"):
-        send = []
-    elif isinstance(rep, dict) and rep.get("problems") and all(p.get("kind") in REPAIRABLE for p in rep["problems"]):
-        send = sorted({p["path"] for p in rep["problems"]})
-        if all(p["kind"] == "missing" for p in rep["problems"]) and len(send) >= int(rep.get("files_total") or 0):
-            send = None
-argv = ["rsync", "-a", "--partial", "--stats", "--out-format=K2SENT %%n"] + ["--exclude=" + e for e in EXCLUDES] + ["-e", rsh]
-listing = None
-if send == []:
-    out = {"mode": "none", "files": []}
-else:
-    if send is None:
-        argv += ["--delete", "--mkpath"]
-    else:
-        listing = tempfile.NamedTemporaryFile("w", delete=False, prefix="k2fleet-files-")
-        listing.write("".join(f + "\n" for f in send)); listing.close()
-        argv += ["--ignore-times", "--files-from=" + listing.name]
-    argv += [source.rstrip("/") + "/", d.rstrip("/") + "/"]
-    t0 = time.monotonic()
-    p = subprocess.run(argv, capture_output=True, text=True)
-    if listing:
-        os.unlink(listing.name)
-    if p.returncode:
-        sys.stderr.write(p.stderr[-3000:])
-        sys.exit(p.returncode)
-    files = [l[7:] for l in p.stdout.splitlines() if l.startswith("K2SENT ") and not l.endswith("/")]
-    stats = {}
-    for k, label in (("bytes_sent", "Total bytes sent"), ("bytes_received", "Total bytes received")):
-        m = re.search(label + r":\s*([\d,.]+)", p.stdout)
-        stats[k] = int(re.sub(r"[,.]", "", m.group(1))) if m else 0
-    out = {"mode": "full" if send is None else "repair", "asked": send, "files": files, **stats,
-           "seconds": round(time.monotonic() - t0, 3)}
-out.update(source=source, dir=d, time=time.strftime("%%Y-%%m-%%dT%%H:%%M:%%SZ", time.gmtime()))
-line = json.dumps(out, sort_keys=True)
-print(line)
-os.makedirs(os.path.dirname(logf), exist_ok=True)
-with open(logf, "a") as f:
-    f.write(line + "\n")
-''' % {"repairable": REPAIRABLE, "excludes": EXCLUDES}
-
-
-def host_pull_argv(dest: str, verify_py: str, source: str, rsh: str, log_file: str = HOST_LOG) -> list[str]:
-    """argv run on a host: verify its copy, pull only the bad files (or everything) from ``source``.
+def host_pull_argv(dest: str, verify_py: str, source: str, rsh: str, log_file: str = HOST_LOG,
+                   pull_py: str = PULL_PY) -> list[str]:
+    """argv run on a host: verify its copy, pull only the bad files (or everything) from ``source``
+    (:mod:`k2fleet.host.pull`).
 
     Example:
         >>> host_pull_argv("/m/k2", "/opt/k2fleet/lib/verify.py", "10.0.0.1:/m/k2", "ssh")[:2]
-        ['/usr/bin/python3', '-c']
+        ['/usr/bin/python3', '/opt/k2fleet/lib/pull.py']
     """
-    return ["/usr/bin/python3", "-c", HOST_PULL, dest, verify_py, source, rsh, log_file]
+    return ["/usr/bin/python3", pull_py, dest, verify_py, source, rsh, log_file]
 
 
 # --------------------------------------------------------------------------- control side
