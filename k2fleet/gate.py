@@ -50,15 +50,16 @@ def check_hosts(source: str, hosts: list[HostData]) -> tuple[Deployment, Plan]:
     return dep, make_plan(dep)
 
 
-def _cli_inventory_argument() -> str:
-    """The INVENTORY argument pyinfra's CLI was given (for the message), if known."""
+def _cli_params() -> dict[str, Any]:
+    """The parameters pyinfra's CLI was called with (``inventory``, ``dry``, ...), read in
+    the CLI's own greenlet (click's context is greenlet-local under gevent)."""
     try:
         import click
 
         ctx = click.get_current_context(silent=True)
-        return str(ctx.params.get("inventory")) if ctx is not None else "inventory"
-    except Exception:  # noqa: BLE001 - only a label
-        return "inventory"
+        return dict(ctx.params) if ctx is not None else {}
+    except Exception:  # noqa: BLE001 - not under click
+        return {}
 
 
 def install_pyinfra_gate(state: Any) -> None:
@@ -71,8 +72,10 @@ def install_pyinfra_gate(state: Any) -> None:
     original_init = state.init
 
     def gated_init(inventory: Any, config: Any, initial_limit: Any = None) -> None:
+        params = _cli_params()
+        state.k2fleet_dry = bool(params.get("dry"))  # read by k2fleet.run: no control step when dry
         try:
-            check_hosts(_cli_inventory_argument(), host_data(inventory))
+            check_hosts(str(params.get("inventory", "inventory")), host_data(inventory))
         except SpecError as exc:
             refuse(exc)
         original_init(inventory, config, initial_limit=initial_limit)

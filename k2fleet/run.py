@@ -48,17 +48,6 @@ class FleetRun:
         return any(op.is_complete() and op.did_change() for op in self.tracked)
 
 
-def _cli_flag(name: str) -> bool:
-    """A flag of the pyinfra CLI invocation (``dry``), when run under the CLI."""
-    try:
-        import click
-
-        ctx = click.get_current_context(silent=True)
-        return bool(ctx is not None and ctx.params.get(name))
-    except Exception:  # noqa: BLE001 - not under click: the API caller decides
-        return False
-
-
 def fleet_run(state: Any, inventory: Any, dry: bool | None = None) -> FleetRun:
     """The run's :class:`FleetRun`, made on first use and kept on ``state``."""
     run = getattr(state, STATE_ATTRIBUTE, None)
@@ -68,7 +57,8 @@ def fleet_run(state: Any, inventory: Any, dry: bool | None = None) -> FleetRun:
         dep, plan = check_hosts("inventory", host_data(inventory))
     except SpecError as exc:
         refuse(exc)
-    dry = _cli_flag("dry") if dry is None else dry
+    if dry is None:  # under the CLI, the gate (config.py) recorded --dry on the state
+        dry = bool(getattr(state, "k2fleet_dry", False))
     artifacts = control.read_control_artifacts(dep, plan) if dry else control.prepare_control_artifacts(dep, plan)
     requirement = hub_client_requirement() if dep.s.checkpoint_fetcher != "control" else None
     run = FleetRun(dep=dep, plan=plan, artifacts=artifacts, dry=dry, hub_requirement=requirement,

@@ -167,7 +167,7 @@ def ensure(dep: Deployment, desired: HostDesired, fact: HostReport, tracked: lis
     # model_type fallback: a config overlay over the verified files, never an edit of them.
     override = dep.s.model_type_override
     overlay_missing = bool(override) and not fact.exists.get(f"{dep.serve_path}/config.json", False)
-    tracked.append(command(name=f"config overlay with model_type {override}",
+    tracked.append(command(name=f"config overlay with model_type {override or '(none)'}",
                            argv=["/usr/bin/python3", OVERLAY_PY, path, dep.serve_path, "--model-type", str(override)],
                            _if=lambda: bool(override) and fan.loads_weights and (wanted or overlay_missing)))
 

@@ -40,6 +40,6 @@ def install(desired: HostDesired, fact: HostReport, requirement: str | None) -> 
     upload = synced_files(name="Hub client: downloader and offline wheelhouse", files=files, current=fact.files)
     pip = shlex.join([f"{HUB_ENV}/bin/pip", "install", "--quiet", "--no-index", "--find-links", WHEEL_DIR,
                       requirement or "huggingface_hub"])
-    command(name=f"Hub client: venv {HUB_ENV} with {requirement} (no package index)",
+    command(name=f"Hub client: venv {HUB_ENV} with {requirement or 'huggingface_hub'} (no package index)",
             argv=["sh", "-c", f"python3 -m venv {HUB_ENV} && {pip}"],
             _if=lambda: bool(files) and (not fact.passed(HUB_CLIENT_CHECK) or upload.did_change()))

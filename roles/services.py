@@ -38,8 +38,9 @@ def start(desired: HostDesired, fact: HostReport, tracked: list) -> None:
     stale = sorted(p for p in fact.globs.get(UNIT_GLOB, []) if p.rsplit("/", 1)[1] not in planned)
     stale_units = [p.rsplit("/", 1)[1] for p in stale]
     remove = f"systemctl disable --now {shlex.join(stale_units)}; rm -f {shlex.join(stale)}" if stale else "true"
-    tracked.append(command(name="stop and remove k2fleet units the plan no longer has", argv=remove,
-                           _if=lambda: bool(stale)))
+    removed = command(name="stop and remove k2fleet units the plan no longer has", argv=remove,
+                      _if=lambda: bool(stale))
+    tracked.append(removed)
     tracked.append(synced_files(name="config files of ranks this host serves",
                                 files=desired.files.get("host", {}), current=fact.files))
     written = {}
@@ -48,7 +49,7 @@ def start(desired: HostDesired, fact: HostReport, tracked: list) -> None:
                                      files=desired.service_files.get(name, {}), current=fact.files)
         tracked.append(written[name])
     command(name="reload systemd units", argv=["systemctl", "daemon-reload"],
-            _if=lambda: any(op.did_change() for op in written.values()))
+            _if=lambda: removed.did_change() or any(op.did_change() for op in written.values()))
     for stage, name in desired.slots:
         mine = name in desired.service_files
         unit = f"{name}.service"

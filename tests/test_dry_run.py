@@ -1,0 +1,56 @@
+"""``pyinfra --dry`` changes nothing: not the hosts, not the control machine.
+
+On a deployed sandbox fleet, a dry run that would change an engine flag leaves every
+file k2fleet manages on every host byte-identical (and every unit's MainPID), and the
+control machine's deployment state too. On a fresh control machine (no mesh keys yet)
+a dry run creates no state directory at all: the control-machine step only runs for
+real runs (``k2fleet.control``), the dry run only reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from k2fleet.testing.fleet import SandboxFleet, main_pid, ssh
+
+pytestmark = pytest.mark.sandbox
+
+HOST_SNAPSHOT = ("find /etc/k2fleet /opt/k2fleet /srv/k2fleet /etc/systemd/system -xdev -type f "
+                 "\\( -path '/etc/systemd/system/k2-*' -o -path '/etc/k2fleet/*' -o -path '/opt/k2fleet/*' "
+                 "-o -path '/srv/k2fleet/*' \\) -print0 2>/dev/null | sort -z | xargs -0 sha256sum")
+
+
+def control_snapshot(directory: Path) -> dict[str, str]:
+    if not directory.exists():
+        return {}
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def host_snapshot(fleet: SandboxFleet) -> dict[str, tuple[str, int]]:
+    return {h["name"]: (ssh(h, HOST_SNAPSHOT).stdout, main_pid(h, "k2-vllm.service")) for h in fleet.hosts}
+
+
+def test_dry_run_leaves_hosts_and_control_machine_byte_identical(fleet: SandboxFleet) -> None:
+    fleet.ensure_deployed()
+    state = Path(fleet.env["K2FLEET_STATE_DIR"])
+    hosts_before, control_before = host_snapshot(fleet), control_snapshot(state)
+    assert all(files.count("\n") > 10 for files, _ in hosts_before.values()), hosts_before
+    assert any(name.endswith("id_ed25519") for name in control_before), control_before
+
+    dry = fleet.deploy({"k2_engine_args": {"max-num-seqs": 8}}, extra=("--dry",))
+    assert dry.returncode == 0, dry.tail()
+    assert host_snapshot(fleet) == hosts_before
+    assert control_snapshot(state) == control_before
+
+
+def test_dry_run_on_a_fresh_control_machine_creates_no_state(fleet: SandboxFleet, tmp_path: Path) -> None:
+    fleet.ensure_up()
+    fresh = tmp_path / "fresh-state"
+    dry = fleet.deploy(env={"K2FLEET_STATE_DIR": str(fresh)}, extra=("--dry",))
+    assert dry.returncode == 0, dry.tail()
+    assert not fresh.exists(), sorted(os.listdir(fresh))

@@ -1,0 +1,357 @@
+"""Offline role tier: the real roles, run in-process against pyinfra's ``@fake`` connector.
+
+Each test plans a real inventory with the real planner (:func:`k2fleet.cli.load_plan` +
+:func:`k2fleet.desired.desired_state`, no side effects), hands every role of
+``deploys/kimi.py`` (same order, same arguments) a :class:`~k2fleet.preflight.HostReport`
+built here instead of the HostState fact, and runs the operations with
+``pyinfra.api.run_ops`` against ``@fake/<host>`` hosts: nothing is contacted, every
+command "succeeds" with no output.
+
+How planned commands are read (pyinfra 3.10): at prepare time an operation's
+``command_generator`` yields its commands *ignoring* ``_if`` (``_if`` is only evaluated
+when ``state.is_executing``), and most ``_if`` callables ask earlier operations
+``did_change()``, which raises before execution. So the authoritative answer is the
+execution against ``@fake``: ``OperationMeta.did_change()`` per operation, and the
+commands each operation sent, sliced out of the fake connector's ``executed_commands``
+between ``operation_host_start`` callbacks (uploads are recorded by wrapping the
+connector's ``put_file``). Control-machine functions (``python.call``) are replaced by
+recorders so no test can fetch or push a checkpoint.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import shlex
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyinfra.api import BaseStateCallback, Config, Inventory, State
+from pyinfra.api.connect import connect_all
+from pyinfra.api.deploy import add_deploy
+from pyinfra.api.operations import run_ops
+from pyinfra.context import ctx_host, ctx_state
+
+from k2fleet.checkpoint import fanout
+from k2fleet.cli import load_plan
+from k2fleet.deployment import Deployment
+from k2fleet.desired import CHECKPOINT_CHECK, UNIT_GLOB, PULL_PY, VERIFY_PY, ControlArtifacts, HostDesired, desired_state
+from k2fleet.plan import Plan
+from k2fleet.preflight import HostReport
+from k2fleet.run import FleetRun
+from roles import checkpoint, engine, health, hub_client, mesh, packages, preflight, services
+from tests.inventory_factory import write_inventory
+
+REPO = Path(__file__).resolve().parents[1]
+H200 = REPO / "inventories" / "h200.py"
+ENGINE_FLAG = 'k2_engine_args={"max-num-seqs": 64}'
+
+# The role calls of deploys/kimi.py, in order (checked against the file below).
+PIPELINE = [("preflight", "check"), ("packages", "install_packages"), ("mesh", "configure"),
+            ("engine", "install"), ("hub_client", "install"), ("checkpoint", "ensure"),
+            ("services", "start"), ("health", "gate")]
+
+
+# --------------------------------------------------------------------------- desired state + fact
+
+
+def artifacts(dep: Deployment) -> ControlArtifacts:
+    return ControlArtifacts(mesh_client=(b"priv", b"ssh-ed25519 AAAA k"),
+                            mesh_hosts={h.name: (b"hp", b"ssh-ed25519 BBBB " + h.name.encode()) for h in dep.fleet.hosts})
+
+
+@lru_cache(maxsize=None)
+def planned(inventory: str, data: tuple[str, ...] = ()) -> tuple[Deployment, Plan, dict[str, HostDesired]]:
+    dep, plan = load_plan(inventory, data=list(data))
+    return dep, plan, desired_state(dep, plan, artifacts(dep))
+
+
+def digests(d: HostDesired) -> dict[str, str | None]:
+    return {p: spec.sha256 for files in (*d.files.values(), *d.service_files.values()) for p, spec in files.items()}
+
+
+def settled(dep: Deployment, d: HostDesired) -> HostReport:
+    """The HostState of a host that already holds exactly ``d`` (JSON shape of hoststate.py)."""
+    entry = next(h for h in dep.fleet.hosts if h.name == d.name)
+    nic = entry.settings.nic or "eth0"
+    report = {
+        "gpus": {"vendor": "nvidia", "names": ["NVIDIA H200"] * dep.gpus_per_node,
+                 "memory_mib": [143771] * dep.gpus_per_node, "driver": "570.86.15"},
+        "disk_free": 4 * 10**12, "mem_total": 2 * 2**40, "shm_size": 64 * 2**30,
+        "nics": {"lo": ["127.0.0.1"], nic: [d.address]}, "ib_hcas": list(entry.settings.ib_hcas),
+        "files": digests(d),
+        "exists": {p: True for p in d.exists},
+        "globs": {UNIT_GLOB: sorted(f"/etc/systemd/system/{u}" for u in d.units)},
+        "units": {u: {"Id": u, "ActiveState": "active", "UnitFileState": "enabled", "LoadState": "loaded"}
+                  for u in d.units},
+        "packages": sorted(d.packages),
+        "checks": {name: 0 for name in d.checks},
+    }
+    return HostReport.from_json(json.loads(json.dumps(report)))
+
+
+def settled_fleet(dep: Deployment, desired: dict[str, HostDesired]) -> dict[str, HostReport]:
+    return {name: settled(dep, d) for name, d in desired.items()}
+
+
+# --------------------------------------------------------------------------- running the roles
+
+
+@dataclass
+class Op:
+    name: str
+    changed: bool
+    commands: list[str]
+
+
+@dataclass
+class Outcome:
+    ops: dict[str, dict[str, Op]]  # host → operation name (without the deploy prefix) → Op
+    planned_unconditional: dict[str, list[str]]  # host → ops with prepare-time commands and no _if
+    control_calls: list[str] = field(default_factory=list)
+
+    def changed(self, host: str) -> list[str]:
+        return [name for name, op in self.ops[host].items() if op.changed]
+
+    def op(self, host: str, fragment: str) -> Op:
+        hits = [op for name, op in self.ops[host].items() if fragment in name]
+        assert len(hits) == 1, f"{fragment!r} names {len(hits)} operations on {host}: {list(self.ops[host])}"
+        return hits[0]
+
+    def commands(self, host: str) -> list[str]:
+        return [c for op in self.ops[host].values() for c in op.commands]
+
+
+class _Trace(BaseStateCallback):
+    """Per host: (op hash, index into the fake connector's executed_commands) at each op start."""
+
+    def __init__(self) -> None:
+        self.starts: dict[Any, list[tuple[str, int]]] = {}
+
+    def operation_host_start(self, state: State, host: Any, op_hash: str) -> None:  # type: ignore[override]
+        self.starts.setdefault(host, []).append((op_hash, len(host.connector.executed_commands)))
+
+
+def _record_uploads(connector: Any) -> None:
+    put_file = connector.put_file
+
+    def recording_put_file(filename_or_io: Any, remote_filename: str, *args: Any, **kwargs: Any) -> bool:
+        connector.executed_commands.append(f"<upload> {remote_filename}")
+        return put_file(filename_or_io, remote_filename, *args, **kwargs)
+
+    connector.put_file = recording_put_file
+
+
+@pytest.fixture
+def control_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Replace the control-machine functions of the checkpoint role by recorders."""
+    calls: list[str] = []
+    for module, name in ((fanout, "prepare_control_copy"), (fanout, "push_to_host"), (checkpoint, "send_token")):
+        monkeypatch.setattr(module, name, lambda *a, _n=name, **k: calls.append(_n))
+    return calls
+
+
+def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], facts: dict[str, HostReport],
+              tmp_path: Path, control_calls: list[str]) -> Outcome:
+    """Plan deploys/kimi.py's role sequence on one @fake host per inventory host, then execute."""
+    run = FleetRun(dep=dep, plan=plan, artifacts=artifacts(dep), desired=desired, dry=False,
+                   hub_requirement=None, state_dir=tmp_path)
+    hosts = [(f"@fake/{name}", {"ssh_hostname": d.address, "fake_delay": 0, "fake_delay_jitter": 0})
+             for name, d in desired.items()]
+    state = State(Inventory((hosts, {})), Config())
+    trace = _Trace()
+    state.add_callback_handler(trace)
+    connect_all(state)
+    for h in state.inventory:
+        _record_uploads(h.connector)
+
+    def pipeline() -> None:  # deploys/kimi.py, with the fact given instead of gathered
+        from pyinfra import host
+
+        mine = run.desired[host.name.removeprefix("@fake/")]
+        fact = facts[mine.name]
+        preflight.check(run.dep, mine, fact)
+        packages.install_packages(mine.packages, run.dep.s.package_source, installed=list(fact.packages),
+                                  bundle=run.artifacts.bundles.get(tuple(sorted(set(mine.packages)))))
+        mesh.configure(mine, fact, run.tracked)
+        engine.install(mine, fact, run.tracked)
+        hub_client.install(mine, fact, requirement=run.hub_requirement)
+        checkpoint.ensure(run.dep, mine, fact, run.tracked, log_file=str(tmp_path / "transfers.jsonl"))
+        services.start(mine, fact, run.tracked)
+        health.gate(mine, fact, changed=run.fleet_changed)
+
+    add_deploy(state, pipeline)
+
+    # Prepare-time view: commands each op yields with _if ignored; which of them have no _if.
+    unconditional: dict[str, list[str]] = {}
+    for h in state.inventory:
+        with ctx_state.use(state), ctx_host.use(h):
+            for op_hash in h.op_hash_order:
+                data = state.get_op_data_for_host(h, op_hash)
+                if not data.global_arguments.get("_if") and list(data.command_generator()):
+                    unconditional.setdefault(h.name.removeprefix("@fake/"), []).append(_name(state, op_hash))
+
+    run_ops(state)
+
+    ops: dict[str, dict[str, Op]] = {}
+    for h in state.inventory:
+        name = h.name.removeprefix("@fake/")
+        executed = h.connector.executed_commands
+        starts = trace.starts.get(h, [])
+        bounds = [i for _, i in starts[1:]] + [len(executed)]
+        sliced = {op_hash: executed[i:end] for (op_hash, i), end in zip(starts, bounds)}
+        ops[name] = {}
+        for op_hash in h.op_hash_order:
+            meta = state.get_op_data_for_host(h, op_hash).operation_meta
+            assert meta.did_succeed(), f"{name}: {_name(state, op_hash)} failed"
+            op_name = _name(state, op_hash)
+            assert op_name not in ops[name], f"two operations named {op_name!r} on {name}"
+            ops[name][op_name] = Op(op_name, meta.did_change(), sliced.get(op_hash, []))
+    return Outcome(ops=ops, planned_unconditional=unconditional, control_calls=list(control_calls))
+
+
+def _name(state: State, op_hash: str) -> str:
+    (name,) = state.get_op_meta(op_hash).names
+    return name.split(" | ", 1)[1] if " | " in name else name
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+def test_pipeline_matches_the_deploy() -> None:
+    """The harness runs the roles of deploys/kimi.py in the deploy's own order."""
+    tree = ast.parse((REPO / "deploys" / "kimi.py").read_text())
+    roles = {name for node in tree.body if isinstance(node, ast.ImportFrom) and node.module == "roles"
+             for name in (a.name for a in node.names)}
+    calls = [(n.value.func.value.id, n.value.func.attr) for n in tree.body
+             if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Attribute)
+             and isinstance(n.value.func.value, ast.Name) and n.value.func.value.id in roles]
+    assert calls == PIPELINE
+
+
+def test_settled_fleet_changes_nothing(tmp_path: Path, control_calls: list[str]) -> None:
+    dep, plan, desired = planned(str(H200))
+    out = run_roles(dep, plan, desired, settled_fleet(dep, desired), tmp_path, control_calls)
+    assert set(out.ops) == {"h200-0", "h200-1"}
+    for host, ops in out.ops.items():
+        # not vacuous: every role that plans operations planned them on this host
+        assert len(ops) >= 20, list(ops)
+        for role_op in ("mesh keys", "host programs", "Hub client: venv", "checkpoint round 1: pull",
+                        "unit, env and config of k2-vllm", "restart k2-vllm", "health gate"):
+            out.op(host, role_op)
+        assert out.changed(host) == [], f"{host} would change: {out.changed(host)}"
+        assert out.commands(host) == [], f"{host} would run: {out.commands(host)}"
+        # the prepare-time view agrees: every op that yields commands before execution is gated by _if
+        assert out.planned_unconditional.get(host, []) == []
+    assert out.control_calls == []
+
+
+def test_harness_sees_one_stale_digest(tmp_path: Path, control_calls: list[str]) -> None:
+    """Control for the settled case: one wrong mesh digest on one host is seen and acted on."""
+    dep, plan, desired = planned(str(H200))
+    facts = settled_fleet(dep, desired)
+    path = "/etc/k2fleet/mesh/sshd_config"
+    assert path in facts["h200-1"].files
+    facts["h200-1"] = dataclasses.replace(facts["h200-1"], files={**facts["h200-1"].files, path: "0" * 64})
+    out = run_roles(dep, plan, desired, facts, tmp_path, control_calls)
+    written = out.op("h200-1", "mesh keys")
+    assert written.changed and f"<upload> {path}" in written.commands
+    assert [c for c in written.commands if c.startswith("<upload>")] == [f"<upload> {path}"]
+    assert out.op("h200-1", "restart the mesh sshd").commands == ["systemctl restart k2-mesh-sshd.service"]
+    assert "restart the mesh sshd (config changed)" not in out.changed("h200-0")
+    assert out.op("h200-0", "health gate").changed  # any change in the fleet re-runs every gate
+
+
+def test_changed_engine_flag_restarts_only_the_engine(tmp_path: Path, control_calls: list[str]) -> None:
+    dep0, _, before = planned(str(H200))
+    dep, plan, desired = planned(str(H200), (ENGINE_FLAG,))
+    facts = settled_fleet(dep0, before)  # the hosts hold the plan without the flag
+    out = run_roles(dep, plan, desired, facts, tmp_path, control_calls)
+    for host in ("h200-0", "h200-1"):
+        old, new = digests(before[host]), digests(desired[host])
+        differ = sorted(p for p in new if old.get(p) != new[p])
+        assert differ == ["/etc/systemd/system/k2-vllm.service"]
+        assert "--max-num-seqs 64" in desired[host].service_files["k2-vllm"][differ[0]].content.decode()
+        assert out.changed(host) == ["unit, env and config of k2-vllm", "reload systemd units",
+                                     "stage 0: restart k2-vllm (its files changed)",
+                                     "health gate: /health 200 and a real chat completion"]
+        uploads = [c for c in out.op(host, "unit, env and config of k2-vllm").commands if c.startswith("<upload>")]
+        assert uploads == ["<upload> /etc/systemd/system/k2-vllm.service"]
+        restarts = [c for c in out.commands(host) if c.startswith("systemctl restart")]
+        assert restarts == ["systemctl restart k2-vllm.service"]
+        assert not out.op(host, "restart the mesh sshd").changed
+        assert not out.op(host, "stage 0: start k2-vllm").changed  # already active: restart, not enable --now
+    assert out.control_calls == []
+
+
+def test_stale_unit_is_removed(tmp_path: Path, control_calls: list[str]) -> None:
+    dep, plan, desired = planned(str(H200))
+    facts = settled_fleet(dep, desired)
+    stale = "/etc/systemd/system/k2-old.service"
+    facts["h200-1"] = dataclasses.replace(
+        facts["h200-1"], globs={UNIT_GLOB: sorted([*facts["h200-1"].globs[UNIT_GLOB], stale])})
+    out = run_roles(dep, plan, desired, facts, tmp_path, control_calls)
+    removal = out.op("h200-1", "stop and remove k2fleet units")
+    assert removal.changed
+    assert removal.commands == [f"systemctl disable --now k2-old.service; rm -f {stale}"]
+    assert "k2-vllm" not in removal.commands[0] and "k2-mesh-sshd" not in removal.commands[0]
+    assert out.changed("h200-1") == ["stop and remove k2fleet units the plan no longer has",
+                                     "reload systemd units",
+                                     "health gate: /health 200 and a real chat completion"]
+    assert not out.op("h200-0", "stop and remove k2fleet units").changed
+
+
+def _pull_source(commands: list[str]) -> str:
+    """The ``HOST:PATH`` source argument of a host_pull_argv command line."""
+    (line,) = commands
+    argv = shlex.split(line)
+    assert argv[:2] == ["/usr/bin/python3", PULL_PY]
+    return argv[4]  # host_pull_argv: python3 pull.py dest verify_py SOURCE rsh log
+
+
+def test_failed_gate_pulls_from_the_parent(tmp_path: Path, control_calls: list[str]) -> None:
+    dep, plan, desired = planned(str(H200))
+    root, child = desired["h200-0"], desired["h200-1"]
+    assert root.fanout and root.fanout.is_root and child.fanout and child.fanout.parent == "h200-0"
+    facts = settled_fleet(dep, desired)
+    facts["h200-1"] = dataclasses.replace(facts["h200-1"], checks={**facts["h200-1"].checks, CHECKPOINT_CHECK: 1})
+    out = run_roles(dep, plan, desired, facts, tmp_path, control_calls)
+    path = dep.checkpoint_path
+
+    pull = out.op("h200-1", "checkpoint round 1: pull")
+    assert pull.changed and _pull_source(pull.commands) == f"{root.address}:{path}"
+    assert out.op("h200-1", "checkpoint round 1: verify").commands == [
+        shlex.join(["/usr/bin/python3", VERIFY_PY, "--full", path])]
+    assert out.changed("h200-1") == [
+        "checkpoint round 1: pull (only bad files) from a verified peer over the mesh",
+        "checkpoint round 1: verify every file before serving or passing it on",
+        "health gate: /health 200 and a real chat completion"]
+    # the root's gate passed: no pull, no verify, nothing from the control machine
+    assert not out.op("h200-0", "checkpoint round 1: pull").changed
+    assert not any("verify.py --full" in c for c in out.commands("h200-0"))
+    assert out.changed("h200-0") == ["health gate: /health 200 and a real chat completion"]
+    assert out.control_calls == []
+
+
+def test_failed_gate_in_round_two_pulls_from_its_own_parent(tmp_path: Path, control_calls: list[str]) -> None:
+    """Three hosts: the round-2 host pulls in round 2 from its parent, not from the root by default."""
+    inv = write_inventory(tmp_path / "inv", hosts=3, k2_tp=8)
+    dep, plan, desired = planned(str(inv))
+    last = desired["node-2"]
+    assert last.fanout and last.fanout.round == 2 and last.fanout.parent
+    parent = desired[last.fanout.parent]
+    facts = settled_fleet(dep, desired)
+    facts["node-2"] = dataclasses.replace(facts["node-2"], checks={**facts["node-2"].checks, CHECKPOINT_CHECK: 1})
+    out = run_roles(dep, plan, desired, facts, tmp_path, control_calls)
+    assert not out.op("node-2", "checkpoint round 1: pull").changed
+    pull = out.op("node-2", "checkpoint round 2: pull")
+    assert pull.changed and _pull_source(pull.commands) == f"{parent.address}:{dep.checkpoint_path}"
+    assert out.op("node-2", "checkpoint round 2: verify").changed
+    for other in ("node-0", "node-1"):
+        assert not any(c.startswith("/usr/bin/python3 -c") for c in out.commands(other))
+    assert out.control_calls == []
+
