@@ -1,9 +1,9 @@
 """Offline role tier: the real roles, run in-process against pyinfra's ``@fake`` connector.
 
 Each test plans a real inventory with the real planner (:func:`k2fleet.cli.load_plan` +
-:func:`k2fleet.desired.desired_state`, no side effects), hands every role of
-``deploys/kimi.py`` (same order, same arguments) a :class:`~k2fleet.preflight.HostReport`
-built here instead of the HostState fact, and runs the operations with
+:func:`k2fleet.desired.desired_state`, no side effects), runs the deploy's own pipeline
+(:func:`roles.pipeline.deploy_kimi`, what ``deploys/kimi.py`` calls) with a
+:class:`~k2fleet.preflight.HostReport` built here instead of the HostState fact, and runs the operations with
 ``pyinfra.api.run_ops`` against ``@fake/<host>`` hosts: nothing is contacted, every
 command "succeeds" with no output.
 
@@ -20,7 +20,6 @@ recorders so no test can fetch or push a checkpoint.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import json
 import shlex
@@ -43,18 +42,13 @@ from k2fleet.desired import CHECKPOINT_CHECK, UNIT_GLOB, PULL_PY, VERIFY_PY, Con
 from k2fleet.plan import Plan
 from k2fleet.preflight import HostReport
 from k2fleet.run import FleetRun
-from roles import checkpoint, engine, health, hub_client, mesh, packages, preflight, services
+from roles import checkpoint
+from roles.pipeline import deploy_kimi
 from tests.inventory_factory import write_inventory
 
 REPO = Path(__file__).resolve().parents[1]
 H200 = REPO / "inventories" / "h200.py"
 ENGINE_FLAG = 'k2_engine_args={"max-num-seqs": 64}'
-
-# The role calls of deploys/kimi.py, in order (checked against the file below).
-PIPELINE = [("preflight", "check"), ("packages", "install_packages"), ("mesh", "configure"),
-            ("engine", "install"), ("hub_client", "install"), ("checkpoint", "ensure"),
-            ("services", "start"), ("health", "gate")]
-
 
 # --------------------------------------------------------------------------- desired state + fact
 
@@ -157,7 +151,7 @@ def control_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], facts: dict[str, HostReport],
               tmp_path: Path, control_calls: list[str]) -> Outcome:
-    """Plan deploys/kimi.py's role sequence on one @fake host per inventory host, then execute."""
+    """Plan the deploy's pipeline on one @fake host per inventory host, then execute."""
     run = FleetRun(dep=dep, plan=plan, artifacts=artifacts(dep), desired=desired, dry=False,
                    hub_requirement=None, state_dir=tmp_path)
     hosts = [(f"@fake/{name}", {"ssh_hostname": d.address, "fake_delay": 0, "fake_delay_jitter": 0})
@@ -173,16 +167,7 @@ def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], fact
         from pyinfra import host
 
         mine = run.desired[host.name.removeprefix("@fake/")]
-        fact = facts[mine.name]
-        preflight.check(run.dep, mine, fact)
-        packages.install_packages(mine.packages, run.dep.s.package_source, installed=list(fact.packages),
-                                  bundle=run.artifacts.bundles.get(tuple(sorted(set(mine.packages)))))
-        mesh.configure(mine, fact, run.tracked)
-        engine.install(mine, fact, run.tracked)
-        hub_client.install(mine, fact, requirement=run.hub_requirement)
-        checkpoint.ensure(run.dep, mine, fact, run.tracked, log_file=str(tmp_path / "transfers.jsonl"))
-        services.start(mine, fact, run.tracked)
-        health.gate(mine, fact, changed=run.fleet_changed)
+        deploy_kimi(run, mine, facts[mine.name])
 
     add_deploy(state, pipeline)
 
@@ -220,17 +205,6 @@ def _name(state: State, op_hash: str) -> str:
 
 
 # --------------------------------------------------------------------------- the tests
-
-
-def test_pipeline_matches_the_deploy() -> None:
-    """The harness runs the roles of deploys/kimi.py in the deploy's own order."""
-    tree = ast.parse((REPO / "deploys" / "kimi.py").read_text())
-    roles = {name for node in tree.body if isinstance(node, ast.ImportFrom) and node.module == "roles"
-             for name in (a.name for a in node.names)}
-    calls = [(n.value.func.value.id, n.value.func.attr) for n in tree.body
-             if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Attribute)
-             and isinstance(n.value.func.value, ast.Name) and n.value.func.value.id in roles]
-    assert calls == PIPELINE
 
 
 def test_settled_fleet_changes_nothing(tmp_path: Path, control_calls: list[str]) -> None:
