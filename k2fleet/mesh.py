@@ -9,6 +9,16 @@ fleet addresses, and a known_hosts file pinning every host's mesh host key — s
 from __future__ import annotations
 
 from k2fleet.deployment import Deployment
+from k2fleet.quoting import (
+    authorized_keys_from,
+    known_hosts_host,
+    ssh_config_word,
+    ssh_public_key,
+    ssh_user_name,
+    sshd_allow_user,
+    sshd_config_word,
+    systemd_exec,
+)
 from k2fleet.spec import HostEntry
 
 UNIT = "k2-mesh-sshd.service"
@@ -24,14 +34,14 @@ def fleet_addresses(dep: Deployment) -> list[str]:
 
 def sshd_config(dep: Deployment, entry: HostEntry) -> str:
     d = mesh_dir(dep)
-    allow = " ".join(f"{dep.s.mesh_user}@{a}" for a in fleet_addresses(dep))
+    allow = " ".join(sshd_allow_user(dep.s.mesh_user, a) for a in fleet_addresses(dep))
     return "\n".join([
         "# k2fleet SSH mesh: a separate sshd for this deployment only.",
-        f"Port {dep.s.mesh_port}",
-        f"ListenAddress {entry.address}",
-        f"HostKey {d}/ssh_host_ed25519_key",
+        f"Port {dep.s.mesh_port:d}",
+        f"ListenAddress {sshd_config_word(entry.address)}",
+        f"HostKey {sshd_config_word(f'{d}/ssh_host_ed25519_key')}",
         "PidFile /run/k2-mesh-sshd.pid",
-        f"AuthorizedKeysFile {d}/authorized_keys",
+        f"AuthorizedKeysFile {sshd_config_word(f'{d}/authorized_keys', expand=True)}",
         "PubkeyAuthentication yes",
         "PasswordAuthentication no",
         "KbdInteractiveAuthentication no",
@@ -45,16 +55,16 @@ def sshd_config(dep: Deployment, entry: HostEntry) -> str:
 
 
 def authorized_keys(dep: Deployment, public_key: str) -> str:
-    sources = ",".join(fleet_addresses(dep))
-    return f'from="{sources}",no-agent-forwarding,no-port-forwarding,no-X11-forwarding {public_key.strip()}\n'
+    sources = authorized_keys_from(fleet_addresses(dep))
+    return f"{sources},no-agent-forwarding,no-port-forwarding,no-X11-forwarding {ssh_public_key(public_key)}\n"
 
 
 def known_hosts(dep: Deployment, host_keys: dict[str, str]) -> str:
     """``[address]:port key`` for every host; ``host_keys`` maps host name → public key line."""
     lines = []
     for h in dep.fleet.hosts:
-        key_type, key = host_keys[h.name].split()[:2]
-        lines.append(f"[{h.address}]:{dep.s.mesh_port} {key_type} {key}")
+        key_type, key = ssh_public_key(host_keys[h.name]).split(" ")[:2]
+        lines.append(f"{known_hosts_host(h.address, dep.s.mesh_port)} {key_type} {key}")
     return "\n".join(lines) + "\n"
 
 
@@ -63,11 +73,11 @@ def ssh_config(dep: Deployment) -> str:
     d = mesh_dir(dep)
     return "\n".join([
         "Host *",
-        f"  Port {dep.s.mesh_port}",
-        f"  User {dep.s.mesh_user}",
-        f"  IdentityFile {d}/id_ed25519",
+        f"  Port {dep.s.mesh_port:d}",
+        f"  User {ssh_config_word(ssh_user_name(dep.s.mesh_user))}",
+        f"  IdentityFile {ssh_config_word(f'{d}/id_ed25519', expand=True)}",
         "  IdentitiesOnly yes",
-        f"  UserKnownHostsFile {d}/known_hosts",
+        f"  UserKnownHostsFile {ssh_config_word(f'{d}/known_hosts', expand=True)}",
         "  StrictHostKeyChecking yes",
         "  BatchMode yes",
         "",
@@ -85,9 +95,9 @@ def unit_file(dep: Deployment) -> str:
         "",
         "[Service]",
         "RuntimeDirectory=k2-mesh-sshd",
-        "ExecStartPre=/bin/mkdir -p /run/sshd",
-        f"ExecStartPre=/usr/sbin/sshd -t -f {cfg}",
-        f"ExecStart=/usr/sbin/sshd -D -e -f {cfg}",
+        f"ExecStartPre={systemd_exec(['/bin/mkdir', '-p', '/run/sshd'])}",
+        f"ExecStartPre={systemd_exec(['/usr/sbin/sshd', '-t', '-f', cfg])}",
+        f"ExecStart={systemd_exec(['/usr/sbin/sshd', '-D', '-e', '-f', cfg])}",
         "Restart=on-failure",
         "",
         "[Install]",

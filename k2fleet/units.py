@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import shlex
-
 from k2fleet.deployment import Deployment
 from k2fleet.plan import Service
+from k2fleet.quoting import env_file_line, systemd_exec, systemd_value
 
 UNIT_DIR = "/etc/systemd/system"
 LIB_DIR = "/opt/k2fleet/lib"
@@ -23,17 +22,8 @@ def env_path(dep: Deployment, svc: Service) -> str:
     return f"{dep.s.config_dir}/env/{svc.name}.env"
 
 
-def _systemd_words(argv: list[str]) -> str:
-    """argv as an ExecStart= line: shell-style quoting, ``%`` and ``$`` escaped for systemd."""
-    return shlex.join(argv).replace("%", "%%").replace("$", "$$")
-
-
 def env_file(svc: Service) -> str:
-    lines = []
-    for key in sorted(svc.env):
-        value = svc.env[key].replace("\\", "\\\\").replace('"', '\\"')
-        lines.append(f'{key}="{value}"')
-    return "\n".join(lines) + "\n"
+    return "\n".join(env_file_line(key, svc.env[key]) for key in sorted(svc.env)) + "\n"
 
 
 def gate_argv(dep: Deployment) -> list[str]:
@@ -48,21 +38,21 @@ def unit_file(dep: Deployment, svc: Service) -> str:
     lines = [
         "# Rendered by k2fleet from the fleet plan; edits are overwritten.",
         "[Unit]",
-        f"Description=k2fleet: {svc.description or svc.name}",
+        f"Description={systemd_value(f'k2fleet: {svc.description or svc.name}')}",
         f"After={' '.join(after)}",
         "Wants=network-online.target",
         "",
         "[Service]",
         f"Type={'oneshot' if svc.oneshot else 'simple'}",
-        f"EnvironmentFile={env_path(dep, svc)}",
+        f"EnvironmentFile={systemd_value(env_path(dep, svc), path=True)}",
     ]
     if svc.oneshot:
         lines.append("RemainAfterExit=yes")
     if svc.needs_checkpoint:
-        lines.append(f"ExecStartPre={_systemd_words(gate_argv(dep))}")
-    lines.append(f"ExecStart={_systemd_words(svc.argv)}")
+        lines.append(f"ExecStartPre={systemd_exec(gate_argv(dep))}")
+    lines.append(f"ExecStart={systemd_exec(svc.argv)}")
     if svc.workdir:
-        lines.append(f"WorkingDirectory={svc.workdir}")
+        lines.append(f"WorkingDirectory={systemd_value(svc.workdir, path=True)}")
     if not svc.oneshot:
         lines += ["Restart=on-failure", "RestartSec=5"]
     if not dep.s.simulated_gpus:
