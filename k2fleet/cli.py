@@ -17,7 +17,7 @@ from k2fleet.deployment import Deployment
 from k2fleet.gate import check_hosts, refuse
 from k2fleet.inventory import inventory_host_data, parse_data_overrides
 from k2fleet.plan import Plan
-from k2fleet.render.common import shell_join
+from k2fleet.quoting import shell_line
 from k2fleet.spec import SpecError, keys_markdown
 
 
@@ -44,7 +44,7 @@ def format_plan(plan: Plan) -> str:
             out.append(f"  [stage {svc.stage}] {svc.name}: {svc.description}")
             for key, value in sorted(svc.env.items()):
                 out.append(f"    env {key}={value}")
-            out.append(f"    $ {shell_join(svc.argv)}")
+            out.append(f"    $ {shell_line(svc.argv)}")
             if svc.workdir:
                 out.append(f"    (in {svc.workdir})")
             for path, content in svc.files.items():

@@ -19,7 +19,6 @@ made by :func:`k2fleet.control.prepare_control_artifacts`.
 from __future__ import annotations
 
 import hashlib
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from k2fleet.deployment import Deployment
 from k2fleet.packages import required_packages
 from k2fleet.plan import HostPlan, Plan, Service
 from k2fleet.units import LIB_DIR, env_file, env_path, unit_file, unit_name, unit_path
+from k2fleet.quoting import shell_line, shell_word
 
 REPO = Path(__file__).resolve().parents[1]
 FILES = REPO / "files"
@@ -262,9 +262,9 @@ def venv_install_argv(dep: Deployment) -> list[str]:
     """``python3 -m venv`` + pip install of the pinned engine (offline wheelhouse first)."""
     pip_names = {"vllm": "vllm", "sglang": "sglang[all]", "ktransformers": "ktransformers", "trtllm": "tensorrt_llm"}
     venv = dep.s.venv
-    pip = shlex.join([f"{venv}/bin/pip", "install", f"{pip_names[dep.engine]}=={dep.version}"])
-    wheelhouse = shlex.quote(f"{venv}/wheelhouse")
-    return ["sh", "-c", f"python3 -m venv {shlex.quote(venv)} && {pip} --no-index --find-links {wheelhouse} || {pip}"]
+    pip = shell_line([f"{venv}/bin/pip", "install", f"{pip_names[dep.engine]}=={dep.version}"])
+    wheelhouse = shell_word(f"{venv}/wheelhouse")
+    return ["sh", "-c", f"python3 -m venv {shell_word(venv)} && {pip} --no-index --find-links {wheelhouse} || {pip}"]
 
 
 # --------------------------------------------------------------------------- the whole fleet

@@ -11,13 +11,13 @@ read-only programs.
 from __future__ import annotations
 
 import json
-import shlex
 from pathlib import Path
 from typing import Any
 
 from pyinfra.api import FactBase
 
 from k2fleet.preflight import HostReport
+from k2fleet.quoting import shell_word
 
 PROBE = (Path(__file__).resolve().parent / "host" / "hoststate.py").read_text()
 
@@ -32,7 +32,7 @@ class HostState(FactBase[HostReport]):
     """
 
     def command(self, query: dict[str, Any]) -> str:  # type: ignore[override]
-        return f"python3 - {shlex.quote(json.dumps(query, sort_keys=True))} <<'K2FLEET_PROBE'\n{PROBE}\nK2FLEET_PROBE"
+        return f"python3 - {shell_word(json.dumps(query, sort_keys=True))} <<'K2FLEET_PROBE'\n{PROBE}\nK2FLEET_PROBE"
 
     def process(self, output: list[str]) -> HostReport:  # type: ignore[override]
         return HostReport.from_json(json.loads("\n".join(output)))

@@ -8,13 +8,13 @@ follow-ups on them with ``_if=`` (evaluated at execution time).
 from __future__ import annotations
 
 import posixpath
-import shlex
 from io import BytesIO
 
 from pyinfra import host
 from pyinfra.api import FileUploadCommand, StringCommand, operation
 
 from k2fleet.desired import FileSpec
+from k2fleet.quoting import shell_line, shell_word
 
 
 @operation()
@@ -37,15 +37,15 @@ def synced_files(files: dict[str, FileSpec], current: dict[str, str | None]):
     for path in sorted(files):
         spec = files[path]
         if spec.content is None:
-            yield StringCommand(f"true  # {shlex.quote(path)}: made by the control-machine step")
+            yield StringCommand(f"true  # {shell_word(path)}: made by the control-machine step")
             continue
         data, mode = spec.content, spec.mode
         if current.get(path) == spec.sha256:
             continue
         directory = posixpath.dirname(path)
-        yield StringCommand(f"mkdir -p {shlex.quote(directory)}")
+        yield StringCommand(f"mkdir -p {shell_word(directory)}")
         yield FileUploadCommand(BytesIO(data), path, remote_temp_filename=host.get_temp_filename(path))
-        yield StringCommand(f"chmod {mode} {shlex.quote(path)}")
+        yield StringCommand(f"chmod {mode} {shell_word(path)}")
 
 
 @operation(is_idempotent=False)
@@ -58,7 +58,7 @@ def command(argv: list[str] | str):
 
         command(name="reload units", argv=["systemctl", "daemon-reload"], _if=unit_op.did_change)
     """
-    yield StringCommand(argv if isinstance(argv, str) else shlex.join(argv))
+    yield StringCommand(argv if isinstance(argv, str) else shell_line(argv))
 
 
 @operation()
@@ -73,4 +73,4 @@ def unit_running(unit: str, active: bool):
                      active=report.unit_active("k2-vllm.service"))
     """
     if not active:
-        yield StringCommand(f"systemctl enable --now {shlex.quote(unit)}")
+        yield StringCommand(f"systemctl enable --now {shell_word(unit)}")

@@ -27,7 +27,6 @@ HostState fact, so ``--dry`` and no-op runs transfer (and ask) nothing.
 
 from __future__ import annotations
 
-import shlex
 from io import BytesIO
 
 from pyinfra import host
@@ -42,6 +41,7 @@ from k2fleet.mesh import mesh_dir
 from k2fleet.operations import command
 from k2fleet.preflight import HostReport
 from k2fleet.units import gate_argv
+from k2fleet.quoting import shell_line
 
 TOKEN_DIR = "/run/k2fleet"
 TOKEN_PATH = f"{TOKEN_DIR}/hf_token"
@@ -90,7 +90,7 @@ def download_argv(dep: Deployment, xet_disabled: bool) -> list[str]:
 
 def host_download_command(dep: Deployment, xet_disabled: bool) -> str:
     """Shell line of the fetcher's Hub download; the token file is removed however it ends."""
-    argv = shlex.join(download_argv(dep, xet_disabled))
+    argv = shell_line(download_argv(dep, xet_disabled))
     return (f"trap 'rm -f {TOKEN_PATH}' EXIT; if [ -f {TOKEN_PATH} ]; then set -- --token-file {TOKEN_PATH}; fi; "
             f'{argv} "$@"')
 

@@ -11,13 +11,13 @@ wheel changed, so a no-op run changes nothing.
 
 from __future__ import annotations
 
-import shlex
 
 from pyinfra.api import deploy
 
 from k2fleet.desired import HUB_CLIENT_CHECK, HUB_ENV, WHEEL_DIR, HostDesired
 from k2fleet.operations import command, synced_files
 from k2fleet.preflight import HostReport
+from k2fleet.quoting import shell_line
 
 
 @deploy("k2fleet: Hub client on the checkpoint fetcher")
@@ -38,7 +38,7 @@ def install(desired: HostDesired, fact: HostReport, requirement: str | None) -> 
     """
     files = desired.files.get("hub_client", {})
     upload = synced_files(name="Hub client: downloader and offline wheelhouse", files=files, current=fact.files)
-    pip = shlex.join([f"{HUB_ENV}/bin/pip", "install", "--quiet", "--no-index", "--find-links", WHEEL_DIR,
+    pip = shell_line([f"{HUB_ENV}/bin/pip", "install", "--quiet", "--no-index", "--find-links", WHEEL_DIR,
                       requirement or "huggingface_hub"])
     command(name=f"Hub client: venv {HUB_ENV} with {requirement or 'huggingface_hub'} (no package index)",
             argv=["sh", "-c", f"python3 -m venv {HUB_ENV} && {pip}"],

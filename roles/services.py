@@ -8,7 +8,6 @@ ordering across hosts is the plan's start order.
 
 from __future__ import annotations
 
-import shlex
 
 from pyinfra.api import deploy
 
@@ -16,6 +15,7 @@ from k2fleet.desired import UNIT_GLOB, HostDesired
 from k2fleet.mesh import UNIT as MESH_UNIT
 from k2fleet.operations import command, synced_files, unit_running
 from k2fleet.preflight import HostReport
+from k2fleet.quoting import shell_line
 
 
 @deploy("k2fleet: services")
@@ -37,7 +37,7 @@ def start(desired: HostDesired, fact: HostReport, tracked: list) -> None:
     planned = set(desired.units) | {MESH_UNIT}
     stale = sorted(p for p in fact.globs.get(UNIT_GLOB, []) if p.rsplit("/", 1)[1] not in planned)
     stale_units = [p.rsplit("/", 1)[1] for p in stale]
-    remove = f"systemctl disable --now {shlex.join(stale_units)}; rm -f {shlex.join(stale)}" if stale else "true"
+    remove = f"systemctl disable --now {shell_line(stale_units)}; rm -f {shell_line(stale)}" if stale else "true"
     removed = command(name="stop and remove k2fleet units the plan no longer has", argv=remove,
                       _if=lambda: bool(stale))
     tracked.append(removed)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Iterable
 from typing import Any
 
@@ -104,7 +103,3 @@ def container_argv(
     if entrypoint:
         argv += ["--entrypoint", entrypoint]
     return argv + [dep.image, *command]
-
-
-def shell_join(argv: list[str]) -> str:
-    return shlex.join(argv)
