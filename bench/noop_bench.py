@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from k2fleet import sandbox  # noqa: E402
 from k2fleet.synthetic import ensure_sandbox_checkpoint  # noqa: E402
-from tests.sandbox_harness import hold_sandbox_lock  # noqa: E402
+from k2fleet.testing.fleet import DEPLOY_FILE, INVENTORY, tool  # noqa: E402
 
 ROUNDS = 5
 
@@ -36,22 +36,21 @@ def timed(argv: list[str]) -> float:
 
 
 def main() -> None:
-    lock = hold_sandbox_lock()
-    sandbox.up(3)
-    ensure_sandbox_checkpoint()
-    deploy = ["pyinfra", "-y", "inventories/sandbox.py", "deploys/kimi.py"]
-    floor = ["pyinfra", "-y", "inventories/sandbox.py", "fact", "server.Hostname"]
-    first = timed(deploy)
-    print(f"first deploy (or catch-up): {first:.2f}s")
-    floors, noops = [], []
-    for _ in range(ROUNDS):
-        floors.append(timed(floor))
-        noops.append(timed(deploy))
+    with sandbox.hold_sandbox_lock():
+        sandbox.up(3)
+        ensure_sandbox_checkpoint()
+        deploy = [tool("pyinfra"), "-y", INVENTORY, DEPLOY_FILE]
+        floor = [tool("pyinfra"), "-y", INVENTORY, "fact", "server.Hostname"]
+        first = timed(deploy)
+        print(f"first deploy (or catch-up): {first:.2f}s")
+        floors, noops = [], []
+        for _ in range(ROUNDS):
+            floors.append(timed(floor))
+            noops.append(timed(deploy))
     f, n = statistics.median(floors), statistics.median(noops)
     print(f"floor (connect + 1 fact, 3 hosts): median {f:.2f}s {[round(x, 2) for x in floors]}")
     print(f"no-op re-run of deploys/kimi.py:   median {n:.2f}s {[round(x, 2) for x in noops]}")
     print(f"ratios: noop_rerun_vs_floor={n / f:.2f}")
-    lock.close()
 
 
 if __name__ == "__main__":

@@ -17,18 +17,31 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from k2fleet.cli import load_plan  # noqa: E402
-from tests.inventory_factory import write_inventory  # noqa: E402
 
 NODES = 64
+DATA = {
+    "k2_model": "moonshotai/Kimi-K2-Instruct",
+    "k2_revision": "fd1984e2b7a3350dbf7305fe73a4ede25c14de50",
+    "k2_engine": "vllm",
+    "k2_gpu": "h200",
+    "k2_tp": 1,
+    "k2_dp": 64,
+    "k2_ep": 64,
+}
+
+
+def write_inventory(directory: Path, hosts: list[tuple[str, dict]], data: dict) -> Path:
+    """``directory/fleet.py`` (hosts) + ``group_data/fleet.py`` (data): a plain pyinfra inventory."""
+    (directory / "group_data").mkdir(parents=True, exist_ok=True)
+    (directory / "fleet.py").write_text(f"nodes = {hosts!r}\n")
+    (directory / "group_data" / "fleet.py").write_text("".join(f"{k} = {v!r}\n" for k, v in data.items()))
+    return directory / "fleet.py"
 
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         hosts = [(f"gpu-{i:02d}", {"ssh_hostname": f"192.0.2.{i + 1}", "k2_nic": "ens10f0np0"}) for i in range(NODES)]
-        inv = write_inventory(
-            Path(tmp), hosts=hosts, k2_model="moonshotai/Kimi-K2-Instruct",
-            k2_revision="fd1984e2b7a3350dbf7305fe73a4ede25c14de50", k2_tp=1, k2_dp=64, k2_ep=64,
-        )
+        inv = write_inventory(Path(tmp), hosts, DATA)
         times = []
         for _ in range(3):
             start = time.perf_counter()

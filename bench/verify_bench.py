@@ -15,8 +15,9 @@ Generates a ~3 GB synthetic Kimi-K2-layout checkpoint (62 shards) under
 
 * fan-out egress (root only; takes /tmp/k2sb.lock and brings the 3-host sandbox up,
   and down again if it was down): a ``--fanout-mb`` synthetic checkpoint served by the
-  Hub TEST DOUBLE on loopback, deployed with ``pyinfra -y inventories/sandbox.py
-  deploys/kimi.py`` on the ``hub`` source; then every host's copy is removed and the
+  Hub TEST DOUBLE on loopback, deployed with ``pyinfra -y --data k2_checkpoint_source=hub
+  --data k2_hub_endpoint=... --data k2_checkpoint_cache=... inventories/sandbox.py
+  deploys/kimi.py`` (the ``hub`` source); then every host's copy is removed and the
   deploy re-run while the bytes the control machine sends into the sandbox bridge are
   counted (``k2sb0`` tx_bytes: the control machine's own traffic, pyinfra's included;
   host-to-host frames the bridge forwards are not counted).
@@ -62,11 +63,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
-
-from synth_checkpoint import describe_dir, make_checkpoint, manifest_for  # noqa: E402
+sys.path.insert(0, str(REPO_ROOT))
 
 from k2fleet.checkpoint.verify import default_workers, verify  # noqa: E402
+from k2fleet.synthetic_checkpoint import describe_dir, make_checkpoint, manifest_for  # noqa: E402
 
 NUM_SHARDS = 62
 
@@ -207,11 +207,10 @@ def fanout_egress(workdir: Path, mb: float) -> float:  # noqa: C901 - one linear
     """Bytes the control machine sends for a 3-host fan-out ÷ checkpoint size (see module doc)."""
     import tempfile
 
-    from hub_double import HubDouble
-    from sandbox_harness import deploy, hold_sandbox_lock, ssh
-
     from k2fleet import sandbox
     from k2fleet.synthetic import SANDBOX_MODEL, SANDBOX_REVISION
+    from k2fleet.testing.fleet import deploy, ssh
+    from k2fleet.testing.hub_double import HubDouble
 
     if os.geteuid() != 0:
         raise RuntimeError("the sandbox fleet needs root")
@@ -220,28 +219,29 @@ def fanout_egress(workdir: Path, mb: float) -> float:  # noqa: C901 - one linear
     make_checkpoint(src, num_shards=NUM_SHARDS, shard_bytes=int(mb * 1e6 / NUM_SHARDS))
     size = sum(f.size for f in describe_dir(src))
     tx = Path("/sys/class/net/k2sb0/statistics/tx_bytes")
-    lock = hold_sandbox_lock()
+    lock = sandbox.hold_sandbox_lock()
     was_up = sandbox._is_up(sandbox.DEFAULT_STATE_DIR.resolve(), 3)
     try:
         hosts = [{"name": h.name, "address": h.address, "ssh_key": h.ssh_key,
                   "ssh_known_hosts_file": h.ssh_known_hosts_file} for h in sandbox.up(3)]
         with HubDouble() as hub:
             hub.add_commit(SANDBOX_MODEL, src, sha=SANDBOX_REVISION)
-            env = {"K2FLEET_STATE_DIR": str(tmp / "state"), "K2FLEET_SANDBOX_CHECKPOINT": "hub",
-                   "K2FLEET_SANDBOX_HUB": hub.url, "K2FLEET_SANDBOX_CHECKPOINT_CACHE": str(tmp / "cache"),
-                   "HF_HOME": str(tmp / "hf"), "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_TOKEN": ""}
+            data = {"k2_checkpoint_source": "hub", "k2_hub_endpoint": hub.url,
+                    "k2_checkpoint_cache": str(tmp / "cache")}
+            env = {"K2FLEET_STATE_DIR": str(tmp / "state"), "HF_HOME": str(tmp / "hf"),
+                   "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_TOKEN": ""}
             t0 = time.monotonic()
-            first = deploy(env)
+            first = deploy(data, env=env)
             if first.returncode:
-                raise RuntimeError("deploy failed:\n" + first.output[-3000:])
+                raise RuntimeError("deploy failed:\n" + first.tail(3000))
             print(f"fan-out: first deploy (download + fan-out + services) {time.monotonic() - t0:.1f}s")
             for h in hosts:
                 ssh(h, "rm -rf /srv/k2fleet/models/*/*/")
             before, t0 = int(tx.read_text()), time.monotonic()
-            again = deploy(env)
+            again = deploy(data, env=env)
             egress, seconds = int(tx.read_text()) - before, time.monotonic() - t0
             if again.returncode:
-                raise RuntimeError("deploy failed:\n" + again.output[-3000:])
+                raise RuntimeError("deploy failed:\n" + again.tail(3000))
             gets = sum(1 for r in hub.requests if r.method == "GET" and r.rfilename and r.sent)
         print(f"fan-out: {size / 1e6:.0f} MB checkpoint to 3 hosts in {seconds:.1f}s (deploy included); "
               f"control machine sent {egress / 1e6:.1f} MB; Hub GETs with a body: {gets} for {len(describe_dir(src))} files")

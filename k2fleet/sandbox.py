@@ -21,12 +21,20 @@ Layout::
 machine bind-mounted into every host, so all hosts see the same files, inodes and
 mtimes, as they would on an NFS or Lustre mount (``k2_shared_storage``).
 
+Inventories: ``inventories/sandbox.py`` (every host) and
+``inventories/sandbox-trtllm-mpi.py`` (the first 2) take their hosts from ``hosts.json``
+through :func:`sandbox_inventory_hosts`; their fleet data is :mod:`k2fleet.sandbox_data`.
+
+One user at a time: the sandbox's names (bridge, netns, hosts) are global, so whoever
+boots or uses it holds :func:`hold_sandbox_lock` (``/tmp/k2sb.lock``).
+
 Usage: ``python -m k2fleet.sandbox up 3 | down | status``.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -65,6 +73,8 @@ BRIDGE_ADDRESS = f"{SUBNET}.1"
 PREFIX_LEN = 24
 FIRST_HOST_OCTET = 11
 MAX_HOSTS = 200
+HOST_NIC = "eth0"  # every host's one interface (its veth end, renamed inside its netns)
+LOCK_PATH = "/tmp/k2sb.lock"
 
 CONTROL_TOOLS: dict[str, str] = {
     "debootstrap": "debootstrap",
@@ -354,10 +364,10 @@ def setup_host_network(index: int) -> None:
     run(["ip", "netns", "add", ns])
     run(["ip", "link", "add", outer, "type", "veth", "peer", "name", inner, "netns", ns])
     run(["ip", "link", "set", outer, "master", BRIDGE, "up"])
-    run(["ip", "-n", ns, "link", "set", inner, "name", "eth0"])
-    run(["ip", "-n", ns, "addr", "add", f"{host_address(index)}/{PREFIX_LEN}", "dev", "eth0"])
+    run(["ip", "-n", ns, "link", "set", inner, "name", HOST_NIC])
+    run(["ip", "-n", ns, "addr", "add", f"{host_address(index)}/{PREFIX_LEN}", "dev", HOST_NIC])
     run(["ip", "-n", ns, "link", "set", "lo", "up"])
-    run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+    run(["ip", "-n", ns, "link", "set", HOST_NIC, "up"])
 
 
 def _sandbox_netns() -> list[str]:
@@ -546,6 +556,41 @@ def load_hosts(state_dir: Path = DEFAULT_STATE_DIR) -> list[SandboxHost]:
     if not path.exists():
         return []
     return [SandboxHost(**entry) for entry in json.loads(path.read_text())]
+
+
+def sandbox_inventory_hosts(count: int | None = None,
+                            state_dir: Path = DEFAULT_STATE_DIR) -> list[tuple[str, dict[str, object]]]:
+    """pyinfra host entries ``(name, data)`` for the first ``count`` sandbox hosts (all if
+    None), from ``state_dir/hosts.json``: SSH by the pinned key and known_hosts, ``k2_nic``
+    the hosts' one interface. Raises SystemExit with one line when no sandbox (or too small
+    a one) is up, which pyinfra and ``k2fleet plan`` report as the inventory's error.
+
+    >>> sandbox_inventory_hosts(state_dir=Path("/nonexistent"))
+    Traceback (most recent call last):
+        ...
+    SystemExit: no sandbox fleet at /nonexistent: run `k2fleet sandbox up 3` first
+    """
+    hosts = load_hosts(state_dir)
+    if not hosts:
+        raise SystemExit(f"no sandbox fleet at {state_dir}: run `k2fleet sandbox up {count or 3}` first")
+    if count is not None and len(hosts) < count:
+        raise SystemExit(f"the sandbox fleet at {state_dir} has {len(hosts)} hosts, this inventory needs "
+                         f"{count}: run `k2fleet sandbox up {count}`")
+    return [
+        (h.name, {"ssh_hostname": h.address, "ssh_user": h.ssh_user, "ssh_key": h.ssh_key,
+                  "ssh_known_hosts_file": h.ssh_known_hosts_file, "ssh_strict_host_key_checking": "yes",
+                  "k2_nic": HOST_NIC})
+        for h in hosts[:count]
+    ]
+
+
+def hold_sandbox_lock():
+    """Exclusive use of the (globally named) sandbox fleet until the returned file is
+    closed (``with hold_sandbox_lock(): ...``); blocks while another process holds it.
+    Not re-entrant: take it once per process."""
+    handle = open(LOCK_PATH, "w")
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    return handle
 
 
 def _is_up(state_dir: Path, n: int) -> bool:

@@ -8,7 +8,6 @@ in a control-machine directory the sandbox inventory serves from (``control:``).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from k2fleet.synthetic_checkpoint import make_checkpoint, manifest_for
@@ -16,11 +15,17 @@ from k2fleet.synthetic_checkpoint import make_checkpoint, manifest_for
 SANDBOX_MODEL = "k2fleet-test/Kimi-K2-Thinking-synthetic"
 SANDBOX_REVISION = "5a4db0c5e1f3f1d0d1b5e8f7a6c3b2a1908f7e6d"  # fixed: the generator is deterministic
 SHARDS, SHARD_BYTES = 62, 64 * 1024
+CHECKPOINTS = Path("/var/cache/k2fleet/sandbox-checkpoints")
 
 
 def sandbox_checkpoint_dir() -> Path:
-    base = Path(os.environ.get("K2FLEET_SANDBOX_CHECKPOINTS", "/var/cache/k2fleet/sandbox-checkpoints"))
-    return base / SANDBOX_MODEL.replace("/", "--") / SANDBOX_REVISION
+    """Where the sandbox checkpoint lives on the control machine (fixed: the sandbox
+    inventories name it, and they read no environment).
+
+    >>> sandbox_checkpoint_dir().parent.name
+    'k2fleet-test--Kimi-K2-Thinking-synthetic'
+    """
+    return CHECKPOINTS / SANDBOX_MODEL.replace("/", "--") / SANDBOX_REVISION
 
 
 def ensure_sandbox_checkpoint() -> Path:

@@ -1,13 +1,64 @@
-"""Shared pytest configuration for k2fleet's tests."""
+"""Shared pytest configuration for k2fleet's tests, and THE sandbox fixture.
+
+Every test that uses the sandbox fleet asks for ``fleet`` (or ``sandbox_fleet``): the one
+global lock (``/tmp/k2sb.lock``) is held for the module, the 3 hosts are booted bare at
+its start and brought down at its end. Tests get the state they need from it
+(``fleet.ensure_deployed(...)``, ``fleet.ensure_bare()``), never from an earlier test.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
+
+from k2fleet.testing.fleet import SandboxFleet
+
+_FAILED = pytest.StashKey[bool]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Register the markers k2fleet's tests use."""
     config.addinivalue_line(
         "markers",
-        "sandbox: boots the real nspawn sandbox fleet (root; hold /tmp/k2sb.lock)",
+        "sandbox: boots the real nspawn sandbox fleet (root; holds /tmp/k2sb.lock)",
     )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    if outcome.get_result().failed:
+        item.stash[_FAILED] = True
+
+
+@pytest.fixture(scope="module")
+def sandbox_fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SandboxFleet]:
+    """The sandbox fleet, booted bare, under the sandbox lock for the whole module
+    (module scope: another module's fixture, or test_bundle's own 2-host sandbox, takes
+    the lock only after this one's teardown released it). A module may set
+    ``SANDBOX_HOSTS = N`` (default 3) and ``SANDBOX_DOCKER = False``."""
+    if os.geteuid() != 0:
+        pytest.skip("the sandbox fleet needs root (network namespaces, bridge, systemd-nspawn)")
+    from k2fleet import sandbox
+    from k2fleet.synthetic import ensure_sandbox_checkpoint
+
+    with sandbox.hold_sandbox_lock():
+        ensure_sandbox_checkpoint()  # the sandbox inventories' control: source
+        fleet = SandboxFleet(getattr(request.module, "SANDBOX_HOSTS", 3),
+                             env={"K2FLEET_STATE_DIR": str(tmp_path_factory.mktemp("k2state"))},
+                             docker=getattr(request.module, "SANDBOX_DOCKER", True))
+        try:
+            yield fleet.boot_bare()
+        finally:
+            sandbox.down()
+
+
+@pytest.fixture
+def fleet(sandbox_fleet: SandboxFleet, request: pytest.FixtureRequest) -> Iterator[SandboxFleet]:
+    """The module's sandbox fleet, up (re-booted bare if a test took it down); after a
+    failed test its hosts' state counts as unknown."""
+    yield sandbox_fleet.ensure_up()
+    if request.node.stash.get(_FAILED, False):
+        sandbox_fleet.forget()

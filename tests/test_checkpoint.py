@@ -1,6 +1,6 @@
 """Checkpoint download → manifest → verify → repair → overlay, against the Hub TEST DOUBLE.
 
-Real huggingface_hub code talks to ``tests/hub_double.py`` on 127.0.0.1 only
+Real huggingface_hub code talks to ``k2fleet/testing/hub_double.py`` on 127.0.0.1 only
 (HF_ENDPOINT and ``endpoint=`` both point at it); nothing leaves loopback.
 """
 
@@ -21,7 +21,6 @@ for p in (str(REPO_ROOT), str(Path(__file__).resolve().parent)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from hub_double import HubDouble  # noqa: E402
 from synth_checkpoint import describe_dir, make_checkpoint, manifest_for, shard_name  # noqa: E402
 
 from k2fleet.checkpoint import verify as verify_mod  # noqa: E402
@@ -34,6 +33,7 @@ from k2fleet.checkpoint.manifest import (  # noqa: E402
 )
 from k2fleet.checkpoint.overlay import NotVerifiedError, make_overlay, overlay_problems  # noqa: E402
 from k2fleet.checkpoint.verify import load_manifest, marker_path, verify  # noqa: E402
+from k2fleet.testing.hub_double import HubDouble  # noqa: E402
 
 REPO = "moonshotai/Kimi-K2-Thinking"
 SHARD_BYTES = 64 * 1024

@@ -3,11 +3,18 @@ repaired file by file.
 
 Unit tests: the fan-out plan, the rsync argv, the host-side pull helper (run here on
 local directories with the real rsync and verify.py), the control-side cache against
-the Hub TEST DOUBLE (tests/hub_double.py, loopback only).
+the Hub TEST DOUBLE (k2fleet/testing/hub_double.py, loopback only).
 
-Sandbox tests (``@pytest.mark.sandbox``): the real 3-host sandbox fleet, the real CLI
-``pyinfra -y inventories/sandbox.py deploys/kimi.py`` with the sandbox inventory on the
-``hub`` source (the double on 127.0.0.1: only the control machine downloads).
+Sandbox tests (``@pytest.mark.sandbox``): the real 3-host sandbox fleet (the ``fleet``
+fixture of tests/conftest.py), the real CLI on the ``hub`` source through pyinfra's
+``--data`` (the double on 127.0.0.1: only the control machine downloads)::
+
+    pyinfra -y --json --data k2_checkpoint_source=hub --data k2_hub_endpoint=http://127.0.0.1:PORT \
+        --data k2_checkpoint_cache=DIR inventories/sandbox.py deploys/kimi.py
+
+plus ``--data k2_shared_storage=true --data k2_model_dir=/mnt/k2shared/models`` (shared
+storage) or ``--data k2_checkpoint_fetcher=k2sb-2`` with the double on the bridge
+address (a host downloads).
 """
 
 from __future__ import annotations
@@ -24,18 +31,16 @@ from typing import Any, Iterator
 
 import pytest
 
+from k2fleet.checkpoint import fanout
+from k2fleet.checkpoint.verify import load_manifest, verify
+from k2fleet.synthetic_checkpoint import describe_dir, make_checkpoint, manifest_for, shard_name
+from k2fleet.testing.fleet import SandboxFleet, data_args, http_json, ssh, start_deploy, tool
+from k2fleet.testing.hub_double import HubDouble
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-for p in (str(REPO_ROOT), str(Path(__file__).resolve().parent)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
-
-from hub_double import HubDouble  # noqa: E402
-from synth_checkpoint import describe_dir, make_checkpoint, manifest_for, shard_name  # noqa: E402
-
-from k2fleet.checkpoint import fanout  # noqa: E402
-from k2fleet.checkpoint.verify import load_manifest, verify  # noqa: E402
 
 VERIFY_PY = str(REPO_ROOT / "k2fleet" / "checkpoint" / "verify.py")
+PULL_PY = str(REPO_ROOT / "k2fleet" / "host" / "pull.py")  # the host program, run here on local directories
 REPO = "k2fleet-test/Kimi-K2-Thinking-synthetic"
 SECRET = "hf_k2fleet_sandbox_secret_token"
 
@@ -106,7 +111,7 @@ def _with_manifest(root: Path) -> dict[str, Any]:
 
 
 def _pull(src: Path, dst: Path, log: Path) -> dict[str, Any]:
-    argv = fanout.host_pull_argv(str(dst), VERIFY_PY, str(src), "ssh", str(log))
+    argv = fanout.host_pull_argv(str(dst), VERIFY_PY, str(src), "ssh", str(log), pull_py=PULL_PY)
     argv[0] = sys.executable
     out = subprocess.run(argv, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -214,13 +219,27 @@ def _bridge_tx() -> int:
 
 @dataclasses.dataclass
 class Fleet:
-    hosts: list[dict[str, Any]]
+    """The sandbox fleet on the Hub source: the double on loopback, the control cache."""
+
+    sandbox: SandboxFleet
     hub: HubDouble
-    env: dict[str, str]
+    data: dict[str, Any]  # the --data putting inventories/sandbox.py on the hub source
     state: Path
     cache: Path
     served: Path
     size: int
+
+    @property
+    def hosts(self) -> list[dict[str, Any]]:
+        return self.sandbox.hosts
+
+    def deploy(self, **data: Any):
+        """``pyinfra -y --json`` + this fleet's --data (+ ``data``) inventories/sandbox.py deploys/kimi.py."""
+        return self.sandbox.deploy(self.data | data)
+
+    def ensure_deployed(self) -> None:
+        """Deployed from the Hub double through the control cache (no other --data)."""
+        self.sandbox.ensure_deployed(self.data)
 
     def control_log(self, step: str = "push") -> list[dict[str, Any]]:
         """Records of the control machine's steps: ``push`` (to the root), ``control-copy``."""
@@ -228,50 +247,53 @@ class Fleet:
         return [r for r in map(json.loads, lines) if r.get("step") == step]
 
     def host_log(self, host: dict[str, Any]) -> list[dict[str, Any]]:
-        from tests.sandbox_harness import ssh
-
         out = ssh(host, f"cat {fanout.HOST_LOG} 2>/dev/null || true").stdout
         return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
-@pytest.fixture(scope="module")
-def hubfleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    if os.geteuid() != 0:
-        pytest.skip("the sandbox fleet needs root")
-    from k2fleet import sandbox
-    from k2fleet.synthetic import SANDBOX_MODEL, SANDBOX_REVISION, ensure_sandbox_checkpoint
-    from tests.sandbox_harness import hold_sandbox_lock
+@dataclasses.dataclass
+class HubSource:
+    hub: HubDouble
+    served: Path  # the sandbox checkpoint the double serves
+    cache: Path  # the module's control cache (k2_checkpoint_cache)
 
-    lock = hold_sandbox_lock()
-    state = tmp_path_factory.mktemp("k2state")
-    cache = tmp_path_factory.mktemp("k2cache")
+
+@pytest.fixture(scope="module")
+def hub_source(sandbox_fleet: SandboxFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubSource]:
+    """The Hub double on loopback serving the sandbox checkpoint; the module's fleet gets
+    the HF_* environment of the Hub source (the token only ever in the environment)."""
+    from k2fleet.synthetic import SANDBOX_MODEL, SANDBOX_REVISION, ensure_sandbox_checkpoint
+
     served = ensure_sandbox_checkpoint()
-    size = sum(e["size"] for e in load_manifest(str(served / ".k2fleet" / "manifest.json"))["files"].values())
-    hub = HubDouble().start()
-    try:
+    sandbox_fleet.env |= {
+        "HF_HOME": str(tmp_path_factory.mktemp("hf_home")),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "HF_TOKEN": SECRET,  # read by the download process from its environment only
+    }
+    with HubDouble() as hub:
         assert hub.add_commit(SANDBOX_MODEL, served, sha=SANDBOX_REVISION) == SANDBOX_REVISION
-        sandbox.down()  # a fresh fleet: nothing on the hosts yet
-        hosts = [dataclasses.asdict(h) for h in sandbox.up(3)]
-        env = {
-            "K2FLEET_STATE_DIR": str(state),
-            "K2FLEET_SANDBOX_CHECKPOINT": "hub",
-            "K2FLEET_SANDBOX_HUB": hub.url,
-            "K2FLEET_SANDBOX_CHECKPOINT_CACHE": str(cache),
-            "HF_HOME": str(state / "hf_home"),
-            "HF_HUB_DISABLE_TELEMETRY": "1",
-            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-            "HF_TOKEN": SECRET,  # read by the download process from its environment only
-        }
-        yield Fleet(hosts, hub, env, state, cache, served, size)
-    finally:
-        hub.stop()
-        sandbox.down()
-        lock.close()
+        yield HubSource(hub, served, tmp_path_factory.mktemp("k2cache"))
+
+
+@pytest.fixture
+def hubfleet(fleet: SandboxFleet, hub_source: HubSource) -> Fleet:
+    """The sandbox fleet, up, with the --data of the Hub source (nothing deployed by it)."""
+    size = sum(e["size"] for e in load_manifest(str(hub_source.served / ".k2fleet" / "manifest.json"))["files"].values())
+    data = {"k2_checkpoint_source": "hub", "k2_hub_endpoint": hub_source.hub.url,
+            "k2_checkpoint_cache": str(hub_source.cache)}
+    return Fleet(fleet, hub_source.hub, data, Path(fleet.env["K2FLEET_STATE_DIR"]), hub_source.cache,
+                 hub_source.served, size)
+
+
+@pytest.fixture
+def hub_deployed(hubfleet: Fleet) -> Fleet:
+    """The fleet deployed from the Hub double through the control cache."""
+    hubfleet.ensure_deployed()
+    return hubfleet
 
 
 def _healthy(fleet: Fleet, model_dir: str = "/srv/k2fleet/models") -> None:
-    from tests.sandbox_harness import http_json, ssh
-
     for host in fleet.hosts:
         status, _ = http_json(f"http://{host['address']}:8000/health")
         assert status == 200, host["name"]
@@ -284,8 +306,6 @@ def _healthy(fleet: Fleet, model_dir: str = "/srv/k2fleet/models") -> None:
 
 
 def _inodes(host: dict[str, Any]) -> dict[str, int]:
-    from tests.sandbox_harness import ssh
-
     out = ssh(host, "cd /srv/k2fleet/models/*/*/ && stat -c '%i %n' *").stdout
     return {name: int(ino) for ino, name in (line.split(" ", 1) for line in out.splitlines())}
 
@@ -300,12 +320,11 @@ def _kill_control_download_midway(fleet: Fleet, victim: str, cut: int) -> None:
     import signal
     import time
 
-    from tests.sandbox_harness import start_deploy
-
     files = set(load_manifest(str(fleet.served / ".k2fleet" / "manifest.json"))["files"]) - {victim}
     root = Path(fanout.control_dir(str(fleet.cache), REPO, manifest_revision(fleet)))
     stalled = fleet.hub.stall_next(victim, after_bytes=cut)
-    proc = start_deploy(fleet.env)
+    fleet.sandbox.forget()  # a killed deploy leaves the hosts in no known state
+    proc = start_deploy(fleet.data, env=fleet.sandbox.env)
     try:
         assert stalled.wait(600), "the deploy never reached the Hub download"
         deadline = time.monotonic() + 60
@@ -327,15 +346,17 @@ def _kill_control_download_midway(fleet: Fleet, victim: str, cut: int) -> None:
 
 @pytest.mark.sandbox
 def test_hub_deploy_killed_midway_resumes_then_fans_out_over_the_mesh(hubfleet: Fleet) -> None:
-    from tests.sandbox_harness import deploy
-
     fleet = hubfleet
+    fleet.sandbox.ensure_bare()  # nothing on the hosts
+    for entry in fleet.cache.iterdir():  # nothing in the control cache
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    n_push, n_copy = len(fleet.control_log()), len(fleet.control_log("control-copy"))
     victim, cut = shard(17), 40_000
     manifest = load_manifest(str(fleet.served / ".k2fleet" / "manifest.json"))
     fleet.hub.reset_counters()
     _kill_control_download_midway(fleet, victim, cut)
-    result = deploy(fleet.env)
-    assert result.returncode == 0, result.output[-4000:]
+    result = fleet.deploy()
+    assert result.returncode == 0, result.tail()
     _healthy(fleet)
     files = set(manifest["files"])
     # across the killed run and the re-run, the double served every file's bytes exactly once
@@ -346,10 +367,10 @@ def test_hub_deploy_killed_midway_resumes_then_fans_out_over_the_mesh(hubfleet: 
     assert {r.authorization for r in fleet.hub.requests} == {f"Bearer {SECRET}"}
     assert SECRET not in result.output
     assert not any(SECRET in f.read_text() for f in fleet.state.rglob("*.jsonl"))
-    plan = subprocess.run(["k2fleet", "plan", "inventories/sandbox.py", "--json"], cwd=REPO_ROOT,
-                          env=os.environ | fleet.env, capture_output=True, text=True)
-    assert plan.returncode == 0 and SECRET not in plan.stdout + plan.stderr
-    control = fleet.control_log()
+    plan = subprocess.run([tool("k2fleet"), "plan", "inventories/sandbox.py", "--json", *data_args(fleet.data)],
+                          cwd=REPO_ROOT, env=os.environ | fleet.sandbox.env, capture_output=True, text=True)
+    assert plan.returncode == 0 and SECRET not in plan.stdout + plan.stderr, plan.stderr
+    control = fleet.control_log()[n_push:]
     assert [(r["target"].split("@")[1], r["mode"]) for r in control] == [(fleet.hosts[0]["address"], "full")]
     assert abs(control[0]["bytes_sent"] - fleet.size) < 0.02 * fleet.size  # ≈ the checkpoint, once
     for host in fleet.hosts[1:]:
@@ -358,27 +379,23 @@ def test_hub_deploy_killed_midway_resumes_then_fans_out_over_the_mesh(hubfleet: 
     assert fleet.host_log(fleet.hosts[0]) == []
     # the killed run logged nothing; the re-run found the manifest and every file but the
     # victim verified, and fetched the victim alone (resuming its partial file)
-    assert [r["action"] for r in fleet.control_log("control-copy")] == ["repair"]
+    assert [r["action"] for r in fleet.control_log("control-copy")[n_copy:]] == ["repair"]
 
 
 @pytest.mark.sandbox
-def test_second_deploy_resends_nothing(hubfleet: Fleet) -> None:
-    from tests.sandbox_harness import deploy
-
-    fleet = hubfleet
+def test_second_deploy_resends_nothing(hub_deployed: Fleet) -> None:
+    fleet = hub_deployed
     fleet.hub.reset_counters()
     before = (len(fleet.control_log()), [len(fleet.host_log(h)) for h in fleet.hosts])
-    result = deploy(fleet.env)
-    assert result.returncode == 0 and result.changed == 0, result.output[-4000:]
+    result = fleet.deploy()
+    assert result.returncode == 0 and result.changed == 0, result.changed_operations or result.tail()
     assert fleet.hub.requests == []
     assert (len(fleet.control_log()), [len(fleet.host_log(h)) for h in fleet.hosts]) == before
 
 
 @pytest.mark.sandbox
-def test_damaged_files_are_the_only_ones_resent(hubfleet: Fleet) -> None:
-    from tests.sandbox_harness import deploy, ssh
-
-    fleet = hubfleet
+def test_damaged_files_are_the_only_ones_resent(hub_deployed: Fleet) -> None:
+    fleet = hub_deployed
     h1, h2, h3 = fleet.hosts
     d = "/srv/k2fleet/models/*/*"
     inodes = {h["name"]: _inodes(h) for h in fleet.hosts}
@@ -393,9 +410,9 @@ def test_damaged_files_are_the_only_ones_resent(hubfleet: Fleet) -> None:
     n_control, n_hosts = len(fleet.control_log()), {h["name"]: len(fleet.host_log(h)) for h in fleet.hosts}
     tx0 = _bridge_tx()
 
-    result = deploy(fleet.env)
+    result = fleet.deploy()
     egress = _bridge_tx() - tx0
-    assert result.returncode == 0, result.output[-4000:]
+    assert result.returncode == 0, result.tail()
     assert get_counts(fleet.hub) == {shard(44): 1}  # only the cache's bad file, re-fetched alone
     assert fleet.control_log("control-copy")[-1]["action"] == "repair"
     (push,) = fleet.control_log()[n_control:]
@@ -415,20 +432,18 @@ def test_damaged_files_are_the_only_ones_resent(hubfleet: Fleet) -> None:
 
 
 @pytest.mark.sandbox
-def test_control_egress_is_one_checkpoint_for_three_hosts(hubfleet: Fleet) -> None:
-    from tests.sandbox_harness import deploy, ssh
-
-    fleet = hubfleet
+def test_control_egress_is_one_checkpoint_for_three_hosts(hub_deployed: Fleet) -> None:
+    fleet = hub_deployed
     tx0 = _bridge_tx()
-    noop = deploy(fleet.env)
+    noop = fleet.deploy()
     baseline = _bridge_tx() - tx0
-    assert noop.returncode == 0 and noop.changed == 0
+    assert noop.returncode == 0 and noop.changed == 0, noop.changed_operations or noop.tail()
     for host in fleet.hosts:
         ssh(host, "rm -rf /srv/k2fleet/models/*/*/")
     tx0 = _bridge_tx()
-    result = deploy(fleet.env)
+    result = fleet.deploy()
     egress = _bridge_tx() - tx0
-    assert result.returncode == 0, result.output[-4000:]
+    assert result.returncode == 0, result.tail()
     _healthy(fleet)
     ratio = egress / fleet.size
     print(f"egress: {egress} bytes for a {fleet.size}-byte checkpoint on 3 hosts, ratio {ratio:.3f} "
@@ -444,16 +459,15 @@ SHARED = "/mnt/k2shared/models"  # sandbox shared storage: one directory bound i
 
 @pytest.mark.sandbox
 def test_shared_storage_is_fetched_and_verified_once_not_per_host(hubfleet: Fleet) -> None:
-    from tests.sandbox_harness import deploy, ssh
-
     fleet = hubfleet
-    env = fleet.env | {"K2FLEET_SANDBOX_SHARED": "1"}
+    shared = {"k2_shared_storage": True, "k2_model_dir": SHARED}
     h1, h2, h3 = fleet.hosts
+    ssh(h1, f"rm -rf {SHARED}")  # nothing on the shared storage yet (seen by every host)
     n_control, n_hosts = len(fleet.control_log()), {h["name"]: len(fleet.host_log(h)) for h in fleet.hosts}
     tx0 = _bridge_tx()
-    result = deploy(env)
+    result = fleet.deploy(**shared)
     egress = _bridge_tx() - tx0
-    assert result.returncode == 0, result.output[-4000:]
+    assert result.returncode == 0, result.tail()
     _healthy(fleet, SHARED)
     (push,) = fleet.control_log()[n_control:]
     assert push["mode"] == "full" and push["target"].endswith(h1["address"]) and push["dir"].startswith(SHARED)
@@ -469,35 +483,35 @@ def test_shared_storage_is_fetched_and_verified_once_not_per_host(hubfleet: Flee
     # a shard broken on the shared storage (seen by every host) is re-sent once, to host 1 only
     ssh(h3, f"truncate -s 1000 {SHARED}/*/*/{shard(40)}")
     n_control, n_hosts = len(fleet.control_log()), {h["name"]: len(fleet.host_log(h)) for h in fleet.hosts}
-    result = deploy(env)
-    assert result.returncode == 0, result.output[-4000:]
+    result = fleet.deploy(**shared)
+    assert result.returncode == 0, result.tail()
     (push,) = fleet.control_log()[n_control:]
     assert push["mode"] == "repair" and push["files"] == [shard(40)] and push["target"].endswith(h1["address"])
     assert {h["name"]: len(fleet.host_log(h)) for h in fleet.hosts} == n_hosts
     _healthy(fleet, SHARED)
-    again = deploy(env)
-    assert again.returncode == 0 and again.changed == 0, again.output[-4000:]
+    again = fleet.deploy(**shared)
+    assert again.returncode == 0 and again.changed == 0, again.changed_operations or again.tail()
 
 
 @pytest.mark.sandbox
 def test_fetcher_host_downloads_from_the_hub_and_the_control_machine_sends_no_checkpoint(hubfleet: Fleet) -> None:
-    """``k2_checkpoint_fetcher: k2sb-2``: host 2 downloads from the Hub double (listening on
-    the sandbox bridge, the one address besides its peers a sandbox host can reach), with
-    huggingface_hub installed from the control machine's offline wheelhouse; hosts 1 and 3
-    pull from it over the mesh; the token exists on host 2 only while it downloads."""
-    from tests.sandbox_harness import deploy, ssh
-
+    """``--data k2_checkpoint_fetcher=k2sb-2``: host 2 downloads from the Hub double
+    (listening on the sandbox bridge, the one address besides its peers a sandbox host can
+    reach), with huggingface_hub installed from the control machine's offline wheelhouse;
+    hosts 1 and 3 pull from it over the mesh; the token exists on host 2 only while it
+    downloads."""
     fleet = hubfleet
     h1, h2, h3 = fleet.hosts
     with HubDouble(host="10.213.0.1") as hub:
         hub.add_commit(REPO, fleet.served, sha=manifest_revision(fleet))
-        env = fleet.env | {"K2FLEET_SANDBOX_HUB": hub.url, "K2FLEET_SANDBOX_FETCHER": h2["name"]}
+        fetcher = {"k2_hub_endpoint": hub.url, "k2_checkpoint_fetcher": h2["name"]}
         for host in fleet.hosts:  # nothing on any host: the whole checkpoint must come from the Hub
             ssh(host, "rm -rf /srv/k2fleet/models/*/*/")
+        fleet.sandbox.forget()
         n_control, n_hosts = len(fleet.control_log()), {h["name"]: len(fleet.host_log(h)) for h in fleet.hosts}
         fleet.hub.reset_counters()
-        result = deploy(env)
-        assert result.returncode == 0, result.output[-4000:]
+        result = fleet.deploy(**fetcher)
+        assert result.returncode == 0, result.tail()
         _healthy(fleet)
         manifest = load_manifest(str(fleet.served / ".k2fleet" / "manifest.json"))
         assert {r.client for r in hub.requests} == {h2["address"]}  # only the fetcher talked to the Hub
@@ -512,6 +526,7 @@ def test_fetcher_host_downloads_from_the_hub_and_the_control_machine_sends_no_ch
             assert ssh(host, "ls /run/k2fleet/hf_token", check=False).returncode != 0, host["name"]
         assert ssh(h1, "test -e /opt/k2fleet/hubenv", check=False).returncode != 0  # the client is on h2 only
         hub.reset_counters()
-        again = deploy(env)
-        assert again.returncode == 0 and again.changed == 0, again.output[-4000:]
+        again = fleet.deploy(**fetcher)
+        assert again.returncode == 0 and again.changed == 0, again.changed_operations or again.tail()
         assert hub.requests == []
+    fleet.sandbox.forget()  # deployed from a Hub that is gone now

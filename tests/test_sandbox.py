@@ -1,19 +1,21 @@
-"""Real (no mocks) test of the nspawn sandbox fleet: boot 3 hosts, probe, tear down."""
+"""Real (no mocks) test of the nspawn sandbox fleet: boot 3 hosts, probe, tear down.
+
+The hosts come from the one sandbox fixture (tests/conftest.py ``fleet``: the lock, a
+bare boot, up again for each test even after ``test_down_removes_everything``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0, reason="sandbox needs root (network namespaces, bridge, systemd-nspawn)"
-)
+from k2fleet import sandbox
+from k2fleet.testing.fleet import tool
 
-from k2fleet import sandbox  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 N_HOSTS = 3
 
@@ -37,26 +39,25 @@ def _live_nspawn_pids() -> list[str]:
     return [pid for pid, stat, comm in rows if comm == "systemd-nspawn" and not stat.startswith("Z")]
 
 
-@pytest.fixture(scope="module")
-def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("k2sb-state")
+@pytest.fixture
+def state_dir() -> Path:
+    return sandbox.DEFAULT_STATE_DIR.resolve()
 
 
-@pytest.fixture(scope="module")
-def hosts(state_dir: Path) -> Iterator[list[sandbox.SandboxHost]]:
-    from tests.sandbox_harness import hold_sandbox_lock
-
-    lock = hold_sandbox_lock()  # the sandbox's names are global: one user at a time
-    sandbox.down()  # a fleet left up by the demo or another state dir uses the same names
-    try:
-        yield sandbox.up(N_HOSTS, state_dir)
-    finally:
-        sandbox.down(state_dir)
-        lock.close()
+@pytest.fixture
+def hosts(fleet) -> list[sandbox.SandboxHost]:
+    """The 3 sandbox hosts, up (booted by tests/conftest.py's fixture under the lock)."""
+    return fleet.sandbox_hosts
 
 
 def test_inventory(hosts: list[sandbox.SandboxHost], state_dir: Path) -> None:
     assert [h.name for h in hosts] == [f"k2sb-{i}" for i in range(1, N_HOSTS + 1)]
+    entries = sandbox.sandbox_inventory_hosts(state_dir=state_dir)
+    assert [(name, data["ssh_hostname"], data["k2_nic"]) for name, data in entries] == [
+        (h.name, h.address, sandbox.HOST_NIC) for h in hosts]
+    assert [name for name, _ in sandbox.sandbox_inventory_hosts(2, state_dir)] == ["k2sb-1", "k2sb-2"]
+    with pytest.raises(SystemExit, match="has 3 hosts, this inventory needs 4"):
+        sandbox.sandbox_inventory_hosts(4, state_dir)
     assert len({h.address for h in hosts}) == N_HOSTS
     assert sandbox.load_hosts(state_dir) == hosts
     for host in hosts:
@@ -120,3 +121,54 @@ def test_down_removes_everything(hosts: list[sandbox.SandboxHost], state_dir: Pa
     assert not (state_dir / "hosts.json").exists()
     assert not (state_dir / "hosts").exists()
     assert sandbox.status(state_dir) == []
+
+
+# --------------------------------------------------------------------------- the sandbox inventories (offline)
+
+
+def _plan(inventory: str, state_dir: Path, *data: str, **env: str) -> subprocess.CompletedProcess[str]:
+    argv = [tool("k2fleet"), "plan", inventory, "--json", *(a for d in data for a in ("--data", d))]
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "K2FLEET_SANDBOX_DIR": str(state_dir), **env})
+
+
+@pytest.fixture
+def recorded_fleet(tmp_path: Path) -> Path:
+    """A state dir whose hosts.json records 3 hosts (nothing booted: plans only)."""
+    hosts = [sandbox.SandboxHost(sandbox.host_name(i), sandbox.host_address(i), "root", str(tmp_path / "id_ed25519"),
+                                 str(tmp_path / "known_hosts")) for i in (1, 2, 3)]
+    (tmp_path / "hosts.json").write_text(json.dumps([h.__dict__ for h in hosts]))
+    return tmp_path
+
+
+def test_sandbox_inventories_read_no_environment(recorded_fleet: Path) -> None:
+    first = _plan("inventories/sandbox.py", recorded_fleet)
+    assert first.returncode == 0, first.stderr
+    noise = {"K2FLEET_SANDBOX_SCENARIO": "trtllm-mpi", "K2FLEET_SANDBOX_NIC": "eth9",
+             "K2FLEET_SANDBOX_ENGINE_ARGS": '{"max-num-seqs": 1}', "K2FLEET_SANDBOX_SHARED": "1",
+             "K2FLEET_SANDBOX_CHECKPOINT": "hub", "K2FLEET_SANDBOX_MODEL_TYPE": "deepseek_v3"}
+    again = _plan("inventories/sandbox.py", recorded_fleet, **noise)
+    assert again.returncode == 0 and again.stdout == first.stdout, again.stderr
+    plan = json.loads(first.stdout)
+    assert sorted(plan["hosts"]) == ["k2sb-1", "k2sb-2", "k2sb-3"]
+    trt = _plan("inventories/sandbox-trtllm-mpi.py", recorded_fleet)
+    assert trt.returncode == 0, trt.stderr
+    assert sorted(json.loads(trt.stdout)["hosts"]) == ["k2sb-1", "k2sb-2"]
+    assert (plan["engine"], json.loads(trt.stdout)["engine"]) == ("vllm", "trtllm")
+
+
+def test_sandbox_variations_are_pyinfra_data(recorded_fleet: Path) -> None:
+    plan = _plan("inventories/sandbox.py", recorded_fleet, 'k2_engine_args={"max-num-seqs": 64}',
+                 "k2_shared_storage=true", "k2_model_dir=/mnt/k2shared/models")
+    assert plan.returncode == 0, plan.stderr
+    argv = json.loads(plan.stdout)["hosts"]["k2sb-1"]["services"][0]["argv"]
+    assert "--max-num-seqs" in argv and argv[argv.index("--max-num-seqs") + 1] == "64"
+    assert "/mnt/k2shared/models/" in " ".join(argv)
+
+
+def test_sandbox_inventory_without_a_sandbox_is_one_line(tmp_path: Path) -> None:
+    out = _plan("inventories/sandbox.py", tmp_path / "none")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [
+        f"error: inventories/sandbox.py: inventory: could not be loaded: no sandbox fleet at {tmp_path / 'none'}: "
+        "run `k2fleet sandbox up 3` first"]

@@ -1,5 +1,7 @@
 """Hugging Face Hub TEST DOUBLE: a loopback-only stand-in for the Hub's HTTP API.
 
+Import it as ``from k2fleet.testing.hub_double import HubDouble`` (tests and benches).
+
 This is a test double, not a Hub. It is a threaded stdlib ``http.server`` on
 ``127.0.0.1:<free port>`` that serves local directories as model repos at
 fixed commit shas, implementing exactly what huggingface_hub 2.4's
