@@ -21,6 +21,7 @@ class GpuType:
     memory_gib: float
     arch: str  # "hopper" | "blackwell" | "cdna3" | "cdna4"
     default_per_node: int = 8
+    max_per_node: int = 8  # what one node of this type ships (HGX/OAM boards: 8, GB200/GB300 trays: 4)
 
 
 GPUS: dict[str, GpuType] = {
@@ -32,8 +33,8 @@ GPUS: dict[str, GpuType] = {
         GpuType("h200", "nvidia", 141, "hopper"),
         GpuType("b200", "nvidia", 180, "blackwell"),
         GpuType("b300", "nvidia", 268, "blackwell"),
-        GpuType("gb200", "nvidia", 186, "blackwell", default_per_node=4),
-        GpuType("gb300", "nvidia", 279, "blackwell", default_per_node=4),
+        GpuType("gb200", "nvidia", 186, "blackwell", default_per_node=4, max_per_node=4),
+        GpuType("gb300", "nvidia", 279, "blackwell", default_per_node=4, max_per_node=4),
         GpuType("mi300x", "amd", 192, "cdna3"),
         GpuType("mi325x", "amd", 256, "cdna3"),
         GpuType("mi355x", "amd", 288, "cdna4"),
@@ -43,22 +44,24 @@ GPUS: dict[str, GpuType] = {
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint k2fleet knows: size on disk, weight format, reasoning or not."""
+    """A checkpoint k2fleet knows: size on disk, weight format, reasoning or not, and its
+    maximum context (``max_position_embeddings`` of its config.json)."""
 
     repo_id: str
     bytes: int
     quantization: str  # "int4" | "fp8" | "nvfp4" | "gguf"
     reasoning: bool
+    max_context: int | None = None
     model_type: str = "kimi_k2"
 
 
 CHECKPOINTS: dict[str, Checkpoint] = {
     c.repo_id: c
     for c in (
-        Checkpoint("moonshotai/Kimi-K2-Thinking", 594_000_000_000, "int4", True),
-        Checkpoint("moonshotai/Kimi-K2-Instruct", 1_030_000_000_000, "fp8", False),
-        Checkpoint("moonshotai/Kimi-K2-Instruct-0905", 1_030_000_000_000, "fp8", False),
-        Checkpoint("nvidia/Kimi-K2-Thinking-NVFP4", 595_000_000_000, "nvfp4", True),
+        Checkpoint("moonshotai/Kimi-K2-Thinking", 594_000_000_000, "int4", True, max_context=262_144),
+        Checkpoint("moonshotai/Kimi-K2-Instruct", 1_030_000_000_000, "fp8", False, max_context=131_072),
+        Checkpoint("moonshotai/Kimi-K2-Instruct-0905", 1_030_000_000_000, "fp8", False, max_context=262_144),
+        Checkpoint("nvidia/Kimi-K2-Thinking-NVFP4", 595_000_000_000, "nvfp4", True, max_context=262_144),
     )
 }
 

@@ -8,9 +8,12 @@ key and the fix for the first one broken. Port clashes are checked on the plan
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
 import posixpath
 from dataclasses import dataclass
+from typing import Any
 
 from k2fleet import catalog
 from k2fleet.spec import SHA_RE, Fleet, HostEntry, HostSettings, SpecError
@@ -112,9 +115,14 @@ def _check_model(fleet: Fleet) -> tuple[int, str, bool]:
             f"{s.model} is not in k2fleet's catalog; set k2_checkpoint_bytes and k2_quantization",
             fleet,
         )
-    source = s.checkpoint_source
-    if source != "hub" and not source.startswith("control:/"):
-        raise _fail("k2_checkpoint_source", f"{source!r} is neither `hub` nor `control:/absolute/path`", fleet)
+    # k2_checkpoint_source's grammar (hub | control:/PATH) is owned by spec.checkpoint_source
+    if known and known.max_context and s.max_model_len and s.max_model_len > known.max_context:
+        raise _fail(
+            "k2_max_model_len",
+            f"{s.max_model_len} exceeds the {known.max_context}-token context of {s.model}; "
+            f"set at most {known.max_context}",
+            fleet,
+        )
     reasoning = known.reasoning if known else "thinking" in s.model.lower()
     return size, quant, reasoning
 
@@ -134,6 +142,12 @@ def _check_hardware(fleet: Fleet) -> tuple[catalog.GpuType | None, int, str]:
     if gpu is None:
         raise _fail("k2_gpu", f"unknown GPU type {s.gpu!r}; one of {', '.join(catalog.GPUS)}", fleet)
     per_node = s.gpus_per_node or gpu.default_per_node
+    if per_node > gpu.max_per_node:
+        raise _fail(
+            "k2_gpus_per_node",
+            f"{per_node} GPUs per node on {gpu.name}: one {gpu.name} node ships at most {gpu.max_per_node}",
+            fleet,
+        )
     platform = s.platform or ("rocm" if gpu.vendor == "amd" else "cuda")
     if platform == "rocm" and gpu.vendor != "amd":
         raise _fail("k2_platform", f"a ROCm engine cannot run on NVIDIA {gpu.name} hosts; use platform cuda", fleet)
@@ -248,6 +262,15 @@ def _check_fit(fleet: Fleet, pool: Pool, gpu: catalog.GpuType, size: int, quant:
     util = s.gpu_memory_utilization or DEFAULT_GPU_UTIL
     budget = gpu.memory_gib * util
     reserve = max(KV_RESERVE_GIB, KV_RESERVE_FRACTION * gpu.memory_gib)
+    if budget <= reserve:
+        least = math.ceil((reserve / gpu.memory_gib) * 100 + 1) / 100
+        raise _fail(
+            "k2_gpu_memory_utilization",
+            f"{pool.role} pool: {util:.2f} of {gpu.name}'s {gpu.memory_gib:.0f} GiB is {budget:.1f} GiB, "
+            f"no more than the {reserve:.1f} GiB KV reserve: the utilisation leaves no room for weights; "
+            f"set well above {least:.2f} (default {DEFAULT_GPU_UTIL})",
+            fleet,
+        )
     if per_gpu_gib + reserve > budget:
         need = math.ceil(size / catalog.GIB / (budget - reserve) / 8) * 8
         raise _fail(
@@ -308,7 +331,11 @@ def _check_slurm(fleet: Fleet, gpu: catalog.GpuType, per_node: int, size: int) -
     assert s.slurm is not None and s.disagg is not None
     hardware = s.slurm.get("hardware", {})
     if hardware.get("gpus_per_node", per_node) != per_node:
-        raise _fail("k2_slurm", f"hardware.gpus_per_node {hardware['gpus_per_node']} != k2_gpus_per_node {per_node}", fleet)
+        raise _fail(
+            "k2_slurm.hardware.gpus_per_node",
+            f"{hardware['gpus_per_node']} differs from k2_gpus_per_node {per_node}; set both to the same",
+            fleet,
+        )
     for side in ("ctx", "gen"):
         worker = s.disagg[side]
         tp = int(worker.get("tensor_parallel_size", 1))
@@ -320,6 +347,38 @@ def _check_slurm(fleet: Fleet, gpu: catalog.GpuType, per_node: int, size: int) -
         per_gpu = size / (ep if ep > 1 else tp) / catalog.GIB
         if per_gpu + KV_RESERVE_GIB > gpu.memory_gib * 0.95:
             raise _fail("k2_disagg", f"{side}: {per_gpu:.0f} GiB of weights per GPU does not fit {gpu.name}", fleet)
+
+
+ENGINE_FLAGS_MODULE = "k2fleet.engine_flags"
+
+
+def _check_engine_flags(fleet: Fleet, engine: str, version: str, pools: dict[str, Pool]) -> None:
+    """Flag names of ``k2_engine_args`` (every pool) and TRT-LLM LLM API option names
+    (``k2_trtllm_config``, both ``k2_disagg`` sides) against the pinned version's tables.
+
+    The single call site of :mod:`k2fleet.engine_flags` (it raises SpecError naming the
+    key); skipped if that module is absent."""
+    if importlib.util.find_spec(ENGINE_FLAGS_MODULE) is None:
+        return
+    try:
+        _engine_flag_calls(importlib.import_module(ENGINE_FLAGS_MODULE), engine, version, pools)
+    except SpecError as exc:
+        raise SpecError(exc.key, exc.message, exc.where or fleet.source) from None
+
+
+def _engine_flag_calls(flags: Any, engine: str, version: str, pools: dict[str, Pool]) -> None:
+    for pool in pools.values():
+        s = pool.settings
+        flags.check_engine_args(engine, version, s.engine_args, key="k2_engine_args")
+        if engine != "trtllm":
+            continue
+        if s.trtllm_config and pool.tp:
+            owned = {"tensor_parallel_size": pool.tp, "pipeline_parallel_size": s.pp,
+                     "moe_expert_parallel_size": s.ep, "enable_attention_dp": s.attn_dp}
+            flags.check_llm_api_config(version, s.trtllm_config, key="k2_trtllm_config", owned_values=owned)
+        for side in ("ctx", "gen"):
+            if s.disagg and side in s.disagg:
+                flags.check_llm_api_config(version, s.disagg[side], key=f"k2_disagg.{side}")
 
 
 def resolve(fleet: Fleet) -> Deployment:
@@ -346,6 +405,7 @@ def resolve(fleet: Fleet) -> Deployment:
             _check_fit(fleet, pools[role], gpu, size, quant, s.engine)
     if "slurm-submit" in pools and gpu is not None:
         _check_slurm(fleet, gpu, per_node, size)
+    _check_engine_flags(fleet, s.engine, version, pools)
     reasoning_parser = s.reasoning_parser or ("kimi_k2" if reasoning else None)
     return Deployment(
         fleet=fleet,
