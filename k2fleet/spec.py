@@ -833,6 +833,34 @@ def check_host_identity(name: Any, ssh_hostname: Any, where: str = "") -> None:
             raise SpecError("ssh_hostname", f"{exc} on host {name}", where) from None
 
 
+class _ConnectionKeys(BaseModel):
+    """pyinfra's own connection keys that k2fleet passes on (the checkpoint push's ssh
+    and rsync argv): checked like every k2_* value."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    ssh_user: PosixUser | None = None
+    ssh_port: Port | None = None
+    ssh_key: RelOrAbsPath | None = None
+    ssh_known_hosts_file: RelOrAbsPath | None = None
+
+
+def check_connection_keys(name: str, data: dict[str, Any], where: str = "") -> None:
+    """``ssh_user``, ``ssh_port``, ``ssh_key``, ``ssh_known_hosts_file`` of one host.
+
+    >>> check_connection_keys("n1", {"ssh_user": "root", "ssh_port": 22})
+    >>> try:
+    ...     check_connection_keys("n1", {"ssh_port": True})
+    ... except SpecError as exc:
+    ...     print(exc)
+    ssh_port: Input should be a valid integer (got True) on host n1
+    """
+    try:
+        _ConnectionKeys(**{k: v for k, v in data.items() if k in _ConnectionKeys.model_fields and v is not None})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise SpecError(str(err["loc"][0]), f"{_pydantic_message(err)} on host {name}", where) from None
+
+
 def parse_host(name: str, data: dict[str, Any], where: str = "", groups: tuple[str, ...] = ()) -> HostEntry:
     """Type-check one host's ``k2_*`` keys.
 
@@ -847,6 +875,7 @@ def parse_host(name: str, data: dict[str, Any], where: str = "", groups: tuple[s
             hint = f"did you mean {PREFIX}{close[0]}?" if close else "see `k2fleet keys` for the list"
             raise SpecError(PREFIX + _path_text([key]), f"unknown key on host {name}; {hint}", where)
     check_host_identity(name, data.get("ssh_hostname"), where)
+    check_connection_keys(name, data, where)
     for key, value in keys.items():  # secrets first: their message never echoes the value
         try:
             scan_secrets(value, (), env_names=key == "env", flag_names=key == "engine_args")
