@@ -3,7 +3,7 @@
 :func:`resolve` applies the cross-key rules (parallel sizes, node counts, hardware
 fit, PD completeness, versions) and raises :class:`~k2fleet.spec.SpecError` naming the
 key and the fix for the first one broken. Port clashes are checked on the plan
-(:func:`k2fleet.plan.make_plan`), where every port of every process is known.
+(:func:`k2fleet.planner.make_plan`), where every port of every process is known.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ asserts from pyinfra's ``--json`` results that no operation changed anything.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -15,18 +14,19 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from k2fleet import bundle, sandbox
 from k2fleet.sandbox import SandboxHost
+from k2fleet.testing.fleet import SandboxFleet
+from tests.inventory_factory import write_inventory
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SANDBOX_LOCK = "/tmp/k2sb.lock"
 SANDBOX_PACKAGES = ["openmpi-bin", "rsync", "python3-venv", "python3-mpi4py"]
-N_HOSTS = 2
+SANDBOX_HOSTS = 2  # read by the sandbox_fleet fixture (tests/conftest.py)
+SANDBOX_DOCKER = False
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (apt, sandbox)")
 
@@ -149,17 +149,9 @@ install_packages({SANDBOX_PACKAGES!r}, "bundle", bundle=str(ensure_bundle({SANDB
 """
 
 
-def write_inventory(hosts: list[SandboxHost], path: Path) -> Path:
-    """A pyinfra inventory file for the sandbox hosts (root, pinned key + known_hosts)."""
-    entries = [(h.address, {"ssh_user": h.ssh_user, "ssh_key": h.ssh_key,
-                            "ssh_known_hosts_file": h.ssh_known_hosts_file,
-                            "ssh_strict_host_key_checking": "yes"}) for h in hosts]
-    path.write_text(f"hosts = {entries!r}\n")
-    return path
-
-
 def run_pyinfra(inventory: Path, deploy: Path) -> tuple[dict, float]:
-    """Run the pyinfra CLI with ``--json``; return its results and the wall time."""
+    """Run the pyinfra CLI with ``--json`` (from the deploy's directory: a plain pyinfra
+    deploy, not k2fleet's); return its results and the wall time."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT),
                                                                     os.environ.get("PYTHONPATH")])))
     started = time.monotonic()
@@ -171,15 +163,9 @@ def run_pyinfra(inventory: Path, deploy: Path) -> tuple[dict, float]:
 
 
 @pytest.fixture(scope="module")
-def sandbox_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SandboxHost]]:
-    """2 sandbox hosts, held under the global sandbox lock, always brought down."""
-    state_dir = tmp_path_factory.mktemp("k2sb-state")
-    with open(SANDBOX_LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield sandbox.up(N_HOSTS, state_dir, docker=False)
-        finally:
-            sandbox.down(state_dir)
+def sandbox_hosts(sandbox_fleet: SandboxFleet) -> list[SandboxHost]:
+    """The module's sandbox fleet (SANDBOX_HOSTS hosts, no Docker), from the one fixture and lock."""
+    return sandbox_fleet.ensure_up().sandbox_hosts
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +173,10 @@ def deploy_runs(sandbox_hosts: list[SandboxHost], tmp_path_factory: pytest.TempP
                 ) -> list[tuple[dict, float]]:
     """Results and timings of two identical bundle deploys."""
     work = tmp_path_factory.mktemp("pyinfra")
-    inventory = write_inventory(sandbox_hosts, work / "inventory.py")
+    hosts = [(h.name, {"ssh_hostname": h.address, "ssh_user": h.ssh_user, "ssh_key": h.ssh_key,
+                       "ssh_known_hosts_file": h.ssh_known_hosts_file, "ssh_strict_host_key_checking": "yes"})
+             for h in sandbox_hosts]
+    inventory = write_inventory(work, hosts=hosts, name="inventory")
     deploy = work / "deploy.py"
     deploy.write_text(DEPLOY)
     runs = [run_pyinfra(inventory, deploy) for _ in range(2)]
