@@ -325,6 +325,21 @@ def fraction(value: float) -> float:
     return value
 
 
+def _scalar(value: Any, path: tuple[Any, ...], what: str) -> None:
+    """One plain value inside a nested key: a string without control characters, a
+    finite number or a boolean; anything else is refused as ``what``."""
+    if isinstance(value, str):
+        try:
+            no_control(value)
+        except ValueError as exc:
+            raise _Nested(path, str(exc)) from None
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise _Nested(path, "must be a finite number")
+    elif not isinstance(value, (bool, int)):
+        raise _Nested(path, f"{what}, not {type(value).__name__}")
+
+
 def _check_config_tree(value: Any, path: tuple[Any, ...] = ()) -> None:
     """Options trees (TRT-LLM LLM API dicts, SLURM sections): plain YAML data only."""
     if isinstance(value, dict):
@@ -337,16 +352,8 @@ def _check_config_tree(value: Any, path: tuple[Any, ...] = ()) -> None:
     elif isinstance(value, list):
         for i, item in enumerate(value):
             _check_config_tree(item, path + (i,))
-    elif isinstance(value, str):
-        try:
-            no_control(value)
-        except ValueError as exc:
-            raise _Nested(path, str(exc)) from None
-    elif isinstance(value, float):
-        if not math.isfinite(value):
-            raise _Nested(path, "must be a finite number")
-    elif value is not None and not isinstance(value, (bool, int)):
-        raise _Nested(path, f"must be a string, number, boolean, list or mapping, not {type(value).__name__}")
+    elif value is not None:
+        _scalar(value, path, "must be a string, number, boolean, list or mapping")
 
 
 def _engine_arg(value: Any, path: tuple[Any, ...]) -> None:
@@ -356,16 +363,7 @@ def _engine_arg(value: Any, path: tuple[Any, ...]) -> None:
                 raise _Nested(path + (i,), "lists of flag values are flat (no nested lists)")
             _engine_arg(item, path + (i,))
         return
-    if isinstance(value, str):
-        try:
-            no_control(value)
-        except ValueError as exc:
-            raise _Nested(path, str(exc)) from None
-    elif isinstance(value, float):
-        if not math.isfinite(value):
-            raise _Nested(path, "must be a finite number")
-    elif not isinstance(value, (bool, int)):
-        raise _Nested(path, f"a flag value is a string, number, boolean or list of those, not {type(value).__name__}")
+    _scalar(value, path, "a flag value is a string, number, boolean or list of those")
 
 
 def engine_args(value: dict[str, Any]) -> dict[str, Any]:
