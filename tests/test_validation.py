@@ -258,6 +258,7 @@ IDENTITY_TWIN = {"k2_tp": 16, "k2_mesh_user": "k2svc", "k2_nic": "bond0.100", "k
 
 # --- (d) topology (cross-key rules) ----------------------------------------------------------------
 TOPOLOGY = family("topology", [
+    Case("no-hosts", {}, "inventory", "no hosts", hosts=[]),
     Case("sizes-not-gpus", {"k2_tp": 6}, "k2_tp", "multiply to 6 GPUs but each node has 8"),
     Case("sizes-not-whole-nodes", {"k2_tp": 12}, "k2_tp", "not a whole number", hosts=2),
     Case("dcp-not-dividing-tp", {"k2_tp": 8, "k2_dcp": 3}, "k2_dcp", "does not divide k2_tp=8"),
