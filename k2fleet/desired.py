@@ -19,6 +19,7 @@ made by :func:`k2fleet.control.prepare_control_artifacts`.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,12 +239,32 @@ def service_files(dep: Deployment, svc: Service) -> dict[str, FileSpec]:
     return files
 
 
+# What each engine's test double reports in /v1/models metadata, from the planned pool.
+WORLD_KEYS = {
+    "vllm": lambda pool: {"tensor_parallel_size": pool.tp, "pipeline_parallel_size": pool.settings.pp,
+                          "data_parallel_size": pool.settings.dp},
+    "sglang": lambda pool: {"tp_size": pool.tp},
+    "trtllm": lambda pool: {"tp_size": pool.tp, "pp_size": pool.settings.pp},
+}
+
+
+def expected_world(dep: Deployment, svc: Service) -> dict[str, int] | None:
+    """The topology the health gate checks (sandbox: the engine test doubles report it)."""
+    pool = dep.pools.get(svc.role)
+    if not dep.s.engine_doubles or pool is None or not pool.tp or dep.engine not in WORLD_KEYS:
+        return None
+    return WORLD_KEYS[dep.engine](pool)
+
+
 def health_argv(dep: Deployment, hp: HostPlan, timeout: int) -> list[str] | None:
-    """The health gate of this host's first chat-serving service: /health 200 + a completion."""
+    """The health gate of this host's first chat-serving service: /health 200 + a completion
+    (+ on engine test doubles, the parallel sizes they report equal the plan's)."""
     for svc in hp.services:
         if svc.health and svc.health.chat:
-            return ["/usr/bin/python3", HEALTH_PY, "--base", f"http://127.0.0.1:{svc.health.port}",
+            argv = ["/usr/bin/python3", HEALTH_PY, "--base", f"http://127.0.0.1:{svc.health.port}",
                     "--model", dep.api_model_name, "--unit", unit_name(svc), "--timeout", str(timeout)]
+            world = expected_world(dep, svc)
+            return argv + (["--expect-world", json.dumps(world, sort_keys=True)] if world else [])
     return None
 
 

@@ -374,3 +374,27 @@ def test_trtllm_real_mpirun_with_mpi4py(procs: Procs, model: str) -> None:
     assert "MPI rendezvous complete: rank 1/2" in procs.output(mpirun)
     mpirun.terminate()
     mpirun.wait(15)
+
+
+# --------------------------------------------------------------------------- health gate vs the double's world
+
+HEALTH_PY = Path(__file__).resolve().parent.parent / "k2fleet" / "host" / "health.py"
+
+
+def health_gate(port: int, model: str, world: dict[str, int]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(HEALTH_PY), "--base", f"http://127.0.0.1:{port}", "--model", model,
+                           "--unit", "k2-vllm.service", "--timeout", "20", "--expect-world", json.dumps(world)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_health_gate_compares_the_topology_the_double_reports_with_the_plan(procs: Procs, model: str) -> None:
+    port = free_port()
+    procs.start(vllm(model, "--port", str(port), "--tensor-parallel-size", "8", "--served-model-name", "k2"))
+    wait_status(f"http://127.0.0.1:{port}/health", 200)
+    ok = health_gate(port, "k2", {"tensor_parallel_size": 8, "pipeline_parallel_size": 1, "data_parallel_size": 1})
+    assert ok.returncode == 0, ok.stderr
+    wrong = health_gate(port, "k2", {"tensor_parallel_size": 16})
+    assert wrong.returncode == 1
+    assert "topology: planned tensor_parallel_size=16, the engine reports 8" in wrong.stderr
+    missing = health_gate(port, "k2", {"nodes_in_ray_cluster": 2})
+    assert missing.returncode == 1 and "does not report nodes_in_ray_cluster" in missing.stderr

@@ -44,6 +44,24 @@ def chat(base: str, model: str) -> str:
     return (message.get("content") or message.get("reasoning_content") or "").strip()
 
 
+class NotHealthy(Exception):
+    """The service did not prove it serves the planned topology."""
+
+
+def world_mismatch(base: str, expected: dict) -> str | None:
+    """Compare the topology the engine reports in ``/v1/models`` metadata (k2fleet's
+    engine test doubles report their parallel sizes there) with the planned one."""
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=30) as response:
+        data = json.load(response)
+    reported = (data.get("data") or [{}])[0].get("metadata") or {}
+    for key, want in sorted(expected.items()):
+        if key not in reported:
+            return f"topology: the engine does not report {key} (planned {want})"
+        if reported[key] != want:
+            return f"topology: planned {key}={want}, the engine reports {reported[key]}"
+    return None
+
+
 def journal_tail(unit: str, lines: int = 30) -> str:
     try:
         out = subprocess.run(["journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "cat"],
@@ -53,7 +71,7 @@ def journal_tail(unit: str, lines: int = 30) -> str:
         return f"(no journal: {exc})"
 
 
-def wait_healthy(base: str, model: str, timeout: float) -> str:
+def wait_healthy(base: str, model: str, timeout: float, expected: dict | None = None) -> str:
     deadline = time.monotonic() + timeout
     last = "no answer"
     while time.monotonic() < deadline:
@@ -61,6 +79,10 @@ def wait_healthy(base: str, model: str, timeout: float) -> str:
         if status == 200:
             try:
                 answer = chat(base, model)
+                if answer and expected:
+                    problem = world_mismatch(base, expected)
+                    if problem:
+                        raise NotHealthy(problem)  # the topology that formed is not the plan's
                 if answer:
                     return answer
                 last = "chat completion returned an empty answer"
@@ -69,7 +91,7 @@ def wait_healthy(base: str, model: str, timeout: float) -> str:
         else:
             last = f"/health answered {status}"
         time.sleep(1)
-    raise TimeoutError(last)
+    raise NotHealthy(f"not healthy after {timeout:.0f}s: {last}")
 
 
 def main() -> int:
@@ -78,11 +100,13 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--unit", required=True)
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--expect-world", type=json.loads, default=None,
+                    help="JSON {key: value} the engine must report in /v1/models metadata (the planned topology)")
     args = ap.parse_args()
     try:
-        answer = wait_healthy(args.base, args.model, args.timeout)
-    except TimeoutError as exc:
-        print(f"{socket.gethostname()}: {args.unit} not healthy after {args.timeout:.0f}s: {exc}", file=sys.stderr)
+        answer = wait_healthy(args.base, args.model, args.timeout, args.expect_world)
+    except NotHealthy as exc:
+        print(f"{socket.gethostname()}: {args.unit}: {exc}", file=sys.stderr)
         print(f"--- last log lines of {args.unit} ---", file=sys.stderr)
         print(journal_tail(args.unit), file=sys.stderr)
         return 1
