@@ -3,6 +3,7 @@
     k2fleet validate inventories/h200.py [--data KEY=VALUE ...]
     k2fleet plan inventories/h200.py [--json] [--data KEY=VALUE ...]
     k2fleet keys                      # every inventory key, as Markdown
+    k2fleet rehearse inventories/h200.py [--keep] [--data KEY=VALUE ...]
     k2fleet sandbox up 3 | down | status
 """
 
@@ -97,6 +98,12 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
     return int(sandbox.main(args.rest) or 0)
 
 
+def _cmd_rehearse(args: argparse.Namespace) -> int:
+    from k2fleet.rehearse import rehearse
+
+    return rehearse(args.inventory, args.data, keep=args.keep)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k2fleet", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -113,6 +120,12 @@ def parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=_cmd_plan)
     k = sub.add_parser("keys", help="print the inventory key reference (Markdown)")
     k.set_defaults(func=_cmd_keys)
+    rh = sub.add_parser("rehearse", help="deploy an inventory's scenario to sandbox hosts (engine test doubles)")
+    rh.add_argument("inventory")
+    rh.add_argument("--keep", action="store_true", help="leave the sandbox hosts up afterwards")
+    rh.add_argument("--data", action="append", default=[], metavar="KEY=VALUE",
+                    help="override inventory data, exactly as pyinfra's --data")
+    rh.set_defaults(func=_cmd_rehearse)
     sb = sub.add_parser("sandbox", help="local sandbox fleet: up N | down | status", add_help=False)
     sb.add_argument("rest", nargs=argparse.REMAINDER)
     sb.set_defaults(func=_cmd_sandbox)

@@ -1,0 +1,413 @@
+"""``k2fleet rehearse INVENTORY [--keep] [--data K=V ...]``: try a user's own inventory on
+the sandbox fleet before touching a real one.
+
+1. INVENTORY (+ ``--data``) is loaded with pyinfra's loader and validated exactly like
+   ``k2fleet plan`` (a bad one: the usual one-line refusal, exit 2, nothing booted).
+2. As many sandbox hosts as INVENTORY has are booted bare (``sandbox.down()``, ``up(N)``).
+3. The same ``deploys/kimi.py`` deploys INVENTORY's scenario with its own group data
+   unchanged (``pyinfra --group-data <INVENTORY dir>/group_data``) through a generated
+   inventory of the same file name (so the implicit group named after the file matches),
+   the same groups, host names and host/inline-group data; overlaid are only:
+
+   - per host, the i-th sandbox host's connection data, ``k2_address`` and ``k2_nic``;
+   - ``k2_simulated_gpus`` and ``k2_engine_doubles`` (GPUs and engines are test doubles);
+   - what a GPU-less, air-gapped sandbox must change: a synthetic checkpoint made for the
+     inventory's own ``k2_model``/``k2_revision`` served from the control machine
+     (``k2_checkpoint_source=control:DIR``, ``k2_checkpoint_bytes`` its real size),
+     ``k2_package_source=bundle``, a modest ``k2_health_timeout`` and no IB HCAs.
+
+4. The deploy's health role waits for every health gate; the deploy runs a second time and
+   its changes are read from pyinfra's ``--json`` (``results.totals.success``).
+5. Every endpoint gets a real chat completion from the control machine; the URLs and one
+   ``curl`` line are printed, then as the last line
+   ``rehearsal INVENTORY: N/N endpoints healthy, re-run 0 changes`` (exit 0), or what
+   failed, with the deploy's own failure output (exit 1).
+
+Not in this slice (refused with exit 2): scenarios that need Docker (``k2_runtime``
+container: b200-trtllm, mi300x, h200-trtllm-mpi as written, gb200-trtllm-disagg), Ray
+(h800-pp) or Slurm in the sandbox hosts.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from k2fleet import sandbox
+from k2fleet.deployment import Deployment
+from k2fleet.gate import check_hosts
+from k2fleet.inventory import _import_pyinfra_cli_inventory, inventory_host_data, parse_data_overrides
+from k2fleet.plan import Plan
+from k2fleet.spec import SpecError
+from k2fleet.synthetic_checkpoint import make_checkpoint, manifest_for
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY_FILE = "deploys/kimi.py"
+CHECKPOINT_CACHE = Path("/var/cache/k2fleet/rehearsal-checkpoints")
+SHARD_BYTES = 16 * 1024
+HEALTH_TIMEOUT_S = 120
+DEPLOY_TIMEOUT_S = 1200
+PROBE_TIMEOUT_S = 30
+CONNECTION_KEYS = ("ssh_hostname", "ssh_user", "ssh_key", "ssh_known_hosts_file", "ssh_strict_host_key_checking")
+
+
+class RehearsalError(RuntimeError):
+    """The rehearsal failed after hosts were booted (exit 1): ``detail`` is printed,
+    ``summary`` (host, unit, reason) goes in the last line."""
+
+    def __init__(self, summary: str, detail: str = "") -> None:
+        super().__init__(summary)
+        self.summary, self.detail = summary, detail
+
+
+# --------------------------------------------------------------------------
+# what this slice can rehearse
+
+
+def unsupported(dep: Deployment, plan: Plan) -> str | None:
+    """What the sandbox hosts would need that this slice does not give them, or None."""
+    if dep.runtime == "container":
+        return "Docker/Ray"
+    if dep.s.multinode_backend == "ray" and len(dep.fleet.hosts) > 1:
+        return "Docker/Ray"
+    if any(h.role == "slurm-submit" for h in plan.hosts.values()):
+        return "Slurm"
+    if dep.engine == "ktransformers":
+        return "KTransformers (GGUF weights, legacy server)"
+    return None
+
+
+# --------------------------------------------------------------------------
+# the synthetic checkpoint for the inventory's own model/revision
+
+
+def checkpoint_style(model: str) -> tuple[int, str]:
+    """(shards, naming style) of a synthetic checkpoint shaped like ``model``'s.
+
+    >>> checkpoint_style("moonshotai/Kimi-K2-Instruct")
+    (61, 'instruct')
+    >>> checkpoint_style("moonshotai/Kimi-K2-Thinking")
+    (62, 'thinking')
+    """
+    if "instruct" in model.lower():
+        return 61, "instruct"
+    return 62, "thinking"
+
+
+def rehearsal_checkpoint(model: str, revision: str, cache: Path = CHECKPOINT_CACHE) -> tuple[Path, int]:
+    """Make (once, cached) a synthetic checkpoint for ``model``@``revision`` with its
+    manifest on the control machine; return (directory, total bytes of its files)."""
+    root = cache / model.replace("/", "--") / revision
+    manifest = root / ".k2fleet" / "manifest.json"
+    if not manifest.exists():
+        tmp = root.with_name(root.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shards, style = checkpoint_style(model)
+        files = make_checkpoint(tmp, num_shards=shards, shard_bytes=SHARD_BYTES, style=style)
+        (tmp / ".k2fleet").mkdir(exist_ok=True)
+        (tmp / ".k2fleet" / "manifest.json").write_text(json.dumps(manifest_for(files, model, revision), indent=1))
+        shutil.rmtree(root, ignore_errors=True)
+        tmp.rename(root)
+    size = sum(entry["size"] for entry in json.loads(manifest.read_text())["files"].values())
+    return root, size
+
+
+# --------------------------------------------------------------------------
+# the generated inventory
+
+
+def inventory_groups(path: str | Path) -> dict[str, Any]:
+    """The inventory file's groups as pyinfra reads them (``{name: hosts | (hosts, data)}``),
+    with no group_data applied: each host's own data and each group's inline data."""
+    from pyinfra.api import State
+    from pyinfra.context import ctx_state
+
+    cli_inventory = _import_pyinfra_cli_inventory()
+    with ctx_state.use(State()):
+        try:
+            return cli_inventory._get_groups_from_filename(str(path))
+        except (SystemExit, Exception) as exc:  # noqa: BLE001 - user Python, reported as one line
+            raise SpecError("inventory", f"could not be loaded: {exc}", str(path)) from None
+
+
+def _literal(value: Any, what: str, source: str) -> str:
+    text = repr(value)
+    try:
+        if ast.literal_eval(text) != value:
+            raise ValueError
+    except (ValueError, SyntaxError):
+        raise SpecError("inventory", f"{what} is not plain data (rehearse copies it): {text[:80]}", source) from None
+    return text
+
+
+def generated_inventory(source: str, groups: dict[str, Any], overlay: dict[str, dict[str, Any]]) -> str:
+    """Python text of an inventory with ``groups``' groups, hosts and data, each host's
+    data updated with ``overlay[host]``.
+
+    >>> text = generated_inventory("x.py", {"nodes": [("a", {"k2_role": "r"}), "b"], "_private": 1},
+    ...                            {"a": {"ssh_hostname": "10.0.0.1"}, "b": {"ssh_hostname": "10.0.0.2"}})
+    >>> ns = {}; exec(text, ns); ns["nodes"]
+    ([('a', {'k2_role': 'r', 'ssh_hostname': '10.0.0.1'}), ('b', {'ssh_hostname': '10.0.0.2'})], {})
+    """
+    lines = [f'"""Generated by `k2fleet rehearse {source}`: its groups, hosts and data on sandbox hosts."""', ""]
+    for group, value in groups.items():
+        if group.startswith("_"):
+            continue
+        hosts, data = value if isinstance(value, tuple) else (value, {})
+        entries = []
+        for entry in hosts:
+            name, host_data = entry if isinstance(entry, tuple) else (entry, {})
+            entries.append((name, {**dict(host_data or {}), **overlay[name]}))
+        lines.append(f"{group} = ({_literal(entries, f'host data in {group}', source)}, "
+                     f"{_literal(dict(data or {}), f'data of group {group}', source)})")
+    return "\n".join(lines) + "\n"
+
+
+def connection_overlay(names: Sequence[str], hosts: Sequence[sandbox.SandboxHost]) -> dict[str, dict[str, Any]]:
+    """Host name → the i-th sandbox host's connection data, address and NIC."""
+    return {
+        name: {"ssh_hostname": h.address, "ssh_user": h.ssh_user, "ssh_key": h.ssh_key,
+               "ssh_known_hosts_file": h.ssh_known_hosts_file, "ssh_strict_host_key_checking": "yes",
+               "k2_address": h.address, "k2_nic": sandbox.HOST_NIC}
+        for name, h in zip(names, hosts)
+    }
+
+
+def sandbox_data(dep: Deployment, checkpoint: Path, size: int) -> dict[str, Any]:
+    """The fleet-wide overlay (``--data``): simulated GPUs, engine doubles, and what a
+    GPU-less, Hub-less sandbox must change."""
+    data: dict[str, Any] = {
+        "k2_simulated_gpus": True,
+        "k2_engine_doubles": True,
+        "k2_checkpoint_source": f"control:{checkpoint}",
+        "k2_checkpoint_bytes": size,
+        "k2_package_source": "bundle",
+        "k2_health_timeout": min(dep.s.health_timeout, HEALTH_TIMEOUT_S),
+    }
+    if any(h.settings.ib_hcas for h in dep.fleet.hosts):
+        data["k2_ib_hcas"] = []  # sandbox hosts have no InfiniBand HCAs
+    return data
+
+
+def data_args(data: dict[str, Any]) -> list[str]:
+    """pyinfra ``--data KEY=VALUE`` (non-strings as JSON, parsed back by pyinfra)."""
+    argv: list[str] = []
+    for key, value in data.items():
+        argv += ["--data", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
+    return argv
+
+
+# --------------------------------------------------------------------------
+# running and probing
+
+
+def _pyinfra() -> str:
+    beside = Path(sys.executable).with_name("pyinfra")
+    return str(beside) if beside.is_file() else (shutil.which("pyinfra") or "pyinfra")
+
+
+def run_deploy(argv: list[str], env: dict[str, str]) -> tuple[int, dict[str, Any] | None, str]:
+    """(exit status, pyinfra's ``--json`` document or None, its log)."""
+    full_env = {**os.environ, **env}
+    full_env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), full_env.get("PATH", os.defpath)])
+    try:
+        out = subprocess.run(argv, cwd=ROOT, env=full_env, capture_output=True, text=True,
+                             stdin=subprocess.DEVNULL, timeout=DEPLOY_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        return 124, None, f"{exc.stderr or ''}\npyinfra did not finish in {DEPLOY_TIMEOUT_S}s"
+    payload = None
+    for line in reversed(out.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                payload = json.loads(line)
+                break
+            except ValueError:
+                continue
+    return out.returncode, payload, out.stderr + (out.stdout if payload is None else "")
+
+
+def changes(payload: dict[str, Any] | None) -> int | None:
+    """(operation, host) pairs that changed a host (``results.totals.success``)."""
+    try:
+        return int(payload["results"]["totals"]["success"])  # type: ignore[index]
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def endpoints(plan: Plan) -> list[tuple[str, str, str, Any]]:
+    """(host, service, base URL, health) of every service with a health port."""
+    return [(host.name, svc.name, f"http://{host.address}:{svc.health.port}/v1", svc.health)
+            for host, svc in plan.services() if svc.health]
+
+
+def probe(base: str, health: Any, model: str) -> str | None:
+    """None if the endpoint answers a real chat completion (or, for a service whose gate
+    is /health only, 200 on it); else the reason."""
+    root = base[: -len("/v1")]
+    if health.chat:
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Say hello."}],
+                           "max_tokens": 16}).encode()
+        req = urllib.request.Request(f"{base}/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    else:
+        req = urllib.request.Request(f"{root}{health.path}")
+    try:
+        with urllib.request.urlopen(req, timeout=PROBE_TIMEOUT_S) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}: {exc.read()[:200].decode(errors='replace')}"
+    except OSError as exc:
+        return f"no answer: {exc}"
+    if health.chat:
+        try:
+            if not json.loads(raw).get("choices"):
+                return f"no choices in the answer: {raw[:200]!r}"
+        except (ValueError, AttributeError):
+            return f"not JSON: {raw[:200]!r}"
+    return None
+
+
+def curl_line(base: str, model: str) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 64})
+    return f"curl -s {base}/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}"
+
+
+def _tail(log: str, lines: int = 40) -> str:
+    return "\n".join(log.rstrip().splitlines()[-lines:])
+
+
+_UNIT_FAILURE = re.compile(r"^\s*\[([^\]]+)\]\s+\S+: (k2-[\w@.-]+?)(?:\.service)?: (.+)$")
+
+
+def failure_summary(log: str) -> str:
+    """The host, unit and reason the deploy's own output names (its last such line).
+
+    >>> failure_summary("    [router-0]  k2sb-5: k2-sglang-router.service: not healthy after 120s: /health answered 503\\n")
+    'router-0 k2-sglang-router: not healthy after 120s: /health answered 503'
+    """
+    for line in reversed(log.splitlines()):
+        match = _UNIT_FAILURE.match(line)
+        if match:
+            return f"{match[1]} {match[2]}: {match[3]}"
+    for line in reversed(log.splitlines()):
+        if "error" in line.lower() and line.strip():
+            return line.strip()
+    return "see the deploy output above"
+
+
+# --------------------------------------------------------------------------
+# the command
+
+
+def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: TextIO = sys.stdout) -> int:
+    """The ``k2fleet rehearse`` command; SpecError (exit 2) before anything is booted."""
+    overrides = parse_data_overrides(list(data))
+    hosts = inventory_host_data(inventory, overrides)
+    dep, plan = check_hosts(str(inventory), hosts)
+    missing = unsupported(dep, plan)
+    if missing:
+        sys.stderr.write(f"rehearse: {inventory} needs {missing} in sandbox hosts, not supported yet\n")
+        sys.stderr.flush()
+        return 2
+    groups = inventory_groups(inventory)
+    names = [name for name, _, _ in hosts]
+    inv_path = Path(inventory).resolve()
+
+    def say(line: str) -> None:
+        out.write(line + "\n")
+        out.flush()
+
+    started = time.monotonic()
+    checkpoint, size = rehearsal_checkpoint(dep.s.model, dep.s.revision)
+    work = Path(tempfile.mkdtemp(prefix="k2rehearse-"))
+    booted = False
+    lock = sandbox.hold_sandbox_lock()  # one sandbox user at a time; released at exit
+    try:
+        say(f"rehearse {inventory}: booting {len(names)} bare sandbox hosts")
+        sandbox.down()
+        booted = True
+        sb_hosts = sandbox.up(len(names), docker=False)
+        generated = work / "inventory" / inv_path.name
+        generated.parent.mkdir()
+        generated.write_text(generated_inventory(str(inventory), groups, connection_overlay(names, sb_hosts)))
+        overlay = sandbox_data(dep, checkpoint, size)
+        argv = [_pyinfra(), "-y", "--json", "--group-data", str(inv_path.parent / "group_data"),
+                *data_args(overlay), *[a for item in data for a in ("--data", item)],
+                str(generated), DEPLOY_FILE]
+        env = {"K2FLEET_STATE_DIR": str(work / "state")}
+        for host_name, sb in zip(names, sb_hosts):
+            say(f"  {host_name} -> {sb.name} {sb.address}")
+        say(f"rehearse {inventory}: deploying ({dep.engine} {dep.version}, engine test doubles, simulated GPUs)")
+        code, payload, log = run_deploy(argv, env)
+        if code != 0:
+            raise RehearsalError(failure_summary(log), f"deploy failed (exit {code}); its output ends:\n{_tail(log)}")
+        say(f"rehearse {inventory}: deployed, {changes(payload)} changes; re-running")
+        code, payload, log = run_deploy(argv, env)
+        rerun = changes(payload)
+        if code != 0 or rerun is None:
+            raise RehearsalError(f"re-run: {failure_summary(log)}", f"re-run failed (exit {code}); its output ends:\n{_tail(log)}")
+        # Re-read the plan the deploy ran: endpoint addresses are the sandbox hosts'.
+        conn = connection_overlay(names, sb_hosts)
+        _, sb_plan = check_hosts(str(inventory), [(n, {**d, **conn[n], **overlay, **overrides}, g) for n, d, g in hosts])
+        model = dep.api_model_name
+        found = endpoints(sb_plan)
+        healthy = 0
+        failures = []
+        for host_name, unit, base, health in found:
+            reason = probe(base, health, model)
+            say(f"  {'ok  ' if reason is None else 'FAIL'} {host_name} {unit}: {base}" + (f" ({reason})" if reason else ""))
+            if reason is None:
+                healthy += 1
+            else:
+                failures.append(f"{host_name} {unit}: {reason}")
+        main = sb_plan.endpoint()
+        if main:
+            say(f"endpoint: http://{main[0]}:{main[1]}/v1")
+            say(f"try: {curl_line(f'http://{main[0]}:{main[1]}/v1', model)}")
+        if keep:
+            say("--keep: sandbox hosts left up (k2fleet sandbox status; k2fleet sandbox down); deploy again with:")
+            say(f"  cd {ROOT} && K2FLEET_STATE_DIR={shlex.quote(env['K2FLEET_STATE_DIR'])} "
+                + " ".join(shlex.quote(a) for a in argv))
+        say(f"rehearse {inventory}: {time.monotonic() - started:.0f}s")
+        last = f"rehearsal {inventory}: {healthy}/{len(found)} endpoints healthy, re-run {rerun} changes"
+        if rerun:
+            for op in payload["results"]["operations"]:  # type: ignore[index]
+                if op.get("success"):
+                    say(f"re-run changed: {op['name']} on {', '.join(op['success'])}")
+        if failures or rerun != 0 or not found:
+            for failure in failures:
+                say(f"unhealthy: {failure}")
+            say(last)
+            return 1
+        say(last)
+        return 0
+    except (RehearsalError, sandbox.SandboxError) as exc:
+        if isinstance(exc, RehearsalError):
+            say(exc.detail)
+            summary = exc.summary
+        else:
+            summary = "sandbox: " + " ".join(str(exc).split())[:300]
+        if keep and booted:
+            say("--keep: sandbox hosts left up (k2fleet sandbox down removes them)")
+        say(f"rehearse {inventory}: {time.monotonic() - started:.0f}s")
+        say(f"rehearsal {inventory}: failed: {summary}")
+        return 1
+    finally:
+        if not keep:
+            if booted:
+                sandbox.down()
+            shutil.rmtree(work, ignore_errors=True)
+        lock.close()

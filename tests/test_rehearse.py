@@ -1,0 +1,124 @@
+"""``k2fleet rehearse INVENTORY``: a user's own inventory on bare sandbox hosts (engine
+test doubles, simulated GPUs), through the real CLI.
+
+The rehearse command takes the sandbox lock (``/tmp/k2sb.lock``) itself for as long as
+it uses the sandbox, so these tests do not hold it around the command (the lock is not
+re-entrant across processes); other modules' fixtures hold it module-wide, so a
+rehearsal waits for them. Each rehearsal leaves the sandbox down.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from k2fleet import sandbox
+from k2fleet.rehearse import connection_overlay, failure_summary, generated_inventory, inventory_groups
+from k2fleet.testing.fleet import ROOT, tool
+
+REHEARSAL_TIMEOUT_S = 600
+
+
+def rehearse(*args: str, timeout: float = REHEARSAL_TIMEOUT_S) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    proc = subprocess.run([tool("k2fleet"), "rehearse", *args], cwd=ROOT, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=timeout)
+    return proc, time.monotonic() - started
+
+
+def last_line(proc: subprocess.CompletedProcess) -> str:
+    lines = proc.stdout.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def sandbox_is_down() -> bool:
+    with sandbox.hold_sandbox_lock():
+        return not sandbox.status() and not sandbox._sandbox_netns()
+
+
+# ---------------------------------------------------------------- offline
+
+
+def test_generated_inventory_keeps_groups_host_and_inline_group_data() -> None:
+    groups = inventory_groups(ROOT / "inventories/h200-sglang-pd.py")
+    names = [h for value in groups.values() if isinstance(value, tuple) for h, _ in value[0]]
+    hosts = [sandbox.SandboxHost(f"k2sb-{i}", f"10.213.0.{10 + i}", "root", "/k", "/kh") for i in range(1, 6)]
+    text = generated_inventory("inventories/h200-sglang-pd.py", groups, connection_overlay(names, hosts))
+    ns: dict = {}
+    exec(text, ns)  # noqa: S102 - our own generated text
+    assert ns["prefill"][1]["k2_role"] == "prefill" and ns["decode"][1]["k2_tp"] == 16
+    assert ns["router"][0] == [("router-0", {"ssh_hostname": "10.213.0.15", "ssh_user": "root", "ssh_key": "/k",
+                                            "ssh_known_hosts_file": "/kh", "ssh_strict_host_key_checking": "yes",
+                                            "k2_address": "10.213.0.15", "k2_nic": "eth0"})]
+    assert "_COMMON" not in ns and "_ENV" not in ns
+
+
+def test_failure_summary_names_host_unit_reason() -> None:
+    log = ("    [router-0]  k2sb-5: k2-sglang-router.service: not healthy after 120s: /health answered 503\n"
+           "    [router-0]  Error: executed 0 commands\n")
+    assert failure_summary(log) == "router-0 k2-sglang-router: not healthy after 120s: /health answered 503"
+
+
+@pytest.mark.parametrize("inventory", ["inventories/h800-pp.py", "inventories/b200-trtllm.py",
+                                       "inventories/mi300x.py", "inventories/h200-trtllm-mpi.py"])
+def test_docker_and_ray_scenarios_are_refused(inventory: str) -> None:
+    proc, _ = rehearse(inventory, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == f"rehearse: {inventory} needs Docker/Ray in sandbox hosts, not supported yet"
+    assert proc.stdout == ""
+
+
+# ---------------------------------------------------------------- sandbox
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox fleet needs root")
+
+
+@pytest.mark.sandbox
+@needs_root
+def test_bad_inventory_is_refused_before_anything_boots() -> None:
+    proc, _ = rehearse("inventories/h200.py", "--data", "k2_tp=3", timeout=60)
+    assert proc.returncode == 2
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: inventories/h200.py: k2_tp:"), proc.stderr
+    assert proc.stdout == ""
+    assert sandbox_is_down()
+
+
+@pytest.mark.sandbox
+@needs_root
+def test_rehearse_h200() -> None:
+    proc, seconds = rehearse("inventories/h200.py")
+    print(f"rehearse inventories/h200.py: {seconds:.0f}s")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert last_line(proc) == "rehearsal inventories/h200.py: 2/2 endpoints healthy, re-run 0 changes"
+    curls = [line for line in proc.stdout.splitlines() if "curl " in line]
+    assert len(curls) == 1 and "/v1/chat/completions" in curls[0] and "moonshotai/Kimi-K2-Thinking" in curls[0]
+    assert "http://10.213.0.11:8000/v1" in proc.stdout and "http://10.213.0.12:8000/v1" in proc.stdout
+    assert sandbox_is_down()
+
+
+@pytest.mark.sandbox
+@needs_root
+def test_rehearse_h200_dp_ep() -> None:
+    proc, seconds = rehearse("inventories/h200-dp-ep.py")
+    print(f"rehearse inventories/h200-dp-ep.py: {seconds:.0f}s")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert last_line(proc) == "rehearsal inventories/h200-dp-ep.py: 1/1 endpoints healthy, re-run 0 changes"
+    assert '"model": "kimi-k2"' in proc.stdout  # k2_served_model_name, what clients send
+    assert sandbox_is_down()
+
+
+@pytest.mark.sandbox
+@needs_root
+@pytest.mark.parametrize("inventory, endpoints", [("inventories/h200-dcp.py", 2), ("inventories/h200-sglang-tp16.py", 1),
+                                                  ("inventories/h200-sglang-pd.py", 3)])
+def test_rehearse_scenario_as_written(inventory: str, endpoints: int) -> None:
+    proc, seconds = rehearse(inventory)
+    print(f"rehearse {inventory}: {seconds:.0f}s")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert last_line(proc) == f"rehearsal {inventory}: {endpoints}/{endpoints} endpoints healthy, re-run 0 changes"
+    assert sandbox_is_down()
