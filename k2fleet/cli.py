@@ -67,10 +67,8 @@ def plan_document(dep: Deployment, plan: Plan) -> dict:
     Control artifacts (mesh keys, wheels) are only read: missing ones show sha256 null."""
     from k2fleet.control import read_control_artifacts
     from k2fleet.desired import desired_state
-    from k2fleet.wheelhouse import hub_client_requirement
 
-    requirement = hub_client_requirement() if dep.s.checkpoint_fetcher != "control" else None
-    desired = desired_state(dep, plan, read_control_artifacts(dep, plan), hub_requirement=requirement)
+    desired = desired_state(dep, plan, read_control_artifacts(dep, plan))
     doc = plan.to_json()
     for name, host in doc["hosts"].items():
         host["desired"] = desired[name].to_json()
@@ -104,27 +102,28 @@ def _cmd_rehearse(args: argparse.Namespace) -> int:
     return rehearse(args.inventory, args.data, keep=args.keep)
 
 
+def _inventory_arguments(p: argparse.ArgumentParser) -> None:
+    """INVENTORY and ``--data KEY=VALUE`` (pyinfra's own override syntax)."""
+    p.add_argument("inventory")
+    p.add_argument("--data", action="append", default=[], metavar="KEY=VALUE",
+                   help="override inventory data, exactly as pyinfra's --data")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k2fleet", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("validate", help="check an inventory; no host is contacted")
-    v.add_argument("inventory")
-    v.add_argument("--data", action="append", default=[], metavar="KEY=VALUE",
-                   help="override inventory data, exactly as pyinfra's --data")
+    _inventory_arguments(v)
     v.set_defaults(func=_cmd_validate)
     pl = sub.add_parser("plan", help="print what every host will run; no host is contacted")
-    pl.add_argument("inventory")
+    _inventory_arguments(pl)
     pl.add_argument("--json", action="store_true", help="machine-readable plan")
-    pl.add_argument("--data", action="append", default=[], metavar="KEY=VALUE",
-                    help="override inventory data, exactly as pyinfra's --data")
     pl.set_defaults(func=_cmd_plan)
     k = sub.add_parser("keys", help="print the inventory key reference (Markdown)")
     k.set_defaults(func=_cmd_keys)
     rh = sub.add_parser("rehearse", help="deploy an inventory's scenario to sandbox hosts (engine test doubles)")
-    rh.add_argument("inventory")
+    _inventory_arguments(rh)
     rh.add_argument("--keep", action="store_true", help="leave the sandbox hosts up afterwards")
-    rh.add_argument("--data", action="append", default=[], metavar="KEY=VALUE",
-                    help="override inventory data, exactly as pyinfra's --data")
     rh.set_defaults(func=_cmd_rehearse)
     sb = sub.add_parser("sandbox", help="local sandbox fleet: up N | down | status", add_help=False)
     sb.add_argument("rest", nargs=argparse.REMAINDER)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from k2fleet import bundle, wheelhouse
 from k2fleet.deployment import Deployment
-from k2fleet.desired import ControlArtifacts, mesh_enabled
+from k2fleet.desired import ControlArtifacts, mesh_enabled, package_set
 from k2fleet.packages import required_packages
 from k2fleet.plan import Plan
 
@@ -62,20 +62,24 @@ def _read_pair(path: Path) -> tuple[bytes, bytes] | None:
 
 def _package_sets(dep: Deployment, plan: Plan) -> set[tuple[str, ...]]:
     mesh = mesh_enabled(dep)
-    return {tuple(sorted(set(required_packages(dep, plan.hosts[h.name], mesh)))) for h in dep.fleet.hosts}
+    return {package_set(required_packages(dep, plan.hosts[h.name], mesh)) for h in dep.fleet.hosts}
+
+
+def _hub_requirement(dep: Deployment) -> str | None:
+    return wheelhouse.hub_client_requirement() if dep.s.checkpoint_fetcher != "control" else None
 
 
 def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     """What exists already (read only; missing pieces stay None/absent)."""
-    client, hosts = _mesh_paths(dep)
-    host_pairs = {name: pair for name, path in hosts.items() if (pair := _read_pair(path)) is not None}
-    wheels = None
-    if dep.s.checkpoint_fetcher != "control":
-        target = wheelhouse.DEFAULT_CACHE_DIR / wheelhouse.wheelhouse_key([wheelhouse.hub_client_requirement()])
-        if (target / wheelhouse.DONE).is_file():
-            wheels = wheelhouse.wheel_files(target)
-    return ControlArtifacts(mesh_client=_read_pair(client) if mesh_enabled(dep) else None,
-                            mesh_hosts=host_pairs if mesh_enabled(dep) else {}, wheels=wheels)
+    client, hosts = None, {}
+    if mesh_enabled(dep):
+        client_path, host_paths = _mesh_paths(dep)
+        client = _read_pair(client_path)
+        hosts = {name: pair for name, path in host_paths.items() if (pair := _read_pair(path)) is not None}
+    requirement = _hub_requirement(dep)
+    cached = wheelhouse.cached_wheelhouse([requirement]) if requirement else None
+    return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, hub_requirement=requirement,
+                            wheels=wheelhouse.wheel_files(cached) if cached else None)
 
 
 def _keypair(path: Path, comment: str) -> tuple[bytes, bytes]:
@@ -106,10 +110,10 @@ def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     if mesh_enabled(dep):
         client = _keypair(client_path, f"k2fleet-mesh-{dep_id(dep)}")
         hosts = {name: _keypair(path, name) for name, path in host_paths.items()}
-    wheels = None
-    if dep.s.checkpoint_fetcher != "control":
-        wheels = wheelhouse.wheel_files(wheelhouse.ensure_wheelhouse())
+    requirement = _hub_requirement(dep)
+    wheels = wheelhouse.wheel_files(wheelhouse.ensure_wheelhouse([requirement])) if requirement else None
     bundles = {}
     if dep.s.package_source == "bundle":
         bundles = {names: str(bundle.ensure_bundle(list(names))) for names in _package_sets(dep, plan) if names}
-    return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, wheels=wheels, bundles=bundles)
+    return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, hub_requirement=requirement, wheels=wheels,
+                            bundles=bundles)

@@ -12,7 +12,7 @@ Computing it connects to nothing and writes nothing. A control artifact that doe
 exist yet (first run under ``--dry``) is a file with unknown content (``sha256`` None),
 made by :func:`k2fleet.control.prepare_control_artifacts`.
 
->>> FileSpec.of(b"hi\\n", "644").sha256[:12]
+>>> FileSpec(b"hi\\n", "644").sha256[:12]
 '98ea6e4f216f'
 """
 
@@ -66,10 +66,6 @@ class FileSpec:
     mode: str
     origin: str = "plan"
 
-    @classmethod
-    def of(cls, content: bytes, mode: str, origin: str = "plan") -> FileSpec:
-        return cls(content, mode, origin)
-
     @property
     def sha256(self) -> str | None:
         return None if self.content is None else hashlib.sha256(self.content).hexdigest()
@@ -84,14 +80,30 @@ class ControlArtifacts:
     """What the control machine generated for this deployment (read-only view).
 
     ``mesh_client``: (private, public) key of the fleet's mesh user; ``mesh_hosts``:
-    host name → (private, public) mesh host key; ``wheels``: Hub-client wheel name →
-    bytes (None: not built); ``bundles``: package set → offline bundle tar path.
+    host name → (private, public) mesh host key; ``hub_requirement``: the Hub client the
+    fetcher host gets (``huggingface_hub==VERSION``; None: no fetcher host); ``wheels``:
+    its wheel name → bytes (None: not built); ``bundles``: package set
+    (:func:`package_set`) → offline bundle tar path.
     """
 
     mesh_client: tuple[bytes, bytes] | None = None
     mesh_hosts: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)
+    hub_requirement: str | None = None
     wheels: dict[str, bytes] | None = None
     bundles: dict[tuple[str, ...], str] = field(default_factory=dict)
+
+    def bundle_for(self, packages: list[str]) -> str | None:
+        """The bundle tar made for ``packages`` (None: none made, e.g. under ``--dry``)."""
+        return self.bundles.get(package_set(packages))
+
+
+def package_set(packages: list[str]) -> tuple[str, ...]:
+    """The key of one host's package list: sorted, without repeats.
+
+    >>> package_set(["rsync", "openmpi-bin", "rsync"])
+    ('openmpi-bin', 'rsync')
+    """
+    return tuple(sorted(set(packages)))
 
 
 @dataclass(frozen=True)
@@ -180,19 +192,19 @@ def mesh_files(dep: Deployment, host_name: str, art: ControlArtifacts) -> dict[s
     files = {
         f"{d}/id_ed25519": _key(art.mesh_client, 0, "600", "mesh-keys"),
         f"{d}/id_ed25519.pub": _key(art.mesh_client, 1, "644", "mesh-keys"),
-        f"{d}/ssh_config": FileSpec.of(mesh.ssh_config(dep).encode(), "644"),
-        f"{d}/sshd_config": FileSpec.of(mesh.sshd_config(dep, entry).encode(), "644"),
+        f"{d}/ssh_config": FileSpec(mesh.ssh_config(dep).encode(), "644"),
+        f"{d}/sshd_config": FileSpec(mesh.sshd_config(dep, entry).encode(), "644"),
         f"{d}/ssh_host_ed25519_key": _key(art.mesh_hosts.get(host_name), 0, "600", "mesh-keys"),
         f"{d}/ssh_host_ed25519_key.pub": _key(art.mesh_hosts.get(host_name), 1, "644", "mesh-keys"),
-        MESH_UNIT_PATH: FileSpec.of(mesh.unit_file(dep).encode(), "644"),
+        MESH_UNIT_PATH: FileSpec(mesh.unit_file(dep).encode(), "644"),
     }
     if art.mesh_client is not None:
-        files[f"{d}/authorized_keys"] = FileSpec.of(mesh.authorized_keys(dep, art.mesh_client[1].decode()).encode(), "644")
+        files[f"{d}/authorized_keys"] = FileSpec(mesh.authorized_keys(dep, art.mesh_client[1].decode()).encode(), "644")
     else:
         files[f"{d}/authorized_keys"] = FileSpec(None, "644", "mesh-keys")
     if all(h.name in art.mesh_hosts for h in dep.fleet.hosts):
         publics = {n: k[1].decode() for n, k in art.mesh_hosts.items()}
-        files[f"{d}/known_hosts"] = FileSpec.of(mesh.known_hosts(dep, publics).encode(), "644")
+        files[f"{d}/known_hosts"] = FileSpec(mesh.known_hosts(dep, publics).encode(), "644")
     else:
         files[f"{d}/known_hosts"] = FileSpec(None, "644", "mesh-keys")
     return files
@@ -200,42 +212,42 @@ def mesh_files(dep: Deployment, host_name: str, art: ControlArtifacts) -> dict[s
 
 def engine_files(dep: Deployment) -> dict[str, FileSpec]:
     """k2fleet's host programs, and (sandbox only) the engine test doubles + wrappers."""
-    files = {path: FileSpec.of((REPO / rel).read_bytes(), "755", "k2fleet") for path, rel in HOST_PROGRAMS.items()}
+    files = {path: FileSpec((REPO / rel).read_bytes(), "755", "k2fleet") for path, rel in HOST_PROGRAMS.items()}
     if not dep.s.engine_doubles:
         return files
     root = FILES / "doubles"
     for path in sorted(root.rglob("*")):
         if path.is_file() and "__pycache__" not in path.parts:
             mode = "755" if path.parent.name == "bin" else "644"
-            files[f"{DOUBLES_DIR}/{path.relative_to(root)}"] = FileSpec.of(path.read_bytes(), mode, "k2fleet")
+            files[f"{DOUBLES_DIR}/{path.relative_to(root)}"] = FileSpec(path.read_bytes(), mode, "k2fleet")
     venv = dep.s.venv
     for name in ("vllm", "trtllm-serve", "trtllm-llmapi-launch"):
         wrapper = f'#!/bin/sh\n# k2fleet engine TEST DOUBLE wrapper (sandbox only)\nexec {DOUBLES_DIR}/bin/{name} "$@"\n'
-        files[f"{venv}/bin/{name}"] = FileSpec.of(wrapper.encode(), "755", "k2fleet")
+        files[f"{venv}/bin/{name}"] = FileSpec(wrapper.encode(), "755", "k2fleet")
     python = (f"#!/bin/sh\n# k2fleet engine TEST DOUBLE python (sandbox only)\n"
               f'PYTHONPATH={DOUBLES_DIR} exec /usr/bin/python3 "$@"\n')
-    files[f"{venv}/bin/python"] = FileSpec.of(python.encode(), "755", "k2fleet")
+    files[f"{venv}/bin/python"] = FileSpec(python.encode(), "755", "k2fleet")
     return files
 
 
 def hub_client_files(dep: Deployment, host_name: str, art: ControlArtifacts) -> dict[str, FileSpec]:
     if dep.s.checkpoint_fetcher != host_name:
         return {}
-    files = {f"{PY_LIB}/{rel}": FileSpec.of((REPO / rel).read_bytes(), "644", "k2fleet") for rel in DOWNLOADER}
+    files = {f"{PY_LIB}/{rel}": FileSpec((REPO / rel).read_bytes(), "644", "k2fleet") for rel in DOWNLOADER}
     if art.wheels is None:
         files[f"{WHEEL_DIR}/"] = FileSpec(None, "644", "wheelhouse")
     else:
-        files |= {f"{WHEEL_DIR}/{name}": FileSpec.of(data, "644", "wheelhouse") for name, data in art.wheels.items()}
+        files |= {f"{WHEEL_DIR}/{name}": FileSpec(data, "644", "wheelhouse") for name, data in art.wheels.items()}
     return files
 
 
 def service_files(dep: Deployment, svc: Service) -> dict[str, FileSpec]:
     files = {
-        unit_path(svc): FileSpec.of(unit_file(dep, svc).encode(), "644"),
-        env_path(dep, svc): FileSpec.of(env_file(svc).encode(), "600"),
+        unit_path(svc): FileSpec(unit_file(dep, svc).encode(), "644"),
+        env_path(dep, svc): FileSpec(env_file(svc).encode(), "600"),
     }
     for path, content in svc.files.items():
-        files[path] = FileSpec.of(content.encode(), "644")
+        files[path] = FileSpec(content.encode(), "644")
     return files
 
 
@@ -297,8 +309,7 @@ def fanout_plan(dep: Deployment, plan: Plan) -> fanout.FanoutPlan:
     return fanout.plan_fanout(names, shared_storage=dep.s.shared_storage, root=None if fetcher == "control" else fetcher)
 
 
-def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts,
-                  hub_requirement: str | None = None) -> dict[str, HostDesired]:
+def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[str, HostDesired]:
     """One :class:`HostDesired` per host, in inventory order (pure)."""
     slots = sorted({(svc.stage, svc.name) for _, svc in plan.services()})
     fan = fanout_plan(dep, plan)
@@ -310,7 +321,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts,
         d.files["mesh"] = mesh_files(dep, h.name, art)
         d.files["engine"] = dict(engine)
         d.files["hub_client"] = hub_client_files(dep, h.name, art)
-        d.files["host"] = {p: FileSpec.of(c.encode(), "644") for p, c in hp.files.items()}
+        d.files["host"] = {p: FileSpec(c.encode(), "644") for p, c in hp.files.items()}
         d.service_files = {svc.name: service_files(dep, svc) for svc in hp.services}
         d.units = [mesh.UNIT] + [unit_name(s) for s in hp.services]
         d.packages = required_packages(dep, hp, mesh_enabled(dep))
@@ -319,8 +330,8 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts,
         quick = health_argv(dep, hp, 5)
         if quick:
             d.checks[HEALTH_CHECK] = quick
-        if dep.s.checkpoint_fetcher == h.name and hub_requirement:
-            d.checks[HUB_CLIENT_CHECK] = hub_client_check(hub_requirement)
+        if dep.s.checkpoint_fetcher == h.name and art.hub_requirement:
+            d.checks[HUB_CLIENT_CHECK] = hub_client_check(art.hub_requirement)
         d.engine_entry = f"{dep.s.venv}/bin/{ENGINE_ENTRY[dep.engine]}"
         d.exists = [d.engine_entry]
         if dep.s.model_type_override:

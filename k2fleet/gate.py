@@ -15,16 +15,13 @@ connection, and a bad one ends the run.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
 from typing import Any, NoReturn
 
 from k2fleet.deployment import Deployment, resolve
-from k2fleet.inventory import fleet_from_hosts
+from k2fleet.inventory import HostData, fleet_from_hosts, host_data
 from k2fleet.plan import Plan
 from k2fleet.planner import make_plan
 from k2fleet.spec import SpecError
-
-HostData = tuple[str, dict[str, Any], tuple[str, ...]]
 
 
 def refusal_line(exc: SpecError) -> str:
@@ -37,11 +34,6 @@ def refuse(exc: SpecError) -> NoReturn:
     sys.stderr.write(refusal_line(exc) + "\n")
     sys.stderr.flush()
     raise SystemExit(2)
-
-
-def host_data(inventory: Iterable[Any]) -> list[HostData]:
-    """``[(name, merged data, groups)]`` of a loaded pyinfra ``Inventory``, in order."""
-    return [(h.name, h.data.dict(), tuple(h.groups)) for h in inventory]
 
 
 def check_hosts(source: str, hosts: list[HostData]) -> tuple[Deployment, Plan]:
@@ -74,8 +66,8 @@ def install_pyinfra_gate(state: Any) -> None:
     def gated_init(inventory: Any, config: Any, initial_limit: Any = None) -> None:
         params = _cli_params()
         state.k2fleet_dry = bool(params.get("dry"))  # read by k2fleet.run: no control step when dry
-        try:
-            check_hosts(str(params.get("inventory", "inventory")), host_data(inventory))
+        try:  # kept for k2fleet.run: the deploy plans from this, not a second time
+            state.k2fleet_checked = check_hosts(str(params.get("inventory", "inventory")), host_data(inventory))
         except SpecError as exc:
             refuse(exc)
         original_init(inventory, config, initial_limit=initial_limit)

@@ -11,9 +11,12 @@ import importlib.util
 import sys
 import types
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 from k2fleet.spec import Fleet, SpecError, build_fleet, parse_host
+
+HostData = tuple[str, dict[str, Any], tuple[str, ...]]  # (host name, merged data, groups)
 
 
 def _import_pyinfra_cli_inventory() -> types.ModuleType:
@@ -52,9 +55,7 @@ def parse_data_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-def inventory_host_data(
-    path: str | Path, override_data: dict[str, Any] | None = None
-) -> list[tuple[str, dict[str, Any], tuple[str, ...]]]:
+def inventory_host_data(path: str | Path, override_data: dict[str, Any] | None = None) -> list[HostData]:
     """``[(host name, merged data, groups)]`` in inventory order, with pyinfra's
     ``--data`` overrides applied the way pyinfra applies them; no connection is made."""
     from pyinfra.api import State
@@ -67,17 +68,15 @@ def inventory_host_data(
     with ctx_state.use(State()):
         try:
             inventory = make_inventory_from_files(str(path), override_data or None)
-        except SystemExit as exc:  # an inventory that stops itself (e.g. no sandbox yet)
+        except (SystemExit, Exception) as exc:  # user Python (may stop itself): report, don't trace
             raise SpecError("inventory", f"could not be loaded: {exc}", str(path)) from None
-        except Exception as exc:  # the inventory is user Python: report, don't trace
-            raise SpecError("inventory", f"could not be loaded: {exc}", str(path)) from None
-    return [(h.name, h.data.dict(), tuple(g for g in h.groups)) for h in inventory]
+    return host_data(inventory)
 
 
-def fleet_from_hosts(source: str, hosts: list[tuple[str, dict[str, Any], tuple[str, ...]]]) -> Fleet:
+def host_data(inventory: Iterable[Any]) -> list[HostData]:
+    """``[(name, merged data, groups)]`` of a loaded pyinfra ``Inventory``, in order."""
+    return [(h.name, h.data.dict(), tuple(h.groups)) for h in inventory]
+
+
+def fleet_from_hosts(source: str, hosts: list[HostData]) -> Fleet:
     return build_fleet(source, [parse_host(name, data, source, groups) for name, data, groups in hosts])
-
-
-def load_fleet(path: str | Path, override_data: dict[str, Any] | None = None) -> Fleet:
-    """Load and type-check an inventory file (cross-key rules: :mod:`k2fleet.deployment`)."""
-    return fleet_from_hosts(str(path), inventory_host_data(path, override_data))

@@ -31,7 +31,7 @@ def synced_files(files: dict[str, FileSpec], current: dict[str, str | None]):
 
     .. code:: python
 
-        synced_files(name="mesh files", files={"/etc/k2fleet/x": FileSpec.of(b"hi\\n", "600")},
+        synced_files(name="mesh files", files={"/etc/k2fleet/x": FileSpec(b"hi\\n", "600")},
                      current=fact.files)
     """
     for path in sorted(files):

@@ -17,7 +17,7 @@ the sandbox fleet before touching a real one.
      ``k2_package_source=bundle``, a modest ``k2_health_timeout`` and no IB HCAs.
 
 4. The deploy's health role waits for every health gate; the deploy runs a second time and
-   its changes are read from pyinfra's ``--json`` (``results.totals.success``).
+   its changes are read from pyinfra's ``--json`` (:mod:`k2fleet.pyinfra_run`).
 5. Every endpoint gets a real chat completion from the control machine; the URLs and one
    ``curl`` line are printed, then as the last line
    ``rehearsal INVENTORY: N/N endpoints healthy, re-run 0 changes`` (exit 0), or what
@@ -32,11 +32,9 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,11 +49,10 @@ from k2fleet.deployment import Deployment
 from k2fleet.gate import check_hosts
 from k2fleet.inventory import _import_pyinfra_cli_inventory, inventory_host_data, parse_data_overrides
 from k2fleet.plan import Plan
+from k2fleet.pyinfra_run import DEPLOY_FILE, ROOT, data_args, run_pyinfra, tool
 from k2fleet.spec import SpecError
-from k2fleet.synthetic_checkpoint import make_checkpoint, manifest_for
+from k2fleet.synthetic import ensure_synthetic_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
-DEPLOY_FILE = "deploys/kimi.py"
 CHECKPOINT_CACHE = Path("/var/cache/k2fleet/rehearsal-checkpoints")
 SHARD_BYTES = 16 * 1024
 HEALTH_TIMEOUT_S = 120
@@ -110,17 +107,10 @@ def checkpoint_style(model: str) -> tuple[int, str]:
 def rehearsal_checkpoint(model: str, revision: str, cache: Path = CHECKPOINT_CACHE) -> tuple[Path, int]:
     """Make (once, cached) a synthetic checkpoint for ``model``@``revision`` with its
     manifest on the control machine; return (directory, total bytes of its files)."""
-    root = cache / model.replace("/", "--") / revision
+    shards, style = checkpoint_style(model)
+    root = ensure_synthetic_checkpoint(cache / model.replace("/", "--") / revision, model, revision,
+                                       num_shards=shards, shard_bytes=SHARD_BYTES, style=style)
     manifest = root / ".k2fleet" / "manifest.json"
-    if not manifest.exists():
-        tmp = root.with_name(root.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shards, style = checkpoint_style(model)
-        files = make_checkpoint(tmp, num_shards=shards, shard_bytes=SHARD_BYTES, style=style)
-        (tmp / ".k2fleet").mkdir(exist_ok=True)
-        (tmp / ".k2fleet" / "manifest.json").write_text(json.dumps(manifest_for(files, model, revision), indent=1))
-        shutil.rmtree(root, ignore_errors=True)
-        tmp.rename(root)
     size = sum(entry["size"] for entry in json.loads(manifest.read_text())["files"].values())
     return root, size
 
@@ -202,49 +192,8 @@ def sandbox_data(dep: Deployment, checkpoint: Path, size: int) -> dict[str, Any]
     return data
 
 
-def data_args(data: dict[str, Any]) -> list[str]:
-    """pyinfra ``--data KEY=VALUE`` (non-strings as JSON, parsed back by pyinfra)."""
-    argv: list[str] = []
-    for key, value in data.items():
-        argv += ["--data", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
-    return argv
-
-
 # --------------------------------------------------------------------------
-# running and probing
-
-
-def _pyinfra() -> str:
-    beside = Path(sys.executable).with_name("pyinfra")
-    return str(beside) if beside.is_file() else (shutil.which("pyinfra") or "pyinfra")
-
-
-def run_deploy(argv: list[str], env: dict[str, str]) -> tuple[int, dict[str, Any] | None, str]:
-    """(exit status, pyinfra's ``--json`` document or None, its log)."""
-    full_env = {**os.environ, **env}
-    full_env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), full_env.get("PATH", os.defpath)])
-    try:
-        out = subprocess.run(argv, cwd=ROOT, env=full_env, capture_output=True, text=True,
-                             stdin=subprocess.DEVNULL, timeout=DEPLOY_TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:
-        return 124, None, f"{exc.stderr or ''}\npyinfra did not finish in {DEPLOY_TIMEOUT_S}s"
-    payload = None
-    for line in reversed(out.stdout.splitlines()):
-        if line.startswith("{"):
-            try:
-                payload = json.loads(line)
-                break
-            except ValueError:
-                continue
-    return out.returncode, payload, out.stderr + (out.stdout if payload is None else "")
-
-
-def changes(payload: dict[str, Any] | None) -> int | None:
-    """(operation, host) pairs that changed a host (``results.totals.success``)."""
-    try:
-        return int(payload["results"]["totals"]["success"])  # type: ignore[index]
-    except (TypeError, KeyError, ValueError):
-        return None
+# probing
 
 
 def endpoints(plan: Plan) -> list[tuple[str, str, str, Any]]:
@@ -344,21 +293,23 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         generated.parent.mkdir()
         generated.write_text(generated_inventory(str(inventory), groups, connection_overlay(names, sb_hosts)))
         overlay = sandbox_data(dep, checkpoint, size)
-        argv = [_pyinfra(), "-y", "--json", "--group-data", str(inv_path.parent / "group_data"),
+        argv = [tool("pyinfra"), "-y", "--json", "--group-data", str(inv_path.parent / "group_data"),
                 *data_args(overlay), *[a for item in data for a in ("--data", item)],
                 str(generated), DEPLOY_FILE]
         env = {"K2FLEET_STATE_DIR": str(work / "state")}
         for host_name, sb in zip(names, sb_hosts):
             say(f"  {host_name} -> {sb.name} {sb.address}")
         say(f"rehearse {inventory}: deploying ({dep.engine} {dep.version}, engine test doubles, simulated GPUs)")
-        code, payload, log = run_deploy(argv, env)
-        if code != 0:
-            raise RehearsalError(failure_summary(log), f"deploy failed (exit {code}); its output ends:\n{_tail(log)}")
-        say(f"rehearse {inventory}: deployed, {changes(payload)} changes; re-running")
-        code, payload, log = run_deploy(argv, env)
-        rerun = changes(payload)
-        if code != 0 or rerun is None:
-            raise RehearsalError(f"re-run: {failure_summary(log)}", f"re-run failed (exit {code}); its output ends:\n{_tail(log)}")
+        first = run_pyinfra(argv, env, DEPLOY_TIMEOUT_S)
+        if first.returncode != 0:
+            raise RehearsalError(failure_summary(first.log),
+                                 f"deploy failed (exit {first.returncode}); its output ends:\n{_tail(first.log)}")
+        say(f"rehearse {inventory}: deployed, {first.changed} changes; re-running")
+        second = run_pyinfra(argv, env, DEPLOY_TIMEOUT_S)
+        if second.returncode != 0 or not (second.payload or {}).get("results"):
+            raise RehearsalError(f"re-run: {failure_summary(second.log)}",
+                                 f"re-run failed (exit {second.returncode}); its output ends:\n{_tail(second.log)}")
+        rerun = second.changed
         # Re-read the plan the deploy ran: endpoint addresses are the sandbox hosts'.
         conn = connection_overlay(names, sb_hosts)
         _, sb_plan = check_hosts(str(inventory), [(n, {**d, **conn[n], **overlay, **overrides}, g) for n, d, g in hosts])
@@ -383,10 +334,8 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
                 + " ".join(shlex.quote(a) for a in argv))
         say(f"rehearse {inventory}: {time.monotonic() - started:.0f}s")
         last = f"rehearsal {inventory}: {healthy}/{len(found)} endpoints healthy, re-run {rerun} changes"
-        if rerun:
-            for op in payload["results"]["operations"]:  # type: ignore[index]
-                if op.get("success"):
-                    say(f"re-run changed: {op['name']} on {', '.join(op['success'])}")
+        for name, changed_hosts in second.changed_operations.items():
+            say(f"re-run changed: {name} on {', '.join(changed_hosts)}")
         if failures or rerun != 0 or not found:
             for failure in failures:
                 say(f"unhealthy: {failure}")

@@ -3,8 +3,8 @@ artifacts and every host's desired state, computed once and kept on pyinfra's ow
 ``State`` (no module globals).
 
 ``deploys/kimi.py`` calls :func:`fleet_run` for each host it plans; the first call
-validates the inventory pyinfra loaded (already checked by the gate in ``config.py``),
-runs the one control-machine step (:func:`k2fleet.control.prepare_control_artifacts`,
+takes the plan the gate in ``config.py`` validated (or validates the inventory itself
+when run without that gate), runs the one control-machine step (:func:`k2fleet.control.prepare_control_artifacts`,
 skipped under ``--dry``, where only existing artifacts are read) and computes the
 desired state (:func:`k2fleet.desired.desired_state`). Later calls return the same
 object.
@@ -19,10 +19,10 @@ from typing import Any
 from k2fleet import control
 from k2fleet.deployment import Deployment
 from k2fleet.desired import ControlArtifacts, HostDesired, desired_state
-from k2fleet.gate import check_hosts, host_data, refuse
+from k2fleet.gate import check_hosts, refuse
+from k2fleet.inventory import host_data
 from k2fleet.plan import Plan
 from k2fleet.spec import SpecError
-from k2fleet.wheelhouse import hub_client_requirement
 
 STATE_ATTRIBUTE = "k2fleet_run"
 
@@ -36,12 +36,8 @@ class FleetRun:
     artifacts: ControlArtifacts
     desired: dict[str, HostDesired]
     dry: bool
-    hub_requirement: str | None
     state_dir: Path
     tracked: list[Any] = field(default_factory=list)  # ops whose change re-runs the health gate
-
-    def track(self, *ops: Any) -> None:
-        self.tracked.extend(op for op in ops if op is not None)
 
     def fleet_changed(self) -> bool:
         """Did any tracked operation on any host change something (execution time)?"""
@@ -53,16 +49,17 @@ def fleet_run(state: Any, inventory: Any, dry: bool | None = None) -> FleetRun:
     run = getattr(state, STATE_ATTRIBUTE, None)
     if run is not None:
         return run
-    try:
-        dep, plan = check_hosts("inventory", host_data(inventory))
-    except SpecError as exc:
-        refuse(exc)
+    checked = getattr(state, "k2fleet_checked", None)  # the gate's (config.py) validated plan
+    if checked is None:  # not under the CLI's gate: validate here
+        try:
+            checked = check_hosts("inventory", host_data(inventory))
+        except SpecError as exc:
+            refuse(exc)
+    dep, plan = checked
     if dry is None:  # under the CLI, the gate (config.py) recorded --dry on the state
         dry = bool(getattr(state, "k2fleet_dry", False))
     artifacts = control.read_control_artifacts(dep, plan) if dry else control.prepare_control_artifacts(dep, plan)
-    requirement = hub_client_requirement() if dep.s.checkpoint_fetcher != "control" else None
-    run = FleetRun(dep=dep, plan=plan, artifacts=artifacts, dry=dry, hub_requirement=requirement,
-                   state_dir=control.state_dir(dep),
-                   desired=desired_state(dep, plan, artifacts, hub_requirement=requirement))
+    run = FleetRun(dep=dep, plan=plan, artifacts=artifacts, dry=dry, state_dir=control.state_dir(dep),
+                   desired=desired_state(dep, plan, artifacts))
     setattr(state, STATE_ATTRIBUTE, run)
     return run

@@ -8,6 +8,7 @@ in a control-machine directory the sandbox inventory serves from (``control:``).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from k2fleet.synthetic_checkpoint import make_checkpoint, manifest_for
@@ -28,18 +29,26 @@ def sandbox_checkpoint_dir() -> Path:
     return CHECKPOINTS / SANDBOX_MODEL.replace("/", "--") / SANDBOX_REVISION
 
 
-def ensure_sandbox_checkpoint() -> Path:
-    """Create the synthetic checkpoint and its manifest once; return its directory."""
-    root = sandbox_checkpoint_dir()
+def ensure_synthetic_checkpoint(root: Path, model: str, revision: str, num_shards: int = SHARDS,
+                                shard_bytes: int = SHARD_BYTES, style: str = "thinking") -> Path:
+    """Create a synthetic checkpoint of ``model``@``revision`` and its manifest at
+    ``root`` once (built beside it, renamed into place); return ``root``."""
     manifest = root / ".k2fleet" / "manifest.json"
     if manifest.exists():
         return root
     tmp = root.with_name(root.name + ".tmp")
-    files = make_checkpoint(tmp, num_shards=SHARDS, shard_bytes=SHARD_BYTES)
+    shutil.rmtree(tmp, ignore_errors=True)
+    files = make_checkpoint(tmp, num_shards=num_shards, shard_bytes=shard_bytes, style=style)
     (tmp / ".k2fleet").mkdir(exist_ok=True)
-    (tmp / ".k2fleet" / "manifest.json").write_text(json.dumps(manifest_for(files, SANDBOX_MODEL, SANDBOX_REVISION), indent=1))
+    (tmp / ".k2fleet" / "manifest.json").write_text(json.dumps(manifest_for(files, model, revision), indent=1))
+    shutil.rmtree(root, ignore_errors=True)
     tmp.rename(root)
     return root
+
+
+def ensure_sandbox_checkpoint() -> Path:
+    """Create the sandbox inventories' synthetic checkpoint once; return its directory."""
+    return ensure_synthetic_checkpoint(sandbox_checkpoint_dir(), SANDBOX_MODEL, SANDBOX_REVISION)
 
 
 if __name__ == "__main__":

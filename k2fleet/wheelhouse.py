@@ -63,13 +63,20 @@ def pip_download_argv(requirements: list[str], dest: Path, python: str, platform
     return argv + requirements
 
 
+def cached_wheelhouse(requirements: list[str], cache_dir: Path = DEFAULT_CACHE_DIR) -> Path | None:
+    """The complete cached wheelhouse directory for ``requirements``, if one exists (reads only)."""
+    target = cache_dir / wheelhouse_key(requirements)
+    return target if (target / DONE).is_file() else None
+
+
 def ensure_wheelhouse(requirements: list[str] | None = None, cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
     """The cached wheelhouse directory for ``requirements`` (default: the Hub client),
     downloaded with ``pip download`` the first time (needs a package index then)."""
     requirements = requirements or [hub_client_requirement()]
+    cached = cached_wheelhouse(requirements, cache_dir)
+    if cached is not None:
+        return cached
     target = cache_dir / wheelhouse_key(requirements)
-    if (target / DONE).is_file():
-        return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     with open(cache_dir / ".lock", "a") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)

@@ -35,10 +35,10 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport) -> None:
     dep = run.dep
     preflight.check(dep, desired, fact)
     packages.install_packages(desired.packages, dep.s.package_source, installed=list(fact.packages),
-                              bundle=run.artifacts.bundles.get(tuple(sorted(set(desired.packages)))))
+                              bundle=run.artifacts.bundle_for(desired.packages))
     mesh.configure(desired, fact, run.tracked)
     engine.install(desired, fact, run.tracked)
-    hub_client.install(desired, fact, requirement=run.hub_requirement)
+    hub_client.install(desired, fact, requirement=run.artifacts.hub_requirement)
     checkpoint.ensure(dep, desired, fact, run.tracked, log_file=str(run.state_dir / "checkpoint-transfers.jsonl"),
                       xet_disabled=bool(os.environ.get("HF_HUB_DISABLE_XET")))
     services.start(desired, fact, run.tracked)

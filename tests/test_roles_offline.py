@@ -152,8 +152,7 @@ def control_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], facts: dict[str, HostReport],
               tmp_path: Path, control_calls: list[str]) -> Outcome:
     """Plan the deploy's pipeline on one @fake host per inventory host, then execute."""
-    run = FleetRun(dep=dep, plan=plan, artifacts=artifacts(dep), desired=desired, dry=False,
-                   hub_requirement=None, state_dir=tmp_path)
+    run = FleetRun(dep=dep, plan=plan, artifacts=artifacts(dep), desired=desired, dry=False, state_dir=tmp_path)
     hosts = [(f"@fake/{name}", {"ssh_hostname": d.address, "fake_delay": 0, "fake_delay_jitter": 0})
              for name, d in desired.items()]
     state = State(Inventory((hosts, {})), Config())

@@ -393,32 +393,21 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     missing: list[str] = []
 
-    for v in VLLM_VERSIONS:
-        whl = find_wheel(args.wheels, "vllm", v, args.download)
+    wheel_tables = [  # (engine, PyPI package, version, extractor, extra source fields)
+        *(("vllm", "vllm", v, extract_vllm, {}) for v in VLLM_VERSIONS),
+        *(("sglang", "sglang", v, extract_sglang, {}) for v in SGLANG_VERSIONS),
+        ("ktransformers", "sglang-kt", KT_SGLANG_VERSION, extract_sglang,
+         {"entry_point": "python -m sglang.launch_server (sglang-kt; the --kt-* flags live in its server_args.py)"}),
+    ]
+    for engine, package, v, extract, extra in wheel_tables:
+        whl = find_wheel(args.wheels, package, v, args.download)
         if whl is None:
-            missing.append(f"vllm {v}"); continue
+            missing.append(f"{engine} {v}")
+            continue
         src = Source("wheel", str(whl))
-        flags, files = extract_vllm(src)
-        write("vllm", v, flags, {"package": f"vllm=={v}", "method": "ast", "date": args.date, **src.describe(files)})
-
-    for v in SGLANG_VERSIONS:
-        whl = find_wheel(args.wheels, "sglang", v, args.download)
-        if whl is None:
-            missing.append(f"sglang {v}"); continue
-        src = Source("wheel", str(whl))
-        flags, files = extract_sglang(src)
-        write("sglang", v, flags, {"package": f"sglang=={v}", "method": "ast", "date": args.date, **src.describe(files)})
-
-    whl = find_wheel(args.wheels, "sglang-kt", KT_SGLANG_VERSION, args.download)
-    if whl is None:
-        missing.append(f"ktransformers {KT_SGLANG_VERSION}")
-    else:
-        src = Source("wheel", str(whl))
-        flags, files = extract_sglang(src)
-        write("ktransformers", KT_SGLANG_VERSION, flags, {
-            "package": f"sglang-kt=={KT_SGLANG_VERSION}", "method": "ast", "date": args.date,
-            "entry_point": "python -m sglang.launch_server (sglang-kt; the --kt-* flags live in its server_args.py)",
-            **src.describe(files)})
+        flags, files = extract(src)
+        write(engine, v, flags, {"package": f"{package}=={v}", "method": "ast", "date": args.date, **extra,
+                                 **src.describe(files)})
 
     if args.ktransformers_git:
         src = Source("git", args.ktransformers_git, KT_LEGACY_TAG)

@@ -6,9 +6,10 @@ pyinfra CLI, results read from pyinfra's own ``--json`` output.
   instead of relying on an earlier test. The caller holds the one sandbox lock
   (:func:`k2fleet.sandbox.hold_sandbox_lock`) while it uses one.
 - :func:`deploy`: ``pyinfra -y --json [--data KEY=VALUE ...] INVENTORY deploys/kimi.py``
-  from the repository root; :class:`DeployResult` reads pyinfra 3.10's JSON: ``changed``
-  is ``results.totals.success`` — the (operation, host) pairs whose operation changed the
-  host, the same number as the Success column of the human "Grand total" row.
+  from the repository root, through :func:`k2fleet.pyinfra_run.run_pyinfra`; its
+  :class:`~k2fleet.pyinfra_run.DeployResult` reads pyinfra 3.10's JSON: ``changed`` is
+  ``results.totals.success``, the same number as the Success column of the human
+  "Grand total" row.
 - :func:`ssh`, :func:`main_pid`, :func:`http_json`: probes of the hosts.
 
 Nothing here reads ``K2FLEET_SANDBOX_*`` variables: variations are pyinfra's ``--data``.
@@ -17,46 +18,19 @@ Nothing here reads ``K2FLEET_SANDBOX_*`` variables: variations are pyinfra's ``-
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 from k2fleet import sandbox
+from k2fleet.pyinfra_run import DEPLOY_FILE, ROOT, DeployResult, cli_env, data_args, run_pyinfra, tool
 
-ROOT = Path(__file__).resolve().parents[2]
-DEPLOY_FILE = "deploys/kimi.py"
 INVENTORY = "inventories/sandbox.py"
 TRTLLM_INVENTORY = "inventories/sandbox-trtllm-mpi.py"
-RUN_STARTED = "--> Beginning operation run"  # pyinfra's log line once planning is over
 DEPLOY_TIMEOUT_S = 900
-
-
-def tool(name: str) -> str:
-    """The console script ``name`` of this Python's environment (the venv's ``pyinfra``,
-    ``k2fleet``) even when that is not on PATH; else ``name`` from PATH."""
-    beside = Path(sys.executable).with_name(name)
-    return str(beside) if beside.is_file() else (shutil.which(name) or name)
-
-
-def data_args(data: Mapping[str, Any] | None) -> list[str]:
-    """pyinfra ``--data KEY=VALUE`` arguments; non-strings as JSON (pyinfra parses them
-    back with ``parse_cli_arg``: ``true``, numbers, objects).
-
-    >>> data_args({"k2_nic": "eth9", "k2_engine_args": {"max-num-seqs": 64}, "k2_shared_storage": True})
-    ['--data', 'k2_nic=eth9', '--data', 'k2_engine_args={"max-num-seqs": 64}', '--data', 'k2_shared_storage=true']
-    """
-    argv: list[str] = []
-    for key, value in (data or {}).items():
-        argv += ["--data", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
-    return argv
 
 
 def pyinfra_argv(inventory: str = INVENTORY, data: Mapping[str, Any] | None = None,
@@ -69,93 +43,18 @@ def pyinfra_argv(inventory: str = INVENTORY, data: Mapping[str, Any] | None = No
     return [tool("pyinfra"), "-y", "--json", *extra, *data_args(data), inventory, deploy_file]
 
 
-@dataclass
-class DeployResult:
-    """One run of the pyinfra CLI: exit status, stdout (its ``--json`` payload), stderr
-    (its log: ``--json`` keeps the human output off stdout)."""
-
-    argv: list[str]
-    returncode: int
-    stdout: str
-    stderr: str
-
-    @property
-    def output(self) -> str:
-        return self.stdout + self.stderr
-
-    def tail(self, chars: int = 4000) -> str:
-        """The end of the log, for assertion messages."""
-        return f"$ {' '.join(self.argv)}\n(exit {self.returncode})\n{self.stderr[-chars:]}"
-
-    @property
-    def ran_operations(self) -> bool:
-        """pyinfra got past planning and started executing operations."""
-        return RUN_STARTED in self.stderr
-
-    @cached_property
-    def payload(self) -> dict[str, Any] | None:
-        """pyinfra's JSON document (``{"plan": [...], "results": {...} | None}``), or None
-        when it printed none (it stopped before the run, e.g. a failure while planning).
-
-        >>> DeployResult([], 0, '{"plan": [], "results": null}\\n', "").payload
-        {'plan': [], 'results': None}
-        """
-        for line in reversed(self.stdout.splitlines()):
-            if line.startswith("{"):
-                try:
-                    return json.loads(line)
-                except ValueError:
-                    continue
-        return None
-
-    @property
-    def results(self) -> dict[str, Any]:
-        """``results`` of the JSON: ``operations`` (each with ``success``/``no_change``/
-        ``error`` host lists), ``totals``, ``failed_hosts``."""
-        if not self.payload or not self.payload.get("results"):
-            raise AssertionError("pyinfra printed no --json results\n" + self.tail())
-        return self.payload["results"]
-
-    @property
-    def changed(self) -> int:
-        """(operation, host) pairs in which the operation changed the host.
-
-        >>> out = {"results": {"operations": [{"name": "a", "success": ["h1", "h2"]}, {"name": "b", "success": []}],
-        ...                    "totals": {"hosts": 4, "success": 2, "error": 0, "no_change": 2}, "failed_hosts": []}}
-        >>> r = DeployResult([], 0, json.dumps(out), "")
-        >>> r.changed, r.changed_operations
-        (2, {'a': ['h1', 'h2']})
-        """
-        return int(self.results["totals"]["success"])
-
-    @property
-    def changed_operations(self) -> dict[str, list[str]]:
-        """Operation name → hosts it changed, for the operations that changed any."""
-        return {op["name"]: op["success"] for op in self.results["operations"] if op["success"]}
-
-
-def _env(extra: Mapping[str, str] | None) -> dict[str, str]:
-    """This environment + ``extra``, this Python's bin directory first on PATH."""
-    env = {**os.environ, **(extra or {})}
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", os.defpath)])
-    return env
-
-
 def deploy(data: Mapping[str, Any] | None = None, *, inventory: str = INVENTORY,
            env: Mapping[str, str] | None = None, extra: tuple[str, ...] = (),
            timeout: float = DEPLOY_TIMEOUT_S, deploy_file: str = DEPLOY_FILE) -> DeployResult:
     """Run the real pyinfra CLI deploy from the repository root; never raises on failure."""
-    argv = pyinfra_argv(inventory, data, extra, deploy_file)
-    out = subprocess.run(argv, cwd=ROOT, env=_env(env), capture_output=True, text=True,
-                         stdin=subprocess.DEVNULL, timeout=timeout)
-    return DeployResult(argv, out.returncode, out.stdout, out.stderr)
+    return run_pyinfra(pyinfra_argv(inventory, data, extra, deploy_file), env, timeout)
 
 
 def start_deploy(data: Mapping[str, Any] | None = None, *, inventory: str = INVENTORY,
                  env: Mapping[str, str] | None = None) -> subprocess.Popen:
     """The same deploy as :func:`deploy`, in the background, in its own process group
     (``os.killpg(proc.pid, SIGKILL)`` kills pyinfra and every child it started)."""
-    return subprocess.Popen(pyinfra_argv(inventory, data), cwd=ROOT, env=_env(env),
+    return subprocess.Popen(pyinfra_argv(inventory, data), cwd=ROOT, env=cli_env(env),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
                             start_new_session=True)
 
