@@ -128,6 +128,7 @@ class HostDesired:
     service_files: dict[str, dict[str, FileSpec]] = field(default_factory=dict)  # service → path → spec
     units: list[str] = field(default_factory=list)
     slots: list[tuple[int, str]] = field(default_factory=list)  # fleet-wide (stage, service): one op sequence
+    own_slots: list[tuple[int, str]] = field(default_factory=list)  # this host's (stage, service)
     packages: list[str] = field(default_factory=list)
     checks: dict[str, list[str]] = field(default_factory=dict)
     exists: list[str] = field(default_factory=list)
@@ -323,6 +324,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         d.files["hub_client"] = hub_client_files(dep, h.name, art)
         d.files["host"] = {p: FileSpec(c.encode(), "644") for p, c in hp.files.items()}
         d.service_files = {svc.name: service_files(dep, svc) for svc in hp.services}
+        d.own_slots = sorted((svc.stage, svc.name) for svc in hp.services)
         d.units = [mesh.UNIT] + [unit_name(s) for s in hp.services]
         d.packages = required_packages(dep, hp, mesh_enabled(dep))
         d.checks = {CHECKPOINT_CHECK: marker_check_argv(dep)}

@@ -584,13 +584,34 @@ def sandbox_inventory_hosts(count: int | None = None,
     ]
 
 
+LOCK_FD_ENV = "K2FLEET_SANDBOX_LOCK_FD"
+
+
 def hold_sandbox_lock():
     """Exclusive use of the (globally named) sandbox fleet until the returned file is
     closed (``with hold_sandbox_lock(): ...``); blocks while another process holds it.
-    Not re-entrant: take it once per process."""
+    Not re-entrant: take it once per process. A child started by the holder with the
+    lock's descriptor inherited and named in ``K2FLEET_SANDBOX_LOCK_FD``
+    (:func:`lock_env`) shares the holder's lock instead of waiting for it."""
+    inherited = os.environ.get(LOCK_FD_ENV, "")
+    if inherited.isdigit():
+        try:
+            same = os.path.samestat(os.fstat(int(inherited)), os.stat(LOCK_PATH))
+        except OSError:
+            same = False
+        if same:
+            handle = os.fdopen(os.dup(int(inherited)), "w")
+            fcntl.flock(handle, fcntl.LOCK_EX)  # the same open file: already ours
+            return handle
     handle = open(LOCK_PATH, "w")
     fcntl.flock(handle, fcntl.LOCK_EX)
     return handle
+
+
+def lock_env(handle) -> dict[str, str]:
+    """Environment for a child process (started with ``pass_fds=(handle.fileno(),)``)
+    that must use the sandbox under the lock ``handle`` this process holds."""
+    return {LOCK_FD_ENV: str(handle.fileno())}
 
 
 def _is_up(state_dir: Path, n: int) -> bool:

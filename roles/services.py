@@ -21,10 +21,12 @@ from k2fleet.quoting import shell_line
 @deploy("k2fleet: services")
 def start(desired: HostDesired, fact: HostReport, tracked: list) -> None:
     """
-    Remove stale k2fleet units, write each unit's files, start stage by stage, restart
-    a unit only when its own files changed.
+    Remove stale k2fleet units, write each unit's files, start stage by stage; units
+    whose own files changed are stopped in reverse stage order and started again in
+    stage order (head before members), the others are left running.
 
-    + desired: this host's desired state (``service_files``, ``units``, fleet-wide ``slots``)
+    + desired: this host's desired state (``service_files``, ``units``, fleet-wide ``slots``,
+      this host's ``own_slots``)
     + fact: this host's HostState (digests, unit states, the k2-*.service glob)
     + tracked: list the run's health gate watches; file and start operations are appended
 
@@ -44,16 +46,26 @@ def start(desired: HostDesired, fact: HostReport, tracked: list) -> None:
     tracked.append(synced_files(name="config files of ranks this host serves",
                                 files=desired.files.get("host", {}), current=fact.files))
     written = {}
-    for _, name in desired.slots:
+    for name in dict.fromkeys(name for _, name in desired.slots):
         written[name] = synced_files(name=f"unit, env and config of {name}",
                                      files=desired.service_files.get(name, {}), current=fact.files)
         tracked.append(written[name])
     command(name="reload systemd units", argv=["systemctl", "daemon-reload"],
             _if=lambda: removed.did_change() or any(op.did_change() for op in written.values()))
+    def changed(stage: int, name: str):
+        """Execute-time test: this host's (stage, name) was running and its files changed."""
+        was = fact.unit_active(f"{name}.service") and (stage, name) in desired.own_slots
+        return lambda op=written[name]: was and op.did_change()
+
+    # An instance whose files changed restarts as it starts: stop in reverse stage order
+    # (members/launchers before the head or the nodes they joined), start stage by stage.
+    for stage, name in reversed(desired.slots):
+        command(name=f"stage {stage}: stop {name} (its files changed)", argv=["systemctl", "stop", f"{name}.service"],
+                _if=changed(stage, name))
     for stage, name in desired.slots:
-        mine = name in desired.service_files
+        mine = (stage, name) in desired.own_slots  # a name can start at one stage on the head, a later one on members
         unit = f"{name}.service"
-        active = fact.unit_active(unit)
-        tracked.append(unit_running(name=f"stage {stage}: start {name}", unit=unit, active=active or not mine))
-        command(name=f"stage {stage}: restart {name} (its files changed)", argv=["systemctl", "restart", unit],
-                _if=lambda op=written[name], was=active and mine: was and op.did_change())
+        tracked.append(unit_running(name=f"stage {stage}: start {name}", unit=unit,
+                                    active=fact.unit_active(unit) or not mine))
+        tracked.append(command(name=f"stage {stage}: bring {name} back up (its files changed)",
+                               argv=["systemctl", "start", unit], _if=changed(stage, name)))

@@ -214,7 +214,7 @@ def test_settled_fleet_changes_nothing(tmp_path: Path, control_calls: list[str])
         # not vacuous: every role that plans operations planned them on this host
         assert len(ops) >= 20, list(ops)
         for role_op in ("mesh keys", "host programs", "Hub client: venv", "checkpoint round 1: pull",
-                        "unit, env and config of k2-vllm", "restart k2-vllm", "health gate"):
+                        "unit, env and config of k2-vllm", "stop k2-vllm", "bring k2-vllm back up", "health gate"):
             out.op(host, role_op)
         assert out.changed(host) == [], f"{host} would change: {out.changed(host)}"
         assert out.commands(host) == [], f"{host} would run: {out.commands(host)}"
@@ -250,14 +250,15 @@ def test_changed_engine_flag_restarts_only_the_engine(tmp_path: Path, control_ca
         assert differ == ["/etc/systemd/system/k2-vllm.service"]
         assert "--max-num-seqs 64" in desired[host].service_files["k2-vllm"][differ[0]].content.decode()
         assert out.changed(host) == ["unit, env and config of k2-vllm", "reload systemd units",
-                                     "stage 0: restart k2-vllm (its files changed)",
+                                     "stage 0: stop k2-vllm (its files changed)",
+                                     "stage 0: bring k2-vllm back up (its files changed)",
                                      "health gate: /health 200 and a real chat completion"]
         uploads = [c for c in out.op(host, "unit, env and config of k2-vllm").commands if c.startswith("<upload>")]
         assert uploads == ["<upload> /etc/systemd/system/k2-vllm.service"]
-        restarts = [c for c in out.commands(host) if c.startswith("systemctl restart")]
-        assert restarts == ["systemctl restart k2-vllm.service"]
+        restarts = [c for c in out.commands(host) if c.startswith(("systemctl stop", "systemctl start"))]
+        assert restarts == ["systemctl stop k2-vllm.service", "systemctl start k2-vllm.service"]
         assert not out.op(host, "restart the mesh sshd").changed
-        assert not out.op(host, "stage 0: start k2-vllm").changed  # already active: restart, not enable --now
+        assert not out.op(host, "stage 0: start k2-vllm").changed  # already active: stop + start, not enable --now
     assert out.control_calls == []
 
 

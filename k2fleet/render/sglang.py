@@ -93,7 +93,7 @@ def _pool_services(dep: Deployment, pool: Pool) -> Iterator[tuple[str, Service]]
                 argv=python_module(dep, "sglang.launch_server", _server_words(dep, pool, host, rank, nodes), env, name),
                 env=env,
                 ports=ports,
-                stage=0,
+                stage=0 if rank == 0 else 1,  # node 0 (the --dist-init-addr store) first
                 rank=rank,
                 role=pool.role,
                 health=Health(dep.s.port, chat=pool.role == "serve") if rank == 0 else None,
@@ -115,7 +115,7 @@ def _router(dep: Deployment) -> Iterator[tuple[str, Service]]:
         argv=python_module(dep, "sglang_router.launch_router", words, env, "k2-sglang-router"),
         env=env,
         ports={"k2_router_port": dep.s.router_port},
-        stage=1,
+        stage=2,
         role="router",
         health=Health(dep.s.router_port),
         needs_checkpoint=False,

@@ -170,10 +170,17 @@ class RendezvousGroup:
 
 
 class RendezvousServer:
-    """Head side: listen, validate members' hellos, track coverage."""
+    """Head side: listen, validate members' hellos, track coverage.
 
-    def __init__(self, engine: str, host: str, port: int, group: RendezvousGroup) -> None:
+    ``fatal_loss``: a member that joined and then went away (its process died)
+    ends the head with exit 1, naming it (vLLM's engine-death shutdown); else
+    the head waits for it to rejoin (up to the rendezvous timeout).
+    """
+
+    def __init__(self, engine: str, host: str, port: int, group: RendezvousGroup,
+                 fatal_loss: Optional[str] = None) -> None:
         self.engine, self.host, self.port, self.group = engine, host, port, group
+        self.fatal_loss = fatal_loss
         self._lock = threading.RLock()
         self._members: dict[socket.socket, tuple[JsonDict, frozenset[int]]] = {}
         self._sock: Optional[socket.socket] = None
@@ -281,6 +288,8 @@ class RendezvousServer:
             pass
         with self._lock:
             self._members.pop(conn, None)
+        if self.fatal_loss:
+            fail(self.engine, f"ranks {sorted(claimed)} on {hello.get('host')} died: {self.fatal_loss}")
         log(self.engine, f"member {hello.get('host')} left; missing ranks {self.missing()}")
 
 

@@ -16,13 +16,16 @@ the way vLLM does, and refuses anything else (exit 2).  Topologies:
   (``K2FLEET_DOUBLE_GPUS_PER_NODE``, default 8); with ``ray`` it joins the
   running cluster and waits for enough nodes.
 
-Headless nodes never serve HTTP; they rejoin the head if it restarts.
+Headless nodes never serve HTTP; they rejoin the head if it restarts.  A DP
+member that dies after joining ends the head (exit 1), as vLLM's API server
+shuts down on engine death unless ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1``.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import socket
 import sys
 import time
@@ -187,6 +190,12 @@ def hello_base(a: argparse.Namespace, kind: str) -> dict[str, object]:
             "pp_size": a.pipeline_parallel_size}
 
 
+def keep_alive_on_engine_death() -> bool:
+    """vLLM's ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH`` (default 0: the API server exits
+    when an engine core dies, so systemd restarts the instance)."""
+    return bool(int(os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "0") or "0"))
+
+
 def setup_dp(a: argparse.Namespace, readiness: Readiness) -> list[RendezvousServer]:
     """Data-parallel rendezvous: listen as head or join as member."""
     size = a.data_parallel_size
@@ -204,7 +213,8 @@ def setup_dp(a: argparse.Namespace, readiness: Readiness) -> list[RendezvousServ
             head_claims=frozenset(range(local)), expect=expect,
             claims=lambda h: frozenset(range(int(h["start_rank"]),
                                              int(h["start_rank"]) + int(h["local_size"]))))
-        server = RendezvousServer(ENGINE, address, port, group)
+        server = RendezvousServer(ENGINE, address, port, group, fatal_loss=None if keep_alive_on_engine_death() else
+                                  "engine core dead, API server shutting down (VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=0)")
         server.start()
         readiness.watch_server(server)
         return [server]

@@ -1,0 +1,172 @@
+"""Ordered restarts of multi-node instances, on a rehearsed fleet (real systemd, real
+pyinfra, engine test doubles that rendezvous over the sandbox network).
+
+Each test rehearses one seed inventory with ``--keep`` under this module's sandbox lock
+(the rehearse process shares it through ``K2FLEET_SANDBOX_LOCK_FD``), then changes one
+input and deploys again with the command the rehearsal printed:
+
+- a changed flag restarts exactly the instance it touches, head before members (the
+  hosts share one kernel, so systemd's monotonic start stamps compare across hosts),
+  every other unit keeps its invocation; the deploy after that has 0 changes;
+- a killed vLLM DP rank is seen by the head (vLLM's API server exits on engine death),
+  systemd restarts both and the instance forms again with its full DP world.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shlex
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from k2fleet import sandbox
+from k2fleet.pyinfra_run import run_pyinfra
+from k2fleet.testing.fleet import ROOT, http_json, ssh, tool
+
+pytestmark = pytest.mark.sandbox
+REHEARSAL_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def lock() -> Iterator:
+    if os.geteuid() != 0:
+        pytest.skip("the sandbox fleet needs root")
+    handle = sandbox.hold_sandbox_lock()
+    try:
+        yield handle
+    finally:
+        sandbox.down()
+        handle.close()
+
+
+class Kept:
+    """A rehearsal left up with ``--keep``: its hosts and its deploy command."""
+
+    def __init__(self, lock, inventory: str) -> None:
+        proc = subprocess.run([tool("k2fleet"), "rehearse", inventory, "--keep"], cwd=ROOT, capture_output=True,
+                              text=True, stdin=subprocess.DEVNULL, timeout=REHEARSAL_TIMEOUT_S,
+                              env={**os.environ, **sandbox.lock_env(lock)}, pass_fds=(lock.fileno(),))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+        self.output = proc.stdout
+        lines = proc.stdout.splitlines()
+        words = shlex.split(lines[lines.index(next(x for x in lines if "deploy again with:" in x)) + 1])
+        assert words[:2] == ["cd", str(ROOT)] and words[2] == "&&", words
+        assert words[3].startswith("K2FLEET_STATE_DIR="), words
+        self.env = dict([words[3].split("=", 1)])
+        self.argv = words[4:]
+        self.inventory = Path(self.argv[-2])
+        mapping = {line.split()[0]: line.split()[2] for line in lines if line.startswith("  ") and " -> k2sb-" in line}
+        by_name = {h.name: asdict(h) for h in sandbox.load_hosts()}
+        self.hosts = {name: by_name[sb] for name, sb in mapping.items()}
+
+    def deploy(self, *data: str):
+        argv = self.argv[:-2] + [a for item in data for a in ("--data", item)] + self.argv[-2:]
+        return run_pyinfra(argv, self.env, 900)
+
+    def unit(self, host: str, unit: str) -> dict[str, str]:
+        out = ssh(self.hosts[host], f"systemctl show -p InvocationID -p ActiveEnterTimestampMonotonic "
+                                    f"-p NRestarts -p ActiveState -p MainPID {unit}").stdout
+        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+    def units(self) -> dict[tuple[str, str], dict[str, str]]:
+        found = {}
+        for host in self.hosts:
+            names = ssh(self.hosts[host], "systemctl list-units --plain --no-legend 'k2-*.service' | awk '{print $1}'"
+                        ).stdout.split()
+            for unit in names:
+                if unit != "k2-mesh-sshd.service":
+                    found[(host, unit)] = self.unit(host, unit)
+        return found
+
+
+def get(url: str) -> tuple[int, object]:
+    """(status, body) of a GET; (0, reason) while nothing listens."""
+    try:
+        return http_json(url, timeout=5)
+    except OSError as exc:
+        return 0, str(exc)
+
+
+def restarted(before: dict, after: dict) -> list[tuple[str, str]]:
+    """(host, unit) whose invocation changed, in the order they (re)started."""
+    changed = [key for key in after if before.get(key, {}).get("InvocationID") != after[key]["InvocationID"]]
+    return sorted(changed, key=lambda key: int(after[key]["ActiveEnterTimestampMonotonic"]))
+
+
+def edit_group_engine_args(inventory: Path, group: str, key: str, value) -> None:
+    """Change one engine flag in one group's inline data of a generated inventory."""
+    ns: dict = {}
+    exec(inventory.read_text(), ns)  # noqa: S102 - the rehearsal's own generated text
+    hosts, data = ns[group]
+    data["k2_engine_args"] = {**data["k2_engine_args"], key: value}
+    lines = [line for line in inventory.read_text().splitlines() if not line.startswith(f"{group} = ")]
+    lines.append(f"{group} = ({hosts!r}, {data!r})")
+    inventory.write_text("\n".join(lines) + "\n")
+    ast.parse(inventory.read_text())
+
+
+def test_dp_ep_flag_change_restarts_head_then_ranks_and_a_killed_rank_restarts_the_instance(lock) -> None:
+    kept = Kept(lock, "inventories/h200-dp-ep.py")
+    before = kept.units()
+    assert set(before) == {("h200-0", "k2-vllm.service"), ("h200-1", "k2-vllm.service")}
+
+    changed = kept.deploy("k2_gpu_memory_utilization=0.8")
+    assert changed.returncode == 0, changed.log[-3000:]
+    after = kept.units()
+    assert restarted(before, after) == [("h200-0", "k2-vllm.service"), ("h200-1", "k2-vllm.service")]
+    again = kept.deploy("k2_gpu_memory_utilization=0.8")
+    assert again.returncode == 0 and again.changed == 0, again.changed_operations
+
+    # Kill the headless ranks' engine: the head sees it and exits; systemd restarts both.
+    head, member = kept.hosts["h200-0"], kept.hosts["h200-1"]
+    deaths = "journalctl -u k2-vllm.service --no-pager -o cat | grep -c 'died: engine core dead'"
+    deaths_before = int(ssh(head, deaths, check=False).stdout.strip() or 0)
+    ssh(member, f"kill -9 {after[('h200-1', 'k2-vllm.service')]['MainPID']}")
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        now = kept.units()
+        status, models = get(f"http://{head['address']}:8000/v1/models")
+        if status == 200 and all(int(now[k]["NRestarts"]) > int(after[k]["NRestarts"]) for k in now) \
+                and now[("h200-0", "k2-vllm.service")]["ActiveState"] == "active" \
+                and get(f"http://{head['address']}:8000/health")[0] == 200:
+            break
+        time.sleep(2)
+    else:
+        pytest.fail(f"instance did not restart and form again: {now}")
+    meta = models["data"][0].get("metadata", models["data"][0])
+    assert meta.get("data_parallel_size") == 16, models
+    assert int(ssh(head, deaths, check=False).stdout.strip() or 0) > deaths_before  # the head saw it
+    healthy = kept.deploy("k2_gpu_memory_utilization=0.8")
+    assert healthy.returncode == 0 and healthy.changed == 0, healthy.changed_operations
+
+
+def test_sglang_pd_decode_flag_change_restarts_only_the_decode_instance_in_order(lock) -> None:
+    kept = Kept(lock, "inventories/h200-sglang-pd.py")
+    before = kept.units()
+    edit_group_engine_args(kept.inventory, "decode", "max-running-requests", 4096)
+    changed = kept.deploy()
+    assert changed.returncode == 0, changed.log[-3000:]
+    after = kept.units()
+    assert restarted(before, after) == [("decode-0", "k2-sglang-decode.service"),
+                                        ("decode-1", "k2-sglang-decode.service")], (before, after)
+    again = kept.deploy()
+    assert again.returncode == 0 and again.changed == 0, again.changed_operations
+
+
+def test_sglang_tp16_flag_change_restarts_node0_then_node1(lock) -> None:
+    kept = Kept(lock, "inventories/h200-sglang-tp16.py")
+    before = kept.units()
+    assert len(before) == 2
+    changed = kept.deploy("k2_gpu_memory_utilization=0.8")
+    assert changed.returncode == 0, changed.log[-3000:]
+    after = kept.units()
+    order = restarted(before, after)
+    assert [host for host, _ in order] == list(kept.hosts), (before, after)
+    again = kept.deploy("k2_gpu_memory_utilization=0.8")
+    assert again.returncode == 0 and again.changed == 0, again.changed_operations
