@@ -261,12 +261,19 @@ WORLD_KEYS = {
 }
 
 
-def expected_world(dep: Deployment, svc: Service) -> dict[str, int] | None:
-    """The topology the health gate checks (sandbox: the engine test doubles report it)."""
+def expected_world(dep: Deployment, svc: Service, host: str) -> dict[str, Any] | None:
+    """The topology the health gate checks (sandbox: the engine test doubles report it):
+    the planned parallel sizes and, for vLLM and SGLang rendezvous (not Ray), the
+    addresses of the other hosts of ``host``'s instance, as the head saw them join."""
     pool = dep.pools.get(svc.role)
     if not dep.s.engine_doubles or pool is None or not pool.tp or dep.engine not in WORLD_KEYS:
         return None
-    return WORLD_KEYS[dep.engine](pool)
+    world: dict[str, Any] = WORLD_KEYS[dep.engine](pool)
+    if dep.engine in ("vllm", "sglang") and dep.s.multinode_backend != "ray":
+        nodes = next((n for n in pool.instances if n[0].name == host), None)
+        if nodes is not None:
+            world["members"] = sorted({h.address for h in nodes[1:]} - {nodes[0].address})
+    return world
 
 
 def health_argv(dep: Deployment, hp: HostPlan, timeout: int) -> list[str] | None:
@@ -276,7 +283,7 @@ def health_argv(dep: Deployment, hp: HostPlan, timeout: int) -> list[str] | None
         if svc.health and svc.health.chat:
             argv = ["/usr/bin/python3", HEALTH_PY, "--base", f"http://127.0.0.1:{svc.health.port}",
                     "--model", dep.api_model_name, "--unit", unit_name(svc), "--timeout", str(timeout)]
-            world = expected_world(dep, svc)
+            world = expected_world(dep, svc, hp.name)
             return argv + (["--expect-world", json.dumps(world, sort_keys=True)] if world else [])
     return None
 

@@ -209,11 +209,13 @@ def test_vllm_tools_need_auto_tool_choice(procs: Procs, model: str) -> None:
     assert status == 400 and "--enable-auto-tool-choice" in json.dumps(body)
 
 
-def test_vllm_data_parallel_head_waits_for_headless(procs: Procs, model: str) -> None:
+@pytest.mark.parametrize("keep_alive", ["0", "1"])
+def test_vllm_data_parallel_head_waits_for_headless(procs: Procs, model: str, keep_alive: str) -> None:
     port, rpc = free_port(), free_port()
     dp = ["-dp", "2", "-dpl", "1", "-dpa", LOCAL, "-dpp", str(rpc), "-tp", "8",
           "--enable-expert-parallel"]
-    procs.start(vllm(model, "--host", LOCAL, "--port", str(port), *dp))
+    head = procs.start(vllm(model, "--host", LOCAL, "--port", str(port), *dp),
+                       env=base_env(VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=keep_alive))
     health = f"http://{LOCAL}:{port}/health"
     wait_status(health, 503)
     time.sleep(0.5)
@@ -222,10 +224,16 @@ def test_vllm_data_parallel_head_waits_for_headless(procs: Procs, model: str) ->
     headless = procs.start(vllm(model, "--headless", "-dpr", "1", *dp))
     wait_status(health, 200)
     assert "joined rendezvous" in procs.output(headless)
+    status, models, _ = get(f"http://{LOCAL}:{port}/v1/models")
+    assert status == 200 and models["data"][0]["metadata"]["members"] == []  # same host: not another node
 
     headless.terminate()
     headless.wait(5)
-    wait_status(health, 503)
+    if keep_alive == "1":
+        wait_status(health, 503)  # VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1: the server stays, not ready
+    else:
+        assert head.wait(10) == 1  # vLLM's default: the API server exits when an engine dies
+        assert "ranks [1] on" in procs.output(head) and "died: engine core dead" in procs.output(head)
 
 
 def test_vllm_multinode_master_rendezvous(procs: Procs, model: str) -> None:

@@ -221,6 +221,10 @@ class RendezvousServer:
         with self._lock:
             return [hello for hello, _ in self._members.values()]
 
+    def member_addresses(self) -> list[str]:
+        """Network addresses members joined from (other hosts only), as this head saw them."""
+        return sorted({hello["_peer"] for hello in self.members() if hello.get("_peer")})
+
     def close(self) -> None:
         """Tell every member we are going away (clean shutdown)."""
         with self._lock:
@@ -265,10 +269,14 @@ class RendezvousServer:
         if hello is None:
             conn.close()
             return
+        try:
+            peer, local = conn.getpeername()[0], conn.getsockname()[0]
+        except OSError:
+            peer = local = ""
         with self._lock:
             error, claimed = self._check(hello)
             if error is None:
-                self._members[conn] = (hello, claimed)
+                self._members[conn] = ({**hello, "_peer": peer if peer != local else ""}, claimed)
         if error is not None:
             log(self.engine, f"rejected member {hello.get('host')}: {error}")
             try:
@@ -458,6 +466,7 @@ class EngineApp:
     api_key: Optional[str] = None
     metadata: JsonDict = field(default_factory=dict)
     extra_get: dict[str, Callable[[], tuple[int, Any]]] = field(default_factory=dict)
+    rendezvous: list = field(default_factory=list)  # RendezvousServers this head runs
 
 
 def _text_of(content: Any) -> str:
@@ -600,7 +609,8 @@ def stream_chunks(completion: JsonDict) -> list[JsonDict]:
 def models_payload(app: EngineApp) -> JsonDict:
     """``/v1/models`` body, with double metadata attached."""
     metadata = {"double": DOUBLE_NAME, "engine": app.engine,
-                "model_type": app.model.model_type, "local": app.model.local, **app.metadata}
+                "model_type": app.model.model_type, "local": app.model.local, **app.metadata,
+                "members": sorted({a for server in app.rendezvous for a in server.member_addresses()})}
     return {"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": app.engine,
          "root": app.model.spec, "parent": None, "metadata": metadata}

@@ -206,6 +206,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     log(ENGINE, f"{DOUBLE_NAME} pretending to be SGLang {VERSION} serving {args.model_path} "
                 f"(rank {args.node_rank}/{args.nnodes}, mode {args.disaggregation_mode})")
     servers = setup_ranks(args, app.readiness)
+    app.rendezvous = servers
     cleanups = [s.close for s in servers]
     if args.node_rank == 0:
         http = serve_http(ENGINE, args.host, args.port, EngineHandler, app)

@@ -272,6 +272,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     check_ray(args)
     log(ENGINE, f"{DOUBLE_NAME} pretending to be vLLM {VERSION} serving {args.model}")
     servers = setup_dp(args, app.readiness) + setup_nodes(args, app.readiness)
+    app.rendezvous = servers
     cleanups = [s.close for s in servers]
     if args.headless:
         log(ENGINE, "headless: no HTTP server")
