@@ -48,11 +48,13 @@ HOLD_PATTERNS = {"apt": ("nvidia-*", "libnvidia-*", "libnvsdm*"), "dnf": ("*nvid
 @dataclass(frozen=True)
 class Package:
     """One package. ``version``: exact upstream version (the package manager's spec pins
-    it); ``same_as_driver``: pinned at deploy time to the installed driver's version."""
+    it); ``same_as_driver``: pinned at deploy time to the installed driver's version;
+    ``hold``: held after install (apt-mark hold / dnf versionlock)."""
 
     name: str
     version: str | None = None
     same_as_driver: bool = False
+    hold: bool = False
 
     def spec(self, manager: str) -> str:
         if self.version is None:
@@ -61,7 +63,7 @@ class Package:
 
     def to_json(self, manager: str) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "spec": self.spec(manager),
-                "same_as_driver": self.same_as_driver}
+                "same_as_driver": self.same_as_driver, "hold": self.hold}
 
 
 @dataclass(frozen=True)
@@ -152,10 +154,10 @@ def nvidia_driver_packages(manager: str, d: t.DriverChoice) -> tuple[list[Repo],
     meta = "nvidia-open" if d.flavour == "open" else "cuda-drivers"
     if manager == "dnf":
         stream = f"nvidia-driver:{d.branch}-{'open' if d.flavour == 'open' else 'dkms'}"
-        return [Repo("nvidia-driver-stream", "dnf-module", stream)], [Package(meta, d.version)]
+        return [Repo("nvidia-driver-stream", "dnf-module", stream)], [Package(meta, d.version, hold=True)]
     if d.branch >= t.APT_PINNING_SINCE:
-        return [], [Package(f"nvidia-driver-pinning-{d.branch}"), Package(meta, d.version)]
-    return [], [Package(f"{meta}-{d.branch}", d.version)]
+        return [], [Package(f"nvidia-driver-pinning-{d.branch}", hold=True), Package(meta, d.version, hold=True)]
+    return [], [Package(f"{meta}-{d.branch}", d.version, hold=True)]
 
 
 def fabric_packages(fabric: str | None, d: t.DriverChoice, arch: str) -> tuple[list[Package], list[str], list[str]]:
@@ -164,7 +166,7 @@ def fabric_packages(fabric: str | None, d: t.DriverChoice, arch: str) -> tuple[l
         return [], [], []
 
     def pinned(base: str) -> Package:
-        return Package(_branch_named(base, d.branch), d.version, same_as_driver=d.version is None)
+        return Package(_branch_named(base, d.branch), d.version, same_as_driver=d.version is None, hold=True)
 
     if fabric == t.IMEX:
         return [pinned("nvidia-imex")], [], ["nvidia-imex"]
@@ -235,7 +237,8 @@ def amd_gates(dep: Deployment, marketing: str) -> list[Gate]:
 # --------------------------------------------------------------------------- the plan
 
 
-def host_needs_gpu_stack(dep: Deployment, host: HostEntry) -> bool:
+def host_needs_gpu_stack(host: HostEntry) -> bool:
+    """Every role carries GPUs but the SGLang router and the SLURM login node."""
     return host.settings.role not in t.GPU_ROLES_WITHOUT_GPUS
 
 
@@ -247,7 +250,7 @@ def bootstrap_plan(dep: Deployment, host: HostEntry, host_os: str | None = None)
     table = t.OS_TABLES[os_name]
     gpu = dep.gpu
     assert gpu is not None
-    vendor = gpu.vendor if host_needs_gpu_stack(dep, host) else None
+    vendor = gpu.vendor if host_needs_gpu_stack(host) else None
     needs = t.NVIDIA_GPUS.get(gpu.name) if vendor == "nvidia" else None
     arch = needs.arch if needs else "x86_64"
     manager = table.manager
@@ -288,7 +291,7 @@ def bootstrap_plan(dep: Deployment, host: HostEntry, host_os: str | None = None)
         hold_patterns = tuple(p.format(branch=d.branch) for p in HOLD_PATTERNS[manager])
     else:
         repos.append(Repo("amdgpu", "dnf-baseurl" if manager == "dnf" else "apt", table.amdgpu_repo, ROCM_KEY))
-        packages.append(Package("amdgpu-dkms"))
+        packages.append(Package("amdgpu-dkms", hold=True))
         groups[dep.s.mesh_user] = ("video", "render")
         gates = amd_gates(dep, t.AMD_MARKETING.get(gpu.name, gpu.name.upper()))
         hold_patterns = ()
@@ -299,8 +302,7 @@ def bootstrap_plan(dep: Deployment, host: HostEntry, host_os: str | None = None)
     if host.settings.ib_hcas or fabric == t.NVLINK5:
         packages += [Package(name) for name in table.rdma if not any(p.name == name for p in packages)]
     kernel = (table.kernel_holds or {}).get(arch, ())
-    holds = tuple(p.name for p in packages if p.version or p.same_as_driver or p.name.startswith(
-        ("nvidia-open", "cuda-drivers", "nvidia-driver-pinning", "amdgpu-dkms"))) + kernel
+    holds = tuple(p.name for p in packages if p.hold) + kernel
     if manager == "apt":
         files[t.UNATTENDED_FILE] = unattended_blacklist()
     return BootstrapPlan(**common, driver=dep.driver if vendor == "nvidia" else None, fabric=fabric,

@@ -163,6 +163,21 @@ NVIDIA_GPUS: dict[str, GpuDriverNeeds] = {
     "gb200": GpuDriverNeeds(570, _BW, True, IMEX, arch="sbsa", marketing="GB200"),
     "gb300": GpuDriverNeeds(580, _BW_ULTRA, True, IMEX, arch="sbsa", marketing="GB300"),
 }
+# [imex] SERVER_PORT default: every host of an IMEX domain listens on it, so no engine
+# process may take it there (k2fleet.planner checks it with the other ports).
+IMEX_SERVER_PORT = 50000
+
+
+def reserved_ports(gpu: str) -> dict[str, int]:
+    """Ports the bootstrap's daemons take on every host of a ``gpu`` fleet.
+
+    >>> reserved_ports("gb200"), reserved_ports("h200")
+    ({'nvidia-imex (its SERVER_PORT)': 50000}, {})
+    """
+    needs = NVIDIA_GPUS.get(gpu)
+    return {"nvidia-imex (its SERVER_PORT)": IMEX_SERVER_PORT} if needs and needs.fabric == IMEX else {}
+
+
 # An HGX baseboard carries 8 GPUs behind NVSwitches; fewer GPUs per host (HGX 4-GPU, PCIe
 # cards, NVL bridges) means no NVSwitch and no fabric manager.
 HGX_GPUS = 8

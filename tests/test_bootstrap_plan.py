@@ -87,6 +87,7 @@ def check_nvidia_driver(plan: BootstrapPlan, branch: int) -> None:
 
 
 def fabric_packages(plan: BootstrapPlan) -> list[str]:
+    """Packages pinned to the driver's version that are not the driver itself."""
     return [p.name for p in plan.packages if p.same_as_driver or (p.version and p.name != driver_name(plan))]
 
 
@@ -270,3 +271,23 @@ def test_every_seed_inventory_plans_a_bootstrap_per_host() -> None:
             assert (boot["vendor"] is not None) == gpu_host, (inv.name, name)
             if gpu_host and boot["vendor"] == "nvidia":
                 assert boot["driver"]["branch"] >= boot["driver"]["minimum"]
+
+
+def test_imex_port_is_reserved_on_gb200(tmp_path: Path) -> None:
+    """IMEX listens on 50000 on every GB200 host: SGLang's default --dist-init-addr port
+    there is refused (naming the key), another port plans."""
+    data = NVFP4 | {"k2_engine": "sglang", "k2_gpu": "gb200", "k2_tp": 8}
+    with pytest.raises(SpecError) as err:
+        plans(tmp_path / "a", GB200_HOSTS, **data)
+    assert err.value.key == "k2_dist_init_port" and "nvidia-imex" in err.value.message
+    assert plans(tmp_path / "b", GB200_HOSTS, **data, k2_dist_init_port=50001)["gb200-0"].fabric == t.IMEX
+    assert plans(tmp_path / "c", 2, **data | {"k2_gpu": "b200", "k2_tp": 16})["node-0"].fabric == t.NVLINK5
+
+
+def test_readme_compatibility_table_is_the_code_table() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for (engine, version), ec in t.ENGINE_CUDA.items():
+        cd = t.CUDA_DRIVER[ec.cuda]
+        row = (f"| {engine} {version} | {ec.cuda} | {cd.branch} ({cd.version}) | {t.default_branch(cd.branch)} | "
+               f"{'yes' if ec.verified else 'no'} |")
+        assert row in readme, f"README's compatibility table is stale: {row}"
