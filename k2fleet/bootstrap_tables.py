@@ -230,9 +230,12 @@ UBUNTU_2404 = OsTable(
     amdgpu_repo=f"https://repo.radeon.com/amdgpu/{AMDGPU_RELEASE}/ubuntu noble main",
 )
 DEBIAN_12 = OsTable(
-    name="debian-12", manager="apt", cuda_repo="debian12", cuda_arches=("x86_64",), codename="bookworm",
+    # sbsa: referenced as https://developer.download.nvidia.com/compute/cuda/repos/debian12/sbsa by
+    # third-party repository configurations (not read from NVIDIA's own page)
+    name="debian-12", manager="apt", cuda_repo="debian12", cuda_arches=("x86_64", "sbsa"), codename="bookworm",
     components="main contrib",
-    kernel_holds={"x86_64": ("linux-image-amd64", "linux-headers-amd64")},
+    kernel_holds={"x86_64": ("linux-image-amd64", "linux-headers-amd64"),
+                  "sbsa": ("linux-image-arm64", "linux-headers-arm64")},
     kernel_headers="linux-headers-{kernel}",
     docker=("docker.io",),
     rdma=("rdma-core", "ibverbs-utils", "infiniband-diags"),

@@ -291,3 +291,13 @@ def test_readme_compatibility_table_is_the_code_table() -> None:
         row = (f"| {engine} {version} | {ec.cuda} | {cd.branch} ({cd.version}) | {t.default_branch(cd.branch)} | "
                f"{'yes' if ec.verified else 'no'} |")
         assert row in readme, f"README's compatibility table is stale: {row}"
+
+
+def test_arm64_gpus_need_an_sbsa_repository_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule for an OS table without NVIDIA's sbsa tree (every table has one today)."""
+    import dataclasses
+
+    monkeypatch.setitem(t.OS_TABLES, "debian-12", dataclasses.replace(t.DEBIAN_12, cuda_arches=("x86_64",)))
+    with pytest.raises(SpecError) as err:
+        plans(tmp_path, GB200_HOSTS, **GPU_FLEETS["gb200"], k2_os="debian-12")
+    assert err.value.key == "k2_os" and "sbsa" in err.value.message
