@@ -10,7 +10,7 @@ Sources (read for this table; cite these when a number looks wrong):
   ``*.dist-info/METADATA``: the ``torch==`` pin and CUDA extras; then the pinned torch's
   PyPI wheel METADATA (PEP 658 ``.metadata`` file of the manylinux x86_64 cp311 wheel):
   ``nvidia-cuda-runtime-cu12==12.6.77`` (torch 2.7.1), ``==12.8.90`` (torch 2.8.0, 2.9.1),
-  ``cuda-toolkit[...]==13.0.3`` (torch 2.14.0).
+  ``cuda-toolkit[...]==13.0.3`` (torch 2.14.0, 2.14.1).
 - [cuda-rn] CUDA Toolkit release notes, table "CUDA Toolkit and Corresponding Driver
   Versions" (docs.nvidia.com/cuda/cuda-toolkit-release-notes): 12.6 GA ≥ 560.28.03,
   12.8 GA ≥ 570.26, 12.9 GA ≥ 575.51.03, 13.0 GA ≥ 580.65.06 (Linux x86_64).
@@ -86,8 +86,8 @@ ENGINE_CUDA: dict[tuple[str, str], EngineCuda] = {
     ("vllm", "0.10.0"): EngineCuda("12.6", "[wheels] vllm 0.10.0: torch==2.7.1; torch 2.7.1: nvidia-cuda-runtime-cu12==12.6.77"),
     ("sglang", "0.5.23"): EngineCuda(
         "13.0",
-        "[wheels] sglang 0.5.23: torch==2.14.1, cuda-python>=13.0, flashinfer_python[cu13], "
-        "nvidia-cutlass-dsl[cu13] (torch 2.14.1's own METADATA was not readable)",
+        "[wheels] sglang 0.5.23: torch==2.14.1, cuda-python>=13.0, flashinfer_python[cu13]; torch 2.14.1: "
+        "cuda-toolkit==13.0.3 (METADATA read from the wheel's zip directory: PyPI has no PEP 658 file for it)",
     ),
     ("sglang", "0.5.4"): EngineCuda("12.8", "[wheels] sglang 0.5.4: torch==2.8.0; torch 2.8.0: nvidia-cuda-runtime-cu12==12.8.90"),
     ("sglang", "0.4.9"): EngineCuda("12.6", "[wheels] sglang 0.4.9 [srt]: torch==2.7.1; torch 2.7.1: nvidia-cuda-runtime-cu12==12.6.77"),
