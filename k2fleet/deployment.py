@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from k2fleet import catalog
+from k2fleet.bootstrap_tables import DriverChoice, choose_driver
 from k2fleet.spec import SHA_RE, Fleet, HostEntry, HostSettings, SpecError
 
 KV_RESERVE_GIB = 4.0  # the least KV cache per GPU worth serving with...
@@ -58,6 +59,7 @@ class Deployment:
     reasoning_parser: str | None
     served_model_name: str
     pools: dict[str, Pool]
+    driver: DriverChoice | None = None  # NVIDIA driver the bootstrap installs (None: AMD)
 
     @property
     def s(self) -> HostSettings:
@@ -406,6 +408,7 @@ def resolve(fleet: Fleet) -> Deployment:
     if "slurm-submit" in pools and gpu is not None:
         _check_slurm(fleet, gpu, per_node, size)
     _check_engine_flags(fleet, s.engine, version, pools)
+    driver = choose_driver(fleet, gpu, s.engine, version) if gpu is not None else None
     reasoning_parser = s.reasoning_parser or ("kimi_k2" if reasoning else None)
     return Deployment(
         fleet=fleet,
@@ -421,4 +424,5 @@ def resolve(fleet: Fleet) -> Deployment:
         reasoning_parser=reasoning_parser,
         served_model_name=s.served_model_name or s.model,
         pools=pools,
+        driver=driver,
     )

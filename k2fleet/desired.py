@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from k2fleet import mesh
+from k2fleet.bootstrap import BootstrapPlan, bootstrap_plan
 from k2fleet.checkpoint import fanout
 from k2fleet.deployment import Deployment
 from k2fleet.packages import required_packages
@@ -136,6 +137,7 @@ class HostDesired:
     health_argv: list[str] | None = None
     venv_install: list[str] | None = None
     engine_entry: str = ""
+    bootstrap: BootstrapPlan | None = None  # driver, fabric, container runtime (k2fleet.bootstrap)
 
     def all_paths(self) -> list[str]:
         paths = {p for files in self.files.values() for p in files}
@@ -157,6 +159,7 @@ class HostDesired:
             "checks": self.checks,
             "checkpoint": None if fan is None or not fan.loads_weights else {
                 "parent": fan.parent if fan.round else None, "from": _source_label(fan), "round": fan.round},
+            "bootstrap": None if self.bootstrap is None else self.bootstrap.to_json(),
         }
 
 
@@ -325,7 +328,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
     out: dict[str, HostDesired] = {}
     for h in dep.fleet.hosts:
         hp = plan.hosts[h.name]
-        d = HostDesired(name=h.name, address=h.address, slots=slots)
+        d = HostDesired(name=h.name, address=h.address, slots=slots, bootstrap=bootstrap_plan(dep, h))
         d.files["mesh"] = mesh_files(dep, h.name, art)
         d.files["engine"] = dict(engine)
         d.files["hub_client"] = hub_client_files(dep, h.name, art)

@@ -8,6 +8,7 @@ share a port. Nothing here connects to a host or writes a file.
 
 from __future__ import annotations
 
+from k2fleet.bootstrap_tables import reserved_ports
 from k2fleet.deployment import Deployment
 from k2fleet.plan import HostPlan, Plan, Service
 from k2fleet.render import ktransformers, sglang, trtllm, vllm
@@ -50,5 +51,6 @@ def make_plan(dep: Deployment) -> Plan:
         checkpoint_path=dep.serve_path,
         hosts=hosts,
     )
-    _check_ports(plan, {"k2_mesh_port": dep.s.mesh_port})
+    reserved = reserved_ports(dep.gpu.name) if dep.gpu else {}
+    _check_ports(plan, {"k2_mesh_port": dep.s.mesh_port} | reserved)
     return plan

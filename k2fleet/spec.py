@@ -437,6 +437,9 @@ HttpUrl = Annotated[SafeStr, AfterValidator(http_url)]
 Port = Annotated[int, Strict(), Field(ge=1, le=65535)]
 PosInt = Annotated[int, Strict(), Field(ge=1)]
 NonNegInt = Annotated[int, Strict(), Field(ge=0)]
+DriverBranch = Annotated[int, Strict(), Field(ge=450, le=999)]
+DriverVersion = Annotated[SafeStr, AfterValidator(_pattern(re.compile(r"[0-9]{3}\.[0-9]{1,3}(?:\.[0-9]{1,3})?"),
+                                                           "an NVIDIA driver version like 580.95.05"))]
 Fraction = Annotated[float, AfterValidator(fraction)]
 Number = Annotated[float, AfterValidator(finite)]
 
@@ -694,6 +697,39 @@ class HostSettings(BaseModel):
     )
     engine_doubles: bool = _key(
         FLEET, "Sandbox only: install k2fleet's engine test doubles instead of real engines.", default=False
+    )
+    # --- host bootstrap (driver, fabric, container runtime) --------------------------
+    os: Literal["ubuntu-22.04", "ubuntu-24.04", "debian-12", "rhel-9", "rocky-9"] | None = _key(
+        HOST,
+        "The host's OS release, which selects the bootstrap's package table; default "
+        "`ubuntu-22.04` (the deploy compares it with the host's /etc/os-release).",
+        default=None,
+    )
+    driver_branch: DriverBranch | None = _key(
+        FLEET,
+        "NVIDIA driver branch, e.g. 580; default: the first data-center branch at or above the "
+        "minimum of the engine's CUDA build and the GPU (vLLM 0.33/SGLang 0.5.23: 580). Lower is refused.",
+        default=None,
+    )
+    driver_flavour: Literal["open", "proprietary"] | None = _key(
+        FLEET, "NVIDIA kernel modules: `open` (default; required on Blackwell) or `proprietary`.", default=None
+    )
+    driver_version: DriverVersion | None = _key(
+        FLEET,
+        "Exact NVIDIA driver version within the branch (e.g. `580.95.05`); fabric manager, NSCQ and "
+        "IMEX are pinned to it. Default: the branch's newest, fabric packages at the installed driver's version.",
+        default=None,
+    )
+    reboot: Literal["never", "if-needed", "rolling"] = _key(
+        FLEET,
+        "Reboots after a driver change: `never` (stop, naming the hosts that need one), `if-needed`, "
+        "`rolling` (one host at a time).",
+        default="if-needed",
+    )
+    imex_address: Address | None = _key(
+        HOST,
+        "GB200/GB300: this host's IP in IMEX's nodes_config.cfg; default `k2_address` (must be an IP).",
+        default=None,
     )
     # --- serving features --------------------------------------------------------
     tool_parser: ParserName | None = _key(FLEET, "Tool-call parser (`--tool-call-parser`).", default="kimi_k2")

@@ -125,6 +125,8 @@ GOOD_STRINGS: dict[str, str] = {
     "mesh_user": "root",
     "address": "192.0.2.10",
     "nic": "ens10f0np0",
+    "driver_version": "580.95.05",
+    "imex_address": "192.0.2.10",
 }
 
 

@@ -1,0 +1,312 @@
+"""What takes one bare host to GPU-ready: the bootstrap plan (pure).
+
+:func:`bootstrap_plan` reads the resolved :class:`~k2fleet.deployment.Deployment` and the
+tables of :mod:`k2fleet.bootstrap_tables` and returns a :class:`BootstrapPlan` for one
+host and OS: package repositories, packages with their pins, holds (and the
+unattended-upgrades blacklist), kernel modules, services, files (IMEX nodes_config.cfg),
+commands run after installing (``nvidia-ctk``), group memberships, and the gates that
+must pass before the engine starts (GPU count and type, driver branch, loaded module =
+installed driver, NVLink fabric state Completed). It connects to nothing; ``k2fleet plan
+--json`` shows it per host under ``desired.bootstrap``. Carrying it out (roles, reboots,
+the sandbox's test-double packages) is a later slice.
+
+Pins: with ``k2_driver_version`` every driver-family package (driver, fabric manager,
+NSCQ, NVSDM, IMEX) is pinned to that version; without it the branch is selected by
+package name / pinning package / module stream and the fabric packages are marked
+``same_as_driver``: the deploy installs them at the version the driver resolved to (a
+fact), never the repository's newest — a fabric manager one patch release away from the
+driver is the CUDA error 802 this exists to prevent.
+
+>>> Package("nvidia-fabricmanager", "580.95.05").spec("apt")
+'nvidia-fabricmanager=580.95.05*'
+>>> Package("nvidia-fabricmanager", "580.95.05").spec("dnf")
+'nvidia-fabricmanager-580.95.05'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from k2fleet import bootstrap_tables as t
+from k2fleet.deployment import Deployment
+from k2fleet.spec import HostEntry
+
+CUDA_REPO_URL = "https://developer.download.nvidia.com/compute/cuda/repos/{os}/{arch}/"
+CUDA_KEYRING = CUDA_REPO_URL + "cuda-keyring_1.1-1_all.deb"
+CTK_APT = ("deb [signed-by=/usr/share/keyrings/nvidia-container-toolkit-keyring.gpg] "
+           "https://nvidia.github.io/libnvidia-container/stable/deb/$(ARCH) /")
+CTK_KEY = "https://nvidia.github.io/libnvidia-container/gpgkey"
+CTK_DNF = "https://nvidia.github.io/libnvidia-container/stable/rpm/nvidia-container-toolkit.repo"
+ROCM_KEY = "https://repo.radeon.com/rocm/rocm.gpg.key"
+IMEX_NODES = "/etc/nvidia-imex/nodes_config.cfg"
+IB_UMAD_CONF = "/etc/modules-load.d/k2fleet-ib_umad.conf"
+CDI_SPEC = "/etc/cdi/nvidia.yaml"
+HOLD_PATTERNS = {"apt": ("nvidia-*", "libnvidia-*", "libnvsdm*"), "dnf": ("*nvidia*{branch}*",)}
+
+
+@dataclass(frozen=True)
+class Package:
+    """One package. ``version``: exact upstream version (the package manager's spec pins
+    it); ``same_as_driver``: pinned at deploy time to the installed driver's version;
+    ``hold``: held after install (apt-mark hold / dnf versionlock)."""
+
+    name: str
+    version: str | None = None
+    same_as_driver: bool = False
+    hold: bool = False
+
+    def spec(self, manager: str) -> str:
+        if self.version is None:
+            return self.name
+        return self.name + t.PACKAGE_MANAGERS[manager].version_spec.format(version=self.version)
+
+    def to_json(self, manager: str) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version, "spec": self.spec(manager),
+                "same_as_driver": self.same_as_driver, "hold": self.hold}
+
+
+@dataclass(frozen=True)
+class Repo:
+    """A package source: an apt sources line (+ keyring), a dnf .repo file URL, or a dnf
+    module stream to enable."""
+
+    name: str
+    kind: str  # "apt" (sources line) | "apt-keyring-deb" | "dnf-repo" (.repo URL) | "dnf-baseurl" | "dnf-module"
+    source: str
+    key: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "source": self.source, "key": self.key}
+
+
+@dataclass(frozen=True)
+class Gate:
+    """A check after bootstrap: ``what`` must equal/contain ``expect``, read by ``how``."""
+
+    name: str
+    expect: Any
+    how: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "expect": self.expect, "how": self.how}
+
+
+@dataclass(frozen=True)
+class BootstrapPlan:
+    """Everything the bootstrap stage does on one host (see the module doc)."""
+
+    host: str
+    os: str
+    os_from: str  # "k2_os" | "default"
+    manager: str
+    vendor: str | None  # "nvidia" | "amd" | None (a host without GPUs)
+    arch: str
+    package_source: str
+    reboot: str
+    driver: t.DriverChoice | None = None
+    fabric: str | None = None
+    repos: tuple[Repo, ...] = ()
+    packages: tuple[Package, ...] = ()
+    kernel_headers: str = ""
+    holds: tuple[str, ...] = ()
+    hold_patterns: tuple[str, ...] = ()
+    modules: tuple[str, ...] = ()
+    services: tuple[str, ...] = ()
+    files: dict[str, str] = field(default_factory=dict)
+    commands: tuple[tuple[str, ...], ...] = ()
+    groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    gates: tuple[Gate, ...] = ()
+
+    def package(self, name: str) -> Package | None:
+        return next((p for p in self.packages if p.name == name), None)
+
+    def to_json(self) -> dict[str, Any]:
+        d = self.driver
+        return {
+            "os": self.os, "os_from": self.os_from, "manager": self.manager, "vendor": self.vendor,
+            "arch": self.arch, "package_source": self.package_source, "reboot": self.reboot,
+            "driver": None if d is None else {
+                "branch": d.branch, "flavour": d.flavour, "version": d.version, "minimum": d.minimum,
+                "minimum_reason": d.minimum_reason, "default_branch": d.default_branch, "cuda": d.cuda},
+            "fabric": self.fabric,
+            "repos": [r.to_json() for r in self.repos],
+            "packages": [p.to_json(self.manager) for p in self.packages],
+            "kernel_headers": self.kernel_headers,
+            "holds": list(self.holds), "hold_patterns": list(self.hold_patterns),
+            "modules": list(self.modules), "services": list(self.services),
+            "files": dict(self.files), "commands": [list(c) for c in self.commands],
+            "groups": {u: list(g) for u, g in self.groups.items()},
+            "gates": [g.to_json() for g in self.gates],
+        }
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def _branch_named(base: str, branch: int, since_unversioned: int = t.UNVERSIONED_FABRIC_SINCE) -> str:
+    """``nvidia-fabricmanager`` from branch 580, ``nvidia-fabricmanager-570`` before ([gdc])."""
+    return base if branch >= since_unversioned else f"{base}-{branch}"
+
+
+def nvidia_driver_packages(manager: str, d: t.DriverChoice) -> tuple[list[Repo], list[Package]]:
+    """The driver at branch ``d.branch`` in flavour ``d.flavour`` ([dig])."""
+    meta = "nvidia-open" if d.flavour == "open" else "cuda-drivers"
+    if manager == "dnf":
+        stream = f"nvidia-driver:{d.branch}-{'open' if d.flavour == 'open' else 'dkms'}"
+        return [Repo("nvidia-driver-stream", "dnf-module", stream)], [Package(meta, d.version, hold=True)]
+    if d.branch >= t.APT_PINNING_SINCE:
+        return [], [Package(f"nvidia-driver-pinning-{d.branch}", hold=True), Package(meta, d.version, hold=True)]
+    return [], [Package(f"{meta}-{d.branch}", d.version, hold=True)]
+
+
+def fabric_packages(fabric: str | None, d: t.DriverChoice, arch: str) -> tuple[list[Package], list[str], list[str]]:
+    """(packages, kernel modules, services) of the GPU's NVLink fabric, at the driver's version."""
+    if fabric is None:
+        return [], [], []
+
+    def pinned(base: str) -> Package:
+        return Package(_branch_named(base, d.branch), d.version, same_as_driver=d.version is None, hold=True)
+
+    if fabric == t.IMEX:
+        return [pinned("nvidia-imex")], [], ["nvidia-imex"]
+    pkgs = [pinned("nvidia-fabricmanager"), pinned("libnvidia-nscq")]
+    modules: list[str] = []
+    if fabric == t.NVLINK5:
+        if arch == "x86_64":  # [gdc] libnvsdm packages are not available for arm64
+            pkgs.append(pinned("libnvsdm"))
+        pkgs += [Package("nvlsm"), Package("infiniband-diags")]
+        modules = ["ib_umad"]
+    return pkgs, modules, ["nvidia-fabricmanager"]
+
+
+def cuda_repo(table: t.OsTable, arch: str) -> Repo:
+    url = CUDA_REPO_URL.format(os=table.cuda_repo, arch=arch)
+    if table.manager == "dnf":
+        return Repo("cuda", "dnf-repo", url + f"cuda-{table.cuda_repo}.repo")
+    return Repo("cuda", "apt-keyring-deb", CUDA_KEYRING.format(os=table.cuda_repo, arch=arch))
+
+
+def container_repos(table: t.OsTable, vendor: str) -> list[Repo]:
+    repos = []
+    if table.docker_repo:
+        repos.append(Repo("docker-ce", "dnf-repo", table.docker_repo))
+    if vendor == "nvidia":
+        repos.append(Repo("nvidia-container-toolkit", "dnf-repo", CTK_DNF) if table.manager == "dnf"
+                     else Repo("nvidia-container-toolkit", "apt", CTK_APT, CTK_KEY))
+    return repos
+
+
+def unattended_blacklist() -> str:
+    """apt.conf snippet: unattended-upgrades never touches drivers, fabric or kernels
+    (list entries append to the distribution's own blacklist)."""
+    lines = ["// k2fleet: drivers, fabric and kernels change only in a planned bootstrap with its reboot",
+             "Unattended-Upgrade::Package-Blacklist {"]
+    lines += [f'    "{prefix}";' for prefix in t.UNATTENDED_BLACKLIST]
+    return "\n".join(lines + ["};"]) + "\n"
+
+
+def nvidia_gates(dep: Deployment, d: t.DriverChoice, needs: t.GpuDriverNeeds, fabric: str | None,
+                 services: list[str]) -> list[Gate]:
+    smi = "nvidia-smi --query-gpu={} --format=csv,noheader"
+    gates = [
+        Gate("gpu-count", dep.gpus_per_node, smi.format("index")),
+        Gate("gpu-type", needs.marketing, smi.format("name")),
+        Gate("driver-branch", d.branch, smi.format("driver_version") + " (major)"),
+        Gate("driver-minimum", d.minimum, smi.format("driver_version") + " (major, at least)"),
+        Gate("module-matches-installed", "installed driver version", "/sys/module/nvidia/version"),
+    ]
+    if d.version:
+        gates.append(Gate("driver-version", d.version, smi.format("driver_version")))
+    if fabric:
+        gates.append(Gate("fabric-state", "Completed", "nvidia-smi -q: Fabric > State of every GPU"))
+        gates.append(Gate("fabric-status", "Success", "nvidia-smi -q: Fabric > Status of every GPU"))
+    gates += [Gate(f"service-{s}", "active", f"systemctl is-active {s}") for s in services]
+    return gates
+
+
+def amd_gates(dep: Deployment, marketing: str) -> list[Gate]:
+    return [
+        Gate("module-loaded", "amdgpu", "/sys/module/amdgpu"),
+        Gate("gpu-count", dep.gpus_per_node, "/sys/class/kfd/kfd/topology/nodes/*/properties with simd_count > 0"),
+        Gate("gpu-type", marketing, "/sys/class/drm/card*/device/product_name"),
+        Gate("kfd", "present", "/dev/kfd"),
+    ]
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def host_needs_gpu_stack(host: HostEntry) -> bool:
+    """Every role carries GPUs but the SGLang router and the SLURM login node."""
+    return host.settings.role not in t.GPU_ROLES_WITHOUT_GPUS
+
+
+def bootstrap_plan(dep: Deployment, host: HostEntry, host_os: str | None = None) -> BootstrapPlan:
+    """The bootstrap of ``host`` on OS ``host_os`` (default: its ``k2_os``, else
+    ubuntu-22.04). Pure: tables in, plan out."""
+    os_name = host_os or t.host_os(host)
+    os_from = "argument" if host_os else ("k2_os" if host.settings.os else "default")
+    table = t.OS_TABLES[os_name]
+    gpu = dep.gpu
+    assert gpu is not None
+    vendor = gpu.vendor if host_needs_gpu_stack(host) else None
+    needs = t.NVIDIA_GPUS.get(gpu.name) if vendor == "nvidia" else None
+    arch = needs.arch if needs else "x86_64"
+    manager = table.manager
+    common = dict(host=host.name, os=os_name, os_from=os_from, manager=manager, vendor=vendor, arch=arch,
+                  package_source=dep.s.package_source, reboot=dep.s.reboot)
+    if vendor is None:
+        return BootstrapPlan(**common)  # router / SLURM login node: no GPU stack
+    container = dep.runtime == "container"
+    repos: list[Repo] = []
+    packages: list[Package] = [Package(name) for name in table.hold_tool]
+    modules: list[str] = []
+    services: list[str] = []
+    files: dict[str, str] = {}
+    commands: list[tuple[str, ...]] = []
+    groups: dict[str, tuple[str, ...]] = {}
+    fabric = None
+    if vendor == "nvidia":
+        d = dep.driver
+        assert d is not None and needs is not None
+        fabric = needs.fabric if needs.fabric != t.NVSWITCH or dep.gpus_per_node == t.HGX_GPUS else None
+        repos.append(cuda_repo(table, arch))
+        driver_repos, driver_pkgs = nvidia_driver_packages(manager, d)
+        repos += driver_repos
+        packages += driver_pkgs
+        f_pkgs, modules, f_services = fabric_packages(fabric, d, arch)
+        packages += f_pkgs
+        services = ["nvidia-persistenced", *f_services]
+        if fabric == t.IMEX:
+            files[IMEX_NODES] = "".join(a + "\n" for a in t.imex_addresses(dep.fleet))
+        if fabric == t.NVLINK5:
+            files[IB_UMAD_CONF] = "".join(m + "\n" for m in modules)
+        if container:
+            packages.append(Package("nvidia-container-toolkit"))
+            commands += [("nvidia-ctk", "runtime", "configure", "--runtime=docker"),
+                         ("nvidia-ctk", "cdi", "generate", f"--output={CDI_SPEC}"),
+                         ("systemctl", "restart", "docker")]
+        gates = nvidia_gates(dep, d, needs, fabric, services)
+        hold_patterns = tuple(p.format(branch=d.branch) for p in HOLD_PATTERNS[manager])
+    else:
+        repos.append(Repo("amdgpu", "dnf-baseurl" if manager == "dnf" else "apt", table.amdgpu_repo, ROCM_KEY))
+        packages.append(Package("amdgpu-dkms", hold=True))
+        groups[dep.s.mesh_user] = ("video", "render")
+        gates = amd_gates(dep, t.AMD_MARKETING.get(gpu.name, gpu.name.upper()))
+        hold_patterns = ()
+    if container:
+        repos += container_repos(table, vendor)
+        packages += [Package(name) for name in table.docker]
+        services.append("docker")
+    if host.settings.ib_hcas or fabric == t.NVLINK5:
+        packages += [Package(name) for name in table.rdma if not any(p.name == name for p in packages)]
+    kernel = (table.kernel_holds or {}).get(arch, ())
+    holds = tuple(p.name for p in packages if p.hold) + kernel
+    if manager == "apt":
+        files[t.UNATTENDED_FILE] = unattended_blacklist()
+    return BootstrapPlan(**common, driver=dep.driver if vendor == "nvidia" else None, fabric=fabric,
+                         repos=tuple(repos), packages=tuple(packages), kernel_headers=table.kernel_headers,
+                         holds=holds, hold_patterns=hold_patterns, modules=tuple(modules),
+                         services=tuple(services), files=files, commands=tuple(commands), groups=groups,
+                         gates=tuple(gates))
