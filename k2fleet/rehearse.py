@@ -280,8 +280,8 @@ def failure_summary(log: str) -> str:
     return "see the deploy output above"
 
 
-def slurm_endpoints(job: dict[str, Any], hosts: Sequence[sandbox.SandboxHost], timeout: float,
-                    say: Any) -> tuple[list[tuple[str, str, str, Any]], str | None]:
+def slurm_endpoints(job: dict[str, Any], login: sandbox.SandboxHost, hosts: Sequence[sandbox.SandboxHost],
+                    timeout: float, say: Any) -> tuple[list[tuple[str, str, str, Any]], str | None]:
     """The Slurm job's endpoints (front end + every ctx/gen server) once its front end
     answers /health 200 (at most ``timeout`` s), and the topology mismatch (or None)."""
     from k2fleet.plan import Health
@@ -307,8 +307,10 @@ def slurm_endpoints(job: dict[str, Any], hosts: Sequence[sandbox.SandboxHost], t
         time.sleep(2)
     else:
         raise RehearsalError(f"slurm job: not healthy after {timeout:.0f}s: {status}",
-                             f"squeue/job output: {sandbox_slurm.site_path(job, 'work_dir')}")
-    say(f"slurm job: {config_path.parent.name} (server config {config_path})")
+                             sandbox_slurm.job_report(login, job))
+    queue = sandbox.ssh(login, "squeue -h -o '%i %j %T %D %N'", timeout=20).stdout.strip()
+    say(f"slurm job (squeue on {login.name}): {queue}")
+    say(f"slurm job log directory: {config_path.parent}")
 
     def health(url: str) -> Health:
         return Health(int(url.rsplit(":", 1)[1].split("/")[0]))
@@ -403,7 +405,7 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         model = dep.api_model_name
         failures = []
         if job is not None:
-            found, mismatch = slurm_endpoints(job, sb_hosts, min(dep.s.health_timeout, HEALTH_TIMEOUT_S), say)
+            found, mismatch = slurm_endpoints(job, login, sb_hosts, min(dep.s.health_timeout, HEALTH_TIMEOUT_S), say)
             if mismatch:
                 failures.append(f"slurm job topology: {mismatch}")
             else:

@@ -372,3 +372,17 @@ def topology_mismatch(models: dict[str, Any], config: dict[str, Any]) -> str | N
                 if reported[k] != value:
                     return f"{side} server {i}: planned {k} {value}, reported {reported[k]}"
     return None
+
+
+def job_report(login: sandbox.SandboxHost, config: dict[str, Any], state_dir: Path = sandbox.DEFAULT_STATE_DIR,
+               lines: int = 8) -> str:
+    """``squeue`` on the login host and the tails of the job's logs (for a failure)."""
+    queue = sandbox.ssh(login, "squeue -h -o '%i %j %T %R'", timeout=20)
+    parts = [f"squeue: {queue.stdout.strip() or queue.stderr.strip() or '(empty)'}"]
+    logs = sorted(site_path(config, "work_dir", state_dir).glob("**/*.log")) + \
+        sorted(site_path(config, "work_dir", state_dir).glob("**/slurm-*.*"))
+    for path in logs[-12:]:
+        tail = path.read_text(errors="replace").strip().splitlines()[-lines:]
+        if tail:
+            parts.append(f"{path.name}:\n  " + "\n  ".join(tail))
+    return "\n".join(parts)
