@@ -21,7 +21,8 @@ the unchanged deploy runs:
   mount would be;
 - the TensorRT-LLM checkout at ``environment.trtllm_repo``: TEST DOUBLES of
   ``examples/disaggregated/slurm/benchmark/{submit.py,disaggr_torch.slurm}``
-  (``files/doubles/trtllm_slurm/``) next to the engine doubles (``k2fleet_doubles``),
+  (``files/sandbox_site/trtllm_checkout/``; kept out of ``files/doubles``, which the deploy ships
+  to engine hosts) next to the engine doubles (``k2fleet_doubles`` from ``files/doubles``),
   and the synthetic checkpoint at ``environment.model_path``.
 """
 
@@ -52,7 +53,9 @@ PACKAGES = {
 }
 DAEMON = {"controller": "slurmctld", "compute": "slurmd"}
 BENCHMARK_DIR = "examples/disaggregated/slurm/benchmark"
-DOUBLES_ROOT = Path(__file__).resolve().parent.parent / "files" / "doubles"
+FILES = Path(__file__).resolve().parent.parent / "files"
+DOUBLES_ROOT = FILES / "doubles"
+CHECKOUT_DOUBLES = FILES / "sandbox_site" / "trtllm_checkout"  # submit.py, disaggr_torch.slurm TEST DOUBLES
 INSTALL_TIMEOUT_S = 600
 NODES_TIMEOUT_S = 120
 
@@ -243,7 +246,7 @@ def install_checkout(shared: Path, config: dict[str, Any], checkpoint: Path) -> 
     bench = shared / str(env["trtllm_repo"]).lstrip("/") / BENCHMARK_DIR
     bench.mkdir(parents=True, exist_ok=True)
     for name in ("submit.py", "disaggr_torch.slurm"):
-        shutil.copy2(DOUBLES_ROOT / "trtllm_slurm" / name, bench / name)
+        shutil.copy2(CHECKOUT_DOUBLES / name, bench / name)
     shutil.copytree(DOUBLES_ROOT / "k2fleet_doubles", bench / "k2fleet_doubles", dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("__pycache__"))
     model = shared / str(env["model_path"]).lstrip("/")

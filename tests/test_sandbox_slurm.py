@@ -18,7 +18,7 @@ from k2fleet.rehearse import SLURM_MAX_HOSTS, slurm_job_config, unsupported
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = "inventories/gb200-trtllm-disagg.py"
-DOUBLES = ROOT / "files" / "doubles" / "trtllm_slurm"
+DOUBLES = ROOT / "files" / "sandbox_site" / "trtllm_checkout"
 
 
 def seed(overrides: dict | None = None):
