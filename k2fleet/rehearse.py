@@ -89,7 +89,7 @@ def unsupported(dep: Deployment, plan: Plan) -> str | None:
     """What the sandbox hosts would need that this slice does not give them, or None."""
     slurm = slurm_job_config(dep)
     if slurm is not None:  # the containers run inside the Slurm job, not on the login host
-        hosts = 1 + sandbox_slurm.compute_node_count(slurm)
+        hosts = len(dep.fleet.hosts) + sandbox_slurm.compute_node_count(slurm)
         if hosts > SLURM_MAX_HOSTS:
             return f"{hosts} hosts (login + Slurm compute nodes; the sandbox boots at most {SLURM_MAX_HOSTS})"
         return None

@@ -168,11 +168,12 @@ def check_world(a: argparse.Namespace, size: int) -> None:
                      f"{gpus}; launch under mpirun across nodes")
 
 
-def _record_hosts(server: RendezvousServer, metadata: dict[str, Any]) -> None:
+def _record_hosts(server: RendezvousServer, metadata: dict[str, Any], recorded: threading.Event) -> None:
     """Once every rank joined, report the hosts they run on (``/v1/models`` metadata)."""
     while not server.complete():
-        time.sleep(0.5)
+        time.sleep(0.2)
     metadata["hosts"] = sorted({socket.gethostname()} | {str(m.get("host")) for m in server.members()})
+    recorded.set()
 
 
 def tcp_rendezvous(a: argparse.Namespace, rank: int, size: int, readiness: Readiness,
@@ -190,7 +191,9 @@ def tcp_rendezvous(a: argparse.Namespace, rank: int, size: int, readiness: Readi
         server = RendezvousServer(ENGINE, host, port, group)
         server.start()
         readiness.watch_server(server)
-        threading.Thread(target=_record_hosts, args=(server, metadata), daemon=True).start()
+        recorded = threading.Event()  # /health stays 503 until the metadata names every rank's host
+        readiness.add_check(lambda: None if recorded.is_set() else "recording the hosts of the ranks")
+        threading.Thread(target=_record_hosts, args=(server, metadata, recorded), daemon=True).start()
         return [server]
     hello = dict(expect, kind="trtllm-mpi", rank=rank, host=socket.gethostname())
     MemberLink(ENGINE, host, port, hello, rejoin=False).start()
