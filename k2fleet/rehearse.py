@@ -23,9 +23,19 @@ the sandbox fleet before touching a real one.
    ``rehearsal INVENTORY: N/N endpoints healthy, re-run 0 changes`` (exit 0), or what
    failed, with the deploy's own failure output (exit 1).
 
+A ``k2_role: slurm-submit`` inventory (gb200-trtllm-disagg) lists only the Slurm login
+host; the sandbox also boots the compute hosts its ``k2_slurm`` job asks for, and before the
+deploy the rehearsal builds the Slurm site a real GB200 cluster already has
+(:mod:`k2fleet.sandbox_slurm`: slurmctld/slurmd/munge from Debian's packages, the
+TensorRT-LLM checkout's submit.py as a TEST DOUBLE calling the real ``sbatch``, shared
+storage); a placeholder ``slurm.partition``/``slurm.account`` is overlaid with the sandbox
+cluster's (printed). The endpoints are the job's: the disaggregated front end (a chat
+completion through a context then a generation server) and every ctx/gen server, and the
+topology the front end reports must be the plan's.
+
 Not in this slice (refused with exit 2): scenarios that need Docker (``k2_runtime``
-container: b200-trtllm, mi300x, h200-trtllm-mpi as written, gb200-trtllm-disagg), Ray
-(h800-pp) or Slurm in the sandbox hosts.
+container: b200-trtllm, mi300x, h200-trtllm-mpi as written) or Ray (h800-pp) in the
+sandbox hosts.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from k2fleet import sandbox
+from k2fleet import sandbox, sandbox_slurm
 from k2fleet.deployment import Deployment
 from k2fleet.gate import check_hosts
 from k2fleet.inventory import _import_pyinfra_cli_inventory, inventory_host_data, parse_data_overrides
@@ -58,6 +68,7 @@ SHARD_BYTES = 16 * 1024
 HEALTH_TIMEOUT_S = 120
 DEPLOY_TIMEOUT_S = 1200
 PROBE_TIMEOUT_S = 30
+SLURM_MAX_HOSTS = 16  # login + compute hosts of a Slurm rehearsal (memory of the 2-core, 24 GiB machine)
 CONNECTION_KEYS = ("ssh_hostname", "ssh_user", "ssh_key", "ssh_known_hosts_file", "ssh_strict_host_key_checking")
 
 
@@ -76,15 +87,27 @@ class RehearsalError(RuntimeError):
 
 def unsupported(dep: Deployment, plan: Plan) -> str | None:
     """What the sandbox hosts would need that this slice does not give them, or None."""
+    slurm = slurm_job_config(dep)
+    if slurm is not None:  # the containers run inside the Slurm job, not on the login host
+        hosts = len(dep.fleet.hosts) + sandbox_slurm.compute_node_count(slurm)
+        if hosts > SLURM_MAX_HOSTS:
+            return f"{hosts} hosts (login + Slurm compute nodes; the sandbox boots at most {SLURM_MAX_HOSTS})"
+        return None
     if dep.runtime == "container":
         return "Docker/Ray"
     if dep.s.multinode_backend == "ray" and len(dep.fleet.hosts) > 1:
         return "Docker/Ray"
-    if any(h.role == "slurm-submit" for h in plan.hosts.values()):
-        return "Slurm"
     if dep.engine == "ktransformers":
         return "KTransformers (GGUF weights, legacy server)"
     return None
+
+
+def slurm_job_config(dep: Deployment) -> dict[str, Any] | None:
+    """The config.yaml k2fleet renders for submit.py, or None without a slurm-submit host."""
+    from k2fleet.render.trtllm import slurm_config
+
+    pool = dep.pools.get("slurm-submit")
+    return slurm_config(dep, pool) if pool is not None and dep.engine == "trtllm" else None
 
 
 # --------------------------------------------------------------------------
@@ -257,6 +280,48 @@ def failure_summary(log: str) -> str:
     return "see the deploy output above"
 
 
+def slurm_endpoints(job: dict[str, Any], login: sandbox.SandboxHost, hosts: Sequence[sandbox.SandboxHost],
+                    timeout: float, say: Any) -> tuple[list[tuple[str, str, str, Any]], str | None]:
+    """The Slurm job's endpoints (front end + every ctx/gen server) once its front end
+    answers /health 200 (at most ``timeout`` s), and the topology mismatch (or None)."""
+    from k2fleet.plan import Health
+
+    addresses = {h.name: h.address for h in hosts}
+    deadline = time.monotonic() + timeout
+    front, status, config_path = "", "the job wrote no server_config.yaml", None
+    while time.monotonic() < deadline:
+        config_path = sandbox_slurm.server_config_path(job)
+        if config_path is not None:
+            import yaml
+
+            server_config = yaml.safe_load(config_path.read_text())
+            front, workers = sandbox_slurm.job_urls(server_config, addresses)
+            try:
+                with urllib.request.urlopen(f"{front[:-len('/v1')]}/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except urllib.error.HTTPError as exc:
+                status = f"{front} /health {exc.code}: {exc.read()[:200].decode(errors='replace')}"
+            except OSError as exc:
+                status = f"{front} /health: {exc}"
+        time.sleep(2)
+    else:
+        raise RehearsalError(f"slurm job: not healthy after {timeout:.0f}s: {status}",
+                             sandbox_slurm.job_report(login, job))
+    queue = sandbox.ssh(login, "squeue -h -o '%i %j %T %D %N'", timeout=20).stdout.strip()
+    say(f"slurm job (squeue on {login.name}): {queue}")
+    say(f"slurm job log directory: {config_path.parent}")
+
+    def health(url: str) -> Health:
+        return Health(int(url.rsplit(":", 1)[1].split("/")[0]))
+
+    found = [("slurm-job", "trtllm-serve disaggregated", front, health(front))]
+    found += [("slurm-job", f"trtllm-serve {role}", url, health(url)) for role, url in workers]
+    with urllib.request.urlopen(f"{front}/models", timeout=PROBE_TIMEOUT_S) as resp:
+        models = json.loads(resp.read())
+    return found, sandbox_slurm.topology_mismatch(models, job)
+
+
 # --------------------------------------------------------------------------
 # the command
 
@@ -273,6 +338,19 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         return 2
     groups = inventory_groups(inventory)
     names = [name for name, _, _ in hosts]
+    job = slurm_job_config(dep)
+    slurm_overlay: dict[str, Any] = {}
+    mapped: dict[str, tuple[Any, str]] = {}
+    if job is not None:
+        k2_slurm, mapped = sandbox_slurm.site_overlay(dep.pools["slurm-submit"].settings.slurm or {})
+        slurm_overlay = {"k2_slurm": k2_slurm}
+        job = {**job, "slurm": k2_slurm["slurm"]}
+        try:
+            sandbox_slurm.shared_tops(job)
+        except sandbox_slurm.SlurmSiteError as exc:
+            sys.stderr.write(f"rehearse: {inventory}: {exc}\n")
+            return 2
+    computes = sandbox_slurm.compute_node_count(job) if job is not None else 0
     inv_path = Path(inventory).resolve()
 
     def say(line: str) -> None:
@@ -285,14 +363,25 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
     booted = False
     lock = sandbox.hold_sandbox_lock()  # one sandbox user at a time; released at exit
     try:
-        say(f"rehearse {inventory}: booting {len(names)} bare sandbox hosts")
+        extra = f" ({len(names)} from the inventory + {computes} Slurm compute hosts its job asks for)" if computes else ""
+        say(f"rehearse {inventory}: booting {len(names) + computes} bare sandbox hosts{extra}")
         sandbox.down()
         booted = True
-        sb_hosts = sandbox.up(len(names), docker=False)
+        sb_hosts = sandbox.up(len(names) + computes, docker=False)
+        if job is not None:
+            site_started = time.monotonic()
+            login = sb_hosts[names.index(dep.pools["slurm-submit"].hosts[0].name)]
+            sandbox_slurm.setup_site(login, sb_hosts[len(names):], job, checkpoint)
+            say(f"rehearse {inventory}: Slurm site up in {time.monotonic() - site_started:.0f}s: slurmctld on "
+                f"{login.name}, slurmd on {sb_hosts[len(names)].name}..{sb_hosts[-1].name}, "
+                f"partition {job['slurm']['partition']}; TensorRT-LLM checkout (submit.py TEST DOUBLE) at "
+                f"{job['environment']['trtllm_repo']}")
+            for key, (old, new) in mapped.items():
+                say(f"  k2_slurm {key}: {old!r} -> {new!r} (the sandbox cluster's)")
         generated = work / "inventory" / inv_path.name
         generated.parent.mkdir()
         generated.write_text(generated_inventory(str(inventory), groups, connection_overlay(names, sb_hosts)))
-        overlay = sandbox_data(dep, checkpoint, size)
+        overlay = {**sandbox_data(dep, checkpoint, size), **slurm_overlay}
         argv = [tool("pyinfra"), "-y", "--json", "--group-data", str(inv_path.parent / "group_data"),
                 *data_args(overlay), *[a for item in data for a in ("--data", item)],
                 str(generated), DEPLOY_FILE]
@@ -314,9 +403,16 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         conn = connection_overlay(names, sb_hosts)
         _, sb_plan = check_hosts(str(inventory), [(n, {**d, **conn[n], **overlay, **overrides}, g) for n, d, g in hosts])
         model = dep.api_model_name
-        found = endpoints(sb_plan)
-        healthy = 0
         failures = []
+        if job is not None:
+            found, mismatch = slurm_endpoints(job, login, sb_hosts, min(dep.s.health_timeout, HEALTH_TIMEOUT_S), say)
+            if mismatch:
+                failures.append(f"slurm job topology: {mismatch}")
+            else:
+                say("slurm job topology: ctx/gen servers and parallel sizes as planned")
+        else:
+            found = endpoints(sb_plan)
+        healthy = 0
         for host_name, unit, base, health in found:
             reason = probe(base, health, model)
             say(f"  {'ok  ' if reason is None else 'FAIL'} {host_name} {unit}: {base}" + (f" ({reason})" if reason else ""))
@@ -325,9 +421,10 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
             else:
                 failures.append(f"{host_name} {unit}: {reason}")
         main = sb_plan.endpoint()
-        if main:
-            say(f"endpoint: http://{main[0]}:{main[1]}/v1")
-            say(f"try: {curl_line(f'http://{main[0]}:{main[1]}/v1', model)}")
+        main_base = found[0][2] if job is not None else f"http://{main[0]}:{main[1]}/v1" if main else None
+        if main_base:
+            say(f"endpoint: {main_base}")
+            say(f"try: {curl_line(main_base, model)}")
         if keep:
             say("--keep: sandbox hosts left up (k2fleet sandbox status; k2fleet sandbox down); deploy again with:")
             say(f"  cd {ROOT} && K2FLEET_STATE_DIR={shlex.quote(env['K2FLEET_STATE_DIR'])} "
@@ -343,7 +440,9 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
             return 1
         say(last)
         return 0
-    except (RehearsalError, sandbox.SandboxError) as exc:
+    except (RehearsalError, sandbox.SandboxError, sandbox_slurm.SlurmSiteError) as exc:
+        if isinstance(exc, sandbox_slurm.SlurmSiteError):
+            exc = RehearsalError(f"slurm site: {exc}")
         if isinstance(exc, RehearsalError):
             say(exc.detail)
             summary = exc.summary

@@ -360,6 +360,62 @@ def test_trtllm_refuses_bad_world_yaml_and_flags(model: str, tmp_path: Path) -> 
     assert result.returncode == 2
 
 
+def srun_env(rank: int, size: int, rdzv: str) -> dict[str, str]:
+    """What srun gives each task of a step (one task per GPU)."""
+    return base_env(SLURM_STEP_ID="0", SLURM_PROCID=str(rank), SLURM_NTASKS=str(size), K2FLEET_DOUBLE_RDZV=rdzv)
+
+
+def test_trtllm_under_srun_takes_world_from_slurm_and_sizes_from_yaml(procs: Procs, model: str, tmp_path: Path) -> None:
+    port, rdzv = free_port(), f"{LOCAL}:{free_port()}"
+    config = tmp_path / "gen_config.yaml"
+    config.write_text("tensor_parallel_size: 2\nmoe_expert_parallel_size: 2\nenable_attention_dp: true\n"
+                      "kv_cache_config:\n  dtype: fp8\n")
+    argv = trtllm("serve", model, "--host", LOCAL, "--port", str(port), "--config", str(config))
+    head = procs.start(argv, env=srun_env(0, 2, rdzv))
+    health = f"http://{LOCAL}:{port}/health"
+    wait_status(health, 503)
+    procs.start(argv, env=srun_env(1, 2, rdzv))
+    wait_status(health, 200)
+    meta = get(f"http://{LOCAL}:{port}/v1/models")[1]["data"][0]["metadata"]
+    assert (meta["tp_size"], meta["ep_size"], meta["world"], meta["enable_attention_dp"]) == (2, 2, 2, True)
+    wait_for(lambda: get(f"http://{LOCAL}:{port}/v1/models")[1]["data"][0]["metadata"]["hosts"] == [socket.gethostname()])
+    head.terminate()
+    head.wait(5)
+    # a step of 3 tasks for a TP2 config: the world does not match, the double refuses
+    result = run(argv, env=srun_env(0, 3, f"{LOCAL}:{free_port()}"))
+    assert result.returncode == 1 and "world size 3" in result.stderr
+
+
+def test_trtllm_disaggregated_front_end_routes_ctx_then_gen(procs: Procs, model: str, tmp_path: Path) -> None:
+    ctx_port, gen_port, front_port = free_port(), free_port(), free_port()
+    server_config = tmp_path / "server_config.yaml"
+    server_config.write_text(f"hostname: {LOCAL}\nport: {front_port}\nbackend: pytorch\n"
+                             f"context_servers:\n  num_instances: 1\n  urls:\n  - {LOCAL}:{ctx_port}\n"
+                             f"generation_servers:\n  num_instances: 1\n  urls:\n  - {LOCAL}:{gen_port}\n")
+    front = procs.start(trtllm("disaggregated", "-c", str(server_config)))
+    health = f"http://{LOCAL}:{front_port}/health"
+    wait_status(health, 503)
+    ctx = procs.start(trtllm("serve", model, "--host", LOCAL, "--port", str(ctx_port)))
+    wait_for(lambda: "gen server" in str(get(health)[1]), what="503 naming the missing gen server")
+    gen = procs.start(trtllm("serve", model, "--host", LOCAL, "--port", str(gen_port), "--tp_size", "1"))
+    wait_status(health, 200)
+    status, answer, _ = post(f"http://{LOCAL}:{front_port}/v1/chat/completions", dict(CHAT, model=model))
+    assert status == 200 and answer["choices"][0]["message"]["content"]
+    assert "POST /v1/chat/completions" in procs.output(ctx) and "POST /v1/chat/completions" in procs.output(gen)
+    topology = get(f"http://{LOCAL}:{front_port}/v1/models")[1]["data"][0]["metadata"]["disaggregated"]
+    assert [s["url"] for s in topology["context_servers"]] == [f"http://{LOCAL}:{ctx_port}"]
+    assert [s["tp_size"] for s in topology["generation_servers"]] == [1]
+    front.terminate()
+    assert front.wait(5) == 0
+
+
+def test_trtllm_disaggregated_refuses_a_config_without_servers(tmp_path: Path) -> None:
+    bad = tmp_path / "server_config.yaml"
+    bad.write_text("hostname: 127.0.0.1\nport: 8333\ncontext_servers:\n  urls: []\n")
+    result = run(trtllm("disaggregated", "-c", str(bad)))
+    assert result.returncode == 1 and "context_servers.urls" in result.stderr
+
+
 def mpirun_usable() -> Optional[str]:
     if not shutil.which("mpirun"):
         return "mpirun is not installed (apt-get install openmpi-bin python3-mpi4py)"

@@ -122,3 +122,24 @@ def test_rehearse_scenario_as_written(inventory: str, endpoints: int) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert last_line(proc) == f"rehearsal {inventory}: {endpoints}/{endpoints} endpoints healthy, re-run 0 changes"
     assert sandbox_is_down()
+
+
+@pytest.mark.sandbox
+@needs_root
+def test_rehearse_gb200_slurm() -> None:
+    """The login host from the inventory + the 12 compute hosts its job asks for; real
+    slurmctld/slurmd/munge; the submit.py TEST DOUBLE's job (real sbatch/srun) serves the
+    disaggregated front end + 4 ctx + 1 gen servers; topology as planned; re-run 0 changes."""
+    inventory = "inventories/gb200-trtllm-disagg.py"
+    proc, seconds = rehearse(inventory)
+    print(f"rehearse {inventory}: {seconds:.0f}s")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert last_line(proc) == f"rehearsal {inventory}: 6/6 endpoints healthy, re-run 0 changes"
+    out = proc.stdout
+    assert "booting 13 bare sandbox hosts (1 from the inventory + 12 Slurm compute hosts" in out
+    assert "slurmctld on k2sb-1, slurmd on k2sb-2..k2sb-13, partition rehearsal" in out
+    assert "k2_slurm slurm.partition: '<partition>' -> 'rehearsal'" in out
+    assert "slurm job topology: ctx/gen servers and parallel sizes as planned" in out
+    assert "ctx4_gen1_dep32_batch128_eplb416_mtp0" in out
+    assert len([line for line in out.splitlines() if line.startswith("  ok   slurm-job trtllm-serve ctx")]) == 4
+    assert sandbox_is_down()

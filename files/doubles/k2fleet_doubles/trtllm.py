@@ -3,8 +3,11 @@
 Accepts the ``trtllm-serve serve`` options k2fleet may render (underscore
 spelling, as in the real click CLI) and refuses anything else (exit 2).
 
-Under ``mpirun`` the world is ``OMPI_COMM_WORLD_SIZE``/``OMPI_COMM_WORLD_RANK``
-and must equal TP*PP*CP.  Rendezvous, in order of preference:
+Under ``mpirun`` the world is ``OMPI_COMM_WORLD_SIZE``/``OMPI_COMM_WORLD_RANK``,
+under Slurm's ``srun`` (one task per GPU, as TensorRT-LLM's disaggregated Slurm
+scripts launch workers) ``SLURM_NTASKS``/``SLURM_PROCID``; it must equal TP*PP*CP.
+As in the real ``trtllm-serve``, the parallel sizes in the ``--config`` YAML
+(``tensor_parallel_size`` ...) override the command line's.  Rendezvous, in order of preference:
 
 * ``K2FLEET_DOUBLE_RDZV=host:port`` set: TCP -- rank 0 listens there, the
   other ranks connect;
@@ -13,7 +16,11 @@ and must equal TP*PP*CP.  Rendezvous, in order of preference:
 * otherwise: refuse (exit 1).
 
 Rank 0 serves HTTP (``/health`` 503 until every rank has joined); the other
-ranks block until rank 0 exits.
+ranks block until rank 0 exits.  ``/v1/models`` metadata reports the world
+(size, parallel sizes, the hosts of the ranks).
+
+``trtllm-serve disaggregated -c CONFIG`` runs the disaggregated front-end
+double (:mod:`k2fleet_doubles.trtllm_disagg`).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import os
 import re
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -34,8 +42,11 @@ from .common import (EngineApp, EngineHandler, MemberLink, ModelError, Readiness
 
 ENGINE = "trtllm"
 VERSION = "1.2.0"
-SUBCOMMANDS_REFUSED = ("disaggregated", "disaggregated_mpi_worker", "mm_embedding_serve", "grpc")
+SUBCOMMANDS_REFUSED = ("disaggregated_mpi_worker", "mm_embedding_serve", "grpc")
 YAML_KEY = re.compile(r"^[A-Za-z_][\w.-]*\s*:(\s.*)?$")
+# top-level YAML keys that set the parallel layout, as trtllm-serve reads them -> our dest
+YAML_PARALLEL = {"tensor_parallel_size": "tp_size", "pipeline_parallel_size": "pp_size",
+                 "context_parallel_size": "cp_size", "moe_expert_parallel_size": "ep_size"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +120,22 @@ def yaml_keys(path: str) -> list[str]:
     return keys
 
 
+def yaml_parallel(path: str) -> dict[str, Any]:
+    """The parallel layout set by top-level scalars of the options YAML (dest -> value);
+    ``enable_attention_dp`` as a bool."""
+    found: dict[str, Any] = {}
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if not line or line[0] in " -#":
+            continue
+        key, _, value = line.partition(":")
+        value = value.split("#", 1)[0].strip()
+        if key.strip() in YAML_PARALLEL and value.isdigit():
+            found[YAML_PARALLEL[key.strip()]] = int(value)
+        elif key.strip() == "enable_attention_dp" and value.lower() in ("true", "false"):
+            found["attention_dp"] = value.lower() == "true"
+    return found
+
+
 def validate(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     for name in ("tp_size", "pp_size", "cp_size"):
         if getattr(a, name) < 1:
@@ -120,10 +147,13 @@ def validate(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 
 
 def mpi_world() -> tuple[int, int]:
-    """(rank, size) from OpenMPI's environment; (0, 1) outside mpirun."""
-    size = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
-    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
-    return rank, size
+    """(rank, size) from OpenMPI's environment, else from srun's (one task per rank);
+    (0, 1) outside both."""
+    if "OMPI_COMM_WORLD_SIZE" in os.environ:
+        return int(os.environ.get("OMPI_COMM_WORLD_RANK", "0")), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    if "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ:
+        return int(os.environ["SLURM_PROCID"]), int(os.environ.get("SLURM_NTASKS", "1"))
+    return 0, 1
 
 
 def check_world(a: argparse.Namespace, size: int) -> None:
@@ -138,8 +168,16 @@ def check_world(a: argparse.Namespace, size: int) -> None:
                      f"{gpus}; launch under mpirun across nodes")
 
 
+def _record_hosts(server: RendezvousServer, metadata: dict[str, Any], recorded: threading.Event) -> None:
+    """Once every rank joined, report the hosts they run on (``/v1/models`` metadata)."""
+    while not server.complete():
+        time.sleep(0.2)
+    metadata["hosts"] = sorted({socket.gethostname()} | {str(m.get("host")) for m in server.members()})
+    recorded.set()
+
+
 def tcp_rendezvous(a: argparse.Namespace, rank: int, size: int, readiness: Readiness,
-                   address: str) -> list[RendezvousServer]:
+                   address: str, metadata: dict[str, Any]) -> list[RendezvousServer]:
     """TCP rendezvous on K2FLEET_DOUBLE_RDZV; non-zero ranks exit with rank 0."""
     try:
         host, port = parse_hostport(address)
@@ -153,6 +191,9 @@ def tcp_rendezvous(a: argparse.Namespace, rank: int, size: int, readiness: Readi
         server = RendezvousServer(ENGINE, host, port, group)
         server.start()
         readiness.watch_server(server)
+        recorded = threading.Event()  # /health stays 503 until the metadata names every rank's host
+        readiness.add_check(lambda: None if recorded.is_set() else "recording the hosts of the ranks")
+        threading.Thread(target=_record_hosts, args=(server, metadata, recorded), daemon=True).start()
         return [server]
     hello = dict(expect, kind="trtllm-mpi", rank=rank, host=socket.gethostname())
     MemberLink(ENGINE, host, port, hello, rejoin=False).start()
@@ -192,38 +233,46 @@ def mpi_goodbye(comm: Any) -> None:
         comm.send("bye", dest=peer, tag=7)
 
 
-def make_app(a: argparse.Namespace, readiness: Readiness, yaml: list[str]) -> EngineApp:
+def make_app(a: argparse.Namespace, readiness: Readiness, yaml: list[str], world: int = 1) -> EngineApp:
     return EngineApp(
         engine=ENGINE, served_names=[a.model], model=resolve_model(a.model), readiness=readiness,
         reasoning=bool(a.reasoning_parser), tools="auto" if a.tool_parser else "ignore",
         metadata={"version": VERSION, "backend": a.backend, "tp_size": a.tp_size,
-                  "pp_size": a.pp_size, "ep_size": a.ep_size, "extra_llm_api_options": yaml},
+                  "pp_size": a.pp_size, "ep_size": a.ep_size, "extra_llm_api_options": yaml,
+                  "world": world, "enable_attention_dp": a.attention_dp, "hosts": [socket.gethostname()]},
         extra_get={"/version": lambda: (200, {"version": VERSION, "double": DOUBLE_NAME}),
                    "/metrics": lambda: (200, [])})
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(strip_subcommand(parser, list(sys.argv[1:] if argv is None else argv)))
-    validate(parser, args)
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words and words[0] == "disaggregated":
+        from .trtllm_disagg import main as disaggregated_main
+        return disaggregated_main(words[1:])
+    args = parser.parse_args(strip_subcommand(parser, words))
+    args.attention_dp = False
     yaml: list[str] = []
     if args.extra_llm_api_options:
         try:
             yaml = yaml_keys(args.extra_llm_api_options)
+            for dest, value in yaml_parallel(args.extra_llm_api_options).items():
+                setattr(args, dest, value)
         except ValueError as exc:
             fail(ENGINE, f"--config/--extra_llm_api_options: {exc}")
+    validate(parser, args)
+    rank, size = mpi_world()
     try:
-        app = make_app(args, Readiness(ENGINE), yaml)
+        app = make_app(args, Readiness(ENGINE), yaml, size)
     except ModelError as exc:
         fail(ENGINE, str(exc))
-    rank, size = mpi_world()
     check_world(args, size)
     log(ENGINE, f"{DOUBLE_NAME} pretending to be TensorRT-LLM {VERSION} serving {args.model} "
                 f"(rank {rank}/{size})")
     cleanups = []
     comm = None
     if size > 1 and os.environ.get("K2FLEET_DOUBLE_RDZV"):
-        servers = tcp_rendezvous(args, rank, size, app.readiness, os.environ["K2FLEET_DOUBLE_RDZV"])
+        servers = tcp_rendezvous(args, rank, size, app.readiness, os.environ["K2FLEET_DOUBLE_RDZV"], app.metadata)
         cleanups += [s.close for s in servers]
     elif size > 1:
         comm = mpi_rendezvous(rank, size)
