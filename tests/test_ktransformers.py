@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from k2fleet import sandbox
 from k2fleet.gate import check_hosts
-from k2fleet.inventory import inventory_host_data
+from k2fleet.inventory import inventory_host_data, parse_data_overrides
 from k2fleet.rehearse import gguf_file_names
 from k2fleet.synthetic_checkpoint import make_gguf_files
 from k2fleet.testing.fleet import ROOT, tool
@@ -46,7 +45,7 @@ def option_strings(parser) -> set[str]:  # noqa: ANN001 - argparse parser
 
 
 def plan(*data: str):  # noqa: ANN201
-    overrides = dict(item.split("=", 1) for item in data)
+    overrides = parse_data_overrides(list(data))
     return check_hosts(INVENTORY, inventory_host_data(ROOT / INVENTORY, overrides))
 
 
@@ -88,8 +87,21 @@ def test_plan_gates_on_the_gguf_weights_and_the_legacy_ready_route() -> None:
     assert len(pre) == 2 and pre[1].endswith(dep.gguf_path)
     sets = {ws.check: ws for ws in dep.weight_sets}
     assert sets["gguf-verified"].patterns == ("UD-Q3_K_XL/*",) and sets["gguf-verified"].path == dep.gguf_path
-    dep7, _ = plan(*SGLANG_KT)
+    dep7, kt = plan(*SGLANG_KT)
     assert [ws.check for ws in dep7.weight_sets] == ["checkpoint-verified", "gguf-verified"]
+    assert kt.hosts["kt-0"].services[0].health.path == "/health"  # sglang-kt has one
+
+
+def test_sandbox_gate_checks_the_sglang_kt_world_and_the_legacy_ready_route() -> None:
+    from k2fleet.desired import ControlArtifacts, desired_state
+
+    sandbox_data = ("k2_simulated_gpus=True", "k2_engine_doubles=True")
+    dep, legacy = plan(*sandbox_data)
+    gate = desired_state(dep, legacy, ControlArtifacts())["kt-0"].health_argv
+    assert gate[gate.index("--ready-path") + 1] == "/v1/models" and "--expect-world" not in gate
+    dep, kt = plan(*SGLANG_KT, *sandbox_data)
+    gate = desired_state(dep, kt, ControlArtifacts())["kt-0"].health_argv
+    assert json.loads(gate[gate.index("--expect-world") + 1]) == {"tp_size": 1} and "--ready-path" not in gate
 
 
 def test_gguf_pattern_names() -> None:
@@ -262,45 +274,32 @@ def test_sglang_double_with_llamafile_needs_gguf_weights_and_reports_kt(weights:
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox fleet needs root")
 
 
-def rehearse_and_read_models(*data: str) -> tuple[subprocess.CompletedProcess, float, dict]:
-    """``k2fleet rehearse INVENTORY --keep``, then (holding the sandbox lock) the engine's
-    /v1/models as the control machine sees it, then the sandbox down."""
+def rehearse(*data: str) -> tuple[subprocess.CompletedProcess, float]:
+    """``k2fleet rehearse INVENTORY [--data ...]`` through the CLI (it takes the sandbox lock
+    itself and leaves the sandbox down). A healthy endpoint is proof the GGUF files arrived
+    verified at the planned path: both doubles exit 1 without them (tests above)."""
     args = [a for item in data for a in ("--data", item)]
     started = time.monotonic()
-    proc = subprocess.run([tool("k2fleet"), "rehearse", INVENTORY, "--keep", *args], cwd=ROOT, capture_output=True,
-                          text=True, stdin=subprocess.DEVNULL, timeout=600)
-    seconds = time.monotonic() - started
-    with sandbox.hold_sandbox_lock():
-        try:
-            with urllib.request.urlopen("http://10.213.0.11:8000/v1/models", timeout=10) as resp:
-                models = json.loads(resp.read())
-        except OSError as exc:
-            models = {"error": str(exc)}
-        finally:
-            sandbox.down()
-    return proc, seconds, models
+    proc = subprocess.run([tool("k2fleet"), "rehearse", INVENTORY, *args], cwd=ROOT, capture_output=True,
+                          text=True, stdin=subprocess.DEVNULL, timeout=900)
+    return proc, time.monotonic() - started
 
 
 @pytest.mark.sandbox
 @needs_root
 def test_rehearse_ktransformers_legacy_server() -> None:
-    proc, seconds, models = rehearse_and_read_models()
+    proc, seconds = rehearse()
     print(f"rehearse {INVENTORY}: {seconds:.0f}s")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "deploying (ktransformers 0.3.2," in proc.stdout
     assert proc.stdout.strip().splitlines()[-1] == f"rehearsal {INVENTORY}: 1/1 endpoints healthy, re-run 0 changes"
-    meta = models["data"][0]["metadata"]
-    assert meta["engine"] == "ktransformers" and meta["version"] == "0.3.2"
-    assert meta["gguf_files"] == 3  # the synthetic GGUF split files, delivered and verified on the host
-    assert meta["gguf_path"] == "/srv/k2fleet/models/unsloth--Kimi-K2-Instruct-GGUF/dc35109e1b6ecf981f1d30d57c117b9a58c0b31b"
 
 
 @pytest.mark.sandbox
 @needs_root
 def test_rehearse_ktransformers_sglang_kt() -> None:
-    proc, seconds, models = rehearse_and_read_models(*SGLANG_KT)
+    proc, seconds = rehearse(*SGLANG_KT)
     print(f"rehearse {INVENTORY} --data {SGLANG_KT[0]}: {seconds:.0f}s")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "deploying (ktransformers 0.7.2," in proc.stdout  # the gate also checked tp_size the double reports
     assert proc.stdout.strip().splitlines()[-1] == f"rehearsal {INVENTORY}: 1/1 endpoints healthy, re-run 0 changes"
-    meta = models["data"][0]["metadata"]
-    assert meta["tp_size"] == 1 and meta["ktransformers"]["method"] == "LLAMAFILE"
-    assert meta["ktransformers"]["weight_path"].endswith("unsloth--Kimi-K2-Instruct-GGUF/dc35109e1b6ecf981f1d30d57c117b9a58c0b31b")

@@ -8,8 +8,10 @@ rest on the GPUs.
   where RULES is the AMX serve rule file; it has no ``/health``, so its gate reads
   ``/v1/models``.
 
-The GGUF directory holds the weights (``k2_gguf_repo``); the config and tokenizer come
-from ``k2_model`` (the safetensors are not fetched for this engine).
+The GGUF directory holds the expert weights (``k2_gguf_repo`` files matching
+``k2_gguf_pattern``, a weight set of its own: ``Deployment.weight_sets``); the config and
+tokenizer come from ``k2_model`` (whose whole repository is fetched today, though the
+legacy server reads only its config and tokenizer).
 """
 
 from __future__ import annotations
