@@ -43,6 +43,29 @@ class Pool:
 
 
 @dataclass(frozen=True)
+class WeightSet:
+    """One pinned Hub repository every weight-loading host must hold, verified file by
+    file, at ``path`` (the same on every host), before any engine starts.
+
+    ``check``: its HostState check name; ``source``: ``hub`` or ``control:/DIR``;
+    ``patterns``: the repository files it holds (None: all); ``label``: what operation
+    names add for it ("" for the model checkpoint).
+    """
+
+    check: str
+    repo: str
+    revision: str
+    path: str
+    source: str
+    patterns: tuple[str, ...] | None
+    label: str
+
+
+CHECKPOINT_CHECK = "checkpoint-verified"
+GGUF_CHECK = "gguf-verified"
+
+
+@dataclass(frozen=True)
 class Deployment:
     """Everything the renderers need, defaults resolved."""
 
@@ -79,6 +102,17 @@ class Deployment:
         if not self.s.gguf_repo:
             return None
         return posixpath.join(self.s.model_dir, self.s.gguf_repo.replace("/", "--"), str(self.s.gguf_revision))
+
+    @property
+    def weight_sets(self) -> tuple[WeightSet, ...]:
+        """What hosts that load weights must hold: the ``k2_model`` checkpoint, and for
+        GGUF engines the ``k2_gguf_repo`` files matching ``k2_gguf_pattern``."""
+        s = self.s
+        sets = [WeightSet(CHECKPOINT_CHECK, s.model, s.revision, self.checkpoint_path, s.checkpoint_source, None, "")]
+        if s.gguf_repo and self.gguf_path:
+            sets.append(WeightSet(GGUF_CHECK, s.gguf_repo, str(s.gguf_revision), self.gguf_path, s.gguf_source,
+                                  (s.gguf_pattern,) if s.gguf_pattern else None, " (GGUF weights)"))
+        return tuple(sets)
 
     @property
     def api_model_name(self) -> str:
@@ -292,6 +326,9 @@ def _check_fetcher(fleet: Fleet) -> None:
     if fleet.settings.checkpoint_source != "hub":
         raise _fail("k2_checkpoint_fetcher", f"{fetcher!r} downloads from the Hub, but k2_checkpoint_source is "
                     f"{fleet.settings.checkpoint_source!r}; use `control` (or k2_checkpoint_source: hub)", fleet)
+    if fleet.settings.gguf_repo and fleet.settings.gguf_source != "hub":
+        raise _fail("k2_checkpoint_fetcher", f"{fetcher!r} downloads from the Hub, but k2_gguf_source is "
+                    f"{fleet.settings.gguf_source!r}; use `control` (or k2_gguf_source: hub)", fleet)
     entry = next((h for h in fleet.hosts if h.name == fetcher), None)
     if entry is None:
         raise _fail("k2_checkpoint_fetcher", f"{fetcher!r} is neither `control` nor a host of this inventory "

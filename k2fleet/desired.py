@@ -27,11 +27,12 @@ from typing import Any
 from k2fleet import mesh
 from k2fleet.bootstrap import BootstrapPlan, bootstrap_plan
 from k2fleet.checkpoint import fanout
-from k2fleet.deployment import Deployment
+from k2fleet.deployment import CHECKPOINT_CHECK, Deployment
 from k2fleet.packages import required_packages
 from k2fleet.plan import HostPlan, Plan, Service
 from k2fleet.units import LIB_DIR, env_file, env_path, unit_file, unit_name, unit_path
 from k2fleet.quoting import shell_line, shell_word
+from k2fleet.render.ktransformers import SGLANG_KT_SINCE
 
 REPO = Path(__file__).resolve().parents[1]
 FILES = REPO / "files"
@@ -44,7 +45,6 @@ VERIFY_PY = f"{LIB_DIR}/verify.py"
 OVERLAY_PY = f"{LIB_DIR}/overlay.py"
 UNIT_GLOB = "/etc/systemd/system/k2-*.service"
 MESH_UNIT_PATH = f"/etc/systemd/system/{mesh.UNIT}"
-CHECKPOINT_CHECK = "checkpoint-verified"
 HEALTH_CHECK = "healthy"
 HUB_CLIENT_CHECK = "hub-client"
 ENGINE_ENTRY = {"vllm": "vllm", "sglang": "python", "ktransformers": "python", "trtllm": "trtllm-serve"}
@@ -231,6 +231,9 @@ def engine_files(dep: Deployment) -> dict[str, FileSpec]:
     python = (f"#!/bin/sh\n# k2fleet engine TEST DOUBLE python (sandbox only)\n"
               f'PYTHONPATH={DOUBLES_DIR} exec /usr/bin/python3 "$@"\n')
     files[f"{venv}/bin/python"] = FileSpec(python.encode(), "755", "k2fleet")
+    if dep.engine == "ktransformers":  # the legacy server's rule files, where a source install keeps them
+        for path in sorted((root / "ktransformers" / "optimize").rglob("*.yaml")):
+            files[f"{venv}/src/ktransformers/{path.relative_to(root)}"] = FileSpec(path.read_bytes(), "644", "k2fleet")
     return files
 
 
@@ -267,12 +270,14 @@ WORLD_KEYS = {
 def expected_world(dep: Deployment, svc: Service, host: str) -> dict[str, Any] | None:
     """The topology the health gate checks (sandbox: the engine test doubles report it):
     the planned parallel sizes and, for vLLM and SGLang rendezvous (not Ray), the
-    addresses of the other hosts of ``host``'s instance, as the head saw them join."""
+    addresses of the other hosts of ``host``'s instance, as the head saw them join.
+    KTransformers ≥ 0.4 serves through sglang-kt; the legacy server reports none."""
     pool = dep.pools.get(svc.role)
-    if not dep.s.engine_doubles or pool is None or not pool.tp or dep.engine not in WORLD_KEYS:
+    server = "sglang" if dep.engine == "ktransformers" and dep.version_tuple >= SGLANG_KT_SINCE else dep.engine
+    if not dep.s.engine_doubles or pool is None or not pool.tp or server not in WORLD_KEYS:
         return None
-    world: dict[str, Any] = WORLD_KEYS[dep.engine](pool)
-    if dep.engine in ("vllm", "sglang") and dep.s.multinode_backend != "ray":
+    world: dict[str, Any] = WORLD_KEYS[server](pool)
+    if server in ("vllm", "sglang") and dep.s.multinode_backend != "ray":
         nodes = next((n for n in pool.instances if n[0].name == host), None)
         if nodes is not None:
             world["members"] = sorted({h.address for h in nodes[1:]} - {nodes[0].address})
@@ -280,21 +285,24 @@ def expected_world(dep: Deployment, svc: Service, host: str) -> dict[str, Any] |
 
 
 def health_argv(dep: Deployment, hp: HostPlan, timeout: int) -> list[str] | None:
-    """The health gate of this host's first chat-serving service: /health 200 + a completion
+    """The health gate of this host's first chat-serving service: its readiness route
+    (``/health`` unless the plan's Health names another) 200 + a completion
     (+ on engine test doubles, the parallel sizes they report equal the plan's)."""
     for svc in hp.services:
         if svc.health and svc.health.chat:
             argv = ["/usr/bin/python3", HEALTH_PY, "--base", f"http://127.0.0.1:{svc.health.port}",
                     "--model", dep.api_model_name, "--unit", unit_name(svc), "--timeout", str(timeout)]
+            if svc.health.path != "/health":
+                argv += ["--ready-path", svc.health.path]
             world = expected_world(dep, svc, hp.name)
             return argv + (["--expect-world", json.dumps(world, sort_keys=True)] if world else [])
     return None
 
 
-def marker_check_argv(dep: Deployment) -> list[str]:
-    """Read-only checkpoint check for the HostState fact: the verified marker matches the
-    manifest and no file's stat changed (never writes or removes the marker)."""
-    return ["/usr/bin/python3", VERIFY_PY, "--marker-only", dep.checkpoint_path]
+def marker_check_argv(path: str) -> list[str]:
+    """Read-only check of one weight set (``path``) for the HostState fact: the verified
+    marker matches the manifest and no file's stat changed (never writes or removes the marker)."""
+    return ["/usr/bin/python3", VERIFY_PY, "--marker-only", path]
 
 
 def hub_client_check(requirement: str) -> list[str]:
@@ -337,7 +345,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         d.own_slots = sorted((svc.stage, svc.name) for svc in hp.services)
         d.units = [mesh.UNIT] + [unit_name(s) for s in hp.services]
         d.packages = required_packages(dep, hp, mesh_enabled(dep))
-        d.checks = {CHECKPOINT_CHECK: marker_check_argv(dep)}
+        d.checks = {ws.check: marker_check_argv(ws.path) for ws in dep.weight_sets}
         d.health_argv = health_argv(dep, hp, dep.s.health_timeout)
         quick = health_argv(dep, hp, 5)
         if quick:

@@ -13,7 +13,9 @@ the sandbox fleet before touching a real one.
    - ``k2_simulated_gpus`` and ``k2_engine_doubles`` (GPUs and engines are test doubles);
    - what a GPU-less, air-gapped sandbox must change: a synthetic checkpoint made for the
      inventory's own ``k2_model``/``k2_revision`` served from the control machine
-     (``k2_checkpoint_source=control:DIR``, ``k2_checkpoint_bytes`` its real size),
+     (``k2_checkpoint_source=control:DIR``, ``k2_checkpoint_bytes`` its real size), and
+     for GGUF engines synthetic ``.gguf`` files of ``k2_gguf_repo`` matching
+     ``k2_gguf_pattern`` (``k2_gguf_source=control:DIR``),
      ``k2_package_source=bundle``, a modest ``k2_health_timeout`` and no IB HCAs.
 
 4. The deploy's health role waits for every health gate; the deploy runs a second time and
@@ -41,6 +43,8 @@ sandbox hosts.
 from __future__ import annotations
 
 import ast
+import fnmatch
+import hashlib
 import json
 import re
 import shlex
@@ -61,10 +65,11 @@ from k2fleet.inventory import _import_pyinfra_cli_inventory, inventory_host_data
 from k2fleet.plan import Plan
 from k2fleet.pyinfra_run import DEPLOY_FILE, ROOT, data_args, run_pyinfra, tool
 from k2fleet.spec import SpecError
-from k2fleet.synthetic import ensure_synthetic_checkpoint
+from k2fleet.synthetic import ensure_synthetic_checkpoint, ensure_synthetic_gguf
 
 CHECKPOINT_CACHE = Path("/var/cache/k2fleet/rehearsal-checkpoints")
 SHARD_BYTES = 16 * 1024
+GGUF_SPLITS = 3  # synthetic GGUF split files per repository
 HEALTH_TIMEOUT_S = 120
 DEPLOY_TIMEOUT_S = 1200
 PROBE_TIMEOUT_S = 30
@@ -97,8 +102,8 @@ def unsupported(dep: Deployment, plan: Plan) -> str | None:
         return "Docker/Ray"
     if dep.s.multinode_backend == "ray" and len(dep.fleet.hosts) > 1:
         return "Docker/Ray"
-    if dep.engine == "ktransformers":
-        return "KTransformers (GGUF weights, legacy server)"
+    if dep.s.gguf_repo and gguf_file_names(dep.s.gguf_pattern, dep.s.gguf_repo) is None:
+        return f"GGUF files matching k2_gguf_pattern {dep.s.gguf_pattern!r} (no synthetic .gguf name matches it)"
     return None
 
 
@@ -136,6 +141,49 @@ def rehearsal_checkpoint(model: str, revision: str, cache: Path = CHECKPOINT_CAC
     manifest = root / ".k2fleet" / "manifest.json"
     size = sum(entry["size"] for entry in json.loads(manifest.read_text())["files"].values())
     return root, size
+
+
+def _concrete(glob: str) -> str:
+    """One name matching fnmatch ``glob`` (no ``*`` left: callers place theirs first)."""
+    glob = re.sub(r"\[!([^\]]*)\]", "_", glob)
+    glob = re.sub(r"\[([^\]])[^\]]*\]", r"\1", glob)
+    return glob.replace("*", "synthetic").replace("?", "x")
+
+
+def gguf_file_names(pattern: str | None, repo: str, splits: int = GGUF_SPLITS) -> list[str] | None:
+    """Synthetic GGUF split names (``STEM-00001-of-00003.gguf``) matching ``pattern``
+    (``k2_gguf_pattern``; None: the repository root), or None if no ``.gguf`` name can.
+
+    >>> gguf_file_names("UD-Q3_K_XL/*", "unsloth/Kimi-K2-Instruct-GGUF")[0]
+    'UD-Q3_K_XL/Kimi-K2-Instruct-UD-Q3_K_XL-00001-of-00003.gguf'
+    >>> gguf_file_names("Q4_K_M/*.gguf", "org/K2-GGUF", 2)
+    ['Q4_K_M/K2-Q4_K_M-00001-of-00002.gguf', 'Q4_K_M/K2-Q4_K_M-00002-of-00002.gguf']
+    >>> gguf_file_names("*.safetensors", "org/K2-GGUF") is None
+    True
+    """
+    parts = (pattern or "*").split("/")
+    dirs = [_concrete(p) for p in parts[:-1]]
+    last = parts[-1]
+    stem = "-".join([repo.rsplit("/", 1)[-1].removesuffix("-GGUF"), *dirs[-1:]])
+    names = []
+    for i in range(1, splits + 1):
+        base = f"{stem}-{i:05d}-of-{splits:05d}"
+        name = _concrete(last.replace("*", base + (".gguf" if last.endswith("*") else ""), 1))
+        names.append("/".join([*dirs, name]))
+        if "*" not in last:
+            break
+    if not all(n.endswith(".gguf") and fnmatch.fnmatch(n, pattern or "*") for n in names):
+        return None
+    return names
+
+
+def rehearsal_gguf(repo: str, revision: str, pattern: str | None, cache: Path = CHECKPOINT_CACHE) -> Path:
+    """Make (once, cached) synthetic GGUF files of ``repo``@``revision`` matching
+    ``pattern`` with their manifest on the control machine; return the directory."""
+    names = gguf_file_names(pattern, repo)
+    assert names is not None  # unsupported() refuses such a pattern before anything is made
+    key = hashlib.sha256(json.dumps(names).encode()).hexdigest()[:12]
+    return ensure_synthetic_gguf(cache / repo.replace("/", "--") / f"{revision}-{key}", repo, revision, names, SHARD_BYTES)
 
 
 # --------------------------------------------------------------------------
@@ -199,7 +247,7 @@ def connection_overlay(names: Sequence[str], hosts: Sequence[sandbox.SandboxHost
     }
 
 
-def sandbox_data(dep: Deployment, checkpoint: Path, size: int) -> dict[str, Any]:
+def sandbox_data(dep: Deployment, checkpoint: Path, size: int, gguf: Path | None = None) -> dict[str, Any]:
     """The fleet-wide overlay (``--data``): simulated GPUs, engine doubles, and what a
     GPU-less, Hub-less sandbox must change."""
     data: dict[str, Any] = {
@@ -210,6 +258,8 @@ def sandbox_data(dep: Deployment, checkpoint: Path, size: int) -> dict[str, Any]
         "k2_package_source": "bundle",
         "k2_health_timeout": min(dep.s.health_timeout, HEALTH_TIMEOUT_S),
     }
+    if gguf is not None:
+        data["k2_gguf_source"] = f"control:{gguf}"
     if any(h.settings.ib_hcas for h in dep.fleet.hosts):
         data["k2_ib_hcas"] = []  # sandbox hosts have no InfiniBand HCAs
     return data
@@ -359,6 +409,7 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
 
     started = time.monotonic()
     checkpoint, size = rehearsal_checkpoint(dep.s.model, dep.s.revision)
+    gguf = rehearsal_gguf(dep.s.gguf_repo, str(dep.s.gguf_revision), dep.s.gguf_pattern) if dep.s.gguf_repo else None
     work = Path(tempfile.mkdtemp(prefix="k2rehearse-"))
     booted = False
     lock = sandbox.hold_sandbox_lock()  # one sandbox user at a time; released at exit
@@ -381,7 +432,7 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         generated = work / "inventory" / inv_path.name
         generated.parent.mkdir()
         generated.write_text(generated_inventory(str(inventory), groups, connection_overlay(names, sb_hosts)))
-        overlay = {**sandbox_data(dep, checkpoint, size), **slurm_overlay}
+        overlay = {**sandbox_data(dep, checkpoint, size, gguf), **slurm_overlay}
         argv = [tool("pyinfra"), "-y", "--json", "--group-data", str(inv_path.parent / "group_data"),
                 *data_args(overlay), *[a for item in data for a in ("--data", item)],
                 str(generated), DEPLOY_FILE]

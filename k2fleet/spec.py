@@ -622,6 +622,13 @@ class HostSettings(BaseModel):
         "`.k2fleet/manifest.json`, e.g. made by `hf download` on a connected machine).",
         default="hub",
     )
+    gguf_source: CheckpointSource = _key(
+        FLEET,
+        "Where the `k2_gguf_repo` files come from: `hub` (at `k2_gguf_revision`, only those "
+        "matching `k2_gguf_pattern`) or `control:/path` (a directory holding them and "
+        "`.k2fleet/manifest.json`).",
+        default="hub",
+    )
     checkpoint_cache: AbsPath = _key(
         FLEET,
         "Control-machine directory the `hub` source downloads into and verifies "

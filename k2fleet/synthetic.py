@@ -11,7 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
-from k2fleet.synthetic_checkpoint import make_checkpoint, manifest_for
+from k2fleet.synthetic_checkpoint import make_checkpoint, make_gguf_files, manifest_for
 
 SANDBOX_MODEL = "k2fleet-test/Kimi-K2-Thinking-synthetic"
 SANDBOX_REVISION = "5a4db0c5e1f3f1d0d1b5e8f7a6c3b2a1908f7e6d"  # fixed: the generator is deterministic
@@ -41,6 +41,22 @@ def ensure_synthetic_checkpoint(root: Path, model: str, revision: str, num_shard
     files = make_checkpoint(tmp, num_shards=num_shards, shard_bytes=shard_bytes, style=style)
     (tmp / ".k2fleet").mkdir(exist_ok=True)
     (tmp / ".k2fleet" / "manifest.json").write_text(json.dumps(manifest_for(files, model, revision), indent=1))
+    shutil.rmtree(root, ignore_errors=True)
+    tmp.rename(root)
+    return root
+
+
+def ensure_synthetic_gguf(root: Path, repo: str, revision: str, names: list[str], file_bytes: int = SHARD_BYTES) -> Path:
+    """Create synthetic GGUF files ``names`` of ``repo``@``revision`` and their manifest at
+    ``root`` once (built beside it, renamed into place); return ``root``."""
+    manifest = root / ".k2fleet" / "manifest.json"
+    if manifest.exists():
+        return root
+    tmp = root.with_name(root.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    files = make_gguf_files(tmp, names, file_bytes)
+    (tmp / ".k2fleet").mkdir(exist_ok=True)
+    (tmp / ".k2fleet" / "manifest.json").write_text(json.dumps(manifest_for(files, repo, revision), indent=1))
     shutil.rmtree(root, ignore_errors=True)
     tmp.rename(root)
     return root

@@ -187,6 +187,48 @@ def make_checkpoint(
     return describe_dir(root)
 
 
+GGUF_STRING = 8  # gguf_metadata_value_type: string
+GGUF_UINT16 = 2
+
+
+def _gguf_str(text: str) -> bytes:
+    raw = text.encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def gguf_header(kv: dict[str, str | int]) -> bytes:
+    """A GGUF v3 header with no tensors and the metadata ``kv`` (strings and uint16s).
+
+    Example:
+        >>> h = gguf_header({"general.architecture": "deepseek2"})
+        >>> h[:4], struct.unpack("<IQQ", h[4:24])
+        (b'GGUF', (3, 0, 1))
+    """
+    out = b"GGUF" + struct.pack("<IQQ", 3, 0, len(kv))
+    for key, value in kv.items():
+        if isinstance(value, int):
+            out += _gguf_str(key) + struct.pack("<IH", GGUF_UINT16, value)
+        else:
+            out += _gguf_str(key) + struct.pack("<I", GGUF_STRING) + _gguf_str(value)
+    return out
+
+
+def make_gguf_files(root: str | os.PathLike[str], names: list[str], data_bytes: int = 16 * 1024) -> list[SynthFile]:
+    """Write synthetic GGUF split files ``names`` (paths under ``root``): a valid v3 header
+    (architecture deepseek2, split number/count) and ``data_bytes`` of pseudo-random data
+    each, no real tensors; returns every file under ``root`` (manifest-worthy)."""
+    root = Path(root)
+    for i, rel in enumerate(names):
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        header = gguf_header({"general.architecture": "deepseek2", "general.name": "k2fleet synthetic GGUF",
+                              "split.no": i, "split.count": len(names)})
+        with open(path, "wb") as f:
+            f.write(header)
+            _write_data(f, data_bytes, seed=1000 + i)
+    return describe_dir(root)
+
+
 def describe_dir(root: str | os.PathLike[str]) -> list[SynthFile]:
     """Hash every regular file under ``root`` (skipping ``.k2fleet``/``.cache``)."""
     root = Path(root)
@@ -209,7 +251,7 @@ def describe_file(root: Path, rel: str) -> SynthFile:
         while chunk := f.read(1 << 20):
             data_sha256.update(chunk)
             blob_sha1.update(chunk)
-    return SynthFile(rel, size, data_sha256.hexdigest(), blob_sha1.hexdigest(), rel.endswith(LFS_SUFFIXES))
+    return SynthFile(rel, size, data_sha256.hexdigest(), blob_sha1.hexdigest(), rel.endswith((*LFS_SUFFIXES, ".gguf")))
 
 
 def manifest_for(files: list[SynthFile], repo_id: str, revision: str) -> dict[str, Any]:

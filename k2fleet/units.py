@@ -26,9 +26,10 @@ def env_file(svc: Service) -> str:
     return "\n".join(env_file_line(key, svc.env[key]) for key in sorted(svc.env)) + "\n"
 
 
-def gate_argv(dep: Deployment) -> list[str]:
-    """The checkpoint gate: a stat-fast re-verify against the verified marker."""
-    return ["/usr/bin/python3", f"{LIB_DIR}/verify.py", dep.checkpoint_path]
+def gate_argv(dep: Deployment, path: str | None = None) -> list[str]:
+    """The checkpoint gate of one weight set (default: the checkpoint): a stat-fast
+    re-verify against the verified marker."""
+    return ["/usr/bin/python3", f"{LIB_DIR}/verify.py", path or dep.checkpoint_path]
 
 
 def unit_file(dep: Deployment, svc: Service) -> str:
@@ -49,7 +50,7 @@ def unit_file(dep: Deployment, svc: Service) -> str:
     if svc.oneshot:
         lines.append("RemainAfterExit=yes")
     if svc.needs_checkpoint:
-        lines.append(f"ExecStartPre={systemd_exec(gate_argv(dep))}")
+        lines += [f"ExecStartPre={systemd_exec(gate_argv(dep, ws.path))}" for ws in dep.weight_sets]
     lines.append(f"ExecStart={systemd_exec(svc.argv)}")
     if svc.workdir:
         lines.append(f"WorkingDirectory={systemd_value(svc.workdir, path=True)}")

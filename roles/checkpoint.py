@@ -16,6 +16,10 @@ Sources (``k2_checkpoint_source``):
 - ``control:/path`` — a directory on the control machine with the files and
   ``.k2fleet/manifest.json`` (air-gapped fleets), verified there.
 
+GGUF engines (``k2_gguf_repo``) need a second weight set, the GGUF files matching
+``k2_gguf_pattern`` at ``k2_gguf_revision`` (source ``k2_gguf_source``, same grammar),
+delivered, verified and gated exactly like the checkpoint (``Deployment.weight_sets``).
+
 Fan-out (:mod:`k2fleet.checkpoint.fanout`): one transfer leaves the control machine, to
 the first host that loads weights (or the fetcher host downloads it); the others pull
 from verified peers over the SSH mesh in doubling rounds. A host whose gate fails
@@ -35,8 +39,8 @@ from pyinfra.operations import python
 
 from k2fleet.checkpoint import fanout
 from k2fleet.checkpoint.manifest import read_token
-from k2fleet.deployment import Deployment
-from k2fleet.desired import CHECKPOINT_CHECK, HUB_ENV, OVERLAY_PY, PY_LIB, VERIFY_PY, HostDesired
+from k2fleet.deployment import Deployment, WeightSet
+from k2fleet.desired import CHECKPOINT_CHECK, HUB_ENV, OVERLAY_PY, PY_LIB, VERIFY_PY, FanoutPlace, HostDesired
 from k2fleet.mesh import mesh_dir
 from k2fleet.operations import command
 from k2fleet.preflight import HostReport
@@ -47,12 +51,12 @@ TOKEN_DIR = "/run/k2fleet"
 TOKEN_PATH = f"{TOKEN_DIR}/hf_token"
 
 
-def control_source(dep: Deployment) -> tuple[str, bool]:
-    """(control-machine directory, fetched from the Hub?) of the checkpoint."""
-    s = dep.s
-    if s.checkpoint_source == "hub":
-        return fanout.control_dir(s.checkpoint_cache, s.model, s.revision), True
-    return s.checkpoint_source.removeprefix("control:"), False
+def control_source(dep: Deployment, ws: WeightSet | None = None) -> tuple[str, bool]:
+    """(control-machine directory, fetched from the Hub?) of one weight set (default: the checkpoint)."""
+    ws = ws or dep.weight_sets[0]
+    if ws.source == "hub":
+        return fanout.control_dir(dep.s.checkpoint_cache, ws.repo, ws.revision), True
+    return ws.source.removeprefix("control:"), False
 
 
 def _ssh_command() -> list[str]:
@@ -76,21 +80,24 @@ def send_token(token_file: str | None) -> None:
         raise RuntimeError(f"{host.name}: could not place the Hub token in {TOKEN_DIR}")
 
 
-def download_argv(dep: Deployment, xet_disabled: bool) -> list[str]:
-    """The Hub download on the fetcher host (the token only by file, never its value)."""
+def download_argv(dep: Deployment, xet_disabled: bool, ws: WeightSet | None = None) -> list[str]:
+    """The Hub download of one weight set (default: the checkpoint) on the fetcher host
+    (the token only by file, never its value)."""
     s = dep.s
+    ws = ws or dep.weight_sets[0]
     argv = ["env", f"PYTHONPATH={PY_LIB}", "HF_HUB_DISABLE_TELEMETRY=1", "HF_HUB_DISABLE_PROGRESS_BARS=1"]
     if s.hub_endpoint:
         argv.append(f"HF_ENDPOINT={s.hub_endpoint}")
     if xet_disabled:  # the operator's choice of the resumable HTTP path
         argv.append("HF_HUB_DISABLE_XET=1")
-    return argv + [f"{HUB_ENV}/bin/python", "-m", "k2fleet.checkpoint.download", s.model, "--revision", s.revision,
-                   "--dir", dep.checkpoint_path]
+    argv += [f"{HUB_ENV}/bin/python", "-m", "k2fleet.checkpoint.download", ws.repo, "--revision", ws.revision,
+             "--dir", ws.path]
+    return argv + (["--pattern", *ws.patterns] if ws.patterns else [])
 
 
-def host_download_command(dep: Deployment, xet_disabled: bool) -> str:
+def host_download_command(dep: Deployment, xet_disabled: bool, ws: WeightSet | None = None) -> str:
     """Shell line of the fetcher's Hub download; the token file is removed however it ends."""
-    argv = shell_line(download_argv(dep, xet_disabled))
+    argv = shell_line(download_argv(dep, xet_disabled, ws))
     return (f"trap 'rm -f {TOKEN_PATH}' EXIT; if [ -f {TOKEN_PATH} ]; then set -- --token-file {TOKEN_PATH}; fi; "
             f'{argv} "$@"')
 
@@ -99,12 +106,13 @@ def host_download_command(dep: Deployment, xet_disabled: bool) -> str:
 def ensure(dep: Deployment, desired: HostDesired, fact: HostReport, tracked: list,
            log_file: str, xet_disabled: bool = False) -> None:
     """
-    Bring this host's copy of the pinned checkpoint to verified, from the control
-    machine, the Hub (fetcher host) or a verified peer, in its fan-out round.
+    Bring this host's copy of the pinned checkpoint (and of the GGUF weights, for GGUF
+    engines) to verified, from the control machine, the Hub (fetcher host) or a verified
+    peer, in its fan-out round.
 
     + dep: the validated deployment (model, revision, source, paths, fetcher)
     + desired: this host's desired state (``fanout``: parent, round, root, shared)
-    + fact: this host's HostState (the read-only ``checkpoint-verified`` check)
+    + fact: this host's HostState (the read-only ``checkpoint-verified``/``gguf-verified`` checks)
     + tracked: list the run's health gate watches; verify operations are appended
     + log_file: control-machine JSON-lines log of checkpoint transfers
     + xet_disabled: pass ``HF_HUB_DISABLE_XET=1`` to the fetcher host's download
@@ -118,38 +126,56 @@ def ensure(dep: Deployment, desired: HostDesired, fact: HostReport, tracked: lis
     """
     fan = desired.fanout
     assert fan is not None
-    source_dir, from_hub = control_source(dep)
+    for ws in dep.weight_sets:
+        _ensure_weight_set(dep, ws, fan, fact, tracked, log_file, xet_disabled)
+    path = dep.checkpoint_path
     wanted = fan.loads_weights and not fact.passed(CHECKPOINT_CHECK)
+
+    # model_type fallback: a config overlay over the verified files, never an edit of them.
+    override = dep.s.model_type_override
+    overlay_missing = bool(override) and not fact.exists.get(f"{dep.serve_path}/config.json", False)
+    tracked.append(command(name=f"config overlay with model_type {override or '(none)'}",
+                           argv=["/usr/bin/python3", OVERLAY_PY, path, dep.serve_path, "--model-type", str(override)],
+                           _if=lambda: bool(override) and fan.loads_weights and (wanted or overlay_missing)))
+
+
+def _ensure_weight_set(dep: Deployment, ws: WeightSet, fan: FanoutPlace, fact: HostReport, tracked: list,
+                       log_file: str, xet_disabled: bool) -> None:
+    """The fan-out of one weight set (same operation sequence on every host)."""
+    source_dir, from_hub = control_source(dep, ws)
+    wanted = fan.loads_weights and not fact.passed(ws.check)
     root_wanted = wanted and fan.is_root
     on_host = dep.s.checkpoint_fetcher != "control"
     control_wanted = root_wanted and not on_host
-    path = dep.checkpoint_path
+    path = ws.path
+    what = f"checkpoint{ws.label}"
     addresses = {h.name: h.address for h in dep.fleet.hosts}
 
     # Round 0: the control machine's copy (Hub download or control: dir, verified there),
     # then the one transfer that leaves the control machine, to the root.
     python.call(
-        name="fetch + verify the checkpoint on the control machine (once per fleet)",
+        name=f"fetch + verify the {what} on the control machine (once per fleet)",
         function=fanout.prepare_control_copy,
-        repo_id=dep.s.model, revision=dep.s.revision, root=source_dir, hub=from_hub,
+        repo_id=ws.repo, revision=ws.revision, root=source_dir, hub=from_hub,
         endpoint=dep.s.hub_endpoint, token_file=dep.s.hub_token_file, log_file=log_file,
+        patterns=list(ws.patterns) if ws.patterns else None,
         _if=lambda: control_wanted,
     )
     user = host.data.get("ssh_user") or "root"
     python.call(
-        name="send the checkpoint (or only its bad files) from the control machine",
+        name=f"send the {what} (or only its bad files) from the control machine",
         function=fanout.push_to_host,
-        source=source_dir, dest=path, target=f"{user}@{host.data.get('ssh_hostname') or desired.name}",
+        source=source_dir, dest=path, target=f"{user}@{host.data.get('ssh_hostname') or host.name}",
         ssh=_ssh_command(), verify_py=VERIFY_PY, log_file=log_file,
         _if=lambda: control_wanted,
     )
-    tracked.append(command(name="verify every checkpoint file (sha256, index, headers)",
+    tracked.append(command(name=f"verify every {what} file (sha256, index, headers)",
                            argv=["/usr/bin/python3", VERIFY_PY, "--full", path], _if=lambda: control_wanted))
     # Or round 0 on the fetcher host itself: the Hub → this host (resumable, verified, repaired).
-    python.call(name="Hub token to the fetcher host (root-only file)", function=send_token,
+    python.call(name=f"Hub token to the fetcher host (root-only file){ws.label}", function=send_token,
                 token_file=dep.s.hub_token_file, _if=lambda: root_wanted and on_host)
-    tracked.append(command(name="download + verify the checkpoint from the Hub on this host (once per fleet)",
-                           argv=["sh", "-c", host_download_command(dep, xet_disabled)],
+    tracked.append(command(name=f"download + verify the {what} from the Hub on this host (once per fleet)",
+                           argv=["sh", "-c", host_download_command(dep, xet_disabled, ws)],
                            _if=lambda: root_wanted and on_host))
 
     # Rounds 1..: every other host pulls from a verified peer over the mesh (one sequence
@@ -159,18 +185,11 @@ def ensure(dep: Deployment, desired: HostDesired, fact: HostReport, tracked: lis
         active = wanted and fan.round == rnd
         parent = fan.parent if active else None
         argv = fanout.host_pull_argv(path, VERIFY_PY, f"{addresses[parent]}:{path}", rsh) if parent else ["true"]
-        command(name=f"checkpoint round {rnd}: pull (only bad files) from a verified peer over the mesh",
+        command(name=f"{what} round {rnd}: pull (only bad files) from a verified peer over the mesh",
                 argv=argv, _if=lambda active=active: active)
-        tracked.append(command(name=f"checkpoint round {rnd}: verify every file before serving or passing it on",
+        tracked.append(command(name=f"{what} round {rnd}: verify every file before serving or passing it on",
                                argv=["/usr/bin/python3", VERIFY_PY, "--full", path], _if=lambda active=active: active))
 
-    # model_type fallback: a config overlay over the verified files, never an edit of them.
-    override = dep.s.model_type_override
-    overlay_missing = bool(override) and not fact.exists.get(f"{dep.serve_path}/config.json", False)
-    tracked.append(command(name=f"config overlay with model_type {override or '(none)'}",
-                           argv=["/usr/bin/python3", OVERLAY_PY, path, dep.serve_path, "--model-type", str(override)],
-                           _if=lambda: bool(override) and fan.loads_weights and (wanted or overlay_missing)))
-
     # Shared storage: the root fetched into the shared path; the others only pass the gate.
-    command(name="checkpoint gate on shared storage",
-            argv=gate_argv(dep), _if=lambda: fan.shared and wanted and not fan.is_root)
+    command(name=f"{what} gate on shared storage",
+            argv=gate_argv(dep, path), _if=lambda: fan.shared and wanted and not fan.is_root)

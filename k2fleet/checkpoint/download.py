@@ -352,16 +352,19 @@ def repairable_files(report: Report) -> list[str]:
 
 
 def ensure_manifest(
-    repo_id: str, revision: str, local_dir: str | os.PathLike[str], *, token: str | None, endpoint: str | None
+    repo_id: str, revision: str, local_dir: str | os.PathLike[str], *, token: str | None, endpoint: str | None,
+    allow_patterns: list[str] | None = None,
 ) -> dict[str, Any]:
-    """The directory's manifest if it pins this repo and revision, else a fresh one from the Hub (saved)."""
+    """The directory's manifest if it pins this repo and revision, else a fresh one from the Hub (saved),
+    of the files matching ``allow_patterns`` (None: all)."""
     _require_commit(revision)
     path = manifest_path(local_dir)
     if path.is_file():
         existing = load_manifest(str(path))
         if existing.get("repo_id") == repo_id and existing.get("revision") == revision:
             return existing
-    manifest = build_manifest(repo_id, revision, endpoint=hub_endpoint(endpoint), token=token)
+    manifest = build_manifest(repo_id, revision, endpoint=hub_endpoint(endpoint), token=token,
+                              allow_patterns=allow_patterns)
     save_manifest(local_dir, manifest)
     return manifest
 
@@ -375,6 +378,7 @@ def fetch_and_verify(
     endpoint: str | None = None,
     only: list[str] | None = None,
     max_workers: int = 8,
+    allow_patterns: list[str] | None = None,
 ) -> Report:
     """Manifest → download (or re-fetch ``only``) → verify → repair bad files once → verify.
 
@@ -382,7 +386,8 @@ def fetch_and_verify(
         >>> fetch_and_verify("moonshotai/Kimi-K2-Thinking", "6126...", "/models/k2").ok  # doctest: +SKIP
         True
     """
-    manifest = ensure_manifest(repo_id, revision, local_dir, token=token, endpoint=endpoint)
+    manifest = ensure_manifest(repo_id, revision, local_dir, token=token, endpoint=endpoint,
+                               allow_patterns=allow_patterns)
     if only:
         repair(local_dir, manifest, only, token=token, endpoint=endpoint, max_workers=max_workers)
     else:
@@ -398,7 +403,8 @@ def fetch_and_verify(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m k2fleet.checkpoint.download REPO --revision SHA --dir D [--token-file F] [--only FILE...]``."""
+    """``python -m k2fleet.checkpoint.download REPO --revision SHA --dir D [--token-file F] [--only FILE...]
+    [--pattern GLOB...]``."""
     ap = argparse.ArgumentParser(prog="python -m k2fleet.checkpoint.download")
     ap.add_argument("repo_id")
     ap.add_argument("--revision", required=True, help="40-hex commit sha (branches and tags are refused)")
@@ -406,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--token-file", help="file holding the Hub token (default: env HF_TOKEN)")
     ap.add_argument("--only", nargs="+", metavar="FILE", help="delete and re-fetch only these files")
     ap.add_argument("--max-workers", type=int, default=8)
+    ap.add_argument("--pattern", nargs="+", metavar="GLOB", help="only the repository files matching these globs")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not is_commit_sha(args.revision):
@@ -414,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     report = fetch_and_verify(
         args.repo_id, args.revision, args.dir,
         token=read_token(args.token_file), only=args.only, max_workers=args.max_workers,
+        allow_patterns=args.pattern,
     )
     for line in report.lines():
         print(line)

@@ -218,8 +218,10 @@ def ensure_control_copy(
     hub: bool,
     endpoint: str | None = None,
     token_file: str | None = None,
+    patterns: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Make ``root`` (on the control machine) a verified copy of ``repo_id@revision``.
+    """Make ``root`` (on the control machine) a verified copy of ``repo_id@revision``
+    (of its files matching ``patterns``; None: all).
 
     Hub source: a verified cache is used as is (stat-fast re-verify, no Hub request);
     bad files of a cache are re-fetched alone (:func:`download.repair`); otherwise the
@@ -251,12 +253,14 @@ def ensure_control_copy(
         token = read_token(token_file)
         bad = repairable_files(report) if report is not None else []
         if report is not None and bad and len(bad) == len({p.path for p in report.problems}):
-            manifest = ensure_manifest(repo_id, revision, root, token=token, endpoint=endpoint)
+            manifest = ensure_manifest(repo_id, revision, root, token=token, endpoint=endpoint,
+                                       allow_patterns=patterns)
             log.warning("re-fetching %d bad file(s) of the control cache: %s", len(bad), ", ".join(bad))
             repair(root, manifest, bad, token=token, endpoint=endpoint)
             report, action = verify(root, manifest), "repair"
         else:
-            report, action = fetch_and_verify(repo_id, revision, root, token=token, endpoint=endpoint), "download"
+            report, action = fetch_and_verify(repo_id, revision, root, token=token, endpoint=endpoint,
+                                              allow_patterns=patterns), "download"
         if not report.ok:
             raise RuntimeError(f"the control cache {root} failed verification:\n" + "\n".join(report.lines()[-20:]))
     return {"dir": root, "action": action, "seconds": round(time.monotonic() - t0, 3),
@@ -272,6 +276,7 @@ def prepare_control_copy(
     endpoint: str | None = None,
     token_file: str | None = None,
     log_file: str | os.PathLike[str] | None = None,
+    patterns: list[str] | None = None,
 ) -> dict[str, Any]:
     """:func:`ensure_control_copy` in a child process (pyinfra's gevent-patched process
     cannot import huggingface_hub's HTTP stack, and hashing there would stall every
@@ -279,6 +284,7 @@ def prepare_control_copy(
     read by the child (env ``HF_TOKEN`` or ``token_file``): neither is in argv."""
     argv = [sys.executable, "-m", "k2fleet.checkpoint.fanout", "control-copy", repo_id, revision, root]
     argv += ["--hub"] if hub else []
+    argv += ["--pattern", *patterns] if patterns else []
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")]))
     if endpoint:
@@ -351,7 +357,7 @@ def push_to_host(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m k2fleet.checkpoint.fanout control-copy REPO REVISION DIR [--hub]``
+    """``python -m k2fleet.checkpoint.fanout control-copy REPO REVISION DIR [--hub] [--pattern GLOB...]``
     (endpoint: env ``HF_ENDPOINT``; token: env ``HF_TOKEN`` or ``K2FLEET_HUB_TOKEN_FILE``)."""
     import argparse
 
@@ -362,12 +368,14 @@ def main(argv: list[str] | None = None) -> int:
     cc.add_argument("revision")
     cc.add_argument("dir")
     cc.add_argument("--hub", action="store_true", help="fetch missing or bad files from the Hub")
+    cc.add_argument("--pattern", nargs="+", metavar="GLOB", help="only the repository files matching these globs")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     try:
         record = ensure_control_copy(args.repo_id, args.revision, args.dir, hub=args.hub,
                                      endpoint=os.environ.get("HF_ENDPOINT") or None,
-                                     token_file=os.environ.get("K2FLEET_HUB_TOKEN_FILE") or None)
+                                     token_file=os.environ.get("K2FLEET_HUB_TOKEN_FILE") or None,
+                                     patterns=args.pattern)
     except (RuntimeError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""k2fleet health gate, run ON a host: a service is healthy when ``/health`` answers
-200 AND a real chat completion returns a non-empty answer, within a timeout.
+"""k2fleet health gate, run ON a host: a service is healthy when its readiness route
+(``/health``, or ``--ready-path``) answers 200 AND a real chat completion returns a
+non-empty answer, within a timeout.
 
     k2fleet-health.py --base http://127.0.0.1:8000 --model NAME --unit k2-vllm.service --timeout 600
 
@@ -71,11 +72,12 @@ def journal_tail(unit: str, lines: int = 30) -> str:
         return f"(no journal: {exc})"
 
 
-def wait_healthy(base: str, model: str, timeout: float, expected: dict | None = None) -> str:
+def wait_healthy(base: str, model: str, timeout: float, expected: dict | None = None,
+                 ready_path: str = "/health") -> str:
     deadline = time.monotonic() + timeout
     last = "no answer"
     while time.monotonic() < deadline:
-        status = get_status(f"{base}/health")
+        status = get_status(f"{base}{ready_path}")
         if status == 200:
             try:
                 answer = chat(base, model)
@@ -89,7 +91,7 @@ def wait_healthy(base: str, model: str, timeout: float, expected: dict | None = 
             except (OSError, ValueError, KeyError, IndexError) as exc:
                 last = f"chat completion failed: {exc}"
         else:
-            last = f"/health answered {status}"
+            last = f"{ready_path} answered {status}"
         time.sleep(1)
     raise NotHealthy(f"not healthy after {timeout:.0f}s: {last}")
 
@@ -100,11 +102,13 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--unit", required=True)
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--ready-path", default="/health",
+                    help="readiness route that must answer 200 before the chat completion (default /health)")
     ap.add_argument("--expect-world", type=json.loads, default=None,
                     help="JSON {key: value} the engine must report in /v1/models metadata (the planned topology)")
     args = ap.parse_args()
     try:
-        answer = wait_healthy(args.base, args.model, args.timeout, args.expect_world)
+        answer = wait_healthy(args.base, args.model, args.timeout, args.expect_world, args.ready_path)
     except NotHealthy as exc:
         print(f"{socket.gethostname()}: {args.unit}: {exc}", file=sys.stderr)
         print(f"--- last log lines of {args.unit} ---", file=sys.stderr)

@@ -4,11 +4,14 @@ rest on the GPUs.
 - pins ≥ 0.7 (``kt-kernel`` + ``sglang-kt``): ``python -m sglang.launch_server
   --model-path CONFIG --kt-weight-path GGUF --kt-method LLAMAFILE ...``;
 - the legacy server (0.3.x, the seed's): ``python -m ktransformers.server.main
-  --model_path CONFIG --gguf_path GGUF --optimize_config_path RULES.yaml``, where
-  RULES is the AMX serve rule file.
+  --model_path CONFIG --model_name NAME --gguf_path GGUF --optimize_config_path RULES.yaml``,
+  where RULES is the AMX serve rule file; it has no ``/health``, so its gate reads
+  ``/v1/models``.
 
-The GGUF directory holds the weights (``k2_gguf_repo``); the config and tokenizer come
-from ``k2_model`` (the safetensors are not fetched for this engine).
+The GGUF directory holds the expert weights (``k2_gguf_repo`` files matching
+``k2_gguf_pattern``, a weight set of its own: ``Deployment.weight_sets``); the config and
+tokenizer come from ``k2_model`` (whose whole repository is fetched today, though the
+legacy server reads only its config and tokenizer).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from k2fleet.render.sglang import feature_words
 
 LEGACY_AMX_RULES = "ktransformers/optimize/optimize_rules/DeepSeek-V3-Chat-fp8-linear-ggml-experts-serve-amx.yaml"
 SGLANG_KT_SINCE = (0, 4, 0)
+# The legacy server has no /health; it listens only once the model is loaded, and
+# GET /v1/models is its cheapest route (ktransformers/server/api/openai/endpoints/chat.py).
+LEGACY_READY_PATH = "/v1/models"
 
 
 def _kt_words(dep: Deployment, kt: dict, tp: int) -> list[str]:
@@ -35,7 +41,8 @@ def _kt_words(dep: Deployment, kt: dict, tp: int) -> list[str]:
 
 
 def _legacy_words(dep: Deployment, kt: dict) -> list[str]:
-    words = ["--model_path", dep.serve_path, "--gguf_path", str(dep.gguf_path)]
+    # --model_name: what /v1/models lists (the server's default is its config.yaml's name)
+    words = ["--model_path", dep.serve_path, "--model_name", dep.served_model_name, "--gguf_path", str(dep.gguf_path)]
     words += ["--cache_lens", str(kt.get("cache_lens", 30000)), "--port", str(dep.s.port), "--host", "0.0.0.0"]
     rules = kt.get("optimize_rules", LEGACY_AMX_RULES)
     if rules:
@@ -49,6 +56,7 @@ def render(dep: Deployment) -> Iterator[tuple[str, Service]]:
         for nodes in pool.instances:
             host = nodes[0]
             env = engine_env(dep, host, s.env)
+            health = Health(dep.s.port)
             if version_tuple(dep.version) >= SGLANG_KT_SINCE:
                 words = _kt_words(dep, s.kt, pool.tp) + extra_flags(dep, s.engine_args)
                 argv = [venv_bin(dep, "python"), "-m", "sglang.launch_server", *words]
@@ -57,7 +65,8 @@ def render(dep: Deployment) -> Iterator[tuple[str, Service]]:
                 words = _legacy_words(dep, s.kt) + extra_flags(dep, s.engine_args, dash="_")
                 argv = [venv_bin(dep, "python"), "-m", "ktransformers.server.main", *words]
                 what = f"KTransformers {dep.version} legacy server with AMX rules"
+                health = Health(dep.s.port, path=LEGACY_READY_PATH)
             yield host.name, Service(
                 name="k2-ktransformers", argv=argv, env=env, ports={"k2_port": dep.s.port},
-                role=pool.role, health=Health(dep.s.port), description=what,
+                role=pool.role, health=health, description=what,
             )

@@ -22,6 +22,7 @@ import os
 import re
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -120,6 +121,31 @@ def resolve_model(spec: str) -> ModelInfo:
     if HUB_ID.match(spec) and not spec.startswith((".", "/")):
         return ModelInfo(spec, False, None)
     raise ModelError(f"model path {spec} does not exist and is not a Hub id (org/name)")
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def gguf_files(gguf_path: str) -> list[Path]:
+    """The ``*.gguf`` files KTransformers' ``GGUFLoader(gguf_path)`` would load; raises ModelError where
+    it would raise (missing path, no .gguf file, bad magic or header)."""
+    root = Path(gguf_path)
+    if not root.exists():
+        raise ModelError(f"GGUF dir not found: {gguf_path}")
+    if root.is_file():
+        root = root.parent
+    found = sorted(Path(d) / f for d, _, files in os.walk(root) for f in files if f.endswith(".gguf"))
+    if not found:
+        raise ModelError(f"Cannot find any .gguf files in: {gguf_path}")
+    for path in found:
+        with open(path, "rb") as f:
+            head = f.read(24)
+        if head[:4] != GGUF_MAGIC or len(head) < 24:
+            raise ModelError(f"{path}: not a GGUF file (magic {head[:4]!r})")
+        version, _tensors, _kv = struct.unpack("<IQQ", head[4:24])
+        if version != 3:
+            log("gguf", f"warning: {path}: GGUF version {version} has never been tested, might not work")
+    return found
 
 
 # --------------------------------------------------------------------------

@@ -22,11 +22,12 @@ from typing import Optional, Sequence
 
 from . import DOUBLE_NAME
 from .common import (EngineApp, EngineHandler, JsonHandler, MemberLink, ModelError,
-                     Readiness, RendezvousGroup, RendezvousServer, fail, gpus_per_node, log,
+                     Readiness, RendezvousGroup, RendezvousServer, fail, gguf_files, gpus_per_node, log,
                      parse_hostport, resolve_model, serve_http, wait_for_shutdown)
 
 ENGINE = "sglang"
 VERSION = "0.5.23"
+GGUF_KT_METHODS = ("LLAMAFILE",)  # kt methods whose weight path holds GGUF files
 
 
 def add_server_flags(p: argparse.ArgumentParser) -> None:
@@ -89,14 +90,30 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_kt_flags(p: argparse.ArgumentParser) -> None:
-    """KTransformers (sglang-kt / kt-kernel) hybrid CPU/GPU MoE flags."""
-    p.add_argument("--kt-weight-path", default=None)
-    p.add_argument("--kt-method", default=None)
+    """KTransformers (sglang-kt 0.7.2 / kt-kernel) hybrid CPU/GPU MoE flags: exactly the
+    ``--kt-*`` flags of sglang-kt 0.7.2's sglang/srt/server_args.py, same types/defaults."""
+    p.add_argument("--kt-weight-path", type=str, default=None)
+    p.add_argument("--kt-method", type=str, default="AMXINT4")
     p.add_argument("--kt-cpuinfer", type=int, default=None)
-    p.add_argument("--kt-threadpool-count", type=int, default=None)
+    p.add_argument("--kt-threadpool-count", type=int, default=2)
+    p.add_argument("--kt-numa-nodes", type=int, nargs="+", default=None)
     p.add_argument("--kt-num-gpu-experts", type=int, default=None)
+    p.add_argument("--kt-gpu-experts-ratio", type=float, default=None)
     p.add_argument("--kt-max-deferred-experts-per-token", type=int, default=None)
-    p.add_argument("--kt-expert-placement-strategy", default=None)
+    p.add_argument("--kt-gpu-prefill-token-threshold", type=int, default=None)
+    p.add_argument("--record-kt-gpu-expert-distribution", action="store_true")
+    p.add_argument("--kt-enable-dynamic-expert-update", action="store_true")
+    p.add_argument("--kt-expert-placement-strategy", type=str, default=None,
+                   choices=["frequency", "front-loading", "uniform", "random"])
+    p.add_argument("--kt-lora-path", type=str, default=None)
+    p.add_argument("--kt-expert-lora-path", type=str, default=None)
+
+
+def kt_settings(a: argparse.Namespace) -> Optional[dict]:
+    """The ``--kt-*`` values the double was started with (reported in /v1/models), or None."""
+    if not a.kt_weight_path:
+        return None
+    return {k.removeprefix("kt_"): v for k, v in sorted(vars(a).items()) if k.startswith("kt_")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,6 +159,11 @@ def check_runtime(a: argparse.Namespace) -> None:
     kt = a.kt_weight_path
     if kt and kt.startswith(("/", ".")) and not Path(kt).exists():
         fail(ENGINE, f"--kt-weight-path {kt} does not exist")
+    if kt and a.kt_method in GGUF_KT_METHODS:
+        try:
+            gguf_files(kt)  # kt-kernel's llamafile backend reads GGUF experts from this folder
+        except ModelError as exc:
+            fail(ENGINE, f"--kt-weight-path with --kt-method {a.kt_method}: {exc}")
 
 
 def setup_ranks(a: argparse.Namespace, readiness: Readiness) -> list[RendezvousServer]:
@@ -188,7 +210,7 @@ def make_app(a: argparse.Namespace, readiness: Readiness) -> EngineApp:
         metadata={"version": VERSION, "tp_size": a.tp_size, "dp_size": a.dp_size,
                   "ep_size": a.ep_size, "nnodes": a.nnodes,
                   "disaggregation_mode": a.disaggregation_mode,
-                  "ktransformers": bool(a.kt_weight_path)},
+                  "ktransformers": kt_settings(a)},
         extra_get={"/get_model_info": lambda: (200, info),
                    "/get_server_info": lambda: (200, dict(vars(a), version=VERSION,
                                                           double=DOUBLE_NAME))})

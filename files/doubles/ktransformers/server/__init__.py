@@ -1,0 +1,1 @@
+"""k2fleet-test-double stand-in for ``ktransformers.server`` (TEST DOUBLE)."""
