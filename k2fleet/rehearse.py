@@ -23,9 +23,14 @@ the sandbox fleet before touching a real one.
    ``rehearsal INVENTORY: N/N endpoints healthy, re-run 0 changes`` (exit 0), or what
    failed, with the deploy's own failure output (exit 1).
 
-Not in this slice (refused with exit 2): scenarios that need Docker (``k2_runtime``
-container: b200-trtllm, mi300x, h200-trtllm-mpi as written, gb200-trtllm-disagg), Ray
-(h800-pp) or Slurm in the sandbox hosts.
+Container scenarios (``k2_runtime: container``: b200-trtllm, mi300x) boot the hosts with
+Docker-in-nspawn flags but without Docker: the deploy installs ``docker.io`` from the
+offline bundle and loads the engine TEST DOUBLE image the control step built, tagged as
+the inventory's ``k2_image`` and pinned by image ID (:mod:`k2fleet.image`).
+
+Not in this slice (refused with exit 2): engines in containers across hosts (mpirun
+between containers: h200-trtllm-mpi as written, gb200-trtllm-disagg), Ray (h800-pp) or
+Slurm in the sandbox hosts.
 """
 
 from __future__ import annotations
@@ -76,8 +81,8 @@ class RehearsalError(RuntimeError):
 
 def unsupported(dep: Deployment, plan: Plan) -> str | None:
     """What the sandbox hosts would need that this slice does not give them, or None."""
-    if dep.runtime == "container":
-        return "Docker/Ray"
+    if dep.runtime == "container" and len(dep.fleet.hosts) > 1:
+        return "Docker across hosts (an engine in containers on several hosts)"
     if dep.s.multinode_backend == "ray" and len(dep.fleet.hosts) > 1:
         return "Docker/Ray"
     if any(h.role == "slurm-submit" for h in plan.hosts.values()):
@@ -288,7 +293,7 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         say(f"rehearse {inventory}: booting {len(names)} bare sandbox hosts")
         sandbox.down()
         booted = True
-        sb_hosts = sandbox.up(len(names), docker=False)
+        sb_hosts = sandbox.up(len(names), docker=dep.runtime == "container")
         generated = work / "inventory" / inv_path.name
         generated.parent.mkdir()
         generated.write_text(generated_inventory(str(inventory), groups, connection_overlay(names, sb_hosts)))

@@ -109,6 +109,22 @@ def yaml_keys(path: str) -> list[str]:
     return keys
 
 
+# The LLM API options the YAML may set that decide the world; like the real
+# ``trtllm-serve`` (``update_llm_args_with_extra_dict``) the YAML wins over the CLI.
+YAML_SIZES = {"tensor_parallel_size": "tp_size", "pipeline_parallel_size": "pp_size",
+              "context_parallel_size": "cp_size", "moe_expert_parallel_size": "ep_size"}
+
+
+def yaml_sizes(path: str) -> dict[str, int]:
+    """Top-level parallel sizes set in the options YAML (argparse dest → value)."""
+    sizes: dict[str, int] = {}
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key in YAML_SIZES and value.strip().isdigit():
+            sizes[YAML_SIZES[key]] = int(value.strip())
+    return sizes
+
+
 def validate(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     for name in ("tp_size", "pp_size", "cp_size"):
         if getattr(a, name) < 1:
@@ -212,6 +228,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             yaml = yaml_keys(args.extra_llm_api_options)
         except ValueError as exc:
             fail(ENGINE, f"--config/--extra_llm_api_options: {exc}")
+        for dest, value in yaml_sizes(args.extra_llm_api_options).items():
+            setattr(args, dest, value)
+        validate(parser, args)
     try:
         app = make_app(args, Readiness(ENGINE), yaml)
     except ModelError as exc:
