@@ -129,11 +129,12 @@ class FanoutPlace:
 @dataclass(frozen=True)
 class ImagePin:
     """The container image a host runs: ``ref`` pinned to ``image_id`` (None: the
-    archive is not built yet, ``--dry``), shipped as the archive at ``archive``."""
+    archive is not built yet, ``--dry``), shipped as the archive at ``archive`` (sandbox
+    doubles) or pulled from the registry (None: ``k2_image_id``)."""
 
     ref: str
     image_id: str | None
-    archive: str
+    archive: str | None
 
 
 @dataclass
@@ -268,10 +269,12 @@ def needs_double_image(dep: Deployment) -> bool:
 
 
 def image_files(dep: Deployment, hp: HostPlan, art: ControlArtifacts) -> tuple[ImagePin | None, dict[str, FileSpec]]:
-    """The image archive a container host loads (sandbox doubles only) and its pin."""
-    if not needs_double_image(dep) or not any(container_name(s) for s in hp.services):
+    """A container host's image pin and the archive it loads (sandbox doubles; a real
+    fleet pulls ``k2_image`` and checks it is ``k2_image_id``)."""
+    if dep.image is None or not any(container_name(s) for s in hp.services):
         return None, {}
-    assert dep.image is not None
+    if not needs_double_image(dep):
+        return (ImagePin(dep.image, dep.s.image_id, None) if dep.s.image_id else None), {}
     made = art.images.get(dep.image)
     if made is None:
         name = "double-image.tar.gz"

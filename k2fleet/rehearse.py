@@ -288,8 +288,12 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
     checkpoint, size = rehearsal_checkpoint(dep.s.model, dep.s.revision)
     work = Path(tempfile.mkdtemp(prefix="k2rehearse-"))
     booted = False
+    waiting = time.monotonic()
     lock = sandbox.hold_sandbox_lock()  # one sandbox user at a time; released at exit
+    waited = time.monotonic() - waiting
     try:
+        if waited >= 1:
+            say(f"rehearse {inventory}: waited {waited:.0f}s for the sandbox lock (another user had it)")
         say(f"rehearse {inventory}: booting {len(names)} bare sandbox hosts")
         sandbox.down()
         booted = True

@@ -8,11 +8,12 @@
 - ``venv`` runtime: ``python3 -m venv k2_venv`` + ``pip install ENGINE==VERSION``
   (from ``k2_venv/wheelhouse`` when present, with no index) when the entry point is
   missing;
-- ``container`` runtime: the image must be present. On the sandbox (engine test doubles)
-  the control-machine step built an image archive tagged as ``k2_image``: it is shipped,
-  ``docker load``-ed when the HostState fact's image-pin check says the reference is not
-  the pinned image ID, and checked once more after loading; simulated ROCm hosts get TEST
-  DOUBLE ``/dev/kfd`` and ``/dev/dri`` nodes (systemd-tmpfiles) for ``--device``.
+- ``container`` runtime: when the HostState fact's image-pin check says the reference
+  is not the pinned image ID, it is ``docker pull``-ed (``k2_image_id`` set) or, on the
+  sandbox (engine test doubles), ``docker load``-ed from the image archive the
+  control-machine step built and tagged as ``k2_image``; then checked once more. Simulated
+  ROCm hosts get TEST DOUBLE ``/dev/kfd`` and ``/dev/dri`` nodes (systemd-tmpfiles) for
+  ``--device``.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def install(desired: HostDesired, fact: HostReport, tracked: list) -> None:
                                 current=fact.files))
     load = "true"
     if pin is not None and pin.image_id:
-        load = f"docker load --input {shell_line([pin.archive])} && {shell_line(image_pin_argv(pin.ref, pin.image_id))}"
-    tracked.append(command(name="docker load the pinned container image", argv=load,
+        get = ["docker", "load", "--input", pin.archive] if pin.archive else ["docker", "pull", pin.ref]
+        load = f"{shell_line(get)} && {shell_line(image_pin_argv(pin.ref, pin.image_id))}"
+    tracked.append(command(name="docker load (or pull) the pinned container image", argv=load,
                            _if=lambda: pin is not None and not fact.passed(IMAGE_CHECK)))
     argv = desired.venv_install
     needed = argv is not None and not fact.exists.get(desired.engine_entry)

@@ -147,3 +147,14 @@ def test_container_hosts_get_docker_and_the_pinned_archive(tmp_path: Path) -> No
     assert d.device_doubles == ("/dev/kfd", "/dev/dri/renderD128")
     h200_dep, h200_plan = load_plan(ROOT / "inventories/h200.py")
     assert all("docker.io" not in required_packages(h200_dep, hp, False) for hp in h200_plan.hosts.values())
+
+
+def test_real_fleet_pins_k2_image_id_and_pulls() -> None:
+    pinned = "sha256:" + "ef" * 32
+    dep, plan = load_plan(ROOT / "inventories/b200-trtllm.py", [f"k2_image_id={pinned}"])
+    (d,) = desired_state(dep, plan, ControlArtifacts()).values()
+    assert d.image.ref == TRT_REF and d.image.image_id == pinned and d.image.archive is None
+    assert d.files["image"] == {}
+    assert d.checks[IMAGE_CHECK][-2:] == [TRT_REF, pinned]
+    unit = d.service_files["k2-trtllm"]["/etc/systemd/system/k2-trtllm.service"].content.decode()
+    assert f"ExecStartPre=/usr/bin/python3 {IMAGE_PIN_PY} {TRT_REF} {pinned}" in unit.splitlines()
