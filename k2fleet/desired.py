@@ -291,6 +291,7 @@ def device_double_files(dep: Deployment) -> tuple[tuple[str, ...], dict[str, Fil
         return (), {}
     lines = ["# k2fleet: TEST DOUBLE device nodes for simulated GPUs (sandbox only): the null",
              "# device's numbers under the names the engine container is given with --device."]
+    lines += sorted({f"d {node.rsplit('/', 1)[0]} 0755 root root -" for node in nodes if node.count("/") > 2})
     lines += [f"c {node} 0666 root root - 1:3" for node in nodes]
     return nodes, {DEVICE_DOUBLES_CONF: FileSpec(("\n".join(lines) + "\n").encode(), "644", "k2fleet")}
 
