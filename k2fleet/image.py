@@ -280,7 +280,10 @@ def cached_double_image(ref: str, out_dir: Path = CACHE_DIR) -> DoubleImage | No
     rootfs = sandbox.ROOTFS_CACHE / sandbox.rootfs_key()
     if not (rootfs / "etc/os-release").exists() or not out_dir.is_dir():
         return None
-    return build_double_image(ref, rootfs, out_dir, write=False)
+    try:
+        return build_double_image(ref, rootfs, out_dir, write=False)
+    except (ImageError, OSError):  # e.g. not root (chroot): reported as not built
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
