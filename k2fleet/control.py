@@ -3,8 +3,9 @@
 A deployment needs a few things made on the control machine before any host can be
 told what to hold: the mesh key pairs (one client key for the fleet, one host key per
 host, so known_hosts is pinned before a host is contacted), the Hub-client wheelhouse
-for a ``k2_checkpoint_fetcher`` host, and the offline .deb bundles for
-``k2_package_source: bundle``. :func:`read_control_artifacts` only reads what exists
+for a ``k2_checkpoint_fetcher`` host, the offline .deb bundles for
+``k2_package_source: bundle`` and, for a sandbox container scenario, the engine TEST
+DOUBLE image archive (:mod:`k2fleet.image`). :func:`read_control_artifacts` only reads what exists
 (``k2fleet plan`` and ``pyinfra --dry`` use it and change nothing);
 :func:`prepare_control_artifacts` makes what is missing and is called once per real
 run by ``deploys/kimi.py``. The checkpoint cache (a Hub download on the control
@@ -26,9 +27,9 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from k2fleet import bundle, wheelhouse
+from k2fleet import bundle, image, wheelhouse
 from k2fleet.deployment import Deployment
-from k2fleet.desired import ControlArtifacts, mesh_enabled, package_set
+from k2fleet.desired import ControlArtifacts, mesh_enabled, needs_double_image, package_set
 from k2fleet.packages import required_packages
 from k2fleet.plan import Plan
 
@@ -78,8 +79,13 @@ def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
         hosts = {name: pair for name, path in host_paths.items() if (pair := _read_pair(path)) is not None}
     requirement = _hub_requirement(dep)
     cached = wheelhouse.cached_wheelhouse([requirement]) if requirement else None
+    images = {}
+    if needs_double_image(dep):
+        assert dep.image is not None
+        made = image.cached_double_image(dep.image)
+        images = {made.ref: (str(made.path), made.image_id)} if made else {}
     return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, hub_requirement=requirement,
-                            wheels=wheelhouse.wheel_files(cached) if cached else None)
+                            wheels=wheelhouse.wheel_files(cached) if cached else None, images=images)
 
 
 def _keypair(path: Path, comment: str) -> tuple[bytes, bytes]:
@@ -102,8 +108,9 @@ def _keypair(path: Path, comment: str) -> tuple[bytes, bytes]:
 
 
 def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
-    """THE control-machine step: make the mesh keys, the Hub-client wheelhouse and the
-    package bundles this deployment needs (each only once; cached), then return them."""
+    """THE control-machine step: make the mesh keys, the Hub-client wheelhouse, the
+    package bundles and (sandbox container scenarios) the engine TEST DOUBLE image
+    archive this deployment needs (each only once; cached), then return them."""
     client_path, host_paths = _mesh_paths(dep)
     client, hosts = None, {}
     state_dir(dep).mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -115,5 +122,10 @@ def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     bundles = {}
     if dep.s.package_source == "bundle":
         bundles = {names: str(bundle.ensure_bundle(list(names))) for names in _package_sets(dep, plan) if names}
+    images = {}
+    if needs_double_image(dep):
+        assert dep.image is not None
+        made = image.ensure_double_image(dep.image)
+        images = {made.ref: (str(made.path), made.image_id)}
     return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, hub_requirement=requirement, wheels=wheels,
-                            bundles=bundles)
+                            bundles=bundles, images=images)

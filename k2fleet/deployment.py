@@ -210,6 +210,8 @@ def _check_engine(fleet: Fleet, platform: str) -> tuple[str, str, str | None]:
     runtime = s.runtime or ("container" if s.engine == "trtllm" or platform == "rocm" else "venv")
     if s.engine == "trtllm" and runtime == "venv" and not s.engine_doubles:
         raise _fail("k2_runtime", "TensorRT-LLM ships as a container image (the PyPI package is a stub); use container", fleet)
+    if s.image_id and runtime != "container":
+        raise _fail("k2_image_id", "pins a container image; it needs k2_runtime container", fleet)
     image = s.image
     if runtime == "container" and image is None:
         template = catalog.DEFAULT_IMAGES.get((s.engine, platform))

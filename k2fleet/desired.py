@@ -30,7 +30,7 @@ from k2fleet.checkpoint import fanout
 from k2fleet.deployment import CHECKPOINT_CHECK, Deployment
 from k2fleet.packages import required_packages
 from k2fleet.plan import HostPlan, Plan, Service
-from k2fleet.units import LIB_DIR, env_file, env_path, unit_file, unit_name, unit_path
+from k2fleet.units import IMAGE_PIN_PY, LIB_DIR, container_name, env_file, env_path, image_pin_argv, unit_file, unit_name, unit_path
 from k2fleet.quoting import shell_line, shell_word
 from k2fleet.render.ktransformers import SGLANG_KT_SINCE
 
@@ -47,6 +47,12 @@ UNIT_GLOB = "/etc/systemd/system/k2-*.service"
 MESH_UNIT_PATH = f"/etc/systemd/system/{mesh.UNIT}"
 HEALTH_CHECK = "healthy"
 HUB_CLIENT_CHECK = "hub-client"
+IMAGE_CHECK = "image-pinned"
+IMAGE_DIR = "/var/cache/k2fleet/images"  # where hosts keep the image archive they docker-load
+# Sandbox ROCm hosts: /dev/kfd and /dev/dri/renderD128 as TEST DOUBLE device nodes (the
+# null device's numbers), made by systemd-tmpfiles at every boot, so `--device` is real.
+DEVICE_DOUBLES_CONF = "/etc/tmpfiles.d/k2fleet-device-doubles.conf"
+DEVICE_DOUBLES = {"rocm": ("/dev/kfd", "/dev/dri/renderD128")}
 ENGINE_ENTRY = {"vllm": "vllm", "sglang": "python", "ktransformers": "python", "trtllm": "trtllm-serve"}
 PULL_PY = f"{LIB_DIR}/pull.py"
 HOST_PROGRAMS = {  # stdlib-only programs k2fleet runs on hosts: host path → repository path
@@ -54,6 +60,7 @@ HOST_PROGRAMS = {  # stdlib-only programs k2fleet runs on hosts: host path → r
     OVERLAY_PY: "k2fleet/checkpoint/overlay.py",
     HEALTH_PY: "k2fleet/host/health.py",
     PULL_PY: "k2fleet/host/pull.py",
+    IMAGE_PIN_PY: "k2fleet/host/image_pin.py",
 }
 DOWNLOADER = ("k2fleet/__init__.py", "k2fleet/checkpoint/__init__.py", "k2fleet/checkpoint/verify.py",
               "k2fleet/checkpoint/manifest.py", "k2fleet/checkpoint/download.py")
@@ -92,6 +99,7 @@ class ControlArtifacts:
     hub_requirement: str | None = None
     wheels: dict[str, bytes] | None = None
     bundles: dict[tuple[str, ...], str] = field(default_factory=dict)
+    images: dict[str, tuple[str, str]] = field(default_factory=dict)  # image ref → (archive path, image ID)
 
     def bundle_for(self, packages: list[str]) -> str | None:
         """The bundle tar made for ``packages`` (None: none made, e.g. under ``--dry``)."""
@@ -119,6 +127,17 @@ class FanoutPlace:
     shared: bool
 
 
+@dataclass(frozen=True)
+class ImagePin:
+    """The container image a host runs: ``ref`` pinned to ``image_id`` (None: the
+    archive is not built yet, ``--dry``), shipped as the archive at ``archive`` (sandbox
+    doubles) or pulled from the registry (None: ``k2_image_id``)."""
+
+    ref: str
+    image_id: str | None
+    archive: str | None
+
+
 @dataclass
 class HostDesired:
     """Everything one host must hold; see the module doc."""
@@ -138,6 +157,8 @@ class HostDesired:
     venv_install: list[str] | None = None
     engine_entry: str = ""
     bootstrap: BootstrapPlan | None = None  # driver, fabric, container runtime (k2fleet.bootstrap)
+    image: ImagePin | None = None
+    device_doubles: tuple[str, ...] = ()
 
     def all_paths(self) -> list[str]:
         paths = {p for files in self.files.values() for p in files}
@@ -248,9 +269,44 @@ def hub_client_files(dep: Deployment, host_name: str, art: ControlArtifacts) -> 
     return files
 
 
-def service_files(dep: Deployment, svc: Service) -> dict[str, FileSpec]:
+def needs_double_image(dep: Deployment) -> bool:
+    """The sandbox's container scenarios run the engine test doubles in an image the
+    control-machine step builds (:mod:`k2fleet.image`) and tags as ``k2_image``."""
+    return dep.runtime == "container" and dep.s.engine_doubles and dep.image is not None
+
+
+def image_files(dep: Deployment, hp: HostPlan, art: ControlArtifacts) -> tuple[ImagePin | None, dict[str, FileSpec]]:
+    """A container host's image pin and the archive it loads (sandbox doubles; a real
+    fleet pulls ``k2_image`` and checks it is ``k2_image_id``)."""
+    if dep.image is None or not any(container_name(s) for s in hp.services):
+        return None, {}
+    if not needs_double_image(dep):
+        return (ImagePin(dep.image, dep.s.image_id, None) if dep.s.image_id else None), {}
+    made = art.images.get(dep.image)
+    if made is None:
+        name = "double-image.tar.gz"
+        return ImagePin(dep.image, None, f"{IMAGE_DIR}/{name}"), {f"{IMAGE_DIR}/{name}": FileSpec(None, "644", "image")}
+    path = Path(made[0])
+    remote = f"{IMAGE_DIR}/{path.name}"
+    return ImagePin(dep.image, made[1], remote), {remote: FileSpec(path.read_bytes(), "644", "image")}
+
+
+def device_double_files(dep: Deployment) -> tuple[tuple[str, ...], dict[str, FileSpec]]:
+    """(device nodes, tmpfiles.d config) standing in for a simulated platform's devices."""
+    nodes = DEVICE_DOUBLES.get(dep.platform, ()) if dep.s.simulated_gpus and dep.runtime == "container" else ()
+    if not nodes:
+        return (), {}
+    lines = ["# k2fleet: TEST DOUBLE device nodes for simulated GPUs (sandbox only): the null",
+             "# device's numbers under the names the engine container is given with --device."]
+    lines += sorted({f"d {node.rsplit('/', 1)[0]} 0755 root root -" for node in nodes if node.count("/") > 2})
+    lines += [f"c {node} 0666 root root - 1:3" for node in nodes]
+    return nodes, {DEVICE_DOUBLES_CONF: FileSpec(("\n".join(lines) + "\n").encode(), "644", "k2fleet")}
+
+
+def service_files(dep: Deployment, svc: Service, pin: ImagePin | None = None) -> dict[str, FileSpec]:
+    unit = None if pin is not None and pin.image_id is None else unit_file(dep, svc, pin.image_id if pin else None)
     files = {
-        unit_path(svc): FileSpec(unit_file(dep, svc).encode(), "644"),
+        unit_path(svc): FileSpec(None if unit is None else unit.encode(), "644", "plan" if unit else "image"),
         env_path(dep, svc): FileSpec(env_file(svc).encode(), "600"),
     }
     for path, content in svc.files.items():
@@ -341,7 +397,11 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         d.files["engine"] = dict(engine)
         d.files["hub_client"] = hub_client_files(dep, h.name, art)
         d.files["host"] = {p: FileSpec(c.encode(), "644") for p, c in hp.files.items()}
-        d.service_files = {svc.name: service_files(dep, svc) for svc in hp.services}
+        d.image, d.files["image"] = image_files(dep, hp, art)
+        d.device_doubles, devices = device_double_files(dep)
+        d.files["engine"].update(devices)
+        d.service_files = {svc.name: service_files(dep, svc, d.image if container_name(svc) else None)
+                           for svc in hp.services}
         d.own_slots = sorted((svc.stage, svc.name) for svc in hp.services)
         d.units = [mesh.UNIT] + [unit_name(s) for s in hp.services]
         d.packages = required_packages(dep, hp, mesh_enabled(dep))
@@ -350,10 +410,12 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         quick = health_argv(dep, hp, 5)
         if quick:
             d.checks[HEALTH_CHECK] = quick
+        if d.image is not None and d.image.image_id:
+            d.checks[IMAGE_CHECK] = image_pin_argv(d.image.ref, d.image.image_id)
         if dep.s.checkpoint_fetcher == h.name and art.hub_requirement:
             d.checks[HUB_CLIENT_CHECK] = hub_client_check(art.hub_requirement)
         d.engine_entry = f"{dep.s.venv}/bin/{ENGINE_ENTRY[dep.engine]}"
-        d.exists = [d.engine_entry]
+        d.exists = [d.engine_entry, *d.device_doubles]
         if dep.s.model_type_override:
             d.exists.append(f"{dep.serve_path}/config.json")
         if dep.runtime == "venv" and not dep.s.engine_doubles:

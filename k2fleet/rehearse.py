@@ -35,9 +35,13 @@ cluster's (printed). The endpoints are the job's: the disaggregated front end (a
 completion through a context then a generation server) and every ctx/gen server, and the
 topology the front end reports must be the plan's.
 
-Not in this slice (refused with exit 2): scenarios that need Docker (``k2_runtime``
-container: b200-trtllm, mi300x, h200-trtllm-mpi as written) or Ray (h800-pp) in the
-sandbox hosts.
+Container scenarios (``k2_runtime: container``: b200-trtllm, mi300x) boot the hosts with
+Docker-in-nspawn flags but without Docker: the deploy installs ``docker.io`` from the
+offline bundle and loads the engine TEST DOUBLE image the control step built, tagged as
+the inventory's ``k2_image`` and pinned by image ID (:mod:`k2fleet.image`).
+
+Not in this slice (refused with exit 2): engines in containers across hosts (mpirun
+between containers: h200-trtllm-mpi in its container form) and Ray (h800-pp).
 """
 
 from __future__ import annotations
@@ -98,8 +102,8 @@ def unsupported(dep: Deployment, plan: Plan) -> str | None:
         if hosts > SLURM_MAX_HOSTS:
             return f"{hosts} hosts (login + Slurm compute nodes; the sandbox boots at most {SLURM_MAX_HOSTS})"
         return None
-    if dep.runtime == "container":
-        return "Docker/Ray"
+    if dep.runtime == "container" and len(dep.fleet.hosts) > 1:
+        return "Docker across hosts (an engine in containers on several hosts)"
     if dep.s.multinode_backend == "ray" and len(dep.fleet.hosts) > 1:
         return "Docker/Ray"
     if dep.s.gguf_repo and gguf_file_names(dep.s.gguf_pattern, dep.s.gguf_repo) is None:
@@ -412,13 +416,17 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
     gguf = rehearsal_gguf(dep.s.gguf_repo, str(dep.s.gguf_revision), dep.s.gguf_pattern) if dep.s.gguf_repo else None
     work = Path(tempfile.mkdtemp(prefix="k2rehearse-"))
     booted = False
+    waiting = time.monotonic()
     lock = sandbox.hold_sandbox_lock()  # one sandbox user at a time; released at exit
+    waited = time.monotonic() - waiting
     try:
+        if waited >= 1:
+            say(f"rehearse {inventory}: waited {waited:.0f}s for the sandbox lock (another user had it)")
         extra = f" ({len(names)} from the inventory + {computes} Slurm compute hosts its job asks for)" if computes else ""
         say(f"rehearse {inventory}: booting {len(names) + computes} bare sandbox hosts{extra}")
         sandbox.down()
         booted = True
-        sb_hosts = sandbox.up(len(names) + computes, docker=False)
+        sb_hosts = sandbox.up(len(names) + computes, docker=dep.runtime == "container" and job is None)
         if job is not None:
             site_started = time.monotonic()
             login = sb_hosts[names.index(dep.pools["slurm-submit"].hosts[0].name)]

@@ -29,6 +29,7 @@ PREFIX = "k2_"
 FLEET, POOL, HOST = "fleet", "pool", "host"
 Role = Literal["serve", "prefill", "decode", "router", "slurm-submit"]
 SHA_RE = re.compile(r"^[0-9a-f]{40}$")
+IMAGE_ID_RE = re.compile(r"sha256:[0-9a-f]{64}")
 
 # ======================================================================================
 # The grammar of values. Every rule has one owner below: a check function (raising
@@ -432,6 +433,7 @@ FlagName = Annotated[SafeStr, AfterValidator(_pattern(FLAG_NAME_RE, "a flag name
 VersionStr = Annotated[SafeStr, AfterValidator(_pattern(VERSION_RE, "a version like 0.33.0"))]
 GpuName = Annotated[SafeStr, AfterValidator(_pattern(GPU_NAME_RE, "a GPU type name"))]
 ImageRef = Annotated[SafeStr, AfterValidator(docker_ref)]
+ImageId = Annotated[SafeStr, AfterValidator(_pattern(IMAGE_ID_RE, "an image ID sha256:<64 lowercase hex>, as `docker image inspect --format {{.Id}}` prints it"))]
 Address = Annotated[SafeStr, AfterValidator(address)]
 HttpUrl = Annotated[SafeStr, AfterValidator(http_url)]
 Port = Annotated[int, Strict(), Field(ge=1, le=65535)]
@@ -682,6 +684,12 @@ class HostSettings(BaseModel):
         default=None,
     )
     image: ImageRef | None = _key(FLEET, "Container image; default per engine, version and platform.", default=None)
+    image_id: ImageId | None = _key(
+        FLEET,
+        "Image ID (`sha256:...`) `k2_image` must be: hosts pull the reference and check it, and each container "
+        "unit refuses to start any other image under it. Sandbox: the engine test double image's own ID.",
+        default=None,
+    )
     venv: AbsPath = _key(FLEET, "Python virtual environment of the engine (venv runtime).", default="/opt/k2fleet/venv")
     platform: Literal["cuda", "rocm"] | None = _key(
         FLEET, "Engine build: `cuda` or `rocm`; default from the GPU vendor.", default=None

@@ -8,26 +8,35 @@
 - ``venv`` runtime: ``python3 -m venv k2_venv`` + ``pip install ENGINE==VERSION``
   (from ``k2_venv/wheelhouse`` when present, with no index) when the entry point is
   missing;
-- ``container`` runtime: the image must be present (``docker load`` it from an offline
-  bundle first on air-gapped fleets).
+- ``container`` runtime: when the HostState fact's image-pin check says the reference
+  is not the pinned image ID, it is ``docker pull``-ed (``k2_image_id`` set) or, on the
+  sandbox (engine test doubles), ``docker load``-ed from the image archive the
+  control-machine step built and tagged as ``k2_image``; then checked once more. Simulated
+  ROCm hosts get TEST DOUBLE ``/dev/kfd`` and ``/dev/dri`` nodes (systemd-tmpfiles) for
+  ``--device``.
 """
 
 from __future__ import annotations
 
 from pyinfra.api import deploy
 
-from k2fleet.desired import HostDesired
+from k2fleet.desired import DEVICE_DOUBLES_CONF, IMAGE_CHECK, HostDesired
 from k2fleet.operations import command, synced_files
 from k2fleet.preflight import HostReport
+from k2fleet.quoting import shell_line
+from k2fleet.units import image_pin_argv
 
 
 @deploy("k2fleet: engine runtime")
 def install(desired: HostDesired, fact: HostReport, tracked: list) -> None:
     """
-    Sync the host programs (and doubles), install the engine venv when it is missing.
+    Sync the host programs (and doubles), install the engine venv when it is missing,
+    load the pinned container image when it is not there.
 
-    + desired: this host's desired state (files of group ``engine``, ``venv_install``)
-    + fact: this host's HostState (file digests, whether the engine entry point exists)
+    + desired: this host's desired state (files of groups ``engine`` and ``image``,
+      ``venv_install``, ``image``, ``device_doubles``)
+    + fact: this host's HostState (file digests, whether the engine entry point and the
+      device nodes exist, the image-pin check)
     + tracked: list the run's health gate watches; the file operation is appended
 
     **Example:**
@@ -36,8 +45,22 @@ def install(desired: HostDesired, fact: HostReport, tracked: list) -> None:
 
         engine.install(run.desired[host.name], fact, run.tracked)
     """
-    tracked.append(synced_files(name="k2fleet host programs and engine files",
-                                files=desired.files.get("engine", {}), current=fact.files))
+    programs = synced_files(name="k2fleet host programs and engine files",
+                            files=desired.files.get("engine", {}), current=fact.files)
+    tracked.append(programs)
+    devices = desired.device_doubles
+    command(name="create the TEST DOUBLE device nodes of the simulated GPUs",
+            argv=["systemd-tmpfiles", "--create", DEVICE_DOUBLES_CONF],
+            _if=lambda: bool(devices) and (programs.did_change() or not all(fact.exists.get(d) for d in devices)))
+    pin = desired.image
+    tracked.append(synced_files(name="container image archive", files=desired.files.get("image", {}),
+                                current=fact.files))
+    load = "true"
+    if pin is not None and pin.image_id:
+        get = ["docker", "load", "--input", pin.archive] if pin.archive else ["docker", "pull", pin.ref]
+        load = f"{shell_line(get)} && {shell_line(image_pin_argv(pin.ref, pin.image_id))}"
+    tracked.append(command(name="docker load (or pull) the pinned container image", argv=load,
+                           _if=lambda: pin is not None and not fact.passed(IMAGE_CHECK)))
     argv = desired.venv_install
     needed = argv is not None and not fact.exists.get(desired.engine_entry)
     command(name=f"install the engine into {desired.engine_entry.rsplit('/bin/', 1)[0]}",

@@ -101,7 +101,7 @@ def test_sandbox_gate_checks_the_sglang_kt_world_and_the_legacy_ready_route() ->
     assert gate[gate.index("--ready-path") + 1] == "/v1/models" and "--expect-world" not in gate
     dep, kt = plan(*SGLANG_KT, *sandbox_data)
     gate = desired_state(dep, kt, ControlArtifacts())["kt-0"].health_argv
-    assert json.loads(gate[gate.index("--expect-world") + 1]) == {"tp_size": 1} and "--ready-path" not in gate
+    assert json.loads(gate[gate.index("--expect-world") + 1]) == {"members": [], "tp_size": 1} and "--ready-path" not in gate
 
 
 def test_gguf_pattern_names() -> None:

@@ -62,12 +62,14 @@ def test_failure_summary_names_host_unit_reason() -> None:
     assert failure_summary(log) == "router-0 k2-sglang-router: not healthy after 120s: /health answered 503"
 
 
-@pytest.mark.parametrize("inventory", ["inventories/h800-pp.py", "inventories/b200-trtllm.py",
-                                       "inventories/mi300x.py", "inventories/h200-trtllm-mpi.py"])
-def test_docker_and_ray_scenarios_are_refused(inventory: str) -> None:
+@pytest.mark.parametrize("inventory, missing", [
+    ("inventories/h800-pp.py", "Docker/Ray"),
+    ("inventories/h200-trtllm-mpi.py", "Docker across hosts (an engine in containers on several hosts)"),
+])
+def test_multi_host_docker_and_ray_scenarios_are_refused(inventory: str, missing: str) -> None:
     proc, _ = rehearse(inventory, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.strip() == f"rehearse: {inventory} needs Docker/Ray in sandbox hosts, not supported yet"
+    assert proc.stderr.strip() == f"rehearse: {inventory} needs {missing} in sandbox hosts, not supported yet"
     assert proc.stdout == ""
 
 
@@ -142,4 +144,15 @@ def test_rehearse_gb200_slurm() -> None:
     assert "slurm job topology: ctx/gen servers and parallel sizes as planned" in out
     assert "ctx4_gen1_dep32_batch128_eplb416_mtp0" in out
     assert len([line for line in out.splitlines() if line.startswith("  ok   slurm-job trtllm-serve ctx")]) == 4
+
+
+@pytest.mark.parametrize("inventory, image", [("inventories/b200-trtllm.py", "nvcr.io/nvidia/tensorrt-llm/release:1.2.0"),
+                                              ("inventories/mi300x.py", "vllm/vllm-openai-rocm:v0.33.0")])
+def test_rehearse_container_scenario(inventory: str, image: str) -> None:
+    """Docker from the offline bundle, the double image docker-loaded under the
+    inventory's own reference, the planned ``docker run`` under systemd."""
+    proc, seconds = rehearse(inventory)
+    print(f"rehearse {inventory}: {seconds:.0f}s")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert last_line(proc) == f"rehearsal {inventory}: 1/1 endpoints healthy, re-run 0 changes"
     assert sandbox_is_down()

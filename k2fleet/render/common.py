@@ -78,6 +78,14 @@ def venv_bin(dep: Deployment, name: str) -> str:
     return f"{dep.s.venv}/bin/{name}"
 
 
+DOCKER = "/usr/bin/docker"  # Debian's docker.io (k2fleet.packages installs it where a service runs this)
+# --ulimit memlock per GPU kind: unlimited on real GPUs (RDMA/NCCL pin memory). Simulated
+# GPUs live on the sandbox machine, whose hard memlock limit is 8 MiB and which has no
+# CAP_SYS_RESOURCE to raise it (runc's setrlimit fails), so the sandbox asks for exactly that.
+SIMULATED_MEMLOCK = 8 * 2**20
+MEMLOCK = {False: "memlock=-1", True: f"memlock={SIMULATED_MEMLOCK}"}
+
+
 def container_argv(
     dep: Deployment,
     name: str,
@@ -88,8 +96,8 @@ def container_argv(
 ) -> list[str]:
     """``docker run`` in the foreground (systemd supervises it), host network and IPC."""
     assert dep.image is not None
-    argv = ["/usr/bin/docker", "run", "--rm", "--name", name, "--network", "host", "--ipc", "host"]
-    argv += ["--ulimit", "memlock=-1", "--ulimit", "stack=67108864"]
+    argv = [DOCKER, "run", "--rm", "--name", name, "--network", "host", "--ipc", "host"]
+    argv += ["--ulimit", MEMLOCK[dep.s.simulated_gpus], "--ulimit", "stack=67108864"]
     if dep.platform == "rocm":
         argv += ["--device", "/dev/kfd", "--device", "/dev/dri", "--group-add", "video"]
         argv += ["--cap-add", "SYS_PTRACE", "--security-opt", "seccomp=unconfined"]

@@ -632,10 +632,32 @@ def stream_chunks(completion: JsonDict) -> list[JsonDict]:
     return chunks
 
 
+DEVICE_PATHS = ("/dev/kfd", "/dev/dri", "/dev/nvidiactl", "/dev/infiniband")
+
+
+def runtime_view() -> JsonDict:
+    """What the process sees of its host or container: /dev/shm size (with ``--ipc host``
+    the host's, whatever ``--shm-size`` said), the memlock limit (-1: unlimited), which
+    GPU/RDMA device paths exist, and whether it runs in a container."""
+    try:
+        st = os.statvfs("/dev/shm")
+        shm = st.f_blocks * st.f_frsize
+    except OSError:
+        shm = None
+    try:
+        import resource
+        memlock = [(-1 if v == resource.RLIM_INFINITY else v) for v in resource.getrlimit(resource.RLIMIT_MEMLOCK)]
+    except (ImportError, OSError, ValueError):
+        memlock = None
+    return {"dev_shm_bytes": shm, "memlock": memlock, "devices": [d for d in DEVICE_PATHS if os.path.exists(d)],
+            "container": os.path.exists("/.dockerenv")}
+
+
 def models_payload(app: EngineApp) -> JsonDict:
-    """``/v1/models`` body, with double metadata attached."""
+    """``/v1/models`` body, with double metadata attached (and :func:`runtime_view`)."""
     metadata = {"double": DOUBLE_NAME, "engine": app.engine,
-                "model_type": app.model.model_type, "local": app.model.local, **app.metadata,
+                "model_type": app.model.model_type, "local": app.model.local, "runtime": runtime_view(),
+                **app.metadata,
                 "members": sorted({a for server in app.rendezvous for a in server.member_addresses()})}
     return {"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": app.engine,
@@ -772,7 +794,7 @@ def serve_http(engine: str, host: str, port: int, handler: type, app: Any) -> Do
     except OSError as exc:
         fail(engine, f"cannot listen for HTTP on {host}:{port}: {exc}")
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    log(engine, f"HTTP listening on {host or '0.0.0.0'}:{port}")
+    log(engine, f"HTTP listening on {host or '0.0.0.0'}:{port}; sees {json.dumps(runtime_view(), sort_keys=True)}")
     return server
 
 

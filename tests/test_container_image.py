@@ -1,0 +1,160 @@
+"""Container runtime, offline: the engine TEST DOUBLE image archive (deterministic, a real
+``docker save`` layout whose python3 runs the doubles' entry points), the planned
+``docker run`` argv and the container unit (pinned image ID, container removed on
+stop/restart), and the Docker package for container hosts.
+
+The sandbox side (``docker load`` on hosts, a unit refusing another image ID, the
+rehearsals) is in ``tests/test_rehearse.py`` and ``tests/test_container_pin.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from k2fleet import image, sandbox
+from k2fleet.cli import load_plan
+from k2fleet.desired import IMAGE_CHECK, IMAGE_DIR, ControlArtifacts, desired_state
+from k2fleet.packages import required_packages
+from k2fleet.units import IMAGE_PIN_PY, unit_file
+
+ROOT = Path(__file__).resolve().parents[1]
+ROOTFS = sandbox.ROOTFS_CACHE / sandbox.rootfs_key()
+SIMULATED = ["k2_simulated_gpus=true", "k2_engine_doubles=true"]
+TRT_REF = "nvcr.io/nvidia/tensorrt-llm/release:1.2.0"
+
+needs_rootfs = pytest.mark.skipif(not (ROOTFS / "etc/os-release").exists() or os.geteuid() != 0,
+                                  reason="needs root and the sandbox's root filesystem (k2fleet sandbox up 1)")
+
+
+def members(data: bytes) -> dict[str, bytes]:
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+
+
+# ---------------------------------------------------------------- the archive
+
+
+@needs_rootfs
+def test_archive_is_deterministic_and_its_id_is_the_config_digest(tmp_path: Path) -> None:
+    started = time.monotonic()
+    first = image.build_double_image(TRT_REF, ROOTFS, tmp_path / "a")
+    seconds = time.monotonic() - started
+    second = image.build_double_image(TRT_REF, ROOTFS, tmp_path / "b")
+    print(f"double image: {first.path.stat().st_size} bytes gzip, built in {seconds:.1f}s")
+    assert first.path.read_bytes() == second.path.read_bytes()
+    assert first.image_id == second.image_id
+    outer = members(subprocess.run(["gzip", "-dc", str(first.path)], capture_output=True, check=True).stdout)
+    manifest = json.loads(outer["manifest.json"])
+    assert len(manifest) == 1 and manifest[0]["RepoTags"] == [TRT_REF]
+    config = outer[manifest[0]["Config"]]
+    assert first.image_id == "sha256:" + hashlib.sha256(config).hexdigest()
+    layer = outer[manifest[0]["Layers"][0]]
+    assert json.loads(config)["rootfs"]["diff_ids"] == ["sha256:" + hashlib.sha256(layer).hexdigest()]
+    assert json.loads(config)["config"]["Labels"]["org.k2fleet.test-double"] == "true"
+    other = image.build_double_image("vllm/vllm-openai-rocm:v0.33.0", ROOTFS, tmp_path / "a")
+    assert other.image_id != first.image_id  # the reference it stands in for is in its config
+
+
+@needs_rootfs
+def test_layer_runs_the_engine_entry_points(tmp_path: Path) -> None:
+    """The layer's own python3 (no host library) runs the doubles as the units call them."""
+    root = tmp_path / "root"
+    root.mkdir()
+    with tarfile.open(fileobj=io.BytesIO(image.layer_tar(ROOTFS))) as tar:
+        tar.extractall(root)
+    with tarfile.open(fileobj=io.BytesIO(image.layer_tar(ROOTFS))) as tar:
+        assert all(m.mtime == 0 and m.uid == 0 for m in tar.getmembers())
+        assert not [m.name for m in tar.getmembers() if "__pycache__" in m.name]
+    for entry, version in (("trtllm-serve", "1.2.0"), ("vllm", "0.33.0")):
+        out = subprocess.run([shutil.which("chroot"), str(root), f"/usr/local/bin/{entry}", "--version"],
+                             capture_output=True, text=True, env={"PATH": "/usr/local/bin:/usr/bin"})
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == f"{version} k2fleet-test-double"
+    group = (root / "etc/group").read_text()
+    assert "\nvideo:x:" in group  # --group-add video resolves inside the image
+
+
+# ---------------------------------------------------------------- argv, unit, packages
+
+
+def argv_of(inventory: str, data: list[str] = ()) -> tuple[object, object, list[str]]:
+    dep, plan = load_plan(ROOT / "inventories" / inventory, data)
+    (svc,) = [s for _, s in plan.services()]
+    return dep, plan, svc.argv
+
+
+def test_b200_container_argv_as_planned() -> None:
+    _, _, argv = argv_of("b200-trtllm.py")
+    head = argv[: argv.index(TRT_REF)]
+    assert argv[:5] == ["/usr/bin/docker", "run", "--rm", "--name", "k2-trtllm"]
+    assert " --network host --ipc host --ulimit memlock=-1 --ulimit stack=67108864 --gpus all " in " ".join(head) + " "
+    assert argv[argv.index(TRT_REF) + 1:argv.index(TRT_REF) + 3] == ["trtllm-serve", "serve"]
+    assert "--entrypoint" not in argv
+
+
+def test_mi300x_container_argv_as_planned() -> None:
+    _, _, argv = argv_of("mi300x.py")
+    ref = "vllm/vllm-openai-rocm:v0.33.0"
+    assert " --device /dev/kfd --device /dev/dri --group-add video " in " ".join(argv)
+    assert argv[argv.index(ref) - 2:argv.index(ref) + 2] == ["--entrypoint", "vllm", ref, "serve"]
+    assert "--gpus" not in argv and "memlock=-1" in argv
+
+
+def test_simulated_gpus_ask_for_the_sandbox_memlock_limit() -> None:
+    _, _, argv = argv_of("mi300x.py", SIMULATED)
+    assert "memlock=8388608" in argv and "memlock=-1" not in argv
+
+
+def test_container_unit_pins_the_image_and_removes_the_container() -> None:
+    dep, plan, _ = argv_of("b200-trtllm.py")
+    (svc,) = [s for _, s in plan.services()]
+    unit = unit_file(dep, svc, "sha256:" + "ab" * 32).splitlines()
+    pre = [line for line in unit if line.startswith("ExecStartPre=")]
+    assert pre[-2:] == ["ExecStartPre=-/usr/bin/docker rm --force k2-trtllm",
+                        f"ExecStartPre=/usr/bin/python3 {IMAGE_PIN_PY} {TRT_REF} sha256:{'ab' * 32}"]
+    assert "ExecStop=/usr/bin/docker stop --time 30 k2-trtllm" in unit
+    assert "ExecStopPost=-/usr/bin/docker rm --force k2-trtllm" in unit
+    assert "Requires=docker.service" in unit and "docker.service" in next(x for x in unit if x.startswith("After="))
+    assert unit.index(pre[-1]) < unit.index(next(x for x in unit if x.startswith("ExecStart=")))
+
+
+def test_venv_unit_has_no_docker_lines() -> None:
+    dep, plan = load_plan(ROOT / "inventories/h200.py")
+    svc = next(s for _, s in plan.services())
+    assert "docker" not in unit_file(dep, svc)
+
+
+def test_container_hosts_get_docker_and_the_pinned_archive(tmp_path: Path) -> None:
+    dep, plan = load_plan(ROOT / "inventories/mi300x.py", SIMULATED)
+    archive = tmp_path / "double-x.tar.gz"
+    archive.write_bytes(b"archive")
+    art = ControlArtifacts(images={dep.image: (str(archive), "sha256:" + "cd" * 32)})
+    (d,) = desired_state(dep, plan, art).values()
+    assert "docker.io" in d.packages
+    assert d.image.ref == dep.image and d.image.archive == f"{IMAGE_DIR}/double-x.tar.gz"
+    assert d.files["image"][d.image.archive].content == b"archive"
+    assert d.checks[IMAGE_CHECK] == ["/usr/bin/python3", IMAGE_PIN_PY, dep.image, "sha256:" + "cd" * 32]
+    assert d.device_doubles == ("/dev/kfd", "/dev/dri/renderD128")
+    h200_dep, h200_plan = load_plan(ROOT / "inventories/h200.py")
+    assert all("docker.io" not in required_packages(h200_dep, hp, False) for hp in h200_plan.hosts.values())
+
+
+def test_real_fleet_pins_k2_image_id_and_pulls() -> None:
+    pinned = "sha256:" + "ef" * 32
+    dep, plan = load_plan(ROOT / "inventories/b200-trtllm.py", [f"k2_image_id={pinned}"])
+    (d,) = desired_state(dep, plan, ControlArtifacts()).values()
+    assert d.image.ref == TRT_REF and d.image.image_id == pinned and d.image.archive is None
+    assert d.files["image"] == {}
+    assert d.checks[IMAGE_CHECK][-2:] == [TRT_REF, pinned]
+    unit = d.service_files["k2-trtllm"]["/etc/systemd/system/k2-trtllm.service"].content.decode()
+    assert f"ExecStartPre=/usr/bin/python3 {IMAGE_PIN_PY} {TRT_REF} {pinned}" in unit.splitlines()
