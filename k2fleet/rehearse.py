@@ -23,9 +23,13 @@ the sandbox fleet before touching a real one.
    ``rehearsal INVENTORY: N/N endpoints healthy, re-run 0 changes`` (exit 0), or what
    failed, with the deploy's own failure output (exit 1).
 
+Ray (h800-pp) runs for real: the control machine's engine-side wheelhouse puts the
+``ray`` package into each host's ``k2_venv``, the Ray head and workers are real, and
+the vLLM test double joins that cluster with the venv's python.
+
 Not in this slice (refused with exit 2): scenarios that need Docker (``k2_runtime``
-container: b200-trtllm, mi300x, h200-trtllm-mpi as written, gb200-trtllm-disagg), Ray
-(h800-pp) or Slurm in the sandbox hosts.
+container: b200-trtllm, mi300x, h200-trtllm-mpi as written, gb200-trtllm-disagg) or
+Slurm in the sandbox hosts.
 """
 
 from __future__ import annotations
@@ -77,8 +81,6 @@ class RehearsalError(RuntimeError):
 def unsupported(dep: Deployment, plan: Plan) -> str | None:
     """What the sandbox hosts would need that this slice does not give them, or None."""
     if dep.runtime == "container":
-        return "Docker/Ray"
-    if dep.s.multinode_backend == "ray" and len(dep.fleet.hosts) > 1:
         return "Docker/Ray"
     if any(h.role == "slurm-submit" for h in plan.hosts.values()):
         return "Slurm"

@@ -8,6 +8,7 @@ from k2fleet.quoting import env_file_line, systemd_exec, systemd_value
 
 UNIT_DIR = "/etc/systemd/system"
 LIB_DIR = "/opt/k2fleet/lib"
+RAY_GATE = f"{LIB_DIR}/k2fleet-ray-gate.py"
 
 
 def unit_name(svc: Service) -> str:
@@ -50,6 +51,7 @@ def unit_file(dep: Deployment, svc: Service) -> str:
         lines.append("RemainAfterExit=yes")
     if svc.needs_checkpoint:
         lines.append(f"ExecStartPre={systemd_exec(gate_argv(dep))}")
+    lines += [f"ExecStartPre={systemd_exec(argv)}" for argv in svc.pre_start]
     lines.append(f"ExecStart={systemd_exec(svc.argv)}")
     if svc.workdir:
         lines.append(f"WorkingDirectory={systemd_value(svc.workdir, path=True)}")
