@@ -50,7 +50,7 @@ HUB_CLIENT_CHECK = "hub-client"
 ENGINE_SIDE_CHECK = "engine-side"
 ENGINE_ENTRY = {"vllm": "vllm", "sglang": "python", "ktransformers": "python", "trtllm": "trtllm-serve"}
 PULL_PY = f"{LIB_DIR}/pull.py"
-HOST_PROGRAMS = {  # stdlib-only programs k2fleet runs on hosts: host path → repository path
+HOST_PROGRAMS = {  # stdlib-only programs k2fleet runs on hosts (the Ray gate imports k2_venv's ray): host → repo path
     VERIFY_PY: "k2fleet/checkpoint/verify.py",
     OVERLAY_PY: "k2fleet/checkpoint/overlay.py",
     HEALTH_PY: "k2fleet/host/health.py",
