@@ -335,15 +335,28 @@ def expected_world(dep: Deployment, svc: Service) -> dict[str, int] | None:
     return world
 
 
-def health_argv(dep: Deployment, hp: HostPlan, timeout: int) -> list[str] | None:
+def pd_servers(plan: Plan) -> dict[str, list[str]]:
+    """Base URLs of the PD prefill and decode servers (rank 0 of each instance)."""
+    pools: dict[str, list[str]] = {}
+    for host, svc in plan.services():
+        if svc.role in ("prefill", "decode") and svc.health:
+            pools.setdefault(svc.role, []).append(f"http://{host.address}:{svc.health.port}")
+    return pools
+
+
+def health_argv(dep: Deployment, hp: HostPlan, timeout: int, pd: dict[str, list[str]] | None = None) -> list[str] | None:
     """The health gate of this host's first chat-serving service: /health 200 + a completion
-    (+ on engine test doubles, the parallel sizes they report equal the plan's)."""
+    (+ on engine test doubles, the parallel sizes they report equal the plan's, and a
+    router's completion reached both PD pools: ``pd``, from :func:`pd_servers`)."""
     for svc in hp.services:
         if svc.health and svc.health.chat:
             argv = ["/usr/bin/python3", HEALTH_PY, "--base", f"http://127.0.0.1:{svc.health.port}",
                     "--model", dep.api_model_name, "--unit", unit_name(svc), "--timeout", str(timeout)]
             world = expected_world(dep, svc)
-            return argv + (["--expect-world", json.dumps(world, sort_keys=True)] if world else [])
+            argv += ["--expect-world", json.dumps(world, sort_keys=True)] if world else []
+            if dep.s.engine_doubles and svc.role == "router" and pd and len(pd) == 2:
+                argv += ["--expect-pd", json.dumps(pd, sort_keys=True)]
+            return argv
     return None
 
 
@@ -395,8 +408,8 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         d.units = [mesh.UNIT] + [unit_name(s) for s in hp.services]
         d.packages = required_packages(dep, hp, mesh_enabled(dep))
         d.checks = {CHECKPOINT_CHECK: marker_check_argv(dep)}
-        d.health_argv = health_argv(dep, hp, dep.s.health_timeout)
-        quick = health_argv(dep, hp, 5)
+        d.health_argv = health_argv(dep, hp, dep.s.health_timeout, pd_servers(plan))
+        quick = health_argv(dep, hp, 5, pd_servers(plan))
         if quick:
             d.checks[HEALTH_CHECK] = quick
         if dep.s.checkpoint_fetcher == h.name and art.hub_requirement:

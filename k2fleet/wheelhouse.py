@@ -47,6 +47,9 @@ HOST_PYTHON = "3.11"  # python3 of Debian 12 (bookworm), the release k2fleet's h
 # across Ray nodes); k2fleet pins one release so every node runs the same Ray.
 ENGINE_SIDE_PINS = {
     ("vllm", "ray"): "ray[cgraph]==2.60.0",
+    # SGLang's PD router (``python -m sglang_router.launch_router``); the package's last
+    # release under that name (its successor is the model gateway ``smg``).
+    ("sglang", "sglang_router.launch_router"): "sglang-router==0.3.2",
 }
 HOST_ARCH = {"gb200": "aarch64", "gb300": "aarch64"}  # GPU → CPU architecture (default x86_64)
 
