@@ -25,7 +25,9 @@ the sandbox fleet before touching a real one.
 
 Ray (h800-pp) runs for real: the control machine's engine-side wheelhouse puts the
 ``ray`` package into each host's ``k2_venv``, the Ray head and workers are real, and
-the vLLM test double joins that cluster with the venv's python.
+the vLLM test double joins that cluster with the venv's python. So does SGLang's PD
+router (h200-sglang-pd): the real ``sglang-router`` package on the router host, in
+front of the prefill and decode test doubles.
 
 Not in this slice (refused with exit 2): scenarios that need Docker (``k2_runtime``
 container: b200-trtllm, mi300x, h200-trtllm-mpi as written, gb200-trtllm-disagg) or
