@@ -209,6 +209,7 @@ class PdRequests:
 def make_app(a: argparse.Namespace, readiness: Readiness) -> EngineApp:
     model = resolve_model(a.model_path)
     pd = PdRequests(a.disaggregation_mode) if a.disaggregation_mode != "null" else None
+    server_info = dict(vars(a), version=VERSION, double=DOUBLE_NAME)
     name = a.served_model_name or a.model_path
     info = {"model_path": a.model_path, "is_generation": True,
             "disaggregation_mode": a.disaggregation_mode, "double": DOUBLE_NAME}
@@ -220,9 +221,9 @@ def make_app(a: argparse.Namespace, readiness: Readiness) -> EngineApp:
                   "ep_size": a.ep_size, "nnodes": a.nnodes,
                   "disaggregation_mode": a.disaggregation_mode,
                   "ktransformers": bool(a.kt_weight_path)},
-        extra_get={"/get_model_info": lambda: (200, info),
-                   "/get_server_info": lambda: (200, dict(vars(a), version=VERSION,
-                                                          double=DOUBLE_NAME)),
+        extra_get={"/get_model_info": lambda: (200, info), "/model_info": lambda: (200, info),
+                   "/get_server_info": lambda: (200, server_info),
+                   "/server_info": lambda: (200, server_info),  # 0.5.23 serves both names
                    **({"/k2fleet/pd_requests": pd.payload} if pd else {})},
         on_request=pd.check if pd else None)
 
