@@ -45,6 +45,7 @@ def format_plan(plan: Plan) -> str:
             out.append(f"  [stage {svc.stage}] {svc.name}: {svc.description}")
             for key, value in sorted(svc.env.items()):
                 out.append(f"    env {key}={value}")
+            out += [f"    before: {shell_line(argv)}" for argv in svc.pre_start]
             out.append(f"    $ {shell_line(svc.argv)}")
             if svc.workdir:
                 out.append(f"    (in {svc.workdir})")

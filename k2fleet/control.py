@@ -3,7 +3,8 @@
 A deployment needs a few things made on the control machine before any host can be
 told what to hold: the mesh key pairs (one client key for the fleet, one host key per
 host, so known_hosts is pinned before a host is contacted), the Hub-client wheelhouse
-for a ``k2_checkpoint_fetcher`` host, the offline .deb bundles for
+for a ``k2_checkpoint_fetcher`` host, the engine-side wheelhouses (e.g. Ray for the
+hosts of vLLM's Ray backend), the offline .deb bundles for
 ``k2_package_source: bundle`` and, for a sandbox container scenario, the engine TEST
 DOUBLE image archive (:mod:`k2fleet.image`). :func:`read_control_artifacts` only reads what exists
 (``k2fleet plan`` and ``pyinfra --dry`` use it and change nothing);
@@ -29,7 +30,8 @@ from pathlib import Path
 
 from k2fleet import bundle, image, wheelhouse
 from k2fleet.deployment import Deployment
-from k2fleet.desired import ControlArtifacts, mesh_enabled, needs_double_image, package_set
+from k2fleet.desired import (ControlArtifacts, engine_side_requirements, host_arch, mesh_enabled,
+                             needs_double_image, package_set)
 from k2fleet.packages import required_packages
 from k2fleet.plan import Plan
 
@@ -70,6 +72,17 @@ def _hub_requirement(dep: Deployment) -> str | None:
     return wheelhouse.hub_client_requirement() if dep.s.checkpoint_fetcher != "control" else None
 
 
+def _engine_side_sets(dep: Deployment, plan: Plan) -> set[tuple[str, ...]]:
+    return {tuple(reqs) for h in dep.fleet.hosts if (reqs := engine_side_requirements(dep, plan.hosts[h.name]))}
+
+
+def _engine_wheelhouse(dep: Deployment, requirements: tuple[str, ...], build: bool) -> Path | None:
+    where = dict(pythons=(wheelhouse.HOST_PYTHON,), archs=(host_arch(dep),))
+    if build:
+        return wheelhouse.ensure_wheelhouse(list(requirements), **where)
+    return wheelhouse.cached_wheelhouse(list(requirements), **where)
+
+
 def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     """What exists already (read only; missing pieces stay None/absent)."""
     client, hosts = None, {}
@@ -84,8 +97,11 @@ def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
         assert dep.image is not None
         made = image.cached_double_image(dep.image)
         images = {made.ref: (str(made.path), made.image_id)} if made else {}
+    engine_wheels = {reqs: wheelhouse.wheel_files(found) for reqs in _engine_side_sets(dep, plan)
+                     if (found := _engine_wheelhouse(dep, reqs, build=False)) is not None}
     return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, hub_requirement=requirement,
-                            wheels=wheelhouse.wheel_files(cached) if cached else None, images=images)
+                            wheels=wheelhouse.wheel_files(cached) if cached else None, images=images,
+                            engine_wheels=engine_wheels)
 
 
 def _keypair(path: Path, comment: str) -> tuple[bytes, bytes]:
@@ -109,8 +125,8 @@ def _keypair(path: Path, comment: str) -> tuple[bytes, bytes]:
 
 def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     """THE control-machine step: make the mesh keys, the Hub-client wheelhouse, the
-    package bundles and (sandbox container scenarios) the engine TEST DOUBLE image
-    archive this deployment needs (each only once; cached), then return them."""
+    engine-side wheelhouses, package bundles and (sandbox container scenarios) the engine
+    TEST DOUBLE image archive this deployment needs (each only once; cached), then return them."""
     client_path, host_paths = _mesh_paths(dep)
     client, hosts = None, {}
     state_dir(dep).mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -127,5 +143,7 @@ def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
         assert dep.image is not None
         made = image.ensure_double_image(dep.image)
         images = {made.ref: (str(made.path), made.image_id)}
+    engine_wheels = {reqs: wheelhouse.wheel_files(_engine_wheelhouse(dep, reqs, build=True))
+                     for reqs in _engine_side_sets(dep, plan)}
     return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, hub_requirement=requirement, wheels=wheels,
-                            bundles=bundles, images=images)
+                            bundles=bundles, images=images, engine_wheels=engine_wheels)

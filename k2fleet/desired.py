@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k2fleet import mesh
+from k2fleet import mesh, wheelhouse
 from k2fleet.bootstrap import BootstrapPlan, bootstrap_plan
 from k2fleet.checkpoint import fanout
 from k2fleet.deployment import CHECKPOINT_CHECK, Deployment
 from k2fleet.packages import required_packages
 from k2fleet.plan import HostPlan, Plan, Service
-from k2fleet.units import IMAGE_PIN_PY, LIB_DIR, container_name, env_file, env_path, image_pin_argv, unit_file, unit_name, unit_path
+from k2fleet.units import (IMAGE_PIN_PY, LIB_DIR, RAY_GATE, container_name, env_file, env_path, image_pin_argv,
+                           unit_file, unit_name, unit_path)
 from k2fleet.quoting import shell_line, shell_word
 from k2fleet.render.ktransformers import SGLANG_KT_SINCE
 
@@ -39,6 +40,7 @@ FILES = REPO / "files"
 DOUBLES_DIR = "/opt/k2fleet/doubles"
 HUB_ENV = "/opt/k2fleet/hubenv"
 WHEEL_DIR = "/var/cache/k2fleet/wheelhouse"
+ENGINE_WHEEL_DIR = "/var/cache/k2fleet/engine-wheelhouse"
 PY_LIB = f"{LIB_DIR}/py"
 HEALTH_PY = f"{LIB_DIR}/k2fleet-health.py"
 VERIFY_PY = f"{LIB_DIR}/verify.py"
@@ -53,14 +55,16 @@ IMAGE_DIR = "/var/cache/k2fleet/images"  # where hosts keep the image archive th
 # null device's numbers), made by systemd-tmpfiles at every boot, so `--device` is real.
 DEVICE_DOUBLES_CONF = "/etc/tmpfiles.d/k2fleet-device-doubles.conf"
 DEVICE_DOUBLES = {"rocm": ("/dev/kfd", "/dev/dri/renderD128")}
+ENGINE_SIDE_CHECK = "engine-side"
 ENGINE_ENTRY = {"vllm": "vllm", "sglang": "python", "ktransformers": "python", "trtllm": "trtllm-serve"}
 PULL_PY = f"{LIB_DIR}/pull.py"
-HOST_PROGRAMS = {  # stdlib-only programs k2fleet runs on hosts: host path → repository path
+HOST_PROGRAMS = {  # stdlib-only programs k2fleet runs on hosts (the Ray gate imports k2_venv's ray): host → repo path
     VERIFY_PY: "k2fleet/checkpoint/verify.py",
     OVERLAY_PY: "k2fleet/checkpoint/overlay.py",
     HEALTH_PY: "k2fleet/host/health.py",
     PULL_PY: "k2fleet/host/pull.py",
     IMAGE_PIN_PY: "k2fleet/host/image_pin.py",
+    RAY_GATE: "k2fleet/host/raygate.py",
 }
 DOWNLOADER = ("k2fleet/__init__.py", "k2fleet/checkpoint/__init__.py", "k2fleet/checkpoint/verify.py",
               "k2fleet/checkpoint/manifest.py", "k2fleet/checkpoint/download.py")
@@ -91,7 +95,9 @@ class ControlArtifacts:
     host name → (private, public) mesh host key; ``hub_requirement``: the Hub client the
     fetcher host gets (``huggingface_hub==VERSION``; None: no fetcher host); ``wheels``:
     its wheel name → bytes (None: not built); ``bundles``: package set
-    (:func:`package_set`) → offline bundle tar path.
+    (:func:`package_set`) → offline bundle tar path; ``engine_wheels``: engine-side
+    requirement set (:func:`engine_side_requirements`, as a tuple) → wheel name → bytes
+    for the hosts' interpreter (absent: not built).
     """
 
     mesh_client: tuple[bytes, bytes] | None = None
@@ -100,6 +106,7 @@ class ControlArtifacts:
     wheels: dict[str, bytes] | None = None
     bundles: dict[tuple[str, ...], str] = field(default_factory=dict)
     images: dict[str, tuple[str, str]] = field(default_factory=dict)  # image ref → (archive path, image ID)
+    engine_wheels: dict[tuple[str, ...], dict[str, bytes]] = field(default_factory=dict)
 
     def bundle_for(self, packages: list[str]) -> str | None:
         """The bundle tar made for ``packages`` (None: none made, e.g. under ``--dry``)."""
@@ -155,6 +162,7 @@ class HostDesired:
     fanout: FanoutPlace | None = None
     health_argv: list[str] | None = None
     venv_install: list[str] | None = None
+    engine_side_install: list[str] | None = None
     engine_entry: str = ""
     bootstrap: BootstrapPlan | None = None  # driver, fabric, container runtime (k2fleet.bootstrap)
     image: ImagePin | None = None
@@ -235,8 +243,22 @@ def mesh_files(dep: Deployment, host_name: str, art: ControlArtifacts) -> dict[s
     return files
 
 
-def engine_files(dep: Deployment) -> dict[str, FileSpec]:
-    """k2fleet's host programs, and (sandbox only) the engine test doubles + wrappers."""
+def host_arch(dep: Deployment) -> str:
+    """CPU architecture of the fleet's hosts (for engine-side wheels)."""
+    return wheelhouse.HOST_ARCH.get(dep.gpu.name if dep.gpu else "", "x86_64")
+
+
+def engine_side_requirements(dep: Deployment, hp: HostPlan) -> list[str]:
+    """What this host's engine venv needs beside the engine for the services it runs."""
+    return wheelhouse.engine_side_requirements(dep.engine, dep.s.venv, [svc.argv for svc in hp.services])
+
+
+def engine_files(dep: Deployment, real_venv: bool = False) -> dict[str, FileSpec]:
+    """k2fleet's host programs, and (sandbox only) the engine test doubles + wrappers.
+
+    ``real_venv``: the host's ``k2_venv`` is a real venv (it holds engine-side wheels):
+    the doubles run with its python, which is left alone; otherwise ``k2_venv/bin/python``
+    is a wrapper running the system python with the doubles on its path."""
     files = {path: FileSpec((REPO / rel).read_bytes(), "755", "k2fleet") for path, rel in HOST_PROGRAMS.items()}
     if not dep.s.engine_doubles:
         return files
@@ -246,16 +268,58 @@ def engine_files(dep: Deployment) -> dict[str, FileSpec]:
             mode = "755" if path.parent.name == "bin" else "644"
             files[f"{DOUBLES_DIR}/{path.relative_to(root)}"] = FileSpec(path.read_bytes(), mode, "k2fleet")
     venv = dep.s.venv
+    interpreter = f"{venv}/bin/python3 " if real_venv else ""
     for name in ("vllm", "trtllm-serve", "trtllm-llmapi-launch"):
-        wrapper = f'#!/bin/sh\n# k2fleet engine TEST DOUBLE wrapper (sandbox only)\nexec {DOUBLES_DIR}/bin/{name} "$@"\n'
+        wrapper = (f'#!/bin/sh\n# k2fleet engine TEST DOUBLE wrapper (sandbox only)\n'
+                   f'exec {interpreter}{DOUBLES_DIR}/bin/{name} "$@"\n')
         files[f"{venv}/bin/{name}"] = FileSpec(wrapper.encode(), "755", "k2fleet")
-    python = (f"#!/bin/sh\n# k2fleet engine TEST DOUBLE python (sandbox only)\n"
-              f'PYTHONPATH={DOUBLES_DIR} exec /usr/bin/python3 "$@"\n')
-    files[f"{venv}/bin/python"] = FileSpec(python.encode(), "755", "k2fleet")
+    if not real_venv:
+        python = (f"#!/bin/sh\n# k2fleet engine TEST DOUBLE python (sandbox only)\n"
+                  f'PYTHONPATH={DOUBLES_DIR} exec /usr/bin/python3 "$@"\n')
+        files[f"{venv}/bin/python"] = FileSpec(python.encode(), "755", "k2fleet")
     if dep.engine == "ktransformers":  # the legacy server's rule files, where a source install keeps them
         for path in sorted((root / "ktransformers" / "optimize").rglob("*.yaml")):
             files[f"{venv}/src/ktransformers/{path.relative_to(root)}"] = FileSpec(path.read_bytes(), "644", "k2fleet")
     return files
+
+
+def engine_side_files(requirements: list[str], art: ControlArtifacts) -> dict[str, FileSpec]:
+    """The engine-side wheels this host installs into its engine venv (none: no requirements)."""
+    if not requirements:
+        return {}
+    wheels = art.engine_wheels.get(tuple(requirements))
+    if wheels is None:
+        return {f"{ENGINE_WHEEL_DIR}/": FileSpec(None, "644", "wheelhouse")}
+    return {f"{ENGINE_WHEEL_DIR}/{name}": FileSpec(data, "644", "wheelhouse") for name, data in wheels.items()}
+
+
+def engine_side_check(dep: Deployment, requirements: list[str]) -> list[str]:
+    """Read-only check: ``k2_venv``'s python is the fleet's (:data:`wheelhouse.HOST_PYTHON`)
+    and holds every engine-side distribution at its pinned version; prints what differs."""
+    pins = dict(wheelhouse.requirement_version(r) for r in requirements)
+    code = ("import sys\n"
+            "from importlib.metadata import version, PackageNotFoundError as Missing\n"
+            "def have(name):\n    try:\n        return version(name)\n    except Missing:\n        return \"missing\"\n"
+            f"want = {json.dumps(pins, sort_keys=True)}\n"
+            "bad = [\"%s %s (fleet: %s)\" % (n, have(n), v) for n, v in sorted(want.items()) if have(n) != v]\n"
+            "py = \"%d.%d\" % sys.version_info[:2]\n"
+            f"bad += [] if py == {json.dumps(wheelhouse.HOST_PYTHON)} else "
+            f"[\"python %s (fleet: {wheelhouse.HOST_PYTHON})\" % py]\n"
+            "print(\"; \".join(bad) or \"python %s, %s\" % (py, want))\n"
+            "sys.exit(1 if bad else 0)\n")
+    return [f"{dep.s.venv}/bin/python", "-c", code]
+
+
+def engine_side_install_argv(dep: Deployment, requirements: list[str]) -> list[str]:
+    """Make ``k2_venv`` (``python3 -m venv``), install the engine-side wheels with no
+    package index, then run :func:`engine_side_check` (a host whose Python or pins differ
+    from the fleet's fails here, naming what differs)."""
+    venv = dep.s.venv
+    pip = shell_line([f"{venv}/bin/pip", "install", "--quiet", "--no-index", "--find-links", ENGINE_WHEEL_DIR,
+                      *requirements])
+    check = shell_line(engine_side_check(dep, requirements))
+    return ["sh", "-c", f"python3 -m venv {shell_word(venv)} && {pip} && "
+                        f"{{ {check} || {{ echo \"$(hostname): engine venv {venv} differs from the fleet\" >&2; exit 1; }}; }}"]
 
 
 def hub_client_files(dep: Deployment, host_name: str, art: ControlArtifacts) -> dict[str, FileSpec]:
@@ -333,17 +397,30 @@ def expected_world(dep: Deployment, svc: Service, host: str) -> dict[str, Any] |
     if not dep.s.engine_doubles or pool is None or not pool.tp or server not in WORLD_KEYS:
         return None
     world: dict[str, Any] = WORLD_KEYS[server](pool)
-    if server in ("vllm", "sglang") and dep.s.multinode_backend != "ray":
+    if pool.settings.multinode_backend == "ray" and pool.nodes_per_instance > 1:
+        # the Ray cluster the engine joined: every node of the instance with all its GPUs
+        world |= {"ray_nodes": pool.nodes_per_instance, "ray_gpus": pool.nodes_per_instance * dep.gpus_per_node}
+    elif server in ("vllm", "sglang"):
         nodes = next((n for n in pool.instances if n[0].name == host), None)
         if nodes is not None:
             world["members"] = sorted({h.address for h in nodes[1:]} - {nodes[0].address})
     return world
 
 
-def health_argv(dep: Deployment, hp: HostPlan, timeout: int) -> list[str] | None:
+def pd_servers(plan: Plan) -> dict[str, list[str]]:
+    """Base URLs of the PD prefill and decode servers (rank 0 of each instance)."""
+    pools: dict[str, list[str]] = {}
+    for host, svc in plan.services():
+        if svc.role in ("prefill", "decode") and svc.health:
+            pools.setdefault(svc.role, []).append(f"http://{host.address}:{svc.health.port}")
+    return pools
+
+
+def health_argv(dep: Deployment, hp: HostPlan, timeout: int, pd: dict[str, list[str]] | None = None) -> list[str] | None:
     """The health gate of this host's first chat-serving service: its readiness route
-    (``/health`` unless the plan's Health names another) 200 + a completion
-    (+ on engine test doubles, the parallel sizes they report equal the plan's)."""
+    (``/health`` unless the plan's Health names another) 200 + a completion (+ on engine
+    test doubles, the parallel sizes and members they report equal the plan's, and a
+    router's completion reached both PD pools: ``pd``, from :func:`pd_servers`)."""
     for svc in hp.services:
         if svc.health and svc.health.chat:
             argv = ["/usr/bin/python3", HEALTH_PY, "--base", f"http://127.0.0.1:{svc.health.port}",
@@ -351,7 +428,10 @@ def health_argv(dep: Deployment, hp: HostPlan, timeout: int) -> list[str] | None
             if svc.health.path != "/health":
                 argv += ["--ready-path", svc.health.path]
             world = expected_world(dep, svc, hp.name)
-            return argv + (["--expect-world", json.dumps(world, sort_keys=True)] if world else [])
+            argv += ["--expect-world", json.dumps(world, sort_keys=True)] if world else []
+            if dep.s.engine_doubles and svc.role == "router" and pd and len(pd) == 2:
+                argv += ["--expect-pd", json.dumps(pd, sort_keys=True)]
+            return argv
     return None
 
 
@@ -388,13 +468,15 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
     """One :class:`HostDesired` per host, in inventory order (pure)."""
     slots = sorted({(svc.stage, svc.name) for _, svc in plan.services()})
     fan = fanout_plan(dep, plan)
-    engine = engine_files(dep)
+    engine = {real: engine_files(dep, real) for real in (False, True)}
     out: dict[str, HostDesired] = {}
     for h in dep.fleet.hosts:
         hp = plan.hosts[h.name]
         d = HostDesired(name=h.name, address=h.address, slots=slots, bootstrap=bootstrap_plan(dep, h))
         d.files["mesh"] = mesh_files(dep, h.name, art)
-        d.files["engine"] = dict(engine)
+        engine_side = engine_side_requirements(dep, hp)
+        d.files["engine"] = dict(engine[bool(engine_side)])
+        d.files["engine_side"] = engine_side_files(engine_side, art)
         d.files["hub_client"] = hub_client_files(dep, h.name, art)
         d.files["host"] = {p: FileSpec(c.encode(), "644") for p, c in hp.files.items()}
         d.image, d.files["image"] = image_files(dep, hp, art)
@@ -406,14 +488,17 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         d.units = [mesh.UNIT] + [unit_name(s) for s in hp.services]
         d.packages = required_packages(dep, hp, mesh_enabled(dep))
         d.checks = {ws.check: marker_check_argv(ws.path) for ws in dep.weight_sets}
-        d.health_argv = health_argv(dep, hp, dep.s.health_timeout)
-        quick = health_argv(dep, hp, 5)
+        d.health_argv = health_argv(dep, hp, dep.s.health_timeout, pd_servers(plan))
+        quick = health_argv(dep, hp, 5, pd_servers(plan))
         if quick:
             d.checks[HEALTH_CHECK] = quick
         if d.image is not None and d.image.image_id:
             d.checks[IMAGE_CHECK] = image_pin_argv(d.image.ref, d.image.image_id)
         if dep.s.checkpoint_fetcher == h.name and art.hub_requirement:
             d.checks[HUB_CLIENT_CHECK] = hub_client_check(art.hub_requirement)
+        if engine_side:
+            d.checks[ENGINE_SIDE_CHECK] = engine_side_check(dep, engine_side)
+            d.engine_side_install = engine_side_install_argv(dep, engine_side)
         d.engine_entry = f"{dep.s.venv}/bin/{ENGINE_ENTRY[dep.engine]}"
         d.exists = [d.engine_entry, *d.device_doubles]
         if dep.s.model_type_override:

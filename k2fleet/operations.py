@@ -63,7 +63,8 @@ def command(argv: list[str] | str):
 
 @operation()
 def unit_running(unit: str, active: bool):
-    """Enable and start ``unit`` unless the HostState fact saw it active.
+    """Enable and start ``unit`` unless the HostState fact saw it active; when it fails
+    to start (e.g. an ``ExecStartPre`` gate failed), its last journal lines say why.
 
     **Example:**
 
@@ -73,4 +74,6 @@ def unit_running(unit: str, active: bool):
                      active=report.unit_active("k2-vllm.service"))
     """
     if not active:
-        yield StringCommand(f"systemctl enable --now {shell_word(unit)}")
+        word = shell_word(unit)
+        yield StringCommand(f"systemctl enable --now {word} || "
+                            f"{{ journalctl -u {word} -n 20 --no-pager -o cat >&2; exit 1; }}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from k2fleet import wheelhouse
 from k2fleet.deployment import Deployment
 from k2fleet.plan import HostPlan
 from k2fleet.render.common import DOCKER
@@ -10,7 +11,8 @@ from k2fleet.render.common import DOCKER
 def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool) -> list[str]:
     """Debian packages for ``host_plan``: rsync for checkpoints, sshd for the mesh,
     OpenMPI where mpirun runs on the host (not in a container), mpi4py for doubles,
-    python3-venv for engine venvs and for the Hub client of ``k2_checkpoint_fetcher``,
+    python3-venv for engine venvs (also those holding only engine-side wheels, e.g. Ray
+    beside the vLLM test double) and for the Hub client of ``k2_checkpoint_fetcher``,
     Docker (``docker.io``, which pulls in containerd, runc, iptables and tini) where the
     engine runs in a container (``k2_runtime: container``)."""
     needed = {"rsync"}
@@ -25,6 +27,7 @@ def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool) -> list[
             needed |= {"python3-mpi4py"}
     if any(s.argv and s.argv[0] == DOCKER for s in host_plan.services):
         needed |= {"docker.io"}
-    if dep.runtime == "venv" and not dep.s.engine_doubles or dep.s.checkpoint_fetcher == host_plan.name:
+    engine_side = wheelhouse.engine_side_requirements(dep.engine, dep.s.venv, [s.argv for s in host_plan.services])
+    if dep.runtime == "venv" and not dep.s.engine_doubles or dep.s.checkpoint_fetcher == host_plan.name or engine_side:
         needed |= {"python3-venv"}
     return sorted(needed)

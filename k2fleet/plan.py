@@ -27,6 +27,8 @@ class Service:
     ``stage``: services start stage by stage across the whole fleet (0 first); a
     stage starts only after every service of the previous one is running.
     ``ports``: inventory key → port, used for the port clash check.
+    ``pre_start``: commands that must succeed before the process starts (``ExecStartPre``,
+    after the checkpoint gate), e.g. the Ray gate before vLLM drives the cluster.
     """
 
     name: str
@@ -42,6 +44,7 @@ class Service:
     workdir: str | None = None
     needs_checkpoint: bool = True
     description: str = ""
+    pre_start: list[list[str]] = field(default_factory=list)
 
 
 @dataclass

@@ -40,8 +40,14 @@ Docker-in-nspawn flags but without Docker: the deploy installs ``docker.io`` fro
 offline bundle and loads the engine TEST DOUBLE image the control step built, tagged as
 the inventory's ``k2_image`` and pinned by image ID (:mod:`k2fleet.image`).
 
+Ray (h800-pp) runs for real: the control machine's engine-side wheelhouse puts the
+``ray`` package into each host's ``k2_venv``, the Ray head and workers are real, and
+the vLLM test double joins that cluster with the venv's python. So does SGLang's PD
+router (h200-sglang-pd): the real ``sglang-router`` package on the router host, in
+front of the prefill and decode test doubles.
+
 Not in this slice (refused with exit 2): engines in containers across hosts (mpirun
-between containers: h200-trtllm-mpi in its container form) and Ray (h800-pp).
+between containers: h200-trtllm-mpi in its container form).
 """
 
 from __future__ import annotations
@@ -104,8 +110,6 @@ def unsupported(dep: Deployment, plan: Plan) -> str | None:
         return None
     if dep.runtime == "container" and len(dep.fleet.hosts) > 1:
         return "Docker across hosts (an engine in containers on several hosts)"
-    if dep.s.multinode_backend == "ray" and len(dep.fleet.hosts) > 1:
-        return "Docker/Ray"
     if dep.s.gguf_repo and gguf_file_names(dep.s.gguf_pattern, dep.s.gguf_repo) is None:
         return f"GGUF files matching k2_gguf_pattern {dep.s.gguf_pattern!r} (no synthetic .gguf name matches it)"
     return None

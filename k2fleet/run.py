@@ -7,11 +7,15 @@ takes the plan the gate in ``config.py`` validated (or validates the inventory i
 when run without that gate), runs the one control-machine step (:func:`k2fleet.control.prepare_control_artifacts`,
 skipped under ``--dry``, where only existing artifacts are read) and computes the
 desired state (:func:`k2fleet.desired.desired_state`). Later calls return the same
-object.
+object. pyinfra loads the deploy file for its hosts in concurrent greenlets, and the
+control step yields while its downloads run: the first call holds a lock (a cooperative
+one under pyinfra's gevent) so the others wait for its result instead of starting the
+step again (a second, blocking ``flock`` on a cache would freeze the whole process).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,9 +50,11 @@ class FleetRun:
 
 def fleet_run(state: Any, inventory: Any, dry: bool | None = None) -> FleetRun:
     """The run's :class:`FleetRun`, made on first use and kept on ``state``."""
-    run = getattr(state, STATE_ATTRIBUTE, None)
-    if run is not None:
-        return run
+    with vars(state).setdefault(f"{STATE_ATTRIBUTE}_lock", threading.Lock()):
+        return getattr(state, STATE_ATTRIBUTE, None) or _make_fleet_run(state, inventory, dry)
+
+
+def _make_fleet_run(state: Any, inventory: Any, dry: bool | None) -> FleetRun:
     checked = getattr(state, "k2fleet_checked", None)  # the gate's (config.py) validated plan
     if checked is None:  # not under the CLI's gate: validate here
         try:

@@ -11,6 +11,7 @@ UNIT_DIR = "/etc/systemd/system"
 LIB_DIR = "/opt/k2fleet/lib"
 IMAGE_PIN_PY = f"{LIB_DIR}/image-pin.py"
 CONTAINER_STOP_S = 30
+RAY_GATE = f"{LIB_DIR}/k2fleet-ray-gate.py"
 
 
 def unit_name(svc: Service) -> str:
@@ -94,6 +95,7 @@ def unit_file(dep: Deployment, svc: Service, image_id: str | None = None) -> str
     if svc.needs_checkpoint:
         lines += [f"ExecStartPre={systemd_exec(gate_argv(dep, ws.path))}" for ws in dep.weight_sets]
     lines += pre
+    lines += [f"ExecStartPre={systemd_exec(argv)}" for argv in svc.pre_start]
     lines.append(f"ExecStart={systemd_exec(svc.argv)}")
     lines += post
     if svc.workdir:

@@ -1,4 +1,4 @@
-"""Offline wheelhouse of the Hub client, for a fleet host that downloads the checkpoint.
+"""Offline wheelhouses: the Hub client for the checkpoint fetcher, and engine-side wheels.
 
 With ``k2_checkpoint_fetcher: HOST`` that one host talks to the Hub, so it needs
 huggingface_hub — but fleet hosts are often air-gapped apart from the Hub (or its
@@ -6,6 +6,12 @@ mirror). The control machine therefore downloads ``huggingface_hub`` at *its own
 version (the code k2fleet is tested with) and every dependency as wheels, for CPython
 3.10–3.13 on manylinux x86_64 and aarch64, once, into a cache keyed by the pins; the
 wheels are shipped to the host and installed there with ``pip install --no-index``.
+
+Engine-side wheels are what a host's engine venv (``k2_venv``) needs next to the engine
+for the parts the plan runs there (:data:`ENGINE_SIDE_PINS`, e.g. Ray for vLLM's Ray
+backend); their list is computed from the plan alone (:func:`engine_side_requirements`)
+and downloaded for the fleet hosts' interpreter only (:data:`HOST_PYTHON`, the
+``python3`` of the Debian release the offline bundles target) and CPU architecture.
 
 On an air-gapped control machine, build the cache on a connected one and copy it:
 
@@ -35,6 +41,41 @@ PLATFORMS = {
     "aarch64": ("manylinux2014_aarch64", "manylinux_2_17_aarch64", "manylinux_2_28_aarch64"),
 }
 DONE = "k2fleet-wheelhouse.json"
+HOST_PYTHON = "3.11"  # python3 of Debian 12 (bookworm), the release k2fleet's hosts and bundles run
+# (engine, program the plan runs from k2_venv) -> the requirement that provides it.
+# vLLM (>= 0.19) asks for ray[cgraph]>=2.48.0 (compiled graphs carry pipeline parallelism
+# across Ray nodes); k2fleet pins one release so every node runs the same Ray.
+ENGINE_SIDE_PINS = {
+    ("vllm", "ray"): "ray[cgraph]==2.60.0",
+    # SGLang's PD router (``python -m sglang_router.launch_router``); the package's last
+    # release under that name (its successor is the model gateway ``smg``).
+    ("sglang", "sglang_router.launch_router"): "sglang-router==0.3.2",
+}
+HOST_ARCH = {"gb200": "aarch64", "gb300": "aarch64"}  # GPU → CPU architecture (default x86_64)
+
+
+def engine_side_requirements(engine: str, venv: str, argvs: list[list[str]]) -> list[str]:
+    """Requirements a host's engine venv needs for the commands it runs from it (pure):
+    a program ``k2_venv/bin/PROGRAM`` or a module (``python -m MODULE``) in the table.
+
+    >>> engine_side_requirements("vllm", "/v", [["/v/bin/ray", "start", "--head"]])
+    ['ray[cgraph]==2.60.0']
+    >>> engine_side_requirements("vllm", "/v", [["/v/bin/vllm", "serve", "m"]])
+    []
+    """
+    words = {word for argv in argvs if argv and argv[0].startswith(f"{venv}/bin/") for word in argv}
+    return sorted({req for (eng, program), req in ENGINE_SIDE_PINS.items()
+                   if eng == engine and (f"{venv}/bin/{program}" in words or program in words)})
+
+
+def requirement_version(requirement: str) -> tuple[str, str]:
+    """(distribution name, pinned version) of ``name[extras]==version``.
+
+    >>> requirement_version("ray[cgraph]==2.60.0")
+    ('ray', '2.60.0')
+    """
+    name, _, pinned = requirement.partition("==")
+    return name.split("[", 1)[0], pinned
 
 
 def hub_client_requirement() -> str:
@@ -42,9 +83,11 @@ def hub_client_requirement() -> str:
     return f"huggingface_hub=={version('huggingface_hub')}"
 
 
-def wheelhouse_key(requirements: list[str]) -> str:
+def wheelhouse_key(requirements: list[str], pythons: tuple[str, ...] = PYTHONS,
+                   archs: tuple[str, ...] = tuple(PLATFORMS)) -> str:
     """Cache key of a wheelhouse: the pins, interpreter versions and platforms."""
-    blob = json.dumps([sorted(requirements), PYTHONS, sorted(PLATFORMS.items())]).encode()
+    platforms = sorted((arch, PLATFORMS[arch]) for arch in archs)
+    blob = json.dumps([sorted(requirements), list(pythons), platforms]).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -63,20 +106,23 @@ def pip_download_argv(requirements: list[str], dest: Path, python: str, platform
     return argv + requirements
 
 
-def cached_wheelhouse(requirements: list[str], cache_dir: Path = DEFAULT_CACHE_DIR) -> Path | None:
+def cached_wheelhouse(requirements: list[str], cache_dir: Path = DEFAULT_CACHE_DIR,
+                      pythons: tuple[str, ...] = PYTHONS, archs: tuple[str, ...] = tuple(PLATFORMS)) -> Path | None:
     """The complete cached wheelhouse directory for ``requirements``, if one exists (reads only)."""
-    target = cache_dir / wheelhouse_key(requirements)
+    target = cache_dir / wheelhouse_key(requirements, pythons, archs)
     return target if (target / DONE).is_file() else None
 
 
-def ensure_wheelhouse(requirements: list[str] | None = None, cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
-    """The cached wheelhouse directory for ``requirements`` (default: the Hub client),
-    downloaded with ``pip download`` the first time (needs a package index then)."""
+def ensure_wheelhouse(requirements: list[str] | None = None, cache_dir: Path = DEFAULT_CACHE_DIR,
+                      pythons: tuple[str, ...] = PYTHONS, archs: tuple[str, ...] = tuple(PLATFORMS)) -> Path:
+    """The cached wheelhouse directory for ``requirements`` (default: the Hub client) for
+    CPython ``pythons`` on ``archs``, downloaded with ``pip download`` the first time
+    (needs a package index then)."""
     requirements = requirements or [hub_client_requirement()]
-    cached = cached_wheelhouse(requirements, cache_dir)
+    cached = cached_wheelhouse(requirements, cache_dir, pythons, archs)
     if cached is not None:
         return cached
-    target = cache_dir / wheelhouse_key(requirements)
+    target = cache_dir / wheelhouse_key(requirements, pythons, archs)
     cache_dir.mkdir(parents=True, exist_ok=True)
     with open(cache_dir / ".lock", "a") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
@@ -85,8 +131,8 @@ def ensure_wheelhouse(requirements: list[str] | None = None, cache_dir: Path = D
         tmp = target.with_name(target.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        for python in PYTHONS:
-            for platforms in PLATFORMS.values():
+        for python in pythons:
+            for platforms in (PLATFORMS[arch] for arch in archs):
                 out = subprocess.run(pip_download_argv(requirements, tmp, python, platforms),
                                      capture_output=True, text=True, stdin=subprocess.DEVNULL)
                 if out.returncode:

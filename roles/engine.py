@@ -8,6 +8,10 @@
 - ``venv`` runtime: ``python3 -m venv k2_venv`` + ``pip install ENGINE==VERSION``
   (from ``k2_venv/wheelhouse`` when present, with no index) when the entry point is
   missing;
+- engine-side wheels (what the plan runs from ``k2_venv`` beside the engine, e.g. Ray):
+  the control machine's wheelhouse is uploaded and installed into ``k2_venv`` with
+  ``pip install --no-index`` when the ``engine-side`` check (pinned versions, the fleet's
+  Python) fails or a wheel changed; a host that still differs fails, named;
 - ``container`` runtime: when the HostState fact's image-pin check says the reference
   is not the pinned image ID, it is ``docker pull``-ed (``k2_image_id`` set) or, on the
   sandbox (engine test doubles), ``docker load``-ed from the image archive the
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 from pyinfra.api import deploy
 
-from k2fleet.desired import DEVICE_DOUBLES_CONF, IMAGE_CHECK, HostDesired
+from k2fleet.desired import DEVICE_DOUBLES_CONF, ENGINE_SIDE_CHECK, IMAGE_CHECK, HostDesired
 from k2fleet.operations import command, synced_files
 from k2fleet.preflight import HostReport
 from k2fleet.quoting import shell_line
@@ -31,12 +35,13 @@ from k2fleet.units import image_pin_argv
 def install(desired: HostDesired, fact: HostReport, tracked: list) -> None:
     """
     Sync the host programs (and doubles), install the engine venv when it is missing,
-    load the pinned container image when it is not there.
+    load the pinned container image when it is not there, and the engine-side wheels
+    when they are not installed as pinned.
 
-    + desired: this host's desired state (files of groups ``engine`` and ``image``,
-      ``venv_install``, ``image``, ``device_doubles``)
+    + desired: this host's desired state (files of groups ``engine``, ``image`` and
+      ``engine_side``, ``venv_install``, ``engine_side_install``, ``image``, ``device_doubles``)
     + fact: this host's HostState (file digests, whether the engine entry point and the
-      device nodes exist, the image-pin check)
+      device nodes exist, the image-pin and ``engine-side`` checks)
     + tracked: list the run's health gate watches; the file operation is appended
 
     **Example:**
@@ -63,5 +68,11 @@ def install(desired: HostDesired, fact: HostReport, tracked: list) -> None:
                            _if=lambda: pin is not None and not fact.passed(IMAGE_CHECK)))
     argv = desired.venv_install
     needed = argv is not None and not fact.exists.get(desired.engine_entry)
-    command(name=f"install the engine into {desired.engine_entry.rsplit('/bin/', 1)[0]}",
-            argv=argv or ["true"], _if=lambda: needed)
+    venv = desired.engine_entry.rsplit('/bin/', 1)[0]
+    command(name=f"install the engine into {venv}", argv=argv or ["true"], _if=lambda: needed)
+    side = desired.files.get("engine_side", {})
+    upload = synced_files(name="engine-side wheelhouse (hosts have no package index)", files=side, current=fact.files)
+    side_ok = fact.passed(ENGINE_SIDE_CHECK)
+    tracked.append(command(name=f"engine-side wheels into {venv} (no package index), versions checked",
+                           argv=desired.engine_side_install or ["true"],
+                           _if=lambda: bool(side) and (not side_ok or upload.did_change())))

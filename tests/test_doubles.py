@@ -298,27 +298,62 @@ def test_sglang_two_node_dist_init(procs: Procs, model: str) -> None:
     assert run(sglang(*common, "--node-rank", "0", "--bogus-flag")).returncode == 2
 
 
-def test_sglang_router_over_prefill_and_decode(procs: Procs, model: str) -> None:
+@pytest.fixture(scope="module")
+def real_router_python(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A venv with the REAL SGLang router, installed as the router host gets it: from the
+    control machine's engine-side wheelhouse (downloaded once), with no package index."""
+    from k2fleet import wheelhouse
+
+    requirement = wheelhouse.ENGINE_SIDE_PINS[("sglang", "sglang_router.launch_router")]
+    wheels = wheelhouse.ensure_wheelhouse([requirement], pythons=(wheelhouse.HOST_PYTHON,), archs=("x86_64",))
+    venv = tmp_path_factory.mktemp("router") / "venv"
+    subprocess.run([DEBIAN_PYTHON, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(venv / "bin/pip"), "install", "--quiet", "--no-index", "--find-links", str(wheels),
+                    requirement], check=True)
+    return str(venv / "bin/python")
+
+
+def pd_rooms(base: str) -> set:
+    return {r["bootstrap_room"] for r in get(f"{base}/k2fleet/pd_requests")[1]["requests"]}
+
+
+def test_real_sglang_router_over_prefill_and_decode(procs: Procs, model: str, real_router_python: str) -> None:
     prefill, decode, router, boot = free_port(), free_port(), free_port(), free_port()
     pd = ["--model-path", model, "--host", LOCAL, "--disaggregation-ib-device", "mlx5_0",
           "--reasoning-parser", "kimi_k2"]
     procs.start(sglang(*pd, "--port", str(prefill), "--disaggregation-mode", "prefill",
                        "--disaggregation-bootstrap-port", str(boot)))
     decode_proc = procs.start(sglang(*pd, "--port", str(decode), "--disaggregation-mode", "decode"))
-    procs.start([sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+    wait_status(f"http://{LOCAL}:{decode}/health", 200)
+    # a PD server answers only what the router sends (the bootstrap fields), like SGLang's
+    status, refused, _ = post(f"http://{LOCAL}:{decode}/v1/chat/completions", CHAT)
+    assert status == 400 and "bootstrap_room" in refused["message"]
+    env = {k: v for k, v in base_env().items() if k != "PYTHONPATH"}  # the real package, not a double
+    procs.start([real_router_python, "-m", "sglang_router.launch_router", "--pd-disaggregation",
                  "--prefill", f"http://{LOCAL}:{prefill}", str(boot),
                  "--decode", f"http://{LOCAL}:{decode}",
-                 "--host", LOCAL, "--port", str(router), "--policy", "round_robin"])
+                 "--host", LOCAL, "--port", str(router), "--policy", "round_robin"], env=env)
     health = f"http://{LOCAL}:{router}/health"
     wait_status(health, 200)
-    assert get(f"http://{LOCAL}:{boot}/health")[0] == 200
 
-    status, answer, _ = post(f"http://{LOCAL}:{router}/v1/chat/completions", CHAT)
-    assert status == 200 and answer["choices"][0]["message"]["reasoning_content"]
+    status, answer, _ = post(f"http://{LOCAL}:{router}/v1/chat/completions", dict(CHAT, model=model))
+    assert status == 200 and answer["choices"][0]["message"]["reasoning_content"], answer
+    common = pd_rooms(f"http://{LOCAL}:{prefill}") & pd_rooms(f"http://{LOCAL}:{decode}")
+    assert len(common) == 1  # one request, one bootstrap room, seen by both pools
+
+    gate = [sys.executable, str(Path(__file__).resolve().parents[1] / "k2fleet/host/health.py"),
+            "--base", f"http://{LOCAL}:{router}", "--model", model, "--unit", "k2-sglang-router.service",
+            "--timeout", "10", "--expect-pd",
+            json.dumps({"prefill": [f"http://{LOCAL}:{prefill}"], "decode": [f"http://{LOCAL}:{decode}"]})]
+    assert subprocess.run(gate, capture_output=True, text=True).returncode == 0
+    # a request that reached only the prefill pool has no room in common with decode
+    post(f"http://{LOCAL}:{prefill}/v1/chat/completions",
+         dict(CHAT, bootstrap_host=LOCAL, bootstrap_port=boot, bootstrap_room=7))
+    assert pd_rooms(f"http://{LOCAL}:{prefill}") - pd_rooms(f"http://{LOCAL}:{decode}") == {7}
 
     decode_proc.terminate()
     decode_proc.wait(5)
-    wait_status(health, 503)
+    assert subprocess.run(gate, capture_output=True, text=True).returncode == 1  # decode gone: not healthy
 
 
 # ---------------------------------------------------------------- TensorRT-LLM

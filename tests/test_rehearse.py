@@ -9,6 +9,7 @@ rehearsal waits for them. Each rehearsal leaves the sandbox down.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -56,6 +57,23 @@ def test_generated_inventory_keeps_groups_host_and_inline_group_data() -> None:
     assert "_COMMON" not in ns and "_ENV" not in ns
 
 
+def test_pd_router_host_gets_the_real_router_and_a_gate_over_both_pools() -> None:
+    from k2fleet.control import read_control_artifacts
+    from k2fleet.desired import ENGINE_SIDE_CHECK, desired_state
+    from k2fleet.gate import check_hosts
+    from k2fleet.inventory import inventory_host_data
+
+    inv = ROOT / "inventories/h200-sglang-pd.py"
+    dep, plan = check_hosts(str(inv), inventory_host_data(inv, {"k2_engine_doubles": True, "k2_simulated_gpus": True}))
+    desired = desired_state(dep, plan, read_control_artifacts(dep, plan))
+    router = desired["router-0"]
+    assert ENGINE_SIDE_CHECK in router.checks and "sglang-router==0.3.2" in router.engine_side_install[2]
+    argv = router.health_argv
+    assert json.loads(argv[argv.index("--expect-pd") + 1]) == {"prefill": ["http://192.0.2.50:8000"],
+                                                               "decode": ["http://192.0.2.52:8000"]}
+    assert not any(desired[h].files["engine_side"] for h in ("prefill-0", "prefill-1", "decode-0", "decode-1"))
+
+
 def test_failure_summary_names_host_unit_reason() -> None:
     log = ("    [router-0]  k2sb-5: k2-sglang-router.service: not healthy after 120s: /health answered 503\n"
            "    [router-0]  Error: executed 0 commands\n")
@@ -63,10 +81,9 @@ def test_failure_summary_names_host_unit_reason() -> None:
 
 
 @pytest.mark.parametrize("inventory, missing", [
-    ("inventories/h800-pp.py", "Docker/Ray"),
     ("inventories/h200-trtllm-mpi.py", "Docker across hosts (an engine in containers on several hosts)"),
 ])
-def test_multi_host_docker_and_ray_scenarios_are_refused(inventory: str, missing: str) -> None:
+def test_multi_host_docker_scenarios_are_refused(inventory: str, missing: str) -> None:
     proc, _ = rehearse(inventory, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip() == f"rehearse: {inventory} needs {missing} in sandbox hosts, not supported yet"

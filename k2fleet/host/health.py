@@ -63,6 +63,23 @@ def world_mismatch(base: str, expected: dict) -> str | None:
     return None
 
 
+def pd_mismatch(pools: dict) -> str | None:
+    """Did one completion through the PD router reach a prefill AND a decode server?
+    ``pools``: {"prefill": [base URL], "decode": [base URL]}; k2fleet's SGLang test doubles
+    list the bootstrap fields of the requests they answered at ``/k2fleet/pd_requests``."""
+    rooms = {}
+    for pool, bases in sorted(pools.items()):
+        rooms[pool] = set()
+        for base in bases:
+            with urllib.request.urlopen(f"{base}/k2fleet/pd_requests", timeout=30) as response:
+                rooms[pool] |= {r.get("bootstrap_room") for r in json.load(response).get("requests", [])}
+    common = set.intersection(*rooms.values()) if rooms else set()
+    if not common:
+        seen = ", ".join(f"{pool}: {len(r)} request(s)" for pool, r in sorted(rooms.items()))
+        return f"PD: no request reached both prefill and decode with one bootstrap_room ({seen})"
+    return None
+
+
 def journal_tail(unit: str, lines: int = 30) -> str:
     try:
         out = subprocess.run(["journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "cat"],
@@ -73,7 +90,7 @@ def journal_tail(unit: str, lines: int = 30) -> str:
 
 
 def wait_healthy(base: str, model: str, timeout: float, expected: dict | None = None,
-                 ready_path: str = "/health") -> str:
+                 ready_path: str = "/health", pd: dict | None = None) -> str:
     deadline = time.monotonic() + timeout
     last = "no answer"
     while time.monotonic() < deadline:
@@ -85,6 +102,10 @@ def wait_healthy(base: str, model: str, timeout: float, expected: dict | None = 
                     problem = world_mismatch(base, expected)
                     if problem:
                         raise NotHealthy(problem)  # the topology that formed is not the plan's
+                if answer and pd:
+                    problem = pd_mismatch(pd)
+                    if problem:
+                        raise NotHealthy(problem)  # the router answered without both pools
                 if answer:
                     return answer
                 last = "chat completion returned an empty answer"
@@ -106,9 +127,12 @@ def main() -> int:
                     help="readiness route that must answer 200 before the chat completion (default /health)")
     ap.add_argument("--expect-world", type=json.loads, default=None,
                     help="JSON {key: value} the engine must report in /v1/models metadata (the planned topology)")
+    ap.add_argument("--expect-pd", type=json.loads, default=None,
+                    help='JSON {"prefill": [URL], "decode": [URL]}: the completion must reach both pools')
     args = ap.parse_args()
     try:
-        answer = wait_healthy(args.base, args.model, args.timeout, args.expect_world, args.ready_path)
+        answer = wait_healthy(args.base, args.model, args.timeout, args.expect_world, args.ready_path,
+                              args.expect_pd)
     except NotHealthy as exc:
         print(f"{socket.gethostname()}: {args.unit}: {exc}", file=sys.stderr)
         print(f"--- last log lines of {args.unit} ---", file=sys.stderr)

@@ -13,8 +13,20 @@ from k2fleet.deployment import Deployment, Pool
 from k2fleet.plan import Health, Service
 from k2fleet.render.common import container_argv, engine_env, extra_flags, venv_bin
 from k2fleet.spec import HostEntry
+from k2fleet.units import RAY_GATE
 
 UNIT = "k2-vllm"
+RAY_GATE_MAX_S = 600  # a worker that has not joined in 10 minutes will not (its unit restarts every 5 s)
+
+
+def _ray_gate(dep: Deployment, nodes: tuple[HostEntry, ...]) -> list[str]:
+    """Before ``vllm serve`` drives the cluster: every planned node alive in Ray with its
+    GPUs, asked with the venv's Ray (fails naming the node that never joined)."""
+    argv = [venv_bin(dep, "python3"), RAY_GATE, "--address", f"{nodes[0].address}:{dep.s.ray_port}",
+            "--unit", f"{UNIT}.service", "--timeout", str(min(dep.s.health_timeout, RAY_GATE_MAX_S))]
+    for host in nodes:
+        argv += ["--node", f"{host.name}={host.address}:{dep.gpus_per_node}"]
+    return argv
 
 
 def _serve_words(dep: Deployment, pool: Pool) -> list[str]:
@@ -93,6 +105,7 @@ def _ray_services(dep: Deployment, pool: Pool, nodes: tuple[HostEntry, ...]) -> 
         dep, pool, head, 0, words, env,
         ports={"k2_port": dep.s.port}, stage=2, health=Health(dep.s.port),
         description="vLLM API server driving the Ray cluster",
+        pre_start=[_ray_gate(dep, nodes)] if dep.runtime == "venv" else [],
     )
 
 

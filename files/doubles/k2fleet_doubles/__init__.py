@@ -1,7 +1,8 @@
 """k2fleet-test-double: stand-ins for the real inference engines.
 
 These modules are TEST DOUBLES, installed only on k2fleet's GPU-less sandbox
-fleet.  They accept the same argv as vLLM, SGLang (+ router) and TensorRT-LLM,
+fleet.  They accept the same argv as vLLM, SGLang and TensorRT-LLM (the SGLang
+PD router is the real package, never a double),
 refuse argv the real engine would not understand, perform a real TCP (or MPI)
 rendezvous between the nodes of a multi-node deployment, and serve a tiny
 deterministic OpenAI-compatible HTTP API.  They never load weights or touch a

@@ -493,6 +493,8 @@ class EngineApp:
     metadata: JsonDict = field(default_factory=dict)
     extra_get: dict[str, Callable[[], tuple[int, Any]]] = field(default_factory=dict)
     rendezvous: list = field(default_factory=list)  # RendezvousServers this head runs
+    # called with (path, body) before a completion is answered; raises BadRequest to refuse
+    on_request: Optional[Callable[[str, JsonDict], None]] = None
 
 
 def _text_of(content: Any) -> str:
@@ -767,6 +769,8 @@ class EngineHandler(JsonHandler):
             return
         try:
             body = self.read_json()
+            if self.app.on_request:
+                self.app.on_request(path, body)
             answer = routes[path](self.app, body)
         except BadRequest as exc:
             self.send_error_json(exc.status, str(exc))

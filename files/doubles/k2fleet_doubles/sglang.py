@@ -9,19 +9,25 @@ may render and refuses anything else (exit 2).  Topologies:
   rank 0's ``/health`` is 503 until every rank has joined;
 * PD disaggregation: prefill and decode servers both serve HTTP; a prefill
   rank 0 also runs a bootstrap HTTP server on ``--host:--disaggregation-bootstrap-port``.
+  Like SGLang's, a PD server answers a completion only with the bootstrap fields the
+  PD router adds (``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room``; 400
+  otherwise) and records them: ``GET /k2fleet/pd_requests`` lists the last ones, so a
+  health gate can prove one request reached a prefill and a decode server (same room).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import socket
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional, Sequence
 
 from . import DOUBLE_NAME
-from .common import (EngineApp, EngineHandler, JsonHandler, MemberLink, ModelError,
+from .common import (BadRequest, EngineApp, EngineHandler, JsonHandler, MemberLink, ModelError,
                      Readiness, RendezvousGroup, RendezvousServer, fail, gguf_files, gpus_per_node, log,
                      parse_hostport, resolve_model, serve_http, wait_for_shutdown)
 
@@ -198,8 +204,34 @@ class BootstrapHandler(JsonHandler):
             self.send_error_json(404, f"no route {self.path}")
 
 
+PD_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
+class PdRequests:
+    """The bootstrap fields of the last completions a PD server answered."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.seen: collections.deque = collections.deque(maxlen=256)
+        self.lock = threading.Lock()
+
+    def check(self, path: str, body: dict) -> None:
+        missing = [f for f in PD_FIELDS if body.get(f) is None]
+        if missing:
+            raise BadRequest(f"disaggregation mode {self.mode} needs {', '.join(missing)} "
+                             "(send requests through the PD router)")
+        with self.lock:
+            self.seen.append({"path": path, **{f: body[f] for f in PD_FIELDS}})
+
+    def payload(self) -> tuple[int, dict]:
+        with self.lock:
+            return 200, {"mode": self.mode, "requests": list(self.seen), "double": DOUBLE_NAME}
+
+
 def make_app(a: argparse.Namespace, readiness: Readiness) -> EngineApp:
     model = resolve_model(a.model_path)
+    pd = PdRequests(a.disaggregation_mode) if a.disaggregation_mode != "null" else None
+    server_info = dict(vars(a), version=VERSION, double=DOUBLE_NAME)
     name = a.served_model_name or a.model_path
     info = {"model_path": a.model_path, "is_generation": True,
             "disaggregation_mode": a.disaggregation_mode, "double": DOUBLE_NAME}
@@ -211,9 +243,11 @@ def make_app(a: argparse.Namespace, readiness: Readiness) -> EngineApp:
                   "ep_size": a.ep_size, "nnodes": a.nnodes,
                   "disaggregation_mode": a.disaggregation_mode,
                   "ktransformers": kt_settings(a)},
-        extra_get={"/get_model_info": lambda: (200, info),
-                   "/get_server_info": lambda: (200, dict(vars(a), version=VERSION,
-                                                          double=DOUBLE_NAME))})
+        extra_get={"/get_model_info": lambda: (200, info), "/model_info": lambda: (200, info),
+                   "/get_server_info": lambda: (200, server_info),
+                   "/server_info": lambda: (200, server_info),  # 0.5.23 serves both names
+                   **({"/k2fleet/pd_requests": pd.payload} if pd else {})},
+        on_request=pd.check if pd else None)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

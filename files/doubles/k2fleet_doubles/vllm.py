@@ -13,8 +13,12 @@ the way vLLM does, and refuses anything else (exit 2).  Topologies:
   ``--master-addr:--master-port`` and ``--headless`` nodes 1..n-1 connect;
 * ``--distributed-executor-backend ray``: without the ``ray`` module the
   double refuses (exit 1) unless TP*PP fits on one node
-  (``K2FLEET_DOUBLE_GPUS_PER_NODE``, default 8); with ``ray`` it joins the
-  running cluster and waits for enough nodes.
+  (``K2FLEET_DOUBLE_GPUS_PER_NODE``, default 8); with ``ray`` (the real
+  package, run with the engine venv's python) it joins the running cluster
+  (``ray.init(address="auto")``), waits until Ray reports enough alive nodes
+  and GPUs for TP*PP, refuses to serve (exit 1) if they never come, and
+  reports what it joined as ``ray_nodes`` / ``ray_gpus`` in ``/v1/models``
+  metadata.
 
 Headless nodes never serve HTTP; they rejoin the head if it restarts.  A DP
 member that dies after joining ends the head (exit 1), as vLLM's API server
@@ -162,10 +166,11 @@ def check_gpu_budget(a: argparse.Namespace) -> None:
                      "(K2FLEET_DOUBLE_GPUS_PER_NODE)")
 
 
-def check_ray(a: argparse.Namespace) -> None:
-    """Ray backend: join a real Ray cluster, or refuse if it spans nodes."""
+def check_ray(a: argparse.Namespace) -> dict[str, int]:
+    """Ray backend: join the real Ray cluster and wait for its nodes and GPUs (refuse if
+    they never come, or if TP*PP spans nodes without Ray); what it joined, for metadata."""
     if a.distributed_executor_backend != "ray":
-        return
+        return {}
     world = a.tensor_parallel_size * a.pipeline_parallel_size
     nodes_needed = math.ceil(world / gpus_per_node())
     try:
@@ -176,13 +181,20 @@ def check_ray(a: argparse.Namespace) -> None:
                          f"{nodes_needed} nodes, but the ray module is not installed; "
                          f"the {DOUBLE_NAME} cannot fake a Ray cluster")
         log(ENGINE, "ray backend on a single node: no cluster needed")
-        return
-    ray.init(address="auto")
+        return {}
+    ray.init(address="auto", log_to_driver=False)
     deadline = time.monotonic() + rdzv_timeout()
-    while sum(1 for n in ray.nodes() if n.get("Alive")) < nodes_needed:
+    while True:
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        gpus = int(sum((n.get("Resources") or {}).get("GPU", 0) for n in alive))
+        if len(alive) >= nodes_needed and gpus >= world:
+            break
         if time.monotonic() > deadline:
-            fail(ENGINE, f"Ray cluster never reached {nodes_needed} alive nodes")
+            fail(ENGINE, f"Ray cluster has {len(alive)} alive node(s) with {gpus} GPU(s); TP*PP={world} "
+                         f"needs {nodes_needed} node(s) and {world} GPUs")
         time.sleep(1)
+    log(ENGINE, f"joined Ray {ray.__version__} cluster: {len(alive)} nodes, {gpus} GPUs")
+    return {"ray_nodes": len(alive), "ray_gpus": gpus}
 
 
 def hello_base(a: argparse.Namespace, kind: str) -> dict[str, object]:
@@ -244,7 +256,7 @@ def setup_nodes(a: argparse.Namespace, readiness: Readiness) -> list[RendezvousS
     return []
 
 
-def make_app(a: argparse.Namespace, readiness: Readiness) -> EngineApp:
+def make_app(a: argparse.Namespace, readiness: Readiness, ray_world: dict[str, int]) -> EngineApp:
     model = resolve_model(a.model)
     return EngineApp(
         engine=ENGINE, served_names=a.served_model_name or [a.model], model=model,
@@ -256,7 +268,7 @@ def make_app(a: argparse.Namespace, readiness: Readiness) -> EngineApp:
         metadata={"version": VERSION, "max_model_len": a.max_model_len,
                   "tensor_parallel_size": a.tensor_parallel_size,
                   "pipeline_parallel_size": a.pipeline_parallel_size,
-                  "data_parallel_size": a.data_parallel_size, "nnodes": a.nnodes},
+                  "data_parallel_size": a.data_parallel_size, "nnodes": a.nnodes, **ray_world},
         extra_get={"/version": lambda: (200, {"version": VERSION, "double": DOUBLE_NAME})})
 
 
@@ -265,11 +277,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     validate(parser, args)
     try:
-        app = make_app(args, Readiness(ENGINE))
+        resolve_model(args.model)
     except ModelError as exc:
         fail(ENGINE, str(exc))
     check_gpu_budget(args)
-    check_ray(args)
+    app = make_app(args, Readiness(ENGINE), check_ray(args))
     log(ENGINE, f"{DOUBLE_NAME} pretending to be vLLM {VERSION} serving {args.model}")
     servers = setup_dp(args, app.readiness) + setup_nodes(args, app.readiness)
     app.rendezvous = servers
