@@ -1,7 +1,7 @@
 """Ordered restarts of multi-node instances, on a rehearsed fleet (real systemd, real
 pyinfra, engine test doubles that rendezvous over the sandbox network).
 
-Each test rehearses one seed inventory with ``--keep`` under this module's sandbox lock
+Each test rehearses one multi-node seed inventory with ``--keep`` under this module's sandbox lock
 (the rehearse process shares it through ``K2FLEET_SANDBOX_LOCK_FD``), then changes one
 input and deploys again with the command the rehearsal printed:
 
@@ -169,4 +169,16 @@ def test_sglang_tp16_flag_change_restarts_node0_then_node1(lock) -> None:
     order = restarted(before, after)
     assert [host for host, _ in order] == list(kept.hosts), (before, after)
     again = kept.deploy("k2_gpu_memory_utilization=0.8")
+    assert again.returncode == 0 and again.changed == 0, again.changed_operations
+
+
+def test_h800_pp_vllm_flag_change_restarts_only_the_api_server_not_the_ray_cluster(lock) -> None:
+    kept = Kept(lock, "inventories/h800-pp.py")
+    before = kept.units()
+    assert set(before) == {("h800-0", "k2-ray.service"), ("h800-0", "k2-vllm.service"), ("h800-1", "k2-ray.service")}
+    changed = kept.deploy("k2_max_model_len=1024")
+    assert changed.returncode == 0, changed.log[-3000:]
+    after = kept.units()
+    assert restarted(before, after) == [("h800-0", "k2-vllm.service")], (before, after)
+    again = kept.deploy("k2_max_model_len=1024")
     assert again.returncode == 0 and again.changed == 0, again.changed_operations
