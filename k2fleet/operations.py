@@ -74,6 +74,14 @@ def unit_running(unit: str, active: bool):
                      active=report.unit_active("k2-vllm.service"))
     """
     if not active:
-        word = shell_word(unit)
-        yield StringCommand(f"systemctl enable --now {word} || "
-                            f"{{ journalctl -u {word} -n 20 --no-pager -o cat >&2; exit 1; }}")
+        yield StringCommand(start_or_explain(unit, "enable --now"))
+
+
+def start_or_explain(unit: str, verb: str = "start") -> str:
+    """``systemctl VERB UNIT``; if it fails, the unit's last journal lines go to stderr.
+
+    >>> start_or_explain("k2-vllm.service")
+    'systemctl start k2-vllm.service || { journalctl -u k2-vllm.service -n 20 --no-pager -o cat >&2; exit 1; }'
+    """
+    word = shell_word(unit)
+    return f"systemctl {verb} {word} || {{ journalctl -u {word} -n 20 --no-pager -o cat >&2; exit 1; }}"

@@ -13,7 +13,7 @@ from pyinfra.api import deploy
 
 from k2fleet.desired import UNIT_GLOB, HostDesired
 from k2fleet.mesh import UNIT as MESH_UNIT
-from k2fleet.operations import command, synced_files, unit_running
+from k2fleet.operations import command, start_or_explain, synced_files, unit_running
 from k2fleet.preflight import HostReport
 from k2fleet.quoting import shell_line
 
@@ -68,4 +68,4 @@ def start(desired: HostDesired, fact: HostReport, tracked: list) -> None:
         tracked.append(unit_running(name=f"stage {stage}: start {name}", unit=unit,
                                     active=fact.unit_active(unit) or not mine))
         tracked.append(command(name=f"stage {stage}: bring {name} back up (its files changed)",
-                               argv=["systemctl", "start", unit], _if=changed(stage, name)))
+                               argv=start_or_explain(unit), _if=changed(stage, name)))
