@@ -34,6 +34,7 @@ from k2fleet.desired import (ControlArtifacts, engine_side_requirements, host_ar
                              needs_double_image, package_set)
 from k2fleet.packages import required_packages
 from k2fleet.plan import Plan
+from k2fleet.render.common import DOCKER
 
 
 def deployment_id(model: str, revision: str, addresses: list[str]) -> str:
@@ -76,6 +77,11 @@ def _engine_side_sets(dep: Deployment, plan: Plan) -> set[tuple[str, ...]]:
     return {tuple(reqs) for h in dep.fleet.hosts if (reqs := engine_side_requirements(dep, plan.hosts[h.name]))}
 
 
+def _image_packages(plan: Plan) -> tuple[str, ...]:
+    """Debian packages the double image needs for the planned container commands."""
+    return image.packages_for(svc.argv for _, svc in plan.services() if svc.argv[:1] == [DOCKER])
+
+
 def _engine_wheelhouse(dep: Deployment, requirements: tuple[str, ...], build: bool) -> Path | None:
     where = dict(pythons=(wheelhouse.HOST_PYTHON,), archs=(host_arch(dep),))
     if build:
@@ -95,7 +101,7 @@ def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     images = {}
     if needs_double_image(dep):
         assert dep.image is not None
-        made = image.cached_double_image(dep.image)
+        made = image.cached_double_image(dep.image, packages=_image_packages(plan))
         images = {made.ref: (str(made.path), made.image_id)} if made else {}
     engine_wheels = {reqs: wheelhouse.wheel_files(found) for reqs in _engine_side_sets(dep, plan)
                      if (found := _engine_wheelhouse(dep, reqs, build=False)) is not None}
@@ -141,7 +147,7 @@ def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     images = {}
     if needs_double_image(dep):
         assert dep.image is not None
-        made = image.ensure_double_image(dep.image)
+        made = image.ensure_double_image(dep.image, packages=_image_packages(plan))
         images = {made.ref: (str(made.path), made.image_id)}
     engine_wheels = {reqs: wheelhouse.wheel_files(_engine_wheelhouse(dep, reqs, build=True))
                      for reqs in _engine_side_sets(dep, plan)}

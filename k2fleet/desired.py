@@ -157,6 +157,7 @@ class HostDesired:
     slots: list[tuple[int, str]] = field(default_factory=list)  # fleet-wide (stage, service): one op sequence
     own_slots: list[tuple[int, str]] = field(default_factory=list)  # this host's (stage, service)
     packages: list[str] = field(default_factory=list)
+    mesh_yields_to: list[str] = field(default_factory=list)  # units that take the mesh port while they run
     checks: dict[str, list[str]] = field(default_factory=dict)
     exists: list[str] = field(default_factory=list)
     fanout: FanoutPlace | None = None
@@ -486,6 +487,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
                            for svc in hp.services}
         d.own_slots = sorted((svc.stage, svc.name) for svc in hp.services)
         d.units = [mesh.UNIT] + [unit_name(s) for s in hp.services]
+        d.mesh_yields_to = [unit_name(s) for s in hp.services if mesh.UNIT in s.conflicts]
         d.packages = required_packages(dep, hp, mesh_enabled(dep))
         d.checks = {ws.check: marker_check_argv(ws.path) for ws in dep.weight_sets}
         d.health_argv = health_argv(dep, hp, dep.s.health_timeout, pd_servers(plan))

@@ -29,6 +29,8 @@ class Service:
     ``ports``: inventory key → port, used for the port clash check.
     ``pre_start``: commands that must succeed before the process starts (``ExecStartPre``,
     after the checkpoint gate), e.g. the Ray gate before vLLM drives the cluster.
+    ``conflicts``: units this service stops while it runs (``Conflicts=``), e.g. the TRT-LLM
+    node container whose sshd takes the mesh port from the host's mesh sshd.
     """
 
     name: str
@@ -45,6 +47,7 @@ class Service:
     needs_checkpoint: bool = True
     description: str = ""
     pre_start: list[list[str]] = field(default_factory=list)
+    conflicts: tuple[str, ...] = ()
 
 
 @dataclass

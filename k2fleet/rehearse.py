@@ -35,10 +35,13 @@ cluster's (printed). The endpoints are the job's: the disaggregated front end (a
 completion through a context then a generation server) and every ctx/gen server, and the
 topology the front end reports must be the plan's.
 
-Container scenarios (``k2_runtime: container``: b200-trtllm, mi300x) boot the hosts with
-Docker-in-nspawn flags but without Docker: the deploy installs ``docker.io`` from the
-offline bundle and loads the engine TEST DOUBLE image the control step built, tagged as
-the inventory's ``k2_image`` and pinned by image ID (:mod:`k2fleet.image`).
+Container scenarios (``k2_runtime: container``: b200-trtllm, mi300x, h200-trtllm-mpi) boot
+the hosts with Docker-in-nspawn flags but without Docker: the deploy installs ``docker.io``
+from the offline bundle and loads the engine TEST DOUBLE image the control step built, tagged
+as the inventory's ``k2_image`` and pinned by image ID (:mod:`k2fleet.image`). For
+h200-trtllm-mpi the image also holds Debian's sshd, OpenMPI and mpi4py: each host's
+container runs the mesh's sshd on the mesh port, and the head runs the real ``mpirun`` in
+its container (``docker exec``), which reaches the other host's container over SSH.
 
 Ray (h800-pp) runs for real: the control machine's engine-side wheelhouse puts the
 ``ray`` package into each host's ``k2_venv``, the Ray head and workers are real, and
@@ -46,8 +49,8 @@ the vLLM test double joins that cluster with the venv's python. So does SGLang's
 router (h200-sglang-pd): the real ``sglang-router`` package on the router host, in
 front of the prefill and decode test doubles.
 
-Not in this slice (refused with exit 2): engines in containers across hosts (mpirun
-between containers: h200-trtllm-mpi in its container form).
+Not in this slice (refused with exit 2): engines other than TensorRT-LLM in containers
+across hosts.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ HEALTH_TIMEOUT_S = 120
 DEPLOY_TIMEOUT_S = 1200
 PROBE_TIMEOUT_S = 30
 SLURM_MAX_HOSTS = 16  # login + compute hosts of a Slurm rehearsal (memory of the 2-core, 24 GiB machine)
+MULTI_HOST_CONTAINER_ENGINES = ("trtllm",)  # engines whose containers across hosts rehearse (mpirun between them)
 CONNECTION_KEYS = ("ssh_hostname", "ssh_user", "ssh_key", "ssh_known_hosts_file", "ssh_strict_host_key_checking")
 
 
@@ -108,8 +112,8 @@ def unsupported(dep: Deployment, plan: Plan) -> str | None:
         if hosts > SLURM_MAX_HOSTS:
             return f"{hosts} hosts (login + Slurm compute nodes; the sandbox boots at most {SLURM_MAX_HOSTS})"
         return None
-    if dep.runtime == "container" and len(dep.fleet.hosts) > 1:
-        return "Docker across hosts (an engine in containers on several hosts)"
+    if dep.runtime == "container" and len(dep.fleet.hosts) > 1 and dep.engine not in MULTI_HOST_CONTAINER_ENGINES:
+        return f"{dep.engine} in containers across hosts (only TensorRT-LLM's mpirun between containers is rehearsed)"
     if dep.s.gguf_repo and gguf_file_names(dep.s.gguf_pattern, dep.s.gguf_repo) is None:
         return f"GGUF files matching k2_gguf_pattern {dep.s.gguf_pattern!r} (no synthetic .gguf name matches it)"
     return None

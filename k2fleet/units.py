@@ -85,6 +85,7 @@ def unit_file(dep: Deployment, svc: Service, image_id: str | None = None) -> str
         f"After={' '.join(after)}",
         "Wants=network-online.target",
         *(["Requires=docker.service"] if pre else []),
+        *([f"Conflicts={' '.join(svc.conflicts)}"] if svc.conflicts else []),
         "",
         "[Service]",
         f"Type={'oneshot' if svc.oneshot else 'simple'}",

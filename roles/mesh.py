@@ -18,6 +18,8 @@ from k2fleet.preflight import HostReport
 def configure(desired: HostDesired, fact: HostReport, tracked: list) -> None:
     """
     Write the mesh files and run the mesh sshd; restart it only when its files changed.
+    While a unit that takes the mesh port runs (``desired.mesh_yields_to``: the TRT-LLM
+    node container, whose sshd serves the mesh), the host's mesh sshd is left stopped.
 
     + desired: this host's desired state (files of group ``mesh``; none on a one-host fleet)
     + fact: this host's HostState
@@ -33,8 +35,9 @@ def configure(desired: HostDesired, fact: HostReport, tracked: list) -> None:
     written = synced_files(name="mesh keys, known_hosts and sshd config", files=files, current=fact.files)
     tracked.append(written)
     was_active = fact.unit_active(UNIT)
+    yielded = any(fact.unit_active(unit) for unit in desired.mesh_yields_to)
     command(name="reload systemd for the mesh unit", argv=["systemctl", "daemon-reload"],
             _if=lambda: bool(files) and written.did_change())
-    unit_running(name="start the mesh sshd", unit=UNIT, active=was_active or not files)
+    unit_running(name="start the mesh sshd", unit=UNIT, active=was_active or not files or yielded)
     command(name="restart the mesh sshd (config changed)", argv=["systemctl", "restart", UNIT],
             _if=lambda: bool(files) and was_active and written.did_change())

@@ -158,3 +158,77 @@ def test_real_fleet_pins_k2_image_id_and_pulls() -> None:
     assert d.checks[IMAGE_CHECK][-2:] == [TRT_REF, pinned]
     unit = d.service_files["k2-trtllm"]["/etc/systemd/system/k2-trtllm.service"].content.decode()
     assert f"ExecStartPre=/usr/bin/python3 {IMAGE_PIN_PY} {TRT_REF} {pinned}" in unit.splitlines()
+
+
+# ---------------------------------------------------------------- multi-node container form (mpirun)
+
+MPI_PACKAGES = ("openmpi-bin", "openssh-client", "openssh-server", "python3-mpi4py")
+
+
+def test_mpi_container_form_asks_the_image_for_sshd_openmpi_mpi4py() -> None:
+    from k2fleet.control import _image_packages
+
+    _, plan = load_plan(ROOT / "inventories/h200-trtllm-mpi.py", SIMULATED)
+    assert _image_packages(plan) == MPI_PACKAGES
+    _, single = load_plan(ROOT / "inventories/b200-trtllm.py", SIMULATED)
+    assert _image_packages(single) == ()  # single-host images stay python3 + the doubles
+
+
+def test_node_container_takes_the_mesh_port_from_the_host_mesh_sshd() -> None:
+    dep, plan = load_plan(ROOT / "inventories/h200-trtllm-mpi.py", SIMULATED)
+    desired = desired_state(dep, plan, ControlArtifacts())
+    for name, d in desired.items():
+        assert d.mesh_yields_to == ["k2-trtllm-node.service"], name
+    node = next(s for _, s in plan.services() if s.name == "k2-trtllm-node")
+    launcher = next(s for _, s in plan.services() if s.name == "k2-trtllm")
+    assert "Conflicts=k2-mesh-sshd.service" in unit_file(dep, node).splitlines()
+    assert not any(line.startswith("Conflicts=") for line in unit_file(dep, launcher).splitlines())
+    _, venv_plan = load_plan(ROOT / "inventories/sandbox-trtllm-mpi.py")
+    assert not any(s.conflicts for _, s in venv_plan.services())  # venv form: mpirun uses the host's mesh sshd
+
+
+@needs_rootfs
+def test_mpi_image_is_deterministic_and_runs_sshd_mpirun_mpi4py(tmp_path: Path) -> None:
+    """The .debs of the bundle's closure unpacked into the image: sshd (with its privilege
+    separation user and directory), OpenMPI's mpirun/orted (alternatives links as the
+    postinst makes them) and mpi4py; the image's own mpirun runs 2 ranks that allgather."""
+    started = time.monotonic()
+    first = image.build_double_image(TRT_REF, ROOTFS, tmp_path, packages=MPI_PACKAGES)
+    seconds = time.monotonic() - started
+    data = first.path.read_bytes()
+    first.path.unlink()
+    again = image.build_double_image(TRT_REF, ROOTFS, tmp_path, packages=MPI_PACKAGES)
+    print(f"mpi double image: {len(data)} bytes gzip, built in {seconds:.1f}s (rootfs staged once)")
+    assert again.path.read_bytes() == data and again.image_id == first.image_id
+    assert first.image_id != image.build_double_image(TRT_REF, ROOTFS, tmp_path).image_id
+    outer = members(subprocess.run(["gzip", "-dc", str(first.path)], capture_output=True, check=True).stdout)
+    layer = outer[json.loads(outer["manifest.json"])[0]["Layers"][0]]
+    root = tmp_path / "root"
+    root.mkdir()
+    with tarfile.open(fileobj=io.BytesIO(layer)) as tar:
+        assert all(m.mtime == 0 and m.uid == 0 for m in tar.getmembers())
+        assert not [m.name for m in tar.getmembers() if m.name.startswith(("usr/share/doc/", "usr/share/man/"))]
+        tar.extractall(root)
+    assert os.readlink(root / "usr/bin/mpirun") == "mpirun.openmpi"
+    for rel in ("usr/sbin/sshd", "usr/bin/ssh", "usr/bin/orted", "usr/lib/python3/dist-packages/mpi4py/__init__.py"):
+        assert (root / rel).exists(), rel
+    assert (root / "run/sshd").is_dir() and "\nsshd:x:" in (root / "etc/passwd").read_text()
+    chroot = shutil.which("chroot")
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root"}
+    subprocess.run(["mknod", "-m", "666", str(root / "dev/null"), "c", "1", "3"], check=True)
+    subprocess.run([chroot, str(root), "ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", "/tmp/hostkey"],
+                   check=True, env=env)
+    (root / "tmp/sshd_config").write_text("Port 2233\nHostKey /tmp/hostkey\nPidFile /run/test-sshd.pid\n")
+    test = subprocess.run([chroot, str(root), "/usr/sbin/sshd", "-t", "-f", "/tmp/sshd_config"],
+                          capture_output=True, text=True, env=env)
+    assert test.returncode == 0, test.stderr  # config, host key, privilege separation user and directory
+    hello = "from mpi4py import MPI; c = MPI.COMM_WORLD; print(c.Get_rank(), sum(c.allgather(c.Get_rank() + 1)))"
+    (root / "proc").mkdir(exist_ok=True)
+    subprocess.run(["mount", "-t", "proc", "proc", str(root / "proc")], check=True)
+    try:
+        out = subprocess.run([chroot, str(root), "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2",
+                              "python3", "-c", hello], capture_output=True, text=True, env=env, timeout=120)
+    finally:
+        subprocess.run(["umount", str(root / "proc")], check=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(out.stdout.split("\n")[:2]) == ["0 3", "1 3"], out.stdout

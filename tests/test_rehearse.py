@@ -80,12 +80,12 @@ def test_failure_summary_names_host_unit_reason() -> None:
     assert failure_summary(log) == "router-0 k2-sglang-router: not healthy after 120s: /health answered 503"
 
 
-@pytest.mark.parametrize("inventory, missing", [
-    ("inventories/h200-trtllm-mpi.py", "Docker across hosts (an engine in containers on several hosts)"),
-])
-def test_multi_host_docker_scenarios_are_refused(inventory: str, missing: str) -> None:
-    proc, _ = rehearse(inventory, timeout=60)
+def test_other_engines_in_containers_across_hosts_are_refused() -> None:
+    inventory = "inventories/h200.py"
+    proc, _ = rehearse(inventory, "--data", "k2_runtime=container", "--data", "k2_image=vllm/vllm-openai:v0.33.0",
+                       timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
+    missing = "vllm in containers across hosts (only TensorRT-LLM's mpirun between containers is rehearsed)"
     assert proc.stderr.strip() == f"rehearse: {inventory} needs {missing} in sandbox hosts, not supported yet"
     assert proc.stdout == ""
 
@@ -172,4 +172,20 @@ def test_rehearse_container_scenario(inventory: str, image: str) -> None:
     print(f"rehearse {inventory}: {seconds:.0f}s")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert last_line(proc) == f"rehearsal {inventory}: 1/1 endpoints healthy, re-run 0 changes"
+    assert sandbox_is_down()
+
+
+@pytest.mark.sandbox
+@needs_root
+def test_rehearse_h200_trtllm_mpi_in_containers() -> None:
+    """As written: on each host a container holding the (simulated) GPUs runs the mesh's
+    sshd on 2233 (the host's mesh sshd yields the port to it); the head ``docker exec``s the
+    real OpenMPI ``mpirun`` into its container, which starts ``orted`` in the other host's
+    container over SSH; 16 ranks meet with mpi4py, the gate sees TP16 = world 16."""
+    inventory = "inventories/h200-trtllm-mpi.py"
+    proc, seconds = rehearse(inventory)
+    print(f"rehearse {inventory}: {seconds:.0f}s")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert last_line(proc) == f"rehearsal {inventory}: 1/1 endpoints healthy, re-run 0 changes"
+    assert "ok   h200-0 k2-trtllm: http://10.213.0.11:8000/v1" in proc.stdout
     assert sandbox_is_down()

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from k2fleet.deployment import Deployment, Pool
+from k2fleet.mesh import UNIT as MESH_UNIT
 from k2fleet.mesh import mesh_dir
 from k2fleet.plan import Health, Service
 from k2fleet.render.common import container_argv, engine_env, extra_flags, venv_bin
@@ -109,6 +110,10 @@ def _multi_node(dep: Deployment, pool: Pool, nodes: tuple[HostEntry, ...], confi
     env = engine_env(dep, head, pool.settings.env)
     words = _serve_words(dep, pool, config_path, cli_parallel=True)
     if dep.runtime == "container":
+        # Seed: sshd on the mesh port inside each container, mpirun across them. With host
+        # networking that is the host's mesh port: the host's mesh sshd (checkpoint fan-out
+        # before the engine) yields it to the container's, which runs the mesh's own
+        # sshd_config, keys and known_hosts (the same host key, so the pins hold).
         mesh = mesh_paths(dep)
         for rank, host in enumerate(nodes):
             node_env = engine_env(dep, host, pool.settings.env)
@@ -116,7 +121,7 @@ def _multi_node(dep: Deployment, pool: Pool, nodes: tuple[HostEntry, ...], confi
             yield host.name, Service(
                 name="k2-trtllm-node",
                 argv=container_argv(dep, "k2-trtllm-node", sshd, node_env, mounts=[f"{dep.s.config_dir}/trtllm", f"{dep.s.config_dir}/mesh"]),
-                env=node_env, files=files, stage=0, rank=rank, role=pool.role,
+                env=node_env, files=files, stage=0, rank=rank, role=pool.role, conflicts=(MESH_UNIT,),
                 description="TRT-LLM container holding the GPUs; its sshd on the mesh port lets mpirun in",
             )
         launch = ["/usr/bin/docker", "exec"] + [w for k in sorted(env) for w in ("-e", k)] + ["k2-trtllm-node"]
