@@ -183,7 +183,7 @@ def test_node_container_takes_the_mesh_port_from_the_host_mesh_sshd() -> None:
     launcher = next(s for _, s in plan.services() if s.name == "k2-trtllm")
     assert "Conflicts=k2-mesh-sshd.service" in unit_file(dep, node).splitlines()
     assert not any(line.startswith("Conflicts=") for line in unit_file(dep, launcher).splitlines())
-    _, venv_plan = load_plan(ROOT / "inventories/sandbox-trtllm-mpi.py")
+    _, venv_plan = load_plan(ROOT / "inventories/h200-trtllm-mpi.py", (*SIMULATED, "k2_runtime=venv"))
     assert not any(s.conflicts for _, s in venv_plan.services())  # venv form: mpirun uses the host's mesh sshd
 
 
