@@ -78,10 +78,15 @@ def unit_running(unit: str, active: bool):
 
 
 def start_or_explain(unit: str, verb: str = "start") -> str:
-    """``systemctl VERB UNIT``; if it fails, the unit's last journal lines go to stderr.
+    """``systemctl VERB UNIT``, tried a second time after ``reset-failed`` (a start right
+    after a stop can fail while the old run's cgroup is still being torn down, as seen
+    on nspawn hosts with Docker); if that fails too, the unit's last journal lines go to
+    stderr and the command fails.
 
-    >>> start_or_explain("k2-vllm.service")
-    'systemctl start k2-vllm.service || { journalctl -u k2-vllm.service -n 20 --no-pager -o cat >&2; exit 1; }'
+    >>> start_or_explain("k2-vllm.service")  # doctest: +NORMALIZE_WHITESPACE
+    'systemctl start k2-vllm.service || { systemctl reset-failed k2-vllm.service; systemctl start k2-vllm.service; }
+     || { journalctl -u k2-vllm.service -n 30 --no-pager -o cat >&2; exit 1; }'
     """
     word = shell_word(unit)
-    return f"systemctl {verb} {word} || {{ journalctl -u {word} -n 20 --no-pager -o cat >&2; exit 1; }}"
+    return (f"systemctl {verb} {word} || {{ systemctl reset-failed {word}; systemctl {verb} {word}; }} "
+            f"|| {{ journalctl -u {word} -n 30 --no-pager -o cat >&2; exit 1; }}")

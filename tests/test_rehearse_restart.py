@@ -182,3 +182,18 @@ def test_h800_pp_vllm_flag_change_restarts_only_the_api_server_not_the_ray_clust
     assert restarted(before, after) == [("h800-0", "k2-vllm.service")], (before, after)
     again = kept.deploy("k2_max_model_len=1024")
     assert again.returncode == 0 and again.changed == 0, again.changed_operations
+
+
+def test_trtllm_mpi_containers_config_change_restarts_nodes_then_the_mpirun_launcher(lock) -> None:
+    kept = Kept(lock, "inventories/h200-trtllm-mpi.py")
+    before = kept.units()
+    assert set(before) == {("h200-0", "k2-trtllm-node.service"), ("h200-1", "k2-trtllm-node.service"),
+                           ("h200-0", "k2-trtllm.service")}
+    changed = kept.deploy("k2_max_model_len=4096")  # the extra LLM API options YAML on both hosts
+    assert changed.returncode == 0, changed.log[-3000:]
+    after = kept.units()
+    order = restarted(before, after)
+    assert set(order[:2]) == {("h200-0", "k2-trtllm-node.service"), ("h200-1", "k2-trtllm-node.service")}, order
+    assert order[2:] == [("h200-0", "k2-trtllm.service")], order
+    again = kept.deploy("k2_max_model_len=4096")
+    assert again.returncode == 0 and again.changed == 0, again.changed_operations
