@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from k2fleet.synthetic_checkpoint import make_checkpoint, make_gguf_files, manifest_for
@@ -29,37 +30,33 @@ def sandbox_checkpoint_dir() -> Path:
     return CHECKPOINTS / SANDBOX_MODEL.replace("/", "--") / SANDBOX_REVISION
 
 
-def ensure_synthetic_checkpoint(root: Path, model: str, revision: str, num_shards: int = SHARDS,
-                                shard_bytes: int = SHARD_BYTES, style: str = "thinking") -> Path:
-    """Create a synthetic checkpoint of ``model``@``revision`` and its manifest at
-    ``root`` once (built beside it, renamed into place); return ``root``."""
-    manifest = root / ".k2fleet" / "manifest.json"
-    if manifest.exists():
+def _build_once(root: Path, repo: str, revision: str, make: Callable[[Path], list]) -> Path:
+    """``make(dir)`` the files (a list :func:`manifest_for` takes) and
+    their manifest at ``root`` once (built beside it, renamed into place); return ``root``."""
+    if (root / ".k2fleet" / "manifest.json").exists():
         return root
     tmp = root.with_name(root.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    files = make_checkpoint(tmp, num_shards=num_shards, shard_bytes=shard_bytes, style=style)
-    (tmp / ".k2fleet").mkdir(exist_ok=True)
-    (tmp / ".k2fleet" / "manifest.json").write_text(json.dumps(manifest_for(files, model, revision), indent=1))
-    shutil.rmtree(root, ignore_errors=True)
-    tmp.rename(root)
-    return root
-
-
-def ensure_synthetic_gguf(root: Path, repo: str, revision: str, names: list[str], file_bytes: int = SHARD_BYTES) -> Path:
-    """Create synthetic GGUF files ``names`` of ``repo``@``revision`` and their manifest at
-    ``root`` once (built beside it, renamed into place); return ``root``."""
-    manifest = root / ".k2fleet" / "manifest.json"
-    if manifest.exists():
-        return root
-    tmp = root.with_name(root.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    files = make_gguf_files(tmp, names, file_bytes)
+    files = make(tmp)
     (tmp / ".k2fleet").mkdir(exist_ok=True)
     (tmp / ".k2fleet" / "manifest.json").write_text(json.dumps(manifest_for(files, repo, revision), indent=1))
     shutil.rmtree(root, ignore_errors=True)
     tmp.rename(root)
     return root
+
+
+def ensure_synthetic_checkpoint(root: Path, model: str, revision: str, num_shards: int = SHARDS,
+                                shard_bytes: int = SHARD_BYTES, style: str = "thinking") -> Path:
+    """Create a synthetic checkpoint of ``model``@``revision`` and its manifest at
+    ``root`` once (built beside it, renamed into place); return ``root``."""
+    return _build_once(root, model, revision,
+                       lambda tmp: make_checkpoint(tmp, num_shards=num_shards, shard_bytes=shard_bytes, style=style))
+
+
+def ensure_synthetic_gguf(root: Path, repo: str, revision: str, names: list[str], file_bytes: int = SHARD_BYTES) -> Path:
+    """Create synthetic GGUF files ``names`` of ``repo``@``revision`` and their manifest at
+    ``root`` once (built beside it, renamed into place); return ``root``."""
+    return _build_once(root, repo, revision, lambda tmp: make_gguf_files(tmp, names, file_bytes))
 
 
 def ensure_sandbox_checkpoint() -> Path:
