@@ -89,6 +89,23 @@ def _engine_wheelhouse(dep: Deployment, requirements: tuple[str, ...], build: bo
     return wheelhouse.cached_wheelhouse(list(requirements), **where)
 
 
+def _engine_wheels(dep: Deployment, plan: Plan, build: bool) -> dict[tuple[str, ...], dict[str, bytes]]:
+    """Engine-side wheel sets (requirements → wheel name → bytes): built, or those cached."""
+    found = {reqs: _engine_wheelhouse(dep, reqs, build) for reqs in _engine_side_sets(dep, plan)}
+    return {reqs: wheelhouse.wheel_files(path) for reqs, path in found.items() if path is not None}
+
+
+def _double_images(dep: Deployment, plan: Plan, build: bool) -> dict[str, tuple[str, str]]:
+    """The engine TEST DOUBLE image archive of a sandbox container scenario (ref → (path,
+    image ID)): built, or the cached one; empty when none is needed (or, read only, made)."""
+    if not needs_double_image(dep):
+        return {}
+    assert dep.image is not None
+    lookup = image.ensure_double_image if build else image.cached_double_image
+    made = lookup(dep.image, packages=_image_packages(plan))
+    return {made.ref: (str(made.path), made.image_id)} if made else {}
+
+
 def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     """What exists already (read only; missing pieces stay None/absent)."""
     client, hosts = None, {}
@@ -98,16 +115,10 @@ def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
         hosts = {name: pair for name, path in host_paths.items() if (pair := _read_pair(path)) is not None}
     requirement = _hub_requirement(dep)
     cached = wheelhouse.cached_wheelhouse([requirement]) if requirement else None
-    images = {}
-    if needs_double_image(dep):
-        assert dep.image is not None
-        made = image.cached_double_image(dep.image, packages=_image_packages(plan))
-        images = {made.ref: (str(made.path), made.image_id)} if made else {}
-    engine_wheels = {reqs: wheelhouse.wheel_files(found) for reqs in _engine_side_sets(dep, plan)
-                     if (found := _engine_wheelhouse(dep, reqs, build=False)) is not None}
     return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, hub_requirement=requirement,
-                            wheels=wheelhouse.wheel_files(cached) if cached else None, images=images,
-                            engine_wheels=engine_wheels)
+                            wheels=wheelhouse.wheel_files(cached) if cached else None,
+                            images=_double_images(dep, plan, build=False),
+                            engine_wheels=_engine_wheels(dep, plan, build=False))
 
 
 def _keypair(path: Path, comment: str) -> tuple[bytes, bytes]:
@@ -144,12 +155,6 @@ def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     bundles = {}
     if dep.s.package_source == "bundle":
         bundles = {names: str(bundle.ensure_bundle(list(names))) for names in _package_sets(dep, plan) if names}
-    images = {}
-    if needs_double_image(dep):
-        assert dep.image is not None
-        made = image.ensure_double_image(dep.image, packages=_image_packages(plan))
-        images = {made.ref: (str(made.path), made.image_id)}
-    engine_wheels = {reqs: wheelhouse.wheel_files(_engine_wheelhouse(dep, reqs, build=True))
-                     for reqs in _engine_side_sets(dep, plan)}
     return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, hub_requirement=requirement, wheels=wheels,
-                            bundles=bundles, images=images, engine_wheels=engine_wheels)
+                            bundles=bundles, images=_double_images(dep, plan, build=True),
+                            engine_wheels=_engine_wheels(dep, plan, build=True))
