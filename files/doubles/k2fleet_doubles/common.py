@@ -671,6 +671,11 @@ def models_payload(app: EngineApp) -> JsonDict:
 # HTTP
 # --------------------------------------------------------------------------
 
+# The OpenAI completion routes every engine double answers: path → answer builder.
+COMPLETION_ROUTES: dict[str, Callable[[EngineApp, JsonDict], JsonDict]] = {
+    "/v1/chat/completions": chat_completion, "/v1/completions": text_completion}
+
+
 class DoubleHTTPServer(ThreadingHTTPServer):
     """Threaded HTTP server that carries the app object."""
 
@@ -759,19 +764,24 @@ class EngineHandler(JsonHandler):
         path = self.path.split("?", 1)[0]
         if not self._authorized():
             return
-        routes = {"/v1/chat/completions": chat_completion, "/v1/completions": text_completion}
-        if path not in routes:
+        if path not in COMPLETION_ROUTES:
             self.send_error_json(404, f"no route {path}")
             return
         reason = self.app.readiness.reason()
         if reason:
             self.send_error_json(503, f"not ready: {reason}")
             return
+        on_request = self.app.on_request
+        self.complete(path, None if on_request is None else lambda body: on_request(path, body))
+
+    def complete(self, path: str, before: Optional[Callable[[JsonDict], None]] = None) -> None:
+        """Answer the completion route ``path``: read the JSON body, ``before(body)`` (may
+        raise BadRequest), then the answer, streamed when the chat request asks for it."""
         try:
             body = self.read_json()
-            if self.app.on_request:
-                self.app.on_request(path, body)
-            answer = routes[path](self.app, body)
+            if before is not None:
+                before(body)
+            answer = COMPLETION_ROUTES[path](self.app, body)
         except BadRequest as exc:
             self.send_error_json(exc.status, str(exc))
             return

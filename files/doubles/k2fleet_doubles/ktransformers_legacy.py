@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from . import DOUBLE_NAME
-from .common import (BadRequest, EngineApp, EngineHandler, ModelError, Readiness, chat_completion, fail,
-                     gguf_files, log, resolve_model, serve_http, startup_seconds, text_completion, wait_for_shutdown)
+from .common import (COMPLETION_ROUTES, EngineApp, EngineHandler, ModelError, Readiness, fail, gguf_files, log,
+                     resolve_model, serve_http, startup_seconds, wait_for_shutdown)
 
 ENGINE = "ktransformers"
 VERSION = "0.3.2"
@@ -107,25 +107,14 @@ class LegacyHandler(EngineHandler):
 
     def do_POST(self) -> None:  # noqa: N802 (stdlib naming)
         path = self.path.split("?", 1)[0]
-        routes = {"/v1/chat/completions": chat_completion, "/v1/completions": text_completion}
-        if path not in routes:
+        if path not in COMPLETION_ROUTES:
             self.send_json(404, {"detail": "Not Found"})
             return
         key = self.app.api_key
         if key and self.headers.get("Authorization", "").split()[-1:] != [key]:
             self.send_json(500, {"detail": "Internal Server Error"})  # the real one asserts
             return
-        try:
-            body = self.read_json()
-            body["model"] = self.app.served_names[0]
-            answer = routes[path](self.app, body)
-        except BadRequest as exc:
-            self.send_error_json(exc.status, str(exc))
-            return
-        if body.get("stream") and path == "/v1/chat/completions":
-            self._stream(answer)
-        else:
-            self.send_json(200, answer)
+        self.complete(path, lambda body: body.update(model=self.app.served_names[0]))
 
 
 def make_app(a: argparse.Namespace) -> EngineApp:
