@@ -5,7 +5,8 @@
     inventory ──gate (config.py, before any connection)──▶ Deployment + Plan
       ──control-machine step (k2fleet.control; skipped under --dry)──▶ desired state
     per host: HostState fact (one read-only round trip), then roles.pipeline.deploy_kimi:
-      preflight → packages → mesh → engine → Hub client → checkpoint → services → health
+      preflight → packages → bootstrap (driver, fabric, Docker; reboot) → mesh → engine
+      → Hub client → checkpoint → services → health
 
 pyinfra runs this file once per host; every host gets the same operation sequence, so
 stages start in plan order across the fleet. ``k2fleet plan --json INVENTORY`` prints
@@ -14,10 +15,8 @@ the same desired state.
 
 from pyinfra import host, inventory, state
 
-from k2fleet.facts import HostState
 from k2fleet.run import fleet_run
 from roles.pipeline import deploy_kimi
 
 run = fleet_run(state, inventory)
-mine = run.desired[host.name]
-deploy_kimi(run, mine, host.get_fact(HostState, query=mine.fact_query(run.dep.s.model_dir)))
+deploy_kimi(run, run.desired[host.name], run.fact_of(host), reboots=run.reboots(inventory))

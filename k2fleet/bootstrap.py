@@ -7,8 +7,15 @@ unattended-upgrades blacklist), kernel modules, services, files (IMEX nodes_conf
 commands run after installing (``nvidia-ctk``), group memberships, and the gates that
 must pass before the engine starts (GPU count and type, driver branch, loaded module =
 installed driver, NVLink fabric state Completed). It connects to nothing; ``k2fleet plan
---json`` shows it per host under ``desired.bootstrap``. Carrying it out (roles, reboots,
-the sandbox's test-double packages) is a later slice.
+--json`` shows it per host under ``desired.bootstrap``; ``roles/bootstrap.py`` carries
+it out. The decisions that need the host's state (which packages are pending, which are
+obsolete, whether a reboot is needed, what refuses the host) are pure functions of the
+plan and the HostState fact's :class:`~k2fleet.preflight.BootState` below.
+
+Simulated GPUs (the sandbox): NVIDIA's and AMD's repositories are replaced by k2fleet's
+TEST DOUBLE repository (:mod:`k2fleet.nvidia_doubles`, same package names, installed
+through the same apt path from the offline bundle) and ``modprobe`` by the double's
+module loader; everything else (pins, holds, services, reboots, gates) is the same.
 
 Pins: with ``k2_driver_version`` every driver-family package (driver, fabric manager,
 NSCQ, NVSDM, IMEX) is pinned to that version; without it the branch is selected by
@@ -25,11 +32,14 @@ driver is the CUDA error 802 this exists to prevent.
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from k2fleet import bootstrap_tables as t
 from k2fleet.deployment import Deployment
+from k2fleet.preflight import BootState
 from k2fleet.spec import HostEntry
 
 CUDA_REPO_URL = "https://developer.download.nvidia.com/compute/cuda/repos/{os}/{arch}/"
@@ -43,6 +53,24 @@ IMEX_NODES = "/etc/nvidia-imex/nodes_config.cfg"
 IB_UMAD_CONF = "/etc/modules-load.d/k2fleet-ib_umad.conf"
 CDI_SPEC = "/etc/cdi/nvidia.yaml"
 HOLD_PATTERNS = {"apt": ("nvidia-*", "libnvidia-*", "libnvsdm*"), "dnf": ("*nvidia*{branch}*",)}
+DOUBLE_REPO = "k2fleet TEST DOUBLE repository of {vendor}'s packages (k2fleet.nvidia_doubles), in the offline bundle"
+# The stand-ins for `modprobe` (vendor, simulated) → argv; simulated: the double driver's loader.
+MODULE_LOADERS: dict[tuple[str, bool], tuple[str, ...]] = {
+    ("nvidia", False): ("modprobe", "-a", "nvidia", "nvidia-uvm"),
+    ("nvidia", True): ("/usr/lib/k2fleet-doubles/nvidia/load-module",),
+    ("amd", False): ("modprobe", "amdgpu"),
+    ("amd", True): ("/usr/lib/k2fleet-doubles/amdgpu/load-module",),
+}
+KERNEL_MODULE = {"nvidia": "nvidia", "amd": "amdgpu"}
+# Packages named after a driver branch (apt): one of another branch than the plan's is
+# obsolete and removed when the branch changes (their unversioned successors stay).
+BRANCH_NAMED = re.compile(r"^(nvidia-open|cuda-drivers|nvidia-driver-pinning|nvidia-fabricmanager|libnvidia-nscq"
+                          r"|libnvsdm|nvidia-imex)-(?P<branch>[0-9]{3})$")
+GATE_TIMEOUT_S = {False: 300, True: 60}
+GPU_GATE_CHECK = "gpu-ready"  # HostState check: the GPU gate passes as it is (timeout 0)
+DOCKER_RUNTIME_CHECK = "docker-nvidia-runtime"  # HostState check: nvidia-ctk configured Docker
+DOCKER_DAEMON_JSON = "/etc/docker/daemon.json"
+FACT_PATTERNS = ("nvidia-*", "libnvidia-*", "libnvsdm*", "cuda-drivers*", "linux-headers-*", "amdgpu-dkms")  # the fabric manager trains NVLink for up to minutes; doubles at once
 
 
 @dataclass(frozen=True)
@@ -117,9 +145,25 @@ class BootstrapPlan:
     commands: tuple[tuple[str, ...], ...] = ()
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
     gates: tuple[Gate, ...] = ()
+    driver_package: str | None = None  # the package whose version is the driver's
+    module_load: tuple[str, ...] = ()  # loads the GPU kernel module without a reboot (first install)
+    modprobe: tuple[str, ...] = ()  # further modules loaded now (ib_umad) besides modules-load.d
+    simulated: bool = False
+    gate_expect: dict[str, Any] = field(default_factory=dict)  # `hoststate.py --gate` input
 
     def package(self, name: str) -> Package | None:
         return next((p for p in self.packages if p.name == name), None)
+
+    def specs(self, packages: "tuple[Package, ...] | list[Package] | None" = None) -> list[str]:
+        """Install specs of ``packages`` (default: all); a package pinned to the driver's
+        version at deploy time is pinned to the branch here (the bundle holds one build)."""
+        branch = f"{self.driver.branch}." if self.driver else None
+        out = []
+        for p in self.packages if packages is None else packages:
+            if p.same_as_driver and branch:
+                p = Package(p.name, branch, hold=p.hold)
+            out.append(p.spec(self.manager))
+        return out
 
     def to_json(self) -> dict[str, Any]:
         d = self.driver
@@ -138,6 +182,8 @@ class BootstrapPlan:
             "files": dict(self.files), "commands": [list(c) for c in self.commands],
             "groups": {u: list(g) for u, g in self.groups.items()},
             "gates": [g.to_json() for g in self.gates],
+            "driver_package": self.driver_package, "module_load": list(self.module_load),
+            "modprobe": list(self.modprobe), "simulated": self.simulated, "gate_expect": self.gate_expect,
         }
 
 
@@ -155,8 +201,10 @@ def nvidia_driver_packages(manager: str, d: t.DriverChoice) -> tuple[list[Repo],
     if manager == "dnf":
         stream = f"nvidia-driver:{d.branch}-{'open' if d.flavour == 'open' else 'dkms'}"
         return [Repo("nvidia-driver-stream", "dnf-module", stream)], [Package(meta, d.version, hold=True)]
-    if d.branch >= t.APT_PINNING_SINCE:
-        return [], [Package(f"nvidia-driver-pinning-{d.branch}", hold=True), Package(meta, d.version, hold=True)]
+    if d.branch >= t.APT_PINNING_SINCE:  # the pinning package selects the branch from then on; this
+        # transaction pins it itself (apt reads preferences before installing the pinning package)
+        return [], [Package(f"nvidia-driver-pinning-{d.branch}", hold=True),
+                    Package(meta, d.version or f"{d.branch}.", hold=True)]
     return [], [Package(f"{meta}-{d.branch}", d.version, hold=True)]
 
 
@@ -242,9 +290,12 @@ def host_needs_gpu_stack(host: HostEntry) -> bool:
     return host.settings.role not in t.GPU_ROLES_WITHOUT_GPUS
 
 
-def bootstrap_plan(dep: Deployment, host: HostEntry, host_os: str | None = None) -> BootstrapPlan:
+def bootstrap_plan(dep: Deployment, host: HostEntry, host_os: str | None = None,
+                   docker: bool | None = None) -> BootstrapPlan:
     """The bootstrap of ``host`` on OS ``host_os`` (default: its ``k2_os``, else
-    ubuntu-22.04). Pure: tables in, plan out."""
+    ubuntu-22.04); ``docker``: the host runs containers (default: the fleet's runtime is
+    ``container``), so it gets Docker (and, with NVIDIA GPUs, the container toolkit).
+    Pure: tables in, plan out."""
     os_name = host_os or t.host_os(host)
     os_from = "argument" if host_os else ("k2_os" if host.settings.os else "default")
     table = t.OS_TABLES[os_name]
@@ -254,11 +305,15 @@ def bootstrap_plan(dep: Deployment, host: HostEntry, host_os: str | None = None)
     needs = t.NVIDIA_GPUS.get(gpu.name) if vendor == "nvidia" else None
     arch = needs.arch if needs else "x86_64"
     manager = table.manager
+    simulated = dep.s.simulated_gpus
     common = dict(host=host.name, os=os_name, os_from=os_from, manager=manager, vendor=vendor, arch=arch,
-                  package_source=dep.s.package_source, reboot=dep.s.reboot)
-    if vendor is None:
-        return BootstrapPlan(**common)  # router / SLURM login node: no GPU stack
-    container = dep.runtime == "container"
+                  package_source=dep.s.package_source, reboot=dep.s.reboot, simulated=simulated)
+    container = dep.runtime == "container" if docker is None else docker
+    if vendor is None:  # router / SLURM login node: no GPU stack (Docker if it runs containers)
+        if not container:
+            return BootstrapPlan(**common)
+        return BootstrapPlan(**common, repos=tuple(container_repos(table, None)),
+                             packages=tuple(Package(name) for name in table.docker), services=("docker",))
     repos: list[Repo] = []
     packages: list[Package] = [Package(name) for name in table.hold_tool]
     modules: list[str] = []
@@ -282,21 +337,30 @@ def bootstrap_plan(dep: Deployment, host: HostEntry, host_os: str | None = None)
             files[IMEX_NODES] = "".join(a + "\n" for a in t.imex_addresses(dep.fleet))
         if fabric == t.NVLINK5:
             files[IB_UMAD_CONF] = "".join(m + "\n" for m in modules)
-        if container:
+        if container:  # after Docker (below): nvidia-ctk configures its daemon.json
             packages.append(Package("nvidia-container-toolkit"))
             commands += [("nvidia-ctk", "runtime", "configure", "--runtime=docker"),
                          ("nvidia-ctk", "cdi", "generate", f"--output={CDI_SPEC}"),
                          ("systemctl", "restart", "docker")]
         gates = nvidia_gates(dep, d, needs, fabric, services)
         hold_patterns = tuple(p.format(branch=d.branch) for p in HOLD_PATTERNS[manager])
+        driver_package = driver_pkgs[-1].name
+        gate_expect = {"vendor": "nvidia", "count": dep.gpus_per_node, "name": needs.marketing, "branch": d.branch,
+                       "minimum": d.minimum, "version": d.version, "driver_package": driver_package,
+                       "fabric": fabric is not None, "services": services, "timeout": GATE_TIMEOUT_S[simulated]}
     else:
         repos.append(Repo("amdgpu", "dnf-baseurl" if manager == "dnf" else "apt", table.amdgpu_repo, ROCM_KEY))
         packages.append(Package("amdgpu-dkms", hold=True))
         groups[dep.s.mesh_user] = ("video", "render")
         gates = amd_gates(dep, t.AMD_MARKETING.get(gpu.name, gpu.name.upper()))
         hold_patterns = ()
+        driver_package = "amdgpu-dkms"
+        gate_expect = {"vendor": "amd", "count": dep.gpus_per_node, "services": [],
+                       "timeout": GATE_TIMEOUT_S[simulated]}
+    if simulated:  # NVIDIA's / AMD's repositories → the TEST DOUBLE one (in the bundle)
+        repos = [Repo(vendor, "test-double", DOUBLE_REPO.format(vendor=vendor.upper()))]
     if container:
-        repos += container_repos(table, vendor)
+        repos += [r for r in container_repos(table, vendor) if not (simulated and r.name == "nvidia-container-toolkit")]
         packages += [Package(name) for name in table.docker]
         services.append("docker")
     if host.settings.ib_hcas or fabric == t.NVLINK5:
@@ -309,4 +373,142 @@ def bootstrap_plan(dep: Deployment, host: HostEntry, host_os: str | None = None)
                          repos=tuple(repos), packages=tuple(packages), kernel_headers=table.kernel_headers,
                          holds=holds, hold_patterns=hold_patterns, modules=tuple(modules),
                          services=tuple(services), files=files, commands=tuple(commands), groups=groups,
-                         gates=tuple(gates))
+                         gates=tuple(gates), driver_package=driver_package,
+                         module_load=MODULE_LOADERS[(vendor, simulated)],
+                         modprobe=() if simulated else tuple(modules), gate_expect=gate_expect)
+
+
+# --------------------------------------------------------------------------- decisions on the host's state
+
+
+def gate_argv(plan: BootstrapPlan, program: str, timeout: float | None = None) -> list[str]:
+    """``hoststate.py --gate`` with this plan's expectations (``timeout`` overrides its own)."""
+    want = dict(plan.gate_expect)
+    if timeout is not None:
+        want["timeout"] = timeout
+    return ["/usr/bin/python3", program, "--gate", json.dumps(want, sort_keys=True)]
+
+
+def fact_checks(plan: BootstrapPlan, program: str) -> dict[str, list[str]]:
+    """Read-only checks the HostState fact runs for the bootstrap: the GPU gate as the host
+    is now, and whether the container toolkit configured Docker."""
+    checks = {GPU_GATE_CHECK: gate_argv(plan, program, timeout=0)} if plan.vendor else {}
+    if plan.package("nvidia-container-toolkit"):
+        checks[DOCKER_RUNTIME_CHECK] = ["/usr/bin/grep", "-q", "nvidia-container-runtime", DOCKER_DAEMON_JSON]
+    return checks
+
+
+def fact_patterns(plan: BootstrapPlan) -> list[str]:
+    """Package names/globs whose installed versions the HostState fact reports."""
+    return sorted({*FACT_PATTERNS, *(p.name for p in plan.packages), *plan.holds})
+
+
+def upstream(version: str) -> str:
+    """A package version without epoch and Debian/RPM revision.
+
+    >>> upstream("1:580.95.05-1ubuntu1"), upstream("590.44.01")
+    ('580.95.05', '590.44.01')
+    """
+    return version.split(":", 1)[-1].split("-", 1)[0]
+
+
+def _satisfied(p: Package, installed: dict[str, str], driver_version: str | None) -> bool:
+    have = installed.get(p.name)
+    if have is None:
+        return False
+    if p.same_as_driver:
+        return driver_version is not None and upstream(have) == driver_version
+    return p.version is None or upstream(have).startswith(p.version)
+
+
+def installed_driver(plan: BootstrapPlan, boot: BootState) -> str | None:
+    """Upstream version of the installed driver package, if it is the plan's."""
+    name = plan.driver_package
+    have = boot.package_versions.get(name) if name else None
+    pkg = plan.package(name) if name else None
+    if have is None or pkg is None or not _satisfied(pkg, boot.package_versions, None):
+        return None
+    return upstream(have)
+
+
+def pending_packages(plan: BootstrapPlan, boot: BootState) -> list[Package]:
+    """The plan's packages not installed at the planned version (all: nothing to do).
+
+    A package pinned to the driver's version is pending until it has the installed
+    driver's exact version, so a fabric manager one patch away is reinstalled.
+    """
+    driver = installed_driver(plan, boot)
+    return [p for p in plan.packages if not _satisfied(p, boot.package_versions, driver)]
+
+
+def obsolete_packages(plan: BootstrapPlan, boot: BootState) -> list[str]:
+    """Installed packages named after another driver branch than the plan's (removed when
+    the branch changes; e.g. ``nvidia-open-580`` on the way to 590)."""
+    wanted = {p.name for p in plan.packages}
+    return sorted(n for n in boot.package_versions if BRANCH_NAMED.match(n) and n not in wanted)
+
+
+def missing_holds(plan: BootstrapPlan, boot: BootState) -> list[str]:
+    """Held-to-be packages that are (or will be) installed and not held yet; kernel meta
+    packages only where installed (a container host has none)."""
+    planned = {p.name for p in plan.packages}
+    return [n for n in plan.holds if n not in boot.holds and (n in planned or n in boot.package_versions)]
+
+
+def reboot_reason(plan: BootstrapPlan, boot: BootState) -> str | None:
+    """Why this host must reboot in this bootstrap (None: it need not): the loaded GPU
+    module differs from the driver it will run (a driver change, or one installed before
+    without its reboot), nouveau holds the GPUs, or a new kernel waits."""
+    if plan.vendor is None:
+        return None
+    loaded = boot.modules.get(KERNEL_MODULE[plan.vendor])
+    kernel = [p for p in boot.reboot_required if p.startswith(("linux-image", "linux-base", "kernel"))]
+    if kernel:
+        return f"a new kernel waits for a reboot ({', '.join(kernel)})"
+    if loaded is None:
+        if plan.vendor == "nvidia" and boot.nouveau:
+            return "nouveau drives the GPUs; the NVIDIA module loads after a reboot"
+        return None  # first install: the module is loaded without a reboot
+    pending = {p.name for p in pending_packages(plan, boot)}
+    if plan.driver_package in pending:
+        d = plan.driver
+        target = (d.version or f"the newest of branch {d.branch}") if d else f"a new {plan.driver_package}"
+        return f"driver {loaded} is loaded and {target} will be installed"
+    installed = installed_driver(plan, boot)
+    if plan.vendor == "nvidia" and installed and installed != loaded:
+        return f"driver {loaded} is loaded but {installed} is installed"
+    return None
+
+
+def os_id(boot: BootState) -> str | None:
+    """The k2_os value of the host's /etc/os-release (None: not a release k2fleet plans)."""
+    rel = boot.os
+    version = rel.get("version_id", "")
+    return t.OS_RELEASE_IDS.get((rel.get("id", ""), version)) or t.OS_RELEASE_IDS.get(
+        (rel.get("id", ""), version.split(".")[0]))
+
+
+def bootstrap_problems(plan: BootstrapPlan, boot: BootState) -> list[str]:
+    """Reasons the bootstrap must not touch this host (empty: go ahead)."""
+    problems = []
+    found = os_id(boot)
+    if boot.os and found != plan.os and not (found in ("rhel-9", "rocky-9") and plan.os in ("rhel-9", "rocky-9")):
+        where = "the default" if plan.os_from == "default" else "k2_os"
+        seen = f"{boot.os.get('id', '?')} {boot.os.get('version_id', '?')}"
+        problems.append(f"k2_os is {plan.os} ({where}) but the host runs {seen}; set k2_os: {found}" if found else
+                        f"the host runs {seen}, which k2fleet has no package table for "
+                        f"(k2_os: {', '.join(sorted(t.OS_TABLES))})")
+    if plan.vendor is None:
+        return problems
+    hw = boot.hardware
+    if hw and not plan.simulated and hw.get("simulated"):
+        problems.append("the host has TEST DOUBLE GPUs (/etc/k2fleet-doubles/gpus.json): a sandbox host")
+    if hw and hw.get("vendor") not in (None, plan.vendor):
+        problems.append(f"the plan is for {plan.vendor} GPUs, the host's PCI bus has {hw['vendor']} GPUs")
+    module = boot.modules.get(KERNEL_MODULE[plan.vendor])
+    if (plan.vendor == "nvidia" and boot.secure_boot and module is None
+            and plan.driver_package in {p.name for p in pending_packages(plan, boot)}):
+        problems.append("Secure Boot is on and the driver's DKMS modules are unsigned until a Machine Owner Key is "
+                        "enrolled: `mokutil --import /var/lib/dkms/mok.pub`, reboot and confirm it in the MOK "
+                        "manager (or turn Secure Boot off), then deploy again")
+    return problems

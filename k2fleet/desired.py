@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from k2fleet import mesh, wheelhouse
+from k2fleet import bootstrap
 from k2fleet.bootstrap import BootstrapPlan, bootstrap_plan
 from k2fleet.checkpoint import fanout
 from k2fleet.deployment import CHECKPOINT_CHECK, Deployment
@@ -33,6 +34,7 @@ from k2fleet.plan import HostPlan, Plan, Service
 from k2fleet.units import (IMAGE_PIN_PY, LIB_DIR, RAY_GATE, container_name, env_file, env_path, image_pin_argv,
                            unit_file, unit_name, unit_path)
 from k2fleet.quoting import shell_line, shell_word
+from k2fleet.render.common import DOCKER
 from k2fleet.render.ktransformers import SGLANG_KT_SINCE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,6 +60,7 @@ DEVICE_DOUBLES = {"rocm": ("/dev/kfd", "/dev/dri/renderD128")}
 ENGINE_SIDE_CHECK = "engine-side"
 ENGINE_ENTRY = {"vllm": "vllm", "sglang": "python", "ktransformers": "python", "trtllm": "trtllm-serve"}
 PULL_PY = f"{LIB_DIR}/pull.py"
+HOSTSTATE_PY = f"{LIB_DIR}/hoststate.py"  # the HostState probe, also the bootstrap's GPU gate (--gate)
 HOST_PROGRAMS = {  # stdlib-only programs k2fleet runs on hosts (the Ray gate imports k2_venv's ray): host → repo path
     VERIFY_PY: "k2fleet/checkpoint/verify.py",
     OVERLAY_PY: "k2fleet/checkpoint/overlay.py",
@@ -157,6 +160,8 @@ class HostDesired:
     slots: list[tuple[int, str]] = field(default_factory=list)  # fleet-wide (stage, service): one op sequence
     own_slots: list[tuple[int, str]] = field(default_factory=list)  # this host's (stage, service)
     packages: list[str] = field(default_factory=list)
+    bundle_request: list[str] = field(default_factory=list)  # the offline bundle's packages (host + bootstrap)
+    gpu_gate: list[str] | None = None  # the bootstrap's GPU gate (hoststate.py --gate)
     mesh_yields_to: list[str] = field(default_factory=list)  # units that take the mesh port while they run
     checks: dict[str, list[str]] = field(default_factory=dict)
     exists: list[str] = field(default_factory=list)
@@ -176,8 +181,11 @@ class HostDesired:
 
     def fact_query(self, disk_path: str) -> dict[str, Any]:
         """The HostState query for this host: one round trip answers every decision."""
-        return {"disk_path": disk_path, "files": self.all_paths(), "units": self.units, "checks": self.checks,
-                "exists": self.exists, "globs": [UNIT_GLOB], "packages": self.packages}
+        boot = self.bootstrap
+        units = self.units + [f"{s}.service" for s in (boot.services if boot else ())]
+        return {"disk_path": disk_path, "files": self.all_paths(), "units": units, "checks": self.checks,
+                "exists": self.exists, "globs": [UNIT_GLOB], "packages": self.packages,
+                "package_versions": bootstrap.fact_patterns(boot) if boot else []}
 
     def to_json(self) -> dict[str, Any]:
         fan = self.fanout
@@ -456,6 +464,31 @@ def venv_install_argv(dep: Deployment) -> list[str]:
     return ["sh", "-c", f"python3 -m venv {shell_word(venv)} && {pip} --no-index --find-links {wheelhouse} || {pip}"]
 
 
+# --------------------------------------------------------------------------- bootstrap
+
+
+def runs_containers(hp: HostPlan) -> bool:
+    return any(s.argv and s.argv[0] == DOCKER for s in hp.services)
+
+
+def host_bootstrap(dep: Deployment, hp: HostPlan, entry: Any) -> BootstrapPlan:
+    """The host's bootstrap plan; Docker where it runs containers."""
+    return bootstrap_plan(dep, entry, docker=runs_containers(hp))
+
+
+def bootstrap_files(plan: BootstrapPlan) -> dict[str, FileSpec]:
+    """The bootstrap's config files and the GPU gate program (hoststate.py)."""
+    files = {path: FileSpec(text.encode(), "644") for path, text in plan.files.items()}
+    if plan.vendor:
+        files[HOSTSTATE_PY] = FileSpec((REPO / "k2fleet/host/hoststate.py").read_bytes(), "755", "k2fleet")
+    return files
+
+
+def bundle_request(dep: Deployment, hp: HostPlan, plan: BootstrapPlan) -> list[str]:
+    """What the host's offline bundle holds: its packages and its bootstrap's, pinned."""
+    return sorted(set(required_packages(dep, hp, mesh_enabled(dep))) | set(plan.specs()))
+
+
 # --------------------------------------------------------------------------- the whole fleet
 
 
@@ -473,7 +506,8 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
     out: dict[str, HostDesired] = {}
     for h in dep.fleet.hosts:
         hp = plan.hosts[h.name]
-        d = HostDesired(name=h.name, address=h.address, slots=slots, bootstrap=bootstrap_plan(dep, h))
+        d = HostDesired(name=h.name, address=h.address, slots=slots, bootstrap=host_bootstrap(dep, hp, h))
+        d.files["bootstrap"] = bootstrap_files(d.bootstrap)
         d.files["mesh"] = mesh_files(dep, h.name, art)
         engine_side = engine_side_requirements(dep, hp)
         d.files["engine"] = dict(engine[bool(engine_side)])
@@ -489,7 +523,13 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         d.units = [mesh.UNIT] + [unit_name(s) for s in hp.services]
         d.mesh_yields_to = [unit_name(s) for s in hp.services if mesh.UNIT in s.conflicts]
         d.packages = required_packages(dep, hp, mesh_enabled(dep))
+        d.bundle_request = bundle_request(dep, hp, d.bootstrap)
         d.checks = {ws.check: marker_check_argv(ws.path) for ws in dep.weight_sets}
+        d.checks.update(bootstrap.fact_checks(d.bootstrap, HOSTSTATE_PY))
+        if d.bootstrap.vendor:
+            d.gpu_gate = bootstrap.gate_argv(d.bootstrap, HOSTSTATE_PY)
+            if bootstrap.CDI_SPEC in " ".join(" ".join(c) for c in d.bootstrap.commands):
+                d.exists.append(bootstrap.CDI_SPEC)
         d.health_argv = health_argv(dep, hp, dep.s.health_timeout, pd_servers(plan))
         quick = health_argv(dep, hp, 5, pd_servers(plan))
         if quick:
@@ -502,7 +542,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
             d.checks[ENGINE_SIDE_CHECK] = engine_side_check(dep, engine_side)
             d.engine_side_install = engine_side_install_argv(dep, engine_side)
         d.engine_entry = f"{dep.s.venv}/bin/{ENGINE_ENTRY[dep.engine]}"
-        d.exists = [d.engine_entry, *d.device_doubles]
+        d.exists = [*d.exists, d.engine_entry, *d.device_doubles]
         if dep.s.model_type_override:
             d.exists.append(f"{dep.serve_path}/config.json")
         if dep.runtime == "venv" and not dep.s.engine_doubles:

@@ -8,10 +8,12 @@ follow-ups on them with ``_if=`` (evaluated at execution time).
 from __future__ import annotations
 
 import posixpath
+import time
 from io import BytesIO
 
 from pyinfra import host
-from pyinfra.api import FileUploadCommand, StringCommand, operation
+from pyinfra.api import FileUploadCommand, FunctionCommand, StringCommand, operation
+from pyinfra.connectors.util import clear_askpass_cache
 
 from k2fleet.desired import FileSpec
 from k2fleet.quoting import shell_line, shell_word
@@ -90,3 +92,48 @@ def start_or_explain(unit: str, verb: str = "start") -> str:
     word = shell_word(unit)
     return (f"systemctl {verb} {word} || {{ systemctl reset-failed {word}; systemctl {verb} {word}; }} "
             f"|| {{ journalctl -u {word} -n 30 --no-pager -o cat >&2; exit 1; }}")
+
+
+REBOOT_MARKER = "/run/k2fleet-reboot-pending"
+
+
+@operation(is_idempotent=False)
+def rebooted(reason: str, reboot_timeout: float = 600, interval: float = 1.0):
+    """Reboot the host, wait until it is back and carry on (the deploy goes on with it).
+
+    "Back" means it answers over SSH and a marker written to ``/run`` before the reboot
+    is gone (``/run`` is a tmpfs, emptied at every boot). pyinfra's ``server.reboot``
+    compares ``/proc/uptime`` instead, which a container host shares with its kernel, so
+    it never sees a sandbox host reboot. With ``_serial=True`` the hosts reboot one at
+    a time (a rolling reboot).
+
+    + reason: why (shown in the operation's name and in a timeout's error)
+    + reboot_timeout: seconds to wait for the host before failing
+    + interval: seconds between reconnection attempts
+
+    **Example:**
+
+    .. code:: python
+
+        rebooted(name="reboot: driver 580.95.05 is loaded", reason="driver change", _serial=True)
+    """
+    yield StringCommand(f"touch {REBOOT_MARKER}")
+    yield StringCommand("( sleep 1 && systemctl reboot ) </dev/null >/dev/null 2>&1 &")
+
+    def wait_until_back(state, host) -> None:  # pragma: no cover - needs a host that reboots
+        time.sleep(2)
+        clear_askpass_cache(host)
+        host.disconnect()
+        deadline = time.monotonic() + reboot_timeout
+        while True:
+            host.connect(show_errors=False)
+            if host.connected:
+                back, _ = host.run_shell_command(StringCommand(f"test ! -e {REBOOT_MARKER}"))
+                if back:
+                    return
+                host.disconnect()  # still going down
+            if time.monotonic() > deadline:
+                raise Exception(f"{host.name} did not come back within {reboot_timeout:.0f}s of its reboot ({reason})")
+            time.sleep(interval)
+
+    yield FunctionCommand(wait_until_back, (), {})

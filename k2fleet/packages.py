@@ -5,7 +5,6 @@ from __future__ import annotations
 from k2fleet import wheelhouse
 from k2fleet.deployment import Deployment
 from k2fleet.plan import HostPlan
-from k2fleet.render.common import DOCKER
 
 
 def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool) -> list[str]:
@@ -13,8 +12,7 @@ def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool) -> list[
     OpenMPI where mpirun runs on the host (not in a container), mpi4py for doubles,
     python3-venv for engine venvs (also those holding only engine-side wheels, e.g. Ray
     beside the vLLM test double) and for the Hub client of ``k2_checkpoint_fetcher``,
-    Docker (``docker.io``, which pulls in containerd, runc, iptables and tini) where the
-    engine runs in a container (``k2_runtime: container``)."""
+    (Docker is the bootstrap's: :mod:`k2fleet.bootstrap`.)"""
     needed = {"rsync"}
     if mesh:
         needed |= {"openssh-server", "openssh-client"}
@@ -25,9 +23,16 @@ def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool) -> list[
         needed |= {"openmpi-bin"}
         if dep.s.engine_doubles:
             needed |= {"python3-mpi4py"}
-    if any(s.argv and s.argv[0] == DOCKER for s in host_plan.services):
-        needed |= {"docker.io"}
     engine_side = wheelhouse.engine_side_requirements(dep.engine, dep.s.venv, [s.argv for s in host_plan.services])
     if dep.runtime == "venv" and not dep.s.engine_doubles or dep.s.checkpoint_fetcher == host_plan.name or engine_side:
         needed |= {"python3-venv"}
     return sorted(needed)
+
+
+BUNDLE_LIST = "/etc/apt/sources.list.d/k2fleet-bundle.list"
+
+
+def bundle_apt_options(list_path: str = BUNDLE_LIST) -> str:
+    """apt-get options that restrict apt to the offline bundle's source list only."""
+    return (f"-o Dir::Etc::sourcelist={list_path} -o Dir::Etc::sourceparts=- "
+            "-o APT::Get::List-Cleanup=0")

@@ -15,7 +15,6 @@ from k2fleet.deployment import Deployment
 from k2fleet.spec import HostEntry
 
 GIB = catalog.GIB
-MIN_DRIVER = {"hopper": 535, "blackwell": 575}
 REAL_MIN_SHM = 16 * GIB
 REAL_MIN_RAM = 64 * GIB
 SIMULATED_MIN_SHM = 32 * 2**20
@@ -35,6 +34,32 @@ class Gpus:
 
 
 @dataclass(frozen=True)
+class BootState:
+    """What the bootstrap decides on (see :mod:`k2fleet.host.hoststate`)."""
+
+    os: dict[str, str] = field(default_factory=dict)  # os-release ID, VERSION_ID
+    kernel: str = ""
+    secure_boot: bool | None = None
+    hardware: dict[str, Any] = field(default_factory=dict)  # vendor, count, name, simulated
+    modules: dict[str, str | None] = field(default_factory=dict)  # loaded version of nvidia / amdgpu
+    nouveau: bool = False
+    package_versions: dict[str, str] = field(default_factory=dict)
+    holds: tuple[str, ...] = ()
+    reboot_required: tuple[str, ...] = ()
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "BootState":
+        return cls(os=data.get("os", {}), kernel=data.get("kernel", ""), secure_boot=data.get("secure_boot"),
+                   hardware=data.get("hardware", {}), modules=data.get("modules", {}),
+                   nouveau=bool(data.get("nouveau")), package_versions=data.get("package_versions", {}),
+                   holds=tuple(data.get("holds", [])), reboot_required=tuple(data.get("reboot_required", [])))
+
+    @property
+    def simulated(self) -> bool:
+        return bool(self.hardware.get("simulated"))
+
+
+@dataclass(frozen=True)
 class HostReport:
     """What :mod:`k2fleet.host.hoststate` saw on a host."""
 
@@ -50,6 +75,7 @@ class HostReport:
     units: dict[str, dict[str, str]] = field(default_factory=dict)
     packages: tuple[str, ...] = ()
     checks: dict[str, int | None] = field(default_factory=dict)
+    boot: BootState = field(default_factory=BootState)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "HostReport":
@@ -67,6 +93,7 @@ class HostReport:
             units=data.get("units", {}),
             packages=tuple(data.get("packages", [])),
             checks=data.get("checks", {}),
+            boot=BootState.from_json(data.get("bootstrap", {})),
         )
 
     def passed(self, check: str) -> bool:
@@ -81,22 +108,32 @@ def _gib(n: float) -> str:
 
 
 def _check_gpus(dep: Deployment, report: HostReport) -> list[str]:
+    """The GPUs are there (on the PCI bus; the driver may not be installed yet: the
+    bootstrap installs it and its GPU gate checks driver, module and fabric)."""
     gpu = dep.gpu
     assert gpu is not None
-    got = report.gpus
-    if got.count < dep.gpus_per_node:
-        return [f"needs {dep.gpus_per_node} {gpu.name} GPUs, found {got.count} ({', '.join(got.names) or 'none'})"]
+    hw = report.boot.hardware
+    if dep.s.simulated_gpus:
+        if hw.get("simulated"):
+            found = int(hw.get("count", 0))
+            return [] if found >= dep.gpus_per_node else [
+                f"needs {dep.gpus_per_node} simulated GPUs, the sandbox host has {found}"]
+        if report.gpus.count or hw.get("count"):
+            return ["inventory declares simulated GPUs but the host has real ones; remove k2_simulated_gpus"]
+        return ["inventory declares simulated GPUs but this is not a k2fleet sandbox host "
+                "(no /etc/k2fleet-doubles/gpus.json); rehearse with `k2fleet rehearse`"]
+    if hw.get("simulated"):
+        return ["the host has TEST DOUBLE GPUs (a k2fleet sandbox host); production inventories need real ones"]
+    count = max(int(hw.get("count", 0)), report.gpus.count)
+    vendor = hw.get("vendor") or report.gpus.vendor
+    if count < dep.gpus_per_node:
+        return [f"needs {dep.gpus_per_node} {gpu.name} GPUs, found {count} on the PCI bus"]
     problems = []
-    if got.vendor != gpu.vendor:
-        problems.append(f"plan is for {gpu.vendor} GPUs, host has {got.vendor}")
-    wrong = [n for n in got.names if gpu.name.replace("gb", "").upper() not in n.upper()]
+    if vendor != gpu.vendor:
+        problems.append(f"plan is for {gpu.vendor} GPUs, host has {vendor}")
+    wrong = [n for n in report.gpus.names if gpu.name.replace("gb", "").upper() not in n.upper()]
     if wrong:
         problems.append(f"plan is for {gpu.name}, host has {', '.join(sorted(set(wrong)))}")
-    minimum = MIN_DRIVER.get(gpu.arch)
-    if gpu.vendor == "nvidia" and minimum and got.driver:
-        major = int(got.driver.split(".")[0])
-        if major < minimum:
-            problems.append(f"NVIDIA driver {got.driver} is older than {minimum} needed for {gpu.arch}")
     return problems
 
 
@@ -105,10 +142,8 @@ def check_host(dep: Deployment, entry: HostEntry, report: HostReport, checkpoint
     s = dep.s
     problems: list[str] = []
     serves_gpus = entry.settings.role not in ("router", "slurm-submit")
-    if serves_gpus and not s.simulated_gpus:
+    if serves_gpus:
         problems += _check_gpus(dep, report)
-    if s.simulated_gpus and report.gpus.count:
-        problems.append("inventory declares simulated GPUs but the host has real ones; remove k2_simulated_gpus")
     min_shm = SIMULATED_MIN_SHM if s.simulated_gpus else REAL_MIN_SHM
     if serves_gpus and report.shm_size < min_shm:
         problems.append(f"/dev/shm is {_gib(report.shm_size)}, needs at least {_gib(min_shm)} (NCCL and engine IPC)")

@@ -269,6 +269,7 @@ def sandbox_data(dep: Deployment, checkpoint: Path, size: int, gguf: Path | None
         "k2_checkpoint_bytes": size,
         "k2_package_source": "bundle",
         "k2_health_timeout": min(dep.s.health_timeout, HEALTH_TIMEOUT_S),
+        "k2_os": sandbox.HOST_OS,
     }
     if gguf is not None:
         data["k2_gguf_source"] = f"control:{gguf}"

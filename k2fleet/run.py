@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from k2fleet import control
+from k2fleet.bootstrap import reboot_reason
+from k2fleet.facts import HostState
+from k2fleet.preflight import HostReport
 from k2fleet.deployment import Deployment
 from k2fleet.desired import ControlArtifacts, HostDesired, desired_state
 from k2fleet.gate import check_hosts, refuse
@@ -42,10 +45,30 @@ class FleetRun:
     dry: bool
     state_dir: Path
     tracked: list[Any] = field(default_factory=list)  # ops whose change re-runs the health gate
+    facts: dict[str, HostReport] = field(default_factory=dict)  # HostState per host, gathered once
+    fact_locks: dict[str, threading.Lock] = field(default_factory=dict)
 
     def fleet_changed(self) -> bool:
         """Did any tracked operation on any host change something (execution time)?"""
         return any(op.is_complete() and op.did_change() for op in self.tracked)
+
+    def fact_of(self, host: Any) -> HostReport:
+        """``host``'s HostState, gathered once per run (any host's deploy may ask)."""
+        with self.fact_locks.setdefault(host.name, threading.Lock()):
+            if host.name not in self.facts:
+                query = self.desired[host.name].fact_query(self.dep.s.model_dir)
+                self.facts[host.name] = host.get_fact(HostState, query=query)
+        return self.facts[host.name]
+
+    def reboots(self, inventory: Any) -> dict[str, str]:
+        """Host → why it reboots in this run's bootstrap (planning time; every host's fact)."""
+        out = {}
+        for h in inventory:
+            boot = self.desired[h.name].bootstrap
+            reason = reboot_reason(boot, self.fact_of(h).boot) if boot else None
+            if reason:
+                out[h.name] = reason
+        return out
 
 
 def fleet_run(state: Any, inventory: Any, dry: bool | None = None) -> FleetRun:

@@ -53,6 +53,7 @@ SHARED_MOUNT = "/mnt/k2shared"  # every host's view of STATE/shared (the sandbox
 ROOTFS_CACHE = Path(os.environ.get("K2FLEET_SANDBOX_CACHE", "/var/cache/k2fleet/sandbox-rootfs"))
 
 SUITE = "bookworm"
+HOST_OS = "debian-12"  # the k2_os of sandbox hosts (the bootstrap's package table)
 VARIANT = "minbase"
 PACKAGES: tuple[str, ...] = (
     "systemd",

@@ -29,6 +29,7 @@ __all__ = [
     "k2_engine_doubles",
     "k2_package_source",
     "k2_health_timeout",
+    "k2_os",
 ]
 
 k2_model = SANDBOX_MODEL
@@ -41,3 +42,4 @@ k2_simulated_gpus = True
 k2_engine_doubles = True
 k2_package_source = "bundle"
 k2_health_timeout = 120
+k2_os = "debian-12"  # sandbox hosts are Debian 12 (bookworm) nspawn containers

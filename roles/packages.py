@@ -23,20 +23,12 @@ from pyinfra.facts.files import Directory
 from pyinfra.operations import apt, files, server
 
 from k2fleet.bundle import key_of
+from k2fleet.packages import BUNDLE_LIST, bundle_apt_options
 from k2fleet.operations import command
 
 SOURCES = ("apt", "bundle")
 REMOTE_TAR_DIR = "/var/cache/k2fleet"
 REMOTE_REPO_ROOT = "/var/lib/k2fleet/apt-bundle"
-BUNDLE_LIST = "/etc/apt/sources.list.d/k2fleet-bundle.list"
-
-
-def bundle_apt_options(list_path: str = BUNDLE_LIST) -> str:
-    """apt-get options that restrict apt to the bundle's source list only."""
-    return (f"-o Dir::Etc::sourcelist={list_path} -o Dir::Etc::sourceparts=- "
-            "-o APT::Get::List-Cleanup=0")
-
-
 def bundle_source_line(repo_dir: str) -> str:
     """The one-line apt source for an extracted bundle in ``repo_dir``."""
     return f"deb [trusted=yes] file:{repo_dir} ./\n"
@@ -54,7 +46,7 @@ def _base_name(spec: str) -> str:
     return spec.split("=", 1)[0].split(":", 1)[0]
 
 
-def _install_from_bundle(packages: list[str], bundle: str) -> None:
+def _install_from_bundle(packages: list[str], bundle: str, refresh: bool = False) -> None:
     """Ship, index and install the offline bundle ``bundle`` for ``packages``."""
     tar = Path(bundle)
     key = key_of(tar)
@@ -87,8 +79,10 @@ def _install_from_bundle(packages: list[str], bundle: str) -> None:
     server.shell(
         name="Update apt lists (bundle source only)",
         commands=[f"DEBIAN_FRONTEND=noninteractive apt-get -q update {apt_options}"],
-        _if=lambda: extract.did_change() or source_list.did_change() or bool(missing),
+        _if=lambda: extract.did_change() or source_list.did_change() or bool(missing) or refresh,
     )
+    if not missing:
+        return
     apt.packages(
         name="Install packages from the bundle",
         packages=packages,
@@ -99,7 +93,7 @@ def _install_from_bundle(packages: list[str], bundle: str) -> None:
 
 @deploy("k2fleet: host packages")
 def install_packages(packages: list[str], source: str = "bundle", installed: list[str] | None = None,
-                     bundle: str | None = None) -> None:
+                     bundle: str | None = None, bootstrap_pending: bool = False) -> None:
     """
     Install Debian packages on the hosts, online or from an offline bundle.
 
@@ -112,6 +106,8 @@ def install_packages(packages: list[str], source: str = "bundle", installed: lis
       settled host costs no extra round trip
     + bundle: path of the bundle tar on the control machine (source ``bundle``),
       made by the control-machine step; None under ``--dry`` before it exists
+    + bootstrap_pending: the bootstrap will install packages from the bundle, so it is
+      shipped and indexed even when ``packages`` are all installed
 
     Bundle:
         The bundle (built or reused from ``/var/cache/k2fleet/bundles`` on the
@@ -134,7 +130,8 @@ def install_packages(packages: list[str], source: str = "bundle", installed: lis
     """
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
-    if not packages or (installed is not None and {_base_name(p) for p in packages} <= set(installed)):
+    settled = not packages or (installed is not None and {_base_name(p) for p in packages} <= set(installed))
+    if settled and not (bootstrap_pending and source == "bundle"):
         return
     if source == "apt":
         apt.packages(
@@ -148,4 +145,4 @@ def install_packages(packages: list[str], source: str = "bundle", installed: lis
         command(name="install packages from the offline bundle (built by the control-machine step)",
                 argv=["true"])
         return
-    _install_from_bundle(packages, bundle)
+    _install_from_bundle([] if settled else packages, bundle, refresh=bootstrap_pending)

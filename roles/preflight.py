@@ -1,12 +1,15 @@
 """Preflight role: refuse, before any change, a host that cannot run its part of the
-plan (GPUs, driver, disk at ``k2_model_dir``, RAM, /dev/shm, ``k2_nic``, ``k2_ib_hcas``,
-fleet address). Sandbox inventories declare simulated GPUs; production ones never can.
+plan (GPUs on the PCI bus, disk at ``k2_model_dir``, RAM, /dev/shm, ``k2_nic``,
+``k2_ib_hcas``, fleet address) or that the bootstrap must not touch (OS release other
+than ``k2_os``, Secure Boot without an enrolled key). The driver, its module and the
+NVLink fabric are checked by the bootstrap's GPU gate, after it installed them. Sandbox inventories declare simulated GPUs; production ones never can.
 """
 
 from __future__ import annotations
 
 from pyinfra.api import deploy
 
+from k2fleet.bootstrap import bootstrap_problems
 from k2fleet.deployment import Deployment
 from k2fleet.desired import CHECKPOINT_CHECK, HostDesired
 from k2fleet.preflight import HostReport, check_host
@@ -33,5 +36,7 @@ def check(dep: Deployment, desired: HostDesired, fact: HostReport) -> None:
     """
     entry = next(h for h in dep.fleet.hosts if h.name == desired.name)
     problems = check_host(dep, entry, fact, checkpoint_present=fact.passed(CHECKPOINT_CHECK))
+    if desired.bootstrap is not None:
+        problems += bootstrap_problems(desired.bootstrap, fact.boot)
     if problems:
         raise PreflightError(f"{desired.name}: preflight failed: " + "; ".join(problems))

@@ -19,7 +19,7 @@ from k2fleet.quoting import shell_line
 
 
 @deploy("k2fleet: services")
-def start(desired: HostDesired, fact: HostReport, tracked: list) -> None:
+def start(desired: HostDesired, fact: HostReport, tracked: list, restart_all: bool = False) -> None:
     """
     Remove stale k2fleet units, write each unit's files, start stage by stage; units
     whose own files changed are stopped in reverse stage order and started again in
@@ -29,6 +29,8 @@ def start(desired: HostDesired, fact: HostReport, tracked: list) -> None:
       this host's ``own_slots``)
     + fact: this host's HostState (digests, unit states, the k2-*.service glob)
     + tracked: list the run's health gate watches; file and start operations are appended
+    + restart_all: restart every running unit in stage order as if its files changed (the
+      bootstrap rebooted hosts of the fleet: units that came back at boot started unordered)
 
     **Example:**
 
@@ -53,19 +55,20 @@ def start(desired: HostDesired, fact: HostReport, tracked: list) -> None:
     command(name="reload systemd units", argv=["systemctl", "daemon-reload"],
             _if=lambda: removed.did_change() or any(op.did_change() for op in written.values()))
     def changed(stage: int, name: str):
-        """Execute-time test: this host's (stage, name) was running and its files changed."""
+        """Execute-time test: this host's (stage, name) was running and its files changed
+        (or hosts rebooted)."""
         was = fact.unit_active(f"{name}.service") and (stage, name) in desired.own_slots
-        return lambda op=written[name]: was and op.did_change()
+        return lambda op=written[name]: was and (restart_all or op.did_change())
 
     # An instance whose files changed restarts as it starts: stop in reverse stage order
     # (members/launchers before the head or the nodes they joined), start stage by stage.
     for stage, name in reversed(desired.slots):
-        command(name=f"stage {stage}: stop {name} (its files changed)", argv=["systemctl", "stop", f"{name}.service"],
+        command(name=f"stage {stage}: stop {name} (its files changed or hosts rebooted)", argv=["systemctl", "stop", f"{name}.service"],
                 _if=changed(stage, name))
     for stage, name in desired.slots:
         mine = (stage, name) in desired.own_slots  # a name can start at one stage on the head, a later one on members
         unit = f"{name}.service"
         tracked.append(unit_running(name=f"stage {stage}: start {name}", unit=unit,
                                     active=fact.unit_active(unit) or not mine))
-        tracked.append(command(name=f"stage {stage}: bring {name} back up (its files changed)",
+        tracked.append(command(name=f"stage {stage}: bring {name} back up (its files changed or hosts rebooted)",
                                argv=start_or_explain(unit), _if=changed(stage, name)))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from k2fleet.cli import load_plan
 from k2fleet.mesh import authorized_keys, known_hosts, sshd_config
-from k2fleet.preflight import Gpus, HostReport, check_host
+from k2fleet.preflight import BootState, Gpus, HostReport, check_host
 from k2fleet.units import env_file, unit_file
 from tests.inventory_factory import write_inventory
 
@@ -38,7 +38,7 @@ def test_each_shortfall_is_named(tmp_path: Path) -> None:
         disk_free=10 * GIB, shm_size=64 * 2**20, mem_total=32 * GIB,
         nics={"eth0": ["198.51.100.7"]}, ib_hcas=()), checkpoint_present=False)
     text = " | ".join(problems)
-    for words in ("plan is for h200, host has NVIDIA H100", "driver 525.60 is older than 535", "/dev/shm is 0.1 GiB",
+    for words in ("plan is for h200, host has NVIDIA H100", "/dev/shm is 0.1 GiB",
                   "RAM is 32.0 GiB", "the checkpoint needs", "k2_nic ens9 does not exist", "IB HCAs mlx5_3 not present",
                   "fleet address 192.0.2.10 is not on any interface"):
         assert words in text, (words, text)
@@ -50,10 +50,26 @@ def test_verified_checkpoint_needs_no_disk(tmp_path: Path) -> None:
     assert check_host(dep, entry, report(disk_free=1 * GIB), checkpoint_present=True) == []
 
 
+def sandbox_boot(count: int = 8) -> BootState:
+    return BootState(hardware={"vendor": "nvidia", "count": count, "name": "NVIDIA H200", "simulated": True})
+
+
 def test_simulated_gpus_refuse_real_ones(tmp_path: Path) -> None:
     dep, entry, _ = deployment(tmp_path, k2_simulated_gpus=True, k2_engine_doubles=True, k2_checkpoint_bytes=10**6)
-    assert check_host(dep, entry, report(gpus=Gpus(None, (), (), None)), False) == []
+    assert check_host(dep, entry, report(gpus=Gpus(None, (), (), None), boot=sandbox_boot()), False) == []
     assert "simulated GPUs but the host has real ones" in check_host(dep, entry, report(), False)[0]
+    assert "not a k2fleet sandbox host" in check_host(dep, entry, report(gpus=Gpus(None, (), (), None)), False)[0]
+    assert "needs 8 simulated GPUs, the sandbox host has 4" in check_host(
+        dep, entry, report(boot=sandbox_boot(4)), False)[0]
+
+
+def test_real_inventory_refuses_a_sandbox_host_and_counts_gpus_on_the_pci_bus(tmp_path: Path) -> None:
+    dep, entry, _ = deployment(tmp_path)
+    assert "TEST DOUBLE GPUs" in check_host(dep, entry, report(boot=sandbox_boot()), False)[0]
+    bare = report(gpus=Gpus(None, (), (), None), boot=BootState(hardware={"vendor": "nvidia", "count": 8}))
+    assert check_host(dep, entry, bare, False) == []  # no driver yet: the bootstrap installs it
+    amd = report(gpus=Gpus(None, (), (), None), boot=BootState(hardware={"vendor": "amd", "count": 8}))
+    assert check_host(dep, entry, amd, False) == ["plan is for nvidia GPUs, host has amd"]
 
 
 def test_unit_gates_on_the_checkpoint_and_escapes_systemd_specials(tmp_path: Path) -> None:

@@ -35,6 +35,7 @@ from pyinfra.api.deploy import add_deploy
 from pyinfra.api.operations import run_ops
 from pyinfra.context import ctx_host, ctx_state
 
+from k2fleet.bootstrap import reboot_reason
 from k2fleet.checkpoint import fanout
 from k2fleet.cli import load_plan
 from k2fleet.deployment import Deployment
@@ -68,10 +69,28 @@ def digests(d: HostDesired) -> dict[str, str | None]:
     return {p: spec.sha256 for files in (*d.files.values(), *d.service_files.values()) for p, spec in files.items()}
 
 
+DRIVER = "580.95.05"
+KERNEL = "6.8.0-60-generic"
+
+
+def settled_boot(d: HostDesired, driver: str = DRIVER) -> dict[str, Any]:
+    """The bootstrap part of a settled host's HostState: every planned package at the
+    driver's version, held, the module of that version loaded (hoststate.py's shape)."""
+    b = d.bootstrap
+    assert b is not None
+    versions = {p.name: f"{driver}-1" for p in b.packages} | {k: "1.0" for k in b.holds if b.package(k) is None}
+    versions[b.kernel_headers.format(kernel=KERNEL)] = "6.8.0-60.63"
+    return {"os": {"id": "ubuntu", "version_id": "22.04"}, "kernel": KERNEL, "secure_boot": False,
+            "hardware": {"vendor": b.vendor, "count": 8, "name": None, "simulated": False},
+            "modules": {"nvidia": driver if b.vendor == "nvidia" else None, "amdgpu": None},
+            "nouveau": False, "package_versions": versions, "holds": sorted(b.holds), "reboot_required": []}
+
+
 def settled(dep: Deployment, d: HostDesired) -> HostReport:
     """The HostState of a host that already holds exactly ``d`` (JSON shape of hoststate.py)."""
     entry = next(h for h in dep.fleet.hosts if h.name == d.name)
     nic = entry.settings.nic or "eth0"
+    units = d.fact_query("/")["units"]
     report = {
         "gpus": {"vendor": "nvidia", "names": ["NVIDIA H200"] * dep.gpus_per_node,
                  "memory_mib": [143771] * dep.gpus_per_node, "driver": "570.86.15"},
@@ -81,9 +100,10 @@ def settled(dep: Deployment, d: HostDesired) -> HostReport:
         "exists": {p: True for p in d.exists},
         "globs": {UNIT_GLOB: sorted(f"/etc/systemd/system/{u}" for u in d.units)},
         "units": {u: {"Id": u, "ActiveState": "active", "UnitFileState": "enabled", "LoadState": "loaded"}
-                  for u in d.units},
+                  for u in units},
         "packages": sorted(d.packages),
         "checks": {name: 0 for name in d.checks},
+        "bootstrap": settled_boot(d),
     }
     return HostReport.from_json(json.loads(json.dumps(report)))
 
@@ -153,6 +173,8 @@ def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], fact
               tmp_path: Path, control_calls: list[str]) -> Outcome:
     """Plan the deploy's pipeline on one @fake host per inventory host, then execute."""
     run = FleetRun(dep=dep, plan=plan, artifacts=artifacts(dep), desired=desired, dry=False, state_dir=tmp_path)
+    reboots = {name: why for name, d in desired.items()
+               if d.bootstrap and (why := reboot_reason(d.bootstrap, facts[name].boot))}
     hosts = [(f"@fake/{name}", {"ssh_hostname": d.address, "fake_delay": 0, "fake_delay_jitter": 0})
              for name, d in desired.items()]
     state = State(Inventory((hosts, {})), Config())
@@ -166,7 +188,7 @@ def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], fact
         from pyinfra import host
 
         mine = run.desired[host.name.removeprefix("@fake/")]
-        deploy_kimi(run, mine, facts[mine.name])
+        deploy_kimi(run, mine, facts[mine.name], reboots=reboots)
 
     add_deploy(state, pipeline)
 
@@ -199,7 +221,9 @@ def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], fact
 
 
 def _name(state: State, op_hash: str) -> str:
-    (name,) = state.get_op_meta(op_hash).names
+    names = state.get_op_meta(op_hash).names
+    assert len(names) == 1, names
+    (name,) = names
     return name.split(" | ", 1)[1] if " | " in name else name
 
 
@@ -250,8 +274,8 @@ def test_changed_engine_flag_restarts_only_the_engine(tmp_path: Path, control_ca
         assert differ == ["/etc/systemd/system/k2-vllm.service"]
         assert "--max-num-seqs 64" in desired[host].service_files["k2-vllm"][differ[0]].content.decode()
         assert out.changed(host) == ["unit, env and config of k2-vllm", "reload systemd units",
-                                     "stage 0: stop k2-vllm (its files changed)",
-                                     "stage 0: bring k2-vllm back up (its files changed)",
+                                     "stage 0: stop k2-vllm (its files changed or hosts rebooted)",
+                                     "stage 0: bring k2-vllm back up (its files changed or hosts rebooted)",
                                      "health gate: /health 200 and a real chat completion"]
         uploads = [c for c in out.op(host, "unit, env and config of k2-vllm").commands if c.startswith("<upload>")]
         assert uploads == ["<upload> /etc/systemd/system/k2-vllm.service"]

@@ -1,0 +1,124 @@
+"""The bootstrap role, offline (pyinfra's ``@fake`` connector, the real pipeline): what a
+bare host, a driver-branch change and a settled host get, decided from the HostState
+fact. The same role runs on sandbox hosts with the TEST DOUBLE driver packages in
+tests/test_bootstrap_sandbox.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from k2fleet.bootstrap import reboot_reason
+from k2fleet.preflight import BootState
+from roles.pipeline import RebootRefused
+from tests.test_roles_offline import H200, control_calls, planned, run_roles, settled_fleet  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("control_calls")
+
+
+def with_boot(facts: dict, host: str, **changes) -> dict:
+    report = facts[host]
+    facts = dict(facts)
+    facts[host] = dataclasses.replace(report, boot=dataclasses.replace(report.boot, **changes),
+                                      checks={**report.checks, "gpu-ready": 1})
+    return facts
+
+
+def bare(facts: dict, host: str) -> dict:
+    """``host`` as it comes from the vendor: GPUs on the PCI bus, no driver, nothing held."""
+    report = facts[host]
+    units = {u: {**s, "ActiveState": "inactive"} for u, s in report.units.items() if not u.startswith("k2-")}
+    kernel = {n: v for n, v in report.boot.package_versions.items() if n.startswith("linux-")}
+    kernel.pop("linux-headers-6.8.0-60-generic")
+    facts = with_boot(facts, host, package_versions=kernel, holds=(), modules={"nvidia": None, "amdgpu": None})
+    facts[host] = dataclasses.replace(facts[host], units={**report.units, **units})
+    return facts
+
+
+def test_bare_host_gets_driver_then_fabric_at_its_version_holds_module_services_and_gate(
+        tmp_path: Path, control_calls: list[str]) -> None:
+    dep, plan, desired = planned(str(H200))
+    facts = bare(settled_fleet(dep, desired), "h200-1")
+    out = run_roles(dep, plan, desired, facts, tmp_path, control_calls)
+    install = out.op("h200-1", "install the GPU stack").commands
+    line = " ".join(install)
+    driver_at, fabric_at = line.index("install nvidia-open-580"), line.index('"nvidia-fabricmanager=${v}*"')
+    assert driver_at < fabric_at and "dpkg-query -W -f='${Version}' nvidia-open-580" in line
+    assert "linux-headers-6.8.0-60-generic" in line  # DKMS builds against the running kernel
+    assert out.op("h200-1", "hold the driver").commands == [
+        "apt-mark hold nvidia-open-580 nvidia-fabricmanager libnvidia-nscq linux-generic linux-image-generic "
+        "linux-headers-generic"]
+    assert out.op("h200-1", "load the GPU kernel module").commands == ["modprobe -a nvidia nvidia-uvm"]
+    assert "enable --now nvidia-fabricmanager.service" in " ".join(out.op("h200-1", "enable and start the GPU services").commands)
+    gate = out.op("h200-1", "GPU gate: count").commands[0]
+    assert "hoststate.py --gate" in gate and '"fabric": true' in gate and '"count": 8' in gate
+    assert "reboot (if-needed): the loaded driver module changes" not in out.changed("h200-1")  # modprobe instead
+    assert out.changed("h200-0") == ["health gate: /health 200 and a real chat completion"]  # the other host: settled
+
+
+def test_branch_change_removes_the_old_branch_and_reboots_one_host_at_a_time(
+        tmp_path: Path, control_calls: list[str]) -> None:
+    dep, plan, desired = planned(str(H200), ("k2_driver_branch=590", "k2_reboot=rolling"))
+    facts = settled_fleet(dep, desired)
+    for host in ("h200-0", "h200-1"):  # both run 580 (nvidia-open-580, held), module 580 loaded
+        old = {"nvidia-open-580": "580.95.05-1", "nvidia-fabricmanager": "580.95.05-1", "libnvidia-nscq": "580.95.05-1",
+               "linux-headers-6.8.0-60-generic": "6.8.0-60.63"}
+        facts = with_boot(facts, host, package_versions=old, holds=("nvidia-open-580", "nvidia-fabricmanager"),
+                          modules={"nvidia": "580.95.05", "amdgpu": None})
+    reasons = {h: reboot_reason(desired[h].bootstrap, facts[h].boot) for h in facts}
+    assert reasons == {h: "driver 580.95.05 is loaded and the newest of branch 590 will be installed" for h in facts}
+    out = run_roles(dep, plan, desired, facts, tmp_path, control_calls)
+    for host in ("h200-0", "h200-1"):
+        line = " ".join(out.op(host, "install the GPU stack").commands)
+        assert "install nvidia-driver-pinning-590 'nvidia-open=590.*' nvidia-open-580-" in line
+        assert '"nvidia-fabricmanager=${v}*"' in line and "dpkg-query -W -f='${Version}' nvidia-open)" in line
+        reboot = out.op(host, "reboot (rolling): the loaded driver module changes")
+        assert reboot.changed and "systemctl reboot" in " ".join(reboot.commands)
+        assert "load the GPU kernel module" not in out.changed(host)  # the reboot loads it
+        # the engine restarts in stage order after the reboots (units came back unordered at boot)
+        assert "stage 0: bring k2-vllm back up (its files changed or hosts rebooted)" in out.changed(host)
+
+
+def test_never_stops_before_any_change_naming_every_host(tmp_path: Path, control_calls: list[str]) -> None:
+    dep, plan, desired = planned(str(H200), ("k2_driver_branch=590", "k2_reboot=never"))
+    facts = settled_fleet(dep, desired)
+    for host in ("h200-0", "h200-1"):
+        facts = with_boot(facts, host, modules={"nvidia": "580.95.05", "amdgpu": None},
+                          package_versions={"nvidia-open-580": "580.95.05-1"})
+    with pytest.raises(RebootRefused) as err:
+        run_roles(dep, plan, desired, facts, tmp_path, control_calls)
+    text = str(err.value)
+    assert "h200-0 (driver 580.95.05 is loaded" in text and "h200-1 (driver 580.95.05 is loaded" in text
+    assert "nothing was changed" in text and "k2_reboot: rolling" in text
+
+
+def test_stale_module_nouveau_and_new_kernel_each_need_a_reboot(tmp_path: Path) -> None:
+    dep, plan, desired = planned(str(H200))
+    b = desired["h200-0"].bootstrap
+    good = settled_fleet(dep, desired)["h200-0"].boot
+    assert reboot_reason(b, good) is None
+    stale = dataclasses.replace(good, modules={"nvidia": "580.82.07"})
+    assert reboot_reason(b, stale) == "driver 580.82.07 is loaded but 580.95.05 is installed"
+    fresh = dataclasses.replace(good, modules={"nvidia": None})
+    assert reboot_reason(b, fresh) is None  # first install: modprobe, no reboot
+    assert "nouveau" in reboot_reason(b, dataclasses.replace(fresh, nouveau=True))
+    assert "new kernel" in reboot_reason(b, dataclasses.replace(good, reboot_required=("linux-image-6.8.0-62-generic",)))
+    assert reboot_reason(b, dataclasses.replace(good, reboot_required=("libc6",))) is None
+
+
+def test_preflight_refuses_another_os_and_secure_boot_without_a_key(tmp_path: Path) -> None:
+    from k2fleet.bootstrap import bootstrap_problems
+
+    dep, plan, desired = planned(str(H200))
+    b = desired["h200-0"].bootstrap
+    good = settled_fleet(dep, desired)["h200-0"].boot
+    assert bootstrap_problems(b, good) == []
+    debian = dataclasses.replace(good, os={"id": "debian", "version_id": "12"})
+    assert bootstrap_problems(b, debian) == [
+        "k2_os is ubuntu-22.04 (the default) but the host runs debian 12; set k2_os: debian-12"]
+    sb = dataclasses.replace(good, secure_boot=True, modules={"nvidia": None}, package_versions={})
+    assert "mokutil --import" in bootstrap_problems(b, sb)[0]
+    assert bootstrap_problems(b, dataclasses.replace(good, secure_boot=True)) == []  # signed and loaded already
+    assert BootState().simulated is False
