@@ -21,6 +21,9 @@ apt reads ``APT_CONFIG`` before ``Dir::Etc::parts``, and that file moves
 ``Dir::Etc`` into the root, so none of the machine's ``apt.conf.d`` snippets,
 sources or preferences apply either.
 
+Usage: ``python -m k2fleet.aptroot resolve|bundle PKG... [--suite S] [--source LINE]...``
+(``resolve`` prints the closure, ``bundle`` the path of the offline bundle tar).
+
 Example::
 
     root = AptRoot(debian_sources("trixie") + ["deb [trusted=yes] file:/srv/nv ./"])
@@ -30,11 +33,13 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -61,8 +66,9 @@ __all__ = ["AptRoot", "AptRootError", "ResolvedPackage", "apt_mirror", "control_
            "debian_sources", "machine_sources"]
 
 
-class AptRootError(RuntimeError):
-    """Raised when a private apt configuration cannot be made or used."""
+class AptRootError(bundle.BundleError):
+    """Raised when a private apt configuration cannot be made or used (a BundleError,
+    so a bundle build through an AptRoot fails the same way as one without)."""
 
 
 # --------------------------------------------------------------------------
@@ -343,7 +349,10 @@ class AptRoot:
                 return False
             self._prepare()
             local = self._local_signature()
-            bundle._run(["apt-get", "update", "-q"], env=self.env())
+            try:  # --error-on=any: a source that cannot be fetched fails the update
+                bundle._run(["apt-get", "update", "-q", "--error-on=any"], env=self.env())
+            except bundle.BundleError as exc:
+                raise AptRootError(f"apt-get update for {self.path} failed: {exc}") from exc
             if not bundle.apt_lists_present(self.lists_dir):
                 raise AptRootError(f"apt-get update for {self.path} left no Packages list")
             stamp = {"sources": list(self.sources), "arch": self.arch, "time": time.time(), "local": local}
@@ -385,3 +394,38 @@ class AptRoot:
                 shutil.copyfile(src, out)
             files[pkg] = out
         return files
+
+
+# --------------------------------------------------------------------------
+# CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: ``resolve|bundle PKG... [--suite S] [--component C]... [--source LINE]... [--arch A]``."""
+    parser = argparse.ArgumentParser(prog="python -m k2fleet.aptroot", description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["resolve", "bundle"])
+    parser.add_argument("packages", nargs="+", metavar="PKG", help="name, name=version or name=version*")
+    parser.add_argument("--suite", help="Debian release to add (from the mirrors this machine's apt uses)")
+    parser.add_argument("--component", action="append", help="Debian components (default: main)")
+    parser.add_argument("--source", action="append", default=[], metavar="LINE",
+                        help="extra one-line source, e.g. 'deb [trusted=yes] file:/DIR ./'")
+    parser.add_argument("--arch", default="amd64")
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE_DIR, help="where apt roots live")
+    parser.add_argument("--out", type=Path, default=bundle.DEFAULT_CACHE_DIR, help="bundle cache directory")
+    args = parser.parse_args(argv)
+    try:
+        sources = debian_sources(args.suite, components=args.component or ["main"]) if args.suite else []
+        root = AptRoot([*sources, *args.source], arch=args.arch, cache_dir=args.cache)
+        if args.command == "resolve":
+            for pkg in root.resolve(args.packages):
+                print(pkg.spec)
+        else:
+            print(bundle.ensure_bundle(args.packages, args.out, apt_root=root))
+    except bundle.BundleError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -23,6 +24,7 @@ from k2fleet import aptroot, bundle
 from k2fleet.aptroot import AptRoot, AptRootError, debian_sources
 from tests.test_bundle import apt_candidates, parse_stanzas, relation_groups
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 TARGET_SUITE = "trixie"  # not the control machine's release (asserted below)
 CACHE = Path(os.environ.get("K2FLEET_APTROOT_CACHE", "/var/cache/k2fleet/aptroot"))
 DOUBLE_REPO = CACHE / "test-double-repo"
@@ -215,6 +217,24 @@ def test_target_bundle_is_self_contained_and_keyed_by_sources(target_root: AptRo
     started = time.monotonic()
     assert bundle.ensure_bundle(["jq"], cache_dir=cache, apt_root=target_root) == tar
     assert time.monotonic() - started < 0.5
+
+
+@needs_root
+def test_release_signatures_are_checked(tmp_path: Path) -> None:
+    """Without the Debian archive keyring in the root, the mirror's InRelease is refused."""
+    unkeyed = AptRoot(debian_sources(TARGET_SUITE)[:1], cache_dir=tmp_path, keyrings=())
+    with pytest.raises(AptRootError, match="NO_PUBKEY|not signed"):
+        unkeyed.update()
+
+
+@needs_root
+def test_cli_resolves_for_a_suite() -> None:
+    proc = subprocess.run([sys.executable, "-m", "k2fleet.aptroot", "resolve", "jq", "--suite", TARGET_SUITE,
+                           "--cache", str(CACHE)], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    assert proc.returncode == 0, proc.stderr
+    root = AptRoot(debian_sources(TARGET_SUITE), cache_dir=CACHE)
+    assert proc.stdout.split() == [r.spec for r in root.resolve(["jq"])]
 
 
 # --------------------------------------------------------------------------
