@@ -369,16 +369,35 @@ class AptRoot:
         with self._locked():
             return bundle.resolve_closure(packages, env=self.env())
 
+    def index_sha256(self, packages: Iterable[ResolvedPackage]) -> dict[ResolvedPackage, set[str]]:
+        """The SHA256 sums the root's (signed or trusted) lists give for each package."""
+        wanted = sorted(set(packages))
+        out = bundle._run(["apt-cache", "show", *(r.spec for r in wanted)], env=self.env()).stdout
+        sums: dict[ResolvedPackage, set[str]] = {r: set() for r in wanted}
+        for record in out.split("\n\n"):
+            fields = dict(line.split(": ", 1) for line in record.splitlines() if ": " in line and line[0] != " ")
+            pkg = ResolvedPackage(fields.get("Package", ""), fields.get("Version", ""), fields.get("Architecture", ""))
+            if pkg in sums and "SHA256" in fields:
+                sums[pkg].add(fields["SHA256"])
+        return sums
+
+    def _pooled(self, pkg: ResolvedPackage, sums: set[str]) -> bool:
+        """True if the pool holds ``pkg`` with one of the SHA256 sums the lists give."""
+        deb = self.debs_dir / bundle.pool_filename(pkg)
+        return deb.is_file() and bundle._sha256(deb) in sums
+
     def download(self, resolved: Iterable[ResolvedPackage], dest: Path) -> dict[ResolvedPackage, Path]:
         """Put the .deb of every package in ``dest`` (pool file names); map each to its file.
 
-        Packages already in the root's pool are linked from there, the others are
-        downloaded by apt (which checks them against the signed lists) first.
+        A package already in the root's pool is linked from there if its SHA256 is
+        the one the lists give; the others are downloaded by apt (which checks them
+        against the lists) first.
         """
         wanted = sorted(set(resolved))
         with self._locked():
             self._prepare()
-            missing = [r for r in wanted if not (self.debs_dir / bundle.pool_filename(r)).is_file()]
+            sums = self.index_sha256(wanted)
+            missing = [r for r in wanted if not self._pooled(r, sums[r])]
             if missing:
                 with tempfile.TemporaryDirectory(prefix=".dl-", dir=self.debs_dir) as tmp:
                     for deb in bundle.download(missing, Path(tmp), env=self.env()).values():

@@ -256,7 +256,15 @@ def test_extra_flat_repo_resolves_with_the_os_archive(target_root: AptRoot) -> N
     # a new index in the file: repository is seen by the next update, fresh lists or not
     make_double_repo(DOUBLE_REPO, "550.90-1")
     assert root.update() is True
-    assert {r.name: r.version for r in root.resolve([DOUBLE_PACKAGE])}[DOUBLE_PACKAGE] == "550.90-1"
+    newer = {r.name: r for r in root.resolve([DOUBLE_PACKAGE])}[DOUBLE_PACKAGE]
+    assert newer.version == "550.90-1"
+    first = root.download([newer], DOUBLE_REPO.parent / ".double-download")
+    assert deb_field(first[newer], "Depends") == "jq"
+    # a .deb rebuilt under the same name and version is not served from the pool
+    make_double_repo(DOUBLE_REPO, "550.90-1", depends="jq, rsync")
+    root.update()
+    redone = root.download([newer], DOUBLE_REPO.parent / ".double-download")
+    assert deb_field(redone[newer], "Depends") == "jq, rsync"
 
 
 # --------------------------------------------------------------------------
