@@ -19,6 +19,12 @@ Bundles are cached as ``CACHE_DIR/bundle-<key>.tar`` where ``key`` hashes the
 sorted request and the resolved ``name:arch=version`` list, so a rebuild with
 the same inputs and the same apt lists reuses the tar without downloading.
 
+With an ``apt_root`` (a :class:`k2fleet.aptroot.AptRoot`: a private apt
+configuration, e.g. another Debian release plus an extra repository) the
+closure is resolved and downloaded against that root's sources instead of the
+machine's own, and the key and manifest also hold those sources, so bundles for
+different releases or repositories never share a tar.
+
 Usage: ``python -m k2fleet.bundle build PKG... [--out DIR]`` prints the tar path.
 """
 
@@ -41,6 +47,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from email.utils import formatdate
 from pathlib import Path
+from typing import Protocol
 
 DEFAULT_CACHE_DIR = Path("/var/cache/k2fleet/bundles")
 APT_LISTS_DIR = Path("/var/lib/apt/lists")
@@ -73,6 +80,22 @@ class ResolvedPackage:
     def spec(self) -> str:
         """``name:arch=version``, as ``apt-get download`` takes it."""
         return f"{self.name}:{self.arch}={self.version}"
+
+
+class AptSources(Protocol):
+    """What a bundle needs from a private apt configuration (:class:`k2fleet.aptroot.AptRoot`)."""
+
+    @property
+    def sources(self) -> tuple[str, ...]: ...
+
+    @property
+    def lists_dir(self) -> Path: ...
+
+    def update(self, force: bool = False) -> bool: ...
+
+    def resolve(self, packages: Iterable[str]) -> list[ResolvedPackage]: ...
+
+    def download(self, resolved: Iterable[ResolvedPackage], dest: Path) -> dict[ResolvedPackage, Path]: ...
 
 
 # --------------------------------------------------------------------------
@@ -132,44 +155,56 @@ def parse_simulation(output: str) -> list[ResolvedPackage]:
     return sorted(found)
 
 
-def resolve_closure(packages: Iterable[str]) -> list[ResolvedPackage]:
+def resolve_closure(packages: Iterable[str], env: dict[str, str] | None = None) -> list[ResolvedPackage]:
     """Full Depends/Pre-Depends closure of ``packages``, resolved by apt.
 
     apt simulates the install against an empty dpkg status, so every dependency
     (essential ones included) is part of the answer, virtual packages and
     alternatives are resolved to concrete packages, and Recommends/Suggests are
-    left out.
+    left out.  ``env`` selects another apt configuration (``APT_CONFIG``, see
+    :meth:`k2fleet.aptroot.AptRoot.env`) whose own dpkg status must be empty: it
+    is kept, so apt reuses that configuration's package cache instead of
+    rebuilding it (seconds) for a throwaway status.  Without ``env`` the
+    machine's own lists are used (fetched once if missing) with a throwaway
+    empty status.
     """
     names = _normalize(packages)
-    ensure_apt_lists()
+    if env is None:
+        ensure_apt_lists()
     with tempfile.TemporaryDirectory(prefix="k2fleet-resolve-") as tmp:
         status = Path(tmp) / "status"
         status.touch()
-        cmd = ["apt-get", "-s", "-q", "-o", f"Dir::State::status={status}",
-               "-o", f"Dir::State::extended_states={Path(tmp) / 'extended_states'}",
+        empty_status = [] if env is not None else [
+            "-o", f"Dir::State::status={status}",
+            "-o", f"Dir::State::extended_states={Path(tmp) / 'extended_states'}"]
+        cmd = ["apt-get", "-s", "-q", *empty_status,
                "-o", "Debug::NoLocking=1", "-o", "APT::Install-Recommends=0",
                "-o", "APT::Install-Suggests=0", "install", *names]
-        resolved = parse_simulation(_run(cmd, env=_apt_env()).stdout)
+        resolved = parse_simulation(_run(cmd, env=env or _apt_env()).stdout)
     wanted = {n.split("=", 1)[0].split(":", 1)[0] for n in names}
     if not {r.name for r in resolved} >= wanted:
         raise BundleError(f"apt did not resolve all of {names}: got {[r.name for r in resolved]}")
     return resolved
 
 
-def _lists_signature() -> str:
+def _lists_signature(lists_dir: Path = APT_LISTS_DIR) -> str:
     """Identity of the apt lists the closure is resolved against (name, size, mtime)."""
-    entries = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in APT_LISTS_DIR.glob("*_Packages*"))
+    entries = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in lists_dir.glob("*_Packages*"))
     return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
 
 
-def _memo_resolve(names: list[str], cache_dir: Path) -> list[ResolvedPackage]:
+def _memo_resolve(names: list[str], cache_dir: Path, apt_root: AptSources | None = None) -> list[ResolvedPackage]:
     """:func:`resolve_closure`, remembered per request and apt lists state: a no-op
     deploy must not pay apt's solver (seconds) to find the bundle it already has."""
-    key = hashlib.sha256(json.dumps([BUNDLE_FORMAT, names, _lists_signature()]).encode()).hexdigest()[:24]
+    if apt_root is None:
+        inputs: list[object] = [BUNDLE_FORMAT, names, _lists_signature()]
+    else:
+        inputs = [BUNDLE_FORMAT, names, list(apt_root.sources), _lists_signature(apt_root.lists_dir)]
+    key = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:24]
     memo = cache_dir / f"resolved-{key}.json"
     if memo.is_file():
         return [ResolvedPackage(**r) for r in json.loads(memo.read_text())]
-    resolved = resolve_closure(names)
+    resolved = resolve_closure(names) if apt_root is None else apt_root.resolve(names)
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = memo.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps([{"name": r.name, "version": r.version, "arch": r.arch} for r in resolved]))
@@ -177,10 +212,14 @@ def _memo_resolve(names: list[str], cache_dir: Path) -> list[ResolvedPackage]:
     return resolved
 
 
-def bundle_key(packages: Iterable[str], resolved: Iterable[ResolvedPackage]) -> str:
-    """Cache key: hash of the sorted request and the resolved closure."""
-    payload = {"format": BUNDLE_FORMAT, "requested": _normalize(packages),
-               "resolved": sorted(r.spec for r in resolved)}
+def bundle_key(packages: Iterable[str], resolved: Iterable[ResolvedPackage],
+               sources: Iterable[str] | None = None) -> str:
+    """Cache key: hash of the sorted request and the resolved closure, and of the
+    apt sources when they are not the machine's own."""
+    payload: dict[str, object] = {"format": BUNDLE_FORMAT, "requested": _normalize(packages),
+                                  "resolved": sorted(r.spec for r in resolved)}
+    if sources is not None:
+        payload["sources"] = list(sources)
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
     return digest[:KEY_LENGTH]
 
@@ -226,9 +265,11 @@ def pool_filename(pkg: ResolvedPackage) -> str:
     return f"{pkg.name}_{pkg.version.split(':', 1)[-1]}_{pkg.arch}.deb"
 
 
-def download(resolved: list[ResolvedPackage], dest: Path) -> dict[ResolvedPackage, Path]:
-    """``apt-get download`` every package into ``dest``; map each to its file."""
-    _run(["apt-get", "download", "-q", *(r.spec for r in resolved)], cwd=dest, env=_apt_env())
+def download(resolved: list[ResolvedPackage], dest: Path,
+             env: dict[str, str] | None = None) -> dict[ResolvedPackage, Path]:
+    """``apt-get download`` every package into ``dest``; map each to its file.
+    ``env`` selects another apt configuration, as for :func:`resolve_closure`."""
+    _run(["apt-get", "download", "-q", *(r.spec for r in resolved)], cwd=dest, env=env or _apt_env())
     files: dict[ResolvedPackage, Path] = {}
     for deb in sorted(dest.glob("*.deb")):
         pkg = ResolvedPackage(*_deb_identity(deb))
@@ -251,8 +292,10 @@ def write_index(repo: Path) -> None:
 
 
 def write_manifest(repo: Path, key: str, packages: list[str],
-                   files: dict[ResolvedPackage, Path]) -> dict[str, object]:
-    """Write ``manifest.json`` (package -> version, arch, file, sha256); return it."""
+                   files: dict[ResolvedPackage, Path],
+                   sources: Iterable[str] | None = None) -> dict[str, object]:
+    """Write ``manifest.json`` (package -> version, arch, file, sha256, and the apt
+    sources when not the machine's own); return it."""
     manifest: dict[str, object] = {
         "key": key,
         "format": BUNDLE_FORMAT,
@@ -263,6 +306,8 @@ def write_manifest(repo: Path, key: str, packages: list[str],
             for pkg, deb in sorted(files.items())
         },
     }
+    if sources is not None:
+        manifest["sources"] = list(sources)
     (repo / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
 
@@ -298,31 +343,41 @@ def _locked(cache_dir: Path) -> Iterator[None]:
         yield
 
 
-def build(packages: list[str], resolved: list[ResolvedPackage], tar_path: Path) -> None:
-    """Download ``resolved``, index it and pack it into ``tar_path``."""
+def build(packages: list[str], resolved: list[ResolvedPackage], tar_path: Path,
+          apt_root: AptSources | None = None) -> None:
+    """Download ``resolved`` (from ``apt_root`` if given), index it and pack it into ``tar_path``."""
     ensure_tools()
     with tempfile.TemporaryDirectory(prefix="k2fleet-bundle-", dir=tar_path.parent) as tmp:
         repo = Path(tmp)
-        files = download(resolved, repo)
+        files = download(resolved, repo) if apt_root is None else apt_root.download(resolved, repo)
         write_index(repo)
-        write_manifest(repo, key_of(tar_path), packages, files)
+        write_manifest(repo, key_of(tar_path), packages, files,
+                       None if apt_root is None else apt_root.sources)
         pack(repo, tar_path)
 
 
-def ensure_bundle(packages: list[str], cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
+def ensure_bundle(packages: list[str], cache_dir: Path = DEFAULT_CACHE_DIR,
+                  apt_root: AptSources | None = None) -> Path:
     """Path of the bundle for ``packages``, built only if not cached yet.
+
+    With ``apt_root`` the packages come from that private apt configuration
+    (its lists are refreshed only when stale) instead of the machine's own.
 
     Example::
 
         tar = ensure_bundle(["openmpi-bin", "rsync"])
         # /var/cache/k2fleet/bundles/bundle-3f1c....tar
+        tar = ensure_bundle(["jq"], apt_root=AptRoot(debian_sources("trixie")))
     """
     names = _normalize(packages)
-    resolved = _memo_resolve(names, cache_dir)
-    tar_path = bundle_path(bundle_key(names, resolved), cache_dir)
+    if apt_root is not None:
+        apt_root.update()
+    resolved = _memo_resolve(names, cache_dir, apt_root)
+    sources = None if apt_root is None else apt_root.sources
+    tar_path = bundle_path(bundle_key(names, resolved, sources), cache_dir)
     with _locked(cache_dir):
         if not tar_path.is_file():
-            build(names, resolved, tar_path)
+            build(names, resolved, tar_path, apt_root)
     return tar_path
 
 

@@ -48,6 +48,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from k2fleet.aptroot import AptRootError, apt_mirror
+
 DEFAULT_STATE_DIR = Path(os.environ.get("K2FLEET_SANDBOX_DIR", "/var/lib/k2fleet-sandbox"))
 SHARED_MOUNT = "/mnt/k2shared"  # every host's view of STATE/shared (the sandbox's shared storage)
 ROOTFS_CACHE = Path(os.environ.get("K2FLEET_SANDBOX_CACHE", "/var/cache/k2fleet/sandbox-rootfs"))
@@ -181,56 +183,6 @@ def ensure_tools() -> None:
 # root filesystem cache
 
 
-def _deb822_mirrors(text: str) -> list[tuple[str, list[str]]]:
-    """(uri, suites) pairs from a deb822 ``.sources`` file."""
-    found: list[tuple[str, list[str]]] = []
-    for stanza in text.split("\n\n"):
-        fields: dict[str, str] = {}
-        for line in stanza.splitlines():
-            if line.startswith("#") or ":" not in line or line[:1].isspace():
-                continue
-            key, _, value = line.partition(":")
-            fields[key.strip().lower()] = value.strip()
-        if "deb" not in fields.get("types", "").split() or fields.get("enabled", "yes") == "no":
-            continue
-        suites = fields.get("suites", "").split()
-        found += [(uri, suites) for uri in fields.get("uris", "").split()]
-    return found
-
-
-def _one_line_mirrors(text: str) -> list[tuple[str, list[str]]]:
-    """(uri, suites) pairs from a one-line-style ``.list`` file."""
-    found: list[tuple[str, list[str]]] = []
-    for line in text.splitlines():
-        words = line.split("#", 1)[0].split()
-        if not words or words[0] != "deb":
-            continue
-        words = words[1:]
-        if words and words[0].startswith("["):
-            while words and not words[0].endswith("]"):
-                words = words[1:]
-            words = words[1:]
-        if len(words) >= 2:
-            found.append((words[0], [words[1]]))
-    return found
-
-
-def apt_mirror(suite: str = SUITE) -> str:
-    """The Debian mirror this machine's apt uses for ``suite`` (not security)."""
-    sources = [Path("/etc/apt/sources.list")]
-    sources += sorted(Path("/etc/apt/sources.list.d").glob("*.list"))
-    sources += sorted(Path("/etc/apt/sources.list.d").glob("*.sources"))
-    for path in sources:
-        if not path.is_file():
-            continue
-        text = path.read_text(errors="replace")
-        parse = _deb822_mirrors if path.suffix == ".sources" else _one_line_mirrors
-        for uri, suites in parse(text):
-            if suite in suites and "security" not in uri:
-                return uri
-    raise SandboxError(f"no apt source for '{suite}' found in /etc/apt; cannot pick a debootstrap mirror")
-
-
 def rootfs_key() -> str:
     """Cache key: hash of everything that determines the root fs contents."""
     spec = {"suite": SUITE, "variant": VARIANT, "packages": sorted(PACKAGES), "rev": IMAGE_REVISION}
@@ -292,8 +244,12 @@ def ensure_rootfs(cache: Path = ROOTFS_CACHE) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     tmp = cache / f".build-{rootfs_key()}-{os.getpid()}"
     _safe_rmtree(tmp)
+    try:
+        mirror = apt_mirror(SUITE)
+    except AptRootError as exc:
+        raise SandboxError(f"{exc}; cannot pick a debootstrap mirror") from exc
     cmd = ["debootstrap", f"--variant={VARIANT}", f"--include={','.join(PACKAGES)}",
-           SUITE, str(tmp), apt_mirror()]
+           SUITE, str(tmp), mirror]
     try:
         run(cmd)
         _prepare_image(tmp)
