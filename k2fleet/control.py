@@ -28,13 +28,13 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from k2fleet import bundle, image, wheelhouse
+from k2fleet import aptroot, bundle, image, nvidia_doubles, wheelhouse
 from k2fleet.deployment import Deployment
-from k2fleet.desired import (ControlArtifacts, engine_side_requirements, host_arch, mesh_enabled,
-                             needs_double_image, package_set)
-from k2fleet.packages import required_packages
+from k2fleet.desired import (ControlArtifacts, bundle_request, engine_side_requirements, host_arch, host_bootstrap,
+                             mesh_enabled, needs_double_image, package_set)
 from k2fleet.plan import Plan
 from k2fleet.render.common import DOCKER
+from k2fleet.sandbox import SUITE as SANDBOX_SUITE
 
 
 def deployment_id(model: str, revision: str, addresses: list[str]) -> str:
@@ -64,9 +64,30 @@ def _read_pair(path: Path) -> tuple[bytes, bytes] | None:
     return None
 
 
+class ControlError(RuntimeError):
+    """The control-machine step cannot make an artifact the deployment needs."""
+
+
 def _package_sets(dep: Deployment, plan: Plan) -> set[tuple[str, ...]]:
-    mesh = mesh_enabled(dep)
-    return {package_set(required_packages(dep, plan.hosts[h.name], mesh)) for h in dep.fleet.hosts}
+    """Each host's offline bundle request: its packages and its bootstrap's."""
+    return {package_set(bundle_request(dep, plan.hosts[h.name], host_bootstrap(dep, plan.hosts[h.name], h)))
+            for h in dep.fleet.hosts}
+
+
+def _bundle_sources(dep: Deployment, plan: Plan) -> aptroot.AptRoot | None:
+    """Where the offline bundles' packages come from: the control machine's own apt
+    (None) for Debian packages alone; with GPU packages on simulated GPUs, a private apt
+    configuration with the sandbox's Debian release and the TEST DOUBLE repository
+    standing in for NVIDIA's / AMD's (:mod:`k2fleet.nvidia_doubles`)."""
+    gpu_stack = any(host_bootstrap(dep, plan.hosts[h.name], h).vendor for h in dep.fleet.hosts)
+    if not gpu_stack:
+        return None
+    if not dep.s.simulated_gpus:
+        raise ControlError("k2_package_source: bundle for real GPU hosts needs NVIDIA's / AMD's packages for the "
+                           "fleet's OS in the bundle, which `k2fleet bundle` does not make yet; use "
+                           "k2_package_source: apt (the hosts' own repositories or mirrors of them)")
+    repo = nvidia_doubles.ensure_double_repo()
+    return aptroot.AptRoot([*aptroot.debian_sources(SANDBOX_SUITE), f"deb [trusted=yes] file:{repo} ./"])
 
 
 def _hub_requirement(dep: Deployment) -> str | None:
@@ -154,7 +175,9 @@ def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     wheels = wheelhouse.wheel_files(wheelhouse.ensure_wheelhouse([requirement])) if requirement else None
     bundles = {}
     if dep.s.package_source == "bundle":
-        bundles = {names: str(bundle.ensure_bundle(list(names))) for names in _package_sets(dep, plan) if names}
+        sources = _bundle_sources(dep, plan)
+        bundles = {names: str(bundle.ensure_bundle(list(names), apt_root=sources))
+                   for names in _package_sets(dep, plan) if names}
     return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, hub_requirement=requirement, wheels=wheels,
                             bundles=bundles, images=_double_images(dep, plan, build=True),
                             engine_wheels=_engine_wheels(dep, plan, build=True))
