@@ -366,3 +366,7 @@ def gpus_json(vendor: str, name: str, count: int, memory_mib: int, nvswitch: boo
     if nvswitch is not None:
         hw["nvswitch"] = nvswitch
     return json.dumps(hw) + "\n"
+
+
+if __name__ == "__main__":  # `python -m k2fleet.nvidia_doubles` prints the repository's path
+    print(ensure_double_repo())

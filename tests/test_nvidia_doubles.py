@@ -239,6 +239,16 @@ def test_fabric_manager_and_imex_refusals_offline(tmp_path: Path) -> None:
     assert imex.returncode == 1 and "nodes_config.cfg" in imex.stderr
 
 
+def test_amdgpu_module_offline(tmp_path: Path) -> None:
+    (tmp_path / "lib/amdgpu").mkdir(parents=True)
+    (tmp_path / "lib/amdgpu/installed-version").write_text("6.12.12.60400-2187269.22.04\n")
+    assert run_double(tmp_path, "amdgpu-load-module").returncode == 1  # no AMD GPU: No such device
+    (tmp_path / "gpus.json").write_text(nd.gpus_json("amd", "AMD Instinct MI300X", 8, 196592))
+    assert run_double(tmp_path, "amdgpu-load-module").returncode == 0
+    assert (tmp_path / "run/amdgpu/module-version").read_text() == "6.12.12.60400-2187269.22.04\n"
+    assert run_double(tmp_path, "nvidia-smi", "-q").returncode == 9  # an AMD host has no NVIDIA driver
+
+
 def test_nvidia_ctk_offline(tmp_path: Path) -> None:
     daemon = tmp_path / "daemon.json"
     daemon.write_text('{"log-driver": "json-file", "runtimes": {"other": {"path": "/bin/other"}}}')
@@ -344,6 +354,7 @@ def test_driver_install_load_fabric_upgrade_reboot(host: sandbox.SandboxHost) ->
     assert mismatch.returncode == 18 and "Driver/library version mismatch" in mismatch.stdout
     restart = sh(host, "systemctl restart nvidia-fabricmanager")
     assert restart.returncode != 0
+    assert sh(host, "systemctl restart nvidia-persistenced").returncode != 0  # loaded 580 != installed 590
     journal = ok(host, "journalctl -u nvidia-fabricmanager --no-pager -n 20")
     assert f"version {V590} don't match with driver version {V580}" in journal
     assert sh(host, f"test -e {nd.FABRIC_STATE}").returncode != 0
@@ -358,6 +369,13 @@ def test_driver_install_load_fabric_upgrade_reboot(host: sandbox.SandboxHost) ->
     assert ok(host, "nvidia-smi -q").count("        State                             : Completed\n") == 8
     ok(host, "systemctl stop nvidia-fabricmanager")
     assert sh(host, f"test -e {nd.FABRIC_STATE}").returncode != 0  # removed on stop
+    # IMEX (GB200's daemon): refuses without its nodes_config.cfg, runs with one
+    ok(host, f"{APT} install nvidia-imex={V590}-1 && rm -f /etc/nvidia-imex/nodes_config.cfg")
+    assert sh(host, "systemctl start nvidia-imex").returncode != 0
+    ok(host, "mkdir -p /etc/nvidia-imex && printf '10.213.0.11\\n10.213.0.12\\n' > /etc/nvidia-imex/nodes_config.cfg "
+             "&& systemctl start nvidia-imex")
+    assert ok(host, "systemctl is-active nvidia-imex").strip() == "active"
+    assert "domain of 2 nodes" in ok(host, "journalctl -u nvidia-imex --no-pager -n 5")
     print(f"driver lifecycle on the sandbox host: {time.monotonic() - started:.1f}s")
 
 
