@@ -210,7 +210,7 @@ def nvidia_smi(argv: list[str]) -> int:
             print("NVIDIA System Management Interface -- k2fleet TEST DOUBLE (no GPU)")
             return 0
         else:
-            print(f'Invalid combination of input arguments. Please run "nvidia-smi -h" for help.\n')
+            print('Invalid combination of input arguments. Please run "nvidia-smi -h" for help.\n')
             return 2
     hw, version, code = _smi_state()
     if code:
