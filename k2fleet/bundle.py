@@ -281,12 +281,13 @@ def download(resolved: list[ResolvedPackage], dest: Path,
     return files
 
 
-def write_index(repo: Path) -> None:
-    """Write the flat repository's ``Packages`` and an unsigned ``Release``."""
+def write_index(repo: Path, date: float | None = None) -> None:
+    """Write the flat repository's ``Packages`` and an unsigned ``Release`` (its Date:
+    ``date`` in seconds since the epoch, default now)."""
     with (repo / INDEX_NAME).open("w") as out:
         _run(["dpkg-scanpackages", "--multiversion", ".", "/dev/null"], cwd=repo, stdout=out)
     index = repo / INDEX_NAME
-    release = (f"Date: {formatdate(usegmt=True)}\n"
+    release = (f"Date: {formatdate(date, usegmt=True)}\n"
                f"SHA256:\n {_sha256(index)} {index.stat().st_size} {INDEX_NAME}\n")
     (repo / RELEASE_NAME).write_text(release)
 
