@@ -205,7 +205,10 @@ def nvidia_driver_packages(manager: str, d: t.DriverChoice) -> tuple[list[Repo],
         # transaction pins it itself (apt reads preferences before installing the pinning package)
         return [], [Package(f"nvidia-driver-pinning-{d.branch}", hold=True),
                     Package(meta, d.version or f"{d.branch}.", hold=True)]
-    return [], [Package(f"{meta}-{d.branch}", d.version, hold=True)]
+    # The branch meta package depends on one exact build of the driver; apt does not fall
+    # back to an older candidate for it when a newer branch is in the repository, so the
+    # driver itself is named at the branch too (or the pinned version).
+    return [], [Package(f"{meta}-{d.branch}", d.version, hold=True), Package(meta, d.version or f"{d.branch}.", hold=True)]
 
 
 def fabric_packages(fabric: str | None, d: t.DriverChoice, arch: str) -> tuple[list[Package], list[str], list[str]]:

@@ -40,6 +40,7 @@ from k2fleet.render.ktransformers import SGLANG_KT_SINCE
 REPO = Path(__file__).resolve().parents[1]
 FILES = REPO / "files"
 DOUBLES_DIR = "/opt/k2fleet/doubles"
+GPU_STACK_DOUBLES = "gpu_stack"  # files/doubles/gpu_stack: inside the TEST DOUBLE driver packages, not shipped
 HUB_ENV = "/opt/k2fleet/hubenv"
 WHEEL_DIR = "/var/cache/k2fleet/wheelhouse"
 ENGINE_WHEEL_DIR = "/var/cache/k2fleet/engine-wheelhouse"
@@ -273,7 +274,7 @@ def engine_files(dep: Deployment, real_venv: bool = False) -> dict[str, FileSpec
         return files
     root = FILES / "doubles"
     for path in sorted(root.rglob("*")):
-        if path.is_file() and "__pycache__" not in path.parts:
+        if path.is_file() and "__pycache__" not in path.parts and GPU_STACK_DOUBLES not in path.parts:
             mode = "755" if path.parent.name == "bin" else "644"
             files[f"{DOUBLES_DIR}/{path.relative_to(root)}"] = FileSpec(path.read_bytes(), mode, "k2fleet")
     venv = dep.s.venv

@@ -88,7 +88,8 @@ def check_nvidia_driver(plan: BootstrapPlan, branch: int) -> None:
 
 def fabric_packages(plan: BootstrapPlan) -> list[str]:
     """Packages pinned to the driver's version that are not the driver itself."""
-    return [p.name for p in plan.packages if p.same_as_driver or (p.version and p.name != driver_name(plan))]
+    driver = {driver_name(plan), plan.driver_package}
+    return [p.name for p in plan.packages if p.same_as_driver or (p.version and p.name not in driver)]
 
 
 @pytest.mark.parametrize("os_name", OSES)
@@ -167,7 +168,8 @@ def test_fabric_pinned_to_exact_driver_version(tmp_path: Path, os_name: str) -> 
 def test_branch_named_packages_before_580_and_pinning_package_from_590(tmp_path: Path) -> None:
     old = one(tmp_path / "a", k2_engine_version="0.11.0")  # vLLM 0.11 → CUDA 12.8 → 570
     assert old.driver is not None and old.driver.branch == 570
-    assert names(old) == ["nvidia-open-570", "nvidia-fabricmanager-570", "libnvidia-nscq-570"]
+    assert names(old) == ["nvidia-open-570", "nvidia-open", "nvidia-fabricmanager-570", "libnvidia-nscq-570"]
+    assert old.specs()[:2] == ["nvidia-open-570", "nvidia-open=570.*"]  # the meta alone would take a newer branch
     new = one(tmp_path / "b", k2_driver_branch=590)
     assert names(new)[:2] == ["nvidia-driver-pinning-590", "nvidia-open"]
     assert "nvidia-fabricmanager" in names(new)

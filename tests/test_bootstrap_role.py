@@ -44,11 +44,11 @@ def test_bare_host_gets_driver_then_fabric_at_its_version_holds_module_services_
     out = run_roles(dep, plan, desired, facts, tmp_path, control_calls)
     install = out.op("h200-1", "install the GPU stack").commands
     line = " ".join(install)
-    driver_at, fabric_at = line.index("install nvidia-open-580"), line.index('"nvidia-fabricmanager=${v}*"')
-    assert driver_at < fabric_at and "dpkg-query -W -f='${Version}' nvidia-open-580" in line
+    driver_at, fabric_at = line.index("install nvidia-open-580 'nvidia-open=580.*'"), line.index('"nvidia-fabricmanager=${v}*"')
+    assert driver_at < fabric_at and "dpkg-query -W -f='${Version}' nvidia-open)" in line
     assert "linux-headers-6.8.0-60-generic" in line  # DKMS builds against the running kernel
     assert out.op("h200-1", "hold the driver").commands == [
-        "apt-mark hold nvidia-open-580 nvidia-fabricmanager libnvidia-nscq linux-generic linux-image-generic "
+        "apt-mark hold nvidia-open-580 nvidia-open nvidia-fabricmanager libnvidia-nscq linux-generic linux-image-generic "
         "linux-headers-generic"]
     assert out.op("h200-1", "load the GPU kernel module").commands == ["modprobe -a nvidia nvidia-uvm"]
     assert "enable --now nvidia-fabricmanager.service" in " ".join(out.op("h200-1", "enable and start the GPU services").commands)
