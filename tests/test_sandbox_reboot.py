@@ -151,6 +151,21 @@ def test_a_killed_host_stays_down_and_down_removes_everything(fleet) -> None:
     assert sandbox.status() == []
 
 
+def test_stopping_a_rebooting_host_starts_nothing_again(fleet) -> None:
+    _, second = fleet.sandbox_hosts
+    fleet.forget()
+    _ssh(second, "systemctl reboot")  # returns once systemd queued the reboot
+    sandbox.stop_hosts(sandbox.DEFAULT_STATE_DIR)  # meets the host on its way down to reboot
+    last = (sandbox.DEFAULT_STATE_DIR / "logs" / f"{second.name}.log").read_text(errors="replace").splitlines()[-1]
+    print(f"\n{last}")
+    assert last.endswith("(stopped); supervisor exits"), last
+    time.sleep(2)  # nothing starts it again
+    assert _live_processes("systemd-nspawn", "--machine=k2sb-") == []
+    assert _live_processes("sandbox.py", "supervise") == []
+    sandbox.down()
+    assert sandbox._sandbox_netns() == [] and sandbox._sandbox_links() == []
+
+
 @pytest.mark.parametrize(("gpu", "expected"), [
     ("b200:8", {"vendor": "nvidia", "name": "NVIDIA B200", "count": 8, "memory_mib": 180 * 1024, "nvswitch": True}),
     ("h100:4", {"vendor": "nvidia", "name": "NVIDIA H100", "count": 4, "memory_mib": 80 * 1024, "nvswitch": False}),
