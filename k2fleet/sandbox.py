@@ -15,11 +15,27 @@ Layout::
     STATE/hosts.json                             inventory for the deploy
     STATE/hosts/k2sb-N/{upper,work,root,docker}  per-host overlay + docker dir
     STATE/run/k2sb-N.pid, STATE/logs/k2sb-N.log  nspawn pid and console log
+    STATE/run/k2sb-N.supervisor, .boots          its supervisor's pid, boots so far
     STATE/shared/                                bound at /mnt/k2shared on every host
 
 ``/mnt/k2shared`` is the sandbox's shared storage: one directory of the control
 machine bind-mounted into every host, so all hosts see the same files, inodes and
 mtimes, as they would on an NFS or Lustre mount (``k2_shared_storage``).
+
+Reboots: each host's ``systemd-nspawn`` runs under a small supervisor (this module run
+as ``sandbox.py supervise``, see :func:`supervise`), which starts it again with the same
+command when it exits with status 133 (:data:`REBOOT_EXIT_STATUS`: the container's
+systemd rebooted) and exits itself on any other status, so a host whose init was killed
+stays down. The overlay root, the netns with its veth and the docker dir live outside
+nspawn and survive a reboot; ``/run`` (a tmpfs of the container) does not. Every boot
+runs in a fresh time namespace whose CLOCK_BOOTTIME starts at 0, so ``/proc/uptime``
+restarts on a reboot as on a real machine (pyinfra's ``server.reboot`` confirms a reboot
+by a smaller uptime); CLOCK_MONOTONIC stays the control machine's, so systemd's monotonic
+timestamps still compare across hosts.
+
+Simulated hardware: ``up(..., hardware=simulated_hardware("h200", 8))`` writes the GPU
+description the NVIDIA/AMD TEST DOUBLE packages read to every host's
+``/etc/k2fleet-doubles/gpus.json`` (:data:`HARDWARE_FILE`) before it boots.
 
 Inventories: ``inventories/sandbox.py`` (every host) and
 ``inventories/sandbox-trtllm-mpi.py`` (the first 2) take their hosts from ``hosts.json``
@@ -89,6 +105,16 @@ CONTROL_TOOLS: dict[str, str] = {
 
 BOOT_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
+
+# systemd-nspawn's exit status when the container rebooted (its EXIT_FORCE_RESTART, which
+# systemd-nspawn@.service restarts on with RestartForceExitStatus=133); verified with
+# systemd 252: `systemctl reboot` in a host makes its nspawn exit 133.
+REBOOT_EXIT_STATUS = 133
+# A supervisor gives up after this many reboots within REBOOT_WINDOW_S (a reboot loop).
+MAX_QUICK_REBOOTS = 5
+REBOOT_WINDOW_S = 30.0
+# Read by the NVIDIA/AMD TEST DOUBLE packages on a sandbox host (path inside the host).
+HARDWARE_FILE = "/etc/k2fleet-doubles/gpus.json"
 
 SSHD_DROPIN = """\
 # k2fleet sandbox: root by key only, one pre-generated host key.
@@ -299,6 +325,61 @@ def prepare_upper(upper: Path, index: int, count: int, pubkey: str) -> str:
     return f"{keytype} {keydata}"
 
 
+def simulated_hardware(gpu: str, count: int) -> dict[str, object]:
+    """The GPU description of a host with ``count`` ``gpu`` GPUs, as the NVIDIA/AMD TEST
+    DOUBLE packages read it from :data:`HARDWARE_FILE`, built from k2fleet's own tables:
+    memory from :data:`k2fleet.catalog.GPUS`, the name nvidia-smi / amd-smi print and the
+    NVLink fabric from :mod:`k2fleet.bootstrap_tables` (an NVSwitch only on an 8-GPU HGX
+    board, IMEX on the NVL72 trays).
+
+    >>> simulated_hardware("h200", 8)
+    {'vendor': 'nvidia', 'name': 'NVIDIA H200', 'count': 8, 'memory_mib': 144384, 'nvswitch': True}
+    >>> simulated_hardware("gb200", 4)
+    {'vendor': 'nvidia', 'name': 'NVIDIA GB200', 'count': 4, 'memory_mib': 190464, 'nvswitch': False, 'imex': True}
+    >>> simulated_hardware("mi300x", 8)
+    {'vendor': 'amd', 'name': 'AMD Instinct MI300X', 'count': 8, 'memory_mib': 196608}
+    """
+    from k2fleet import bootstrap_tables as tables
+    from k2fleet.catalog import GPUS
+
+    kind = GPUS.get(gpu)
+    if kind is None:
+        raise SandboxError(f"unknown GPU type {gpu!r} (known: {', '.join(sorted(GPUS))})")
+    if not 1 <= count <= kind.max_per_node:
+        raise SandboxError(f"a {gpu} host has 1..{kind.max_per_node} GPUs, got {count}")
+    memory_mib = int(kind.memory_gib * 1024)
+    if kind.vendor == "amd":
+        return {"vendor": "amd", "name": f"AMD Instinct {tables.AMD_MARKETING.get(gpu, gpu.upper())}",
+                "count": count, "memory_mib": memory_mib}
+    needs = tables.NVIDIA_GPUS[gpu]
+    hardware: dict[str, object] = {
+        "vendor": "nvidia", "name": f"NVIDIA {needs.marketing}", "count": count, "memory_mib": memory_mib,
+        "nvswitch": needs.fabric in (tables.NVSWITCH, tables.NVLINK5) and count == tables.HGX_GPUS}
+    if needs.fabric == tables.IMEX:
+        hardware["imex"] = True
+    return hardware
+
+
+def parse_gpus(text: str) -> dict[str, object]:
+    """``--gpus GPU[:COUNT]`` → :func:`simulated_hardware` (COUNT: the type's usual per-node count).
+
+    >>> parse_gpus("h200")["count"], parse_gpus("gb200")["count"], parse_gpus("h200:4")["nvswitch"]
+    (8, 4, False)
+    """
+    from k2fleet.catalog import GPUS
+
+    gpu, _, count = text.partition(":")
+    if count and not count.isdigit():
+        raise SandboxError(f"--gpus wants GPU[:COUNT], got {text!r}")
+    default = GPUS[gpu].default_per_node if gpu in GPUS else 8
+    return simulated_hardware(gpu, int(count) if count else default)
+
+
+def write_hardware(upper: Path, hardware: dict[str, object]) -> None:
+    """Put ``hardware`` at :data:`HARDWARE_FILE` in a host's overlay upper dir."""
+    _write(upper / HARDWARE_FILE.lstrip("/"), json.dumps(hardware, indent=2) + "\n")
+
+
 # --------------------------------------------------------------------------
 # network
 
@@ -386,11 +467,96 @@ def _is_our_nspawn(pid: int, name: str) -> bool:
     return bool(argv) and argv[0].endswith(b"systemd-nspawn") and f"--machine={name}".encode() in argv
 
 
+def _is_our_supervisor(pid: int, name: str) -> bool:
+    """True if ``pid`` is the supervisor (:func:`supervise`) we started for host ``name``."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return (b"supervise" in argv and any(arg.endswith(b"sandbox.py") for arg in argv)
+            and f"--machine={name}".encode() in argv)
+
+
 def _read_pid(pidfile: Path) -> int | None:
     try:
         return int(pidfile.read_text().strip())
     except (FileNotFoundError, ValueError):
         return None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` in one rename (readers never see half a file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+CLONE_NEWTIME = 0x80  # <linux/sched.h>; os.unshare arrives only in Python 3.12
+
+
+def _fresh_boottime_namespace() -> str | None:
+    """Make this process's next children start in a new time namespace whose
+    CLOCK_BOOTTIME (hence ``/proc/uptime``) reads 0 now; None, or why not."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWTIME) != 0:
+        return f"unshare(CLONE_NEWTIME): {os.strerror(ctypes.get_errno())}"
+    offset = int(time.clock_gettime(time.CLOCK_BOOTTIME))
+    try:
+        Path("/proc/self/timens_offsets").write_text(f"boottime -{offset} 0\n")
+    except OSError as exc:
+        return f"/proc/self/timens_offsets: {exc}"
+    return None
+
+
+def supervise(run_dir: Path, name: str, command: list[str]) -> int:
+    """Run host ``name``'s ``command`` (its systemd-nspawn) as systemd-nspawn@.service
+    would: start it again when it exits :data:`REBOOT_EXIT_STATUS` (the container
+    rebooted), return its status otherwise (a poweroff, a killed init, a failed start).
+    SIGTERM/SIGINT stop it: forwarded to nspawn (a clean poweroff), never followed by a
+    restart. Writes nspawn's pid to ``run_dir/NAME.pid`` and the number of boots started
+    to ``run_dir/NAME.boots`` on every start. Every boot gets a fresh time namespace
+    (:func:`_fresh_boottime_namespace`). Runs detached from whoever booted the sandbox."""
+    stopping = False
+    child: subprocess.Popen[bytes] | None = None
+
+    def stop(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        if child is not None:
+            _signal(child.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    boots: list[float] = []
+    status = 0
+    while not stopping:
+        why_not = _fresh_boottime_namespace()
+        if why_not:
+            print(f"k2fleet supervisor: {name}: uptime not reset for this boot ({why_not})", file=sys.stderr, flush=True)
+        boots.append(time.monotonic())
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        child = proc
+        _write_atomic(run_dir / f"{name}.pid", f"{proc.pid}\n")
+        _write_atomic(run_dir / f"{name}.boots", f"{len(boots)}\n")
+        if stopping:  # the signal came before `child` named this nspawn
+            _signal(proc.pid, signal.SIGTERM)
+        status = proc.wait()
+        child = None
+        if status != REBOOT_EXIT_STATUS or stopping:
+            break
+        recent = [t for t in boots if t > time.monotonic() - REBOOT_WINDOW_S]
+        if len(recent) >= MAX_QUICK_REBOOTS:
+            print(f"k2fleet supervisor: {name}: {len(recent)} reboots within {REBOOT_WINDOW_S:.0f}s; "
+                  "leaving it down", file=sys.stderr, flush=True)
+            break
+        print(f"k2fleet supervisor: {name} rebooted (systemd-nspawn exit {status}); starting boot "
+              f"{len(boots) + 1}", file=sys.stderr, flush=True)
+    print(f"k2fleet supervisor: {name}: systemd-nspawn exited {status}"
+          f"{' (stopped)' if stopping else ''}; supervisor exits", file=sys.stderr, flush=True)
+    return status
 
 
 def mount_root(lower: Path, hostdir: Path) -> None:
@@ -415,7 +581,8 @@ def nspawn_command(index: int, hostdir: Path, docker: bool, shared: Path) -> lis
 
 
 def start_host(index: int, lower: Path, state_dir: Path, docker: bool) -> int:
-    """Start a host's nspawn detached; record and return its pid."""
+    """Start a host's nspawn under its supervisor, detached; record both pids and return
+    nspawn's (``run/NAME.pid``, written by the supervisor on every boot)."""
     paths, name = _paths(state_dir), host_name(index)
     hostdir = paths["hosts"] / name
     mount_root(lower, hostdir)
@@ -424,29 +591,56 @@ def start_host(index: int, lower: Path, state_dir: Path, docker: bool) -> int:
     env = dict(os.environ)
     if docker:
         env["SYSTEMD_NSPAWN_API_VFS_WRITABLE"] = "1"
+    pidfile = paths["run"] / f"{name}.pid"
+    pidfile.unlink(missing_ok=True)
+    # the file itself, not `-m k2fleet.sandbox`: stdlib only, whatever the caller's sys.path
+    argv = [sys.executable, "-I", str(Path(__file__).resolve()), "supervise", str(paths["run"]), name, "--",
+            *nspawn_command(index, hostdir, docker, paths["shared"])]
     with open(paths["logs"] / f"{name}.log", "ab") as log:
-        proc = subprocess.Popen(nspawn_command(index, hostdir, docker, paths["shared"]), stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    (paths["run"] / f"{name}.pid").write_text(f"{proc.pid}\n")
-    return proc.pid
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=env)
+    (paths["run"] / f"{name}.supervisor").write_text(f"{proc.pid}\n")
+    deadline = time.monotonic() + 10
+    while (pid := _read_pid(pidfile)) is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SandboxError(f"{name}: its supervisor did not start systemd-nspawn; log tail:\n"
+                               f"{_tail(paths['logs'] / f'{name}.log')}")
+        time.sleep(0.02)
+    return pid
+
+
+def _recorded_pids(run_dir: Path, suffix: str, ours) -> list[int]:
+    """Live pids recorded in ``run_dir/k2sb-*SUFFIX`` that ``ours(pid, host)`` owns."""
+    found = []
+    for pidfile in sorted(run_dir.glob(f"{PREFIX}-*{suffix}")) if run_dir.is_dir() else []:
+        pid = _read_pid(pidfile)
+        if pid and _alive(pid) and ours(pid, pidfile.name[:-len(suffix)]):
+            found.append(pid)
+    return found
 
 
 def stop_hosts(state_dir: Path, timeout: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM every recorded nspawn (clean poweroff), SIGKILL after ``timeout``."""
+    """SIGTERM every recorded supervisor (it stops restarting and forwards the signal)
+    and nspawn (clean poweroff), SIGKILL after ``timeout``: supervisors first, so none
+    starts its host again."""
     run_dir = _paths(state_dir)["run"]
-    pids = {}
-    for pidfile in sorted(run_dir.glob(f"{PREFIX}-*.pid")) if run_dir.is_dir() else []:
-        pid = _read_pid(pidfile)
-        if pid and _alive(pid) and _is_our_nspawn(pid, pidfile.stem):
-            pids[pid] = pidfile.stem
-            _signal(pid, signal.SIGTERM)
+    supervisors = _recorded_pids(run_dir, ".supervisor", _is_our_supervisor)
+    for pid in supervisors:
+        _signal(pid, signal.SIGTERM)
+    pids = _recorded_pids(run_dir, ".pid", _is_our_nspawn)
+    for pid in pids:
+        _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(_alive(pid) for pid in supervisors + pids) and time.monotonic() < deadline:
         time.sleep(0.2)
+    for pid in supervisors:
+        if _alive(pid):
+            _signal(pid, signal.SIGKILL)
+    pids = sorted(set(pids) | set(_recorded_pids(run_dir, ".pid", _is_our_nspawn)))  # one started meanwhile
     for pid in pids:
         if _alive(pid):
             _signal(pid, signal.SIGKILL)
-    for pid in pids:
+    for pid in supervisors + pids:
         for _ in range(50):
             if not _alive(pid):
                 break
@@ -507,12 +701,20 @@ def wait_ready(hosts: list[SandboxHost], state_dir: Path, timeout: float = BOOT_
 # public API
 
 
+def _host_entries(state_dir: Path) -> list[dict[str, object]]:
+    path = _paths(state_dir)["hosts_json"]
+    return json.loads(path.read_text()) if path.exists() else []
+
+
 def load_hosts(state_dir: Path = DEFAULT_STATE_DIR) -> list[SandboxHost]:
     """Hosts recorded in ``state_dir/hosts.json`` (empty if none)."""
-    path = _paths(state_dir)["hosts_json"]
-    if not path.exists():
-        return []
-    return [SandboxHost(**entry) for entry in json.loads(path.read_text())]
+    fields = SandboxHost.__dataclass_fields__
+    return [SandboxHost(**{k: v for k, v in entry.items() if k in fields}) for entry in _host_entries(state_dir)]
+
+
+def recorded_hardware(state_dir: Path = DEFAULT_STATE_DIR) -> list[dict[str, object] | None]:
+    """Per recorded host, the simulated hardware it was booted with (None: none)."""
+    return [entry.get("hardware") for entry in _host_entries(state_dir)]
 
 
 def sandbox_inventory_hosts(count: int | None = None,
@@ -571,21 +773,23 @@ def lock_env(handle) -> dict[str, str]:
     return {LOCK_FD_ENV: str(handle.fileno())}
 
 
-def _is_up(state_dir: Path, n: int) -> bool:
-    """True if exactly ``n`` recorded hosts have a live nspawn and answer on :22."""
-    hosts = load_hosts(state_dir)
-    if len(hosts) != n:
+def _is_up(state_dir: Path, n: int, hardware: dict[str, object] | None = None) -> bool:
+    """True if exactly ``n`` recorded hosts, booted with ``hardware``, have a live
+    supervised nspawn and answer on :22."""
+    if recorded_hardware(state_dir) != [hardware] * n:
         return False
-    return all(entry["running"] and entry["ssh"] for entry in status(state_dir))
+    return all(entry["running"] and entry["supervised"] and entry["ssh"] for entry in status(state_dir))
 
 
-def up(n: int, state_dir: Path = DEFAULT_STATE_DIR, docker: bool = True) -> list[SandboxHost]:
-    """Bring up ``n`` sandbox hosts (no-op if exactly those are already up)."""
+def up(n: int, state_dir: Path = DEFAULT_STATE_DIR, docker: bool = True,
+       hardware: dict[str, object] | None = None) -> list[SandboxHost]:
+    """Bring up ``n`` sandbox hosts (no-op if exactly those are already up), each with
+    ``hardware`` (:func:`simulated_hardware`) at :data:`HARDWARE_FILE` if given."""
     _require_root()
     if not 1 <= n <= MAX_HOSTS:
         raise SandboxError(f"host count must be 1..{MAX_HOSTS}, got {n}")
     state_dir = state_dir.resolve()
-    if _is_up(state_dir, n):
+    if _is_up(state_dir, n, hardware):
         return load_hosts(state_dir)
     ensure_tools()
     down(state_dir)
@@ -600,6 +804,8 @@ def up(n: int, state_dir: Path = DEFAULT_STATE_DIR, docker: bool = True) -> list
     known: list[str] = []
     for index in range(1, n + 1):
         hostkey = prepare_upper(paths["hosts"] / host_name(index) / "upper", index, n, pubkey)
+        if hardware is not None:
+            write_hardware(paths["hosts"] / host_name(index) / "upper", hardware)
         known.append(f"{host_address(index)} {hostkey}\n")
         hosts.append(SandboxHost(host_name(index), host_address(index), "root", str(key),
                                  str(paths["known_hosts"])))
@@ -613,7 +819,8 @@ def up(n: int, state_dir: Path = DEFAULT_STATE_DIR, docker: bool = True) -> list
     except BaseException:
         down(state_dir)
         raise
-    _write(paths["hosts_json"], json.dumps([asdict(h) for h in hosts], indent=2) + "\n")
+    entries = [{**asdict(h), **({"hardware": hardware} if hardware is not None else {})} for h in hosts]
+    _write(paths["hosts_json"], json.dumps(entries, indent=2) + "\n")
     return hosts
 
 
@@ -634,14 +841,20 @@ def down(state_dir: Path = DEFAULT_STATE_DIR) -> None:
 
 
 def status(state_dir: Path = DEFAULT_STATE_DIR) -> list[dict[str, object]]:
-    """Per-host state: name, address, nspawn pid, whether it runs, whether :22 answers."""
+    """Per-host state: name, address, nspawn pid, whether it runs, whether its supervisor
+    runs (would start it again after a reboot), boots so far (1 + reboots), whether :22
+    answers."""
     state_dir = state_dir.resolve()
+    run_dir = _paths(state_dir)["run"]
     result: list[dict[str, object]] = []
     for host in load_hosts(state_dir):
-        pid = _read_pid(_paths(state_dir)["run"] / f"{host.name}.pid")
+        pid = _read_pid(run_dir / f"{host.name}.pid")
         running = pid is not None and _alive(pid) and _is_our_nspawn(pid, host.name)
-        result.append({"name": host.name, "address": host.address, "pid": pid,
-                       "running": running, "ssh": running and _port_open(host.address, 22)})
+        supervisor = _read_pid(run_dir / f"{host.name}.supervisor")
+        supervised = supervisor is not None and _alive(supervisor) and _is_our_supervisor(supervisor, host.name)
+        result.append({"name": host.name, "address": host.address, "pid": pid, "running": running,
+                       "supervised": supervised, "boots": _read_pid(run_dir / f"{host.name}.boots"),
+                       "ssh": running and _port_open(host.address, 22)})
     return result
 
 
@@ -654,20 +867,30 @@ def _port_open(address: str, port: int, timeout: float = 2.0) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: ``up N`` / ``down`` / ``status`` [--state-dir DIR]."""
+    """CLI: ``up N [--gpus GPU[:COUNT]]`` / ``down`` / ``status`` [--state-dir DIR]
+    (and ``supervise``, the per-host supervisor :func:`start_host` runs)."""
     parser = argparse.ArgumentParser(prog="k2fleet sandbox", description=__doc__.splitlines()[0])
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     sub = parser.add_subparsers(dest="command", required=True)
     p_up = sub.add_parser("up", help="boot N sandbox hosts")
     p_up.add_argument("n", type=int)
     p_up.add_argument("--no-docker", action="store_true", help="omit the docker-in-host nspawn flags")
+    p_up.add_argument("--gpus", metavar="GPU[:COUNT]",
+                      help=f"simulated GPUs in every host's {HARDWARE_FILE}, e.g. h200 or h200:8")
     sub.add_parser("down", help="stop and remove the sandbox")
     sub.add_parser("status", help="show sandbox hosts")
+    p_sup = sub.add_parser("supervise", help="(internal) run one host's systemd-nspawn, again after a reboot")
+    p_sup.add_argument("run_dir", type=Path)
+    p_sup.add_argument("name")
+    p_sup.add_argument("nspawn", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if args.command == "supervise":
+        return supervise(args.run_dir, args.name, args.nspawn[1:] if args.nspawn[:1] == ["--"] else args.nspawn)
     try:
         if args.command == "up":
             started = time.monotonic()
-            hosts = up(args.n, args.state_dir, docker=not args.no_docker)
+            hardware = parse_gpus(args.gpus) if args.gpus else None
+            hosts = up(args.n, args.state_dir, docker=not args.no_docker, hardware=hardware)
             print(f"{len(hosts)} sandbox hosts up in {time.monotonic() - started:.1f}s; "
                   f"inventory: {_paths(args.state_dir.resolve())['hosts_json']}")
         elif args.command == "down":
@@ -676,7 +899,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = status(args.state_dir)
             for row in rows:
                 print(f"{row['name']:10} {row['address']:15} pid={row['pid']} "
-                      f"running={row['running']} ssh={row['ssh']}")
+                      f"running={row['running']} supervised={row['supervised']} boots={row['boots']} "
+                      f"ssh={row['ssh']}")
             if not rows:
                 print("sandbox is down")
     except SandboxError as exc:

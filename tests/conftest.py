@@ -38,7 +38,8 @@ def sandbox_fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     """The sandbox fleet, booted bare, under the sandbox lock for the whole module
     (module scope: another module's fixture, or test_bundle's own 2-host sandbox, takes
     the lock only after this one's teardown released it). A module may set
-    ``SANDBOX_HOSTS = N`` (default 3) and ``SANDBOX_DOCKER = False``."""
+    ``SANDBOX_HOSTS = N`` (default 3), ``SANDBOX_DOCKER = False`` and ``SANDBOX_GPUS = "h200:8"``
+    (simulated hardware, :func:`k2fleet.sandbox.parse_gpus`)."""
     if os.geteuid() != 0:
         pytest.skip("the sandbox fleet needs root (network namespaces, bridge, systemd-nspawn)")
     from k2fleet import sandbox
@@ -48,7 +49,9 @@ def sandbox_fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
         ensure_sandbox_checkpoint()  # the sandbox inventories' control: source
         fleet = SandboxFleet(getattr(request.module, "SANDBOX_HOSTS", 3),
                              env={"K2FLEET_STATE_DIR": str(tmp_path_factory.mktemp("k2state"))},
-                             docker=getattr(request.module, "SANDBOX_DOCKER", True))
+                             docker=getattr(request.module, "SANDBOX_DOCKER", True),
+                             hardware=sandbox.parse_gpus(request.module.SANDBOX_GPUS)
+                             if hasattr(request.module, "SANDBOX_GPUS") else None)
         try:
             yield fleet.boot_bare()
         finally:

@@ -103,6 +103,7 @@ class SandboxFleet:
     count: int = 3
     env: dict[str, str] = field(default_factory=dict)
     docker: bool = True  # the hosts' nspawn flags for Docker inside (``sandbox up --no-docker``)
+    hardware: dict[str, Any] | None = None  # simulated GPUs (``sandbox up --gpus``), in every host
     hosts: list[dict[str, Any]] = field(default_factory=list)
     _deployed: tuple | None = None  # the inventory/data/env of the last successful deploy
     _touched: bool = True  # a deploy may have changed a host since it was booted
@@ -118,7 +119,7 @@ class SandboxFleet:
     def boot_bare(self) -> SandboxFleet:
         """Fresh hosts: nothing deployed on them."""
         sandbox.down()
-        self.hosts = [asdict(h) for h in sandbox.up(self.count, docker=self.docker)]
+        self.hosts = [asdict(h) for h in sandbox.up(self.count, docker=self.docker, hardware=self.hardware)]
         self._deployed, self._touched = None, False
         return self
 
