@@ -23,7 +23,7 @@ setup() {
 case "${1:-}" in
   demo)
     setup
-    k2fleet sandbox up 3
+    k2fleet sandbox up 3 --gpus h200
     python -m k2fleet.synthetic >/dev/null
     pyinfra -y inventories/sandbox.py deploys/kimi.py
     ;;

@@ -120,7 +120,7 @@ def rebooted(reason: str, reboot_timeout: float = 600, interval: float = 1.0):
     yield StringCommand(f"touch {REBOOT_MARKER}")
     yield StringCommand("( sleep 1 && systemctl reboot ) </dev/null >/dev/null 2>&1 &")
 
-    def wait_until_back(state, host) -> None:  # pragma: no cover - needs a host that reboots
+    def wait_until_back(state, host) -> None:
         time.sleep(2)
         clear_askpass_cache(host)
         host.disconnect()
@@ -129,7 +129,8 @@ def rebooted(reason: str, reboot_timeout: float = 600, interval: float = 1.0):
             host.connect(show_errors=False)
             if host.connected:
                 back, _ = host.run_shell_command(StringCommand(f"test ! -e {REBOOT_MARKER}"))
-                if back:
+                if back:  # sshd answers early in the boot: wait for the rest of it
+                    host.run_shell_command(StringCommand("systemctl is-system-running --wait >/dev/null 2>&1 || true"))
                     return
                 host.disconnect()  # still going down
             if time.monotonic() > deadline:

@@ -435,7 +435,8 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         say(f"rehearse {inventory}: booting {len(names) + computes} bare sandbox hosts{extra}")
         sandbox.down()
         booted = True
-        sb_hosts = sandbox.up(len(names) + computes, docker=dep.runtime == "container" and job is None)
+        sb_hosts = sandbox.up(len(names) + computes, docker=dep.runtime == "container" and job is None,
+                              hardware=sandbox.simulated_hardware(dep.gpu.name, dep.gpus_per_node))
         if job is not None:
             site_started = time.monotonic()
             login = sb_hosts[names.index(dep.pools["slurm-submit"].hosts[0].name)]

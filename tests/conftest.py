@@ -33,13 +33,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         item.stash[_FAILED] = True
 
 
+SANDBOX_GPUS = "h200"  # the sandbox inventories' k2_gpu (k2fleet/sandbox_data.py)
+
+
 @pytest.fixture(scope="module")
 def sandbox_fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SandboxFleet]:
     """The sandbox fleet, booted bare, under the sandbox lock for the whole module
     (module scope: another module's fixture, or test_bundle's own 2-host sandbox, takes
     the lock only after this one's teardown released it). A module may set
     ``SANDBOX_HOSTS = N`` (default 3), ``SANDBOX_DOCKER = False`` and ``SANDBOX_GPUS = "h200:8"``
-    (simulated hardware, :func:`k2fleet.sandbox.parse_gpus`)."""
+    (simulated hardware, :func:`k2fleet.sandbox.parse_gpus`; default the sandbox inventories'
+    h200, None: hosts without the hardware file)."""
     if os.geteuid() != 0:
         pytest.skip("the sandbox fleet needs root (network namespaces, bridge, systemd-nspawn)")
     from k2fleet import sandbox
@@ -50,8 +54,8 @@ def sandbox_fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
         fleet = SandboxFleet(getattr(request.module, "SANDBOX_HOSTS", 3),
                              env={"K2FLEET_STATE_DIR": str(tmp_path_factory.mktemp("k2state"))},
                              docker=getattr(request.module, "SANDBOX_DOCKER", True),
-                             hardware=sandbox.parse_gpus(request.module.SANDBOX_GPUS)
-                             if hasattr(request.module, "SANDBOX_GPUS") else None)
+                             hardware=sandbox.parse_gpus(gpus) if (gpus := getattr(request.module, "SANDBOX_GPUS",
+                                                                                  SANDBOX_GPUS)) else None)
         try:
             yield fleet.boot_bare()
         finally:
