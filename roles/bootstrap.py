@@ -103,7 +103,8 @@ def bring_up(plan: BootstrapPlan, fact: HostReport, files: dict, gate_argv: list
                              "set k2_package_source: bundle")
     changed = bool(pending or obsolete or headers)
     online = changed and plan.package_source == "apt"
-    command(name="package repositories (NVIDIA, Docker)", argv=" && ".join(map(_repo_line, plan.repos)) or "true",
+    command(name="package repositories (NVIDIA, Docker)",
+            argv=" && ".join(map(_repo_line, plan.repos)) if online and plan.repos else "true",
             _if=lambda: online and bool(plan.repos))
     command(name="update apt lists", argv=f"{APT} update", _if=lambda: online)
     installed = command(name="install the GPU stack at its pins", _if=lambda: changed,

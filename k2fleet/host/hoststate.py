@@ -137,7 +137,7 @@ def package_versions(patterns: list) -> dict:
         return {}
     out = _run(["dpkg-query", "-W", "-f", "${Package} ${Version} ${db:Status-Abbrev}\n", *patterns]) or ""
     rows = (line.split() for line in out.splitlines())
-    return {r[0]: r[1] for r in rows if len(r) >= 3 and r[2] == "ii"}
+    return {r[0]: r[1] for r in rows if len(r) >= 3 and r[2][1:2] == "i"}  # ii, hi (held): installed
 
 
 def holds() -> list:
@@ -236,7 +236,7 @@ def packages(names: list) -> list:
     if not names:
         return []
     out = _run(["dpkg-query", "-W", "-f", "${Package} ${db:Status-Abbrev}\n", *names]) or ""
-    return sorted(line.split()[0] for line in out.splitlines() if line.split()[1:2] == ["ii"])
+    return sorted(line.split()[0] for line in out.splitlines() if line.split()[1:2] and line.split()[1][1:2] == "i")
 
 
 def checks(named: dict) -> dict:
