@@ -452,10 +452,14 @@ def obsolete_packages(plan: BootstrapPlan, boot: BootState) -> list[str]:
 
 
 def missing_holds(plan: BootstrapPlan, boot: BootState) -> list[str]:
-    """Held-to-be packages that are (or will be) installed and not held yet; kernel meta
-    packages only where installed (a container host has none)."""
+    """Held-to-be packages that are (or will be) installed and not held yet, or that this
+    run installs (apt drops the hold of a package it changes with
+    ``--allow-change-held-packages``); kernel meta packages only where installed (a
+    container host has none)."""
     planned = {p.name for p in plan.packages}
-    return [n for n in plan.holds if n not in boot.holds and (n in planned or n in boot.package_versions)]
+    changing = {p.name for p in pending_packages(plan, boot)}
+    return [n for n in plan.holds
+            if (n not in boot.holds or n in changing) and (n in planned or n in boot.package_versions)]
 
 
 def reboot_reason(plan: BootstrapPlan, boot: BootState) -> str | None:
