@@ -160,7 +160,7 @@ class BootstrapPlan:
         branch = f"{self.driver.branch}." if self.driver else None
         out = []
         for p in self.packages if packages is None else packages:
-            if p.same_as_driver and branch:
+            if p.same_as_driver and branch and self.manager == "apt":  # dnf: the module stream selects it
                 p = Package(p.name, branch, hold=p.hold)
             out.append(p.spec(self.manager))
         return out
@@ -457,7 +457,7 @@ def missing_holds(plan: BootstrapPlan, boot: BootState) -> list[str]:
     ``--allow-change-held-packages``); kernel meta packages only where installed (a
     container host has none)."""
     planned = {p.name for p in plan.packages}
-    changing = {p.name for p in pending_packages(plan, boot)}
+    changing = {p.name for p in pending_packages(plan, boot)}  # apt drops, dnf's lock is deleted first
     return [n for n in plan.holds
             if (n not in boot.holds or n in changing) and (n in planned or n in boot.package_versions)]
 

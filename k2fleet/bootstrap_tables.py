@@ -274,15 +274,32 @@ class PackageManager:
     version_spec: str  # "{name}" + this, with {version}
     hold: tuple[str, ...]
     unhold: tuple[str, ...]
+    # shell: the installed upstream version of package {name} into $v (no epoch/revision)
+    version_of: str
+    # shell word pinning {name} to the version in $v
+    pinned_to_v: str
+    # shell line installing held packages at other versions ({options}: the bundle's apt options)
+    install_changing: str
+    remove_suffix: str | None  # apt: "name-" in an install removes it in the same transaction
 
 
 PACKAGE_MANAGERS: dict[str, PackageManager] = {
     # [gdc] pins `name=${DRIVER_VERSION}*` and holds with apt-mark
     "apt": PackageManager(("apt-get", "install", "-y", "--no-install-recommends"), "={version}*",
-                          ("apt-mark", "hold"), ("apt-mark", "unhold")),
+                          ("apt-mark", "hold"), ("apt-mark", "unhold"),
+                          version_of="v=$(dpkg-query -W -f='${{Version}}' {name}) && v=${{v#*:}} && v=${{v%%-*}}",
+                          pinned_to_v='"{name}=${{v}}*"',
+                          install_changing="DEBIAN_FRONTEND=noninteractive apt-get -q -y -o Dpkg::Options::=--force-confold "
+                                           "--no-install-recommends --allow-change-held-packages --allow-downgrades "
+                                           "{options} install",
+                          remove_suffix="-"),
     # [gdc] `dnf install name-${DRIVER_VERSION}`, `dnf versionlock add name`; [dig] version locking
     "dnf": PackageManager(("dnf", "install", "-y"), "-{version}", ("dnf", "versionlock", "add"),
-                          ("dnf", "versionlock", "delete")),
+                          ("dnf", "versionlock", "delete"),
+                          version_of="v=$(rpm -q --qf '%{{VERSION}}' {name})",
+                          pinned_to_v='"{name}-${{v}}"',
+                          install_changing="dnf -y install",
+                          remove_suffix=None),
 }
 
 # unattended-upgrades must never upgrade these (regular expressions, apt.conf list).

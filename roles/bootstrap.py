@@ -25,13 +25,12 @@ from pyinfra.api import deploy
 
 from k2fleet import bootstrap as b
 from k2fleet.bootstrap import BootstrapPlan, Package
-from k2fleet.bootstrap_tables import PACKAGE_MANAGERS
+from k2fleet.bootstrap_tables import OS_TABLES, PACKAGE_MANAGERS
 from k2fleet.operations import command, rebooted, start_or_explain, synced_files, unit_running
 from k2fleet.preflight import HostReport
 from k2fleet.quoting import shell_line, shell_word
 
-APT = "DEBIAN_FRONTEND=noninteractive apt-get -q -y -o Dpkg::Options::=--force-confold"
-APT_CHANGE = "--no-install-recommends --allow-change-held-packages --allow-downgrades"
+APT = "DEBIAN_FRONTEND=noninteractive apt-get -q -y"
 REBOOT_TIMEOUT_S = 600
 
 
@@ -41,28 +40,43 @@ class BootstrapError(Exception):
 
 def install_line(plan: BootstrapPlan, pending: list[Package], obsolete: list[str], apt_options: str,
                  headers: list[str]) -> str:
-    """One shell line: remove ``obsolete``, install the pending driver packages at their
-    pins, then the packages pinned to the driver's version at the version its package
-    has now, then the rest (``apt``; ``dnf`` installs the specs in one transaction)."""
+    """One shell line: the pending driver packages at their pins (removing ``obsolete``
+    ones where the manager can in the same transaction), then the packages pinned to the
+    driver's version at the version its package has now (read on the host), then the rest.
+
+    >>> from k2fleet.bootstrap import Package, BootstrapPlan
+    >>> plan = BootstrapPlan("h", "ubuntu-22.04", "k2_os", "apt", "nvidia", "x86_64", "apt", "never",
+    ...                      packages=(Package("nvidia-open", "580.", hold=True),
+    ...                                Package("nvidia-fabricmanager", same_as_driver=True)),
+    ...                      driver_package="nvidia-open")
+    >>> print(install_line(plan, list(plan.packages), [], "", []).replace(" && ", chr(10)))  # doctest: +ELLIPSIS
+    DEBIAN_FRONTEND=... install 'nvidia-open=580.*'
+    v=$(dpkg-query -W -f='${Version}' nvidia-open)
+    v=${v#*:}
+    v=${v%%-*}
+    DEBIAN_FRONTEND=... install "nvidia-fabricmanager=${v}*"
+    """
     manager = PACKAGE_MANAGERS[plan.manager]
-    if plan.manager != "apt":
-        return shell_line([*manager.install, *plan.specs(pending), *headers])
-    driver = [p for p in pending if not p.same_as_driver and b.BRANCH_NAMED.match(p.name) or
-              p.name == plan.driver_package]
+    install = " ".join(manager.install_changing.format(options=apt_options).split())
+    hold_tools = {n for table in OS_TABLES.values() for n in table.hold_tool}  # first: later steps hold
+    driver = [p for p in pending if p.name in hold_tools or not p.same_as_driver and b.BRANCH_NAMED.match(p.name)
+              or p.name == plan.driver_package]
     follow = [p for p in pending if p.same_as_driver]
     rest = [p for p in pending if p not in driver and p not in follow]
+    removed = [f"{n}{manager.remove_suffix}" for n in obsolete] if manager.remove_suffix else []
     steps = []
-    first = plan.specs(driver) + [f"{n}-" for n in obsolete]
+    locked = [p.name for p in pending if p.hold and plan.manager == "dnf"]
+    if locked:  # a version-locked package changes version only once its lock is gone (held again after)
+        steps.append(f"{{ {shell_line([*manager.unhold, *locked])} || true; }}")
+    first = plan.specs(driver) + removed
     if first:
-        steps.append(f"{APT} {APT_CHANGE} {apt_options} install {shell_line(first)}".replace("  ", " "))
-    if follow:
-        name = shell_word(plan.driver_package or "")
-        pins = " ".join(f'"{p.name}=${{v}}*"' for p in follow)  # names from the tables: [a-z0-9-]
-        steps.append(f"v=$(dpkg-query -W -f='${{Version}}' {name}) && v=${{v#*:}} && v=${{v%%-*}} && "
-                     f"{APT} {APT_CHANGE} {apt_options} install {pins}")
+        steps.append(f"{install} {shell_line(first)}")
+    if follow:  # names from the tables: [a-z0-9-]
+        pins = " ".join(manager.pinned_to_v.format(name=p.name) for p in follow)
+        steps.append(f"{manager.version_of.format(name=shell_word(plan.driver_package or ''))} && {install} {pins}")
     others = plan.specs(rest) + headers
     if others:
-        steps.append(f"{APT} {APT_CHANGE} {apt_options} install {shell_line(others)}")
+        steps.append(f"{install} {shell_line(others)}")
     return " && ".join(steps)
 
 

@@ -122,3 +122,16 @@ def test_preflight_refuses_another_os_and_secure_boot_without_a_key(tmp_path: Pa
     assert "mokutil --import" in bootstrap_problems(b, sb)[0]
     assert bootstrap_problems(b, dataclasses.replace(good, secure_boot=True)) == []  # signed and loaded already
     assert BootState().simulated is False
+
+
+def test_rhel_installs_the_driver_stream_then_fabric_at_the_driver_rpm_version(tmp_path: Path) -> None:
+    from roles.bootstrap import _repo_line, install_line
+
+    dep, plan, desired = planned(str(H200), ("k2_os=rhel-9",))
+    b = desired["h200-0"].bootstrap
+    line = install_line(b, list(b.packages), [], "", ["kernel-devel-5.14.0-503.el9.x86_64"])
+    steps = line.split(" && ")
+    assert "dnf -y install python3-dnf-plugin-versionlock nvidia-open" in line
+    assert "v=$(rpm -q --qf '%{VERSION}' nvidia-open)" in steps
+    assert line.index("nvidia-open") < line.index('"nvidia-fabricmanager-${v}"') < line.index("kernel-devel-5.14")
+    assert [_repo_line(r) for r in b.repos if r.kind == "dnf-module"] == ["dnf -y module enable nvidia-driver:580-open"]
