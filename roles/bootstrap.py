@@ -127,7 +127,9 @@ def bring_up(plan: BootstrapPlan, fact: HostReport, files: dict, gate_argv: list
     holds = b.missing_holds(plan, boot)
     command(name="hold the driver, fabric and kernel packages", _if=lambda: bool(holds),
             argv=shell_line([*PACKAGE_MANAGERS[plan.manager].hold, *holds]) if holds else "true")
-    joins = [shell_line(["usermod", "-aG", ",".join(g), u]) for u, g in plan.groups.items()]
+    groups = sorted({g for gs in plan.groups.values() for g in gs})  # udev makes `render`; a host without it: here
+    joins = [f"{{ getent group {g} >/dev/null || groupadd --system {g}; }}" for g in groups]
+    joins += [shell_line(["usermod", "-aG", ",".join(g), u]) for u, g in plan.groups.items()]
     command(name="GPU users join the device groups", argv=" && ".join(joins) or "true",
             _if=lambda: changed and bool(joins))
     module = boot.modules.get(b.KERNEL_MODULE.get(plan.vendor or "", ""))
