@@ -51,12 +51,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k2fleet import bundle
+from k2fleet.bootstrap_tables import UNVERSIONED_FABRIC_SINCE
 
 REPO = Path(__file__).resolve().parents[1]
 DOUBLE_PROGRAM = REPO / "files" / "doubles" / "gpu_stack" / "gpu_double.py"
 DEFAULT_CACHE_DIR = Path("/var/cache/k2fleet/nvidia-doubles")
 
-DRIVER_VERSIONS: dict[int, str] = {580: "580.95.05", 590: "590.44.01"}
+DRIVER_VERSIONS: dict[int, str] = {570: "570.195.03", 580: "580.95.05", 590: "590.44.01"}
 REVISION = "1"
 ARCH = "amd64"  # the sandbox's arch (GB200/GB300 hosts are arm64 in reality)
 PINNING_SINCE = 590  # from this branch: nvidia-driver-pinning-<branch> + unversioned nvidia-open
@@ -230,17 +231,20 @@ def branch_packages(branch: int, version: str) -> list[DoublePackage]:
                               f"NVIDIA's nvidia-driver-pinning-{branch} (apt pin to branch {branch})",
                               arch="all", provides="nvidia-driver-pinning", conflicts="nvidia-driver-pinning",
                               files={path: DoubleFile(pinning_preferences(branch))}, conffiles=(path,)))
-    pkgs.append(_daemon("nvidia-fabricmanager", version, "nv-fabricmanager", "nvidia-fabricmanager.service",
+    def named(base: str) -> str:
+        return base if branch >= UNVERSIONED_FABRIC_SINCE else f"{base}-{branch}"
+
+    pkgs.append(_daemon(named("nvidia-fabricmanager"), version, "nv-fabricmanager", "nvidia-fabricmanager.service",
                         "Type=forking\nExecStart=/usr/bin/nv-fabricmanager -c /usr/share/nvidia/nvswitch/fabricmanager.cfg\n"
                         f"PIDFile={STATE_DIR}/nvidia/nv-fabricmanager.pid\nExecStopPost=/bin/rm -f {FABRIC_STATE}\n",
                         "NVIDIA fabric manager service"))
-    pkgs.append(_daemon("nvidia-imex", version, "nvidia-imex", "nvidia-imex.service",
+    pkgs.append(_daemon(named("nvidia-imex"), version, "nvidia-imex", "nvidia-imex.service",
                         "Type=forking\nExecStart=/usr/bin/nvidia-imex -c /etc/nvidia-imex/config.cfg\n"
                         f"PIDFile={STATE_DIR}/nvidia/nvidia-imex.pid\n"
                         f"ExecStopPost=/bin/rm -f {STATE_DIR}/nvidia/imex-nodes\n",
                         "NVIDIA IMEX service"))
-    pkgs.append(_marker("libnvidia-nscq", full, "NVIDIA's NSCQ library (NVSwitch configuration and query)"))
-    pkgs.append(_marker("libnvsdm", full, "NVIDIA's NVSDM library (NVSwitch device monitoring)"))
+    pkgs.append(_marker(named("libnvidia-nscq"), full, "NVIDIA's NSCQ library (NVSwitch configuration and query)"))
+    pkgs.append(_marker(named("libnvsdm"), full, "NVIDIA's NVSDM library (NVSwitch device monitoring)"))
     return pkgs
 
 

@@ -24,7 +24,6 @@ import pytest
 from k2fleet import image, sandbox
 from k2fleet.cli import load_plan
 from k2fleet.desired import IMAGE_CHECK, IMAGE_DIR, ControlArtifacts, desired_state
-from k2fleet.packages import required_packages
 from k2fleet.units import IMAGE_PIN_PY, unit_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,13 +139,15 @@ def test_container_hosts_get_docker_and_the_pinned_archive(tmp_path: Path) -> No
     archive.write_bytes(b"archive")
     art = ControlArtifacts(images={dep.image: (str(archive), "sha256:" + "cd" * 32)})
     (d,) = desired_state(dep, plan, art).values()
-    assert "docker.io" in d.packages
+    assert d.bootstrap.package("docker.io") and "docker.io" in d.bundle_request  # Docker is the bootstrap's
+    assert "docker" in d.bootstrap.services
     assert d.image.ref == dep.image and d.image.archive == f"{IMAGE_DIR}/double-x.tar.gz"
     assert d.files["image"][d.image.archive].content == b"archive"
     assert d.checks[IMAGE_CHECK] == ["/usr/bin/python3", IMAGE_PIN_PY, dep.image, "sha256:" + "cd" * 32]
     assert d.device_doubles == ("/dev/kfd", "/dev/dri/renderD128")
     h200_dep, h200_plan = load_plan(ROOT / "inventories/h200.py")
-    assert all("docker.io" not in required_packages(h200_dep, hp, False) for hp in h200_plan.hosts.values())
+    h200 = desired_state(h200_dep, h200_plan, ControlArtifacts())
+    assert all(d.bootstrap.package("docker.io") is None for d in h200.values())
 
 
 def test_real_fleet_pins_k2_image_id_and_pulls() -> None:

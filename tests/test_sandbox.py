@@ -69,7 +69,7 @@ def test_inventory(hosts: list[sandbox.SandboxHost], state_dir: Path) -> None:
 
 def test_up_again_is_noop(hosts: list[sandbox.SandboxHost], state_dir: Path) -> None:
     pids = [row["pid"] for row in sandbox.status(state_dir)]
-    assert sandbox.up(N_HOSTS, state_dir) == hosts
+    assert sandbox.up(N_HOSTS, state_dir, hardware=sandbox.recorded_hardware(state_dir)[0]) == hosts
     assert [row["pid"] for row in sandbox.status(state_dir)] == pids
     assert all(row["running"] and row["ssh"] for row in sandbox.status(state_dir))
 

@@ -233,10 +233,8 @@ def units(names: list) -> dict:
 
 
 def packages(names: list) -> list:
-    if not names:
-        return []
-    out = _run(["dpkg-query", "-W", "-f", "${Package} ${db:Status-Abbrev}\n", *names]) or ""
-    return sorted(line.split()[0] for line in out.splitlines() if line.split()[1:2] and line.split()[1][1:2] == "i")
+    """The installed ones of ``names``."""
+    return sorted(package_versions(names))
 
 
 def checks(named: dict) -> dict:
