@@ -26,14 +26,15 @@ Packages (Debian revision -1, amd64 unless noted), for each ``V`` in
   580 too, and from 590 they are the way to select a branch): an apt preferences file
   pinning the driver family to ``<branch>.*``; they conflict with each other;
 - ``nvidia-fabricmanager``, ``nvidia-imex`` ``V-1`` with their units; ``libnvidia-nscq``,
-  ``libnvsdm`` ``V-1`` (markers);
+  ``libnvsdm`` ``V-1`` (markers); before branch 580 named after the branch
+  (``nvidia-fabricmanager-570``), as in NVIDIA's repository;
 
 and once: ``nvlsm`` (marker), ``nvidia-container-toolkit`` (``nvidia-ctk``,
 ``nvidia-container-runtime`` = runc), ``amdgpu-dkms`` (arch all; its module loader and
 boot unit). ``infiniband-diags`` is Debian's own package and is not doubled.
 
 >>> sorted({p.name for p in double_packages()})[:4]
-['amdgpu-dkms', 'libnvidia-nscq', 'libnvsdm', 'nvidia-container-toolkit']
+['amdgpu-dkms', 'libnvidia-nscq', 'libnvidia-nscq-570', 'libnvsdm']
 >>> [p.depends for p in double_packages() if p.name == "nvidia-open-580"]
 ['nvidia-open (= 580.95.05-1)']
 """
