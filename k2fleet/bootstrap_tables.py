@@ -281,6 +281,7 @@ class PackageManager:
     # shell line installing held packages at other versions ({options}: the bundle's apt options)
     install_changing: str
     remove_suffix: str | None  # apt: "name-" in an install removes it in the same transaction
+    refresh: str  # shell line re-reading the repositories' indexes after one was added
 
 
 PACKAGE_MANAGERS: dict[str, PackageManager] = {
@@ -292,14 +293,14 @@ PACKAGE_MANAGERS: dict[str, PackageManager] = {
                           install_changing="DEBIAN_FRONTEND=noninteractive apt-get -q -y -o Dpkg::Options::=--force-confold "
                                            "--no-install-recommends --allow-change-held-packages --allow-downgrades "
                                            "{options} install",
-                          remove_suffix="-"),
+                          remove_suffix="-", refresh="DEBIAN_FRONTEND=noninteractive apt-get -q -y update"),
     # [gdc] `dnf install name-${DRIVER_VERSION}`, `dnf versionlock add name`; [dig] version locking
     "dnf": PackageManager(("dnf", "install", "-y"), "-{version}", ("dnf", "versionlock", "add"),
                           ("dnf", "versionlock", "delete"),
                           version_of="v=$(rpm -q --qf '%{{VERSION}}' {name})",
                           pinned_to_v='"{name}-${{v}}"',
                           install_changing="dnf -y install",
-                          remove_suffix=None),
+                          remove_suffix=None, refresh="dnf -y makecache"),
 }
 
 # unattended-upgrades must never upgrade these (regular expressions, apt.conf list).

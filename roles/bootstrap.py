@@ -30,7 +30,6 @@ from k2fleet.operations import command, rebooted, start_or_explain, synced_files
 from k2fleet.preflight import HostReport
 from k2fleet.quoting import shell_line, shell_word
 
-APT = "DEBIAN_FRONTEND=noninteractive apt-get -q -y"
 REBOOT_TIMEOUT_S = 600
 
 
@@ -98,7 +97,7 @@ def bring_up(plan: BootstrapPlan, fact: HostReport, files: dict, gate_argv: list
 
     .. code:: python
 
-        bootstrap.bring_up(mine.bootstrap, fact, mine.files["bootstrap"], mine.gpu_gate_argv,
+        bootstrap.bring_up(mine.bootstrap, fact, mine.files["bootstrap"], mine.gpu_gate,
                            bundle_apt_options(), reboot_reason(mine.bootstrap, fact.boot), run.tracked)
     """
     boot = fact.boot  # preflight refused what the bootstrap must not touch (bootstrap_problems)
@@ -120,7 +119,7 @@ def bring_up(plan: BootstrapPlan, fact: HostReport, files: dict, gate_argv: list
     command(name="package repositories (NVIDIA, Docker)",
             argv=" && ".join(map(_repo_line, plan.repos)) if online and plan.repos else "true",
             _if=lambda: online and bool(plan.repos))
-    command(name="update apt lists", argv=f"{APT} update", _if=lambda: online)
+    command(name="update the package lists", argv=PACKAGE_MANAGERS[plan.manager].refresh, _if=lambda: online)
     installed = command(name="install the GPU stack at its pins", _if=lambda: changed,
                         argv=install_line(plan, pending, obsolete, apt_options, headers) or "true")
     tracked.append(installed)

@@ -135,3 +135,10 @@ def test_rhel_installs_the_driver_stream_then_fabric_at_the_driver_rpm_version(t
     assert "v=$(rpm -q --qf '%{VERSION}' nvidia-open)" in steps
     assert line.index("nvidia-open") < line.index('"nvidia-fabricmanager-${v}"') < line.index("kernel-devel-5.14")
     assert [_repo_line(r) for r in b.repos if r.kind == "dnf-module"] == ["dnf -y module enable nvidia-driver:580-open"]
+
+
+def test_online_hosts_refresh_with_their_own_package_manager() -> None:
+    from k2fleet.bootstrap_tables import PACKAGE_MANAGERS
+
+    assert PACKAGE_MANAGERS["apt"].refresh == "DEBIAN_FRONTEND=noninteractive apt-get -q -y update"
+    assert PACKAGE_MANAGERS["dnf"].refresh == "dnf -y makecache"  # not apt-get on RHEL
