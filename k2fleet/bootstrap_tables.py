@@ -242,6 +242,17 @@ DEBIAN_12 = OsTable(
     # AMD's Debian 12 instructions use the Ubuntu 22.04 (jammy) amdgpu packages (not verified for 7.x)
     amdgpu_repo=f"https://repo.radeon.com/amdgpu/{AMDGPU_RELEASE}/ubuntu jammy main",
 )
+DEBIAN_13 = OsTable(
+    # NVIDIA publishes repos/debian13 for CUDA 13 (x86_64 and sbsa); AMD's packages for
+    # Debian 13 are the Ubuntu 24.04 (noble) ones (neither verified here)
+    name="debian-13", manager="apt", cuda_repo="debian13", cuda_arches=("x86_64", "sbsa"), codename="trixie",
+    components="main contrib",
+    kernel_holds=DEBIAN_12.kernel_holds,
+    kernel_headers="linux-headers-{kernel}",
+    docker=("docker.io",),
+    rdma=("rdma-core", "ibverbs-utils", "infiniband-diags"),
+    amdgpu_repo=f"https://repo.radeon.com/amdgpu/{AMDGPU_RELEASE}/ubuntu noble main",
+)
 RHEL_9 = OsTable(
     name="rhel-9", manager="dnf", cuda_repo="rhel9", cuda_arches=("x86_64", "sbsa"),
     kernel_holds={"x86_64": ("kernel", "kernel-core", "kernel-modules", "kernel-devel"),
@@ -256,12 +267,12 @@ RHEL_9 = OsTable(
     hold_tool=("python3-dnf-plugin-versionlock",),
     amdgpu_repo=f"https://repo.radeon.com/amdgpu/{AMDGPU_RELEASE}/el/9.6/main/x86_64/",
 )
-OS_TABLES: dict[str, OsTable] = {t.name: t for t in (UBUNTU_2204, UBUNTU_2404, DEBIAN_12, RHEL_9)}
+OS_TABLES: dict[str, OsTable] = {t.name: t for t in (UBUNTU_2204, UBUNTU_2404, DEBIAN_12, DEBIAN_13, RHEL_9)}
 OS_TABLES["rocky-9"] = RHEL_9  # Rocky Linux 9 is RHEL 9's package set
 DEFAULT_OS = "ubuntu-22.04"
 # /etc/os-release (ID, VERSION_ID major.minor or major) → k2_os, for the deploy-time OS fact
 OS_RELEASE_IDS: dict[tuple[str, str], str] = {
-    ("ubuntu", "22.04"): "ubuntu-22.04", ("ubuntu", "24.04"): "ubuntu-24.04", ("debian", "12"): "debian-12",
+    ("ubuntu", "22.04"): "ubuntu-22.04", ("ubuntu", "24.04"): "ubuntu-24.04", ("debian", "12"): "debian-12", ("debian", "13"): "debian-13",
     ("rhel", "9"): "rhel-9", ("rocky", "9"): "rocky-9", ("almalinux", "9"): "rhel-9",
 }
 

@@ -52,7 +52,7 @@ from typing import Protocol
 DEFAULT_CACHE_DIR = Path("/var/cache/k2fleet/bundles")
 APT_LISTS_DIR = Path("/var/lib/apt/lists")
 # Bump when the bundle's layout changes, to invalidate cached tars.
-BUNDLE_FORMAT = 1
+BUNDLE_FORMAT = 2  # 2: Release dated 0 (byte-reproducible tars), file: sources named by their last directory
 KEY_LENGTH = 16
 MANIFEST_NAME = "manifest.json"
 INDEX_NAME = "Packages"
@@ -212,6 +212,16 @@ def _memo_resolve(names: list[str], cache_dir: Path, apt_root: AptSources | None
     return resolved
 
 
+def stable_sources(sources: Iterable[str]) -> list[str]:
+    """Sources as a bundle records them: a local ``file:`` repository by its last directory
+    only (its bytes are in the bundle; where a cache kept it must not change the tar).
+
+    >>> stable_sources(["deb [trusted=yes] file:/var/cache/x/repo-ab12 ./", "deb http://d.org/debian trixie main"])
+    ['deb [trusted=yes] file:repo-ab12 ./', 'deb http://d.org/debian trixie main']
+    """
+    return [re.sub(r"file:/\S*/([^/\s]+)", r"file:\1", line) for line in sources]
+
+
 def bundle_key(packages: Iterable[str], resolved: Iterable[ResolvedPackage],
                sources: Iterable[str] | None = None) -> str:
     """Cache key: hash of the sorted request and the resolved closure, and of the
@@ -351,9 +361,9 @@ def build(packages: list[str], resolved: list[ResolvedPackage], tar_path: Path,
     with tempfile.TemporaryDirectory(prefix="k2fleet-bundle-", dir=tar_path.parent) as tmp:
         repo = Path(tmp)
         files = download(resolved, repo) if apt_root is None else apt_root.download(resolved, repo)
-        write_index(repo)
+        write_index(repo, date=0)
         write_manifest(repo, key_of(tar_path), packages, files,
-                       None if apt_root is None else apt_root.sources)
+                       None if apt_root is None else stable_sources(apt_root.sources))
         pack(repo, tar_path)
 
 
@@ -374,7 +384,7 @@ def ensure_bundle(packages: list[str], cache_dir: Path = DEFAULT_CACHE_DIR,
     if apt_root is not None:
         apt_root.update()
     resolved = _memo_resolve(names, cache_dir, apt_root)
-    sources = None if apt_root is None else apt_root.sources
+    sources = None if apt_root is None else stable_sources(apt_root.sources)
     tar_path = bundle_path(bundle_key(names, resolved, sources), cache_dir)
     with _locked(cache_dir):
         if not tar_path.is_file():

@@ -3,7 +3,8 @@
     k2fleet validate inventories/h200.py [--data KEY=VALUE ...]
     k2fleet plan inventories/h200.py [--json] [--data KEY=VALUE ...]
     k2fleet keys                      # every inventory key, as Markdown
-    k2fleet rehearse inventories/h200.py [--keep] [--data KEY=VALUE ...]
+    k2fleet rehearse inventories/h200.py [--keep] [--bundle DIR --offline] [--data KEY=VALUE ...]
+    k2fleet bundle inventories/h200.py --out DIR [--rehearsal] [--locked LOCK] [--only PART]
     k2fleet sandbox up 3 | down | status
 """
 
@@ -100,7 +101,44 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
 def _cmd_rehearse(args: argparse.Namespace) -> int:
     from k2fleet.rehearse import rehearse
 
-    return rehearse(args.inventory, args.data, keep=args.keep)
+    if args.offline and not args.bundle:
+        sys.stderr.write("k2fleet rehearse: --offline needs --bundle DIR (made by `k2fleet bundle INVENTORY --rehearsal`)\n")
+        return 2
+    return rehearse(args.inventory, args.data, keep=args.keep, bundle=args.bundle, offline=args.offline)
+
+
+def _cmd_bundle(args: argparse.Namespace) -> int:
+    from k2fleet import airgap
+    from k2fleet.lockfile import Lock, LockError
+    from k2fleet.pyinfra_run import data_args
+
+    locked = None
+    if args.locked:
+        try:
+            locked = Lock.from_text(args.locked.read_text())
+        except (OSError, LockError) as exc:
+            sys.stderr.write(f"k2fleet bundle: --locked {args.locked}: {exc}\n")
+            return 2
+    rehearsal = args.rehearsal or bool(locked and locked.rehearsal)
+    dep, plan = load_plan(args.inventory, [*data_args(airgap.bundle_overlay(rehearsal))[1::2], *args.data])
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        _, drifted = airgap.make_bundle(dep, plan, args.out.resolve(), inventory=args.inventory, rehearsal=rehearsal,
+                                        locked=locked, caches=airgap.Caches(args.cache), only=args.only, say=say)
+    except airgap.AirgapError as exc:
+        sys.stderr.write(f"k2fleet bundle: {exc}\n")
+        return 1
+    for line in drifted:
+        say(f"drifted: {line}")
+    if drifted:
+        say(f"k2fleet bundle: {len(drifted)} artifacts differ from {args.locked}")
+        return 1
+    if locked is not None:
+        say(f"k2fleet bundle: identical to {args.locked} ({len(locked.artifacts)} artifacts, same sha256s)")
+    return 0
 
 
 def _inventory_arguments(p: argparse.ArgumentParser) -> None:
@@ -125,7 +163,20 @@ def parser() -> argparse.ArgumentParser:
     rh = sub.add_parser("rehearse", help="deploy an inventory's scenario to sandbox hosts (engine test doubles)")
     _inventory_arguments(rh)
     rh.add_argument("--keep", action="store_true", help="leave the sandbox hosts up afterwards")
+    rh.add_argument("--bundle", type=Path, help="deploy from this bundle only (k2_bundle; `k2fleet bundle --rehearsal`)")
+    rh.add_argument("--offline", action="store_true",
+                    help="run the deploy in a network namespace whose only link is the sandbox bridge")
     rh.set_defaults(func=_cmd_rehearse)
+    bu = sub.add_parser("bundle", help="gather everything an air-gapped fleet needs into DIR, with k2fleet.lock")
+    _inventory_arguments(bu)
+    bu.add_argument("--out", type=Path, required=True, help="bundle directory (made, or brought up to date)")
+    bu.add_argument("--rehearsal", action="store_true",
+                    help="for `k2fleet rehearse --bundle`: engine TEST DOUBLES and simulated GPUs")
+    bu.add_argument("--locked", type=Path, metavar="LOCK", help="reproduce this k2fleet.lock; fail naming what drifted")
+    bu.add_argument("--cache", type=Path, default=Path("/var/cache/k2fleet"), help="download/build cache")
+    bu.add_argument("--only", action="append", default=[], choices=["debs", "wheels", "images", "checkpoints"],
+                    help="build only this part (repeatable)")
+    bu.set_defaults(func=_cmd_bundle)
     sb = sub.add_parser("sandbox", help="local sandbox fleet: up N | down | status", add_help=False)
     sb.add_argument("rest", nargs=argparse.REMAINDER)
     sb.set_defaults(func=_cmd_sandbox)

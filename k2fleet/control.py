@@ -6,7 +6,8 @@ host, so known_hosts is pinned before a host is contacted), the Hub-client wheel
 for a ``k2_checkpoint_fetcher`` host, the engine-side wheelhouses (e.g. Ray for the
 hosts of vLLM's Ray backend), the offline .deb bundles for
 ``k2_package_source: bundle`` and, for a sandbox container scenario, the engine TEST
-DOUBLE image archive (:mod:`k2fleet.image`). :func:`read_control_artifacts` only reads what exists
+DOUBLE image archive (:mod:`k2fleet.image`) — or, with ``k2_bundle: DIR``, all of these
+but the mesh keys from that air-gapped bundle alone (:mod:`k2fleet.airgap`). :func:`read_control_artifacts` only reads what exists
 (``k2fleet plan`` and ``pyinfra --dry`` use it and change nothing);
 :func:`prepare_control_artifacts` makes what is missing and is called once per real
 run by ``deploys/kimi.py``. The checkpoint cache (a Hub download on the control
@@ -28,12 +29,11 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from k2fleet import aptroot, bundle, image, nvidia_doubles, wheelhouse
+from k2fleet import airgap, aptroot, bundle, image, nvidia_doubles, wheelhouse
 from k2fleet.deployment import Deployment
 from k2fleet.desired import (ControlArtifacts, bundle_request, engine_side_requirements, host_arch, host_bootstrap,
                              mesh_enabled, needs_double_image, package_set)
 from k2fleet.plan import Plan
-from k2fleet.render.common import DOCKER
 from k2fleet.sandbox import SUITE as SANDBOX_SUITE
 
 
@@ -94,17 +94,18 @@ def _hub_requirement(dep: Deployment) -> str | None:
     return wheelhouse.hub_client_requirement() if dep.s.checkpoint_fetcher != "control" else None
 
 
-def _engine_side_sets(dep: Deployment, plan: Plan) -> set[tuple[str, ...]]:
-    return {tuple(reqs) for h in dep.fleet.hosts if (reqs := engine_side_requirements(dep, plan.hosts[h.name]))}
+def _engine_side_sets(dep: Deployment, plan: Plan) -> dict[tuple[str, ...], str]:
+    """Engine-side requirement sets → the Python of the hosts that install them."""
+    sets = {}
+    for h in dep.fleet.hosts:
+        reqs = engine_side_requirements(dep, plan.hosts[h.name])
+        if reqs:
+            sets[tuple(reqs)] = wheelhouse.host_python(host_bootstrap(dep, plan.hosts[h.name], h).os)
+    return sets
 
 
-def _image_packages(plan: Plan) -> tuple[str, ...]:
-    """Debian packages the double image needs for the planned container commands."""
-    return image.packages_for(svc.argv for _, svc in plan.services() if svc.argv[:1] == [DOCKER])
-
-
-def _engine_wheelhouse(dep: Deployment, requirements: tuple[str, ...], build: bool) -> Path | None:
-    where = dict(pythons=(wheelhouse.HOST_PYTHON,), archs=(host_arch(dep),))
+def _engine_wheelhouse(dep: Deployment, requirements: tuple[str, ...], python: str, build: bool) -> Path | None:
+    where = dict(pythons=(python,), archs=(host_arch(dep),))
     if build:
         return wheelhouse.ensure_wheelhouse(list(requirements), **where)
     return wheelhouse.cached_wheelhouse(list(requirements), **where)
@@ -112,7 +113,7 @@ def _engine_wheelhouse(dep: Deployment, requirements: tuple[str, ...], build: bo
 
 def _engine_wheels(dep: Deployment, plan: Plan, build: bool) -> dict[tuple[str, ...], dict[str, bytes]]:
     """Engine-side wheel sets (requirements → wheel name → bytes): built, or those cached."""
-    found = {reqs: _engine_wheelhouse(dep, reqs, build) for reqs in _engine_side_sets(dep, plan)}
+    found = {reqs: _engine_wheelhouse(dep, reqs, python, build) for reqs, python in _engine_side_sets(dep, plan).items()}
     return {reqs: wheelhouse.wheel_files(path) for reqs, path in found.items() if path is not None}
 
 
@@ -123,8 +124,22 @@ def _double_images(dep: Deployment, plan: Plan, build: bool) -> dict[str, tuple[
         return {}
     assert dep.image is not None
     lookup = image.ensure_double_image if build else image.cached_double_image
-    made = lookup(dep.image, packages=_image_packages(plan))
+    made = lookup(dep.image, packages=image.double_image_packages(plan))
     return {made.ref: (str(made.path), made.image_id)} if made else {}
+
+
+def _from_bundle(dep: Deployment, plan: Plan, client: tuple[bytes, bytes] | None,
+                 hosts: dict[str, tuple[bytes, bytes]]) -> ControlArtifacts:
+    """``k2_bundle``: packages, wheels and images from the bundle alone, each sha256-checked
+    against its lock as it is read (:func:`k2fleet.airgap.read_bundle`); nothing is fetched."""
+    assert dep.s.bundle is not None
+    try:
+        found = airgap.read_bundle(dep, plan, dep.s.bundle)
+    except airgap.AirgapError as exc:
+        raise ControlError(f"k2_bundle: {exc}") from None
+    return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, hub_requirement=_hub_requirement(dep),
+                            wheels=found.hub_wheels, bundles=found.debs, images=found.images,
+                            engine_wheels=found.engine_wheels)
 
 
 def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
@@ -134,6 +149,8 @@ def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
         client_path, host_paths = _mesh_paths(dep)
         client = _read_pair(client_path)
         hosts = {name: pair for name, path in host_paths.items() if (pair := _read_pair(path)) is not None}
+    if dep.s.bundle is not None:
+        return _from_bundle(dep, plan, client, hosts)
     requirement = _hub_requirement(dep)
     cached = wheelhouse.cached_wheelhouse([requirement]) if requirement else None
     return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, hub_requirement=requirement,
@@ -171,6 +188,8 @@ def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     if mesh_enabled(dep):
         client = _keypair(client_path, f"k2fleet-mesh-{dep_id(dep)}")
         hosts = {name: _keypair(path, name) for name, path in host_paths.items()}
+    if dep.s.bundle is not None:
+        return _from_bundle(dep, plan, client, hosts)
     requirement = _hub_requirement(dep)
     wheels = wheelhouse.wheel_files(wheelhouse.ensure_wheelhouse([requirement])) if requirement else None
     bundles = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import os
 import posixpath
 from dataclasses import dataclass
 from typing import Any
@@ -108,11 +109,19 @@ class Deployment:
         """What hosts that load weights must hold: the ``k2_model`` checkpoint, and for
         GGUF engines the ``k2_gguf_repo`` files matching ``k2_gguf_pattern``."""
         s = self.s
-        sets = [WeightSet(CHECKPOINT_CHECK, s.model, s.revision, self.checkpoint_path, s.checkpoint_source, None, "")]
+        sets = [WeightSet(CHECKPOINT_CHECK, s.model, s.revision, self.checkpoint_path,
+                          self._weight_source(s.checkpoint_source, s.model, s.revision), None, "")]
         if s.gguf_repo and self.gguf_path:
-            sets.append(WeightSet(GGUF_CHECK, s.gguf_repo, str(s.gguf_revision), self.gguf_path, s.gguf_source,
+            sets.append(WeightSet(GGUF_CHECK, s.gguf_repo, str(s.gguf_revision), self.gguf_path,
+                                  self._weight_source(s.gguf_source, s.gguf_repo, str(s.gguf_revision)),
                                   (s.gguf_pattern,) if s.gguf_pattern else None, " (GGUF weights)"))
         return tuple(sets)
+
+    def _weight_source(self, source: str, repo: str, revision: str) -> str:
+        """``k2_bundle``: a Hub source the control machine fetches is the bundle's copy."""
+        if self.s.bundle and source == "hub" and self.s.checkpoint_fetcher == "control":
+            return f"control:{self.s.bundle}/checkpoint/{repo.replace('/', '--')}/{revision}"
+        return source
 
     @property
     def api_model_name(self) -> str:
@@ -341,6 +350,19 @@ def _check_fetcher(fleet: Fleet) -> None:
                     "name a host that loads weights", fleet)
 
 
+def _check_bundle(fleet: Fleet) -> None:
+    """``k2_bundle``: the deploy takes its packages from it, and it was made (its lock exists)."""
+    s = fleet.settings
+    if s.bundle is None:
+        return
+    if s.package_source != "bundle":
+        raise _fail("k2_bundle", "the deploy takes its packages from the bundle; set k2_package_source: bundle", fleet)
+    lock = posixpath.join(s.bundle, "k2fleet.lock")
+    if not os.path.isfile(lock):
+        raise _fail("k2_bundle", f"{lock} does not exist; make the bundle with "
+                    f"`k2fleet bundle INVENTORY --out {s.bundle}` on a connected machine and copy it here", fleet)
+
+
 def _check_roles(fleet: Fleet, engine: str) -> None:
     roles = set(fleet.pools)
     pd = roles & set(PD_ROLES)
@@ -439,6 +461,7 @@ def resolve(fleet: Fleet) -> Deployment:
         raise _fail("k2_gguf_repo", "KTransformers serves GGUF weights; set k2_gguf_repo, k2_gguf_revision and k2_gguf_pattern", fleet)
     _check_roles(fleet, s.engine)
     _check_fetcher(fleet)
+    _check_bundle(fleet)
     pools = {}
     for role, hosts in fleet.pools.items():
         pools[role] = _check_pool(fleet, role, hosts, s.engine, per_node)

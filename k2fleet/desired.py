@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k2fleet import mesh, wheelhouse
+from k2fleet import engine_wheel, mesh, wheelhouse
 from k2fleet import bootstrap
 from k2fleet.bootstrap import BootstrapPlan, bootstrap_plan
 from k2fleet.checkpoint import fanout
@@ -263,21 +263,49 @@ def engine_side_requirements(dep: Deployment, hp: HostPlan) -> list[str]:
     return wheelhouse.engine_side_requirements(dep.engine, dep.s.venv, [svc.argv for svc in hp.services])
 
 
-def engine_files(dep: Deployment, real_venv: bool = False) -> dict[str, FileSpec]:
+ENGINE_PIP = {"vllm": "vllm", "sglang": "sglang[all]", "ktransformers": "ktransformers", "trtllm": "tensorrt_llm"}
+
+
+def engine_pin(dep: Deployment) -> str:
+    """The requirement that installs the engine into ``k2_venv``: its release, or with
+    engine test doubles the doubles' wheel (:mod:`k2fleet.engine_wheel`)."""
+    if dep.s.engine_doubles:
+        return engine_wheel.requirement()
+    return f"{ENGINE_PIP[dep.engine]}=={dep.version}"
+
+
+def engine_requirements(dep: Deployment, hp: HostPlan, bundled: bool) -> list[str]:
+    """What this host installs into ``k2_venv`` from wheels the control machine ships:
+    the engine-side requirements and, when the deploy takes everything from a bundle
+    (``k2_bundle``, or ``bundled`` while one is built), the engine itself (sorted)."""
+    side = engine_side_requirements(dep, hp)
+    if bundled and dep.runtime == "venv":
+        return sorted({*side, engine_pin(dep)})
+    return side
+
+
+def engine_files(dep: Deployment, real_venv: bool = False, from_wheel: bool = False) -> dict[str, FileSpec]:
     """k2fleet's host programs, and (sandbox only) the engine test doubles + wrappers.
 
     ``real_venv``: the host's ``k2_venv`` is a real venv (it holds engine-side wheels):
     the doubles run with its python, which is left alone; otherwise ``k2_venv/bin/python``
-    is a wrapper running the system python with the doubles on its path."""
+    is a wrapper running the system python with the doubles on its path. ``from_wheel``:
+    the doubles come as a wheel installed into the venv (a bundle), so only KTransformers'
+    rule files are shipped beside it."""
     files = {path: FileSpec((REPO / rel).read_bytes(), "755", "k2fleet") for path, rel in HOST_PROGRAMS.items()}
     if not dep.s.engine_doubles:
         return files
     root = FILES / "doubles"
+    venv = dep.s.venv
+    if dep.engine == "ktransformers":  # the legacy server's rule files, where a source install keeps them
+        for path in sorted((root / "ktransformers" / "optimize").rglob("*.yaml")):
+            files[f"{venv}/src/ktransformers/{path.relative_to(root)}"] = FileSpec(path.read_bytes(), "644", "k2fleet")
+    if from_wheel:
+        return files
     for path in sorted(root.rglob("*")):
         if path.is_file() and "__pycache__" not in path.parts and GPU_STACK_DOUBLES not in path.parts:
             mode = "755" if path.parent.name == "bin" else "644"
             files[f"{DOUBLES_DIR}/{path.relative_to(root)}"] = FileSpec(path.read_bytes(), mode, "k2fleet")
-    venv = dep.s.venv
     interpreter = f"{venv}/bin/python3 " if real_venv else ""
     for name in ("vllm", "trtllm-serve", "trtllm-llmapi-launch"):
         wrapper = (f'#!/bin/sh\n# k2fleet engine TEST DOUBLE wrapper (sandbox only)\n'
@@ -287,9 +315,6 @@ def engine_files(dep: Deployment, real_venv: bool = False) -> dict[str, FileSpec
         python = (f"#!/bin/sh\n# k2fleet engine TEST DOUBLE python (sandbox only)\n"
                   f'PYTHONPATH={DOUBLES_DIR} exec /usr/bin/python3 "$@"\n')
         files[f"{venv}/bin/python"] = FileSpec(python.encode(), "755", "k2fleet")
-    if dep.engine == "ktransformers":  # the legacy server's rule files, where a source install keeps them
-        for path in sorted((root / "ktransformers" / "optimize").rglob("*.yaml")):
-            files[f"{venv}/src/ktransformers/{path.relative_to(root)}"] = FileSpec(path.read_bytes(), "644", "k2fleet")
     return files
 
 
@@ -303,9 +328,10 @@ def engine_side_files(requirements: list[str], art: ControlArtifacts) -> dict[st
     return {f"{ENGINE_WHEEL_DIR}/{name}": FileSpec(data, "644", "wheelhouse") for name, data in wheels.items()}
 
 
-def engine_side_check(dep: Deployment, requirements: list[str]) -> list[str]:
-    """Read-only check: ``k2_venv``'s python is the fleet's (:data:`wheelhouse.HOST_PYTHON`)
-    and holds every engine-side distribution at its pinned version; prints what differs."""
+def engine_side_check(dep: Deployment, requirements: list[str], python: str) -> list[str]:
+    """Read-only check: ``k2_venv``'s python is ``python`` (the host OS's, which its wheels
+    are for: :func:`wheelhouse.host_python`) and holds every distribution of
+    ``requirements`` at its pinned version; prints what differs."""
     pins = dict(wheelhouse.requirement_version(r) for r in requirements)
     code = ("import sys\n"
             "from importlib.metadata import version, PackageNotFoundError as Missing\n"
@@ -313,21 +339,21 @@ def engine_side_check(dep: Deployment, requirements: list[str]) -> list[str]:
             f"want = {json.dumps(pins, sort_keys=True)}\n"
             "bad = [\"%s %s (fleet: %s)\" % (n, have(n), v) for n, v in sorted(want.items()) if have(n) != v]\n"
             "py = \"%d.%d\" % sys.version_info[:2]\n"
-            f"bad += [] if py == {json.dumps(wheelhouse.HOST_PYTHON)} else "
-            f"[\"python %s (fleet: {wheelhouse.HOST_PYTHON})\" % py]\n"
+            f"bad += [] if py == {json.dumps(python)} else "
+            f"[\"python %s (fleet: {python})\" % py]\n"
             "print(\"; \".join(bad) or \"python %s, %s\" % (py, want))\n"
             "sys.exit(1 if bad else 0)\n")
     return [f"{dep.s.venv}/bin/python", "-c", code]
 
 
-def engine_side_install_argv(dep: Deployment, requirements: list[str]) -> list[str]:
+def engine_side_install_argv(dep: Deployment, requirements: list[str], python: str) -> list[str]:
     """Make ``k2_venv`` (``python3 -m venv``), install the engine-side wheels with no
     package index, then run :func:`engine_side_check` (a host whose Python or pins differ
     from the fleet's fails here, naming what differs)."""
     venv = dep.s.venv
     pip = shell_line([f"{venv}/bin/pip", "install", "--quiet", "--no-index", "--find-links", ENGINE_WHEEL_DIR,
                       *requirements])
-    check = shell_line(engine_side_check(dep, requirements))
+    check = shell_line(engine_side_check(dep, requirements, python))
     return ["sh", "-c", f"python3 -m venv {shell_word(venv)} && {pip} && "
                         f"{{ {check} || {{ echo \"$(hostname): engine venv {venv} differs from the fleet\" >&2; exit 1; }}; }}"]
 
@@ -350,13 +376,14 @@ def needs_double_image(dep: Deployment) -> bool:
 
 
 def image_files(dep: Deployment, hp: HostPlan, art: ControlArtifacts) -> tuple[ImagePin | None, dict[str, FileSpec]]:
-    """A container host's image pin and the archive it loads (sandbox doubles; a real
-    fleet pulls ``k2_image`` and checks it is ``k2_image_id``)."""
+    """A container host's image pin and the archive it loads (sandbox doubles, or a
+    ``k2_bundle``'s saved image; otherwise a real fleet pulls ``k2_image`` and checks it
+    is ``k2_image_id``)."""
     if dep.image is None or not any(container_name(s) for s in hp.services):
         return None, {}
-    if not needs_double_image(dep):
+    if not needs_double_image(dep) and dep.s.bundle is None:
         return (ImagePin(dep.image, dep.s.image_id, None) if dep.s.image_id else None), {}
-    made = art.images.get(dep.image)
+    made = art.images.get(dep.image)  # the double image, or (k2_bundle) the archive in the bundle
     if made is None:
         name = "double-image.tar.gz"
         return ImagePin(dep.image, None, f"{IMAGE_DIR}/{name}"), {f"{IMAGE_DIR}/{name}": FileSpec(None, "644", "image")}
@@ -458,9 +485,8 @@ def hub_client_check(requirement: str) -> list[str]:
 
 def venv_install_argv(dep: Deployment) -> list[str]:
     """``python3 -m venv`` + pip install of the pinned engine (offline wheelhouse first)."""
-    pip_names = {"vllm": "vllm", "sglang": "sglang[all]", "ktransformers": "ktransformers", "trtllm": "tensorrt_llm"}
     venv = dep.s.venv
-    pip = shell_line([f"{venv}/bin/pip", "install", f"{pip_names[dep.engine]}=={dep.version}"])
+    pip = shell_line([f"{venv}/bin/pip", "install", engine_pin(dep)])
     wheelhouse = shell_word(f"{venv}/wheelhouse")
     return ["sh", "-c", f"python3 -m venv {shell_word(venv)} && {pip} --no-index --find-links {wheelhouse} || {pip}"]
 
@@ -503,14 +529,17 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
     """One :class:`HostDesired` per host, in inventory order (pure)."""
     slots = sorted({(svc.stage, svc.name) for _, svc in plan.services()})
     fan = fanout_plan(dep, plan)
-    engine = {real: engine_files(dep, real) for real in (False, True)}
+    bundled = dep.s.bundle is not None
+    engine = {real: engine_files(dep, real, from_wheel=bundled and dep.runtime == "venv")
+              for real in (False, True)}
     out: dict[str, HostDesired] = {}
     for h in dep.fleet.hosts:
         hp = plan.hosts[h.name]
         d = HostDesired(name=h.name, address=h.address, slots=slots, bootstrap=host_bootstrap(dep, hp, h))
         d.files["bootstrap"] = bootstrap_files(d.bootstrap)
         d.files["mesh"] = mesh_files(dep, h.name, art)
-        engine_side = engine_side_requirements(dep, hp)
+        engine_side = engine_requirements(dep, hp, bundled)
+        python = wheelhouse.host_python(d.bootstrap.os)
         d.files["engine"] = dict(engine[bool(engine_side)])
         d.files["engine_side"] = engine_side_files(engine_side, art)
         d.files["hub_client"] = hub_client_files(dep, h.name, art)
@@ -540,13 +569,13 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         if dep.s.checkpoint_fetcher == h.name and art.hub_requirement:
             d.checks[HUB_CLIENT_CHECK] = hub_client_check(art.hub_requirement)
         if engine_side:
-            d.checks[ENGINE_SIDE_CHECK] = engine_side_check(dep, engine_side)
-            d.engine_side_install = engine_side_install_argv(dep, engine_side)
+            d.checks[ENGINE_SIDE_CHECK] = engine_side_check(dep, engine_side, python)
+            d.engine_side_install = engine_side_install_argv(dep, engine_side, python)
         d.engine_entry = f"{dep.s.venv}/bin/{ENGINE_ENTRY[dep.engine]}"
         d.exists = [*d.exists, d.engine_entry, *d.device_doubles]
         if dep.s.model_type_override:
             d.exists.append(f"{dep.serve_path}/config.json")
-        if dep.runtime == "venv" and not dep.s.engine_doubles:
+        if dep.runtime == "venv" and not dep.s.engine_doubles and not bundled:
             d.venv_install = venv_install_argv(dep)
         rnd = fan.round_of(h.name)
         d.fanout = FanoutPlace(loads_weights=loads_weights(hp), parent=fan.parents.get(h.name),

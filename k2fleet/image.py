@@ -48,6 +48,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from k2fleet.desired import FILES
 
@@ -204,6 +205,13 @@ def packages_for(commands: Iterable[Sequence[str]]) -> tuple[str, ...]:
     ()
     """
     return tuple(sorted({pkg for argv in commands for word in argv for pkg in COMMAND_PACKAGES.get(word, ())}))
+
+
+def double_image_packages(plan: Any) -> tuple[str, ...]:
+    """Debian packages the double image needs for a plan's container commands (``docker ...``)."""
+    from k2fleet.render.common import DOCKER
+
+    return packages_for(svc.argv for _, svc in plan.services() if svc.argv[:1] == [DOCKER])
 
 
 def _merged(rel: str) -> str:

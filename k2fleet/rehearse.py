@@ -78,11 +78,8 @@ from k2fleet.inventory import _import_pyinfra_cli_inventory, inventory_host_data
 from k2fleet.plan import Plan
 from k2fleet.pyinfra_run import DEPLOY_FILE, ROOT, data_args, run_pyinfra, tool
 from k2fleet.spec import SpecError
-from k2fleet.synthetic import ensure_synthetic_checkpoint, ensure_synthetic_gguf
+from k2fleet.synthetic import gguf_file_names, rehearsal_checkpoint, rehearsal_gguf
 
-CHECKPOINT_CACHE = Path("/var/cache/k2fleet/rehearsal-checkpoints")
-SHARD_BYTES = 16 * 1024
-GGUF_SPLITS = 3  # synthetic GGUF split files per repository
 HEALTH_TIMEOUT_S = 120
 DEPLOY_TIMEOUT_S = 1200
 PROBE_TIMEOUT_S = 30
@@ -125,77 +122,6 @@ def slurm_job_config(dep: Deployment) -> dict[str, Any] | None:
 
     pool = dep.pools.get("slurm-submit")
     return slurm_config(dep, pool) if pool is not None and dep.engine == "trtllm" else None
-
-
-# --------------------------------------------------------------------------
-# the synthetic checkpoint for the inventory's own model/revision
-
-
-def checkpoint_style(model: str) -> tuple[int, str]:
-    """(shards, naming style) of a synthetic checkpoint shaped like ``model``'s.
-
-    >>> checkpoint_style("moonshotai/Kimi-K2-Instruct")
-    (61, 'instruct')
-    >>> checkpoint_style("moonshotai/Kimi-K2-Thinking")
-    (62, 'thinking')
-    """
-    if "instruct" in model.lower():
-        return 61, "instruct"
-    return 62, "thinking"
-
-
-def rehearsal_checkpoint(model: str, revision: str, cache: Path = CHECKPOINT_CACHE) -> tuple[Path, int]:
-    """Make (once, cached) a synthetic checkpoint for ``model``@``revision`` with its
-    manifest on the control machine; return (directory, total bytes of its files)."""
-    shards, style = checkpoint_style(model)
-    root = ensure_synthetic_checkpoint(cache / model.replace("/", "--") / revision, model, revision,
-                                       num_shards=shards, shard_bytes=SHARD_BYTES, style=style)
-    manifest = root / ".k2fleet" / "manifest.json"
-    size = sum(entry["size"] for entry in json.loads(manifest.read_text())["files"].values())
-    return root, size
-
-
-def _concrete(glob: str) -> str:
-    """One name matching fnmatch ``glob`` (no ``*`` left: callers place theirs first)."""
-    glob = re.sub(r"\[!([^\]]*)\]", "_", glob)
-    glob = re.sub(r"\[([^\]])[^\]]*\]", r"\1", glob)
-    return glob.replace("*", "synthetic").replace("?", "x")
-
-
-def gguf_file_names(pattern: str | None, repo: str, splits: int = GGUF_SPLITS) -> list[str] | None:
-    """Synthetic GGUF split names (``STEM-00001-of-00003.gguf``) matching ``pattern``
-    (``k2_gguf_pattern``; None: the repository root), or None if no ``.gguf`` name can.
-
-    >>> gguf_file_names("UD-Q3_K_XL/*", "unsloth/Kimi-K2-Instruct-GGUF")[0]
-    'UD-Q3_K_XL/Kimi-K2-Instruct-UD-Q3_K_XL-00001-of-00003.gguf'
-    >>> gguf_file_names("Q4_K_M/*.gguf", "org/K2-GGUF", 2)
-    ['Q4_K_M/K2-Q4_K_M-00001-of-00002.gguf', 'Q4_K_M/K2-Q4_K_M-00002-of-00002.gguf']
-    >>> gguf_file_names("*.safetensors", "org/K2-GGUF") is None
-    True
-    """
-    parts = (pattern or "*").split("/")
-    dirs = [_concrete(p) for p in parts[:-1]]
-    last = parts[-1]
-    stem = "-".join([repo.rsplit("/", 1)[-1].removesuffix("-GGUF"), *dirs[-1:]])
-    names = []
-    for i in range(1, splits + 1):
-        base = f"{stem}-{i:05d}-of-{splits:05d}"
-        name = _concrete(last.replace("*", base + (".gguf" if last.endswith("*") else ""), 1))
-        names.append("/".join([*dirs, name]))
-        if "*" not in last:
-            break
-    if not all(n.endswith(".gguf") and fnmatch.fnmatch(n, pattern or "*") for n in names):
-        return None
-    return names
-
-
-def rehearsal_gguf(repo: str, revision: str, pattern: str | None, cache: Path = CHECKPOINT_CACHE) -> Path:
-    """Make (once, cached) synthetic GGUF files of ``repo``@``revision`` matching
-    ``pattern`` with their manifest on the control machine; return the directory."""
-    names = gguf_file_names(pattern, repo)
-    assert names is not None  # unsupported() refuses such a pattern before anything is made
-    key = hashlib.sha256(json.dumps(names).encode()).hexdigest()[:12]
-    return ensure_synthetic_gguf(cache / repo.replace("/", "--") / f"{revision}-{key}", repo, revision, names, SHARD_BYTES)
 
 
 # --------------------------------------------------------------------------
@@ -389,11 +315,38 @@ def slurm_endpoints(job: dict[str, Any], login: sandbox.SandboxHost, hosts: Sequ
 # the command
 
 
-def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: TextIO = sys.stdout) -> int:
-    """The ``k2fleet rehearse`` command; SpecError (exit 2) before anything is booted."""
+def bundle_data(dep: Deployment, bundle: Path) -> dict[str, Any]:
+    """The fleet-wide overlay of a rehearsal from a bundle (``--bundle DIR``): what
+    ``k2fleet bundle --rehearsal`` computed the bundle with, plus ``k2_bundle`` (the
+    checkpoint is the bundle's synthetic one, its real size given)."""
+    from k2fleet.airgap import AirgapError, bundle_overlay, read_lock
+
+    try:
+        lock = read_lock(bundle)
+    except AirgapError as exc:
+        raise SpecError("k2_bundle", str(exc), str(bundle)) from None
+    if not lock.rehearsal:
+        raise SpecError("k2_bundle", f"{bundle} was not made with `k2fleet bundle --rehearsal` (it holds the real "
+                        "engine and driver stack, which sandbox hosts cannot run)", str(bundle))
+    size = sum(a.bytes for a in lock.artifacts if a.kind == "checkpoint-file" and a.name.startswith(dep.s.model + "/"))
+    data = {**bundle_overlay(True), "k2_bundle": str(bundle.resolve()),
+            "k2_health_timeout": min(dep.s.health_timeout, HEALTH_TIMEOUT_S)}
+    if size:
+        data["k2_checkpoint_bytes"] = size
+    return data
+
+
+def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: TextIO = sys.stdout,
+             bundle: Path | None = None, offline: bool = False) -> int:
+    """The ``k2fleet rehearse`` command; SpecError (exit 2) before anything is booted.
+
+    ``bundle``: deploy from that ``k2fleet bundle --rehearsal`` directory alone
+    (``k2_bundle``); ``offline``: run the deploy (pyinfra and its control step) in a
+    network namespace whose only link is the sandbox bridge."""
     overrides = parse_data_overrides(list(data))
     hosts = inventory_host_data(inventory, overrides)
     dep, plan = check_hosts(str(inventory), hosts)
+    fleet_data = bundle_data(dep, bundle) if bundle is not None else None
     missing = unsupported(dep, plan)
     if missing:
         sys.stderr.write(f"rehearse: {inventory} needs {missing} in sandbox hosts, not supported yet\n")
@@ -421,8 +374,15 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         out.flush()
 
     started = time.monotonic()
-    checkpoint, size = rehearsal_checkpoint(dep.s.model, dep.s.revision)
-    gguf = rehearsal_gguf(dep.s.gguf_repo, str(dep.s.gguf_revision), dep.s.gguf_pattern) if dep.s.gguf_repo else None
+    if fleet_data is None:
+        checkpoint, size = rehearsal_checkpoint(dep.s.model, dep.s.revision)
+        gguf = rehearsal_gguf(dep.s.gguf_repo, str(dep.s.gguf_revision), dep.s.gguf_pattern) if dep.s.gguf_repo else None
+        fleet_data = sandbox_data(dep, checkpoint, size, gguf)
+    else:
+        from k2fleet.airgap import checkpoint_rel
+
+        assert bundle is not None
+        checkpoint = bundle.resolve() / checkpoint_rel(dep.s.model, dep.s.revision)  # (a Slurm site's shared storage)
     work = Path(tempfile.mkdtemp(prefix="k2rehearse-"))
     booted = False
     waiting = time.monotonic()
@@ -450,14 +410,19 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         generated = work / "inventory" / inv_path.name
         generated.parent.mkdir()
         generated.write_text(generated_inventory(str(inventory), groups, connection_overlay(names, sb_hosts)))
-        overlay = {**sandbox_data(dep, checkpoint, size, gguf), **slurm_overlay}
-        argv = [tool("pyinfra"), "-y", "--json", "--group-data", str(inv_path.parent / "group_data"),
+        overlay = {**fleet_data, **slurm_overlay}
+        netns = sandbox.offline_control_netns() if offline else []
+        if offline:
+            say(f"rehearse {inventory}: --offline: the deploy runs in netns {sandbox.OFFLINE_NS}, whose only link is "
+                f"the sandbox bridge {sandbox.BRIDGE} ({sandbox.OFFLINE_ADDRESS}, no route out)")
+        argv = [*netns, tool("pyinfra"), "-y", "--json", "--group-data", str(inv_path.parent / "group_data"),
                 *data_args(overlay), *[a for item in data for a in ("--data", item)],
                 str(generated), DEPLOY_FILE]
         env = {"K2FLEET_STATE_DIR": str(work / "state")}
         for host_name, sb in zip(names, sb_hosts):
             say(f"  {host_name} -> {sb.name} {sb.address}")
-        say(f"rehearse {inventory}: deploying ({dep.engine} {dep.version}, engine test doubles, simulated GPUs)")
+        source = f", everything from bundle {bundle}" if bundle is not None else ""
+        say(f"rehearse {inventory}: deploying ({dep.engine} {dep.version}, engine test doubles, simulated GPUs{source})")
         first = run_pyinfra(argv, env, DEPLOY_TIMEOUT_S)
         if first.returncode != 0:
             raise RehearsalError(failure_summary(first.log),

@@ -15,6 +15,7 @@ step again (a second, blocking ``flock`` on a cache would freeze the whole proce
 
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,7 +88,12 @@ def _make_fleet_run(state: Any, inventory: Any, dry: bool | None) -> FleetRun:
     dep, plan = checked
     if dry is None:  # under the CLI, the gate (config.py) recorded --dry on the state
         dry = bool(getattr(state, "k2fleet_dry", False))
-    artifacts = control.read_control_artifacts(dep, plan) if dry else control.prepare_control_artifacts(dep, plan)
+    try:
+        artifacts = control.read_control_artifacts(dep, plan) if dry else control.prepare_control_artifacts(dep, plan)
+    except control.ControlError as exc:  # one line naming what and the fix, no traceback
+        sys.stderr.write(f"k2fleet: {exc}\n")
+        sys.stderr.flush()
+        raise SystemExit(1) from None
     run = FleetRun(dep=dep, plan=plan, artifacts=artifacts, dry=dry, state_dir=control.state_dir(dep),
                    desired=desired_state(dep, plan, artifacts))
     setattr(state, STATE_ATTRIBUTE, run)

@@ -408,6 +408,27 @@ def setup_host_network(index: int) -> None:
     run(["ip", "-n", ns, "link", "set", HOST_NIC, "up"])
 
 
+OFFLINE_NS = f"{PREFIX}-offline"  # the control side of `k2fleet rehearse --offline`
+OFFLINE_ADDRESS = f"{SUBNET}.2"
+
+
+def offline_control_netns() -> list[str]:
+    """A network namespace whose only link is a veth on the sandbox bridge (address
+    ``OFFLINE_ADDRESS``, no default route): a command run in it reaches the sandbox hosts
+    and nothing else. Made once (torn down with the sandbox); returns the argv prefix
+    that runs a command inside it."""
+    outer, inner = veth_names(0)
+    if OFFLINE_NS not in _sandbox_netns():
+        setup_bridge()
+        run(["ip", "netns", "add", OFFLINE_NS])
+        run(["ip", "link", "add", outer, "type", "veth", "peer", "name", inner, "netns", OFFLINE_NS])
+        run(["ip", "link", "set", outer, "master", BRIDGE, "up"])
+        run(["ip", "-n", OFFLINE_NS, "addr", "add", f"{OFFLINE_ADDRESS}/{PREFIX_LEN}", "dev", inner])
+        run(["ip", "-n", OFFLINE_NS, "link", "set", "lo", "up"])
+        run(["ip", "-n", OFFLINE_NS, "link", "set", inner, "up"])
+    return ["ip", "netns", "exec", OFFLINE_NS]
+
+
 def _sandbox_netns() -> list[str]:
     out = run(["ip", "netns", "list"], check=False).stdout
     return [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0].startswith(PREFIX)]

@@ -700,6 +700,13 @@ class HostSettings(BaseModel):
         "(an offline .deb bundle with its full dependency closure, built on the control machine).",
         default="apt",
     )
+    bundle: AbsPath | None = _key(
+        FLEET,
+        "Air-gapped: a directory made by `k2fleet bundle INVENTORY --out DIR` (with its `k2fleet.lock`). "
+        "Packages, wheels, images and the Hub checkpoint come from it alone, each sha256-checked against "
+        "the lock; needs `k2_package_source: bundle`.",
+        default=None,
+    )
     config_dir: AbsPath = _key(FLEET, "Where rendered config files go on hosts.", default="/etc/k2fleet")
     # --- hardware --------------------------------------------------------------
     gpu: GpuName = _key(FLEET, "GPU type: h100, h800, h20, h200, b200, b300, gb200, gb300, mi300x, mi325x, mi355x.")
@@ -714,7 +721,7 @@ class HostSettings(BaseModel):
         FLEET, "Sandbox only: install k2fleet's engine test doubles instead of real engines.", default=False
     )
     # --- host bootstrap (driver, fabric, container runtime) --------------------------
-    os: Literal["ubuntu-22.04", "ubuntu-24.04", "debian-12", "rhel-9", "rocky-9"] | None = _key(
+    os: Literal["ubuntu-22.04", "ubuntu-24.04", "debian-12", "debian-13", "rhel-9", "rocky-9"] | None = _key(
         HOST,
         "The host's OS release, which selects the bootstrap's package table; default "
         "`ubuntu-22.04` (the deploy compares it with the host's /etc/os-release).",

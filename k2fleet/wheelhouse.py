@@ -10,8 +10,8 @@ wheels are shipped to the host and installed there with ``pip install --no-index
 Engine-side wheels are what a host's engine venv (``k2_venv``) needs next to the engine
 for the parts the plan runs there (:data:`ENGINE_SIDE_PINS`, e.g. Ray for vLLM's Ray
 backend); their list is computed from the plan alone (:func:`engine_side_requirements`)
-and downloaded for the fleet hosts' interpreter only (:data:`HOST_PYTHON`, the
-``python3`` of the Debian release the offline bundles target) and CPU architecture.
+and downloaded for the fleet hosts' interpreter only (:func:`host_python`, the
+``python3`` of the hosts' OS release) and CPU architecture.
 
 On an air-gapped control machine, build the cache on a connected one and copy it:
 
@@ -31,6 +31,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from importlib.metadata import version
 from pathlib import Path
 
@@ -41,7 +42,10 @@ PLATFORMS = {
     "aarch64": ("manylinux2014_aarch64", "manylinux_2_17_aarch64", "manylinux_2_28_aarch64"),
 }
 DONE = "k2fleet-wheelhouse.json"
-HOST_PYTHON = "3.11"  # python3 of Debian 12 (bookworm), the release k2fleet's hosts and bundles run
+# k2_os → its python3 (what a host's `python3 -m venv` makes, so what its wheels are built for)
+HOST_PYTHONS = {"debian-12": "3.11", "debian-13": "3.13", "ubuntu-22.04": "3.10", "ubuntu-24.04": "3.12",
+                "rhel-9": "3.9", "rocky-9": "3.9"}
+DEFAULT_INDEX = "https://pypi.org/simple"
 # (engine, program the plan runs from k2_venv) -> the requirement that provides it.
 # vLLM (>= 0.19) asks for ray[cgraph]>=2.48.0 (compiled graphs carry pipeline parallelism
 # across Ray nodes); k2fleet pins one release so every node runs the same Ray.
@@ -78,20 +82,53 @@ def requirement_version(requirement: str) -> tuple[str, str]:
     return name.split("[", 1)[0], pinned
 
 
+def host_python(os_name: str) -> str:
+    """The ``python3`` version of a k2_os release.
+
+    >>> host_python("debian-12"), host_python("ubuntu-24.04")
+    ('3.11', '3.12')
+    """
+    return HOST_PYTHONS[os_name]
+
+
+def wheel_name_version(filename: str) -> tuple[str, str]:
+    """(distribution, version) of a wheel file name.
+
+    >>> wheel_name_version("ray-2.60.0-cp311-cp311-manylinux2014_x86_64.whl")
+    ('ray', '2.60.0')
+    """
+    name, version = filename.split("-")[:2]
+    return name, version
+
+
+def index_url() -> str:
+    """The package index pip downloads from (env ``PIP_INDEX_URL``, pip's config, or PyPI)."""
+    if os.environ.get("PIP_INDEX_URL"):
+        return os.environ["PIP_INDEX_URL"]
+    out = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"],
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else DEFAULT_INDEX
+
+
 def hub_client_requirement() -> str:
     """``huggingface_hub==<the control machine's version>``."""
     return f"huggingface_hub=={version('huggingface_hub')}"
 
 
 def wheelhouse_key(requirements: list[str], pythons: tuple[str, ...] = PYTHONS,
-                   archs: tuple[str, ...] = tuple(PLATFORMS)) -> str:
-    """Cache key of a wheelhouse: the pins, interpreter versions and platforms."""
+                   archs: tuple[str, ...] = tuple(PLATFORMS), constraints: tuple[str, ...] = ()) -> str:
+    """Cache key of a wheelhouse: the pins, interpreter versions, platforms (and the
+    versions it was constrained to, if any)."""
     platforms = sorted((arch, PLATFORMS[arch]) for arch in archs)
-    blob = json.dumps([sorted(requirements), list(pythons), platforms]).encode()
+    parts: list[object] = [sorted(requirements), list(pythons), platforms]
+    if constraints:
+        parts.append(sorted(constraints))
+    blob = json.dumps(parts).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def pip_download_argv(requirements: list[str], dest: Path, python: str, platforms: tuple[str, ...]) -> list[str]:
+def pip_download_argv(requirements: list[str], dest: Path, python: str, platforms: tuple[str, ...],
+                      constraints_file: Path | None = None) -> list[str]:
     """``pip download`` of binary wheels for one interpreter version and one architecture.
 
     Example:
@@ -103,26 +140,31 @@ def pip_download_argv(requirements: list[str], dest: Path, python: str, platform
             "--only-binary=:all:", "--python-version", python, "--implementation", "cp", "-d", str(dest)]
     for platform in platforms:
         argv += ["--platform", platform]
+    if constraints_file is not None:
+        argv += ["-c", str(constraints_file)]
     return argv + requirements
 
 
 def cached_wheelhouse(requirements: list[str], cache_dir: Path = DEFAULT_CACHE_DIR,
-                      pythons: tuple[str, ...] = PYTHONS, archs: tuple[str, ...] = tuple(PLATFORMS)) -> Path | None:
+                      pythons: tuple[str, ...] = PYTHONS, archs: tuple[str, ...] = tuple(PLATFORMS),
+                      constraints: Sequence[str] = ()) -> Path | None:
     """The complete cached wheelhouse directory for ``requirements``, if one exists (reads only)."""
-    target = cache_dir / wheelhouse_key(requirements, pythons, archs)
+    target = cache_dir / wheelhouse_key(requirements, pythons, archs, tuple(constraints))
     return target if (target / DONE).is_file() else None
 
 
 def ensure_wheelhouse(requirements: list[str] | None = None, cache_dir: Path = DEFAULT_CACHE_DIR,
-                      pythons: tuple[str, ...] = PYTHONS, archs: tuple[str, ...] = tuple(PLATFORMS)) -> Path:
+                      pythons: tuple[str, ...] = PYTHONS, archs: tuple[str, ...] = tuple(PLATFORMS),
+                      constraints: Sequence[str] = ()) -> Path:
     """The cached wheelhouse directory for ``requirements`` (default: the Hub client) for
     CPython ``pythons`` on ``archs``, downloaded with ``pip download`` the first time
-    (needs a package index then)."""
+    (needs a package index then). ``constraints``: ``name==version`` lines every
+    dependency must keep (``k2fleet bundle --locked`` passes the lock's)."""
     requirements = requirements or [hub_client_requirement()]
-    cached = cached_wheelhouse(requirements, cache_dir, pythons, archs)
+    cached = cached_wheelhouse(requirements, cache_dir, pythons, archs, constraints)
     if cached is not None:
         return cached
-    target = cache_dir / wheelhouse_key(requirements, pythons, archs)
+    target = cache_dir / wheelhouse_key(requirements, pythons, archs, tuple(constraints))
     cache_dir.mkdir(parents=True, exist_ok=True)
     with open(cache_dir / ".lock", "a") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
@@ -131,13 +173,19 @@ def ensure_wheelhouse(requirements: list[str] | None = None, cache_dir: Path = D
         tmp = target.with_name(target.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+        pinned = None
+        if constraints:
+            pinned = tmp / "constraints.txt"
+            pinned.write_text("".join(f"{c}\n" for c in sorted(constraints)))
         for python in pythons:
             for platforms in (PLATFORMS[arch] for arch in archs):
-                out = subprocess.run(pip_download_argv(requirements, tmp, python, platforms),
+                out = subprocess.run(pip_download_argv(requirements, tmp, python, platforms, pinned),
                                      capture_output=True, text=True, stdin=subprocess.DEVNULL)
                 if out.returncode:
                     raise RuntimeError(f"pip download of {' '.join(requirements)} for CPython {python} "
                                        f"{platforms[0]} failed:\n{out.stderr.strip()[-2000:]}")
+        if pinned is not None:
+            pinned.unlink()
         wheels = sorted(p.name for p in tmp.glob("*.whl"))
         (tmp / DONE).write_text(json.dumps({"requirements": requirements, "wheels": wheels}, indent=1) + "\n")
         shutil.rmtree(target, ignore_errors=True)

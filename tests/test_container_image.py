@@ -167,7 +167,7 @@ MPI_PACKAGES = ("openmpi-bin", "openssh-client", "openssh-server", "python3-mpi4
 
 
 def test_mpi_container_form_asks_the_image_for_sshd_openmpi_mpi4py() -> None:
-    from k2fleet.control import _image_packages
+    from k2fleet.image import double_image_packages as _image_packages
 
     _, plan = load_plan(ROOT / "inventories/h200-trtllm-mpi.py", SIMULATED)
     assert _image_packages(plan) == MPI_PACKAGES

@@ -305,7 +305,7 @@ def real_router_python(tmp_path_factory: pytest.TempPathFactory) -> str:
     from k2fleet import wheelhouse
 
     requirement = wheelhouse.ENGINE_SIDE_PINS[("sglang", "sglang_router.launch_router")]
-    wheels = wheelhouse.ensure_wheelhouse([requirement], pythons=(wheelhouse.HOST_PYTHON,), archs=("x86_64",))
+    wheels = wheelhouse.ensure_wheelhouse([requirement], pythons=(wheelhouse.host_python("debian-12"),), archs=("x86_64",))
     venv = tmp_path_factory.mktemp("router") / "venv"
     subprocess.run([DEBIAN_PYTHON, "-m", "venv", str(venv)], check=True)
     subprocess.run([str(venv / "bin/pip"), "install", "--quiet", "--no-index", "--find-links", str(wheels),

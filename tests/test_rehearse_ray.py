@@ -88,19 +88,18 @@ def test_engine_side_check_names_what_differs(monkeypatch: pytest.MonkeyPatch) -
     dep, _ = sandbox_plan()
     pip = f"pip=={__import__('pip').__version__}"
 
-    def check(requirements: list[str]) -> subprocess.CompletedProcess:
-        argv = engine_side_check(dep, requirements)
+    py = "%d.%d" % sys.version_info[:2]
+
+    def check(requirements: list[str], python: str = py) -> subprocess.CompletedProcess:
+        argv = engine_side_check(dep, requirements, python)
         return subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True)
 
-    py = "%d.%d" % sys.version_info[:2]
-    monkeypatch.setattr(wheelhouse, "HOST_PYTHON", py)
     ok = check([pip])
     assert ok.returncode == 0, ok.stdout
     wrong = check(["pip==0.0.1", "no-such-dist==1.0"])
     assert wrong.returncode == 1
     assert f"no-such-dist missing (fleet: 1.0); pip {pip.split('==')[1]} (fleet: 0.0.1)" in wrong.stdout
-    monkeypatch.setattr(wheelhouse, "HOST_PYTHON", "3.99")
-    other = check([pip])
+    other = check([pip], "3.99")
     assert other.returncode == 1 and f"python {py} (fleet: 3.99)" in other.stdout
 
 
