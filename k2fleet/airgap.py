@@ -374,8 +374,11 @@ class _Builder:
         manifest = load_manifest(str(mpath))
         self.add(str(mpath.relative_to(self.out)), mpath, "checkpoint-manifest", repo, revision, origin)
         for name, entry in sorted(manifest["files"].items()):
+            # LFS files: the Hub's sha256 (the download verified it); small git files carry only a
+            # git blob sha1 in the manifest, so their sha256 is read from the bundle's copy
+            digest = entry.get("sha256") or sha256_file(dest / name)
             self.artifacts.append(Artifact(f"{rel}/{name}", "checkpoint-file", f"{repo}/{name}", revision,
-                                           str(entry.get("sha256") or ""), int(entry.get("size") or 0), origin))
+                                           str(digest), int(entry.get("size") or 0), origin))
         self.parts["checkpoints"].append({"repo": repo, "revision": revision,
                                           "patterns": list(patterns) if patterns else None, "path": rel})
         total = sum(int(e.get("size") or 0) for e in manifest["files"].values())

@@ -184,11 +184,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from k2fleet.control import ControlError
+
     args = parser().parse_args(argv)
     try:
         return int(args.func(args))
     except SpecError as exc:
         refuse(exc)
+    except ControlError as exc:  # e.g. k2_bundle: an altered artifact (one line, no traceback)
+        sys.stderr.write(f"k2fleet: {exc}\n")
+        return 1
 
 
 if __name__ == "__main__":
