@@ -64,6 +64,8 @@ UBUNTU_KEYRING = Path("/usr/share/keyrings/ubuntu-archive-keyring.gpg")  # Debia
 UBUNTU_MIRROR = "http://archive.ubuntu.com/ubuntu"
 UBUNTU_PORTS = "http://ports.ubuntu.com/ubuntu-ports"
 CHECKPOINT_DIR = "checkpoint"
+PART_KINDS = {"debs": ("deb", "deb-repo"), "wheels": ("wheel",), "images": ("image",),
+              "checkpoints": ("checkpoint-manifest", "checkpoint-file")}  # bundle part → its artifacts' kinds
 Say = Callable[[str], None]
 
 
@@ -434,7 +436,7 @@ def make_bundle(dep: Deployment, plan: Plan, out: Path, *, inventory: str, rehea
     ``only``: build just these parts (debs, wheels, images, checkpoints).
     """
     needs = bundle_needs(dep, plan)
-    wanted = set(only) or {"debs", "wheels", "images", "checkpoints"}
+    wanted = set(only) or set(PART_KINDS)
     out.mkdir(parents=True, exist_ok=True)
     b = _Builder(out, caches, say)
     t0 = time.monotonic()
@@ -451,6 +453,15 @@ def make_bundle(dep: Deployment, plan: Plan, out: Path, *, inventory: str, rehea
             b.checkpoint(dep, repo, revision, patterns, rehearsal)
     except (bundle.BundleError, RuntimeError) as exc:
         raise AirgapError(str(exc)) from None
+    if wanted != set(PART_KINDS) and (out / LOCK_NAME).is_file():  # --only: the other parts stay as they were
+        try:
+            previous = Lock.from_text((out / LOCK_NAME).read_text())
+        except LockError:
+            previous = None
+        for part in (set(PART_KINDS) - wanted) if previous else ():
+            assert previous is not None
+            b.parts[part] = previous.part(part)
+            b.artifacts += [a for a in previous.artifacts if a.kind in PART_KINDS[part]]
     lock = Lock(inventory, rehearsal, b.parts, tuple(sorted(b.artifacts)))
     removed = b.remove_stale()
     text = lock.to_text()

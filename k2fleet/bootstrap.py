@@ -296,7 +296,7 @@ def host_needs_gpu_stack(host: HostEntry) -> bool:
 def bootstrap_plan(dep: Deployment, host: HostEntry, host_os: str | None = None,
                    docker: bool | None = None) -> BootstrapPlan:
     """The bootstrap of ``host`` on OS ``host_os`` (default: its ``k2_os``, else
-    ubuntu-22.04); ``docker``: the host runs containers (default: the fleet's runtime is
+    :data:`~k2fleet.bootstrap_tables.DEFAULT_OS`); ``docker``: the host runs containers (default: the fleet's runtime is
     ``container``), so it gets Docker (and, with NVIDIA GPUs, the container toolkit).
     Pure: tables in, plan out."""
     os_name = host_os or t.host_os(host)

@@ -210,10 +210,17 @@ class OsTable:
     rdma: tuple[str, ...] = ()
     hold_tool: tuple[str, ...] = ()  # packages that provide the hold command
     amdgpu_repo: str = ""
+    # the interpreter engine venvs are made with (`PYTHON -m venv`), its version (what the
+    # bundle's wheels are for) and the packages that provide it with venv support
+    python: str = "python3"
+    python_version: str = ""
+    venv_packages: tuple[str, ...] = ("python3-venv",)
 
 
 UBUNTU_2204 = OsTable(
     name="ubuntu-22.04", manager="apt", cuda_repo="ubuntu2204", cuda_arches=("x86_64", "sbsa"), codename="jammy",
+    # python3 is 3.10, below vLLM 0.32+'s Requires-Python (>=3.11): jammy's universe python3.11
+    python="python3.11", python_version="3.11", venv_packages=("python3.11", "python3.11-venv"),
     kernel_holds={"x86_64": ("linux-generic", "linux-image-generic", "linux-headers-generic"),
                   "sbsa": ("linux-generic", "linux-image-generic", "linux-headers-generic")},
     kernel_headers="linux-headers-{kernel}",
@@ -223,6 +230,7 @@ UBUNTU_2204 = OsTable(
 )
 UBUNTU_2404 = OsTable(
     name="ubuntu-24.04", manager="apt", cuda_repo="ubuntu2404", cuda_arches=("x86_64", "sbsa"), codename="noble",
+    python_version="3.12",
     kernel_holds=UBUNTU_2204.kernel_holds,
     kernel_headers="linux-headers-{kernel}",
     docker=("docker.io",),
@@ -233,6 +241,7 @@ DEBIAN_12 = OsTable(
     # sbsa: referenced as https://developer.download.nvidia.com/compute/cuda/repos/debian12/sbsa by
     # third-party repository configurations (not read from NVIDIA's own page)
     name="debian-12", manager="apt", cuda_repo="debian12", cuda_arches=("x86_64", "sbsa"), codename="bookworm",
+    python_version="3.11",
     components="main contrib",
     kernel_holds={"x86_64": ("linux-image-amd64", "linux-headers-amd64"),
                   "sbsa": ("linux-image-arm64", "linux-headers-arm64")},
@@ -246,6 +255,7 @@ DEBIAN_13 = OsTable(
     # NVIDIA publishes repos/debian13 for CUDA 13 (x86_64 and sbsa); AMD's packages for
     # Debian 13 are the Ubuntu 24.04 (noble) ones (neither verified here)
     name="debian-13", manager="apt", cuda_repo="debian13", cuda_arches=("x86_64", "sbsa"), codename="trixie",
+    python_version="3.13",
     components="main contrib",
     kernel_holds=DEBIAN_12.kernel_holds,
     kernel_headers="linux-headers-{kernel}",
@@ -255,6 +265,8 @@ DEBIAN_13 = OsTable(
 )
 RHEL_9 = OsTable(
     name="rhel-9", manager="dnf", cuda_repo="rhel9", cuda_arches=("x86_64", "sbsa"),
+    # python3 is 3.9; AppStream's python3.12 (RHEL 9.4+) carries venv itself
+    python="python3.12", python_version="3.12", venv_packages=("python3.12",),
     kernel_holds={"x86_64": ("kernel", "kernel-core", "kernel-modules", "kernel-devel"),
                   "sbsa": ("kernel", "kernel-core", "kernel-modules", "kernel-devel")},
     kernel_headers="kernel-devel-{kernel}",

@@ -16,8 +16,8 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any
 
-from k2fleet import catalog
-from k2fleet.bootstrap_tables import DriverChoice, choose_driver
+from k2fleet import catalog, wheelhouse
+from k2fleet.bootstrap_tables import DriverChoice, choose_driver, host_os
 from k2fleet.spec import SHA_RE, Fleet, HostEntry, HostSettings, SpecError
 
 KV_RESERVE_GIB = 4.0  # the least KV cache per GPU worth serving with...
@@ -350,6 +350,21 @@ def _check_fetcher(fleet: Fleet) -> None:
                     "name a host that loads weights", fleet)
 
 
+def _check_venv_python(fleet: Fleet, engine: str, version: str, runtime: str) -> None:
+    """A venv engine is installed with the host OS's venv interpreter (its OS table's): it
+    must be one the engine's release installs on (its Requires-Python)."""
+    need = wheelhouse.engine_min_python(engine, version)
+    if runtime != "venv" or need is None or fleet.settings.simulated_gpus:
+        return
+    for h in fleet.hosts:
+        os_name = host_os(h)
+        have = wheelhouse.host_python(os_name)
+        if tuple(map(int, have.split("."))) < tuple(map(int, need.split("."))):
+            raise SpecError("k2_os", f"host {h.name} runs {os_name} (Python {have}) but {engine} {version} needs "
+                            f"Python >= {need}; set another k2_os, k2_runtime: container, or an older "
+                            f"k2_engine_version", fleet.source)
+
+
 def _check_bundle(fleet: Fleet) -> None:
     """``k2_bundle``: the deploy takes its packages from it, and it was made (its lock exists)."""
     s = fleet.settings
@@ -462,6 +477,7 @@ def resolve(fleet: Fleet) -> Deployment:
     _check_roles(fleet, s.engine)
     _check_fetcher(fleet)
     _check_bundle(fleet)
+    _check_venv_python(fleet, s.engine, version, runtime)
     pools = {}
     for role, hosts in fleet.pools.items():
         pools[role] = _check_pool(fleet, role, hosts, s.engine, per_node)

@@ -27,6 +27,7 @@ from typing import Any
 from k2fleet import engine_wheel, mesh, wheelhouse
 from k2fleet import bootstrap
 from k2fleet.bootstrap import BootstrapPlan, bootstrap_plan
+from k2fleet.bootstrap_tables import OS_TABLES
 from k2fleet.checkpoint import fanout
 from k2fleet.deployment import CHECKPOINT_CHECK, Deployment
 from k2fleet.packages import required_packages
@@ -169,6 +170,7 @@ class HostDesired:
     fanout: FanoutPlace | None = None
     health_argv: list[str] | None = None
     venv_install: list[str] | None = None
+    python: str = "python3"  # the interpreter venvs are made with (the OS table's)
     engine_side_install: list[str] | None = None
     engine_entry: str = ""
     bootstrap: BootstrapPlan | None = None  # driver, fabric, container runtime (k2fleet.bootstrap)
@@ -346,15 +348,15 @@ def engine_side_check(dep: Deployment, requirements: list[str], python: str) -> 
     return [f"{dep.s.venv}/bin/python", "-c", code]
 
 
-def engine_side_install_argv(dep: Deployment, requirements: list[str], python: str) -> list[str]:
-    """Make ``k2_venv`` (``python3 -m venv``), install the engine-side wheels with no
+def engine_side_install_argv(dep: Deployment, requirements: list[str], python: str, interpreter: str) -> list[str]:
+    """Make ``k2_venv`` (``INTERPRETER -m venv``, the OS table's), install the engine-side wheels with no
     package index, then run :func:`engine_side_check` (a host whose Python or pins differ
     from the fleet's fails here, naming what differs)."""
     venv = dep.s.venv
     pip = shell_line([f"{venv}/bin/pip", "install", "--quiet", "--no-index", "--find-links", ENGINE_WHEEL_DIR,
                       *requirements])
     check = shell_line(engine_side_check(dep, requirements, python))
-    return ["sh", "-c", f"python3 -m venv {shell_word(venv)} && {pip} && "
+    return ["sh", "-c", f"{shell_word(interpreter)} -m venv {shell_word(venv)} && {pip} && "
                         f"{{ {check} || {{ echo \"$(hostname): engine venv {venv} differs from the fleet\" >&2; exit 1; }}; }}"]
 
 
@@ -483,12 +485,12 @@ def hub_client_check(requirement: str) -> list[str]:
     return [f"{HUB_ENV}/bin/python", "-c", f"import sys, huggingface_hub as h; sys.exit(h.__version__ != {want!r})"]
 
 
-def venv_install_argv(dep: Deployment) -> list[str]:
-    """``python3 -m venv`` + pip install of the pinned engine (offline wheelhouse first)."""
+def venv_install_argv(dep: Deployment, interpreter: str) -> list[str]:
+    """``INTERPRETER -m venv`` (the OS table's) + pip install of the pinned engine (offline wheelhouse first)."""
     venv = dep.s.venv
     pip = shell_line([f"{venv}/bin/pip", "install", engine_pin(dep)])
     wheelhouse = shell_word(f"{venv}/wheelhouse")
-    return ["sh", "-c", f"python3 -m venv {shell_word(venv)} && {pip} --no-index --find-links {wheelhouse} || {pip}"]
+    return ["sh", "-c", f"{shell_word(interpreter)} -m venv {shell_word(venv)} && {pip} --no-index --find-links {wheelhouse} || {pip}"]
 
 
 # --------------------------------------------------------------------------- bootstrap
@@ -540,6 +542,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         d.files["mesh"] = mesh_files(dep, h.name, art)
         engine_side = engine_requirements(dep, hp, bundled)
         python = wheelhouse.host_python(d.bootstrap.os)
+        d.python = OS_TABLES[d.bootstrap.os].python
         d.files["engine"] = dict(engine[bool(engine_side)])
         d.files["engine_side"] = engine_side_files(engine_side, art)
         d.files["hub_client"] = hub_client_files(dep, h.name, art)
@@ -570,13 +573,13 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
             d.checks[HUB_CLIENT_CHECK] = hub_client_check(art.hub_requirement)
         if engine_side:
             d.checks[ENGINE_SIDE_CHECK] = engine_side_check(dep, engine_side, python)
-            d.engine_side_install = engine_side_install_argv(dep, engine_side, python)
+            d.engine_side_install = engine_side_install_argv(dep, engine_side, python, d.python)
         d.engine_entry = f"{dep.s.venv}/bin/{ENGINE_ENTRY[dep.engine]}"
         d.exists = [*d.exists, d.engine_entry, *d.device_doubles]
         if dep.s.model_type_override:
             d.exists.append(f"{dep.serve_path}/config.json")
         if dep.runtime == "venv" and not dep.s.engine_doubles and not bundled:
-            d.venv_install = venv_install_argv(dep)
+            d.venv_install = venv_install_argv(dep, d.python)
         rnd = fan.round_of(h.name)
         d.fanout = FanoutPlace(loads_weights=loads_weights(hp), parent=fan.parents.get(h.name),
                                round=rnd, rounds=len(fan.rounds), is_root=h.name == fan.root, shared=fan.shared)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from k2fleet import wheelhouse
+from k2fleet.bootstrap_tables import OS_TABLES, host_os
 from k2fleet.deployment import Deployment
 from k2fleet.plan import HostPlan
 
@@ -10,9 +11,10 @@ from k2fleet.plan import HostPlan
 def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool) -> list[str]:
     """Debian packages for ``host_plan``: rsync for checkpoints, sshd for the mesh,
     OpenMPI where mpirun runs on the host (not in a container), mpi4py for doubles,
-    python3-venv for engine venvs (also those holding only engine-side wheels, e.g. Ray
-    beside the vLLM test double) and for the Hub client of ``k2_checkpoint_fetcher``,
-    (Docker is the bootstrap's: :mod:`k2fleet.bootstrap`.)"""
+    the OS table's venv interpreter packages (``python3-venv``; ubuntu-22.04
+    ``python3.11-venv``) for engine venvs (the engine test doubles' too, installed as a
+    wheel from a bundle or beside engine-side wheels such as Ray) and for the Hub client of
+    ``k2_checkpoint_fetcher``. (Docker is the bootstrap's: :mod:`k2fleet.bootstrap`.)"""
     needed = {"rsync"}
     if mesh:
         needed |= {"openssh-server", "openssh-client"}
@@ -24,8 +26,9 @@ def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool) -> list[
         if dep.s.engine_doubles:
             needed |= {"python3-mpi4py"}
     engine_side = wheelhouse.engine_side_requirements(dep.engine, dep.s.venv, [s.argv for s in host_plan.services])
-    if dep.runtime == "venv" and not dep.s.engine_doubles or dep.s.checkpoint_fetcher == host_plan.name or engine_side:
-        needed |= {"python3-venv"}
+    if dep.runtime == "venv" or dep.s.checkpoint_fetcher == host_plan.name or engine_side:
+        entry = next(h for h in dep.fleet.hosts if h.name == host_plan.name)
+        needed |= set(OS_TABLES[host_os(entry)].venv_packages)
     return sorted(needed)
 
 

@@ -724,7 +724,8 @@ class HostSettings(BaseModel):
     os: Literal["ubuntu-22.04", "ubuntu-24.04", "debian-12", "debian-13", "rhel-9", "rocky-9"] | None = _key(
         HOST,
         "The host's OS release, which selects the bootstrap's package table; default "
-        "`ubuntu-22.04` (the deploy compares it with the host's /etc/os-release).",
+        "`ubuntu-22.04` (the deploy compares it with the host's /etc/os-release). Engine venvs use the "
+        "release's Python (ubuntu-22.04: python3.11 from universe; rhel-9: python3.12).",
         default=None,
     )
     driver_branch: DriverBranch | None = _key(

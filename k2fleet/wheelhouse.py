@@ -42,10 +42,11 @@ PLATFORMS = {
     "aarch64": ("manylinux2014_aarch64", "manylinux_2_17_aarch64", "manylinux_2_28_aarch64"),
 }
 DONE = "k2fleet-wheelhouse.json"
-# k2_os → its python3 (what a host's `python3 -m venv` makes, so what its wheels are built for)
-HOST_PYTHONS = {"debian-12": "3.11", "debian-13": "3.13", "ubuntu-22.04": "3.10", "ubuntu-24.04": "3.12",
-                "rhel-9": "3.9", "rocky-9": "3.9"}
 DEFAULT_INDEX = "https://pypi.org/simple"
+# engine → (first release, the oldest Python it installs on), from each release's
+# Requires-Python on PyPI (read 2026-11: vllm 0.32.0 and 0.33.0 say ">=3.11,<3.15";
+# sglang 0.5.23, sglang-kt/kt-kernel 0.7.2, ray 2.60.0 and sglang-router 0.3.2 install on 3.10)
+ENGINE_REQUIRES_PYTHON: dict[str, tuple[tuple[str, str], ...]] = {"vllm": (("0.32.0", "3.11"),)}
 # (engine, program the plan runs from k2_venv) -> the requirement that provides it.
 # vLLM (>= 0.19) asks for ray[cgraph]>=2.48.0 (compiled graphs carry pipeline parallelism
 # across Ray nodes); k2fleet pins one release so every node runs the same Ray.
@@ -83,12 +84,28 @@ def requirement_version(requirement: str) -> tuple[str, str]:
 
 
 def host_python(os_name: str) -> str:
-    """The ``python3`` version of a k2_os release.
+    """The Python version engine venvs run on a k2_os release (its OS table's), so the
+    version the wheels shipped to it are for.
 
-    >>> host_python("debian-12"), host_python("ubuntu-24.04")
-    ('3.11', '3.12')
+    >>> host_python("debian-12"), host_python("ubuntu-22.04"), host_python("rhel-9")
+    ('3.11', '3.11', '3.12')
     """
-    return HOST_PYTHONS[os_name]
+    from k2fleet.bootstrap_tables import OS_TABLES
+
+    return OS_TABLES[os_name].python_version
+
+
+def engine_min_python(engine: str, version: str) -> str | None:
+    """The oldest Python ``engine`` at ``version`` installs on (None: no known floor).
+
+    >>> engine_min_python("vllm", "0.33.0"), engine_min_python("vllm", "0.31.0"), engine_min_python("sglang", "0.5.23")
+    ('3.11', None, None)
+    """
+    def key(v: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in v.split(".") if part.isdigit())
+
+    floors = [py for since, py in ENGINE_REQUIRES_PYTHON.get(engine, ()) if key(version) >= key(since)]
+    return max(floors, key=key) if floors else None
 
 
 def wheel_name_version(filename: str) -> tuple[str, str]:

@@ -17,7 +17,7 @@ from pyinfra.api import deploy
 from k2fleet.desired import HUB_CLIENT_CHECK, HUB_ENV, WHEEL_DIR, HostDesired
 from k2fleet.operations import command, synced_files
 from k2fleet.preflight import HostReport
-from k2fleet.quoting import shell_line
+from k2fleet.quoting import shell_line, shell_word
 
 
 @deploy("k2fleet: Hub client on the checkpoint fetcher")
@@ -41,5 +41,5 @@ def install(desired: HostDesired, fact: HostReport, requirement: str | None) -> 
     pip = shell_line([f"{HUB_ENV}/bin/pip", "install", "--quiet", "--no-index", "--find-links", WHEEL_DIR,
                       requirement or "huggingface_hub"])
     command(name=f"Hub client: venv {HUB_ENV} with {requirement or 'huggingface_hub'} (no package index)",
-            argv=["sh", "-c", f"python3 -m venv {HUB_ENV} && {pip}"],
+            argv=["sh", "-c", f"{shell_word(desired.python)} -m venv {HUB_ENV} && {pip}"],
             _if=lambda: bool(files) and (not fact.passed(HUB_CLIENT_CHECK) or upload.did_change()))

@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from k2fleet.bootstrap_tables import OS_TABLES
 from k2fleet import sandbox, wheelhouse
 from k2fleet.control import read_control_artifacts
 from k2fleet.desired import ENGINE_SIDE_CHECK, desired_state, engine_side_check
@@ -78,7 +79,8 @@ def test_every_ray_host_gets_the_engine_side_wheels_and_their_check() -> None:
     desired = desired_state(dep, plan, read_control_artifacts(dep, plan))
     for name in ("h800-0", "h800-1"):
         host = desired[name]
-        assert "python3-venv" in host.packages and ENGINE_SIDE_CHECK in host.checks
+        venv = OS_TABLES[host.bootstrap.os].venv_packages  # python3-venv (ubuntu-22.04: python3.11-venv)
+        assert set(venv) <= set(host.packages) and ENGINE_SIDE_CHECK in host.checks
         assert host.files["engine_side"], name
         assert "/opt/k2fleet/venv/bin/python" not in host.files["engine"]  # the venv's own python runs the double
         assert "'ray[cgraph]==2.60.0'" in host.engine_side_install[2]
