@@ -51,6 +51,7 @@ from typing import Any
 
 from k2fleet import aptroot, bundle, engine_wheel, image, nvidia_doubles, wheelhouse
 from k2fleet.bootstrap import Repo
+from k2fleet.bundle import sha256_file
 from k2fleet.bootstrap_tables import OS_TABLES
 from k2fleet.deployment import Deployment
 from k2fleet.desired import (bundle_request, engine_requirements, host_arch, host_bootstrap,
@@ -102,14 +103,6 @@ class Caches:
     @property
     def keyrings(self) -> Path:
         return self.root / "keyrings"
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # ----------------------------------------------------------------------------- what the fleet needs (pure)
@@ -255,25 +248,27 @@ def _apt_root(deb: DebSet, caches: Caches) -> aptroot.AptRoot:
     return aptroot.AptRoot(sources, arch=deb.arch, cache_dir=caches.apt, keyrings=keyrings)
 
 
-def _place(src: Path, dest: Path) -> bool:
-    """Put ``src`` at ``dest`` unless an identical file is there; True if it copied."""
-    if dest.is_file() and dest.stat().st_size == src.stat().st_size and sha256_file(dest) == sha256_file(src):
-        return False
+def _place(src: Path, dest: Path) -> tuple[bool, str]:
+    """Put ``src`` at ``dest`` unless an identical file is there; (copied?, its sha256)."""
+    digest = sha256_file(src)
+    if dest.is_file() and dest.stat().st_size == src.stat().st_size and sha256_file(dest) == digest:
+        return False, digest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
     shutil.copyfile(src, tmp)
     tmp.replace(dest)
-    return True
+    return True, digest
 
 
-def _place_bytes(data: bytes, dest: Path) -> bool:
+def _place_bytes(data: bytes, dest: Path) -> tuple[bool, str]:
+    digest = hashlib.sha256(data).hexdigest()
     if dest.is_file() and dest.read_bytes() == data:
-        return False
+        return False, digest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
     tmp.write_bytes(data)
     tmp.replace(dest)
-    return True
+    return True, digest
 
 
 def _size(n: int) -> str:
@@ -291,9 +286,9 @@ class _Builder:
 
     def add(self, rel: str, src: Path | bytes, kind: str, name: str, version: str, origin: str, **extra: str) -> None:
         dest = self.out / rel
-        changed = _place_bytes(src, dest) if isinstance(src, bytes) else _place(src, dest)
+        changed, digest = _place_bytes(src, dest) if isinstance(src, bytes) else _place(src, dest)
         self.copied, self.kept = self.copied + changed, self.kept + (not changed)
-        self.artifacts.append(Artifact(rel, kind, name, version, sha256_file(dest), dest.stat().st_size, origin, **extra))
+        self.artifacts.append(Artifact(rel, kind, name, version, digest, dest.stat().st_size, origin, **extra))
 
     def debs(self, deb: DebSet) -> None:
         t0 = time.monotonic()
@@ -320,11 +315,11 @@ class _Builder:
         rel_dir = f"wheels/{ws.key}"
         if fetched:
             house = wheelhouse.ensure_wheelhouse(fetched, self.caches.wheels, ws.pythons, ws.archs,
-                                                 constraints=constraints)
+                                                 constraints=constraints, progress=self.say)
+            origin = f"pypi:{' '.join(fetched)} (pip download, {wheelhouse.index_url()})"
             for whl in sorted(house.glob("*.whl")):
                 name, version = wheelhouse.wheel_name_version(whl.name)
-                self.add(f"{rel_dir}/{whl.name}", whl, "wheel", name, version,
-                         f"pypi:{' '.join(fetched)} (pip download, {wheelhouse.index_url()})")
+                self.add(f"{rel_dir}/{whl.name}", whl, "wheel", name, version, origin)
         if double:
             name, data = engine_wheel.build_wheel()
             self.add(f"{rel_dir}/{name}", data, "wheel", engine_wheel.PROJECT, engine_wheel.version(),

@@ -384,7 +384,7 @@ class AptRoot:
     def _pooled(self, pkg: ResolvedPackage, sums: set[str]) -> bool:
         """True if the pool holds ``pkg`` with one of the SHA256 sums the lists give."""
         deb = self.debs_dir / bundle.pool_filename(pkg)
-        return deb.is_file() and bundle._sha256(deb) in sums
+        return deb.is_file() and bundle.sha256_file(deb) in sums
 
     def download(self, resolved: Iterable[ResolvedPackage], dest: Path) -> dict[ResolvedPackage, Path]:
         """Put the .deb of every package in ``dest`` (pool file names); map each to its file.

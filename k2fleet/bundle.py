@@ -251,7 +251,8 @@ def key_of(tar_path: Path) -> str:
 # building
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
     digest = hashlib.sha256()
     with path.open("rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -298,7 +299,7 @@ def write_index(repo: Path, date: float | None = None) -> None:
         _run(["dpkg-scanpackages", "--multiversion", ".", "/dev/null"], cwd=repo, stdout=out)
     index = repo / INDEX_NAME
     release = (f"Date: {formatdate(date, usegmt=True)}\n"
-               f"SHA256:\n {_sha256(index)} {index.stat().st_size} {INDEX_NAME}\n")
+               f"SHA256:\n {sha256_file(index)} {index.stat().st_size} {INDEX_NAME}\n")
     (repo / RELEASE_NAME).write_text(release)
 
 
@@ -313,7 +314,7 @@ def write_manifest(repo: Path, key: str, packages: list[str],
         "requested": packages,
         "packages": {
             pkg.name: {"version": pkg.version, "architecture": pkg.arch,
-                       "filename": deb.name, "sha256": _sha256(deb)}
+                       "filename": deb.name, "sha256": sha256_file(deb)}
             for pkg, deb in sorted(files.items())
         },
     }

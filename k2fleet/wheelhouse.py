@@ -31,7 +31,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib.metadata import version
 from pathlib import Path
 
@@ -172,11 +172,12 @@ def cached_wheelhouse(requirements: list[str], cache_dir: Path = DEFAULT_CACHE_D
 
 def ensure_wheelhouse(requirements: list[str] | None = None, cache_dir: Path = DEFAULT_CACHE_DIR,
                       pythons: tuple[str, ...] = PYTHONS, archs: tuple[str, ...] = tuple(PLATFORMS),
-                      constraints: Sequence[str] = ()) -> Path:
+                      constraints: Sequence[str] = (), progress: Callable[[str], None] | None = None) -> Path:
     """The cached wheelhouse directory for ``requirements`` (default: the Hub client) for
     CPython ``pythons`` on ``archs``, downloaded with ``pip download`` the first time
     (needs a package index then). ``constraints``: ``name==version`` lines every
-    dependency must keep (``k2fleet bundle --locked`` passes the lock's)."""
+    dependency must keep (``k2fleet bundle --locked`` passes the lock's); ``progress``
+    gets pip's Collecting/Downloading lines as they come."""
     requirements = requirements or [hub_client_requirement()]
     cached = cached_wheelhouse(requirements, cache_dir, pythons, archs, constraints)
     if cached is not None:
@@ -196,11 +197,19 @@ def ensure_wheelhouse(requirements: list[str] | None = None, cache_dir: Path = D
             pinned.write_text("".join(f"{c}\n" for c in sorted(constraints)))
         for python in pythons:
             for platforms in (PLATFORMS[arch] for arch in archs):
-                out = subprocess.run(pip_download_argv(requirements, tmp, python, platforms, pinned),
-                                     capture_output=True, text=True, stdin=subprocess.DEVNULL)
-                if out.returncode:
+                argv = pip_download_argv(requirements, tmp, python, platforms, pinned)
+                if progress is not None:
+                    argv.remove("--quiet")  # pip's own "Downloading X (N MB)" lines, forwarded as they come
+                proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        stdin=subprocess.DEVNULL)
+                assert proc.stdout is not None and proc.stderr is not None
+                for line in proc.stdout:
+                    if progress is not None and line.lstrip().startswith(("Collecting", "Downloading", "Saved")):
+                        progress(f"  pip (CPython {python}, {platforms[0]}): {line.strip()}")
+                stderr = proc.stderr.read()
+                if proc.wait():
                     raise RuntimeError(f"pip download of {' '.join(requirements)} for CPython {python} "
-                                       f"{platforms[0]} failed:\n{out.stderr.strip()[-2000:]}")
+                                       f"{platforms[0]} failed:\n{stderr.strip()[-2000:]}")
         if pinned is not None:
             pinned.unlink()
         wheels = sorted(p.name for p in tmp.glob("*.whl"))
