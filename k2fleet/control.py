@@ -83,9 +83,9 @@ def _bundle_sources(dep: Deployment, plan: Plan) -> aptroot.AptRoot | None:
     if not gpu_stack:
         return None
     if not dep.s.simulated_gpus:
-        raise ControlError("k2_package_source: bundle for real GPU hosts needs NVIDIA's / AMD's packages for the "
-                           "fleet's OS in the bundle, which `k2fleet bundle` does not make yet; use "
-                           "k2_package_source: apt (the hosts' own repositories or mirrors of them)")
+        raise ControlError("k2_package_source: bundle for real GPU hosts takes NVIDIA's / AMD's packages for the "
+                           "fleet's OS from an air-gapped bundle: make it with `k2fleet bundle INVENTORY --out DIR` "
+                           "and set k2_bundle: DIR (or use k2_package_source: apt with the hosts' repositories)")
     repo = nvidia_doubles.ensure_double_repo()
     return aptroot.AptRoot([*aptroot.debian_sources(SANDBOX_SUITE), f"deb [trusted=yes] file:{repo} ./"])
 

@@ -49,6 +49,12 @@ the vLLM test double joins that cluster with the venv's python. So does SGLang's
 router (h200-sglang-pd): the real ``sglang-router`` package on the router host, in
 front of the prefill and decode test doubles.
 
+From a bundle (``--bundle DIR``, made by ``k2fleet bundle INVENTORY --rehearsal --out DIR``):
+the deploy sets ``k2_bundle`` and takes every package, wheel (the engine TEST DOUBLE wheel
+is installed into ``k2_venv`` like a real engine), image and the synthetic checkpoint from
+DIR alone; with ``--offline`` pyinfra and its control step run in the network namespace
+``k2sb-offline``, whose only link is the sandbox bridge (no route out).
+
 Not in this slice (refused with exit 2): engines other than TensorRT-LLM in containers
 across hosts.
 """
