@@ -54,6 +54,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -406,6 +407,37 @@ def setup_host_network(index: int) -> None:
     run(["ip", "-n", ns, "addr", "add", f"{host_address(index)}/{PREFIX_LEN}", "dev", HOST_NIC])
     run(["ip", "-n", ns, "link", "set", "lo", "up"])
     run(["ip", "-n", ns, "link", "set", HOST_NIC, "up"])
+
+
+_RATE = re.compile(r"^[1-9][0-9]*(kbit|mbit|gbit)$")
+
+
+def shape_argv(index: int, rate: str) -> list[list[str]]:
+    """tc argv shaping host ``index``'s link to ``rate`` (``200mbit``, ``1gbit``) or ``off``,
+    in both directions: the bridge-side veth's egress (traffic to the host) and, inside
+    the host's netns, its NIC's egress (traffic from the host); a tbf root qdisc each.
+
+    >>> shape_argv(2, "200mbit")[1]
+    ['ip', 'netns', 'exec', 'k2sb-2', 'tc', 'qdisc', 'replace', 'dev', 'eth0', 'root', 'tbf', 'rate', '200mbit', 'burst', '512kb', 'latency', '100ms']
+    >>> shape_argv(1, "off")[0]
+    ['tc', 'qdisc', 'del', 'dev', 'k2sbv1', 'root']
+    """
+    sides = [([], veth_names(index)[0]), (["ip", "netns", "exec", host_name(index)], HOST_NIC)]
+    if rate == "off":
+        return [[*prefix, "tc", "qdisc", "del", "dev", dev, "root"] for prefix, dev in sides]
+    if not _RATE.match(rate):
+        raise SandboxError(f"rate must look like 200mbit, 1gbit or off, not {rate!r}")
+    return [[*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "512kb",
+             "latency", "100ms"] for prefix, dev in sides]
+
+
+def shape(rate: str, state_dir: Path = DEFAULT_STATE_DIR) -> int:
+    """Shape every sandbox host's link to ``rate`` (``off``: unshaped); returns how many."""
+    hosts = load_hosts(state_dir)
+    for i in range(1, len(hosts) + 1):
+        for argv in shape_argv(i, rate):
+            run(argv, check=rate != "off")
+    return len(hosts)
 
 
 OFFLINE_NS = f"{PREFIX}-offline"  # the control side of `k2fleet rehearse --offline`
@@ -900,6 +932,8 @@ def main(argv: list[str] | None = None) -> int:
                       help=f"simulated GPUs in every host's {HARDWARE_FILE}, e.g. h200 or h200:8")
     sub.add_parser("down", help="stop and remove the sandbox")
     sub.add_parser("status", help="show sandbox hosts")
+    p_shape = sub.add_parser("shape", help="shape every host's link (tc tbf, both directions): RATE or off")
+    p_shape.add_argument("rate", help="e.g. 200mbit, 1gbit, off")
     p_sup = sub.add_parser("supervise", help="(internal) run one host's systemd-nspawn, again after a reboot")
     p_sup.add_argument("run_dir", type=Path)
     p_sup.add_argument("name")
@@ -916,6 +950,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"inventory: {_paths(args.state_dir.resolve())['hosts_json']}")
         elif args.command == "down":
             down(args.state_dir)
+        elif args.command == "shape":
+            print(f"{shape(args.rate, args.state_dir)} sandbox host links shaped: {args.rate}")
         else:
             rows = status(args.state_dir)
             for row in rows:
