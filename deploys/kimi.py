@@ -19,4 +19,5 @@ from k2fleet.run import fleet_run
 from roles.pipeline import deploy_kimi
 
 run = fleet_run(state, inventory)
-deploy_kimi(run, run.desired[host.name], run.fact_of(host), reboots=run.reboots(inventory))
+deploy_kimi(run, run.desired[host.name], run.fact_of(host), reboots=run.reboots(inventory),
+            weights_wanted=run.weights_wanted(inventory))

@@ -5,7 +5,7 @@
 (:class:`ControlArtifacts`: mesh keys, Hub-client wheels) into one
 :class:`HostDesired` per host: files (path, mode, content, sha256) grouped by the role
 that writes them, systemd units, Debian packages, read-only checks the HostState fact
-runs, paths whose existence matters, and the host's place in the checkpoint fan-out.
+runs, paths whose existence matters, and the host's place in the checkpoint distribution.
 ``k2fleet plan --json`` prints it; the deploy's roles only carry it out.
 
 Computing it connects to nothing and writes nothing. A control artifact that does not
@@ -28,7 +28,7 @@ from k2fleet import engine_wheel, mesh, wheelhouse
 from k2fleet import bootstrap
 from k2fleet.bootstrap import BootstrapPlan, bootstrap_plan
 from k2fleet.bootstrap_tables import OS_TABLES
-from k2fleet.checkpoint import fanout
+from k2fleet.checkpoint import fanout, swarm
 from k2fleet.deployment import CHECKPOINT_CHECK, Deployment
 from k2fleet.packages import required_packages
 from k2fleet.plan import HostPlan, Plan, Service
@@ -61,13 +61,13 @@ DEVICE_DOUBLES_CONF = "/etc/tmpfiles.d/k2fleet-device-doubles.conf"
 DEVICE_DOUBLES = {"rocm": ("/dev/kfd", "/dev/dri/renderD128")}
 ENGINE_SIDE_CHECK = "engine-side"
 ENGINE_ENTRY = {"vllm": "vllm", "sglang": "python", "ktransformers": "python", "trtllm": "trtllm-serve"}
-PULL_PY = f"{LIB_DIR}/pull.py"
 HOSTSTATE_PY = f"{LIB_DIR}/hoststate.py"  # the HostState probe, also the bootstrap's GPU gate (--gate)
 HOST_PROGRAMS = {  # stdlib-only programs k2fleet runs on hosts (the Ray gate imports k2_venv's ray): host → repo path
     VERIFY_PY: "k2fleet/checkpoint/verify.py",
     OVERLAY_PY: "k2fleet/checkpoint/overlay.py",
     HEALTH_PY: "k2fleet/host/health.py",
-    PULL_PY: "k2fleet/host/pull.py",
+    fanout.RELAY_PY: "k2fleet/host/relay.py",
+    f"{LIB_DIR}/swarm.py": "k2fleet/checkpoint/swarm.py",  # imported by relay.py
     IMAGE_PIN_PY: "k2fleet/host/image_pin.py",
     RAY_GATE: "k2fleet/host/raygate.py",
 }
@@ -129,14 +129,16 @@ def package_set(packages: list[str]) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class FanoutPlace:
-    """Where a host receives the checkpoint from (None: control machine / the Hub)."""
+    """This host's place in the checkpoint's distribution (:mod:`k2fleet.host.relay`): the
+    root receives from the control machine's copy (or the Hub); the others shard by shard
+    from peers, by the per-shard plan over ``relays``."""
 
     loads_weights: bool
-    parent: str | None
-    round: int | None
-    rounds: int
     is_root: bool
     shared: bool
+    position: int | None = None  # index in ``relays`` (None: loads no weights)
+    relays: tuple[str, ...] = ()  # relay URL of every host that loads weights, fan-out order (root first)
+    relay_fanout: int = 1  # 1: a chain; k: per-shard k-ary trees (:func:`k2fleet.checkpoint.swarm.fanout_for`)
 
 
 @dataclass(frozen=True)
@@ -199,7 +201,8 @@ class HostDesired:
             "packages": self.packages,
             "checks": self.checks,
             "checkpoint": None if fan is None or not fan.loads_weights else {
-                "parent": fan.parent if fan.round else None, "from": _source_label(fan), "round": fan.round},
+                "from": _source_label(fan), "position": fan.position,
+                "relay": None if fan.shared else fan.relays[fan.position], "relay_fanout": fan.relay_fanout},
             "bootstrap": None if self.bootstrap is None else self.bootstrap.to_json(),
         }
 
@@ -221,7 +224,7 @@ def loads_weights(hp: HostPlan) -> bool:
 
 
 def mesh_enabled(dep: Deployment) -> bool:
-    """The mesh exists on fleets of more than one host (mpirun, checkpoint fan-out)."""
+    """The mesh exists on fleets of more than one host (mpirun; host-to-host SSH)."""
     return len(dep.fleet.hosts) > 1
 
 
@@ -531,6 +534,8 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
     """One :class:`HostDesired` per host, in inventory order (pure)."""
     slots = sorted({(svc.stage, svc.name) for _, svc in plan.services()})
     fan = fanout_plan(dep, plan)
+    address = {h.name: h.address for h in dep.fleet.hosts}
+    relays = tuple(fanout.relay_url(address[name], dep.s.relay_port) for name in fan.order)
     bundled = dep.s.bundle is not None
     engine = {real: engine_files(dep, real, from_wheel=bundled and dep.runtime == "venv")
               for real in (False, True)}
@@ -580,8 +585,8 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
             d.exists.append(f"{dep.serve_path}/config.json")
         if dep.runtime == "venv" and not dep.s.engine_doubles and not bundled:
             d.venv_install = venv_install_argv(dep, d.python)
-        rnd = fan.round_of(h.name)
-        d.fanout = FanoutPlace(loads_weights=loads_weights(hp), parent=fan.parents.get(h.name),
-                               round=rnd, rounds=len(fan.rounds), is_root=h.name == fan.root, shared=fan.shared)
+        d.fanout = FanoutPlace(loads_weights=loads_weights(hp), is_root=h.name == fan.root, shared=fan.shared,
+                               position=fan.order.index(h.name) if h.name in fan.order else None,
+                               relays=relays, relay_fanout=swarm.fanout_for(len(relays)))
         out[h.name] = d
     return out

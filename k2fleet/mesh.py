@@ -3,7 +3,7 @@
 A dedicated key pair per deployment (never the operator's key), a separate sshd on
 ``k2_mesh_port`` that accepts only that key, only for ``k2_mesh_user``, only from
 fleet addresses, and a known_hosts file pinning every host's mesh host key — so mpirun
-(and checkpoint fan-out) never prompts.
+(and any host-to-host SSH an operator runs with it) never prompts.
 """
 
 from __future__ import annotations

@@ -52,5 +52,5 @@ def make_plan(dep: Deployment) -> Plan:
         hosts=hosts,
     )
     reserved = reserved_ports(dep.gpu.name) if dep.gpu else {}
-    _check_ports(plan, {"k2_mesh_port": dep.s.mesh_port} | reserved)
+    _check_ports(plan, {"k2_mesh_port": dep.s.mesh_port, "k2_relay_port": dep.s.relay_port} | reserved)
     return plan

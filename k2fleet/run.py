@@ -23,6 +23,7 @@ from typing import Any
 
 from k2fleet import control
 from k2fleet.bootstrap import reboot_reason
+from k2fleet.checkpoint.fanout import ControlRelay
 from k2fleet.facts import HostState
 from k2fleet.preflight import HostReport
 from k2fleet.deployment import Deployment
@@ -48,6 +49,7 @@ class FleetRun:
     tracked: list[Any] = field(default_factory=list)  # ops whose change re-runs the health gate
     facts: dict[str, HostReport] = field(default_factory=dict)  # HostState per host, gathered once
     fact_locks: dict[str, threading.Lock] = field(default_factory=dict)
+    control_relay: ControlRelay = field(default_factory=ControlRelay)  # the control copy, served to the fleet
 
     def fleet_changed(self) -> bool:
         """Did any tracked operation on any host change something (execution time)?"""
@@ -60,6 +62,16 @@ class FleetRun:
                 query = self.desired[host.name].fact_query(self.dep.s.model_dir)
                 self.facts[host.name] = host.get_fact(HostState, query=query)
         return self.facts[host.name]
+
+    def weights_wanted(self, inventory: Any) -> dict[str, list[str]]:
+        """Weight set check → the hosts that load weights and fail it (every host's fact)."""
+        out: dict[str, list[str]] = {}
+        for h in inventory:
+            fan = self.desired[h.name].fanout
+            for ws in self.dep.weight_sets:
+                if fan and fan.loads_weights and not self.fact_of(h).passed(ws.check):
+                    out.setdefault(ws.check, []).append(h.name)
+        return out
 
     def reboots(self, inventory: Any) -> dict[str, str]:
         """Host → why it reboots in this run's bootstrap (planning time; every host's fact)."""

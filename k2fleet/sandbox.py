@@ -662,6 +662,45 @@ def start_host(index: int, lower: Path, state_dir: Path, docker: bool) -> int:
     return pid
 
 
+def container_init(name: str) -> int:
+    """A host's init as the control machine sees it: the process of its netns that is PID 1
+    of its own PID namespace (what the fault drill kills, not the nspawn process)."""
+    pids = run(["ip", "netns", "pids", name]).stdout.split()
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            continue
+        nspids = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
+        if len(nspids) > 1 and nspids[-1] == "1":
+            return int(pid)
+    raise SandboxError(f"no init found among {name}'s netns pids {pids}")
+
+
+def crash_host(index: int, state_dir: Path = DEFAULT_STATE_DIR, timeout: float = 15) -> None:
+    """The fault drill: SIGKILL host ``index``'s container init and wait until its
+    supervisor has given up (a killed init is not a reboot: the host stays down)."""
+    name = host_name(index)
+    supervisor = _read_pid(_paths(state_dir.resolve())["run"] / f"{name}.supervisor")
+    os.kill(container_init(name), signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while supervisor and _alive(supervisor) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if supervisor and _alive(supervisor):
+        raise SandboxError(f"{name}: its supervisor still runs {timeout:.0f}s after its init was killed")
+
+
+def start_again(index: int, state_dir: Path = DEFAULT_STATE_DIR, docker: bool = False) -> SandboxHost:
+    """Boot a crashed host ``index`` again (same root filesystem, address and keys)."""
+    state_dir = state_dir.resolve()
+    hostdir = _paths(state_dir)["hosts"] / host_name(index)
+    run(["umount", str(hostdir / "root")], check=False)  # the crashed container's overlay, if still mounted
+    start_host(index, ensure_rootfs(), state_dir, docker)
+    host = load_hosts(state_dir)[index - 1]
+    wait_ready([host], state_dir)
+    return host
+
+
 def _recorded_pids(run_dir: Path, suffix: str, ours) -> list[int]:
     """Live pids recorded in ``run_dir/k2sb-*SUFFIX`` that ``ours(pid, host)`` owns."""
     found = []

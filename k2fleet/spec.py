@@ -770,6 +770,13 @@ class HostSettings(BaseModel):
     dist_init_port: Port = _key(FLEET, "SGLang `--dist-init-addr` port.", default=50000)
     bootstrap_port: Port = _key(FLEET, "SGLang PD `--disaggregation-bootstrap-port`.", default=8998)
     mesh_port: Port = _key(FLEET, "Port of k2fleet's own sshd for the SSH mesh (mpirun).", default=2233)
+    relay_port: Port = _key(
+        FLEET,
+        "Port of the checkpoint relay while the fleet receives the checkpoint: each host serves its verified "
+        "shards to its peers on its address, and the control machine's copy reaches a host on its own "
+        "127.0.0.1 at this port through the deploy's SSH connection.",
+        default=29700,
+    )
     mesh_user: PosixUser = _key(FLEET, "User mpirun connects as over the mesh.", default="root")
     health_timeout: PosInt = _key(FLEET, "Seconds to wait for a real completion before failing.", default=3600)
     # --- topology ------------------------------------------------------------------

@@ -40,8 +40,7 @@ from pyinfra.operations import python
 from k2fleet.checkpoint import fanout
 from k2fleet.checkpoint.manifest import read_token
 from k2fleet.deployment import Deployment, WeightSet
-from k2fleet.desired import CHECKPOINT_CHECK, HUB_ENV, OVERLAY_PY, PY_LIB, VERIFY_PY, FanoutPlace, HostDesired
-from k2fleet.mesh import mesh_dir
+from k2fleet.desired import CHECKPOINT_CHECK, HUB_ENV, OVERLAY_PY, PY_LIB, VERIFY_PY, HostDesired
 from k2fleet.operations import command
 from k2fleet.preflight import HostReport
 from k2fleet.units import gate_argv
@@ -103,18 +102,20 @@ def host_download_command(dep: Deployment, xet_disabled: bool, ws: WeightSet | N
 
 
 @deploy("k2fleet: checkpoint")
-def ensure(dep: Deployment, desired: HostDesired, fact: HostReport, tracked: list,
-           log_file: str, xet_disabled: bool = False) -> None:
+def ensure(dep: Deployment, desired: HostDesired, fact: HostReport, tracked: list, log_file: str,
+           control_relay: fanout.ControlRelay, fleet_wanted: dict[str, list[str]], xet_disabled: bool = False) -> None:
     """
     Bring this host's copy of the pinned checkpoint (and of the GGUF weights, for GGUF
-    engines) to verified, from the control machine, the Hub (fetcher host) or a verified
-    peer, in its fan-out round.
+    engines) to verified: the root from the control machine's copy or the Hub, every host
+    shard by shard through the relay, each shard verified before it is passed on.
 
-    + dep: the validated deployment (model, revision, source, paths, fetcher)
-    + desired: this host's desired state (``fanout``: parent, round, root, shared)
+    + dep: the validated deployment (model, revision, source, paths, fetcher, relay port)
+    + desired: this host's desired state (``fanout``: its place, the fleet's relay URLs)
     + fact: this host's HostState (the read-only ``checkpoint-verified``/``gguf-verified`` checks)
     + tracked: list the run's health gate watches; verify operations are appended
     + log_file: control-machine JSON-lines log of checkpoint transfers
+    + control_relay: the run's relay of the control machine's copies (started on first use)
+    + fleet_wanted: weight set check → the hosts whose copy failed it (every host's fact)
     + xet_disabled: pass ``HF_HUB_DISABLE_XET=1`` to the fetcher host's download
 
     **Example:**
@@ -122,12 +123,14 @@ def ensure(dep: Deployment, desired: HostDesired, fact: HostReport, tracked: lis
     .. code:: python
 
         checkpoint.ensure(run.dep, run.desired[host.name], fact, run.tracked,
-                          log_file="/root/.local/state/k2fleet/ID/checkpoint-transfers.jsonl")
+                          log_file="/root/.local/state/k2fleet/ID/checkpoint-transfers.jsonl",
+                          control_relay=run.control_relay, fleet_wanted=run.weights_wanted(inventory))
     """
     fan = desired.fanout
     assert fan is not None
     for ws in dep.weight_sets:
-        _ensure_weight_set(dep, ws, fan, fact, tracked, log_file, xet_disabled)
+        _ensure_weight_set(dep, ws, desired, fact, tracked, log_file, control_relay,
+                           fleet_wanted.get(ws.check, []), xet_disabled)
     path = dep.checkpoint_path
     wanted = fan.loads_weights and not fact.passed(CHECKPOINT_CHECK)
 
@@ -139,56 +142,65 @@ def ensure(dep: Deployment, desired: HostDesired, fact: HostReport, tracked: lis
                            _if=lambda: bool(override) and fan.loads_weights and (wanted or overlay_missing)))
 
 
-def _ensure_weight_set(dep: Deployment, ws: WeightSet, fan: FanoutPlace, fact: HostReport, tracked: list,
-                       log_file: str, xet_disabled: bool) -> None:
-    """The fan-out of one weight set (same operation sequence on every host)."""
+def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fact: HostReport, tracked: list,
+                       log_file: str, control_relay: fanout.ControlRelay, wanted_hosts: list[str],
+                       xet_disabled: bool) -> None:
+    """The distribution of one weight set (same operation sequence on every host)."""
+    fan = desired.fanout
+    assert fan is not None
     source_dir, from_hub = control_source(dep, ws)
     wanted = fan.loads_weights and not fact.passed(ws.check)
-    root_wanted = wanted and fan.is_root
     on_host = dep.s.checkpoint_fetcher != "control"
-    control_wanted = root_wanted and not on_host
+    root_download = wanted and fan.is_root and on_host  # the fetcher host downloads from the Hub itself
+    distributing = bool(wanted_hosts) and not fan.shared  # some host of the fleet receives: relays run
+    serving = distributing and fan.loads_weights
+    receiving = wanted and not root_download and not (fan.shared and not fan.is_root)
+    control_needed = fan.is_root and not on_host and bool(wanted_hosts)  # runs once, on the root
     path = ws.path
     what = f"checkpoint{ws.label}"
-    addresses = {h.name: h.address for h in dep.fleet.hosts}
 
-    # Round 0: the control machine's copy (Hub download or control: dir, verified there),
-    # then the one transfer that leaves the control machine, to the root.
+    # The control machine's copy (Hub download or control: dir, verified there), once per
+    # fleet: the root's source, and every host's last fallback.
     python.call(
         name=f"fetch + verify the {what} on the control machine (once per fleet)",
         function=fanout.prepare_control_copy,
         repo_id=ws.repo, revision=ws.revision, root=source_dir, hub=from_hub,
         endpoint=dep.s.hub_endpoint, token_file=dep.s.hub_token_file, log_file=log_file,
         patterns=list(ws.patterns) if ws.patterns else None,
-        _if=lambda: control_wanted,
+        _if=lambda: control_needed,
     )
-    user = host.data.get("ssh_user") or "root"
-    python.call(
-        name=f"send the {what} (or only its bad files) from the control machine",
-        function=fanout.push_to_host,
-        source=source_dir, dest=path, target=f"{user}@{host.data.get('ssh_hostname') or host.name}",
-        ssh=_ssh_command(), verify_py=VERIFY_PY, log_file=log_file,
-        _if=lambda: control_wanted,
-    )
-    tracked.append(command(name=f"verify every {what} file (sha256, index, headers)",
-                           argv=["/usr/bin/python3", VERIFY_PY, "--full", path], _if=lambda: control_wanted))
-    # Or round 0 on the fetcher host itself: the Hub → this host (resumable, verified, repaired).
+    # Or the fetcher host downloads from the Hub itself (resumable, verified, repaired).
     python.call(name=f"Hub token to the fetcher host (root-only file){ws.label}", function=send_token,
-                token_file=dep.s.hub_token_file, _if=lambda: root_wanted and on_host)
+                token_file=dep.s.hub_token_file, _if=lambda: root_download)
     tracked.append(command(name=f"download + verify the {what} from the Hub on this host (once per fleet)",
                            argv=["sh", "-c", host_download_command(dep, xet_disabled, ws)],
-                           _if=lambda: root_wanted and on_host))
+                           _if=lambda: root_download))
 
-    # Rounds 1..: every other host pulls from a verified peer over the mesh (one sequence
-    # on all hosts; a host is active only in its own round and only if its gate failed).
-    rsh = fanout.mesh_rsh(mesh_dir(dep))
-    for rnd in range(1, fan.rounds):
-        active = wanted and fan.round == rnd
-        parent = fan.parent if active else None
-        argv = fanout.host_pull_argv(path, VERIFY_PY, f"{addresses[parent]}:{path}", rsh) if parent else ["true"]
-        command(name=f"{what} round {rnd}: pull (only bad files) from a verified peer over the mesh",
-                argv=argv, _if=lambda active=active: active)
-        tracked.append(command(name=f"{what} round {rnd}: verify every file before serving or passing it on",
-                               argv=["/usr/bin/python3", VERIFY_PY, "--full", path], _if=lambda active=active: active))
+    # Pipelined: every host that loads weights serves what it has verified on the mesh;
+    # every host whose gate failed receives shard by shard (parent, ancestors, then the
+    # control machine's copy through its SSH connection), each verified before it is
+    # served onward; then the relays stop.
+    command(name=f"{what}: start this host's relay of its verified files (while the fleet receives)",
+            argv=fanout.relay_serve_argv(path, desired.address, dep.s.relay_port) if serving else ["true"],
+            _if=lambda: serving)
+    control_copy = None if on_host else source_dir
+    tunnel = [fanout.relay_url("127.0.0.1", dep.s.relay_port)] if control_copy else []
+    fetch_argv = fanout.relay_fetch_argv(path, list(fan.relays), fan.position or 0, fan.relay_fanout, tunnel) \
+        if receiving else ["true"]
+    user = host.data.get("ssh_user") or "root"
+    python.call(
+        name=f"{what}: receive shard by shard, each verified before it is passed on",
+        function=fanout.relay_to_host,
+        control=control_relay, source=control_copy, target=f"{user}@{host.data.get('ssh_hostname') or host.name}",
+        ssh=_ssh_command(), fetch_argv=fetch_argv, tunnel_port=dep.s.relay_port, log_file=log_file,
+        _if=lambda: receiving,
+    )
+    tracked.append(command(name=f"{what}: check every file (index, headers; hashed by the relay as it arrived)",
+                           argv=["/usr/bin/python3", VERIFY_PY, path], _if=lambda: receiving or root_download))
+    command(name=f"{what}: stop this host's relay", argv=["systemctl", "stop", f"{fanout.RELAY_UNIT}.service"],
+            _if=lambda: serving)
+    python.call(name=f"{what}: stop the control machine's relay", function=control_relay.stop,
+                _if=lambda: control_needed)
 
     # Shared storage: the root fetched into the shared path; the others only pass the gate.
     command(name=f"{what} gate on shared storage",

@@ -22,7 +22,8 @@ class RebootRefused(Exception):
     """``k2_reboot: never`` and the bootstrap needs to reboot hosts."""
 
 
-def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: dict[str, str]) -> None:
+def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: dict[str, str],
+                weights_wanted: dict[str, list[str]]) -> None:
     """Carry out one host's desired state: preflight → packages → bootstrap → SSH mesh →
     engine → Hub client → checkpoint → services → health gate.
 
@@ -32,6 +33,8 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
     + reboots: host → why the bootstrap reboots it in this run (every host's, from
       :meth:`~k2fleet.run.FleetRun.reboots`); under ``k2_reboot: never`` any entry stops
       the deploy before its first change; any reboot restarts the services in stage order
+    + weights_wanted: weight set check → hosts whose copy fails it (every host's, from
+      :meth:`~k2fleet.run.FleetRun.weights_wanted`): while any does, the fleet's relays run
 
     **Example:**
 
@@ -39,7 +42,8 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
 
         run = fleet_run(state, inventory)
         mine = run.desired[host.name]
-        deploy_kimi(run, run.desired[host.name], run.fact_of(host), reboots=run.reboots(inventory))
+        deploy_kimi(run, run.desired[host.name], run.fact_of(host), reboots=run.reboots(inventory),
+                    weights_wanted=run.weights_wanted(inventory))
     """
     dep = run.dep
     if reboots and dep.s.reboot == "never":
@@ -59,6 +63,6 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
     engine.install(desired, fact, run.tracked)
     hub_client.install(desired, fact, requirement=run.artifacts.hub_requirement)
     checkpoint.ensure(dep, desired, fact, run.tracked, log_file=str(run.state_dir / "checkpoint-transfers.jsonl"),
-                      xet_disabled=bool(os.environ.get("HF_HUB_DISABLE_XET")))
+                      control_relay=run.control_relay, fleet_wanted=weights_wanted, xet_disabled=bool(os.environ.get("HF_HUB_DISABLE_XET")))
     services.start(desired, fact, run.tracked, restart_all=bool(reboots))
     health.gate(desired, fact, changed=run.fleet_changed)

@@ -1,9 +1,9 @@
-"""Checkpoint fetched once per fleet, fanned out host to host, verified shard by shard,
-repaired file by file.
+"""Checkpoint fetched once per fleet, relayed host to host shard by shard (each verified
+before it is passed on), repaired file by file.
 
-Unit tests: the fan-out plan, the rsync argv, the host-side pull helper (run here on
-local directories with the real rsync and verify.py), the control-side cache against
-the Hub TEST DOUBLE (k2fleet/testing/hub_double.py, loopback only).
+Unit tests: the fan-out plan, the control-side cache against the Hub TEST DOUBLE
+(k2fleet/testing/hub_double.py, loopback only); the relay itself is tested in
+tests/test_relay.py.
 
 Sandbox tests (``@pytest.mark.sandbox``): the real 3-host sandbox fleet (the ``fleet``
 fixture of tests/conftest.py), the real CLI on the ``hub`` source through pyinfra's
@@ -25,22 +25,20 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
 from k2fleet.checkpoint import fanout
-from k2fleet.checkpoint.verify import load_manifest, verify
-from k2fleet.synthetic_checkpoint import describe_dir, make_checkpoint, manifest_for, shard_name
+from k2fleet.checkpoint.verify import load_manifest
+from k2fleet.synthetic_checkpoint import describe_dir, make_checkpoint, shard_name
 from k2fleet.testing.fleet import SandboxFleet, data_args, http_json, ssh, start_deploy, tool
 from k2fleet.testing.hub_double import HubDouble
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 VERIFY_PY = str(REPO_ROOT / "k2fleet" / "checkpoint" / "verify.py")
-PULL_PY = str(REPO_ROOT / "k2fleet" / "host" / "pull.py")  # the host program, run here on local directories
 REPO = "k2fleet-test/Kimi-K2-Thinking-synthetic"
 SECRET = "hf_k2fleet_sandbox_secret_token"
 
@@ -76,48 +74,6 @@ def test_fanout_plan_shared_storage_only_root_fetches() -> None:
     assert fanout.plan_fanout([]).root is None
 
 
-def test_rsync_argv_full_and_repair() -> None:
-    full = fanout.rsync_argv("10.0.0.1:/m/k2", "/m/k2", "ssh -F /etc/k2fleet/mesh/ssh_config")
-    assert full[-2:] == ["10.0.0.1:/m/k2/", "/m/k2/"]
-    assert "--delete" in full and "--partial" in full and "--files-from" not in " ".join(full)
-    assert full[full.index("-e") + 1] == "ssh -F /etc/k2fleet/mesh/ssh_config"
-    assert "--exclude=/.k2fleet/verified.json" in full and "--exclude=/.cache/" in full
-    repair = fanout.rsync_argv("/c/k2", "root@h:/m/k2", "ssh -p 22", files_from="/tmp/list")
-    assert "--files-from=/tmp/list" in repair and "--ignore-times" in repair and "--delete" not in repair
-    assert fanout.mesh_rsh("/etc/k2fleet/mesh") == "ssh -F /etc/k2fleet/mesh/ssh_config"
-
-
-def test_files_to_send_and_rsync_stats() -> None:
-    assert fanout.files_to_send({"ok": True, "problems": []}) == []
-    assert fanout.files_to_send(None) is None
-    bad = [{"path": "b", "kind": "missing"}, {"path": "a", "kind": "size_mismatch"}, {"path": "a", "kind": "hash_mismatch"}]
-    assert fanout.files_to_send({"ok": False, "problems": bad}) == ["a", "b"]
-    assert fanout.files_to_send({"ok": False, "problems": bad + [{"path": "i", "kind": "bad_index"}]}) is None
-    gone = [{"path": "a", "kind": "missing"}, {"path": "b", "kind": "missing"}]
-    assert fanout.files_to_send({"ok": False, "files_total": 2, "problems": gone}) is None  # nothing there: full
-    assert fanout.files_to_send({"ok": False, "files_total": 3, "problems": gone}) == ["a", "b"]
-    out = fanout.parse_rsync_output("K2SENT .k2fleet/\nK2SENT x.safetensors\nTotal bytes sent: 4,321,000\nTotal bytes received: 1.234\n")
-    assert out == {"files": ["x.safetensors"], "bytes_sent": 4321000, "bytes_received": 1234}
-
-
-# --------------------------------------------------------------------------- host-side pull helper
-
-
-def _with_manifest(root: Path) -> dict[str, Any]:
-    manifest = manifest_for(describe_dir(root), REPO, "a" * 40)
-    (root / ".k2fleet").mkdir(exist_ok=True)
-    (root / ".k2fleet" / "manifest.json").write_text(json.dumps(manifest))
-    return manifest
-
-
-def _pull(src: Path, dst: Path, log: Path) -> dict[str, Any]:
-    argv = fanout.host_pull_argv(str(dst), VERIFY_PY, str(src), "ssh", str(log), pull_py=PULL_PY)
-    argv[0] = sys.executable
-    out = subprocess.run(argv, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def flip_bit_keep_stat(path: Path, offset: int = 4096) -> None:
     ref = path.with_name(path.name + ".ref")
     shutil.copy2(path, ref)
@@ -128,41 +84,6 @@ def flip_bit_keep_stat(path: Path, offset: int = 4096) -> None:
         f.write(bytes([b[0] ^ 0x01]))
     subprocess.run(["touch", "-r", str(ref), str(path)], check=True)
     ref.unlink()
-
-
-def test_host_pull_full_then_only_bad_files_then_nothing(tmp_path: Path) -> None:
-    src, dst, log = tmp_path / "src", tmp_path / "dst", tmp_path / "log.jsonl"
-    make_checkpoint(src, num_shards=62, shard_bytes=8192)
-    manifest = _with_manifest(src)
-    assert verify(str(src), manifest).ok  # the source has its own marker: never copied
-    (src / ".cache").mkdir()
-    (src / ".cache" / "junk").write_text("hf download metadata")
-
-    first = _pull(src, dst, log)
-    assert first["mode"] == "full" and len(first["files"]) == len(manifest["files"]) + 1  # + manifest.json
-    assert not (dst / ".cache").exists() and not (dst / ".k2fleet" / "verified.json").exists()
-    assert verify(str(dst), load_manifest(str(dst / ".k2fleet" / "manifest.json")), full=True).ok
-
-    inodes = {rel: (dst / rel).stat().st_ino for rel in manifest["files"]}
-    flip_bit_keep_stat(dst / shard(7))
-    os.truncate(dst / shard(8), 1000)
-    (dst / shard(9)).unlink()
-    again = _pull(src, dst, log)
-    assert again["mode"] == "repair"
-    assert sorted(again["files"]) == sorted(again["asked"]) == sorted([shard(7), shard(8), shard(9)])
-    assert verify(str(dst), manifest, full=True).ok
-    changed = {rel for rel in manifest["files"] if (dst / rel).stat().st_ino != inodes[rel]}
-    assert changed == {shard(7), shard(8), shard(9)}
-
-    assert _pull(src, dst, log)["mode"] == "none"  # unchanged copy: nothing re-sent
-    assert [json.loads(line)["mode"] for line in log.read_text().splitlines()] == ["full", "repair", "none"]
-
-    # a new manifest at the source (same path): the host checks against the source's manifest
-    (src / shard(5)).write_bytes((src / shard(5)).read_bytes()[:-8] + b"\0" * 8)
-    manifest = _with_manifest(src)
-    changed_source = _pull(src, dst, log)
-    assert changed_source["mode"] == "repair" and changed_source["files"] == [shard(5)]
-    assert verify(str(dst), manifest, full=True).ok
 
 
 # --------------------------------------------------------------------------- control-side cache (Hub double)
@@ -211,6 +132,13 @@ def test_control_cache_downloads_once_then_repairs_one_file(tmp_path: Path, hf_i
 # --------------------------------------------------------------------------- the real sandbox fleet
 
 
+CONTROL_RELAY = "http://127.0.0.1:29700"  # the control machine's copy, as hosts reach it (k2_relay_port)
+
+
+def relay_url(host: dict[str, Any]) -> str:
+    return f"http://{host['address']}:29700"
+
+
 def _bridge_tx() -> int:
     """Bytes the control machine sent into the sandbox bridge (its own IP stack only:
     frames forwarded host-to-host by the bridge are not counted on the bridge device)."""
@@ -241,10 +169,15 @@ class Fleet:
         """Deployed from the Hub double through the control cache (no other --data)."""
         self.sandbox.ensure_deployed(self.data)
 
-    def control_log(self, step: str = "push") -> list[dict[str, Any]]:
-        """Records of the control machine's steps: ``push`` (to the root), ``control-copy``."""
+    def control_log(self, step: str = "relay") -> list[dict[str, Any]]:
+        """Records of the control machine's steps: ``relay`` (a host's relay fetch, its
+        report), ``control-copy``."""
         lines = [line for f in sorted(self.state.glob("*/checkpoint-transfers.jsonl")) for line in f.read_text().splitlines()]
         return [r for r in map(json.loads, lines) if r.get("step") == step]
+
+    def relays(self, since: int) -> dict[str, dict[str, Any]]:
+        """Host address → its relay report, of the records after the first ``since``."""
+        return {r["target"].split("@")[1]: r for r in self.control_log()[since:]}
 
     def host_log(self, host: dict[str, Any]) -> list[dict[str, Any]]:
         out = ssh(host, f"cat {fanout.HOST_LOG} 2>/dev/null || true").stdout
@@ -370,13 +303,16 @@ def test_hub_deploy_killed_midway_resumes_then_fans_out_over_the_mesh(hubfleet: 
     plan = subprocess.run([tool("k2fleet"), "plan", "inventories/sandbox.py", "--json", *data_args(fleet.data)],
                           cwd=REPO_ROOT, env=os.environ | fleet.sandbox.env, capture_output=True, text=True)
     assert plan.returncode == 0 and SECRET not in plan.stdout + plan.stderr, plan.stderr
-    control = fleet.control_log()[n_push:]
-    assert [(r["target"].split("@")[1], r["mode"]) for r in control] == [(fleet.hosts[0]["address"], "full")]
-    assert abs(control[0]["bytes_sent"] - fleet.size) < 0.02 * fleet.size  # ≈ the checkpoint, once
-    for host in fleet.hosts[1:]:
-        (pull,) = fleet.host_log(host)
-        assert pull["mode"] == "full" and pull["source"].startswith(fleet.hosts[0]["address"] + ":")
-    assert fleet.host_log(fleet.hosts[0]) == []
+    relays = fleet.relays(n_push)
+    assert set(relays) == {h["address"] for h in fleet.hosts}
+    # the root's whole copy came from the control machine's (through its SSH connection),
+    # each other host's from the host before it in the chain, shard by shard
+    assert relays[fleet.hosts[0]["address"]]["bytes_from"] == {CONTROL_RELAY: fleet.size}
+    for parent, host in zip(fleet.hosts, fleet.hosts[1:]):
+        assert relays[host["address"]]["bytes_from"] == {relay_url(parent): fleet.size}, host["name"]
+    for host in fleet.hosts:
+        (report,) = fleet.host_log(host)
+        assert report["bad_shards"] == [] and report["kept"] == 0 and report["verified"]
     # the killed run logged nothing; the re-run found the manifest and every file but the
     # victim verified, and fetched the victim alone (resuming its partial file)
     assert [r["action"] for r in fleet.control_log("control-copy")[n_copy:]] == ["repair"]
@@ -407,7 +343,7 @@ def test_damaged_files_are_the_only_ones_resent(hub_deployed: Fleet) -> None:
     cache_root = Path(fanout.control_dir(str(fleet.cache), REPO, manifest_revision(fleet)))
     flip_bit_keep_stat(cache_root / shard(44), offset=5000)  # the control cache has a bad file too
     fleet.hub.reset_counters()
-    n_control, n_hosts = len(fleet.control_log()), {h["name"]: len(fleet.host_log(h)) for h in fleet.hosts}
+    n_control = len(fleet.control_log())
     tx0 = _bridge_tx()
 
     result = fleet.deploy()
@@ -415,19 +351,21 @@ def test_damaged_files_are_the_only_ones_resent(hub_deployed: Fleet) -> None:
     assert result.returncode == 0, result.tail()
     assert get_counts(fleet.hub) == {shard(44): 1}  # only the cache's bad file, re-fetched alone
     assert fleet.control_log("control-copy")[-1]["action"] == "repair"
-    (push,) = fleet.control_log()[n_control:]
-    assert push["mode"] == "repair" and push["files"] == [shard(33)] and push["target"].endswith(h1["address"])
-    for host, bad in ((h2, shard(22)), (h3, shard(11))):
-        (pull,) = fleet.host_log(host)[n_hosts[host["name"]]:]
-        assert pull["mode"] == "repair" and pull["files"] == [bad], pull
-        assert pull["source"].startswith(h1["address"] + ":")
-    assert fleet.host_log(h1)[n_hosts[h1["name"]]:] == []
+    relays = fleet.relays(n_control)
+    size = {s: (fleet.served / s).stat().st_size for s in (shard(33), shard(22), shard(11))}
+    assert relays[h1["address"]]["bytes_from"] == {CONTROL_RELAY: size[shard(33)]}  # the root's source
+    assert relays[h2["address"]]["bytes_from"] == {relay_url(h1): size[shard(22)]}  # each from its parent
+    assert relays[h3["address"]]["bytes_from"] == {relay_url(h2): size[shard(11)]}
+    total = len(load_manifest(str(fleet.served / ".k2fleet" / "manifest.json"))["files"])
+    for host in fleet.hosts:  # every other file hashed right where it was and stayed
+        report = relays[host["address"]]
+        assert (report["files"], report["kept"], report["bad_shards"]) == (1, total - 1, []), report
     for host, bad in ((h1, shard(33)), (h2, shard(22)), (h3, shard(11))):
         now = _inodes(host)
         assert {f for f in now if now[f] != inodes[host["name"]].get(f)} == {bad}, host["name"]
     _healthy(fleet)
     print(f"repair: control egress {egress} bytes; shard {(fleet.served / shard(33)).stat().st_size} bytes; "
-          f"control rsync sent {push['bytes_sent']}")
+          f"control relay sent {size[shard(33)]}")
     assert egress < fleet.size / 4  # one shard and pyinfra's own traffic, not the checkpoint
 
 
@@ -448,9 +386,10 @@ def test_control_egress_is_one_checkpoint_for_three_hosts(hub_deployed: Fleet) -
     ratio = egress / fleet.size
     print(f"egress: {egress} bytes for a {fleet.size}-byte checkpoint on 3 hosts, ratio {ratio:.3f} "
           f"(no-op deploy baseline {baseline} bytes; ratio without it {(egress - baseline) / fleet.size:.3f})")
-    (push,) = fleet.control_log()[-1:]
-    assert push["mode"] == "full" and push["target"].endswith(fleet.hosts[0]["address"])
-    assert egress - push["bytes_sent"] < 0.05 * fleet.size  # hosts 2 and 3 got ~nothing from the control machine
+    relays = fleet.relays(-3)
+    from_control = sum(r["bytes_from"].get(CONTROL_RELAY, 0) for r in relays.values())
+    assert relays[fleet.hosts[0]["address"]]["bytes_from"] == {CONTROL_RELAY: fleet.size}
+    assert from_control == fleet.size  # hosts 2 and 3 got nothing from the control machine
     assert ratio <= 1.05  # one copy leaves the control machine, not three
 
 
@@ -470,8 +409,10 @@ def test_shared_storage_is_fetched_and_verified_once_not_per_host(hubfleet: Flee
     assert result.returncode == 0, result.tail()
     _healthy(fleet, SHARED)
     (push,) = fleet.control_log()[n_control:]
-    assert push["mode"] == "full" and push["target"].endswith(h1["address"]) and push["dir"].startswith(SHARED)
-    assert {h["name"]: len(fleet.host_log(h)) for h in fleet.hosts} == n_hosts  # no host pulled from a peer
+    assert push["target"].endswith(h1["address"]) and push["dir"].startswith(SHARED)
+    assert push["bytes_from"] == {CONTROL_RELAY: fleet.size}
+    n_hosts[h1["name"]] += 1  # its relay report; no other host received anything
+    assert {h["name"]: len(fleet.host_log(h)) for h in fleet.hosts} == n_hosts
     print(f"shared storage: control egress {egress} bytes for a {fleet.size}-byte checkpoint, 3 hosts")
     assert egress < 1.05 * fleet.size
     marker = [ssh(h, f"stat -c %i {SHARED}/*/*/.k2fleet/verified.json").stdout.strip() for h in fleet.hosts]
@@ -486,7 +427,9 @@ def test_shared_storage_is_fetched_and_verified_once_not_per_host(hubfleet: Flee
     result = fleet.deploy(**shared)
     assert result.returncode == 0, result.tail()
     (push,) = fleet.control_log()[n_control:]
-    assert push["mode"] == "repair" and push["files"] == [shard(40)] and push["target"].endswith(h1["address"])
+    assert push["files"] == 1 and push["target"].endswith(h1["address"])
+    assert push["bytes_from"] == {CONTROL_RELAY: (fleet.served / shard(40)).stat().st_size}
+    n_hosts[h1["name"]] += 1
     assert {h["name"]: len(fleet.host_log(h)) for h in fleet.hosts} == n_hosts
     _healthy(fleet, SHARED)
     again = fleet.deploy(**shared)
@@ -498,8 +441,8 @@ def test_fetcher_host_downloads_from_the_hub_and_the_control_machine_sends_no_ch
     """``--data k2_checkpoint_fetcher=k2sb-2``: host 2 downloads from the Hub double
     (listening on the sandbox bridge, the one address besides its peers a sandbox host can
     reach), with huggingface_hub installed from the control machine's offline wheelhouse;
-    hosts 1 and 3 pull from it over the mesh; the token exists on host 2 only while it
-    downloads."""
+    hosts 1 and 3 receive from it through the relay (the chain h2 → h1 → h3); the token
+    exists on host 2 only while it downloads."""
     fleet = hubfleet
     h1, h2, h3 = fleet.hosts
     with HubDouble(host="10.213.0.1") as hub:
@@ -509,6 +452,7 @@ def test_fetcher_host_downloads_from_the_hub_and_the_control_machine_sends_no_ch
             ssh(host, "rm -rf /srv/k2fleet/models/*/*/")
         fleet.sandbox.forget()
         n_control, n_hosts = len(fleet.control_log()), {h["name"]: len(fleet.host_log(h)) for h in fleet.hosts}
+        n_copy = len(fleet.control_log("control-copy"))
         fleet.hub.reset_counters()
         result = fleet.deploy(**fetcher)
         assert result.returncode == 0, result.tail()
@@ -517,10 +461,11 @@ def test_fetcher_host_downloads_from_the_hub_and_the_control_machine_sends_no_ch
         assert {r.client for r in hub.requests} == {h2["address"]}  # only the fetcher talked to the Hub
         assert dict(hub.bytes_served) == {f: e["size"] for f, e in manifest["files"].items()}  # once each
         assert {r.authorization for r in hub.requests} == {f"Bearer {SECRET}"} and SECRET not in result.output
-        assert fleet.hub.requests == [] and fleet.control_log()[n_control:] == []  # no control download, no push
-        for host in (h1, h3):
-            (pull,) = fleet.host_log(host)[n_hosts[host["name"]]:]
-            assert pull["mode"] == "full" and pull["source"].startswith(h2["address"] + ":"), pull
+        assert fleet.hub.requests == [] and fleet.control_log("control-copy")[n_copy:] == []  # no control download
+        relays = fleet.relays(n_control)
+        assert set(relays) == {h1["address"], h3["address"]}  # the fetcher received nothing
+        assert relays[h1["address"]]["bytes_from"] == {relay_url(h2): fleet.size}
+        assert relays[h3["address"]]["bytes_from"] == {relay_url(h1): fleet.size}  # nothing from the control machine
         assert fleet.host_log(h2)[n_hosts[h2["name"]]:] == []
         for host in fleet.hosts:
             assert ssh(host, "ls /run/k2fleet/hf_token", check=False).returncode != 0, host["name"]

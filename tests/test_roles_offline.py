@@ -39,7 +39,7 @@ from k2fleet.bootstrap import reboot_reason
 from k2fleet.checkpoint import fanout
 from k2fleet.cli import load_plan
 from k2fleet.deployment import Deployment
-from k2fleet.desired import CHECKPOINT_CHECK, UNIT_GLOB, PULL_PY, VERIFY_PY, ControlArtifacts, HostDesired, desired_state
+from k2fleet.desired import CHECKPOINT_CHECK, UNIT_GLOB, VERIFY_PY, ControlArtifacts, HostDesired, desired_state
 from k2fleet.plan import Plan
 from k2fleet.preflight import HostReport
 from k2fleet.run import FleetRun
@@ -163,10 +163,22 @@ def _record_uploads(connector: Any) -> None:
 @pytest.fixture
 def control_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Replace the control-machine functions of the checkpoint role by recorders."""
-    calls: list[str] = []
-    for module, name in ((fanout, "prepare_control_copy"), (fanout, "push_to_host"), (checkpoint, "send_token")):
-        monkeypatch.setattr(module, name, lambda *a, _n=name, **k: calls.append(_n))
+    calls = ControlCalls()
+    for module, name in ((fanout, "prepare_control_copy"), (fanout, "relay_to_host"), (checkpoint, "send_token")):
+        monkeypatch.setattr(module, name, lambda *a, _n=name, **k: calls.record(_n, k))
     return calls
+
+
+class ControlCalls(list):
+    """Names of the control-machine functions called, in order; ``kwargs`` beside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kwargs: list[dict[str, Any]] = []
+
+    def record(self, name: str, kwargs: dict[str, Any]) -> None:
+        self.append(name)
+        self.kwargs.append(kwargs)
 
 
 def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], facts: dict[str, HostReport],
@@ -175,6 +187,11 @@ def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], fact
     run = FleetRun(dep=dep, plan=plan, artifacts=artifacts(dep), desired=desired, dry=False, state_dir=tmp_path)
     reboots = {name: why for name, d in desired.items()
                if d.bootstrap and (why := reboot_reason(d.bootstrap, facts[name].boot))}
+    weights_wanted: dict[str, list[str]] = {}
+    for name, d in desired.items():
+        for ws in dep.weight_sets:
+            if d.fanout and d.fanout.loads_weights and not facts[name].passed(ws.check):
+                weights_wanted.setdefault(ws.check, []).append(name)
     hosts = [(f"@fake/{name}", {"ssh_hostname": d.address, "fake_delay": 0, "fake_delay_jitter": 0})
              for name, d in desired.items()]
     state = State(Inventory((hosts, {})), Config())
@@ -188,7 +205,7 @@ def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], fact
         from pyinfra import host
 
         mine = run.desired[host.name.removeprefix("@fake/")]
-        deploy_kimi(run, mine, facts[mine.name], reboots=reboots)
+        deploy_kimi(run, mine, facts[mine.name], reboots=reboots, weights_wanted=weights_wanted)
 
     add_deploy(state, pipeline)
 
@@ -237,7 +254,7 @@ def test_settled_fleet_changes_nothing(tmp_path: Path, control_calls: list[str])
     for host, ops in out.ops.items():
         # not vacuous: every role that plans operations planned them on this host
         assert len(ops) >= 20, list(ops)
-        for role_op in ("mesh keys", "host programs", "Hub client: venv", "checkpoint round 1: pull",
+        for role_op in ("mesh keys", "host programs", "Hub client: venv", "checkpoint: receive shard by shard",
                         "unit, env and config of k2-vllm", "stop k2-vllm", "bring k2-vllm back up", "health gate"):
             out.op(host, role_op)
         assert out.changed(host) == [], f"{host} would change: {out.changed(host)}"
@@ -303,53 +320,45 @@ def test_stale_unit_is_removed(tmp_path: Path, control_calls: list[str]) -> None
     assert not out.op("h200-0", "stop and remove k2fleet units").changed
 
 
-def _pull_source(commands: list[str]) -> str:
-    """The ``HOST:PATH`` source argument of a host_pull_argv command line."""
-    (line,) = commands
-    argv = shlex.split(line)
-    assert argv[:2] == ["/usr/bin/python3", PULL_PY]
-    return argv[4]  # host_pull_argv: python3 pull.py dest verify_py SOURCE rsh log
+RELAY_OPS = ["checkpoint: start this host's relay of its verified files (while the fleet receives)",
+             "checkpoint: receive shard by shard, each verified before it is passed on",
+             "checkpoint: check every file (index, headers; hashed by the relay as it arrived)",
+             "checkpoint: stop this host's relay"]
 
 
-def test_failed_gate_pulls_from_the_parent(tmp_path: Path, control_calls: list[str]) -> None:
+def test_failed_gate_receives_through_the_relay_from_its_peers(tmp_path: Path, control_calls: list[str]) -> None:
     dep, plan, desired = planned(str(H200))
     root, child = desired["h200-0"], desired["h200-1"]
-    assert root.fanout and root.fanout.is_root and child.fanout and child.fanout.parent == "h200-0"
+    assert root.fanout and root.fanout.is_root and child.fanout and child.fanout.position == 1
     facts = settled_fleet(dep, desired)
     facts["h200-1"] = dataclasses.replace(facts["h200-1"], checks={**facts["h200-1"].checks, CHECKPOINT_CHECK: 1})
     out = run_roles(dep, plan, desired, facts, tmp_path, control_calls)
     path = dep.checkpoint_path
+    relays = [f"http://{root.address}:{dep.s.relay_port}", f"http://{child.address}:{dep.s.relay_port}"]
 
-    pull = out.op("h200-1", "checkpoint round 1: pull")
-    assert pull.changed and _pull_source(pull.commands) == f"{root.address}:{path}"
-    assert out.op("h200-1", "checkpoint round 1: verify").commands == [
-        shlex.join(["/usr/bin/python3", VERIFY_PY, "--full", path])]
-    assert out.changed("h200-1") == [
-        "checkpoint round 1: pull (only bad files) from a verified peer over the mesh",
-        "checkpoint round 1: verify every file before serving or passing it on",
-        "health gate: /health 200 and a real chat completion"]
-    # the root's gate passed: no pull, no verify, nothing from the control machine
-    assert not out.op("h200-0", "checkpoint round 1: pull").changed
-    assert not any("verify.py --full" in c for c in out.commands("h200-0"))
-    assert out.changed("h200-0") == ["health gate: /health 200 and a real chat completion"]
-    assert out.control_calls == []
+    assert out.changed("h200-1") == [*RELAY_OPS, "health gate: /health 200 and a real chat completion"]
+    serve = out.op("h200-1", RELAY_OPS[0]).commands
+    assert len(serve) == 1 and f"relay.py serve {path} --bind {child.address} --port {dep.s.relay_port}" in serve[0]
+    assert out.op("h200-1", RELAY_OPS[2]).commands == [shlex.join(["/usr/bin/python3", VERIFY_PY, path])]
+    # the root's gate passed: it serves its verified copy and stops afterwards, receives nothing
+    assert out.changed("h200-0") == ["fetch + verify the checkpoint on the control machine (once per fleet)",
+                                     RELAY_OPS[0], RELAY_OPS[3], "checkpoint: stop the control machine's relay",
+                                     "health gate: /health 200 and a real chat completion"]
+    assert out.control_calls == ["prepare_control_copy", "relay_to_host"]  # the one receiving host
+    call = control_calls.kwargs[1]
+    assert call["target"].endswith(child.address) and call["source"] is not None
+    assert call["fetch_argv"] == ["/usr/bin/python3", fanout.RELAY_PY, "fetch", "--fleet", ",".join(relays),
+                                  "--position", "1", "--fanout", "1", "--log", fanout.HOST_LOG, "--source",
+                                  f"http://127.0.0.1:{dep.s.relay_port}", path]
 
 
-def test_failed_gate_in_round_two_pulls_from_its_own_parent(tmp_path: Path, control_calls: list[str]) -> None:
-    """Three hosts: the round-2 host pulls in round 2 from its parent, not from the root by default."""
+def test_settled_fleet_runs_no_relay(tmp_path: Path, control_calls: list[str]) -> None:
+    """Three hosts, every gate passed: no relay starts anywhere, nothing is asked of the control machine."""
     inv = write_inventory(tmp_path / "inv", hosts=3, k2_tp=8)
     dep, plan, desired = planned(str(inv))
-    last = desired["node-2"]
-    assert last.fanout and last.fanout.round == 2 and last.fanout.parent
-    parent = desired[last.fanout.parent]
-    facts = settled_fleet(dep, desired)
-    facts["node-2"] = dataclasses.replace(facts["node-2"], checks={**facts["node-2"].checks, CHECKPOINT_CHECK: 1})
-    out = run_roles(dep, plan, desired, facts, tmp_path, control_calls)
-    assert not out.op("node-2", "checkpoint round 1: pull").changed
-    pull = out.op("node-2", "checkpoint round 2: pull")
-    assert pull.changed and _pull_source(pull.commands) == f"{parent.address}:{dep.checkpoint_path}"
-    assert out.op("node-2", "checkpoint round 2: verify").changed
-    for other in ("node-0", "node-1"):
-        assert not any(c.startswith("/usr/bin/python3 -c") for c in out.commands(other))
+    out = run_roles(dep, plan, desired, settled_fleet(dep, desired), tmp_path, control_calls)
+    for name in desired:
+        assert not any(out.op(name, op).changed for op in RELAY_OPS)
+    assert [desired[n].fanout.position for n in ("node-0", "node-1", "node-2")] == [0, 1, 2]
     assert out.control_calls == []
 

@@ -1,29 +1,28 @@
-"""Checkpoint fan-out: fetched once per fleet, then passed host to host over the SSH mesh.
+"""Checkpoint distribution: fetched once per fleet, then passed host to host shard by shard.
 
-Only ONE transfer leaves the control machine: to the *root* (the first host that loads
-weights). Every other host pulls from a peer that already holds a verified copy, in
-doubling rounds — round 0: control → root; round r ≥ 1: hosts ``[2^(r-1), 2^r)`` each
-pull from host ``i - 2^(r-1)`` — so the control machine sends each byte once and the
-whole fleet has it after ``1 + ceil(log2 N)`` rounds. A host is verified
-(``verify.py --full``) in its own round, before any later round uses it as a source.
+Only ONE copy leaves the control machine: to the *root* (the first host that loads
+weights, or the fetcher host, which downloads from the Hub itself). Every host that
+loads weights runs a relay (:mod:`k2fleet.host.relay`) serving the files it has
+verified; every host whose checkpoint gate failed receives each shard from its parent in
+the per-shard plan (:mod:`k2fleet.checkpoint.swarm`: a chain up to 16 hosts, per-shard
+binary trees beyond), verifies it and serves it onward at once — so the fleet holds the
+checkpoint a few shard-times after one host's transfer time, not after 1 + ⌈log2 N⌉
+whole rounds. A dead parent is routed around (its ancestors, then the control copy).
 
-The tree is static (it depends on the fleet, not on what hosts hold), so every host
-runs the same operation sequence; a host is active only in its round and only when
-its checkpoint gate fails. A parent always comes in an earlier round than its
-children, so by the time a child pulls, its parent either passed the gate already or
-was (re)fetched and verified.
+The control machine's verified copy is served on its loopback (:class:`ControlRelay`)
+and reaches a host through a reverse tunnel of the deploy's own SSH connection to it
+(:func:`relay_to_host`): the fleet need not reach the control machine.
 
-Repair: a host with a copy first receives the source's manifest (a few KB, compared by
-checksum), runs ``verify.py --json`` against it and then receives only the files it
-names (``rsync --files-from``, ``--ignore-times`` because a bit flip keeps size and
-mtime), from the same source; a host with no usable copy gets a full sync.
+Repair and resume: a receiving host first hashes what it holds and keeps every file that
+passes; only the others travel. Every step runs at execution time and only while some
+host's gate failed in the one HostState fact, so ``--dry`` and no-op runs move nothing.
 
-Pure planning (who pulls from whom, the rsync argv, which files to re-send) is at the
-top; the control-side steps (Hub download into the cache, push to the root) follow.
+:class:`FanoutPlan` is the fleet order (root first) and, for comparison in
+``bench/distribution_bench.py``, the doubling tree's rounds that whole-copy transfers need.
 
 Example:
-    >>> plan_fanout(["a", "b", "c"]).parents
-    {'a': None, 'b': 'a', 'c': 'a'}
+    >>> plan_fanout(["a", "b", "c"]).order
+    ('a', 'b', 'c')
 """
 
 from __future__ import annotations
@@ -32,23 +31,21 @@ import json
 import logging
 import os
 import posixpath
-import re
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from k2fleet.host.pull import EXCLUDES, REPAIRABLE
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 CONTROL = None  # a host's parent when it receives from the control machine
-MESH_SSH = "ssh -F {config}"
-PULL_PY = "/opt/k2fleet/lib/pull.py"  # k2fleet/host/pull.py on every host
+RELAY_PY = "/opt/k2fleet/lib/relay.py"  # k2fleet/host/relay.py on every host (verify.py, swarm.py beside it)
+RELAY_UNIT = "k2-relay"
+RELAY_MAX_SECONDS = 6 * 3600  # a relay a failed deploy left behind stops by itself
 HOST_LOG = "/var/log/k2fleet/checkpoint-transfers.jsonl"
 
 
@@ -120,81 +117,99 @@ def plan_fanout(hosts: list[str], shared_storage: bool = False, root: str | None
     return FanoutPlan(order=order, parents=parents, rounds=tuple(rounds), shared=False)
 
 
-def rsync_argv(source: str, dest: str, rsh: str, files_from: str | None = None) -> list[str]:
-    """rsync of checkpoint directory ``source`` to ``dest`` (either may be ``host:/path``).
+def relay_url(address: str, port: int) -> str:
+    """A host's relay (``[v6]`` bracketed).
 
-    Full sync (``files_from`` None): ``--delete`` extra files, resumable (``--partial``).
-    Repair: only the files listed in ``files_from`` (relative paths), re-sent even when
-    size and mtime look unchanged (``--ignore-times``). Per-machine state is excluded.
-
-    Example:
-        >>> rsync_argv("10.0.0.1:/m/k2", "/m/k2", "ssh -F /etc/k2fleet/mesh/ssh_config")[:4]
-        ['rsync', '-a', '--partial', '--stats']
+    >>> relay_url("10.0.0.2", 29700), relay_url("fd00::2", 29700)
+    ('http://10.0.0.2:29700', 'http://[fd00::2]:29700')
     """
-    argv = ["rsync", "-a", "--partial", "--stats", "--out-format=K2SENT %n"]
-    argv += [f"--exclude={e}" for e in EXCLUDES]
-    argv += ["-e", rsh]
-    if files_from is None:
-        argv += ["--delete", "--mkpath"]
-    else:
-        argv += ["--ignore-times", f"--files-from={files_from}"]
-    return argv + [source.rstrip("/") + "/", dest.rstrip("/") + "/"]
+    return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
 
 
-def mesh_rsh(mesh_dir: str) -> str:
-    """The ``-e`` of peer transfers: the deployment's own mesh (port, key, pinned known_hosts)."""
-    return MESH_SSH.format(config=posixpath.join(mesh_dir, "ssh_config"))
+def relay_serve_argv(path: str, address: str, port: int) -> list[str]:
+    """argv (run on a host) starting its relay as a transient systemd unit that serves the
+    verified files of ``path`` on ``address:port`` (the private mesh) while the fleet
+    distributes; an earlier one is stopped first.
 
-
-def files_to_send(report: Any) -> list[str] | None:
-    """From a ``verify.py --json`` report: ``[]`` nothing to send, a file list to re-send
-    only those, or None for a full sync (no usable copy or manifest, index problems).
-
-    Example:
-        >>> files_to_send({"ok": False, "problems": [{"path": "a.safetensors", "kind": "hash_mismatch"}]})
-        ['a.safetensors']
-        >>> files_to_send({"ok": False, "problems": [{"path": "<manifest>", "kind": "bad_manifest"}]}) is None
-        True
+    >>> relay_serve_argv("/m/k2", "10.0.0.2", 29700)[2].split(" && ")[1]
+    'systemd-run --unit=k2-relay --collect --quiet --property=RuntimeMaxSec=21600 /usr/bin/python3 /opt/k2fleet/lib/relay.py serve /m/k2 --bind 10.0.0.2 --port 29700'
     """
-    if not isinstance(report, dict) or not isinstance(report.get("problems"), list):
-        return None
-    if report.get("ok"):
-        return []
-    problems = report["problems"]
-    if not problems or any(not isinstance(p, dict) or p.get("kind") not in REPAIRABLE for p in problems):
-        return None
-    paths = sorted({str(p["path"]) for p in problems})
-    if all(p["kind"] == "missing" for p in problems) and len(paths) >= int(report.get("files_total") or 0):
-        return None  # nothing there yet: a full sync
-    return paths
+    start = ["systemd-run", f"--unit={RELAY_UNIT}", "--collect", "--quiet",
+             f"--property=RuntimeMaxSec={RELAY_MAX_SECONDS}", "/usr/bin/python3", RELAY_PY, "serve", path,
+             "--bind", address, "--port", str(port)]
+    return ["sh", "-c", f"systemctl stop {RELAY_UNIT}.service 2>/dev/null; mkdir -p {shlex.quote(path)} && "
+            + shlex.join(start)]
 
 
-def parse_rsync_output(text: str) -> dict[str, Any]:
-    """Files rsync transferred (``--out-format=K2SENT %n``) and its ``--stats`` byte counts.
+def relay_fetch_argv(path: str, fleet: list[str], position: int, fanout_k: int, sources: list[str],
+                     log_file: str = HOST_LOG) -> list[str]:
+    """argv (run on a host) receiving ``path`` shard by shard through the relay: from its
+    place ``position`` in the fleet order ``fleet`` (relay URLs), falling back to the
+    parent's ancestors and last to ``sources``.
 
-    Example:
-        >>> parse_rsync_output("K2SENT a\\nTotal bytes sent: 1,234\\nTotal bytes received: 56\\n")
-        {'files': ['a'], 'bytes_sent': 1234, 'bytes_received': 56}
+    >>> relay_fetch_argv("/m/k2", ["http://a:1", "http://b:1"], 1, 1, [])[3:9]
+    ['--fleet', 'http://a:1,http://b:1', '--position', '1', '--fanout', '1']
     """
-    files = [line[7:] for line in text.splitlines() if line.startswith("K2SENT ") and not line.endswith("/")]
-    out: dict[str, Any] = {"files": files, "bytes_sent": 0, "bytes_received": 0}
-    for key, label in (("bytes_sent", "Total bytes sent"), ("bytes_received", "Total bytes received")):
-        m = re.search(rf"^{label}:\s*([\d,.]+)", text, re.M)
-        if m:
-            out[key] = int(re.sub(r"[,.]", "", m.group(1)))
-    return out
+    argv = ["/usr/bin/python3", RELAY_PY, "fetch", "--fleet", ",".join(fleet), "--position", str(position),
+            "--fanout", str(fanout_k), "--log", log_file]
+    for url in sources:
+        argv += ["--source", url]
+    return argv + [path]
 
 
-def host_pull_argv(dest: str, verify_py: str, source: str, rsh: str, log_file: str = HOST_LOG,
-                   pull_py: str = PULL_PY) -> list[str]:
-    """argv run on a host: verify its copy, pull only the bad files (or everything) from ``source``
-    (:mod:`k2fleet.host.pull`).
+class ControlRelay:
+    """The control machine's relay (:mod:`k2fleet.host.relay` ``serve``) over its verified
+    copies, on loopback, one per directory, started on first use; hosts reach it through a
+    reverse tunnel of their own SSH connection (the control machine need not be reachable
+    from the fleet). It stops with :meth:`stop`, or by itself when the deploy's process is
+    gone. One per run (:class:`k2fleet.run.FleetRun`)."""
 
-    Example:
-        >>> host_pull_argv("/m/k2", "/opt/k2fleet/lib/verify.py", "10.0.0.1:/m/k2", "ssh")[:2]
-        ['/usr/bin/python3', '/opt/k2fleet/lib/pull.py']
-    """
-    return ["/usr/bin/python3", pull_py, dest, verify_py, source, rsh, log_file]
+    def __init__(self) -> None:
+        self._servers: dict[str, tuple[subprocess.Popen, int]] = {}
+
+    def port_for(self, root: str) -> int:
+        """The loopback port serving ``root`` (started now if it is not running)."""
+        proc, port = self._servers.get(root, (None, 0))
+        if proc is None or proc.poll() is not None:
+            relay = Path(__file__).resolve().parents[1] / "host" / "relay.py"
+            proc = subprocess.Popen([sys.executable, str(relay), "serve", root, "--bind", "127.0.0.1", "--port", "0",
+                                     "--exit-with-parent"], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+            line = proc.stdout.readline() if proc.stdout else ""
+            try:
+                port = int(json.loads(line)["port"])
+            except (ValueError, KeyError):
+                proc.kill()
+                raise RuntimeError(f"the control machine's relay for {root} did not start") from None
+            self._servers[root] = (proc, port)
+        return port
+
+    def stop(self) -> None:
+        """Stop every relay this run started (a second call does nothing)."""
+        for proc, _ in self._servers.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        self._servers.clear()
+
+
+def relay_to_host(control: ControlRelay, source: str | None, target: str, ssh: list[str], fetch_argv: list[str],
+                  tunnel_port: int, log_file: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Run one host's relay fetch (``fetch_argv``) over its SSH connection from the control
+    machine; with a control copy ``source``, the connection also carries a reverse tunnel
+    from the host's ``127.0.0.1:tunnel_port`` to the control machine's relay of it (given
+    to the fetch as its last source). Returns the host's report (also one JSON line in
+    ``log_file``, step ``relay``); raises RuntimeError naming the host when it fails."""
+    argv = [*ssh]
+    if source is not None:
+        argv += ["-o", "ExitOnForwardFailure=yes", "-R", f"127.0.0.1:{tunnel_port}:127.0.0.1:{control.port_for(source)}"]
+    result = subprocess.run([*argv, target, shlex.join(fetch_argv)], capture_output=True, text=True,
+                            stdin=subprocess.DEVNULL)
+    if result.returncode:
+        raise RuntimeError(f"checkpoint relay to {target} failed: {result.stderr.strip()[-2000:]}")
+    record = {"target": target, **json.loads(result.stdout.strip().splitlines()[-1])}
+    if log_file:
+        _append(log_file, {"step": "relay", **record})
+    return record
 
 
 # --------------------------------------------------------------------------- control side
@@ -304,56 +319,6 @@ def _append(log_file: str | os.PathLike[str], record: dict[str, Any]) -> None:
     Path(log_file).parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "a", encoding="utf-8") as f:
         f.write(json.dumps(record, sort_keys=True) + "\n")
-
-
-def push_to_host(
-    source: str,
-    dest: str,
-    target: str,
-    ssh: list[str],
-    verify_py: str,
-    log_file: str | os.PathLike[str] | None = None,
-) -> dict[str, Any]:
-    """Control machine → one host (the root): verify the host's copy over SSH, then rsync
-    only the bad files (or everything when it has no usable copy). Returns the record
-    also appended as one JSON line to ``log_file``."""
-    rsh = shlex.join(ssh)
-    manifest = f"{dest.rstrip('/')}/.k2fleet/manifest.json"
-    remote = shlex.join(["/usr/bin/python3", verify_py, "--json", dest])
-    probe = subprocess.run([*ssh, target, f"test -f {shlex.quote(manifest)} && echo yes"],
-                           capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    report = None
-    if probe.stdout.strip() == "yes":
-        # the source's manifest first (tiny; compared by checksum), so the check is against it
-        sync = subprocess.run(["rsync", "-a", "--checksum", "-e", rsh, f"{source.rstrip('/')}/.k2fleet/manifest.json",
-                               f"{target}:{manifest}"], capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        if sync.returncode:
-            raise RuntimeError(f"rsync of the manifest to {target} failed: {sync.stderr.strip()[-2000:]}")
-        check = subprocess.run([*ssh, target, remote], capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        try:
-            report = json.loads(check.stdout)
-        except ValueError:
-            report = None
-    send = files_to_send(report)
-    record: dict[str, Any] = {"target": target, "source": source, "dir": dest, "asked": send}
-    if send == []:
-        record.update(mode="none", files=[], bytes_sent=0, bytes_received=0)
-    else:
-        with tempfile.NamedTemporaryFile("w", prefix="k2fleet-files-", suffix=".txt") as listing:
-            if send is not None:
-                listing.write("".join(f + "\n" for f in send))
-                listing.flush()
-            argv = rsync_argv(source, f"{target}:{dest}", rsh, listing.name if send is not None else None)
-            t0 = time.monotonic()
-            result = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        if result.returncode:
-            raise RuntimeError(f"rsync to {target} failed: {result.stderr.strip()[-2000:]}")
-        record.update(mode="full" if send is None else "repair", **parse_rsync_output(result.stdout),
-                      seconds=round(time.monotonic() - t0, 3))
-    record["time"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    if log_file:
-        _append(log_file, {"step": "push", **record})
-    return record
 
 
 def main(argv: list[str] | None = None) -> int:

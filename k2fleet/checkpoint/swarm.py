@@ -20,7 +20,7 @@ transfers) for fleets too large to measure.
 >>> plan["c"]["s0"]
 ['b', 'a', None]
 >>> sorted({p["s1"][0] for p in plan_sources(["a", "b", "c"], ["s0", "s1"], fanout=2).values()}, key=str)
-['a', 'c', None]
+[None, 'c']
 """
 
 from __future__ import annotations
@@ -33,11 +33,31 @@ SOURCE = None  # a parent that is the source (the control machine's verified cop
 
 def shard_order(hosts: Sequence[str], shard_index: int, fanout: int) -> list[str]:
     """The host order of one shard's tree: a chain keeps the fleet order; a k-ary tree
-    rotates it by the shard's index so interior hosts change from shard to shard."""
+    rotates it so that consecutive shards take their interior hosts (the first ~n/k of
+    the order) from different stripes of the fleet, SplitStream-like: each host forwards
+    k copies of about 1/k of the shards, and no host forwards two shards in a row."""
     if fanout <= 1 or not hosts:
         return list(hosts)
-    r = shard_index % len(hosts)
+    stripe = -(-len(hosts) // fanout)  # interior hosts of one tree: about n/k; stripes take turns
+    r = (shard_index % fanout) * stripe + (shard_index // fanout) % stripe
+    r %= len(hosts)
     return list(hosts[r:]) + list(hosts[:r])
+
+
+CHAIN_MAX_HOSTS = 16  # up to here a chain's N-1 extra shard-times stay small against S/B
+
+
+def fanout_for(hosts: int) -> int:
+    """The plan the deploy uses for a fleet of ``hosts`` that load weights: a chain up
+    to :data:`CHAIN_MAX_HOSTS` (every host forwards each shard once, finishing N-1
+    shard-times after the first), per-shard binary trees beyond (depth ⌈log2 N⌉, each
+    host forwarding about one checkpoint in all). ``bench/distribution_bench.py``
+    simulates both from measured shard times.
+
+    >>> fanout_for(3), fanout_for(16), fanout_for(64)
+    (1, 1, 2)
+    """
+    return 1 if hosts <= CHAIN_MAX_HOSTS else 2
 
 
 def parent_position(position: int, fanout: int) -> int | None:
@@ -107,13 +127,15 @@ def max_min_rates(flows: list[tuple[object, ...]], capacity: float) -> list[floa
 
 
 def simulate(n: int, sizes: Sequence[int], bandwidth: float, fanout: int, verify_rate: float = math.inf,
-             step: float | None = None, inflight_max: int = 2) -> float:
+             step: float | None = None, inflight_max: int = 2, source_uploads: int = 1) -> float:
     """Seconds until every one of ``n`` hosts holds every shard (``sizes`` bytes each),
     when every link (the source's too) has ``bandwidth`` bytes/s in each direction,
     shared fairly among a host's concurrent transfers, and a shard is passed on only
     after ``bytes / verify_rate`` seconds of hashing on the receiver. A host takes its
-    shards in plan order, at most ``inflight_max`` at once; concurrent transfers share links
-    max-min fairly (:func:`max_min_rates`). Fluid, time-stepped.
+    shards in plan order, at most ``inflight_max`` at once; a sender serves the earliest
+    shards first, at most ``fanout`` at once (the source ``source_uploads``: shards leave
+    it one after the other at full rate); concurrent transfers share links max-min fairly
+    (:func:`max_min_rates`). Fluid, time-stepped.
 
     >>> round(simulate(1, [100] * 10, 100.0, 1), 1)
     10.0
@@ -129,18 +151,29 @@ def simulate(n: int, sizes: Sequence[int], bandwidth: float, fanout: int, verify
     done_at: dict[tuple[str, str], float] = {}
     t = 0.0
     while len(have) < len(shards) * (n + 1):
-        active = []  # (receiver, shard, parent)
+        wanted = []  # (shard index, receiver, shard, parent): what each receiver would take now
         for h in hosts:
             inflight = 0
-            for s in shards:
+            for j, s in enumerate(shards):
                 if (h, s) in have or (h, s) in done_at:
                     continue
                 parent = plan[h][s][0]
                 if (parent, s) in have and have[(parent, s)] <= t:
-                    active.append((h, s, parent))
+                    if parent is SOURCE:  # the source's bytes are the critical path: nothing beside them
+                        wanted = [w for w in wanted if w[1] != h]
+                        wanted.append((j, h, s, parent))
+                        break
+                    wanted.append((j, h, s, parent))
                     inflight += 1
                     if inflight == inflight_max:
                         break
+        active = []  # (receiver, shard, parent): each sender serves its earliest shards first, a few at once
+        serving: dict[str | None, int] = {}
+        for j, h, s, parent in sorted(wanted, key=lambda w: (w[0], w[1])):
+            cap = source_uploads if parent is SOURCE else max(1, fanout)
+            if serving.get(parent, 0) < cap:
+                serving[parent] = serving.get(parent, 0) + 1
+                active.append((h, s, parent))
         rates = max_min_rates([(("in", h), ("out", p)) for h, _, p in active], bandwidth)
         for (h, s, p), rate in zip(active, rates):
             got[(h, s)] += rate * dt

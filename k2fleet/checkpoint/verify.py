@@ -472,6 +472,22 @@ class _Verifier:
         res.stat = before
 
 
+def check_one(root: str, manifest: dict[str, Any], rel: str) -> tuple[dict[str, int] | None, list[Problem]]:
+    """Every check of one manifest file, hashing it (size, safetensors header, sha256 or
+    git blob sha1, unchanged while hashed): (its stat record, []) when it passes, else
+    (None, problems). The checkpoint relay verifies each received file with it."""
+    res = _Verifier(root, manifest, full=True).check(rel)
+    return (res.stat, []) if res.stat is not None and not res.problems else (None, res.problems)
+
+
+def stat_record(path: str) -> dict[str, int] | None:
+    """The stat record the marker keeps for ``path`` (None: no such file)."""
+    try:
+        return _stat_record(os.stat(path))
+    except OSError:
+        return None
+
+
 def index_problems(root: str, manifest: dict[str, Any]) -> list[Problem]:
     """Cross-check ``model.safetensors.index.json``'s weight_map against the manifest.
 

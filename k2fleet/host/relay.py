@@ -1,40 +1,49 @@
-"""Runs ON a host, or on the control machine (standard library only): pipelined
-checkpoint distribution — each host passes a shard on as soon as it has verified it.
+"""Runs ON a host, or on the control machine (standard library only, with verify.py and
+swarm.py beside it): pipelined checkpoint distribution — each host passes a shard on as
+soon as it has verified it.
 
-    python3 relay.py mark  DIR                      # hash every file against the manifest, mark the good ones
-    python3 relay.py serve DIR --bind ADDR --port P  # serve the marked files (HTTP, Range), until killed
-    python3 relay.py fetch DIR --source URL [--source URL ...] [--streams N] [--log FILE]
+    python3 relay.py mark  DIR                       # hash every file against the manifest, mark the good ones
+    python3 relay.py serve DIR --bind ADDR --port P   # serve the verified files (HTTP, Range), until killed
+    python3 relay.py fetch DIR --fleet URL,URL,... --position I [--fanout K] [--source URL] [--log FILE]
+    python3 relay.py fetch DIR --source URL [--source URL ...] [--plan FILE]
 
-A chain: the source (the control machine's verified copy) serves; host 1 fetches from it
-while serving what it has verified; host 2 fetches from host 1; and so on. Every host
-receives every byte once over its own link and the shards flow down the chain one behind
-the other, so the fleet is done about one shard-time per hop after one host's transfer
-time S/B (``bench/distribution_bench.py`` measures it against the doubling tree's
-1 + ⌈log2 N⌉ full rounds).
+The deploy (``roles/checkpoint.py``) starts ``serve`` on every host that loads weights and
+``fetch --fleet`` on every host whose copy is not verified: per shard, the host at
+position I takes it from its parent in :func:`swarm.plan_sources`'s plan over the fleet
+order (``--fanout 1``: a chain; k: per-shard k-ary trees), falling back to the parent's
+ancestors and last to ``--source`` (the control machine's verified copy). Every host
+receives every byte once over its own link and the shards flow down the fleet one behind
+the other, so the fleet is done a few shard-times after one host's transfer time S/B
+(``bench/distribution_bench.py`` measures it against the doubling tree's 1 + ⌈log2 N⌉
+full rounds).
 
 Rules it keeps:
 
-- **Never serve unverified.** A file is served only once its marker
-  (``DIR/.k2fleet/relay/<file>.ok``, holding its sha256) exists, and a marker is written
-  only after the received bytes hashed to the manifest's sha256 (LFS files) or git blob
-  sha1 (small files). A shard corrupted in flight fails that check: it is deleted, never
-  marked, never served, and fetched again (from the next source if it fails twice).
-- **Resume and repair.** A file already in place whose bytes hash right is marked and
-  not fetched; a bad one is fetched again. A killed fetch leaves only
-  ``.k2fleet/partial/`` files, which the next run discards.
-- **Heal around a dead host.** ``--source`` lists the parent first, then its ancestors
-  up to the source: when a source stops answering, the fetch moves to the next one.
-- **One transfer near the wire.** Each file larger than 2 × ``--chunk`` comes in
-  ``--streams`` parallel HTTP range requests (raw TCP on the private mesh: no per-byte
-  cipher, unlike one rsync-over-SSH stream; the sha256 check is the integrity guarantee,
-  the weights are not secret).
+- **Never serve unverified.** A file is served only if this relay hashed it right
+  (``DIR/.k2fleet/relay/<file>.ok``: its sha256 and the file's stat then) or verify.py's
+  ``verified.json`` for this manifest lists it, in both cases with the file's size, mtime,
+  ctime and inode unchanged since. Received bytes go through verify.py's checks of one file
+  (size, safetensors header, sha256 or git blob sha1) before they get their final name. A
+  shard corrupted in flight fails them: it is deleted, never marked, never served, and
+  fetched again (from the next source if it fails twice).
+- **Resume and repair.** ``fetch`` first drops every marker (its own and verified.json)
+  and hashes what is in place: a file that passes is kept and marked (bit rot keeps sizes
+  and mtimes, so markers alone are not trusted); the others are fetched. A killed fetch
+  leaves only ``.k2fleet/relay-partial/``, which the next run discards. When every file is
+  in, the index is checked and verify.py's ``verified.json`` written, so the checkpoint
+  gate passes without hashing anything twice.
+- **Heal around a dead host.** Each file's list is its parent, then the parent's ancestors,
+  then the source: a source that has not answered for ``--dead-after`` seconds is skipped.
+- **One transfer near the wire.** Each file comes in ``--chunk`` ranges over ``--streams``
+  parallel HTTP connections (raw TCP on the private mesh: no per-byte cipher, unlike one
+  rsync-over-SSH stream; the checks above are the integrity guarantee, the weights are
+  not secret).
 
-Prints one JSON line at the end of ``fetch`` (files, bytes, seconds, sources used, bad
-shards) and appends it to ``--log``.
+Prints one JSON line at the end of ``fetch`` (files, bytes, kept, seconds, files and bytes
+per source, failovers, bad shards) and appends it to ``--log``.
 """
 
 import argparse
-import hashlib
 import http.client
 import http.server
 import json
@@ -47,9 +56,15 @@ import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
+try:  # on hosts: beside this file in /opt/k2fleet/lib (shipped with it)
+    import swarm
+    import verify
+except ImportError:  # in the repository
+    from k2fleet.checkpoint import swarm, verify
+
 MANIFEST = os.path.join(".k2fleet", "manifest.json")
 MARKS = os.path.join(".k2fleet", "relay")
-PARTIAL = os.path.join(".k2fleet", "partial")
+PARTIAL = os.path.join(".k2fleet", "relay-partial")
 CHUNK = 16 << 20
 BLOCK = 1 << 20
 POLL_S = 0.1
@@ -61,42 +76,50 @@ def load_manifest(root):
         return json.load(fh)
 
 
-def digest_of(path, entry):
-    """(kind, hex) of the file at ``path`` as the manifest ``entry`` records it."""
-    if entry.get("sha256"):
-        h = hashlib.sha256()
-    else:
-        h = hashlib.sha1()
-        h.update(b"blob %d\0" % os.path.getsize(path))
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(BLOCK), b""):
-            h.update(block)
-    return h.hexdigest()
+def mark_path(root, rel):
+    return os.path.join(root, MARKS, rel + ".ok")
+
+
+def is_verified_here(root, manifest, rel, verified=None):
+    """True if ``rel`` may be served: this relay hashed it right (its marker), or verify.py's
+    ``verified.json`` for this manifest lists it (``verified``: that marker's records,
+    read once by the caller) — either way with the file's stat unchanged since."""
+    now = verify.stat_record(os.path.join(root, rel))
+    if now is None:
+        return False
+    try:
+        with open(mark_path(root, rel)) as fh:
+            if json.load(fh) == {"sha256": expected(manifest["files"][rel]), "stat": now}:
+                return True
+    except (OSError, ValueError):
+        pass
+    if verified is None:
+        verified = verify.load_marker(root, manifest)
+    return verified.get(rel) == now
 
 
 def expected(entry):
     return entry.get("sha256") or entry.get("git_blob_sha1")
 
 
-def mark_path(root, rel):
-    return os.path.join(root, MARKS, rel + ".ok")
-
-
-def is_marked(root, rel, entry):
-    try:
-        with open(mark_path(root, rel)) as fh:
-            return fh.read().strip() == expected(entry) and os.path.getsize(os.path.join(root, rel)) == entry["size"]
-    except OSError:
-        return False
-
-
-def write_mark(root, rel, entry):
+def write_mark(root, rel, entry, stat):
+    """Record that ``rel`` hashed right while its file had ``stat``: from now on it is served."""
     path = mark_path(root, rel)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as fh:
-        fh.write(expected(entry) + "\n")
+        json.dump({"sha256": expected(entry), "stat": stat}, fh)
     os.replace(tmp, path)
+
+
+def drop_marks(root, manifest):
+    """Nothing here is served until hashed again: every relay marker and verified.json go."""
+    verify.remove_marker(root)
+    for rel in manifest["files"]:
+        try:
+            os.unlink(mark_path(root, rel))
+        except OSError:
+            pass
 
 
 def mark(root):
@@ -104,11 +127,11 @@ def mark(root):
     manifest = load_manifest(root)
     bad = []
     for rel, entry in sorted(manifest["files"].items()):
-        path = os.path.join(root, rel)
-        if os.path.isfile(path) and os.path.getsize(path) == entry["size"] and digest_of(path, entry) == expected(entry):
-            write_mark(root, rel, entry)
-        else:
+        stat, _ = verify.check_one(root, manifest, rel)
+        if stat is None:
             bad.append(rel)
+        else:
+            write_mark(root, rel, entry, stat)
     return bad
 
 
@@ -146,13 +169,14 @@ def make_handler(root):
             except (OSError, ValueError):
                 return self._send(503)
             if path == "/ready":
-                ready = [rel for rel, e in sorted(manifest["files"].items()) if is_marked(root, rel, e)]
+                verified = verify.load_marker(root, manifest)
+                ready = [rel for rel in sorted(manifest["files"]) if is_verified_here(root, manifest, rel, verified)]
                 return self._send(200, json.dumps(ready).encode(), [("Content-Type", "application/json")])
             rel = path[len("/file/"):] if path.startswith("/file/") else None
             entry = manifest["files"].get(rel) if rel else None
             if entry is None or ".." in rel.split("/"):
                 return self._send(404)
-            if not is_marked(root, rel, entry):  # never serve unverified
+            if not is_verified_here(root, manifest, rel):  # never serve unverified
                 return self._send(409, b"not verified here yet")
             size = entry["size"]
             start, end = 0, size - 1
@@ -184,8 +208,21 @@ class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     allow_reuse_address = True
 
 
-def serve(root, bind, port):
+def serve(root, bind, port, exit_with_parent=False):
+    """Serve ``root`` on ``bind:port`` (0: any free port) until killed; prints
+    ``{"port": N}`` once listening. ``exit_with_parent``: stop when the process that
+    started this one is gone (the control machine's relay outlives no deploy)."""
     server = Server((bind, port), make_handler(root))
+    print(json.dumps({"port": server.server_address[1]}), flush=True)
+    if exit_with_parent:
+        parent = os.getppid()
+
+        def watch():
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(0)
+
+        threading.Thread(target=watch, daemon=True).start()
     server.serve_forever()
 
 
@@ -233,49 +270,68 @@ class Source:
             conn.close()
 
 
-def fetch_file(source, root, rel, entry, streams, chunk):
-    """Fetch ``rel`` from ``source`` into a partial file, verify it, move it into place.
-    True if it verified; False if the bytes were bad (deleted, not marked)."""
-    part = os.path.join(root, PARTIAL, rel + ".relay")
+def fetch_file(source, root, manifest, rel, streams, chunk):
+    """Fetch ``rel`` from ``source`` into a partial file, verify it (verify.py's checks of
+    one file), move it into place and mark it. True if it verified; False if the bytes
+    were bad (deleted, not marked)."""
+    partial_root = os.path.join(root, PARTIAL)
+    part = os.path.join(partial_root, rel)
     os.makedirs(os.path.dirname(part), exist_ok=True)
-    size = entry["size"]
+    size = manifest["files"][rel]["size"]
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, size)
-        ranges = [(a, min(a + chunk, size) - 1) for a in range(0, size, chunk)] or [(0, -1)]
-        if size == 0:
-            ranges = []
+        ranges = [(a, min(a + chunk, size) - 1) for a in range(0, size, chunk)]
         with ThreadPoolExecutor(max_workers=max(1, min(streams, len(ranges) or 1))) as pool:
             for f in [pool.submit(source.get_range, rel, fd, a, b) for a, b in ranges]:
                 f.result()
     finally:
         os.close(fd)
-    if digest_of(part, entry) != expected(entry):
+    stat, _ = verify.check_one(partial_root, manifest, rel)
+    if stat is None:
         os.unlink(part)
         return False
     dest = os.path.join(root, rel)
     os.makedirs(os.path.dirname(dest) or root, exist_ok=True)
     os.replace(part, dest)
-    write_mark(root, rel, entry)
+    moved = verify.stat_record(dest)  # a rename changes ctime only
+    if moved is None or {k: moved[k] for k in ("size", "mtime_ns", "ino")} != {k: stat[k] for k in ("size", "mtime_ns", "ino")}:
+        return False
+    write_mark(root, rel, manifest["files"][rel], moved)
     return True
 
 
-def _manifest_from(sources):
-    last = None
-    for src in sources:
-        try:
-            status, body = src.request("/manifest", timeout=10)
-            if status == 200:
-                return body
-        except OSError as exc:
-            last = exc
+def _manifest_from(sources, wait_s=600.0):
+    """The manifest from the first source that has one; sources that answer without one
+    yet (a peer still fetching it) are waited for, up to ``wait_s`` seconds."""
+    deadline, last = time.monotonic() + wait_s, None
+    while time.monotonic() < deadline:
+        for src in sources:
+            try:
+                status, body = src.request("/manifest", timeout=10)
+                if status == 200:
+                    return body
+                last = f"{src.url} answered {status}"
+            except OSError as exc:
+                last = exc
+        time.sleep(POLL_S)
     raise SystemExit(f"no source answered with a manifest ({last})")
 
 
-def fetch(root, urls, streams=4, chunk=CHUNK, log=None, plan=None):
+def fleet_plan(files, fleet, position, fanout, sources):
+    """file → URLs to try, parent first (:func:`swarm.plan_sources` over the fleet's relay
+    URLs, this host at ``position``); the plan's source is ``sources`` (none: skipped)."""
+    plan = swarm.plan_sources(list(range(len(fleet))), sorted(files), fanout)[position]
+    return {rel: [u for p in chain for u in ([fleet[p]] if p is not None else sources)] for rel, chain in plan.items()}
+
+
+def fetch(root, urls, streams=4, chunk=CHUNK, log=None, plan=None, dead_after=DEAD_AFTER_S, fleet=None,
+          position=None, fanout=1):
     """Fetch every file of the sources' manifest into ``root``, each from the first live
-    source of its list (``plan``: file → source URLs, parent first; default ``urls`` for
-    every file), verifying each before it is marked (and so served onward)."""
+    source of its list, verifying each before it is marked (and so served onward).
+    The lists: ``plan`` (file → URLs, parent first), or the fleet's per-shard plan
+    (``fleet``: every host's relay URL in fleet order, this host at ``position``; the
+    source is ``urls``), or ``urls`` for every file."""
     by_url = {}
 
     def source(url):
@@ -283,24 +339,32 @@ def fetch(root, urls, streams=4, chunk=CHUNK, log=None, plan=None):
             by_url[url] = Source(url)
         return by_url[url]
 
-    for url in urls:
-        source(url)
     os.makedirs(os.path.join(root, ".k2fleet"), exist_ok=True)
     shutil.rmtree(os.path.join(root, PARTIAL), ignore_errors=True)  # a killed run's leftovers
     t0 = time.monotonic()
-    manifest_bytes = _manifest_from([source(u) for u in urls])
+    ancestors = fleet[:position] if fleet else []
+    manifest_bytes = _manifest_from([source(u) for u in [*reversed(ancestors), *urls]])
+    manifest = json.loads(manifest_bytes)
+    if fleet:
+        plan = fleet_plan(manifest["files"], fleet, position, fanout, urls)
+    old = None
+    try:
+        old = load_manifest(root)
+    except (OSError, ValueError):
+        pass
+    if old is not None:
+        drop_marks(root, old)  # nothing is served until hashed again (bit rot keeps sizes and mtimes)
+    verify.remove_marker(root)
     with open(os.path.join(root, MANIFEST) + ".tmp", "wb") as fh:
         fh.write(manifest_bytes)
     os.replace(os.path.join(root, MANIFEST) + ".tmp", os.path.join(root, MANIFEST))
-    manifest = json.loads(manifest_bytes)
-    report = {"files": 0, "bytes": 0, "kept": 0, "bad_shards": [], "sources": {}, "failovers": 0}
+    drop_marks(root, manifest)
+    report = {"files": 0, "bytes": 0, "kept": 0, "bad_shards": [], "sources": {}, "bytes_from": {}, "failovers": 0}
     todo = []
-    for rel, entry in sorted(manifest["files"].items()):  # resume/repair: what is already right stays
-        path = os.path.join(root, rel)
-        if is_marked(root, rel, entry):
-            report["kept"] += 1
-        elif os.path.isfile(path) and os.path.getsize(path) == entry["size"] and digest_of(path, entry) == expected(entry):
-            write_mark(root, rel, entry)
+    for rel, entry in sorted(manifest["files"].items()):  # resume/repair: what hashes right stays
+        stat, _ = verify.check_one(root, manifest, rel)
+        if stat is not None:
+            write_mark(root, rel, entry, stat)
             report["kept"] += 1
         else:
             todo.append((rel, entry))
@@ -310,27 +374,29 @@ def fetch(root, urls, streams=4, chunk=CHUNK, log=None, plan=None):
         progress = False
         for k, (rel, entry) in enumerate(todo):
             candidates = [source(u) for u in ((plan or {}).get(rel) or urls)]
+            if not candidates:
+                raise SystemExit(f"{rel}: no source to fetch it from")
             live = [c for c in candidates if refused.get((rel, c.url), 0) < 2
-                    and not (c.dead_since and time.monotonic() - c.dead_since > DEAD_AFTER_S)]
+                    and not (c.dead_since and time.monotonic() - c.dead_since > dead_after)]
             if not live:  # every source failed this file: start over with all of them
                 if all(refused.get((rel, c.url), 0) >= 2 for c in candidates):
                     raise SystemExit(f"{rel}: no source gave bytes matching the manifest")
                 live = candidates[-1:]
             src = live[0]
-            if src is not candidates[0]:
-                report["failovers"] += 1 if (rel, "failover") not in refused else 0
+            if src is not candidates[0] and (rel, "failover") not in refused:
+                report["failovers"] += 1
                 refused[(rel, "failover")] = 1
             if src.url not in ready_now:
                 try:
                     ready_now[src.url] = src.ready()
                     src.dead_since = None
-                except OSError:
+                except (OSError, ValueError):
                     ready_now[src.url] = set()
                     src.dead_since = src.dead_since or time.monotonic()
             if rel not in ready_now[src.url]:
                 continue
             try:
-                ok = fetch_file(src, root, rel, entry, streams, chunk)
+                ok = fetch_file(src, root, manifest, rel, streams, chunk)
             except OSError:
                 src.dead_since = src.dead_since or time.monotonic()
                 ok = None
@@ -339,6 +405,7 @@ def fetch(root, urls, streams=4, chunk=CHUNK, log=None, plan=None):
                 report["files"] += 1
                 report["bytes"] += entry["size"]
                 report["sources"][src.url] = report["sources"].get(src.url, 0) + 1
+                report["bytes_from"][src.url] = report["bytes_from"].get(src.url, 0) + entry["size"]
                 progress = True
             elif ok is False:
                 report["bad_shards"].append({"file": rel, "source": src.url})
@@ -346,7 +413,14 @@ def fetch(root, urls, streams=4, chunk=CHUNK, log=None, plan=None):
             break
         if not progress:
             time.sleep(POLL_S)
-    report.update(seconds=round(time.monotonic() - t0, 3), dir=root,
+    shutil.rmtree(os.path.join(root, PARTIAL), ignore_errors=True)
+    # every file verified and marked: verify.py's marker too (index and headers checked,
+    # nothing hashed twice), so the deploy's checkpoint gate passes without re-hashing
+    stats = {rel: verify.stat_record(os.path.join(root, rel)) for rel in manifest["files"]}
+    problems = verify.index_problems(root, manifest)
+    if not problems and all(is_verified_here(root, manifest, rel, {}) for rel in manifest["files"]):
+        verify.write_marker(root, manifest, stats)
+    report.update(seconds=round(time.monotonic() - t0, 3), dir=root, verified=not problems,
                   time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     line = json.dumps(report, sort_keys=True)
     print(line, flush=True)
@@ -354,6 +428,8 @@ def fetch(root, urls, streams=4, chunk=CHUNK, log=None, plan=None):
         os.makedirs(os.path.dirname(log), exist_ok=True)
         with open(log, "a") as fh:
             fh.write(line + "\n")
+    if problems:
+        raise SystemExit("index problems: " + "; ".join(p.line() for p in problems))
     return report
 
 
@@ -365,13 +441,19 @@ def main(argv=None):
     s = sub.add_parser("serve")
     s.add_argument("dir")
     s.add_argument("--bind", default="0.0.0.0")
-    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--port", type=int, required=True, help="0: any free port (printed)")
+    s.add_argument("--exit-with-parent", action="store_true")
     f = sub.add_parser("fetch")
     f.add_argument("dir")
-    f.add_argument("--source", action="append", required=True, help="http://HOST:PORT, parent first")
+    f.add_argument("--source", action="append", default=[], help="http://HOST:PORT of the source's copy")
+    f.add_argument("--fleet", help="comma-separated relay URLs of every host in fleet order (with --position)")
+    f.add_argument("--position", type=int, help="this host's index in --fleet")
+    f.add_argument("--fanout", type=int, default=1, help="1: a chain; k: per-shard k-ary trees")
     f.add_argument("--streams", type=int, default=4)
     f.add_argument("--chunk", type=int, default=CHUNK)
     f.add_argument("--log")
+    f.add_argument("--dead-after", type=float, default=DEAD_AFTER_S,
+                   help="seconds a source may not answer before the next one is used")
     f.add_argument("--plan", help="JSON file: {file: [source URL, ...]} (parent first); default --source for all")
     a = p.parse_args(argv)
     if a.cmd == "mark":
@@ -379,13 +461,18 @@ def main(argv=None):
         print(json.dumps({"bad": bad}))
         return 1 if bad else 0
     if a.cmd == "serve":
-        serve(a.dir, a.bind, a.port)
+        serve(a.dir, a.bind, a.port, a.exit_with_parent)
         return 0
     plan = None
     if a.plan:
         with open(a.plan) as fh:
             plan = json.load(fh)
-    fetch(a.dir, a.source, a.streams, a.chunk, a.log, plan)
+    fleet = a.fleet.split(",") if a.fleet else None
+    if fleet and not (a.position is not None and 0 <= a.position < len(fleet)):
+        p.error("--fleet needs --position, an index into it")
+    if not (a.source or plan or fleet):
+        p.error("fetch needs --source, --plan or --fleet")
+    fetch(a.dir, a.source, a.streams, a.chunk, a.log, plan, a.dead_after, fleet, a.position, a.fanout)
     return 0
 
 

@@ -1,0 +1,262 @@
+"""Pipelined checkpoint distribution (:mod:`k2fleet.host.relay`, :mod:`k2fleet.checkpoint.swarm`):
+real relay processes on loopback and on the sandbox fleet (shaped links, a host crashed by
+killing its container's init). Test doubles: the checkpoint (synthetic, Kimi-K2-Thinking's
+layout) and, for corruption in flight, a proxy that flips one byte of one shard.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from k2fleet import sandbox
+from k2fleet.checkpoint import swarm
+from k2fleet.synthetic import ensure_synthetic_checkpoint
+from k2fleet.testing.relay_fleet import HOST_DIR, RELAY, RelayFleet, url
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox fleet needs root")
+VERIFY = Path(__file__).resolve().parents[1] / "k2fleet/checkpoint/verify.py"
+VICTIM = "model-00002-of-000062.safetensors"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def relay(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(RELAY), *args], capture_output=True, text=True, timeout=300, **kw)
+
+
+def serve(root: Path, port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, str(RELAY), "serve", str(root), "--bind", "127.0.0.1", "--port", str(port)])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError("relay server did not start")
+
+
+def status_of(port: int, path: str) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    resp.read()
+    return resp.status
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = ensure_synthetic_checkpoint(tmp_path_factory.mktemp("relay") / "source", "t/Kimi-K2-Thinking", "c" * 40,
+                                       num_shards=62, shard_bytes=256 << 10)
+    assert relay("mark", str(root)).returncode == 0
+    return root
+
+
+def test_plans_chain_and_per_shard_trees_route_around_dead_hosts() -> None:
+    hosts = [f"h{i}" for i in range(7)]
+    shards = [f"s{j}" for j in range(6)]
+    chain = swarm.plan_sources(hosts, shards, 1)
+    assert chain["h3"]["s5"] == ["h2", "h1", "h0", None]  # parent, its ancestors, then the source
+    trees = swarm.plan_sources(hosts, shards, 2)
+    for shard in shards:
+        roots = [h for h in hosts if trees[h][shard] == [None]]
+        assert len(roots) == 1  # one transfer of each shard leaves the source
+        assert all(len(trees[h][shard]) <= swarm.depth(7, 2) for h in hosts)
+    interior = {s: {trees[h][s][0] for h in hosts} - {None} for s in shards}
+    assert interior["s0"] != interior["s1"]  # consecutive shards are forwarded by different hosts
+
+
+def test_chain_on_loopback_verifies_every_shard_and_resumes_only_what_is_wrong(source: Path, tmp_path: Path) -> None:
+    p0, p1 = free_port(), free_port()
+    servers = [serve(source, p0), serve(tmp_path / "h1", p1)]
+    try:
+        (tmp_path / "h1").mkdir(exist_ok=True)
+        first = subprocess.Popen([sys.executable, str(RELAY), "fetch", str(tmp_path / "h1"), "--source",
+                                  f"http://127.0.0.1:{p0}"], stdout=subprocess.PIPE, text=True)
+        second = relay("fetch", str(tmp_path / "h2"), "--source", f"http://127.0.0.1:{p1}", "--source",
+                       f"http://127.0.0.1:{p0}")  # chained behind h1, at the same time
+        assert first.wait(timeout=120) == 0 and second.returncode == 0, second.stderr
+        report = json.loads(second.stdout)
+        assert report["sources"] == {f"http://127.0.0.1:{p1}": 72} and report["bad_shards"] == []
+        assert subprocess.run([sys.executable, str(VERIFY), "--full", str(tmp_path / "h2")]).returncode == 0
+        shard = tmp_path / "h2" / VICTIM
+        data = bytearray(shard.read_bytes())
+        data[4096] ^= 1  # bit rot: same size, same mtime
+        shard.write_bytes(bytes(data))
+        (tmp_path / "h2" / "config.json").unlink()
+        again = json.loads(relay("fetch", str(tmp_path / "h2"), "--source", f"http://127.0.0.1:{p1}").stdout)
+        assert (again["files"], again["kept"]) == (2, 70), again  # the rotten shard and the missing file
+        assert subprocess.run([sys.executable, str(VERIFY), "--full", str(tmp_path / "h2")]).returncode == 0
+    finally:
+        for s in servers:
+            s.kill()
+
+
+def test_fleet_mode_chain_serves_a_gated_peer_and_leaves_the_gate_marker(source: Path, tmp_path: Path) -> None:
+    """The deploy's form: ``fetch --fleet URLS --position I``. The root holds a copy only
+    verify.py checked (its ``verified.json``, no relay markers) and serves it; hosts 1 and
+    2 receive at once, each from the one before it; afterwards verify.py's gate passes
+    on host 2 without hashing a byte (the relay hashed each file as it arrived)."""
+    root = tmp_path / "h0"
+    shutil.copytree(source, root, ignore=shutil.ignore_patterns("relay"))
+    assert subprocess.run([sys.executable, str(VERIFY), "--full", str(root)], capture_output=True).returncode == 0
+    assert not (root / ".k2fleet/relay").exists() and (root / ".k2fleet/verified.json").is_file()
+    ports = [free_port() for _ in range(3)]
+    fleet = ",".join(f"http://127.0.0.1:{p}" for p in ports)
+    for name in ("h1", "h2"):
+        (tmp_path / name).mkdir()
+    servers = [serve(tmp_path / f"h{i}", p) for i, p in enumerate(ports)]
+    try:
+        first = subprocess.Popen([sys.executable, str(RELAY), "fetch", "--fleet", fleet, "--position", "1",
+                                  str(tmp_path / "h1")], stdout=subprocess.PIPE, text=True)
+        second = relay("fetch", "--fleet", fleet, "--position", "2", str(tmp_path / "h2"))
+        out, _ = first.communicate(timeout=120)
+        assert first.returncode == 0 and second.returncode == 0, second.stderr
+        total = sum(e["size"] for e in json.loads((source / ".k2fleet/manifest.json").read_text())["files"].values())
+        assert json.loads(out)["bytes_from"] == {f"http://127.0.0.1:{ports[0]}": total}
+        assert json.loads(second.stdout)["bytes_from"] == {f"http://127.0.0.1:{ports[1]}": total}
+        gate = subprocess.run([sys.executable, str(VERIFY), "--json", str(tmp_path / "h2")], capture_output=True,
+                              text=True)
+        report = json.loads(gate.stdout)
+        assert gate.returncode == 0 and report["ok"] and report["bytes_hashed"] == 0, report
+        # a file changed after it was verified (same size) is no longer served by the root
+        shard = root / VICTIM
+        shard.write_bytes(shard.read_bytes())
+        assert status_of(ports[0], f"/file/{VICTIM}") == 409
+        assert status_of(ports[0], "/file/config.json") == 200
+    finally:
+        for s in servers:
+            s.kill()
+
+
+class CorruptingProxy(http.server.ThreadingHTTPServer):
+    """TEST DOUBLE of a bad link: forwards to ``upstream``, flipping one byte of VICTIM's
+    body; before answering VICTIM a second time it records what ``watch`` (the relay that
+    received the first, corrupted copy) answers for VICTIM at that moment."""
+
+    daemon_threads = True
+
+    def __init__(self, upstream: int, watch: int) -> None:
+        self.upstream, self.watch, self.victim_requests, self.watched = upstream, watch, 0, []
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                victim = self.path.endswith(VICTIM)
+                if victim:
+                    proxy.victim_requests += 1
+                    if proxy.victim_requests == 2:
+                        proxy.watched.append(status_of(proxy.watch, f"/file/{VICTIM}"))
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream, timeout=30)
+                conn.request("GET", self.path, headers={k: v for k, v in self.headers.items() if k == "Range"})
+                resp = conn.getresponse()
+                body = bytearray(resp.read())
+                if victim and len(body) > 100:
+                    body[100] ^= 0xFF
+                self.send_response(resp.status)
+                for key in ("Content-Type", "Content-Range"):
+                    if resp.getheader(key):
+                        self.send_header(key, resp.getheader(key))
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(bytes(body))
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+
+def test_a_shard_corrupted_in_flight_is_never_verified_served_or_passed_on(source: Path, tmp_path: Path) -> None:
+    p0, p1 = free_port(), free_port()
+    (tmp_path / "h1").mkdir()
+    servers = [serve(source, p0), serve(tmp_path / "h1", p1)]
+    proxy = CorruptingProxy(p0, p1)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        downstream = subprocess.Popen([sys.executable, str(RELAY), "fetch", str(tmp_path / "h2"), "--source",
+                                       f"http://127.0.0.1:{p1}"], stdout=subprocess.PIPE, text=True)
+        h1 = relay("fetch", str(tmp_path / "h1"), "--source", f"http://127.0.0.1:{proxy.server_port}",
+                   "--source", f"http://127.0.0.1:{p0}")
+        assert h1.returncode == 0, h1.stderr
+        report = json.loads(h1.stdout)
+        bad = [b["file"] for b in report["bad_shards"]]
+        assert bad == [VICTIM, VICTIM]  # refused twice over the bad link, then taken from the next source
+        assert proxy.watched == [409]  # between the two corrupted copies, h1 served nothing for it
+        out, _ = downstream.communicate(timeout=120)
+        assert downstream.returncode == 0 and json.loads(out)["bad_shards"] == []  # h2 never saw the bad bytes
+        for root in ("h1", "h2"):
+            assert subprocess.run([sys.executable, str(VERIFY), "--full", str(tmp_path / root)]).returncode == 0
+    finally:
+        proxy.shutdown()
+        for s in servers:
+            s.kill()
+
+
+@pytest.mark.sandbox
+@needs_root
+def test_a_crashed_host_mid_distribution_is_routed_around_and_the_rerun_repairs_it(tmp_path: Path) -> None:
+    src = ensure_synthetic_checkpoint(tmp_path / "source", "t/Kimi-K2-Thinking", "d" * 40, num_shards=62,
+                                      shard_bytes=2 << 20)
+    files = json.loads((src / ".k2fleet/manifest.json").read_text())["files"]
+    with sandbox.hold_sandbox_lock():
+        try:
+            sandbox.down()
+            hosts = sandbox.up(3, docker=False)
+            fleet = RelayFleet(src, hosts)
+            fleet.start()
+            sandbox.shape("100mbit")  # 130 MB: ~10 s per link
+            h1, h2, h3 = hosts
+            lines = {h1.name: fleet.fetch_argv(h1, None, [url(sandbox.BRIDGE_ADDRESS)]),
+                     h2.name: fleet.fetch_argv(h2, None, [url(h1.address), url(sandbox.BRIDGE_ADDRESS)]),
+                     h3.name: fleet.fetch_argv(h3, None, [url(h2.address), url(h1.address),
+                                                          url(sandbox.BRIDGE_ADDRESS)], dead_after=3)}
+            procs = {h.name: subprocess.Popen(sandbox.ssh_command(h, lines[h.name]), stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+                     for h in hosts}
+            deadline, had = time.monotonic() + 60, 0
+            while time.monotonic() < deadline:  # crash h2 once it has passed shards on to h3
+                out = sandbox.ssh(h3, f"ls {HOST_DIR}/.k2fleet/relay 2>/dev/null | wc -l").stdout.strip()
+                had = int(out or 0)
+                if had >= 10:
+                    break
+                time.sleep(0.2)
+            assert 10 <= had < len(files), had
+            sandbox.crash_host(2)  # the fault drill: h2's container init, not only its nspawn
+            reports = {}
+            for h in (h1, h3):
+                out, err = procs[h.name].communicate(timeout=300)
+                assert procs[h.name].returncode == 0, (h.name, err[-2000:])
+                reports[h.name] = json.loads(out.strip().splitlines()[-1])
+                marks = sandbox.ssh(h, f"ls {HOST_DIR}/.k2fleet/relay | wc -l").stdout.strip()
+                assert int(marks) == len(files), (h.name, marks)
+            procs[h2.name].communicate(timeout=60)
+            assert procs[h2.name].returncode != 0  # its host is gone
+            assert reports[h3.name]["failovers"] > 0 and url(h1.address) in reports[h3.name]["sources"]
+            assert reports[h3.name]["bad_shards"] == []
+            h2 = sandbox.start_again(2)
+            fleet.restart_server(h2)
+            again = fleet.run_fetches({h2.name: fleet.fetch_argv(h2, None, [url(h1.address)])})[h2.name]
+            assert again["kept"] > 0 and again["kept"] + again["files"] == len(files), again
+            assert again["bad_shards"] == []
+        finally:
+            sandbox.shape("off")
+            sandbox.down()
