@@ -5,8 +5,10 @@ on each host's veth, both directions) and a ~1 GB synthetic checkpoint (62 shard
 16 MiB, Kimi-K2-Thinking's layout) served by the control machine's verified copy on the
 sandbox bridge, measured in one run:
 
-* **pipelined**: every host fetches at once with :mod:`k2fleet.host.relay`, each shard from
-  its parent as soon as the parent verified it (a chain: source → h1 → h2 …);
+* **pipelined**: every host fetches at once with :mod:`k2fleet.host.relay`, with the argv
+  the deploy runs (:func:`k2fleet.checkpoint.fanout.relay_fetch_argv`, the plan
+  :func:`k2fleet.checkpoint.swarm.fanout_for` picks: a chain for these sizes), each shard
+  from its parent as soon as the parent verified it;
 * **doubling tree**: today's schedule (:mod:`k2fleet.checkpoint.fanout`): round by round,
   a host copies the whole checkpoint from its parent once the parent holds all of it (the
   same relay transport, so only the schedule differs);

@@ -19,17 +19,16 @@ RENDERERS = {"vllm": vllm, "sglang": sglang, "trtllm": trtllm, "ktransformers": 
 
 def _check_ports(plan: Plan, host_ports: dict[str, int]) -> None:
     for host in plan.hosts.values():
-        seen: dict[int, str] = {port: key for key, port in host_ports.items()}
-        for svc in host.services:
-            for key, port in svc.ports.items():
-                other = seen.get(port)
-                if other is not None and other != key:
-                    raise SpecError(
-                        key,
-                        f"port {port} on host {host.name} is also used by {other}; give them different ports",
-                        plan.source,
-                    )
-                seen[port] = key
+        seen: dict[int, str] = {}
+        for key, port in [*host_ports.items(), *((k, p) for svc in host.services for k, p in svc.ports.items())]:
+            other = seen.get(port)
+            if other is not None and other != key:
+                raise SpecError(
+                    key,
+                    f"port {port} on host {host.name} is also used by {other}; give them different ports",
+                    plan.source,
+                )
+            seen[port] = key
 
 
 def make_plan(dep: Deployment) -> Plan:

@@ -34,6 +34,7 @@ import posixpath
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,9 +167,14 @@ class ControlRelay:
 
     def __init__(self) -> None:
         self._servers: dict[str, tuple[subprocess.Popen, int]] = {}
+        self._lock = threading.Lock()  # hosts' greenlets ask at once (pyinfra patches threading)
 
     def port_for(self, root: str) -> int:
         """The loopback port serving ``root`` (started now if it is not running)."""
+        with self._lock:
+            return self._port_for(root)
+
+    def _port_for(self, root: str) -> int:
         proc, port = self._servers.get(root, (None, 0))
         if proc is None or proc.poll() is not None:
             relay = Path(__file__).resolve().parents[1] / "host" / "relay.py"
@@ -185,11 +191,12 @@ class ControlRelay:
 
     def stop(self) -> None:
         """Stop every relay this run started (a second call does nothing)."""
-        for proc, _ in self._servers.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-        self._servers.clear()
+        with self._lock:
+            for proc, _ in self._servers.values():
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+            self._servers.clear()
 
 
 def relay_to_host(control: ControlRelay, source: str | None, target: str, ssh: list[str], fetch_argv: list[str],
