@@ -34,7 +34,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import fcntl
 import hashlib
 import json
 import os
@@ -46,6 +45,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from k2fleet import locks
 from k2fleet import bundle
 from k2fleet.bundle import ResolvedPackage
 
@@ -312,9 +312,7 @@ class AptRoot:
     @contextmanager
     def _locked(self) -> Iterator[None]:
         """Exclusive lock on this root (updates, solver caches and the .deb pool)."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        with open(self.path / ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with locks.exclusive(self.path / ".lock"):
             yield
 
     # ---- update

@@ -31,7 +31,6 @@ Usage: ``python -m k2fleet.bundle build PKG... [--out DIR]`` prints the tar path
 from __future__ import annotations
 
 import argparse
-import fcntl
 import hashlib
 import io
 import json
@@ -48,6 +47,8 @@ from dataclasses import dataclass
 from email.utils import formatdate
 from pathlib import Path
 from typing import Protocol
+
+from k2fleet import locks
 
 DEFAULT_CACHE_DIR = Path("/var/cache/k2fleet/bundles")
 APT_LISTS_DIR = Path("/var/lib/apt/lists")
@@ -349,9 +350,7 @@ def pack(repo: Path, tar_path: Path) -> None:
 @contextmanager
 def _locked(cache_dir: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``cache_dir`` (one builder at a time)."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with locks.exclusive(cache_dir / ".lock"):
         yield
 
 

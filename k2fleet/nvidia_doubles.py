@@ -41,7 +41,6 @@ boot unit). ``infiniband-diags`` is Debian's own package and is not doubled.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -51,6 +50,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from k2fleet import locks
 from k2fleet import bundle
 from k2fleet.bootstrap_tables import UNVERSIONED_FABRIC_SINCE
 
@@ -349,8 +349,7 @@ def ensure_double_repo(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
     if (repo / bundle.RELEASE_NAME).is_file():
         return repo
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with locks.exclusive(cache_dir / ".lock"):
         if not (repo / bundle.RELEASE_NAME).is_file():
             tmp = Path(tempfile.mkdtemp(prefix=f".{repo.name}-", dir=cache_dir))
             try:

@@ -24,7 +24,6 @@ Example:
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -34,6 +33,8 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import version
 from pathlib import Path
+
+from k2fleet import locks
 
 DEFAULT_CACHE_DIR = Path(os.environ.get("K2FLEET_WHEELHOUSE_CACHE", "/var/cache/k2fleet/wheelhouses"))
 PYTHONS = ("3.10", "3.11", "3.12", "3.13")
@@ -184,8 +185,7 @@ def ensure_wheelhouse(requirements: list[str] | None = None, cache_dir: Path = D
         return cached
     target = cache_dir / wheelhouse_key(requirements, pythons, archs, tuple(constraints))
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir / ".lock", "a") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+    with locks.exclusive(cache_dir / ".lock"):
         if (target / DONE).is_file():
             return target
         tmp = target.with_name(target.name + ".tmp")

@@ -246,7 +246,7 @@ def test_a_crashed_host_mid_distribution_is_routed_around_and_the_rerun_repairs_
                 out, err = procs[h.name].communicate(timeout=300)
                 assert procs[h.name].returncode == 0, (h.name, err[-2000:])
                 reports[h.name] = json.loads(out.strip().splitlines()[-1])
-                marks = sandbox.ssh(h, f"ls {HOST_DIR}/.k2fleet/relay | wc -l").stdout.strip()
+                marks = sandbox.ssh(h, f"ls -A {HOST_DIR}/.k2fleet/relay | wc -l").stdout.strip()
                 assert int(marks) == len(files), (h.name, marks)
             procs[h2.name].communicate(timeout=60)
             assert procs[h2.name].returncode != 0  # its host is gone

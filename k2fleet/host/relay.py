@@ -369,8 +369,9 @@ def fetch(root, urls, streams=4, chunk=CHUNK, log=None, plan=None, dead_after=DE
         else:
             todo.append((rel, entry))
     refused = {}  # (file, url) → times its bytes did not verify
+    ready = {}  # url → what it served as verified when last asked (asked again only for a file not in it)
     while todo:
-        ready_now = {}
+        asked = set()  # sources asked in this pass
         progress = False
         for k, (rel, entry) in enumerate(todo):
             candidates = [source(u) for u in ((plan or {}).get(rel) or urls)]
@@ -386,19 +387,20 @@ def fetch(root, urls, streams=4, chunk=CHUNK, log=None, plan=None, dead_after=DE
             if src is not candidates[0] and (rel, "failover") not in refused:
                 report["failovers"] += 1
                 refused[(rel, "failover")] = 1
-            if src.url not in ready_now:
+            if rel not in ready.get(src.url, ()) and src.url not in asked:
+                asked.add(src.url)
                 try:
-                    ready_now[src.url] = src.ready()
+                    ready[src.url] = src.ready()
                     src.dead_since = None
                 except (OSError, ValueError):
-                    ready_now[src.url] = set()
                     src.dead_since = src.dead_since or time.monotonic()
-            if rel not in ready_now[src.url]:
+            if rel not in ready.get(src.url, ()):
                 continue
             try:
                 ok = fetch_file(src, root, manifest, rel, streams, chunk)
             except OSError:
                 src.dead_since = src.dead_since or time.monotonic()
+                ready.get(src.url, set()).discard(rel)  # ask again before trying it there
                 ok = None
             if ok:
                 todo.pop(k)
