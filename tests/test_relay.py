@@ -217,6 +217,7 @@ def test_a_crashed_host_mid_distribution_is_routed_around_and_the_rerun_repairs_
     src = ensure_synthetic_checkpoint(tmp_path / "source", "t/Kimi-K2-Thinking", "d" * 40, num_shards=62,
                                       shard_bytes=2 << 20)
     files = json.loads((src / ".k2fleet/manifest.json").read_text())["files"]
+    fleet = None
     with sandbox.hold_sandbox_lock():
         try:
             sandbox.down()
@@ -258,5 +259,7 @@ def test_a_crashed_host_mid_distribution_is_routed_around_and_the_rerun_repairs_
             assert again["kept"] > 0 and again["kept"] + again["files"] == len(files), again
             assert again["bad_shards"] == []
         finally:
+            if fleet is not None:
+                fleet.stop()
             sandbox.shape("off")
             sandbox.down()

@@ -39,8 +39,9 @@ Rules it keeps:
   rsync-over-SSH stream; the checks above are the integrity guarantee, the weights are
   not secret).
 
-Prints one JSON line at the end of ``fetch`` (files, bytes, kept, seconds, files and bytes
-per source, failovers, bad shards) and appends it to ``--log``.
+Prints one JSON line at the end of ``fetch`` (files, bytes, kept, seconds — of them
+``transfer_seconds`` receiving and ``verify_seconds`` hashing —, files and bytes per
+source, failovers, bad shards) and appends it to ``--log``.
 """
 
 import argparse
@@ -270,10 +271,13 @@ class Source:
             conn.close()
 
 
-def fetch_file(source, root, manifest, rel, streams, chunk):
+def fetch_file(source, root, manifest, rel, streams, chunk, clock=None):
     """Fetch ``rel`` from ``source`` into a partial file, verify it (verify.py's checks of
     one file), move it into place and mark it. True if it verified; False if the bytes
-    were bad (deleted, not marked)."""
+    were bad (deleted, not marked). ``clock``: dict whose ``transfer`` and ``verify``
+    seconds grow by this file's."""
+    clock = clock if clock is not None else {}
+    t0 = time.monotonic()
     partial_root = os.path.join(root, PARTIAL)
     part = os.path.join(partial_root, rel)
     os.makedirs(os.path.dirname(part), exist_ok=True)
@@ -287,7 +291,10 @@ def fetch_file(source, root, manifest, rel, streams, chunk):
                 f.result()
     finally:
         os.close(fd)
+    t1 = time.monotonic()
     stat, _ = verify.check_one(partial_root, manifest, rel)
+    clock["transfer"] = clock.get("transfer", 0.0) + t1 - t0
+    clock["verify"] = clock.get("verify", 0.0) + time.monotonic() - t1
     if stat is None:
         os.unlink(part)
         return False
@@ -369,6 +376,7 @@ def fetch(root, urls, streams=4, chunk=CHUNK, log=None, plan=None, dead_after=DE
         else:
             todo.append((rel, entry))
     refused = {}  # (file, url) → times its bytes did not verify
+    clock = {"transfer": 0.0, "verify": 0.0}  # seconds receiving bytes, hashing them
     ready = {}  # url → what it served as verified when last asked (asked again only for a file not in it)
     while todo:
         asked = set()  # sources asked in this pass
@@ -397,7 +405,7 @@ def fetch(root, urls, streams=4, chunk=CHUNK, log=None, plan=None, dead_after=DE
             if rel not in ready.get(src.url, ()):
                 continue
             try:
-                ok = fetch_file(src, root, manifest, rel, streams, chunk)
+                ok = fetch_file(src, root, manifest, rel, streams, chunk, clock)
             except OSError:
                 src.dead_since = src.dead_since or time.monotonic()
                 ready.get(src.url, set()).discard(rel)  # ask again before trying it there
@@ -423,6 +431,7 @@ def fetch(root, urls, streams=4, chunk=CHUNK, log=None, plan=None, dead_after=DE
     if not problems and all(is_verified_here(root, manifest, rel, {}) for rel in manifest["files"]):
         verify.write_marker(root, manifest, stats)
     report.update(seconds=round(time.monotonic() - t0, 3), dir=root, verified=not problems,
+                  transfer_seconds=round(clock["transfer"], 3), verify_seconds=round(clock["verify"], 3),
                   time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     line = json.dumps(report, sort_keys=True)
     print(line, flush=True)

@@ -42,8 +42,12 @@ class RelayFleet:
     def start(self) -> None:
         subprocess.run([sys.executable, str(RELAY), "mark", str(self.source)], check=True, capture_output=True)
         self.control = subprocess.Popen([sys.executable, str(RELAY), "serve", str(self.source), "--bind",
-                                         sandbox.BRIDGE_ADDRESS, "--port", str(PORT)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                         sandbox.BRIDGE_ADDRESS, "--port", str(PORT), "--exit-with-parent"],
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        listening = self.control.stdout.readline() if self.control.stdout else ""
+        if not listening.startswith('{"port"'):  # e.g. the port is taken by a relay left running
+            self.control.kill()
+            raise RuntimeError(f"the control relay did not start: {self.control.communicate()[1][-800:]}")
         for h in self.hosts:
             for path, program in HOST_PROGRAMS.items():
                 put = subprocess.run(sandbox.ssh_command(h, f"mkdir -p /opt/k2fleet/lib && cat > {path}"),
