@@ -354,18 +354,16 @@ def fetch(root, urls, streams=4, chunk=CHUNK, log=None, plan=None, dead_after=DE
     manifest = json.loads(manifest_bytes)
     if fleet:
         plan = fleet_plan(manifest["files"], fleet, position, fanout, urls)
-    old = None
     try:
-        old = load_manifest(root)
-    except (OSError, ValueError):
-        pass
-    if old is not None:
-        drop_marks(root, old)  # nothing is served until hashed again (bit rot keeps sizes and mtimes)
-    verify.remove_marker(root)
+        old_files = load_manifest(root)["files"]
+    except (OSError, ValueError, KeyError):
+        old_files = {}
+    # nothing is served until hashed again (bit rot keeps sizes and mtimes): the markers of
+    # the old manifest's files and the new one's, and verify.py's marker, go
+    drop_marks(root, {"files": {**old_files, **manifest["files"]}})
     with open(os.path.join(root, MANIFEST) + ".tmp", "wb") as fh:
         fh.write(manifest_bytes)
     os.replace(os.path.join(root, MANIFEST) + ".tmp", os.path.join(root, MANIFEST))
-    drop_marks(root, manifest)
     report = {"files": 0, "bytes": 0, "kept": 0, "bad_shards": [], "sources": {}, "bytes_from": {}, "failovers": 0}
     todo = []
     for rel, entry in sorted(manifest["files"].items()):  # resume/repair: what hashes right stays
