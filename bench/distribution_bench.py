@@ -85,11 +85,61 @@ def raw_tcp_seconds(sender: sandbox.SandboxHost, receiver: sandbox.SandboxHost, 
     return float(seconds)
 
 
+def one_copy(fleet: RelayFleet, hosts: list[sandbox.SandboxHost], streams: int) -> dict:
+    """h2 copies the checkpoint from h1 (unshaped) with ``streams`` range streams; its report."""
+    fleet.reset(hosts[1:2])
+    sandbox.ssh(hosts[1], "sync")  # no dirty pages of an earlier copy in the way
+    return fleet.run_fetches({hosts[1].name: fleet.fetch_argv(hosts[1], None, [url(hosts[0].address)],
+                                                              streams=streams)})[hosts[1].name]
+
+
+def stream_phase(fleet: RelayFleet, hosts: list[sandbox.SandboxHost], size: int, results: dict[str, float]) -> int:
+    """One host-to-host copy vs raw TCP between the same hosts, unshaped: each stream
+    count of the relay, then raw TCP, twice over; the better of each. Returns the
+    relay's best stream count."""
+    fleet.reset(hosts[:2])
+    fleet.run_fetches({hosts[0].name: fleet.fetch_argv(hosts[0], None, [url(sandbox.BRIDGE_ADDRESS)])})
+    copies: dict[int, list[dict]] = {1: [], 4: []}
+    raws = []
+    for _ in range(2):
+        for streams in copies:
+            copies[streams].append(one_copy(fleet, hosts, streams))
+        sandbox.ssh(hosts[1], "sync")
+        raws.append(raw_tcp_seconds(hosts[0], hosts[1], size))
+    raw_s = min(raws)
+    best = {streams: min(reports, key=lambda r: r["transfer_seconds"]) for streams, reports in copies.items()}
+    for streams, copy in best.items():
+        print(f"one host-to-host copy, unshaped, {streams} stream(s): bytes landed in {copy['transfer_seconds']:.2f}s "
+              f"({size / copy['transfer_seconds'] / 1e6:.0f} MB/s, hashed as they land), verified and in place "
+              f"{copy['seconds']:.2f}s ({size / copy['seconds'] / 1e6:.0f} MB/s end to end)")
+    print(f"raw TCP, one connection, receiver discarding: {raw_s:.2f}s ({size / raw_s / 1e6:.0f} MB/s)")
+    streams = min(best, key=lambda k: best[k]["transfer_seconds"])
+    results["stream_vs_raw_tcp"] = raw_s / best[streams]["transfer_seconds"]
+    results["copy_with_verify_vs_raw_tcp"] = raw_s / best[streams]["seconds"]
+    return streams
+
+
+def hop_times(reports: list[dict]) -> tuple[float, float]:
+    """From a chain's reports (fleet order): (the last host's median seconds between
+    consecutive shards — one shard-time on a busy link —, the median seconds a shard
+    takes from one host's ready to the next host's: that shard-time plus the hop's
+    overhead)."""
+    def ready(r: dict) -> dict[str, float]:
+        return {f: r["started"] + t for f, t in r["ready_at"].items()}
+
+    last = sorted(ready(reports[-1]).values())
+    cycles = sorted(b - a for a, b in zip(last, last[1:]))
+    hops = sorted(ready(b)[f] - ready(a)[f] for a, b in zip(reports, reports[1:]) for f in ready(a))
+    return cycles[len(cycles) // 2], hops[len(hops) // 2]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rate", default="200mbit")
     p.add_argument("--shard-mib", type=int, default=16)
     p.add_argument("--shards", type=int, default=62)
+    p.add_argument("--only", choices=("stream", "fleet"), help="run one phase (for tuning; no ratios line)")
+    p.add_argument("--keep", action="store_true", help="leave the sandbox fleet up (for tuning)")
     p.add_argument("--workdir", type=Path, default=Path("/var/tmp/k2fleet-distribution-bench"))
     args = p.parse_args()
     src = ensure_synthetic_checkpoint(args.workdir / "source", "k2fleet-bench/Kimi-K2-Thinking", "b" * 40,
@@ -108,44 +158,53 @@ def main() -> int:
         hosts = sandbox.up(5, docker=False)
         fleet = RelayFleet(src, hosts)
         fleet.start()
-        # one stream vs raw TCP, unshaped: h1 gets the checkpoint from the source, h2 from h1
-        fleet.reset(hosts[:2])
-        fleet.run_fetches({hosts[0].name: fleet.fetch_argv(hosts[0], None, [url(sandbox.BRIDGE_ADDRESS)])})
-        report = fleet.run_fetches({hosts[1].name: fleet.fetch_argv(hosts[1], None, [url(hosts[0].address)])})
-        copy = report[hosts[1].name]
-        relay_s, wire_s = copy["seconds"], copy["transfer_seconds"]  # the relay's own clocks: no ssh start-up
-        raw_s = raw_tcp_seconds(hosts[0], hosts[1], size)
-        results["stream_vs_raw_tcp"] = raw_s / wire_s
-        results["copy_with_verify_vs_raw_tcp"] = raw_s / relay_s
-        print(f"one host-to-host copy, unshaped: relay transfer {wire_s:.2f}s ({size / wire_s / 1e6:.0f} MB/s) "
-              f"+ sha256 {copy['verify_seconds']:.2f}s = {relay_s:.2f}s ({size / relay_s / 1e6:.0f} MB/s end to end); "
-              f"raw TCP {raw_s:.2f}s ({size / raw_s / 1e6:.0f} MB/s)")
-        sandbox.shape(args.rate)
-        for n in (3, 5):
-            fleet.reset(hosts[:n])
-            t_pipe = fleet.pipelined(hosts[:n], swarm.fanout_for(n))
-            fleet.reset(hosts[:n])
-            t_tree = fleet.doubling_tree(hosts[:n])
-            results[f"pipelined_{n}"], results[f"tree_{n}"] = t_pipe / limit, t_tree / limit
-            print(f"{n} hosts: pipelined chain {t_pipe:.1f}s = {t_pipe / limit:.3f} × S/B; "
-                  f"doubling tree {t_tree:.1f}s = {t_tree / limit:.3f} × S/B")
-        hash_rate = float(sandbox.ssh(hosts[0], "python3 -c \"import hashlib,time;b=bytes(64<<20);t=time.monotonic();"
-                                                "hashlib.sha256(b).digest();print(len(b)/(time.monotonic()-t))\"").stdout)
+        if args.only != "fleet":
+            stream_phase(fleet, hosts, size, results)
+        if args.only != "stream":
+            sandbox.shape(args.rate)
+            for n in (3, 5):
+                fleet.reset(hosts[:n])
+                t_pipe, reports = fleet.pipelined(hosts[:n], swarm.fanout_for(n))
+                fleet.reset(hosts[:n])
+                t_tree = fleet.doubling_tree(hosts[:n])
+                results[f"pipelined_{n}"], results[f"tree_{n}"] = t_pipe / limit, t_tree / limit
+                kind = "chain" if swarm.fanout_for(n) == 1 else f"{swarm.fanout_for(n)} trees"
+                print(f"{n} hosts: pipelined ({kind}) {t_pipe:.1f}s = {t_pipe / limit:.3f} × S/B; "
+                      f"doubling tree {t_tree:.1f}s = {t_tree / limit:.3f} × S/B")
+                if n == 5:
+                    cycle, hop = hop_times(reports)
+                    startup = t_pipe - max(r["seconds"] for r in reports)
+            fleet.reset(hosts[:5])
+            t_trees, _ = fleet.pipelined(hosts[:5], 2)
+            results["trees_5"] = t_trees / limit
+            print(f"5 hosts: pipelined (2 trees) {t_trees:.1f}s = {t_trees / limit:.3f} × S/B")
         fleet.stop()
     finally:
         sandbox.shape("off")
-        sandbox.down()
+        if not args.keep:
+            sandbox.down()
         lock.close()
+    if args.only == "stream":
+        return 0
     sizes = [manifest["files"][f]["size"] for f in files]
-    for n in (16, 64, 256):
+    shard = max(sizes)
+    rate, hop_s = shard / cycle, max(0.0, hop - cycle)
+    print(f"measured on the 5-host chain: a {shard / 2**20:.0f} MiB shard every {cycle:.3f}s on a busy link "
+          f"({rate / 1e6:.1f} MB/s), {hop_s:.3f}s more per hop (ready to ready {hop:.3f}s), start-up {startup:.2f}s")
+    for n, fanouts in ((5, (1, 2)), (16, (1, 2, 4)), (64, (1, 2, 4)), (256, (2,))):
         best = None
-        for k in (1, 2, 4):
-            t = swarm.simulate(n, sizes, bandwidth, k, verify_rate=hash_rate, step=limit / 400)
-            print(f"simulated {n} hosts, {'chain' if k == 1 else f'{k}-ary per-shard trees'}: {t / limit:.3f} × S/B")
+        for k in fanouts:
+            t = swarm.simulate(n, sizes, rate, k, hop_s=hop_s, step=limit / (3000 if n <= 64 else 1500)) + startup
+            print(f"simulated {n} hosts, {'chain' if k == 1 else f'{k} trees'}: {t:.1f}s = {t / limit:.3f} × S/B"
+                  + (" (the deploy's plan)" if k == swarm.fanout_for(n) else ""))
             best = min(best or t, t)
-        results[f"simulated_{n}"] = best / limit
-    print(f"(host sha256 rate {hash_rate / 1e6:.0f} MB/s; 3-host runs: pipelined {results['pipelined_3']:.3f}, "
-          f"tree {results['tree_3']:.3f})")
+            if k == swarm.fanout_for(n):
+                results[f"simulated_{n}"] = t / limit
+    print(f"(3-host runs: pipelined {results['pipelined_3']:.3f}, tree {results['tree_3']:.3f}; "
+          f"5 hosts in 2 trees {results['trees_5']:.3f}; simulated 16: {results['simulated_16']:.3f}, "
+          f"256: {results['simulated_256']:.3f})")
+    if args.only:
+        return 0
     print(f"ratios: distribution_vs_link_limit={results['pipelined_5']:.3f} tree_vs_link_limit={results['tree_5']:.3f} "
           f"stream_vs_raw_tcp={results['stream_vs_raw_tcp']:.3f} "
           f"copy_with_verify_vs_raw_tcp={results['copy_with_verify_vs_raw_tcp']:.3f} "

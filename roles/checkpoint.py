@@ -197,7 +197,7 @@ def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fac
     )
     tracked.append(command(name=f"{what}: check every file (index, headers; hashed by the relay as it arrived)",
                            argv=["/usr/bin/python3", VERIFY_PY, path], _if=lambda: receiving or root_download))
-    command(name=f"{what}: stop this host's relay", argv=["systemctl", "stop", f"{fanout.RELAY_UNIT}.service"],
+    command(name=f"{what}: stop this host's relay", argv=fanout.relay_stop_argv(),
             _if=lambda: serving)
     python.call(name=f"{what}: stop the control machine's relay", function=control_relay.stop,
                 _if=lambda: control_needed)

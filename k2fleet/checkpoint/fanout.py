@@ -130,16 +130,22 @@ def relay_url(address: str, port: int) -> str:
 def relay_serve_argv(path: str, address: str, port: int) -> list[str]:
     """argv (run on a host) starting its relay as a transient systemd unit that serves the
     verified files of ``path`` on ``address:port`` (the private mesh) while the fleet
-    distributes; an earlier one is stopped first.
+    distributes; earlier ones are stopped first. Each start gets a unit of its own
+    (``k2-relay-<ns>``): a stopped transient unit can stay loaded where systemd cannot
+    read its cgroup back (the sandbox's hybrid hierarchy), and its name would be taken.
 
     >>> relay_serve_argv("/m/k2", "10.0.0.2", 29700)[2].split(" && ")[1]
-    'systemd-run --unit=k2-relay --collect --quiet --property=RuntimeMaxSec=21600 /usr/bin/python3 /opt/k2fleet/lib/relay.py serve /m/k2 --bind 10.0.0.2 --port 29700'
+    'systemd-run --unit=k2-relay-$(date +%s%N) --collect --quiet --property=RuntimeMaxSec=21600 /usr/bin/python3 /opt/k2fleet/lib/relay.py serve /m/k2 --bind 10.0.0.2 --port 29700'
     """
-    start = ["systemd-run", f"--unit={RELAY_UNIT}", "--collect", "--quiet",
-             f"--property=RuntimeMaxSec={RELAY_MAX_SECONDS}", "/usr/bin/python3", RELAY_PY, "serve", path,
-             "--bind", address, "--port", str(port)]
-    return ["sh", "-c", f"systemctl stop {RELAY_UNIT}.service 2>/dev/null; mkdir -p {shlex.quote(path)} && "
-            + shlex.join(start)]
+    start = ["--collect", "--quiet", f"--property=RuntimeMaxSec={RELAY_MAX_SECONDS}", "/usr/bin/python3", RELAY_PY,
+             "serve", path, "--bind", address, "--port", str(port)]
+    return ["sh", "-c", f"{shlex.join(relay_stop_argv())} 2>/dev/null; mkdir -p {shlex.quote(path)} && "
+            f"systemd-run --unit={RELAY_UNIT}-$(date +%s%N) " + shlex.join(start)]
+
+
+def relay_stop_argv() -> list[str]:
+    """argv stopping every relay unit of this host (:func:`relay_serve_argv`'s)."""
+    return ["systemctl", "stop", f"{RELAY_UNIT}-*.service"]
 
 
 def relay_fetch_argv(path: str, fleet: list[str], position: int, fanout_k: int, sources: list[str],

@@ -6,10 +6,11 @@ verified it (:mod:`k2fleet.host.relay`), so hosts work at once:
 
 - ``fanout=1``: a chain source → h1 → h2 → … (each link carries the checkpoint once; the
   last host finishes N-1 shard-times after the first);
-- ``fanout=k ≥ 2``: per shard a k-ary tree over the hosts in an order rotated by the
-  shard's index (SplitStream's idea): shard j's tree has depth ⌈log_k N⌉ and its interior
-  hosts are a different ~N/k hosts for each j, so every host forwards about one
-  checkpoint's worth in all while the last host finishes only a few shard-times after S/B.
+- ``fanout=k ≥ 2``: k fixed k-ary trees with disjoint interiors (SplitStream's idea),
+  shard j down tree j mod k: each tree has depth ⌈log_k N⌉, every host forwards the
+  shards of one tree (about one checkpoint's worth in all) and receives each tree's
+  shards from one parent, so the last host finishes k·depth shard-times after S/B
+  rather than the chain's N.
 
 Each host gets, per shard, its parent first and then fallbacks (the parent's ancestors,
 then the source), so a dead host is routed around. :func:`simulate` is a fluid model of a
@@ -20,7 +21,7 @@ transfers) for fleets too large to measure.
 >>> plan["c"]["s0"]
 ['b', 'a', None]
 >>> sorted({p["s1"][0] for p in plan_sources(["a", "b", "c"], ["s0", "s1"], fanout=2).values()}, key=str)
-[None, 'c']
+[None, 'b']
 """
 
 from __future__ import annotations
@@ -32,32 +33,62 @@ SOURCE = None  # a parent that is the source (the control machine's verified cop
 
 
 def shard_order(hosts: Sequence[str], shard_index: int, fanout: int) -> list[str]:
-    """The host order of one shard's tree: a chain keeps the fleet order; a k-ary tree
-    rotates it so that consecutive shards take their interior hosts (the first ~n/k of
-    the order) from different stripes of the fleet, SplitStream-like: each host forwards
-    k copies of about 1/k of the shards, and no host forwards two shards in a row."""
+    """The host order of one shard's tree: a chain keeps the fleet order; with k-ary trees
+    shard j goes down tree j mod k, the fleet order rotated by (j mod k)·⌈(n-1)/k⌉. A k-ary
+    heap's interior hosts are its first ⌈(n-1)/k⌉ positions, so the k trees have disjoint
+    interiors (SplitStream) when k of them fit in n (:func:`disjoint`): every host
+    forwards the shards of one tree only, k copies of about 1/k of the checkpoint, and
+    receives each tree's shards from one fixed parent.
+
+    >>> shard_order(list("abcd"), 1, 2), shard_order(list("abcd"), 2, 2)
+    (['c', 'd', 'a', 'b'], ['a', 'b', 'c', 'd'])
+    >>> shard_order(list("abcde"), 1, 2)
+    ['c', 'd', 'e', 'a', 'b']
+    """
     if fanout <= 1 or not hosts:
         return list(hosts)
-    stripe = -(-len(hosts) // fanout)  # interior hosts of one tree: about n/k; stripes take turns
-    r = (shard_index % fanout) * stripe + (shard_index // fanout) % stripe
-    r %= len(hosts)
+    r = (shard_index % fanout) * interior(len(hosts), fanout) % len(hosts)
     return list(hosts[r:]) + list(hosts[:r])
 
 
-CHAIN_MAX_HOSTS = 16  # up to here a chain's N-1 extra shard-times stay small against S/B
+def interior(hosts: int, fanout: int) -> int:
+    """Hosts with children in a ``fanout``-ary heap of ``hosts``: ⌈(n-1)/k⌉."""
+    return -(-(hosts - 1) // max(1, fanout)) if hosts > 1 else 0
+
+
+def disjoint(hosts: int, fanout: int) -> bool:
+    """Whether ``fanout`` trees over ``hosts`` can have disjoint interiors (each host
+    forwarding for one tree only): k·⌈(n-1)/k⌉ ≤ n.
+
+    >>> disjoint(5, 2), disjoint(5, 3), disjoint(16, 3)
+    (True, False, True)
+    """
+    return fanout <= 1 or fanout * interior(hosts, fanout) <= hosts
+
+
+FANOUTS = (1, 2, 3, 4)
+
+
+def hop_cost(hosts: int, fanout: int) -> int:
+    """Shard-times the last host of a plan finishes after S/B, roughly: each of the
+    :func:`depth` hops from the source waits for one whole shard (verified before it is
+    passed on), and a shard moves at 1/k of a link when k trees share each host's links.
+
+    >>> hop_cost(5, 1), hop_cost(5, 2), hop_cost(64, 1), hop_cost(64, 2)
+    (5, 6, 64, 14)
+    """
+    return max(1, fanout) * depth(hosts, fanout)
 
 
 def fanout_for(hosts: int) -> int:
-    """The plan the deploy uses for a fleet of ``hosts`` that load weights: a chain up
-    to :data:`CHAIN_MAX_HOSTS` (every host forwards each shard once, finishing N-1
-    shard-times after the first), per-shard binary trees beyond (depth ⌈log2 N⌉, each
-    host forwarding about one checkpoint in all). ``bench/distribution_bench.py``
-    simulates both from measured shard times.
+    """The plan the deploy uses for a fleet of ``hosts`` that load weights: the k (1: a
+    chain) of least :func:`hop_cost`, a chain on ties. ``bench/distribution_bench.py``
+    measures a chain and simulates the rest from measured shard times.
 
-    >>> fanout_for(3), fanout_for(16), fanout_for(64)
-    (1, 1, 2)
+    >>> fanout_for(3), fanout_for(8), fanout_for(9), fanout_for(64), fanout_for(256)
+    (1, 1, 2, 2, 2)
     """
-    return 1 if hosts <= CHAIN_MAX_HOSTS else 2
+    return min((k for k in FANOUTS if disjoint(hosts, k)), key=lambda k: (hop_cost(hosts, k), k))
 
 
 def parent_position(position: int, fanout: int) -> int | None:
@@ -126,63 +157,48 @@ def max_min_rates(flows: list[tuple[object, ...]], capacity: float) -> list[floa
     return [float(r) for r in rates]  # type: ignore[arg-type]
 
 
-def simulate(n: int, sizes: Sequence[int], bandwidth: float, fanout: int, verify_rate: float = math.inf,
-             step: float | None = None, inflight_max: int = 2, source_uploads: int = 1) -> float:
-    """Seconds until every one of ``n`` hosts holds every shard (``sizes`` bytes each),
-    when every link (the source's too) has ``bandwidth`` bytes/s in each direction,
-    shared fairly among a host's concurrent transfers, and a shard is passed on only
-    after ``bytes / verify_rate`` seconds of hashing on the receiver. A host takes its
-    shards in plan order, at most ``inflight_max`` at once; a sender serves the earliest
-    shards first, at most ``fanout`` at once (the source ``source_uploads``: shards leave
-    it one after the other at full rate); concurrent transfers share links max-min fairly
-    (:func:`max_min_rates`). Fluid, time-stepped.
+def simulate(n: int, sizes: Sequence[int], bandwidth: float, fanout: int, hop_s: float = 0.0,
+             step: float | None = None) -> float:
+    """Seconds until every one of ``n`` hosts holds every shard (``sizes`` bytes each) as
+    the relay moves them: each host takes shard j in lane j mod k (k = ``fanout``, 1 for a
+    chain), in order within a lane, one shard at a time, from its parent in
+    :func:`plan_sources`; a received shard is passed on ``hop_s`` seconds later (the
+    tail of its hash, its checks and a peer noticing it); every link, the source's too,
+    has ``bandwidth`` bytes/s each way, shared max-min fairly among the transfers crossing
+    it (:func:`max_min_rates`). Fluid, time-stepped.
 
     >>> round(simulate(1, [100] * 10, 100.0, 1), 1)
     10.0
+    >>> round(simulate(3, [100] * 10, 100.0, 1), 1)  # S/B + 2 shard-times
+    12.0
     """
+    k = max(1, fanout)
     hosts = [f"h{i}" for i in range(n)]
     shards = [f"s{j}" for j in range(len(sizes))]
     plan = plan_sources(hosts, shards, fanout)
     size = dict(zip(shards, sizes))
-    total = sum(sizes)
-    dt = step or max(total / bandwidth / 2000, 1e-3)
+    dt = step or max(sum(sizes) / bandwidth / 2000, 1e-3)
+    lanes = [(h, [s for j, s in enumerate(shards) if j % k == lane]) for h in hosts for lane in range(k)]
+    nxt = [0] * len(lanes)
     have: dict[tuple[str | None, str], float] = {(SOURCE, s): 0.0 for s in shards}  # (host, shard) → ready time
-    got = {(h, s): 0.0 for h in hosts for s in shards}
-    done_at: dict[tuple[str, str], float] = {}
+    got = [0.0] * len(lanes)
     t = 0.0
-    while len(have) < len(shards) * (n + 1):
-        wanted = []  # (shard index, receiver, shard, parent): what each receiver would take now
-        for h in hosts:
-            inflight = 0
-            for j, s in enumerate(shards):
-                if (h, s) in have or (h, s) in done_at:
-                    continue
+    while any(i < len(shards_) for i, (_, shards_) in zip(nxt, lanes)):
+        active = []
+        for li, (h, mine) in enumerate(lanes):
+            if nxt[li] < len(mine):
+                s = mine[nxt[li]]
                 parent = plan[h][s][0]
-                if (parent, s) in have and have[(parent, s)] <= t:
-                    if parent is SOURCE:  # the source's bytes are the critical path: nothing beside them
-                        wanted = [w for w in wanted if w[1] != h]
-                        wanted.append((j, h, s, parent))
-                        break
-                    wanted.append((j, h, s, parent))
-                    inflight += 1
-                    if inflight == inflight_max:
-                        break
-        active = []  # (receiver, shard, parent): each sender serves its earliest shards first, a few at once
-        serving: dict[str | None, int] = {}
-        for j, h, s, parent in sorted(wanted, key=lambda w: (w[0], w[1])):
-            cap = source_uploads if parent is SOURCE else max(1, fanout)
-            if serving.get(parent, 0) < cap:
-                serving[parent] = serving.get(parent, 0) + 1
-                active.append((h, s, parent))
-        rates = max_min_rates([(("in", h), ("out", p)) for h, _, p in active], bandwidth)
-        for (h, s, p), rate in zip(active, rates):
-            got[(h, s)] += rate * dt
-            if got[(h, s)] >= size[s]:
-                done_at[(h, s)] = t + dt
+                if have.get((parent, s), math.inf) <= t + 1e-9:
+                    active.append((li, h, s, parent))
+        rates = max_min_rates([(("in", h), ("out", p)) for _, h, _, p in active], bandwidth) if active else []
+        for (li, h, s, _), rate in zip(active, rates):
+            got[li] += rate * dt
+            if got[li] >= size[s] - 1e-9:
+                have[(h, s)] = t + dt + hop_s
+                got[li] = 0.0
+                nxt[li] += 1
         t += dt
-        for (h, s), when in list(done_at.items()):
-            have[(h, s)] = when + size[s] / verify_rate
-            del done_at[(h, s)]
         if t > 1e7:
             raise RuntimeError("simulation did not converge")
     return max(have.values())

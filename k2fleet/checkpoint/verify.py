@@ -360,6 +360,12 @@ def _tensor_problem(info: Any, data_size: int) -> str | None:
     return None
 
 
+def new_hasher(entry: dict[str, Any]) -> Any:
+    """The hash object a manifest entry's file is checked with (sha256, or the git blob
+    sha1 with its header), fresh: feed it the file's bytes in order."""
+    return _new_hasher(entry, entry["size"])[0]
+
+
 def _new_hasher(entry: dict[str, Any], size: int) -> tuple[Any, str, str]:
     """(hasher, algorithm label, expected hex) for a manifest entry."""
     if entry.get("sha256"):
@@ -411,10 +417,12 @@ class _FileResult:
 class _Verifier:
     """Per-run state: root, manifest, prior marker, per-thread buffers."""
 
-    def __init__(self, root: str, manifest: dict[str, Any], full: bool) -> None:
+    def __init__(self, root: str, manifest: dict[str, Any], full: bool,
+                 hashed: dict[str, tuple[str, dict[str, int]]] | None = None) -> None:
         self.root = root
         self.files: dict[str, dict[str, Any]] = manifest["files"]
         self.prior = {} if full else load_marker(root, manifest)
+        self.hashed = hashed or {}  # rel → (hex digest, stat record) of a hash the caller took of the file
         self._local = threading.local()
 
     def _buffer(self) -> bytearray:
@@ -460,8 +468,15 @@ class _Verifier:
             res.stat, res.skipped = before, True
             return
         hasher, algo, expected = _new_hasher(entry, before["size"])
-        res.hashed_bytes = hash_fd(fd, hasher, self._buffer())
-        got = hasher.hexdigest()
+        if res.rel in self.hashed:  # hashed by the caller as it was written: the same file, unchanged since?
+            got, when = self.hashed[res.rel]
+            if when != before:
+                res.problems.append(Problem(res.rel, CHANGED, "file changed after it was hashed"))
+                return
+            res.hashed_bytes = before["size"]
+        else:
+            res.hashed_bytes = hash_fd(fd, hasher, self._buffer())
+            got = hasher.hexdigest()
         if got != expected:
             res.problems.append(Problem(res.rel, HASH_MISMATCH, f"{algo} expected {expected}, got {got}"))
             return
@@ -472,11 +487,16 @@ class _Verifier:
         res.stat = before
 
 
-def check_one(root: str, manifest: dict[str, Any], rel: str) -> tuple[dict[str, int] | None, list[Problem]]:
+def check_one(root: str, manifest: dict[str, Any], rel: str,
+              hashed: tuple[str, dict[str, int]] | None = None) -> tuple[dict[str, int] | None, list[Problem]]:
     """Every check of one manifest file, hashing it (size, safetensors header, sha256 or
     git blob sha1, unchanged while hashed): (its stat record, []) when it passes, else
-    (None, problems). The checkpoint relay verifies each received file with it."""
-    res = _Verifier(root, manifest, full=True).check(rel)
+    (None, problems). The checkpoint relay verifies each received file with it.
+
+    ``hashed``: (hex digest, stat record) of a hash the caller already took of the whole
+    file (:func:`new_hasher`; the relay hashes a file as it lands): compared instead of
+    hashing again, provided the file's stat is still the one recorded then."""
+    res = _Verifier(root, manifest, full=True, hashed={rel: hashed} if hashed else None).check(rel)
     return (res.stat, []) if res.stat is not None and not res.problems else (None, res.problems)
 
 

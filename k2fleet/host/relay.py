@@ -34,23 +34,31 @@ Rules it keeps:
   gate passes without hashing anything twice.
 - **Heal around a dead host.** Each file's list is its parent, then the parent's ancestors,
   then the source: a source that has not answered for ``--dead-after`` seconds is skipped.
-- **One transfer near the wire.** Each file comes in ``--chunk`` ranges over ``--streams``
-  parallel HTTP connections (raw TCP on the private mesh: no per-byte cipher, unlike one
-  rsync-over-SSH stream; the checks above are the integrity guarantee, the weights are
-  not secret).
+- **One transfer near the wire.** Plain HTTP/1.1 range requests on kept-alive TCP
+  connections over the private mesh (no per-byte cipher, unlike one rsync-over-SSH
+  stream; the checks above are the integrity guarantee, the weights are not secret). The
+  bytes never pass through Python: the server ``sendfile``s them, the receiver
+  ``splice``s socket → pipe → file, and a thread hashes the landed prefix meanwhile, so a
+  file is verified a moment after its last byte. ``--streams`` range streams per file
+  (default 1: on the sandbox one spliced stream got more than four); files of different
+  lanes move at once.
 
 Prints one JSON line at the end of ``fetch`` (files, bytes, kept, seconds — of them
-``transfer_seconds`` receiving and ``verify_seconds`` hashing —, files and bytes per
-source, failovers, bad shards) and appends it to ``--log``.
+``transfer_seconds`` receiving and ``verify_seconds`` finishing checks —, files and bytes
+per source, failovers, bad shards, when it ``started`` (epoch seconds) and each file's
+``ready_at``, seconds after that) and appends it to ``--log``.
 """
 
 import argparse
+import fcntl
 import http.client
 import http.server
 import json
 import os
 import shutil
+import socket
 import socketserver
+import struct
 import sys
 import threading
 import time
@@ -66,10 +74,21 @@ except ImportError:  # in the repository
 MANIFEST = os.path.join(".k2fleet", "manifest.json")
 MARKS = os.path.join(".k2fleet", "relay")
 PARTIAL = os.path.join(".k2fleet", "relay-partial")
-CHUNK = 16 << 20
+HEARTBEAT = os.path.join(".k2fleet", "relay-fetching")  # touched every HEARTBEAT_S while a fetch runs
+HEARTBEAT_S = 1.0
+FETCHING_FRESH_S = 5.0
+CHUNK = 64 << 20  # the largest range one stream asks for at once
+MIN_CHUNK = 1 << 20
 BLOCK = 1 << 20
+PIPE_BYTES = 1 << 20
+SENDFILE_BLOCK = 8 << 20
 POLL_S = 0.1
-DEAD_AFTER_S = 10.0  # a source that does not answer this long is skipped
+WAIT_S = 5.0  # how long a peer is asked to hold a /ready?wait= answer for the next shard
+WAIT_POLL_S = 0.02
+DATA_TIMEOUT_S = 20.0  # a data connection silent this long is dropped (its source is treated as dead)
+DEAD_AFTER_S = 10.0  # a source that does not answer (or idles without the file) this long is skipped
+GIVE_UP_S = 300.0  # no source of a file answered this long: the fetch fails (it does not hang a deploy)
+STREAMS = 1  # range streams per file: one spliced stream beat four on the sandbox (bench/distribution_bench.py)
 
 
 def load_manifest(root):
@@ -139,11 +158,21 @@ def mark(root):
 # --------------------------------------------------------------------------- serving
 
 
+def is_fetching(root):
+    """True while a ``fetch`` into ``root`` is running (its heartbeat file is fresh): what
+    this host lacks now it will have, so peers wait for it rather than go elsewhere."""
+    try:
+        return time.time() - os.stat(os.path.join(root, HEARTBEAT)).st_mtime < FETCHING_FRESH_S
+    except OSError:
+        return False
+
+
 def make_handler(root):
     manifest_path = os.path.join(root, MANIFEST)
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True  # a head then a small body: no wait for a delayed ACK
 
         def log_message(self, fmt, *args):  # quiet
             pass
@@ -158,7 +187,8 @@ def make_handler(root):
                 self.wfile.write(body)
 
         def do_GET(self):
-            path = urllib.parse.unquote(self.path)
+            raw, _, query = self.path.partition("?")
+            path = urllib.parse.unquote(raw)
             if path == "/manifest":
                 try:
                     with open(manifest_path, "rb") as fh:
@@ -170,15 +200,18 @@ def make_handler(root):
             except (OSError, ValueError):
                 return self._send(503)
             if path == "/ready":
-                verified = verify.load_marker(root, manifest)
-                ready = [rel for rel in sorted(manifest["files"]) if is_verified_here(root, manifest, rel, verified)]
-                return self._send(200, json.dumps(ready).encode(), [("Content-Type", "application/json")])
+                return self._ready(manifest, urllib.parse.parse_qs(query))
             rel = path[len("/file/"):] if path.startswith("/file/") else None
             entry = manifest["files"].get(rel) if rel else None
             if entry is None or ".." in rel.split("/"):
                 return self._send(404)
-            if not is_verified_here(root, manifest, rel):  # never serve unverified
-                return self._send(409, b"not verified here yet")
+            wait = self._wait_seconds(self.headers.get("X-K2-Wait"))
+            deadline = time.monotonic() + wait
+            while not is_verified_here(root, manifest, rel):  # never serve unverified
+                if time.monotonic() >= deadline or not is_fetching(root):
+                    return self._send(409, b"not verified here yet",
+                                      [("X-K2-Fetching", "1" if is_fetching(root) else "0")])
+                time.sleep(WAIT_POLL_S)
             size = entry["size"]
             start, end = 0, size - 1
             rng = self.headers.get("Range")
@@ -191,15 +224,39 @@ def make_handler(root):
             if rng:
                 self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
             self.end_headers()
-            with open(os.path.join(root, rel), "rb") as fh:
-                fh.seek(start)
-                left = length
+            self.wfile.flush()
+            with open(os.path.join(root, rel), "rb") as fh:  # the kernel copies file to socket (sendfile)
+                offset, left = start, length
                 while left > 0:
-                    block = fh.read(min(BLOCK, left))
-                    if not block:
+                    sent = os.sendfile(self.connection.fileno(), fh.fileno(), offset, min(left, SENDFILE_BLOCK))
+                    if sent == 0:
                         break
-                    self.wfile.write(block)
-                    left -= len(block)
+                    offset += sent
+                    left -= sent
+
+        @staticmethod
+        def _wait_seconds(value):
+            try:
+                return max(0.0, min(float(value or 0), 60.0))
+            except ValueError:
+                return 0.0
+
+        def _ready(self, manifest, query):
+            """The verified files (JSON list) and ``X-K2-Fetching``. ``?wait=FILE&timeout=S``
+            answers once FILE is verified here, or after S seconds (60 at most), or at once
+            when no fetch runs here (it will not come): a peer learns within
+            :data:`WAIT_POLL_S` that its next shard may be taken."""
+            want = query.get("wait", [None])[0]
+            timeout = self._wait_seconds(query.get("timeout", ["0"])[0])
+            deadline = time.monotonic() + timeout
+            if want in manifest["files"]:
+                while (not is_verified_here(root, manifest, want) and time.monotonic() < deadline
+                       and is_fetching(root)):
+                    time.sleep(WAIT_POLL_S)
+            verified = verify.load_marker(root, manifest)
+            ready = [rel for rel in sorted(manifest["files"]) if is_verified_here(root, manifest, rel, verified)]
+            return self._send(200, json.dumps(ready).encode(), [("Content-Type", "application/json"),
+                                                                ("X-K2-Fetching", "1" if is_fetching(root) else "0")])
 
     return Handler
 
@@ -207,6 +264,11 @@ def make_handler(root):
 class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+
+    def handle_error(self, request, client_address):
+        """A peer that hangs up mid-answer (it failed over, or was killed) is routine."""
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
 
 
 def serve(root, bind, port, exit_with_parent=False):
@@ -230,13 +292,27 @@ def serve(root, bind, port, exit_with_parent=False):
 # --------------------------------------------------------------------------- fetching
 
 
+class NotReady(Exception):
+    """The source has not verified the file (yet): ``fetching`` says whether it will."""
+
+    def __init__(self, url, rel, fetching):
+        super().__init__(f"{url} has not verified {rel}{' yet' if fetching else ''}")
+        self.fetching = fetching
+
+
 class Source:
-    """One upstream relay (``http://HOST:PORT``)."""
+    """One upstream relay (``http://HOST:PORT``): its idle data connections (kept alive
+    between ranges), and since when it has not answered (``dead_since``) or has answered
+    without a file while no fetch runs there (``idle_since``). Shared by the lanes of one
+    fetch."""
 
     def __init__(self, url):
         parsed = urllib.parse.urlsplit(url)
         self.url, self.host, self.port = url, parsed.hostname, parsed.port or 80
         self.dead_since = None
+        self.idle_since = {}  # file → since when it answered without it, no fetch running there
+        self._idle = []
+        self._lock = threading.Lock()
 
     def request(self, path, headers=None, timeout=30):
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
@@ -247,56 +323,258 @@ class Source:
         finally:
             conn.close()
 
-    def ready(self):
-        status, body = self.request("/ready", timeout=5)
-        return set(json.loads(body)) if status == 200 else set()
+    def note_dead(self):
+        with self._lock:
+            self.dead_since = self.dead_since or time.monotonic()
 
-    def get_range(self, rel, fd, start, end):
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+    def note_alive(self):
+        with self._lock:
+            self.dead_since = None
+
+    def note_idle(self, rel, idle):
+        """``idle``: it answered without ``rel`` and no fetch runs there (it may start late)."""
+        with self._lock:
+            if idle:
+                self.idle_since.setdefault(rel, time.monotonic())
+            else:
+                self.idle_since.pop(rel, None)
+
+    def skipped(self, rel, dead_after):
+        """Silent, or idle without ``rel``, for ``dead_after`` seconds."""
+        now = time.monotonic()
+        with self._lock:
+            return any(t is not None and now - t > dead_after for t in (self.dead_since, self.idle_since.get(rel)))
+
+    def _take(self):
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        sock = socket.create_connection((self.host, self.port), timeout=DATA_TIMEOUT_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(None)  # blocking (splice needs it); a silent peer still times out:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(DATA_TIMEOUT_S), 0))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(DATA_TIMEOUT_S), 0))
+        return sock
+
+    def _give(self, sock):
+        with self._lock:
+            self._idle.append(sock)
+
+    def get_range(self, rel, fd, start, end, landed=None, wait=WAIT_S):
+        """Write bytes ``start..end`` of ``rel`` at the same offsets of ``fd``, calling
+        ``landed(offset)`` as they land (in order within the range). One HTTP/1.1 request
+        on a kept-alive connection, asked ahead: the source holds it up to ``wait`` seconds
+        until it has verified the file (then :class:`NotReady`), so the next shard leaves
+        the moment it is verified, with no round trip through a busy link. The body goes
+        socket → pipe → file inside the kernel (splice), or through one buffer where splice
+        is missing (Python < 3.10)."""
+        sock, ok = self._take(), False
         try:
-            conn.request("GET", urllib.parse.quote("/file/" + rel), headers={"Range": f"bytes={start}-{end}"})
-            resp = conn.getresponse()
-            if resp.status not in (200, 206):
-                raise OSError(f"{self.url} answered {resp.status} for {rel}")
+            sock.sendall((f"GET {urllib.parse.quote('/file/' + rel)} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+                          f"Range: bytes={start}-{end}\r\nX-K2-Wait: {wait}\r\n\r\n").encode())
+            status, length, body, headers = read_head(sock)
+            if status == 409:
+                raise NotReady(self.url, rel, headers.get("x-k2-fetching", "1") == "1")
+            if status not in (200, 206) or length != end - start + 1:
+                raise OSError(f"{self.url} answered {status} ({length} bytes) for {rel} {start}-{end}")
             offset = start
-            while True:
-                block = resp.read(BLOCK)
-                if not block:
-                    break
-                os.pwrite(fd, block, offset)
-                offset += len(block)
+            if body:
+                os.pwrite(fd, body, offset)
+                offset += len(body)
+                if landed:
+                    landed(offset)
+            offset = (splice_into if hasattr(os, "splice") else copy_into)(sock, fd, offset, end + 1, landed)
             if offset != end + 1:
                 raise OSError(f"{self.url}: short read of {rel} ({offset - start} of {end - start + 1} bytes)")
+            ok = True
+        except ValueError as exc:
+            raise OSError(f"{self.url}: {exc!r} for {rel}") from exc
         finally:
-            conn.close()
+            if ok:
+                self._give(sock)
+            else:
+                sock.close()
+
+
+HEAD_MAX = 64 << 10
+
+
+def read_head(sock):
+    """Read an HTTP/1.1 response head from ``sock``: (status, Content-Length, the body
+    bytes that came with the head, the headers by lower-case name)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        got = sock.recv(HEAD_MAX)
+        if not got or len(data) > HEAD_MAX:
+            raise OSError("connection closed before a response head")
+        data += got
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    length = int(headers.get("content-length", "0"))
+    if len(body) > length:
+        raise OSError("more bytes than the response's Content-Length")
+    if status not in (200, 206):  # an error's small body: the connection is not kept anyway
+        body = b""
+    return status, length, body, headers
+
+
+def splice_into(sock, fd, offset, stop, landed):
+    """Move bytes from ``sock`` to ``fd`` at ``offset`` until ``stop`` (or EOF) in the
+    kernel: socket → pipe → page cache, no copy through this process. Returns the offset
+    reached."""
+    r, w = os.pipe()
+    try:
+        try:
+            fcntl.fcntl(w, 1031, PIPE_BYTES)  # F_SETPIPE_SZ: fewer, larger moves
+        except OSError:
+            pass
+        while offset < stop:
+            n = os.splice(sock.fileno(), w, min(PIPE_BYTES, stop - offset))
+            if n == 0:
+                break
+            while n:
+                moved = os.splice(r, fd, n, offset_dst=offset)
+                offset += moved
+                n -= moved
+            if landed:
+                landed(offset)
+    except BlockingIOError as exc:  # SO_RCVTIMEO ran out
+        raise OSError(f"no bytes for {DATA_TIMEOUT_S:.0f}s") from exc
+    finally:
+        os.close(r)
+        os.close(w)
+    return offset
+
+
+def copy_into(sock, fd, offset, stop, landed):
+    """:func:`splice_into` through one buffer (no os.splice)."""
+    view = memoryview(bytearray(BLOCK))
+    while offset < stop:
+        n = sock.recv_into(view[: min(BLOCK, stop - offset)])
+        if n == 0:
+            break
+        os.pwrite(fd, view[:n], offset)
+        offset += n
+        if landed:
+            landed(offset)
+    return offset
+
+
+class LandingHash:
+    """Hashes a file while range streams write it: a thread follows the contiguous prefix
+    that has landed (read back from the file, so what is hashed is what is on disk), so
+    the file's hash is ready a moment after its last byte rather than a full re-read later."""
+
+    def __init__(self, fd, hasher, ranges):
+        self.fd, self.hasher, self.ranges = fd, hasher, ranges
+        self.size = ranges[-1][1] + 1 if ranges else 0
+        self.landed = [a for a, _ in ranges]  # per range: the offset its bytes reached
+        self.hashed = 0
+        self.stop = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def landed_at(self, i):
+        def note(offset):
+            with self._cond:
+                self.landed[i] = offset
+                self._cond.notify()
+        return note
+
+    def _frontier(self):
+        for (_, b), reached in zip(self.ranges, self.landed):
+            if reached <= b:
+                return reached
+        return self.size
+
+    def _run(self):
+        view = memoryview(bytearray(BLOCK))
+        while self.hashed < self.size:
+            with self._cond:
+                while self._frontier() <= self.hashed and not self.stop:
+                    self._cond.wait(0.5)
+                if self.stop:
+                    return
+                frontier = self._frontier()
+            while self.hashed < frontier:
+                n = os.preadv(self.fd, [view[: min(BLOCK, frontier - self.hashed)]], self.hashed)
+                if n <= 0:
+                    return
+                self.hasher.update(view[:n])
+                self.hashed += n
+
+    def result(self):
+        """The hex digest once every byte is hashed (call after the ranges completed)."""
+        self._thread.join()
+        return self.hasher.hexdigest() if self.hashed == self.size else None
+
+    def abandon(self):
+        with self._cond:
+            self.stop = True
+            self._cond.notify()
+        self._thread.join()
+
+
+def plan_ranges(size, streams, chunk=CHUNK):
+    """Byte ranges of one file for ``streams`` parallel streams, taken in order: a quarter
+    of a stream's share each (so the landed prefix, which is hashed, advances steadily),
+    between :data:`MIN_CHUNK` and ``chunk`` bytes.
+
+    >>> plan_ranges(10, 4)
+    [(0, 9)]
+    >>> len(plan_ranges(16 << 20, 4)), len(plan_ranges(10 << 30, 4)), len(plan_ranges(10 << 30, 1))
+    (16, 160, 160)
+    """
+    if streams <= 1:  # one stream: the landed prefix is the stream's own progress
+        step = max(MIN_CHUNK, chunk)
+    else:
+        step = max(MIN_CHUNK, min(chunk, -(-size // (4 * streams))))
+    return [(a, min(a + step, size) - 1) for a in range(0, size, step)]
 
 
 def fetch_file(source, root, manifest, rel, streams, chunk, clock=None):
-    """Fetch ``rel`` from ``source`` into a partial file, verify it (verify.py's checks of
-    one file), move it into place and mark it. True if it verified; False if the bytes
-    were bad (deleted, not marked). ``clock``: dict whose ``transfer`` and ``verify``
-    seconds grow by this file's."""
+    """Fetch ``rel`` from ``source`` into a partial file over ``streams`` range streams,
+    hashing it as it lands; verify it (verify.py's checks of one file, with that hash),
+    move it into place and mark it. True if it verified; False if the bytes were bad
+    (deleted, not marked). ``clock``: dict whose ``transfer`` (until the last byte landed)
+    and ``verify`` (the rest: hash tail, header, rename) seconds grow by this file's."""
     clock = clock if clock is not None else {}
     t0 = time.monotonic()
     partial_root = os.path.join(root, PARTIAL)
     part = os.path.join(partial_root, rel)
     os.makedirs(os.path.dirname(part), exist_ok=True)
-    size = manifest["files"][rel]["size"]
+    entry = manifest["files"][rel]
+    size = entry["size"]
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    digest = None
     try:
         os.ftruncate(fd, size)
-        ranges = [(a, min(a + chunk, size) - 1) for a in range(0, size, chunk)]
-        with ThreadPoolExecutor(max_workers=max(1, min(streams, len(ranges) or 1))) as pool:
-            for f in [pool.submit(source.get_range, rel, fd, a, b) for a, b in ranges]:
-                f.result()
+        ranges = plan_ranges(size, streams, chunk)
+        hashing = LandingHash(fd, verify.new_hasher(entry), ranges)
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, min(streams, len(ranges) or 1))) as pool:
+                for f in [pool.submit(source.get_range, rel, fd, a, b, hashing.landed_at(i))
+                          for i, (a, b) in enumerate(ranges)]:
+                    f.result()
+        except BaseException:
+            hashing.abandon()
+            raise
+        t1 = time.monotonic()
+        digest = hashing.result()
+        hashed_stat = verify.stat_record(part)
     finally:
         os.close(fd)
-    t1 = time.monotonic()
-    stat, _ = verify.check_one(partial_root, manifest, rel)
+    stat, _ = verify.check_one(partial_root, manifest, rel, (digest, hashed_stat) if digest else None)
     clock["transfer"] = clock.get("transfer", 0.0) + t1 - t0
-    clock["verify"] = clock.get("verify", 0.0) + time.monotonic() - t1
     if stat is None:
         os.unlink(part)
+        clock["verify"] = clock.get("verify", 0.0) + time.monotonic() - t1
         return False
     dest = os.path.join(root, rel)
     os.makedirs(os.path.dirname(dest) or root, exist_ok=True)
@@ -304,7 +582,8 @@ def fetch_file(source, root, manifest, rel, streams, chunk, clock=None):
     moved = verify.stat_record(dest)  # a rename changes ctime only
     if moved is None or {k: moved[k] for k in ("size", "mtime_ns", "ino")} != {k: stat[k] for k in ("size", "mtime_ns", "ino")}:
         return False
-    write_mark(root, rel, manifest["files"][rel], moved)
+    write_mark(root, rel, entry, moved)
+    clock["verify"] = clock.get("verify", 0.0) + time.monotonic() - t1
     return True
 
 
@@ -332,104 +611,163 @@ def fleet_plan(files, fleet, position, fanout, sources):
     return {rel: [u for p in chain for u in ([fleet[p]] if p is not None else sources)] for rel, chain in plan.items()}
 
 
-def fetch(root, urls, streams=4, chunk=CHUNK, log=None, plan=None, dead_after=DEAD_AFTER_S, fleet=None,
+class _Fetch:
+    """State the lanes of one fetch share (under ``lock``)."""
+
+    def __init__(self, root, manifest, urls, plan, streams, chunk, dead_after, give_up_after=GIVE_UP_S):
+        self.root, self.manifest, self.urls, self.plan = root, manifest, urls, plan or {}
+        self.streams, self.chunk, self.dead_after, self.give_up_after = streams, chunk, dead_after, give_up_after
+        self.lock = threading.Lock()
+        self.sources = {}
+        self.refused = {}  # (file, url) → times its bytes did not verify
+        self.failed_over = set()
+        self.clock = {"transfer": 0.0, "verify": 0.0}  # seconds receiving bytes, finishing checks
+        self.report = {"files": 0, "bytes": 0, "kept": 0, "bad_shards": [], "sources": {}, "bytes_from": {},
+                       "failovers": 0, "ready_at": {}}
+        self.t0 = time.monotonic()
+        self.abort = threading.Event()
+
+    def source(self, url):
+        with self.lock:
+            if url not in self.sources:
+                self.sources[url] = Source(url)
+            return self.sources[url]
+
+    def pick(self, rel):
+        """The source to take ``rel`` from now: the first of its list not skipped."""
+        candidates = [self.source(u) for u in (self.plan.get(rel) or self.urls)]
+        if not candidates:
+            raise SystemExit(f"{rel}: no source to fetch it from")
+        with self.lock:
+            refused = dict(self.refused)
+        live = [c for c in candidates if refused.get((rel, c.url), 0) < 2 and not c.skipped(rel, self.dead_after)]
+        if not live:  # every source failed this file: start over with the last (the source)
+            if all(refused.get((rel, c.url), 0) >= 2 for c in candidates):
+                raise SystemExit(f"{rel}: no source gave bytes matching the manifest")
+            now = time.monotonic()
+            if all(c.dead_since and now - c.dead_since > self.give_up_after for c in candidates):
+                raise SystemExit(f"{rel}: no source answered for {self.give_up_after:.0f}s "
+                                 f"({', '.join(c.url for c in candidates)})")
+            live = candidates[-1:]
+        if live[0] is not candidates[0]:
+            with self.lock:
+                if rel not in self.failed_over:
+                    self.failed_over.add(rel)
+                    self.report["failovers"] += 1
+        return live[0]
+
+    def lane(self, files):
+        """Take ``files`` in order, each as soon as its source has verified it."""
+        for rel, entry in files:
+            while not self.abort.is_set():
+                src = self.pick(rel)
+                clock = {}
+                try:
+                    ok = fetch_file(src, self.root, self.manifest, rel, self.streams, self.chunk, clock)
+                except NotReady as exc:  # held for WAIT_S: ask again, or go on if no fetch runs there
+                    src.note_idle(rel, not exc.fetching)
+                    if not exc.fetching:
+                        time.sleep(POLL_S)
+                    continue
+                except OSError:
+                    src.note_dead()
+                    time.sleep(POLL_S)
+                    continue
+                src.note_idle(rel, False)
+                src.note_alive()
+                with self.lock:
+                    for k, v in clock.items():
+                        self.clock[k] += v
+                    if ok:
+                        self.report["ready_at"][rel] = round(time.monotonic() - self.t0, 3)
+                        self.report["files"] += 1
+                        self.report["bytes"] += entry["size"]
+                        self.report["sources"][src.url] = self.report["sources"].get(src.url, 0) + 1
+                        self.report["bytes_from"][src.url] = self.report["bytes_from"].get(src.url, 0) + entry["size"]
+                    else:
+                        self.report["bad_shards"].append({"file": rel, "source": src.url})
+                        self.refused[(rel, src.url)] = self.refused.get((rel, src.url), 0) + 1
+                if ok:
+                    break
+
+
+def _heartbeat(root, stop):
+    """Keep ``root``'s heartbeat file fresh until ``stop`` is set (then remove it)."""
+    path = os.path.join(root, HEARTBEAT)
+    with open(path, "w") as fh:
+        fh.write(str(os.getpid()))
+    while not stop.wait(HEARTBEAT_S):
+        try:
+            os.utime(path)
+        except OSError:
+            pass
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_after=DEAD_AFTER_S, fleet=None,
           position=None, fanout=1):
     """Fetch every file of the sources' manifest into ``root``, each from the first live
     source of its list, verifying each before it is marked (and so served onward).
     The lists: ``plan`` (file → URLs, parent first), or the fleet's per-shard plan
     (``fleet``: every host's relay URL in fleet order, this host at ``position``; the
-    source is ``urls``), or ``urls`` for every file."""
-    by_url = {}
-
-    def source(url):
-        if url not in by_url:
-            by_url[url] = Source(url)
-        return by_url[url]
-
+    source is ``urls``), or ``urls`` for every file. Files are taken in ``fanout`` lanes
+    at once (shard j in lane j mod fanout: one lane per tree of the plan, each fed by its
+    own parent), in order within a lane."""
     os.makedirs(os.path.join(root, ".k2fleet"), exist_ok=True)
     shutil.rmtree(os.path.join(root, PARTIAL), ignore_errors=True)  # a killed run's leftovers
-    t0 = time.monotonic()
-    ancestors = fleet[:position] if fleet else []
-    manifest_bytes = _manifest_from([source(u) for u in [*reversed(ancestors), *urls]])
-    manifest = json.loads(manifest_bytes)
-    if fleet:
-        plan = fleet_plan(manifest["files"], fleet, position, fanout, urls)
+    t0, started = time.monotonic(), time.time()
+    stop = threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(root, stop), daemon=True)
+    beat.start()
     try:
-        old_files = load_manifest(root)["files"]
-    except (OSError, ValueError, KeyError):
-        old_files = {}
-    # nothing is served until hashed again (bit rot keeps sizes and mtimes): the markers of
-    # the old manifest's files and the new one's, and verify.py's marker, go
-    drop_marks(root, {"files": {**old_files, **manifest["files"]}})
-    with open(os.path.join(root, MANIFEST) + ".tmp", "wb") as fh:
-        fh.write(manifest_bytes)
-    os.replace(os.path.join(root, MANIFEST) + ".tmp", os.path.join(root, MANIFEST))
-    report = {"files": 0, "bytes": 0, "kept": 0, "bad_shards": [], "sources": {}, "bytes_from": {}, "failovers": 0}
-    todo = []
-    for rel, entry in sorted(manifest["files"].items()):  # resume/repair: what hashes right stays
-        stat, _ = verify.check_one(root, manifest, rel)
-        if stat is not None:
-            write_mark(root, rel, entry, stat)
-            report["kept"] += 1
-        else:
-            todo.append((rel, entry))
-    refused = {}  # (file, url) → times its bytes did not verify
-    clock = {"transfer": 0.0, "verify": 0.0}  # seconds receiving bytes, hashing them
-    ready = {}  # url → what it served as verified when last asked (asked again only for a file not in it)
-    while todo:
-        asked = set()  # sources asked in this pass
-        progress = False
-        for k, (rel, entry) in enumerate(todo):
-            candidates = [source(u) for u in ((plan or {}).get(rel) or urls)]
-            if not candidates:
-                raise SystemExit(f"{rel}: no source to fetch it from")
-            live = [c for c in candidates if refused.get((rel, c.url), 0) < 2
-                    and not (c.dead_since and time.monotonic() - c.dead_since > dead_after)]
-            if not live:  # every source failed this file: start over with all of them
-                if all(refused.get((rel, c.url), 0) >= 2 for c in candidates):
-                    raise SystemExit(f"{rel}: no source gave bytes matching the manifest")
-                live = candidates[-1:]
-            src = live[0]
-            if src is not candidates[0] and (rel, "failover") not in refused:
-                report["failovers"] += 1
-                refused[(rel, "failover")] = 1
-            if rel not in ready.get(src.url, ()) and src.url not in asked:
-                asked.add(src.url)
-                try:
-                    ready[src.url] = src.ready()
-                    src.dead_since = None
-                except (OSError, ValueError):
-                    src.dead_since = src.dead_since or time.monotonic()
-            if rel not in ready.get(src.url, ()):
-                continue
+        ancestors = fleet[:position] if fleet else []
+        manifest_bytes = _manifest_from([Source(u) for u in [*reversed(ancestors), *urls]])
+        manifest = json.loads(manifest_bytes)
+        if fleet:
+            plan = fleet_plan(manifest["files"], fleet, position, fanout, urls)
+        try:
+            old_files = load_manifest(root)["files"]
+        except (OSError, ValueError, KeyError):
+            old_files = {}
+        # nothing is served until hashed again (bit rot keeps sizes and mtimes): the markers of
+        # the old manifest's files and the new one's, and verify.py's marker, go
+        drop_marks(root, {"files": {**old_files, **manifest["files"]}})
+        with open(os.path.join(root, MANIFEST) + ".tmp", "wb") as fh:
+            fh.write(manifest_bytes)
+        os.replace(os.path.join(root, MANIFEST) + ".tmp", os.path.join(root, MANIFEST))
+        run = _Fetch(root, manifest, urls, plan, streams, chunk, dead_after)
+        run.t0 = t0
+        lanes = [[] for _ in range(max(1, fanout if fleet else 1))]
+        for j, (rel, entry) in enumerate(sorted(manifest["files"].items())):  # resume/repair: what hashes right stays
+            stat, _ = verify.check_one(root, manifest, rel)
+            if stat is not None:
+                write_mark(root, rel, entry, stat)
+                run.report["kept"] += 1
+            else:
+                lanes[j % len(lanes)].append((rel, entry))
+        with ThreadPoolExecutor(max_workers=len(lanes)) as pool:
+            futures = [pool.submit(run.lane, files) for files in lanes if files]
             try:
-                ok = fetch_file(src, root, manifest, rel, streams, chunk, clock)
-            except OSError:
-                src.dead_since = src.dead_since or time.monotonic()
-                ready.get(src.url, set()).discard(rel)  # ask again before trying it there
-                ok = None
-            if ok:
-                todo.pop(k)
-                report["files"] += 1
-                report["bytes"] += entry["size"]
-                report["sources"][src.url] = report["sources"].get(src.url, 0) + 1
-                report["bytes_from"][src.url] = report["bytes_from"].get(src.url, 0) + entry["size"]
-                progress = True
-            elif ok is False:
-                report["bad_shards"].append({"file": rel, "source": src.url})
-                refused[(rel, src.url)] = refused.get((rel, src.url), 0) + 1
-            break
-        if not progress:
-            time.sleep(POLL_S)
+                for f in futures:
+                    f.result()
+            finally:
+                run.abort.set()
+    finally:
+        stop.set()
+        beat.join()
     shutil.rmtree(os.path.join(root, PARTIAL), ignore_errors=True)
+    report = run.report
     # every file verified and marked: verify.py's marker too (index and headers checked,
     # nothing hashed twice), so the deploy's checkpoint gate passes without re-hashing
     stats = {rel: verify.stat_record(os.path.join(root, rel)) for rel in manifest["files"]}
     problems = verify.index_problems(root, manifest)
     if not problems and all(is_verified_here(root, manifest, rel, {}) for rel in manifest["files"]):
         verify.write_marker(root, manifest, stats)
-    report.update(seconds=round(time.monotonic() - t0, 3), dir=root, verified=not problems,
-                  transfer_seconds=round(clock["transfer"], 3), verify_seconds=round(clock["verify"], 3),
+    report.update(seconds=round(time.monotonic() - t0, 3), started=round(started, 3), dir=root, verified=not problems,
+                  transfer_seconds=round(run.clock["transfer"], 3), verify_seconds=round(run.clock["verify"], 3),
                   time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     line = json.dumps(report, sort_keys=True)
     print(line, flush=True)
@@ -458,7 +796,7 @@ def main(argv=None):
     f.add_argument("--fleet", help="comma-separated relay URLs of every host in fleet order (with --position)")
     f.add_argument("--position", type=int, help="this host's index in --fleet")
     f.add_argument("--fanout", type=int, default=1, help="1: a chain; k: per-shard k-ary trees")
-    f.add_argument("--streams", type=int, default=4)
+    f.add_argument("--streams", type=int, default=STREAMS, help="parallel range streams per file")
     f.add_argument("--chunk", type=int, default=CHUNK)
     f.add_argument("--log")
     f.add_argument("--dead-after", type=float, default=DEAD_AFTER_S,

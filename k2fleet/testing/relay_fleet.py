@@ -57,16 +57,18 @@ class RelayFleet:
 
     def restart_server(self, h: sandbox.SandboxHost) -> None:
         """(Re)start ``h``'s relay server on its address (a transient systemd unit)."""
-        sandbox.ssh(h, "systemctl stop k2-relay-bench 2>/dev/null; systemctl reset-failed k2-relay-bench 2>/dev/null; "
-                       f"mkdir -p {HOST_DIR} && systemd-run --unit k2-relay-bench --quiet /usr/bin/python3 {HOST_RELAY} "
-                       f"serve {HOST_DIR} --bind {h.address} --port {PORT}")
+        out = sandbox.ssh(h, "systemctl stop 'k2-relay-bench*' 2>/dev/null; "  # a unit of its own each start:
+                             f"mkdir -p {HOST_DIR} && systemd-run --unit k2-relay-bench-$(date +%s%N) --collect --quiet "
+                             f"/usr/bin/python3 {HOST_RELAY} serve {HOST_DIR} --bind {h.address} --port {PORT}")
+        if out.returncode != 0:
+            raise RuntimeError(f"{h.name}: the relay server did not start: {out.stderr[-500:]}")
 
     def reset(self, hosts: list[sandbox.SandboxHost]) -> None:
         for h in hosts:
             sandbox.ssh(h, f"rm -rf {HOST_DIR} && mkdir -p {HOST_DIR}")
 
     def fetch_argv(self, h: sandbox.SandboxHost, plan: dict[str, list[str]] | None, sources: list[str],
-                   streams: int = 4, dead_after: float = 10) -> str:
+                   streams: int = 1, dead_after: float = 10) -> str:
         """Shell line fetching into ``h``'s directory (plan file written first)."""
         line = f"/usr/bin/python3 {HOST_RELAY} fetch {HOST_DIR} --streams {streams} --dead-after {dead_after}"
         line += "".join(f" --source {shlex.quote(s)}" for s in sources)
@@ -90,16 +92,17 @@ class RelayFleet:
 
     # ---------------------------------------------------------------- schedules
 
-    def pipelined(self, hosts: list[sandbox.SandboxHost], fanout_k: int = 1) -> float:
+    def pipelined(self, hosts: list[sandbox.SandboxHost], fanout_k: int = 1) -> tuple[float, list[dict]]:
         """Every host fetches at once with the deploy's own argv (:func:`fanout.relay_fetch_argv`:
-        its place in the fleet order, the per-shard plan, the source last); seconds until all are done."""
+        its place in the fleet order, the per-shard plan, the source last): seconds until
+        all are done, and their reports in fleet order."""
         fleet = [url(h.address) for h in hosts]
         lines = {h.name: shlex.join(fanout.relay_fetch_argv(HOST_DIR, fleet, i, fanout_k, [url(sandbox.BRIDGE_ADDRESS)],
                                                             log_file="/var/log/k2fleet/relay-bench.jsonl"))
                  for i, h in enumerate(hosts)}
         t0 = time.monotonic()
-        self.run_fetches(lines)
-        return time.monotonic() - t0
+        reports = self.run_fetches(lines)
+        return time.monotonic() - t0, [reports[h.name] for h in hosts]
 
     def doubling_tree(self, hosts: list[sandbox.SandboxHost]) -> float:
         """Today's schedule (:func:`k2fleet.checkpoint.fanout.plan_fanout`): round by round,
@@ -118,7 +121,7 @@ class RelayFleet:
 
     def stop(self) -> None:
         for h in self.hosts:
-            sandbox.ssh(h, "systemctl stop k2-relay-bench 2>/dev/null; true")
+            sandbox.ssh(h, "systemctl stop 'k2-relay-bench*' 2>/dev/null; true")
         if self.control is not None:
             self.control.kill()
             self.control.wait()
