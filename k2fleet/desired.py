@@ -138,7 +138,7 @@ class FanoutPlace:
     shared: bool
     position: int | None = None  # index in ``relays`` (None: loads no weights)
     relays: tuple[str, ...] = ()  # relay URL of every host that loads weights, fan-out order (root first)
-    relay_fanout: int = 1  # 1: a chain; k: per-shard k-ary trees (:func:`k2fleet.checkpoint.swarm.fanout_for`)
+    relay_fanout: int = 1  # 1: a chain; k: k fixed trees, shard j down tree j mod k (:func:`k2fleet.checkpoint.swarm.fanout_for`)
 
 
 @dataclass(frozen=True)

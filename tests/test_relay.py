@@ -82,6 +82,69 @@ def test_plans_chain_and_per_shard_trees_route_around_dead_hosts() -> None:
     assert interior["s0"] != interior["s1"]  # consecutive shards are forwarded by different hosts
 
 
+@pytest.mark.parametrize("n", [5, 9, 16, 64])
+def test_trees_have_disjoint_interiors_fixed_parents_and_balanced_uploads(n: int) -> None:
+    """SplitStream's property, which the relay's lanes rely on: with k trees every host
+    forwards for one tree only, gets each tree's shards from one parent, and uploads
+    about one checkpoint in all."""
+    hosts = [f"h{i}" for i in range(n)]
+    shards = [f"s{j}" for j in range(62)]
+    for k in [k for k in swarm.FANOUTS[1:] if swarm.disjoint(n, k)]:
+        plan = swarm.plan_sources(hosts, shards, k)
+        forwarders = [{plan[h][s][0] for h in hosts for s in shards[t::k]} - {None} for t in range(k)]
+        assert sum(map(len, forwarders)) == len(set().union(*forwarders)), (k, forwarders)  # disjoint
+        for h in hosts:
+            for t in range(k):
+                assert len({plan[h][s][0] for s in shards[t::k]}) == 1  # one parent per tree
+        uploads = {h: sum(plan[c][s][0] == h for c in hosts for s in shards) for h in hosts}
+        assert max(uploads.values()) <= k * -(-len(shards) // k), (k, uploads)
+    assert [swarm.fanout_for(m) for m in (2, 5, 8, 9, 64)] == [1, 1, 1, 2, 2]
+
+
+def test_a_parent_holds_the_request_until_it_has_verified_the_file(source: Path, tmp_path: Path) -> None:
+    """The next shard is asked for before the parent has it: while a fetch runs there the
+    parent holds the request and answers the moment the file is verified (no poll, no
+    round trip); where no fetch runs it answers 409 at once, saying so."""
+    parent = tmp_path / "parent"
+    (parent / ".k2fleet").mkdir(parents=True)
+    shutil.copy(source / ".k2fleet/manifest.json", parent / ".k2fleet/manifest.json")
+    heartbeat = parent / ".k2fleet/relay-fetching"
+    port = free_port()
+    server = serve(parent, port)
+    try:
+        assert status_of(port, "/file/" + VICTIM) == 409  # no fetch runs there: at once
+        heartbeat.write_text("1")  # a fetch runs there now
+        got: dict[str, float] = {}
+
+        def ask() -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.request("GET", "/file/" + VICTIM, headers={"X-K2-Wait": "20"})
+            resp = conn.getresponse()
+            got["status"], got["bytes"], got["at"] = resp.status, len(resp.read()), time.monotonic()
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        time.sleep(1.0)
+        assert asker.is_alive()  # held
+        shutil.copy(source / VICTIM, parent / VICTIM)
+        assert status_of(port, "/file/" + VICTIM) == 409  # in place but not verified: still not served
+        assert relay("mark", str(parent)).returncode == 1  # marks the one file it holds (the rest are missing)
+        marked = time.monotonic()
+        asker.join(timeout=10)
+        assert got["status"] == 200 and got["bytes"] == (source / VICTIM).stat().st_size
+        assert got["at"] - marked < 0.5, got["at"] - marked
+    finally:
+        server.kill()
+
+
+def test_a_fetch_whose_sources_never_answer_fails_instead_of_hanging(tmp_path: Path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    out = relay("fetch", str(tmp_path / "h"), "--source", dead, "--dead-after", "0.5", "--give-up-after", "2")
+    assert out.returncode != 0 and "no source answered" in out.stderr, out.stderr
+    assert time.monotonic() - t0 < 30
+
+
 def test_chain_on_loopback_verifies_every_shard_and_resumes_only_what_is_wrong(source: Path, tmp_path: Path) -> None:
     p0, p1 = free_port(), free_port()
     servers = [serve(source, p0), serve(tmp_path / "h1", p1)]
