@@ -1,29 +1,31 @@
 """Benchmark checkpoint distribution at the link limit (root; not a pytest test).
 
-On 3 and 5 sandbox hosts whose links are shaped (``k2fleet sandbox shape RATE``: tc tbf
-on each host's veth, both directions) and a ~1 GB synthetic checkpoint (62 shards of
-16 MiB, Kimi-K2-Thinking's layout) served by the control machine's verified copy on the
-sandbox bridge, measured in one run:
+On 3 and 5 sandbox hosts whose links are shaped (``k2fleet sandbox shape RATE``: htb on
+each host's veth, both directions, ACKs ahead of bulk) and a ~1 GB synthetic checkpoint
+(62 shards of 16 MiB, Kimi-K2-Thinking's layout) served by the control machine's
+verified copy on the sandbox bridge, measured in one run:
 
 * **pipelined**: every host fetches at once with :mod:`k2fleet.host.relay`, with the argv
   the deploy runs (:func:`k2fleet.checkpoint.fanout.relay_fetch_argv`, the plan
   :func:`k2fleet.checkpoint.swarm.fanout_for` picks: a chain for these sizes), each shard
-  from its parent as soon as the parent verified it;
-* **doubling tree**: today's schedule (:mod:`k2fleet.checkpoint.fanout`): round by round,
+  from its parent as soon as the parent verified it; on 5 hosts also in 2 trees (the
+  plan of larger fleets), to check the simulation of trees against a measurement;
+* **doubling tree**: the old schedule (:mod:`k2fleet.checkpoint.fanout`): round by round,
   a host copies the whole checkpoint from its parent once the parent holds all of it (the
   same relay transport, so only the schedule differs);
 * **one stream vs raw TCP** (links unshaped): one host-to-host relay fetch of the
-  checkpoint vs the same bytes over one plain TCP connection between the same two hosts:
-  ``stream_vs_raw_tcp`` compares the relay's time receiving bytes (its parallel range
-  streams), ``copy_with_verify_vs_raw_tcp`` its whole copy, sha256 of every file included
-  (hashing is not overlapped with the next file's transfer).
+  checkpoint (1 and 4 range streams per file) vs the same bytes over one plain TCP
+  connection between the same two hosts, its receiver discarding them; best of two
+  each: ``stream_vs_raw_tcp`` compares the relay's time until the last byte landed (on
+  disk, hashed meanwhile), ``copy_with_verify_vs_raw_tcp`` its whole copy, every file
+  verified and in place.
 
-The link limit is S/B (checkpoint bytes ÷ the shaped rate): one host's transfer time.
-Larger fleets are simulated (:func:`k2fleet.checkpoint.swarm.simulate`, links of the
-shaped rate, hashing at the rate measured on a host) for chains and per-shard k-ary
-trees; each size reports the best plan.
+The link limit is S/B (checkpoint bytes ÷ the nominal shaped rate): one host's transfer
+time. Larger fleets are simulated (:func:`k2fleet.checkpoint.swarm.simulate`) from the
+5-host chain's measured per-shard time on a busy link, extra per-hop delay and start-up,
+for chains and k trees; the figure for each size is the deploy's plan.
 
-    python bench/distribution_bench.py [--rate 200mbit] [--shard-mib 16] [--shards 62]
+    python bench/distribution_bench.py [--rate 200mbit] [--shard-mib 16] [--shards 62] [--only stream|fleet]
 
 Ends with ``ratios: distribution_vs_link_limit=X tree_vs_link_limit=X stream_vs_raw_tcp=X
 copy_with_verify_vs_raw_tcp=X simulated_64_vs_link_limit=X`` (distribution and tree: the
