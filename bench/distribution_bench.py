@@ -95,10 +95,10 @@ def one_copy(fleet: RelayFleet, hosts: list[sandbox.SandboxHost], streams: int) 
                                                               streams=streams)})[hosts[1].name]
 
 
-def stream_phase(fleet: RelayFleet, hosts: list[sandbox.SandboxHost], size: int, results: dict[str, float]) -> int:
+def stream_phase(fleet: RelayFleet, hosts: list[sandbox.SandboxHost], size: int, results: dict[str, float]) -> None:
     """One host-to-host copy vs raw TCP between the same hosts, unshaped: each stream
-    count of the relay, then raw TCP, twice over; the better of each. Returns the
-    relay's best stream count."""
+    count of the relay, then raw TCP, twice over; the better of each (the ratios: the
+    relay's best stream count)."""
     fleet.reset(hosts[:2])
     fleet.run_fetches({hosts[0].name: fleet.fetch_argv(hosts[0], None, [url(sandbox.BRIDGE_ADDRESS)])})
     copies: dict[int, list[dict]] = {1: [], 4: []}
@@ -118,7 +118,6 @@ def stream_phase(fleet: RelayFleet, hosts: list[sandbox.SandboxHost], size: int,
     streams = min(best, key=lambda k: best[k]["transfer_seconds"])
     results["stream_vs_raw_tcp"] = raw_s / best[streams]["transfer_seconds"]
     results["copy_with_verify_vs_raw_tcp"] = raw_s / best[streams]["seconds"]
-    return streams
 
 
 def hop_times(reports: list[dict]) -> tuple[float, float]:
@@ -194,12 +193,10 @@ def main() -> int:
     print(f"measured on the 5-host chain: a {shard / 2**20:.0f} MiB shard every {cycle:.3f}s on a busy link "
           f"({rate / 1e6:.1f} MB/s), {hop_s:.3f}s more per hop (ready to ready {hop:.3f}s), start-up {startup:.2f}s")
     for n, fanouts in ((5, (1, 2)), (16, (1, 2, 4)), (64, (1, 2, 4)), (256, (2,))):
-        best = None
         for k in fanouts:
             t = swarm.simulate(n, sizes, rate, k, hop_s=hop_s, step=limit / (3000 if n <= 64 else 1500)) + startup
             print(f"simulated {n} hosts, {'chain' if k == 1 else f'{k} trees'}: {t:.1f}s = {t / limit:.3f} × S/B"
                   + (" (the deploy's plan)" if k == swarm.fanout_for(n) else ""))
-            best = min(best or t, t)
             if k == swarm.fanout_for(n):
                 results[f"simulated_{n}"] = t / limit
     print(f"(3-host runs: pipelined {results['pipelined_3']:.3f}, tree {results['tree_3']:.3f}; "

@@ -85,7 +85,7 @@ PIPE_BYTES = 1 << 20
 HASH_STEP = 8 << 20
 SENDFILE_BLOCK = 8 << 20
 POLL_S = 0.1
-WAIT_S = 5.0  # how long a peer is asked to hold a /ready?wait= answer for the next shard
+WAIT_S = 5.0  # how long a peer is asked to hold a request for a file it has not verified yet (X-K2-Wait)
 WAIT_POLL_S = 0.02
 DATA_TIMEOUT_S = 20.0  # a data connection silent this long is dropped (its source is treated as dead)
 DEAD_AFTER_S = 10.0  # a source that does not answer (or idles without the file) this long is skipped
@@ -189,8 +189,7 @@ def make_handler(root):
                 self.wfile.write(body)
 
         def do_GET(self):
-            raw, _, query = self.path.partition("?")
-            path = urllib.parse.unquote(raw)
+            path = urllib.parse.unquote(self.path.partition("?")[0])
             if path == "/manifest":
                 try:
                     with open(manifest_path, "rb") as fh:
@@ -201,8 +200,6 @@ def make_handler(root):
                 manifest = load_manifest(root)
             except (OSError, ValueError):
                 return self._send(503)
-            if path == "/ready":
-                return self._ready(manifest, urllib.parse.parse_qs(query))
             rel = path[len("/file/"):] if path.startswith("/file/") else None
             entry = manifest["files"].get(rel) if rel else None
             if entry is None or ".." in rel.split("/"):
@@ -210,9 +207,9 @@ def make_handler(root):
             wait = self._wait_seconds(self.headers.get("X-K2-Wait"))
             deadline = time.monotonic() + wait
             while not is_verified_here(root, manifest, rel):  # never serve unverified
-                if time.monotonic() >= deadline or not is_fetching(root):
-                    return self._send(409, b"not verified here yet",
-                                      [("X-K2-Fetching", "1" if is_fetching(root) else "0")])
+                fetching = is_fetching(root)
+                if time.monotonic() >= deadline or not fetching:
+                    return self._send(409, b"not verified here yet", [("X-K2-Fetching", "1" if fetching else "0")])
                 time.sleep(WAIT_POLL_S)
             size = entry["size"]
             start, end = 0, size - 1
@@ -242,23 +239,6 @@ def make_handler(root):
                 return max(0.0, min(float(value or 0), 60.0))
             except ValueError:
                 return 0.0
-
-        def _ready(self, manifest, query):
-            """The verified files (JSON list) and ``X-K2-Fetching``. ``?wait=FILE&timeout=S``
-            answers once FILE is verified here, or after S seconds (60 at most), or at once
-            when no fetch runs here (it will not come): a peer learns within
-            :data:`WAIT_POLL_S` that its next shard may be taken."""
-            want = query.get("wait", [None])[0]
-            timeout = self._wait_seconds(query.get("timeout", ["0"])[0])
-            deadline = time.monotonic() + timeout
-            if want in manifest["files"]:
-                while (not is_verified_here(root, manifest, want) and time.monotonic() < deadline
-                       and is_fetching(root)):
-                    time.sleep(WAIT_POLL_S)
-            verified = verify.load_marker(root, manifest)
-            ready = [rel for rel in sorted(manifest["files"]) if is_verified_here(root, manifest, rel, verified)]
-            return self._send(200, json.dumps(ready).encode(), [("Content-Type", "application/json"),
-                                                                ("X-K2-Fetching", "1" if is_fetching(root) else "0")])
 
     return Handler
 
@@ -626,7 +606,7 @@ def fleet_plan(files, fleet, position, fanout, sources):
 class _Fetch:
     """State the lanes of one fetch share (under ``lock``)."""
 
-    def __init__(self, root, manifest, urls, plan, streams, chunk, dead_after, give_up_after=GIVE_UP_S):
+    def __init__(self, root, manifest, urls, plan, streams, chunk, dead_after, give_up_after, t0):
         self.root, self.manifest, self.urls, self.plan = root, manifest, urls, plan or {}
         self.streams, self.chunk, self.dead_after, self.give_up_after = streams, chunk, dead_after, give_up_after
         self.lock = threading.Lock()
@@ -636,7 +616,7 @@ class _Fetch:
         self.clock = {"transfer": 0.0, "verify": 0.0}  # seconds receiving bytes, finishing checks
         self.report = {"files": 0, "bytes": 0, "kept": 0, "bad_shards": [], "sources": {}, "bytes_from": {},
                        "failovers": 0, "ready_at": {}}
-        self.t0 = time.monotonic()
+        self.t0 = t0  # the fetch's start: ready_at counts from it
         self.abort = threading.Event()
 
     def source(self, url):
@@ -750,15 +730,12 @@ def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_af
         with open(os.path.join(root, MANIFEST) + ".tmp", "wb") as fh:
             fh.write(manifest_bytes)
         os.replace(os.path.join(root, MANIFEST) + ".tmp", os.path.join(root, MANIFEST))
-        run = _Fetch(root, manifest, urls, plan, streams, chunk, dead_after, give_up_after)
-        run.t0 = t0
+        run = _Fetch(root, manifest, urls, plan, streams, chunk, dead_after, give_up_after, t0)
         lanes = [[] for _ in range(max(1, fanout if fleet else 1))]
-        for j, (rel, entry) in enumerate(sorted(manifest["files"].items())):  # resume/repair: what hashes right stays
-            stat, _ = verify.check_one(root, manifest, rel)
-            if stat is not None:
-                write_mark(root, rel, entry, stat)
-                run.report["kept"] += 1
-            else:
+        todo = set(mark(root))  # resume/repair: what hashes right stays (and is served at once)
+        run.report["kept"] = len(manifest["files"]) - len(todo)
+        for j, (rel, entry) in enumerate(sorted(manifest["files"].items())):
+            if rel in todo:
                 lanes[j % len(lanes)].append((rel, entry))
         with ThreadPoolExecutor(max_workers=len(lanes)) as pool:
             futures = [pool.submit(run.lane, files) for files in lanes if files]

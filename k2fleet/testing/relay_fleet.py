@@ -68,9 +68,11 @@ class RelayFleet:
             sandbox.ssh(h, f"rm -rf {HOST_DIR} && mkdir -p {HOST_DIR}")
 
     def fetch_argv(self, h: sandbox.SandboxHost, plan: dict[str, list[str]] | None, sources: list[str],
-                   streams: int = 1, dead_after: float = 10) -> str:
+                   streams: int | None = None, dead_after: float = 10) -> str:
         """Shell line fetching into ``h``'s directory (plan file written first)."""
-        line = f"/usr/bin/python3 {HOST_RELAY} fetch {HOST_DIR} --streams {streams} --dead-after {dead_after}"
+        line = f"/usr/bin/python3 {HOST_RELAY} fetch {HOST_DIR} --dead-after {dead_after}"  # the relay's own streams
+        if streams is not None:
+            line += f" --streams {streams}"
         line += "".join(f" --source {shlex.quote(s)}" for s in sources)
         if plan is not None:
             line = f"cat > /tmp/relay-plan.json <<'EOF'\n{json.dumps(plan)}\nEOF\n{line} --plan /tmp/relay-plan.json"
