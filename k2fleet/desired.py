@@ -72,7 +72,7 @@ HOST_PROGRAMS = {  # stdlib-only programs k2fleet runs on hosts (the Ray gate im
     RAY_GATE: "k2fleet/host/raygate.py",
 }
 DOWNLOADER = ("k2fleet/__init__.py", "k2fleet/checkpoint/__init__.py", "k2fleet/checkpoint/verify.py",
-              "k2fleet/checkpoint/manifest.py", "k2fleet/checkpoint/download.py")
+              "k2fleet/checkpoint/manifest.py", "k2fleet/checkpoint/download.py", "k2fleet/locks.py")
 
 
 @dataclass(frozen=True)

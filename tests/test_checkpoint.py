@@ -460,3 +460,47 @@ def test_manifest_from_dir_air_gapped(fetched: tuple[Path, dict[str, Any]], hub:
         from_cache = manifest_from_dir(where)
         assert from_cache["repo_id"] == REPO and from_cache["files"] == manifest["files"]
         assert verify(str(snapshot), from_cache).ok
+
+
+# --------------------------------------------------------------------------- the downloader as shipped
+
+
+def test_downloader_as_shipped_to_a_host_imports_from_its_own_files_only(tmp_path: Path) -> None:
+    from k2fleet.desired import DOWNLOADER
+
+    lib = tmp_path / "lib"
+    for rel in DOWNLOADER:
+        (lib / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO_ROOT / rel, lib / rel)
+    code = (f"import sys; sys.path.insert(0, {str(lib)!r}); import k2fleet.checkpoint.download as d; "
+            f"cm = d.download_lock({str(tmp_path / 'ckpt')!r})\nwith cm: print(d.__file__)")
+    # -I -S: no k2fleet checkout, no site-packages; only what DOWNLOADER ships
+    run = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == str(lib / "k2fleet/checkpoint/download.py")
+    assert (tmp_path / "ckpt" / ".k2fleet" / "download.lock").exists()
+
+
+def test_download_lock_taken_twice_in_one_gevent_process_waits_without_deadlock(tmp_path: Path) -> None:
+    """pyinfra runs hosts' deploys as greenlets of one process: a second greenlet asking
+    for the same directory's lock must wait for the first, not freeze the process."""
+    code = f"""
+from gevent import monkey; monkey.patch_all()
+import gevent, sys, time
+sys.path.insert(0, {str(REPO_ROOT)!r})
+from k2fleet.checkpoint.download import download_lock
+order = []
+def take(name, hold):
+    with download_lock({str(tmp_path)!r}):
+        order.append(name + "+")
+        gevent.sleep(hold)
+        order.append(name + "-")
+a = gevent.spawn(take, "a", 0.3)
+gevent.sleep(0.05)
+b = gevent.spawn(take, "b", 0)
+gevent.joinall([a, b])
+print(" ".join(order))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["a+", "a-", "b+", "b-"]

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import logging
 import os
 import shutil
@@ -35,9 +34,10 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
+from k2fleet import locks
 from k2fleet.checkpoint.manifest import build_manifest, is_commit_sha, manifest_path, read_token, save_manifest
 from k2fleet.checkpoint.verify import (
     BAD_HEADER,
@@ -73,17 +73,13 @@ def _require_commit(revision: str) -> None:
         raise ValueError(f"refusing to download revision {revision!r}: pin a 40-hex commit sha")
 
 
-@contextlib.contextmanager
-def download_lock(local_dir: str | os.PathLike[str]) -> Iterator[None]:
-    """Exclusive ``flock`` on ``DIR/.k2fleet/download.lock`` for the duration of the block."""
-    lock_dir = Path(state_dir(str(local_dir)))
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    with open(lock_dir / "download.lock", "a") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+def download_lock(local_dir: str | os.PathLike[str]) -> contextlib.AbstractContextManager[None]:
+    """Exclusive lock on ``DIR/.k2fleet/download.lock`` for the duration of the block.
+
+    A polled ``flock`` (:func:`k2fleet.locks.exclusive`): a second download of the same
+    directory in another greenlet of pyinfra's process waits without blocking the holder.
+    """
+    return locks.exclusive(Path(state_dir(str(local_dir))) / "download.lock")
 
 
 def remove_orphaned_partials(local_dir: str | os.PathLike[str]) -> list[Path]:
