@@ -145,6 +145,52 @@ def test_a_fetch_whose_sources_never_answer_fails_instead_of_hanging(tmp_path: P
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.parametrize("behind", [0, 4])
+def test_files_land_one_after_another_while_earlier_ones_are_still_checked(
+    source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, behind: int
+) -> None:
+    """The next file lands while up to ``--verify-behind`` landed ones are still hashed and
+    checked (0: strictly one at a time). Finishing a file is slowed by a double (0.1 s a
+    file, standing in for a link faster than a core's sha256); the bytes, sockets and checks are real."""
+    from k2fleet.host import relay as relay_mod
+
+    events: list[tuple[float, str, str]] = []
+    real_land, real_finish = relay_mod.land_file, relay_mod.finish_file
+
+    def land(src, root, manifest, rel, streams, chunk):
+        events.append((time.monotonic(), "land", rel))
+        return real_land(src, root, manifest, rel, streams, chunk)
+
+    def slow_finish(landed, root, manifest, rel):  # double: slow hashing and checks
+        time.sleep(0.1)
+        out = real_finish(landed, root, manifest, rel)
+        events.append((time.monotonic(), "checked", rel))
+        return out
+
+    monkeypatch.setattr(relay_mod, "land_file", land)
+    monkeypatch.setattr(relay_mod, "finish_file", slow_finish)
+    port = free_port()
+    server = serve(source, port)
+    try:
+        t0 = time.monotonic()
+        report = relay_mod.fetch(str(tmp_path / "h"), [f"http://127.0.0.1:{port}"], verify_behind=behind)
+        seconds = time.monotonic() - t0
+    finally:
+        server.kill()
+    assert report["files"] == 72 and report["bad_shards"] == [] and report["verified"]
+    monkeypatch.undo()
+    assert subprocess.run([sys.executable, str(VERIFY), "--full", str(tmp_path / "h")]).returncode == 0
+    in_flight, most = 0, 0  # files landing or landed and not yet checked
+    for _, kind, _ in sorted(events):
+        in_flight += 1 if kind == "land" else -1
+        most = max(most, in_flight)
+    assert most == behind + 1, (most, behind)
+    if behind:
+        assert seconds < 72 * 0.1 / 2, seconds  # the checks overlapped
+    else:
+        assert seconds >= 72 * 0.1, seconds
+
+
 def test_chain_on_loopback_verifies_every_shard_and_resumes_only_what_is_wrong(source: Path, tmp_path: Path) -> None:
     p0, p1 = free_port(), free_port()
     servers = [serve(source, p0), serve(tmp_path / "h1", p1)]

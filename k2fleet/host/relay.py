@@ -39,12 +39,15 @@ Rules it keeps:
   stream; the checks above are the integrity guarantee, the weights are not secret). The
   bytes never pass through Python: the server ``sendfile``s them, the receiver
   ``splice``s socket → pipe → file, and a thread hashes the landed prefix meanwhile, so a
-  file is verified a moment after its last byte. ``--streams`` range streams per file
-  (default 1: on the sandbox one spliced stream got more than four); files of different
-  lanes move at once.
+  file is verified a moment after its last byte. The next file starts landing at once:
+  up to ``--verify-behind`` landed files (default 4) are still hashed and checked, each on
+  a thread of its own, so a link faster than one core's sha256 is not held to it.
+  ``--streams`` range streams per file (default 1: on the sandbox one spliced stream got
+  more than four); files of different lanes move at once.
 
-Prints one JSON line at the end of ``fetch`` (files, bytes, kept, seconds — of them
-``transfer_seconds`` receiving and ``verify_seconds`` finishing checks —, files and bytes
+Prints one JSON line at the end of ``fetch`` (files, bytes, kept, seconds — and, summed
+over files, ``transfer_seconds`` landing bytes and ``verify_seconds`` finishing checks,
+which overlap —, files and bytes
 per source, failovers, bad shards, when it ``started`` (epoch seconds) and each file's
 ``ready_at``, seconds after that) and appends it to ``--log``.
 """
@@ -90,6 +93,7 @@ WAIT_POLL_S = 0.02
 DATA_TIMEOUT_S = 20.0  # a data connection silent this long is dropped (its source is treated as dead)
 DEAD_AFTER_S = 10.0  # a source that does not answer (or idles without the file) this long is skipped
 GIVE_UP_S = 300.0  # no source of a file answered this long: the fetch fails (it does not hang a deploy)
+VERIFY_BEHIND = 4  # landed files of a lane still hashing while the next lands (sha256: ~1.5 GB/s a core)
 STREAMS = 1  # range streams per file: one spliced stream beat four on the sandbox (bench/distribution_bench.py)
 
 
@@ -526,25 +530,26 @@ def plan_ranges(size, streams, chunk=CHUNK):
     return [(a, min(a + step, size) - 1) for a in range(0, size, step)]
 
 
-def fetch_file(source, root, manifest, rel, streams, chunk, clock=None):
-    """Fetch ``rel`` from ``source`` into a partial file over ``streams`` range streams,
-    hashing it as it lands; verify it (verify.py's checks of one file, with that hash),
-    move it into place and mark it. True if it verified; False if the bytes were bad
-    (deleted, not marked). ``clock``: dict whose ``transfer`` (until the last byte landed)
-    and ``verify`` (the rest: hash tail, header, rename) seconds grow by this file's."""
-    clock = clock if clock is not None else {}
+class Landed:
+    """A file whose bytes have all landed in its partial file: its hash may still be
+    catching up (:class:`LandingHash`), its checks are still to come (:func:`finish_file`)."""
+
+    def __init__(self, part, fd, hashing, seconds):
+        self.part, self.fd, self.hashing, self.seconds = part, fd, hashing, seconds
+
+
+def land_file(source, root, manifest, rel, streams, chunk):
+    """Receive ``rel`` from ``source`` into a partial file over ``streams`` range streams,
+    hashing it as it lands; return once its last byte landed (the hash may lag behind)."""
     t0 = time.monotonic()
-    partial_root = os.path.join(root, PARTIAL)
-    part = os.path.join(partial_root, rel)
+    part = os.path.join(root, PARTIAL, rel)
     os.makedirs(os.path.dirname(part), exist_ok=True)
-    entry = manifest["files"][rel]
-    size = entry["size"]
+    size = manifest["files"][rel]["size"]
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    digest = None
     try:
         os.ftruncate(fd, size)
         ranges = plan_ranges(size, streams, chunk)
-        hashing = LandingHash(fd, verify.new_hasher(entry), ranges)
+        hashing = LandingHash(fd, verify.new_hasher(manifest["files"][rel]), ranges)
         try:
             if streams <= 1 or len(ranges) <= 1:
                 for i, (a, b) in enumerate(ranges):
@@ -557,25 +562,33 @@ def fetch_file(source, root, manifest, rel, streams, chunk, clock=None):
         except BaseException:
             hashing.abandon()
             raise
-        t1 = time.monotonic()
-        digest = hashing.result()
-        hashed_stat = verify.stat_record(part)
-    finally:
+    except BaseException:
         os.close(fd)
-    stat, _ = verify.check_one(partial_root, manifest, rel, (digest, hashed_stat) if digest else None)
-    clock["transfer"] = clock.get("transfer", 0.0) + t1 - t0
+        raise
+    return Landed(part, fd, hashing, time.monotonic() - t0)
+
+
+def finish_file(landed, root, manifest, rel):
+    """Wait for ``landed``'s hash, verify it (verify.py's checks of one file, with that
+    hash), move it into place and mark it. True if it verified; False if the bytes were
+    bad (deleted, not marked)."""
+    try:
+        digest = landed.hashing.result()
+        hashed_stat = verify.stat_record(landed.part)
+    finally:
+        os.close(landed.fd)
+    stat, _ = verify.check_one(os.path.join(root, PARTIAL), manifest, rel,
+                               (digest, hashed_stat) if digest else None)
     if stat is None:
-        os.unlink(part)
-        clock["verify"] = clock.get("verify", 0.0) + time.monotonic() - t1
+        os.unlink(landed.part)
         return False
     dest = os.path.join(root, rel)
     os.makedirs(os.path.dirname(dest) or root, exist_ok=True)
-    os.replace(part, dest)
+    os.replace(landed.part, dest)
     moved = verify.stat_record(dest)  # a rename changes ctime only
     if moved is None or {k: moved[k] for k in ("size", "mtime_ns", "ino")} != {k: stat[k] for k in ("size", "mtime_ns", "ino")}:
         return False
-    write_mark(root, rel, entry, moved)
-    clock["verify"] = clock.get("verify", 0.0) + time.monotonic() - t1
+    write_mark(root, rel, manifest["files"][rel], moved)
     return True
 
 
@@ -606,9 +619,11 @@ def fleet_plan(files, fleet, position, fanout, sources):
 class _Fetch:
     """State the lanes of one fetch share (under ``lock``)."""
 
-    def __init__(self, root, manifest, urls, plan, streams, chunk, dead_after, give_up_after, t0):
+    def __init__(self, root, manifest, urls, plan, streams, chunk, dead_after, give_up_after, t0,
+                 verify_behind=VERIFY_BEHIND):
         self.root, self.manifest, self.urls, self.plan = root, manifest, urls, plan or {}
         self.streams, self.chunk, self.dead_after, self.give_up_after = streams, chunk, dead_after, give_up_after
+        self.verify_behind = max(0, verify_behind)
         self.lock = threading.Lock()
         self.sources = {}
         self.refused = {}  # (file, url) → times its bytes did not verify
@@ -649,38 +664,69 @@ class _Fetch:
         return live[0]
 
     def lane(self, files):
-        """Take ``files`` in order, each as soon as its source has verified it."""
-        for rel, entry in files:
-            while not self.abort.is_set():
-                src = self.pick(rel)
-                clock = {}
-                try:
-                    ok = fetch_file(src, self.root, self.manifest, rel, self.streams, self.chunk, clock)
-                except NotReady as exc:  # held for WAIT_S: ask again, or go on if no fetch runs there
-                    src.note_idle(rel, not exc.fetching)
-                    if not exc.fetching:
-                        time.sleep(POLL_S)
-                    continue
-                except OSError:
-                    src.note_dead()
+        """Take ``files`` in order, each as soon as its source has verified it. Bytes land
+        one file at a time; while the next one lands, up to ``verify_behind`` landed files
+        are still hashed and checked, each on a thread of its own (0: one file at a time). On a link faster
+        than one core's sha256, the hashing spreads over cores instead of holding the link."""
+        behind = threading.BoundedSemaphore(self.verify_behind + 1)  # + the file landing
+        with ThreadPoolExecutor(max_workers=self.verify_behind + 1) as finishers:
+            checks = []
+            for rel, entry in files:
+                behind.acquire()
+                got = self.land(rel)
+                if got is None:  # the fetch was aborted
+                    behind.release()
+                    break
+                checks.append(finishers.submit(self.finish, rel, entry, *got, behind))
+            for check in checks:
+                check.result()
+
+    def land(self, rel):
+        """(source, :class:`Landed`) of ``rel``, from the first source :meth:`pick` allows
+        that has verified it; None once the fetch is aborted."""
+        while not self.abort.is_set():
+            src = self.pick(rel)
+            try:
+                landed = land_file(src, self.root, self.manifest, rel, self.streams, self.chunk)
+            except NotReady as exc:  # held for WAIT_S: ask again, or go on if no fetch runs there
+                src.note_idle(rel, not exc.fetching)
+                if not exc.fetching:
                     time.sleep(POLL_S)
-                    continue
-                src.note_idle(rel, False)
-                src.note_alive()
+                continue
+            except OSError:
+                src.note_dead()
+                time.sleep(POLL_S)
+                continue
+            src.note_idle(rel, False)
+            src.note_alive()
+            return src, landed
+        return None
+
+    def finish(self, rel, entry, src, landed, behind):
+        """Check a landed file and mark it. Bytes that do not verify count against their
+        source and the file is landed again (from the source :meth:`pick` allows then)."""
+        try:
+            while True:
+                t = time.monotonic()
+                ok = finish_file(landed, self.root, self.manifest, rel)
                 with self.lock:
-                    for k, v in clock.items():
-                        self.clock[k] += v
+                    self.clock["transfer"] += landed.seconds
+                    self.clock["verify"] += time.monotonic() - t
                     if ok:
                         self.report["ready_at"][rel] = round(time.monotonic() - self.t0, 3)
                         self.report["files"] += 1
                         self.report["bytes"] += entry["size"]
                         self.report["sources"][src.url] = self.report["sources"].get(src.url, 0) + 1
                         self.report["bytes_from"][src.url] = self.report["bytes_from"].get(src.url, 0) + entry["size"]
-                    else:
-                        self.report["bad_shards"].append({"file": rel, "source": src.url})
-                        self.refused[(rel, src.url)] = self.refused.get((rel, src.url), 0) + 1
-                if ok:
-                    break
+                        return
+                    self.report["bad_shards"].append({"file": rel, "source": src.url})
+                    self.refused[(rel, src.url)] = self.refused.get((rel, src.url), 0) + 1
+                got = self.land(rel)
+                if got is None:
+                    return
+                src, landed = got
+        finally:
+            behind.release()
 
 
 def _heartbeat(root, stop):
@@ -700,7 +746,7 @@ def _heartbeat(root, stop):
 
 
 def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_after=DEAD_AFTER_S, fleet=None,
-          position=None, fanout=1, give_up_after=GIVE_UP_S):
+          position=None, fanout=1, give_up_after=GIVE_UP_S, verify_behind=VERIFY_BEHIND):
     """Fetch every file of the sources' manifest into ``root``, each from the first live
     source of its list, verifying each before it is marked (and so served onward).
     The lists: ``plan`` (file → URLs, parent first), or the fleet's per-shard plan
@@ -730,7 +776,7 @@ def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_af
         with open(os.path.join(root, MANIFEST) + ".tmp", "wb") as fh:
             fh.write(manifest_bytes)
         os.replace(os.path.join(root, MANIFEST) + ".tmp", os.path.join(root, MANIFEST))
-        run = _Fetch(root, manifest, urls, plan, streams, chunk, dead_after, give_up_after, t0)
+        run = _Fetch(root, manifest, urls, plan, streams, chunk, dead_after, give_up_after, t0, verify_behind)
         lanes = [[] for _ in range(max(1, fanout if fleet else 1))]
         todo = set(mark(root))  # resume/repair: what hashes right stays (and is served at once)
         run.report["kept"] = len(manifest["files"]) - len(todo)
@@ -792,6 +838,8 @@ def main(argv=None):
                    help="seconds a source may not answer before the next one is used")
     f.add_argument("--give-up-after", type=float, default=GIVE_UP_S,
                    help="seconds without any source of a file answering before the fetch fails")
+    f.add_argument("--verify-behind", type=int, default=VERIFY_BEHIND,
+                   help="landed files of a lane still being hashed and checked while the next lands (0: none)")
     f.add_argument("--plan", help="JSON file: {file: [source URL, ...]} (parent first); default --source for all")
     a = p.parse_args(argv)
     if a.cmd == "mark":
@@ -811,7 +859,7 @@ def main(argv=None):
     if not (a.source or plan or fleet):
         p.error("fetch needs --source, --plan or --fleet")
     fetch(a.dir, a.source, a.streams, a.chunk, a.log, plan, a.dead_after, fleet, a.position, a.fanout,
-          a.give_up_after)
+          a.give_up_after, a.verify_behind)
     return 0
 
 
