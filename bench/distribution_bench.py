@@ -13,12 +13,15 @@ verified copy on the sandbox bridge, measured in one run:
 * **doubling tree**: the old schedule (:mod:`k2fleet.checkpoint.fanout`): round by round,
   a host copies the whole checkpoint from its parent once the parent holds all of it (the
   same relay transport, so only the schedule differs);
-* **one stream vs raw TCP** (links unshaped): one host-to-host relay fetch of the
-  checkpoint (1 and 4 range streams per file) vs the same bytes over one plain TCP
-  connection between the same two hosts (``sendfile`` out, its receiver discarding
-  them); best of three each: ``stream_vs_raw_tcp`` compares the relay's time until the last byte landed (on
-  disk, hashed meanwhile), ``copy_with_verify_vs_raw_tcp`` its whole copy, every file
-  verified and in place.
+* **one transfer vs raw TCP** (links unshaped, best of three each): the relay's own
+  transport moving the checkpoint between two hosts into files (one kept-alive connection,
+  ``sendfile`` out, ``splice`` in; nothing hashed) vs the same bytes over one plain TCP
+  connection (``sendfile`` out, the receiver ``recv_into`` one buffer and discarding):
+  ``stream_vs_raw_tcp``; and a whole relay fetch, every file hashed, checked and in place
+  (1 and 4 range streams per file), vs the same raw TCP: ``copy_with_verify_vs_raw_tcp``.
+  Before each copy that lands files, free memory is prefaulted as in
+  ``bench/verify_bench.py`` (this VM's host takes freed memory back and a copy landing on it
+  paid its page faults: the same transport took 0.5 to 2.5 s).
 
 The link limit is S/B (checkpoint bytes ÷ the nominal shaped rate): one host's transfer
 time. Larger fleets are simulated (:func:`k2fleet.checkpoint.swarm.simulate`) from the
