@@ -47,9 +47,9 @@ Rules it keeps:
 
 Prints one JSON line at the end of ``fetch`` (files, bytes, kept, seconds — and, summed
 over files, ``transfer_seconds`` landing bytes and ``verify_seconds`` finishing checks,
-which overlap —, files and bytes
-per source, failovers, bad shards, when it ``started`` (epoch seconds) and each file's
-``ready_at``, seconds after that) and appends it to ``--log``.
+which overlap —, files and bytes per source, failovers, bad shards, when it ``started``
+(epoch seconds) and each file's ``ready_at``, seconds after that) and appends it to
+``--log``.
 """
 
 import argparse
@@ -619,8 +619,7 @@ def fleet_plan(files, fleet, position, fanout, sources):
 class _Fetch:
     """State the lanes of one fetch share (under ``lock``)."""
 
-    def __init__(self, root, manifest, urls, plan, streams, chunk, dead_after, give_up_after, t0,
-                 verify_behind=VERIFY_BEHIND):
+    def __init__(self, root, manifest, urls, plan, streams, chunk, dead_after, give_up_after, t0, verify_behind):
         self.root, self.manifest, self.urls, self.plan = root, manifest, urls, plan or {}
         self.streams, self.chunk, self.dead_after, self.give_up_after = streams, chunk, dead_after, give_up_after
         self.verify_behind = max(0, verify_behind)
@@ -666,8 +665,9 @@ class _Fetch:
     def lane(self, files):
         """Take ``files`` in order, each as soon as its source has verified it. Bytes land
         one file at a time; while the next one lands, up to ``verify_behind`` landed files
-        are still hashed and checked, each on a thread of its own (0: one file at a time). On a link faster
-        than one core's sha256, the hashing spreads over cores instead of holding the link."""
+        are still hashed and checked, each on a thread of its own (0: one file at a time).
+        On a link faster than one core's sha256, the hashing spreads over cores instead of
+        holding the link."""
         behind = threading.BoundedSemaphore(self.verify_behind + 1)  # + the file landing
         with ThreadPoolExecutor(max_workers=self.verify_behind + 1) as finishers:
             checks = []
