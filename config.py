@@ -7,6 +7,6 @@ naming the key and the fix (exit 2) and no host is contacted.
 
 from pyinfra.context import ctx_state
 
-from k2fleet.gate import install_pyinfra_gate
+from k2fleet.deploy.gate import install_pyinfra_gate
 
 install_pyinfra_gate(ctx_state.get())

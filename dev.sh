@@ -24,7 +24,7 @@ case "${1:-}" in
   demo)
     setup
     k2fleet sandbox up 3 --gpus h200
-    python -m k2fleet.synthetic >/dev/null
+    python -m k2sandbox.checkpoint_cache >/dev/null
     pyinfra -y inventories/sandbox.py deploys/kimi.py
     ;;
   test)

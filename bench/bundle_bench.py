@@ -106,7 +106,7 @@ def main() -> int:
     lock = json.loads((out / "k2fleet.lock").read_text())
     engine = next(w for w in lock["parts"]["wheels"] if w["use"] == "engine")
     fetched = [r for r in engine["requirements"] if not r.startswith("k2fleet-engine-doubles==")]
-    from k2fleet.wheelhouse import PLATFORMS, pip_download_argv
+    from k2fleet.control.wheelhouse import PLATFORMS, pip_download_argv
 
     plain = work / "plain"
     plain.mkdir()

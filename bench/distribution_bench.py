@@ -5,12 +5,12 @@ each host's veth, both directions, ACKs ahead of bulk) and a ~1 GB synthetic che
 (62 shards of 16 MiB, Kimi-K2-Thinking's layout) served by the control machine's
 verified copy on the sandbox bridge, measured in one run:
 
-* **pipelined**: every host fetches at once with :mod:`k2fleet.host.relay`, with the argv
-  the deploy runs (:func:`k2fleet.checkpoint.fanout.relay_fetch_argv`, the plan
-  :func:`k2fleet.checkpoint.swarm.fanout_for` picks: a chain for these sizes), each shard
+* **pipelined**: every host fetches at once with :mod:`k2fleet.hostprogs.relay`, with the argv
+  the deploy runs (:func:`k2fleet.control.checkpoint_copy.relay_fetch_argv`, the plan
+  :func:`k2fleet.hostprogs.swarm.fanout_for` picks: a chain for these sizes), each shard
   from its parent as soon as the parent verified it; on 5 hosts also in 2 trees (the
   plan of larger fleets), to check the simulation of trees against a measurement;
-* **doubling tree**: the old schedule (:mod:`k2fleet.checkpoint.fanout`): round by round,
+* **doubling tree**: the old schedule (:mod:`k2fleet.control.checkpoint_copy`): round by round,
   a host copies the whole checkpoint from its parent once the parent holds all of it (the
   same relay transport, so only the schedule differs);
 * **one transfer vs raw TCP** (links unshaped, best of three each): the relay's own
@@ -24,7 +24,7 @@ verified copy on the sandbox bridge, measured in one run:
   paid its page faults: the same transport took 0.5 to 2.5 s).
 
 The link limit is S/B (checkpoint bytes ÷ the nominal shaped rate): one host's transfer
-time. Larger fleets are simulated (:func:`k2fleet.checkpoint.swarm.simulate`) from the
+time. Larger fleets are simulated (:func:`k2fleet.hostprogs.swarm.simulate`) from the
 5-host chain's measured per-shard time on a busy link, extra per-hop delay and start-up,
 for chains and k trees; the figure for each size is the deploy's plan.
 
@@ -47,10 +47,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from k2fleet import sandbox  # noqa: E402
-from k2fleet.checkpoint import swarm  # noqa: E402
-from k2fleet.synthetic import ensure_synthetic_checkpoint  # noqa: E402
-from k2fleet.testing.relay_fleet import HOST_DIR, HOST_RELAY, RelayFleet, url  # noqa: E402
+from k2sandbox import nspawn as sandbox  # noqa: E402
+from k2fleet.hostprogs import swarm  # noqa: E402
+from k2sandbox.checkpoint_cache import ensure_synthetic_checkpoint  # noqa: E402
+from k2sandbox.relay_fleet import HOST_DIR, HOST_RELAY, RelayFleet, url  # noqa: E402
 from verify_bench import prefault  # noqa: E402  (bench/ is on sys.path as this script's directory)
 
 RATES = {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8}

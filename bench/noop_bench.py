@@ -19,9 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from k2fleet import sandbox  # noqa: E402
-from k2fleet.synthetic import ensure_sandbox_checkpoint  # noqa: E402
-from k2fleet.testing.fleet import DEPLOY_FILE, INVENTORY, tool  # noqa: E402
+from k2sandbox import nspawn as sandbox  # noqa: E402
+from k2sandbox.checkpoint_cache import ensure_sandbox_checkpoint  # noqa: E402
+from k2sandbox.harness import DEPLOY_FILE, INVENTORY, tool  # noqa: E402
 
 ROUNDS = 5
 

@@ -65,8 +65,8 @@ from typing import Any, Callable
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from k2fleet.checkpoint.verify import default_workers, verify  # noqa: E402
-from k2fleet.synthetic_checkpoint import describe_dir, make_checkpoint, manifest_for  # noqa: E402
+from k2fleet.hostprogs.verify import default_workers, verify  # noqa: E402
+from k2sandbox.synthetic_checkpoint import describe_dir, make_checkpoint, manifest_for  # noqa: E402
 
 NUM_SHARDS = 62
 
@@ -207,10 +207,10 @@ def fanout_egress(workdir: Path, mb: float) -> float:  # noqa: C901 - one linear
     """Bytes the control machine sends for a 3-host fan-out ÷ checkpoint size (see module doc)."""
     import tempfile
 
-    from k2fleet import sandbox
-    from k2fleet.synthetic import SANDBOX_MODEL, SANDBOX_REVISION
-    from k2fleet.testing.fleet import deploy, ssh
-    from k2fleet.testing.hub_double import HubDouble
+    from k2sandbox import nspawn as sandbox
+    from k2sandbox.checkpoint_cache import SANDBOX_MODEL, SANDBOX_REVISION
+    from k2sandbox.harness import deploy, ssh
+    from k2sandbox.hub_double import HubDouble
 
     if os.geteuid() != 0:
         raise RuntimeError("the sandbox fleet needs root")

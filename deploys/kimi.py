@@ -3,8 +3,8 @@
     pyinfra inventories/h200.py deploys/kimi.py
 
     inventory ──gate (config.py, before any connection)──▶ Deployment + Plan
-      ──control-machine step (k2fleet.control; skipped under --dry)──▶ desired state
-    per host: HostState fact (one read-only round trip), then roles.pipeline.deploy_kimi:
+      ──control-machine step (k2fleet.control.artifacts; skipped under --dry)──▶ desired state
+    per host: HostState fact (one read-only round trip), then k2fleet.deploy.pipeline.deploy_kimi:
       preflight → packages → bootstrap (driver, fabric, Docker; reboot) → mesh → engine
       → Hub client → checkpoint → services → health
 
@@ -15,8 +15,8 @@ the same desired state.
 
 from pyinfra import host, inventory, state
 
-from k2fleet.run import fleet_run
-from roles.pipeline import deploy_kimi
+from k2fleet.deploy.fleet_run import fleet_run
+from k2fleet.deploy.pipeline import deploy_kimi
 
 run = fleet_run(state, inventory)
 deploy_kimi(run, run.desired[host.name], run.fact_of(host), reboots=run.reboots(inventory),

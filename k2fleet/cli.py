@@ -1,4 +1,6 @@
-"""``k2fleet`` command line: validate and plan inventories offline, run the sandbox fleet.
+"""``k2fleet`` command line: validate and plan inventories offline, gather an air-gapped bundle;
+with the sandbox package installed, also rehearse an inventory and run the sandbox fleet
+(commands it adds through the entry-point group ``k2fleet.commands``).
 
     k2fleet validate inventories/h200.py [--data KEY=VALUE ...]
     k2fleet plan inventories/h200.py [--json] [--data KEY=VALUE ...]
@@ -15,12 +17,13 @@ import json
 import sys
 from pathlib import Path
 
-from k2fleet.deployment import Deployment
-from k2fleet.gate import check_hosts, refuse
-from k2fleet.inventory import inventory_host_data, parse_data_overrides
-from k2fleet.plan import Plan
-from k2fleet.quoting import shell_line
-from k2fleet.spec import SpecError, keys_markdown
+from k2fleet.control.stand_ins import command_plugins
+from k2fleet.deploy.gate import check_hosts, refuse
+from k2fleet.inventory.loader import inventory_host_data, parse_data_overrides
+from k2fleet.inventory.spec import SpecError, keys_markdown
+from k2fleet.planning.deployment import Deployment
+from k2fleet.planning.processes import Plan
+from k2fleet.planning.quoting import shell_line
 
 
 def load_plan(inventory: str | Path, data: list[str] | tuple[str, ...] = ()) -> tuple[Deployment, Plan]:
@@ -67,8 +70,8 @@ def plan_document(dep: Deployment, plan: Plan) -> dict:
     """The ``k2fleet plan --json`` document: the plan, and per host its desired state
     (files with mode and sha256, units, packages, checks, checkpoint parent and round).
     Control artifacts (mesh keys, wheels) are only read: missing ones show sha256 null."""
-    from k2fleet.control import read_control_artifacts
-    from k2fleet.desired import desired_state
+    from k2fleet.control.artifacts import read_control_artifacts
+    from k2fleet.planning.desired import desired_state
 
     desired = desired_state(dep, plan, read_control_artifacts(dep, plan))
     doc = plan.to_json()
@@ -92,25 +95,10 @@ def _cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_sandbox(args: argparse.Namespace) -> int:
-    from k2fleet import sandbox
-
-    return int(sandbox.main(args.rest) or 0)
-
-
-def _cmd_rehearse(args: argparse.Namespace) -> int:
-    from k2fleet.rehearse import rehearse
-
-    if args.offline and not args.bundle:
-        sys.stderr.write("k2fleet rehearse: --offline needs --bundle DIR (made by `k2fleet bundle INVENTORY --rehearsal`)\n")
-        return 2
-    return rehearse(args.inventory, args.data, keep=args.keep, bundle=args.bundle, offline=args.offline)
-
-
 def _cmd_bundle(args: argparse.Namespace) -> int:
-    from k2fleet import airgap
-    from k2fleet.lockfile import Lock, LockError
-    from k2fleet.pyinfra_run import data_args
+    from k2fleet.control import airgap
+    from k2fleet.control.lockfile import Lock, LockError
+    from k2fleet.inventory.loader import data_args
 
     locked = None
     if args.locked:
@@ -160,13 +148,6 @@ def parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=_cmd_plan)
     k = sub.add_parser("keys", help="print the inventory key reference (Markdown)")
     k.set_defaults(func=_cmd_keys)
-    rh = sub.add_parser("rehearse", help="deploy an inventory's scenario to sandbox hosts (engine test doubles)")
-    _inventory_arguments(rh)
-    rh.add_argument("--keep", action="store_true", help="leave the sandbox hosts up afterwards")
-    rh.add_argument("--bundle", type=Path, help="deploy from this bundle only (k2_bundle; `k2fleet bundle --rehearsal`)")
-    rh.add_argument("--offline", action="store_true",
-                    help="run the deploy in a network namespace whose only link is the sandbox bridge")
-    rh.set_defaults(func=_cmd_rehearse)
     bu = sub.add_parser("bundle", help="gather everything an air-gapped fleet needs into DIR, with k2fleet.lock")
     _inventory_arguments(bu)
     bu.add_argument("--out", type=Path, required=True, help="bundle directory (made, or brought up to date)")
@@ -177,9 +158,8 @@ def parser() -> argparse.ArgumentParser:
     bu.add_argument("--only", action="append", default=[], choices=["debs", "wheels", "images", "checkpoints"],
                     help="build only this part (repeatable)")
     bu.set_defaults(func=_cmd_bundle)
-    sb = sub.add_parser("sandbox", help="local sandbox fleet: up N | down | status", add_help=False)
-    sb.add_argument("rest", nargs=argparse.REMAINDER)
-    sb.set_defaults(func=_cmd_sandbox)
+    for add in command_plugins():  # the sandbox's `rehearse` and `sandbox` (k2fleet.control.stand_ins)
+        add(sub, _inventory_arguments)
     return p
 
 

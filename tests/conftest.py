@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from k2fleet.testing.fleet import SandboxFleet
+from k2sandbox.harness import SandboxFleet
 
 _FAILED = pytest.StashKey[bool]()
 
@@ -33,7 +33,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         item.stash[_FAILED] = True
 
 
-SANDBOX_GPUS = "h200"  # the sandbox inventories' k2_gpu (k2fleet/sandbox_data.py)
+SANDBOX_GPUS = "h200"  # the sandbox inventories' k2_gpu (k2sandbox/inventory_data.py)
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +42,12 @@ def sandbox_fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     (module scope: another module's fixture, or test_bundle's own 2-host sandbox, takes
     the lock only after this one's teardown released it). A module may set
     ``SANDBOX_HOSTS = N`` (default 3), ``SANDBOX_DOCKER = False`` and ``SANDBOX_GPUS = "h200:8"``
-    (simulated hardware, :func:`k2fleet.sandbox.parse_gpus`; default the sandbox inventories'
+    (simulated hardware, :func:`k2sandbox.nspawn.parse_gpus`; default the sandbox inventories'
     h200, None: hosts without the hardware file)."""
     if os.geteuid() != 0:
         pytest.skip("the sandbox fleet needs root (network namespaces, bridge, systemd-nspawn)")
-    from k2fleet import sandbox
-    from k2fleet.synthetic import ensure_sandbox_checkpoint
+    from k2sandbox import nspawn as sandbox
+    from k2sandbox.checkpoint_cache import ensure_sandbox_checkpoint
 
     with sandbox.hold_sandbox_lock():
         ensure_sandbox_checkpoint()  # the sandbox inventories' control: source

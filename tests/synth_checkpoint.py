@@ -1,10 +1,10 @@
 """Synthetic Kimi-K2-style checkpoint for tests and benches.
 
-The generator lives in :mod:`k2fleet.synthetic_checkpoint` (the sandbox demo uses it
+The generator lives in :mod:`k2sandbox.synthetic_checkpoint` (the sandbox demo uses it
 too); this module keeps the tests' import path.
 """
 
-from k2fleet.synthetic_checkpoint import (  # noqa: F401
+from k2sandbox.synthetic_checkpoint import (  # noqa: F401
     CONFIG,
     LFS_SUFFIXES,
     SMALL_FILES,

@@ -6,7 +6,7 @@ control side in a network namespace whose only link is the sandbox bridge, a rea
 ``docker load`` / ``docker save`` of the double image on a sandbox host.
 
 Test doubles: the engines (the TEST DOUBLE wheel and image), the GPUs and NVIDIA's
-packages (:mod:`k2fleet.nvidia_doubles`), the checkpoint (synthetic, like the Hub's).
+packages (:mod:`k2sandbox.driver_doubles`), the checkpoint (synthetic, like the Hub's).
 """
 
 from __future__ import annotations
@@ -22,16 +22,17 @@ from pathlib import Path
 
 import pytest
 
-from k2fleet import airgap, engine_wheel, sandbox
+from k2fleet.control import airgap
+from k2sandbox import engine_double_wheel as engine_wheel, nspawn as sandbox
 from k2fleet.cli import load_plan
-from k2fleet.control import ControlError, prepare_control_artifacts, read_control_artifacts
-from k2fleet.desired import ControlArtifacts, desired_state
-from k2fleet.gate import check_hosts
-from k2fleet.inventory import inventory_host_data
-from k2fleet.lockfile import LOCK_NAME, Lock
-from k2fleet.pyinfra_run import data_args
-from k2fleet.rehearse import bundle_data, connection_overlay
-from k2fleet.testing.fleet import ROOT, tool
+from k2fleet.control.artifacts import ControlError, prepare_control_artifacts, read_control_artifacts
+from k2fleet.planning.desired import ControlArtifacts, desired_state
+from k2fleet.deploy.gate import check_hosts
+from k2fleet.inventory.loader import inventory_host_data
+from k2fleet.control.lockfile import LOCK_NAME, Lock
+from k2fleet.inventory.loader import data_args
+from k2sandbox.rehearse import bundle_data, connection_overlay
+from k2sandbox.harness import ROOT, tool
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox fleet needs root")
 REHEARSAL = data_args(airgap.bundle_overlay(True))[1::2]

@@ -1,4 +1,4 @@
-"""Private apt configurations (k2fleet.aptroot) on real apt and the real Debian mirror.
+"""Private apt configurations (k2fleet.control.aptroot) on real apt and the real Debian mirror.
 
 A Debian release other than the control machine's own (TARGET_SUITE) is resolved,
 downloaded and bundled through an AptRoot, together with an extra local flat
@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from k2fleet import aptroot, bundle
-from k2fleet.aptroot import AptRoot, AptRootError, debian_sources
+from k2fleet.control import aptroot, deb_bundles as bundle
+from k2fleet.control.aptroot import AptRoot, AptRootError, debian_sources
 from tests.test_bundle import apt_candidates, parse_stanzas, relation_groups
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TARGET_SUITE = "trixie"  # not the control machine's release (asserted below)
-CACHE = Path(os.environ.get("K2FLEET_APTROOT_CACHE", "/var/cache/k2fleet/aptroot"))
+CACHE = Path(os.environ.get("K2FLEET_APTROOT_CACHE", "/var/cache/k2fleet/control/aptroot"))
 DOUBLE_REPO = CACHE / "test-double-repo"
 DOUBLE_PACKAGE = "k2fleet-testdouble-fabricmanager"
 # dirs of the control machine's own apt state that no AptRoot may touch
@@ -229,7 +229,7 @@ def test_release_signatures_are_checked(tmp_path: Path) -> None:
 
 @needs_root
 def test_cli_resolves_for_a_suite() -> None:
-    proc = subprocess.run([sys.executable, "-m", "k2fleet.aptroot", "resolve", "jq", "--suite", TARGET_SUITE,
+    proc = subprocess.run([sys.executable, "-m", "k2fleet.control.aptroot", "resolve", "jq", "--suite", TARGET_SUITE,
                            "--cache", str(CACHE)], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     assert proc.returncode == 0, proc.stderr

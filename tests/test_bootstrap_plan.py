@@ -1,5 +1,5 @@
 """The bootstrap plan (bare host → GPU-ready), offline: for each OS × GPU family the
-plan holds what k2fleet.bootstrap_tables say — driver at the pinned branch, fabric
+plan holds what k2fleet.planning.os_tables say — driver at the pinned branch, fabric
 manager only on NVSwitch systems and at the driver's exact version, NVLSM + ib_umad only
 on B200/B300, IMEX only on GB200/GB300 with the inventory's addresses, no NVIDIA package
 on AMD — plus branch defaults and refusals through the real CLI (exit 2, one line).
@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from k2fleet import bootstrap_tables as t
-from k2fleet.bootstrap import IB_UMAD_CONF, IMEX_NODES, BootstrapPlan, bootstrap_plan
+from k2fleet.planning import os_tables as t
+from k2fleet.planning.host_bootstrap import IB_UMAD_CONF, IMEX_NODES, BootstrapPlan, bootstrap_plan
 from k2fleet.cli import load_plan, plan_document
-from k2fleet.spec import SpecError
-from k2fleet.testing.fleet import tool
+from k2fleet.inventory.spec import SpecError
+from k2sandbox.harness import tool
 from tests.inventory_factory import write_inventory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -212,7 +212,7 @@ def test_default_branch_skips_feature_branches() -> None:
 
 
 def test_every_pinned_engine_has_a_cuda_entry() -> None:
-    from k2fleet import catalog
+    from k2fleet.planning import catalog
 
     for engine, versions in catalog.ENGINE_VERSIONS.items():
         for version in versions:

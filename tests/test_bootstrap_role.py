@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from k2fleet.bootstrap import reboot_reason
-from k2fleet.preflight import BootState
-from roles.pipeline import RebootRefused
+from k2fleet.planning.host_bootstrap import reboot_reason
+from k2fleet.planning.preflight_checks import BootState
+from k2fleet.deploy.pipeline import RebootRefused
 from tests.test_roles_offline import H200, control_calls, planned, run_roles, settled_fleet  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("control_calls")
@@ -109,7 +109,7 @@ def test_stale_module_nouveau_and_new_kernel_each_need_a_reboot(tmp_path: Path) 
 
 
 def test_preflight_refuses_another_os_and_secure_boot_without_a_key(tmp_path: Path) -> None:
-    from k2fleet.bootstrap import bootstrap_problems
+    from k2fleet.planning.host_bootstrap import bootstrap_problems
 
     dep, plan, desired = planned(str(H200))
     b = desired["h200-0"].bootstrap
@@ -125,7 +125,7 @@ def test_preflight_refuses_another_os_and_secure_boot_without_a_key(tmp_path: Pa
 
 
 def test_rhel_installs_the_driver_stream_then_fabric_at_the_driver_rpm_version(tmp_path: Path) -> None:
-    from roles.bootstrap import _repo_line, install_line
+    from k2fleet.deploy.roles.bootstrap import _repo_line, install_line
 
     dep, plan, desired = planned(str(H200), ("k2_os=rhel-9",))
     b = desired["h200-0"].bootstrap
@@ -138,7 +138,7 @@ def test_rhel_installs_the_driver_stream_then_fabric_at_the_driver_rpm_version(t
 
 
 def test_online_hosts_refresh_with_their_own_package_manager() -> None:
-    from k2fleet.bootstrap_tables import PACKAGE_MANAGERS
+    from k2fleet.planning.os_tables import PACKAGE_MANAGERS
 
     assert PACKAGE_MANAGERS["apt"].refresh == "DEBIAN_FRONTEND=noninteractive apt-get -q -y update"
     assert PACKAGE_MANAGERS["dnf"].refresh == "dnf -y makecache"  # not apt-get on RHEL

@@ -1,6 +1,6 @@
 """The bootstrap on sandbox hosts, for real: bare Debian 12 hosts (no driver, no Docker)
 → GPU-ready → serving, through real apt from the offline bundle, real systemd and real
-reboots. NVIDIA's packages are k2fleet's TEST DOUBLE .debs (k2fleet/nvidia_doubles.py:
+reboots. NVIDIA's packages are k2fleet's TEST DOUBLE .debs (k2sandbox/driver_doubles.py:
 same names and versions scheme, a fake ``nvidia-smi`` reporting the sandbox's simulated
 GPUs, a "module" that loads at boot from /run, a fabric manager that refuses a driver of
 another version), because GPUs and the drivers' kernel side cannot exist here.
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from k2fleet import sandbox
-from k2fleet.nvidia_doubles import DRIVER_VERSIONS
-from k2fleet.testing.fleet import ssh
+from k2sandbox import nspawn as sandbox
+from k2sandbox.driver_doubles import DRIVER_VERSIONS
+from k2sandbox.harness import ssh
 
 pytestmark = pytest.mark.sandbox
 SANDBOX_HOSTS = 2
@@ -102,11 +102,11 @@ def test_branch_change_reboots_one_host_at_a_time_and_ends_healthy_in_the_same_r
 
 
 def test_a_dead_fabric_manager_fails_the_gate_as_cuda_802_and_the_deploy_brings_it_back(fleet) -> None:
-    from k2fleet.bootstrap import gate_argv
+    from k2fleet.planning.host_bootstrap import gate_argv
     from k2fleet.cli import load_plan
-    from k2fleet.desired import HOSTSTATE_PY, ControlArtifacts, desired_state
-    from k2fleet.quoting import shell_line
-    from k2fleet.testing.fleet import INVENTORY, ROOT
+    from k2fleet.planning.desired import HOSTSTATE_PY, ControlArtifacts, desired_state
+    from k2fleet.planning.quoting import shell_line
+    from k2sandbox.harness import INVENTORY, ROOT
 
     data = {**BRANCH_590, "k2_reboot": "rolling"}
     dep, plan = load_plan(ROOT / INVENTORY, data=[f"{k}={v}" for k, v in data.items()])

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from k2fleet import bundle, sandbox
-from k2fleet.sandbox import SandboxHost
-from k2fleet.testing.fleet import SandboxFleet
+from k2fleet.control import deb_bundles as bundle
+from k2sandbox import nspawn as sandbox
+from k2sandbox.nspawn import SandboxHost
+from k2sandbox.harness import SandboxFleet
 from tests.inventory_factory import write_inventory
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -142,8 +143,8 @@ def test_second_build_reuses_cache(rsync_bundle: Path, monkeypatch: pytest.Monke
 
 
 DEPLOY = f"""\
-from k2fleet.bundle import ensure_bundle
-from roles.packages import install_packages
+from k2fleet.control.deb_bundles import ensure_bundle
+from k2fleet.deploy.roles.packages import install_packages
 
 install_packages({SANDBOX_PACKAGES!r}, "bundle", bundle=str(ensure_bundle({SANDBOX_PACKAGES!r})))
 """

@@ -1,6 +1,6 @@
 """Checkpoint download → manifest → verify → repair → overlay, against the Hub TEST DOUBLE.
 
-Real huggingface_hub code talks to ``k2fleet/testing/hub_double.py`` on 127.0.0.1 only
+Real huggingface_hub code talks to ``k2sandbox/hub_double.py`` on 127.0.0.1 only
 (HF_ENDPOINT and ``endpoint=`` both point at it); nothing leaves loopback.
 """
 
@@ -23,21 +23,21 @@ for p in (str(REPO_ROOT), str(Path(__file__).resolve().parent)):
 
 from synth_checkpoint import describe_dir, make_checkpoint, manifest_for, shard_name  # noqa: E402
 
-from k2fleet.checkpoint import verify as verify_mod  # noqa: E402
-from k2fleet.checkpoint.download import download, fetch_and_verify, repair  # noqa: E402
-from k2fleet.checkpoint.manifest import (  # noqa: E402
+from k2fleet.hostprogs import verify as verify_mod  # noqa: E402
+from k2fleet.hostprogs.download import download, fetch_and_verify, repair  # noqa: E402
+from k2fleet.hostprogs.manifest import (  # noqa: E402
     UnpinnedRevisionError,
     build_manifest,
     manifest_from_dir,
     save_manifest,
 )
-from k2fleet.checkpoint.overlay import NotVerifiedError, make_overlay, overlay_problems  # noqa: E402
-from k2fleet.checkpoint.verify import load_manifest, marker_path, verify  # noqa: E402
-from k2fleet.testing.hub_double import HubDouble  # noqa: E402
+from k2fleet.hostprogs.overlay import NotVerifiedError, make_overlay, overlay_problems  # noqa: E402
+from k2fleet.hostprogs.verify import load_manifest, marker_path, verify  # noqa: E402
+from k2sandbox.hub_double import HubDouble  # noqa: E402
 
 REPO = "moonshotai/Kimi-K2-Thinking"
 SHARD_BYTES = 64 * 1024
-VERIFY_PY = REPO_ROOT / "k2fleet" / "checkpoint" / "verify.py"
+VERIFY_PY = REPO_ROOT / "k2fleet" / "hostprogs" / "verify.py"
 
 
 def shard(i: int) -> str:
@@ -236,7 +236,7 @@ def test_rerun_after_failed_download_fetches_only_what_is_missing(hub: HubDouble
 
 def _download_cli(hub: HubDouble, target: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "k2fleet.checkpoint.download", REPO, "--revision", hub.sha,  # type: ignore[attr-defined]
+        [sys.executable, "-m", "k2fleet.hostprogs.download", REPO, "--revision", hub.sha,  # type: ignore[attr-defined]
          "--dir", str(target), "--max-workers", "4"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
         env={**os.environ, "HF_ENDPOINT": hub.url, "PYTHONPATH": str(REPO_ROOT)},
@@ -355,7 +355,7 @@ def test_token_is_used_but_never_in_argv_or_output(hub: HubDouble, tmp_path: Pat
     target = tmp_path / "ckpt"
     env = {**os.environ, "HF_ENDPOINT": hub.url, "PYTHONPATH": str(REPO_ROOT)}
     argv = [
-        sys.executable, "-m", "k2fleet.checkpoint.download", REPO,
+        sys.executable, "-m", "k2fleet.hostprogs.download", REPO,
         "--revision", hub.sha, "--dir", str(target), "--token-file", str(token_file),  # type: ignore[attr-defined]
     ]
     run = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
@@ -399,7 +399,7 @@ def test_moving_branch_is_refused_or_resolved_explicitly(
     assert (target / "config.json").read_bytes() == (source / "config.json").read_bytes()
 
     cli = subprocess.run(
-        [sys.executable, "-m", "k2fleet.checkpoint.download", REPO, "--revision", "main", "--dir", str(tmp_path / "y")],
+        [sys.executable, "-m", "k2fleet.hostprogs.download", REPO, "--revision", "main", "--dir", str(tmp_path / "y")],
         capture_output=True, text=True, timeout=60,
         env={**os.environ, "HF_ENDPOINT": hub.url, "PYTHONPATH": str(REPO_ROOT)},
     )
@@ -466,18 +466,18 @@ def test_manifest_from_dir_air_gapped(fetched: tuple[Path, dict[str, Any]], hub:
 
 
 def test_downloader_as_shipped_to_a_host_imports_from_its_own_files_only(tmp_path: Path) -> None:
-    from k2fleet.desired import DOWNLOADER
+    from k2fleet.planning.desired import DOWNLOADER
 
     lib = tmp_path / "lib"
     for rel in DOWNLOADER:
         (lib / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO_ROOT / rel, lib / rel)
-    code = (f"import sys; sys.path.insert(0, {str(lib)!r}); import k2fleet.checkpoint.download as d; "
+    code = (f"import sys; sys.path.insert(0, {str(lib)!r}); import k2fleet.hostprogs.download as d; "
             f"cm = d.download_lock({str(tmp_path / 'ckpt')!r})\nwith cm: print(d.__file__)")
     # -I -S: no k2fleet checkout, no site-packages; only what DOWNLOADER ships
     run = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == str(lib / "k2fleet/checkpoint/download.py")
+    assert run.stdout.strip() == str(lib / "k2fleet/hostprogs/download.py")
     assert (tmp_path / "ckpt" / ".k2fleet" / "download.lock").exists()
 
 
@@ -488,7 +488,7 @@ def test_download_lock_taken_twice_in_one_gevent_process_waits_without_deadlock(
 from gevent import monkey; monkey.patch_all()
 import gevent, sys, time
 sys.path.insert(0, {str(REPO_ROOT)!r})
-from k2fleet.checkpoint.download import download_lock
+from k2fleet.hostprogs.download import download_lock
 order = []
 def take(name, hold):
     with download_lock({str(tmp_path)!r}):

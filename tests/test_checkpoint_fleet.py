@@ -2,7 +2,7 @@
 before it is passed on), repaired file by file.
 
 Unit tests: the fan-out plan, the control-side cache against the Hub TEST DOUBLE
-(k2fleet/testing/hub_double.py, loopback only); the relay itself is tested in
+(k2sandbox/hub_double.py, loopback only); the relay itself is tested in
 tests/test_relay.py.
 
 Sandbox tests (``@pytest.mark.sandbox``): the real 3-host sandbox fleet (the ``fleet``
@@ -30,15 +30,16 @@ from typing import Any, Iterator
 
 import pytest
 
-from k2fleet.checkpoint import fanout
-from k2fleet.checkpoint.verify import load_manifest
-from k2fleet.synthetic_checkpoint import describe_dir, make_checkpoint, shard_name
-from k2fleet.testing.fleet import SandboxFleet, data_args, http_json, ssh, start_deploy, tool
-from k2fleet.testing.hub_double import HubDouble
+from k2fleet.control import checkpoint_copy as fanout
+from k2fleet.planning import relay_plan
+from k2fleet.hostprogs.verify import load_manifest
+from k2sandbox.synthetic_checkpoint import describe_dir, make_checkpoint, shard_name
+from k2sandbox.harness import SandboxFleet, data_args, http_json, ssh, start_deploy, tool
+from k2sandbox.hub_double import HubDouble
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-VERIFY_PY = str(REPO_ROOT / "k2fleet" / "checkpoint" / "verify.py")
+VERIFY_PY = str(REPO_ROOT / "k2fleet" / "hostprogs" / "verify.py")
 REPO = "k2fleet-test/Kimi-K2-Thinking-synthetic"
 SECRET = "hf_k2fleet_sandbox_secret_token"
 
@@ -53,7 +54,7 @@ def shard(i: int) -> str:
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 13, 64])
 def test_fanout_plan_one_control_transfer_parents_before_children(n: int) -> None:
     hosts = [f"h{i}" for i in range(1, n + 1)]
-    plan = fanout.plan_fanout(hosts)
+    plan = relay_plan.plan_fanout(hosts)
     assert plan.root == "h1" and plan.parents["h1"] is None
     assert plan.control_transfers() == 1
     assert sorted(h for r in plan.rounds for h in r) == sorted(hosts)  # everyone exactly once
@@ -68,10 +69,10 @@ def test_fanout_plan_one_control_transfer_parents_before_children(n: int) -> Non
 
 
 def test_fanout_plan_shared_storage_only_root_fetches() -> None:
-    plan = fanout.plan_fanout(["a", "b", "c"], shared_storage=True)
+    plan = relay_plan.plan_fanout(["a", "b", "c"], shared_storage=True)
     assert plan.rounds == (("a",),)
     assert plan.round_of("b") is None and plan.round_of("a") == 0
-    assert fanout.plan_fanout([]).root is None
+    assert relay_plan.plan_fanout([]).root is None
 
 
 def flip_bit_keep_stat(path: Path, offset: int = 4096) -> None:
@@ -113,7 +114,7 @@ def test_control_cache_downloads_once_then_repairs_one_file(tmp_path: Path, hf_i
     token_file.write_text("hf_test_secret_token\n")
     with HubDouble() as hub:
         sha = hub.add_commit(REPO, src)
-        root = fanout.control_dir(str(tmp_path / "cache"), REPO, sha)
+        root = relay_plan.control_dir(str(tmp_path / "cache"), REPO, sha)
         first = fanout.ensure_control_copy(REPO, sha, root, hub=True, endpoint=hub.url, token_file=str(token_file))
         assert first["action"] == "download"
         files = {f.path for f in describe_dir(src)}
@@ -180,7 +181,7 @@ class Fleet:
         return {r["target"].split("@")[1]: r for r in self.control_log()[since:]}
 
     def host_log(self, host: dict[str, Any]) -> list[dict[str, Any]]:
-        out = ssh(host, f"cat {fanout.HOST_LOG} 2>/dev/null || true").stdout
+        out = ssh(host, f"cat {relay_plan.HOST_LOG} 2>/dev/null || true").stdout
         return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
@@ -195,7 +196,7 @@ class HubSource:
 def hub_source(sandbox_fleet: SandboxFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubSource]:
     """The Hub double on loopback serving the sandbox checkpoint; the module's fleet gets
     the HF_* environment of the Hub source (the token only ever in the environment)."""
-    from k2fleet.synthetic import SANDBOX_MODEL, SANDBOX_REVISION, ensure_sandbox_checkpoint
+    from k2sandbox.checkpoint_cache import SANDBOX_MODEL, SANDBOX_REVISION, ensure_sandbox_checkpoint
 
     served = ensure_sandbox_checkpoint()
     sandbox_fleet.env |= {
@@ -254,7 +255,7 @@ def _kill_control_download_midway(fleet: Fleet, victim: str, cut: int) -> None:
     import time
 
     files = set(load_manifest(str(fleet.served / ".k2fleet" / "manifest.json"))["files"]) - {victim}
-    root = Path(fanout.control_dir(str(fleet.cache), REPO, manifest_revision(fleet)))
+    root = Path(relay_plan.control_dir(str(fleet.cache), REPO, manifest_revision(fleet)))
     stalled = fleet.hub.stall_next(victim, after_bytes=cut)
     fleet.sandbox.forget()  # a killed deploy leaves the hosts in no known state
     proc = start_deploy(fleet.data, env=fleet.sandbox.env)
@@ -340,7 +341,7 @@ def test_damaged_files_are_the_only_ones_resent(hub_deployed: Fleet) -> None:
     ssh(h3, f"p=$(echo {d}/{shard(11)}); cp -p $p /tmp/ref && " + flip.format(p="$p") + " && touch -r /tmp/ref $p")
     ssh(h2, f"truncate -s 1000 {d}/{shard(22)}")
     ssh(h1, f"rm {d}/{shard(33)}")
-    cache_root = Path(fanout.control_dir(str(fleet.cache), REPO, manifest_revision(fleet)))
+    cache_root = Path(relay_plan.control_dir(str(fleet.cache), REPO, manifest_revision(fleet)))
     flip_bit_keep_stat(cache_root / shard(44), offset=5000)  # the control cache has a bad file too
     fleet.hub.reset_counters()
     n_control = len(fleet.control_log())

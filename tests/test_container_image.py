@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from k2fleet import image, sandbox
+from k2sandbox import double_image as image, nspawn as sandbox
 from k2fleet.cli import load_plan
-from k2fleet.desired import IMAGE_CHECK, IMAGE_DIR, ControlArtifacts, desired_state
-from k2fleet.units import IMAGE_PIN_PY, unit_file
+from k2fleet.planning.desired import IMAGE_CHECK, IMAGE_DIR, ControlArtifacts, desired_state
+from k2fleet.planning.units import IMAGE_PIN_PY, unit_file
 
 ROOT = Path(__file__).resolve().parents[1]
 ROOTFS = sandbox.ROOTFS_CACHE / sandbox.rootfs_key()
@@ -167,7 +167,7 @@ MPI_PACKAGES = ("openmpi-bin", "openssh-client", "openssh-server", "python3-mpi4
 
 
 def test_mpi_container_form_asks_the_image_for_sshd_openmpi_mpi4py() -> None:
-    from k2fleet.image import double_image_packages as _image_packages
+    from k2sandbox.double_image import double_image_packages as _image_packages
 
     _, plan = load_plan(ROOT / "inventories/h200-trtllm-mpi.py", SIMULATED)
     assert _image_packages(plan) == MPI_PACKAGES

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from k2fleet.testing.fleet import SandboxFleet, ssh
+from k2sandbox.harness import SandboxFleet, ssh
 
 SANDBOX_HOSTS = 1
 SANDBOX_DOCKER = True

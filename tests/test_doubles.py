@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import pytest
 
-DOUBLES = Path(__file__).resolve().parent.parent / "files" / "doubles"
+DOUBLES = Path(__file__).resolve().parent.parent / "k2sandbox" / "files" / "doubles"
 BIN = DOUBLES / "bin"
 LOCAL = "127.0.0.1"
 DEBIAN_PYTHON = "/usr/bin/python3"
@@ -302,10 +302,11 @@ def test_sglang_two_node_dist_init(procs: Procs, model: str) -> None:
 def real_router_python(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A venv with the REAL SGLang router, installed as the router host gets it: from the
     control machine's engine-side wheelhouse (downloaded once), with no package index."""
-    from k2fleet import wheelhouse
+    from k2fleet.control import wheelhouse
+    from k2fleet.planning import engine_side
 
-    requirement = wheelhouse.ENGINE_SIDE_PINS[("sglang", "sglang_router.launch_router")]
-    wheels = wheelhouse.ensure_wheelhouse([requirement], pythons=(wheelhouse.host_python("debian-12"),), archs=("x86_64",))
+    requirement = engine_side.ENGINE_SIDE_PINS[("sglang", "sglang_router.launch_router")]
+    wheels = wheelhouse.ensure_wheelhouse([requirement], pythons=(engine_side.host_python("debian-12"),), archs=("x86_64",))
     venv = tmp_path_factory.mktemp("router") / "venv"
     subprocess.run([DEBIAN_PYTHON, "-m", "venv", str(venv)], check=True)
     subprocess.run([str(venv / "bin/pip"), "install", "--quiet", "--no-index", "--find-links", str(wheels),
@@ -341,7 +342,7 @@ def test_real_sglang_router_over_prefill_and_decode(procs: Procs, model: str, re
     common = pd_rooms(f"http://{LOCAL}:{prefill}") & pd_rooms(f"http://{LOCAL}:{decode}")
     assert len(common) == 1  # one request, one bootstrap room, seen by both pools
 
-    gate = [sys.executable, str(Path(__file__).resolve().parents[1] / "k2fleet/host/health.py"),
+    gate = [sys.executable, str(Path(__file__).resolve().parents[1] / "k2fleet/hostprogs/health.py"),
             "--base", f"http://{LOCAL}:{router}", "--model", model, "--unit", "k2-sglang-router.service",
             "--timeout", "10", "--expect-pd",
             json.dumps({"prefill": [f"http://{LOCAL}:{prefill}"], "decode": [f"http://{LOCAL}:{decode}"]})]
@@ -477,7 +478,7 @@ def test_trtllm_real_mpirun_with_mpi4py(procs: Procs, model: str) -> None:
 
 # --------------------------------------------------------------------------- health gate vs the double's world
 
-HEALTH_PY = Path(__file__).resolve().parent.parent / "k2fleet" / "host" / "health.py"
+HEALTH_PY = Path(__file__).resolve().parent.parent / "k2fleet" / "hostprogs" / "health.py"
 
 
 def health_gate(port: int, model: str, world: dict[str, int]) -> subprocess.CompletedProcess:

@@ -4,7 +4,7 @@ On a deployed sandbox fleet, a dry run that would change an engine flag leaves e
 file k2fleet manages on every host byte-identical (and every unit's MainPID), and the
 control machine's deployment state too. On a fresh control machine (no mesh keys yet)
 a dry run creates no state directory at all: the control-machine step only runs for
-real runs (``k2fleet.control``), the dry run only reads.
+real runs (``k2fleet.control.artifacts``), the dry run only reads.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from k2fleet.testing.fleet import SandboxFleet, main_pid, ssh
+from k2sandbox.harness import SandboxFleet, main_pid, ssh
 
 pytestmark = pytest.mark.sandbox
 

@@ -13,8 +13,8 @@ import json
 
 import pytest
 
-from k2fleet.synthetic import SANDBOX_MODEL
-from k2fleet.testing.fleet import TRTLLM_INVENTORY, SandboxFleet, http_json, main_pid, ssh
+from k2sandbox.checkpoint_cache import SANDBOX_MODEL
+from k2sandbox.harness import TRTLLM_INVENTORY, SandboxFleet, http_json, main_pid, ssh
 
 pytestmark = pytest.mark.sandbox
 

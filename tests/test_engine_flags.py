@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from k2fleet.cli import load_plan
-from k2fleet.engine_flags import DATA, OWNED_FLAGS, check_engine_args, check_llm_api_config, has_table, known_flags
-from k2fleet.spec import SpecError
+from k2fleet.planning.engine_flags import DATA, OWNED_FLAGS, check_engine_args, check_llm_api_config, has_table, known_flags
+from k2fleet.inventory.spec import SpecError
 
 ENTRY = {"vllm": "serve", "trtllm": "trtllm-serve", "sglang": "sglang.launch_server",
          "ktransformers": ("sglang.launch_server", "ktransformers.server.main")}

@@ -1,6 +1,6 @@
 """Host programs are standard-library only and run from the one place they are shipped to.
 
-Every program of ``k2fleet.desired.HOST_PROGRAMS`` (and the HostState probe) is copied
+Every program of ``k2fleet.planning.desired.HOST_PROGRAMS`` (and the HostState probe) is copied
 alone into an empty directory — as the engine role lays out ``/opt/k2fleet/lib`` — and
 loaded by an isolated interpreter without site-packages (``python3 -I -S``), so an
 import of anything outside the standard library (k2fleet, pydantic, ...) fails here.
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from k2fleet.desired import HOST_PROGRAMS, REPO
-from k2fleet.facts import PROBE
+from k2fleet.planning.desired import HOST_PROGRAMS, REPO
+from k2fleet.deploy.facts import PROBE
 
 # As ``python3 /opt/k2fleet/lib/PROG.py`` sees it: its own directory first on sys.path.
 LOAD = ("import importlib.util, os, sys; sys.path.insert(0, os.path.dirname(sys.argv[1])); "
@@ -45,7 +45,7 @@ def test_hoststate_probe_runs_piped_with_the_standard_library_only(tmp_path: Pat
 
 def test_every_host_program_is_shipped_by_the_desired_state() -> None:
     from k2fleet.cli import load_plan
-    from k2fleet.desired import ControlArtifacts, desired_state
+    from k2fleet.planning.desired import ControlArtifacts, desired_state
 
     dep, plan = load_plan(REPO / "inventories" / "h200.py")
     for host in desired_state(dep, plan, ControlArtifacts()).values():

@@ -16,16 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from k2fleet.gate import check_hosts
-from k2fleet.inventory import inventory_host_data, parse_data_overrides
-from k2fleet.rehearse import gguf_file_names
-from k2fleet.synthetic_checkpoint import make_gguf_files
-from k2fleet.testing.fleet import ROOT, tool
-from k2fleet.units import unit_file
+from k2fleet.deploy.gate import check_hosts
+from k2fleet.inventory.loader import inventory_host_data, parse_data_overrides
+from k2sandbox.rehearse import gguf_file_names
+from k2sandbox.synthetic_checkpoint import make_gguf_files
+from k2sandbox.harness import ROOT, tool
+from k2fleet.planning.units import unit_file
 
-DOUBLES = ROOT / "files" / "doubles"
-FLAGS = ROOT / "k2fleet" / "data" / "engine_flags"
-HEALTH_PY = ROOT / "k2fleet" / "host" / "health.py"
+DOUBLES = ROOT / "k2sandbox" / "files" / "doubles"
+FLAGS = ROOT / "k2fleet" / "planning" / "data" / "engine_flags"
+HEALTH_PY = ROOT / "k2fleet" / "hostprogs" / "health.py"
 INVENTORY = "inventories/ktransformers.py"
 RULES = DOUBLES / "ktransformers/optimize/optimize_rules/DeepSeek-V3-Chat-fp8-linear-ggml-experts-serve-amx.yaml"
 SGLANG_KT = ("k2_engine_version=0.7.2",)
@@ -93,7 +93,7 @@ def test_plan_gates_on_the_gguf_weights_and_the_legacy_ready_route() -> None:
 
 
 def test_sandbox_gate_checks_the_sglang_kt_world_and_the_legacy_ready_route() -> None:
-    from k2fleet.desired import ControlArtifacts, desired_state
+    from k2fleet.planning.desired import ControlArtifacts, desired_state
 
     sandbox_data = ("k2_simulated_gpus=True", "k2_engine_doubles=True")
     dep, legacy = plan(*sandbox_data)
@@ -114,8 +114,8 @@ def test_gguf_pattern_names() -> None:
 def test_gguf_weight_set_is_fetched_by_pattern_only_and_verified(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The control copy of a GGUF repo (Hub source, k2_gguf_pattern) through the real
     huggingface_hub client against the Hub TEST DOUBLE: only the matching files cross."""
-    from k2fleet.checkpoint.fanout import prepare_control_copy
-    from k2fleet.testing.hub_double import HubDouble
+    from k2fleet.control.checkpoint_copy import prepare_control_copy
+    from k2sandbox.hub_double import HubDouble
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     monkeypatch.delenv("HF_TOKEN", raising=False)

@@ -1,4 +1,4 @@
-"""The sandbox's TEST DOUBLE driver repository (k2fleet.nvidia_doubles).
+"""The sandbox's TEST DOUBLE driver repository (k2sandbox.driver_doubles).
 
 Offline: the repository builds reproducibly, its packages carry the names, versions,
 dependencies and files the bootstrap plan installs, real apt reads and resolves it, and
@@ -24,9 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from k2fleet import bundle, sandbox
-from k2fleet import nvidia_doubles as nd
-from k2fleet.testing.fleet import SandboxFleet
+from k2fleet.control import deb_bundles as bundle
+from k2sandbox import nspawn as sandbox
+from k2sandbox import driver_doubles as nd
+from k2sandbox.harness import SandboxFleet
 from tests.test_bundle import parse_stanzas
 
 SANDBOX_HOSTS = 1  # read by the sandbox_fleet fixture (tests/conftest.py)

@@ -1,4 +1,4 @@
-"""k2fleet.quoting against each format's own parser, with hostile values.
+"""k2fleet.planning.quoting against each format's own parser, with hostile values.
 
 Real parsers: systemd 252 (``systemd --test --user`` dumps every unit it loaded, argv
 included, without a running manager; ``systemd-analyze verify``), sshd (``sshd -t`` /
@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from k2fleet import mesh, quoting, units
-from k2fleet.quoting import (
+from k2fleet.planning import mesh, quoting, units
+from k2fleet.planning.quoting import (
     authorized_keys_from,
     env_file_line,
     known_hosts_host,

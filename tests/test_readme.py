@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from k2fleet.testing.fleet import tool
+from k2sandbox.harness import tool
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADING = "### Inventory keys"

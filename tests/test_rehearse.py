@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from k2fleet import sandbox
-from k2fleet.rehearse import connection_overlay, failure_summary, generated_inventory, inventory_groups
-from k2fleet.testing.fleet import ROOT, tool
+from k2sandbox import nspawn as sandbox
+from k2sandbox.rehearse import connection_overlay, failure_summary, generated_inventory, inventory_groups
+from k2sandbox.harness import ROOT, tool
 
 REHEARSAL_TIMEOUT_S = 600
 
@@ -58,10 +58,10 @@ def test_generated_inventory_keeps_groups_host_and_inline_group_data() -> None:
 
 
 def test_pd_router_host_gets_the_real_router_and_a_gate_over_both_pools() -> None:
-    from k2fleet.control import read_control_artifacts
-    from k2fleet.desired import ENGINE_SIDE_CHECK, desired_state
-    from k2fleet.gate import check_hosts
-    from k2fleet.inventory import inventory_host_data
+    from k2fleet.control.artifacts import read_control_artifacts
+    from k2fleet.planning.desired import ENGINE_SIDE_CHECK, desired_state
+    from k2fleet.deploy.gate import check_hosts
+    from k2fleet.inventory.loader import inventory_host_data
 
     inv = ROOT / "inventories/h200-sglang-pd.py"
     dep, plan = check_hosts(str(inv), inventory_host_data(inv, {"k2_engine_doubles": True, "k2_simulated_gpus": True}))

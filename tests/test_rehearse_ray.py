@@ -17,14 +17,15 @@ import time
 
 import pytest
 
-from k2fleet.bootstrap_tables import OS_TABLES
-from k2fleet import sandbox, wheelhouse
-from k2fleet.control import read_control_artifacts
-from k2fleet.desired import ENGINE_SIDE_CHECK, desired_state, engine_side_check
-from k2fleet.gate import check_hosts
-from k2fleet.inventory import inventory_host_data
-from k2fleet.testing.fleet import ROOT, tool
-from k2fleet.units import RAY_GATE, unit_file
+from k2fleet.planning.os_tables import OS_TABLES
+from k2sandbox import nspawn as sandbox
+from k2fleet.control import wheelhouse
+from k2fleet.control.artifacts import read_control_artifacts
+from k2fleet.planning.desired import ENGINE_SIDE_CHECK, desired_state, engine_side_check
+from k2fleet.deploy.gate import check_hosts
+from k2fleet.inventory.loader import inventory_host_data
+from k2sandbox.harness import ROOT, tool
+from k2fleet.planning.units import RAY_GATE, unit_file
 
 INVENTORY = "inventories/h800-pp.py"
 REHEARSAL_TIMEOUT_S = 600

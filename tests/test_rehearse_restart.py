@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from k2fleet import sandbox
-from k2fleet.pyinfra_run import run_pyinfra
-from k2fleet.testing.fleet import ROOT, http_json, ssh, tool
+from k2sandbox import nspawn as sandbox
+from k2sandbox.pyinfra_cli import run_pyinfra
+from k2sandbox.harness import ROOT, http_json, ssh, tool
 
 pytestmark = pytest.mark.sandbox
 REHEARSAL_TIMEOUT_S = 600

@@ -1,4 +1,4 @@
-"""Pipelined checkpoint distribution (:mod:`k2fleet.host.relay`, :mod:`k2fleet.checkpoint.swarm`):
+"""Pipelined checkpoint distribution (:mod:`k2fleet.hostprogs.relay`, :mod:`k2fleet.hostprogs.swarm`):
 real relay processes on loopback and on the sandbox fleet (shaped links, a host crashed by
 killing its container's init). Test doubles: the checkpoint (synthetic, Kimi-K2-Thinking's
 layout) and, for corruption in flight, a proxy that flips one byte of one shard.
@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from k2fleet import sandbox
-from k2fleet.checkpoint import swarm
-from k2fleet.synthetic import ensure_synthetic_checkpoint
-from k2fleet.testing.relay_fleet import HOST_DIR, RELAY, RelayFleet, url
+from k2sandbox import nspawn as sandbox
+from k2fleet.hostprogs import swarm
+from k2sandbox.checkpoint_cache import ensure_synthetic_checkpoint
+from k2sandbox.relay_fleet import HOST_DIR, RELAY, RelayFleet, url
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox fleet needs root")
-VERIFY = Path(__file__).resolve().parents[1] / "k2fleet/checkpoint/verify.py"
+VERIFY = Path(__file__).resolve().parents[1] / "k2fleet/hostprogs/verify.py"
 VICTIM = "model-00002-of-000062.safetensors"
 
 
@@ -152,7 +152,7 @@ def test_files_land_one_after_another_while_earlier_ones_are_still_checked(
     """The next file lands while up to ``--verify-behind`` landed ones are still hashed and
     checked (0: strictly one at a time). Finishing a file is slowed by a double (0.1 s a
     file, standing in for a link faster than a core's sha256); the bytes, sockets and checks are real."""
-    from k2fleet.host import relay as relay_mod
+    from k2fleet.hostprogs import relay as relay_mod
 
     events: list[tuple[float, str, str]] = []
     real_land, real_finish = relay_mod.land_file, relay_mod.finish_file

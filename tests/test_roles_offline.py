@@ -1,9 +1,9 @@
 """Offline role tier: the real roles, run in-process against pyinfra's ``@fake`` connector.
 
 Each test plans a real inventory with the real planner (:func:`k2fleet.cli.load_plan` +
-:func:`k2fleet.desired.desired_state`, no side effects), runs the deploy's own pipeline
-(:func:`roles.pipeline.deploy_kimi`, what ``deploys/kimi.py`` calls) with a
-:class:`~k2fleet.preflight.HostReport` built here instead of the HostState fact, and runs the operations with
+:func:`k2fleet.planning.desired.desired_state`, no side effects), runs the deploy's own pipeline
+(:func:`k2fleet.deploy.pipeline.deploy_kimi`, what ``deploys/kimi.py`` calls) with a
+:class:`~k2fleet.planning.preflight_checks.HostReport` built here instead of the HostState fact, and runs the operations with
 ``pyinfra.api.run_ops`` against ``@fake/<host>`` hosts: nothing is contacted, every
 command "succeeds" with no output.
 
@@ -35,16 +35,17 @@ from pyinfra.api.deploy import add_deploy
 from pyinfra.api.operations import run_ops
 from pyinfra.context import ctx_host, ctx_state
 
-from k2fleet.bootstrap import reboot_reason
-from k2fleet.checkpoint import fanout
+from k2fleet.planning.host_bootstrap import reboot_reason
+from k2fleet.control import checkpoint_copy as fanout
+from k2fleet.planning import relay_plan
 from k2fleet.cli import load_plan
-from k2fleet.deployment import Deployment
-from k2fleet.desired import CHECKPOINT_CHECK, UNIT_GLOB, VERIFY_PY, ControlArtifacts, HostDesired, desired_state
-from k2fleet.plan import Plan
-from k2fleet.preflight import HostReport
-from k2fleet.run import FleetRun
-from roles import checkpoint
-from roles.pipeline import deploy_kimi
+from k2fleet.planning.deployment import Deployment
+from k2fleet.planning.desired import CHECKPOINT_CHECK, UNIT_GLOB, VERIFY_PY, ControlArtifacts, HostDesired, desired_state
+from k2fleet.planning.processes import Plan
+from k2fleet.planning.preflight_checks import HostReport
+from k2fleet.deploy.fleet_run import FleetRun
+from k2fleet.deploy.roles import checkpoint
+from k2fleet.deploy.pipeline import deploy_kimi
 from tests.inventory_factory import write_inventory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -347,8 +348,8 @@ def test_failed_gate_receives_through_the_relay_from_its_peers(tmp_path: Path, c
     assert out.control_calls == ["prepare_control_copy", "relay_to_host"]  # the one receiving host
     call = control_calls.kwargs[1]
     assert call["target"].endswith(child.address) and call["source"] is not None
-    assert call["fetch_argv"] == ["/usr/bin/python3", fanout.RELAY_PY, "fetch", "--fleet", ",".join(relays),
-                                  "--position", "1", "--fanout", "1", "--log", fanout.HOST_LOG, "--source",
+    assert call["fetch_argv"] == ["/usr/bin/python3", relay_plan.RELAY_PY, "fetch", "--fleet", ",".join(relays),
+                                  "--position", "1", "--fanout", "1", "--log", relay_plan.HOST_LOG, "--source",
                                   f"http://127.0.0.1:{dep.s.relay_port}", path]
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from k2fleet import sandbox
-from k2fleet.testing.fleet import tool
+from k2sandbox import nspawn as sandbox
+from k2sandbox.harness import tool
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from k2fleet import sandbox
+from k2sandbox import nspawn as sandbox
 
 SANDBOX_HOSTS = 2
 SANDBOX_GPUS = "h200:8"

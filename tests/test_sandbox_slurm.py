@@ -1,4 +1,4 @@
-"""Offline checks of what the rehearsal generates for a Slurm inventory (k2fleet/sandbox_slurm.py):
+"""Offline checks of what the rehearsal generates for a Slurm inventory (k2sandbox/slurm_site.py):
 the compute host count, slurm.conf, the partition/account overlay, and the submit.py /
 disaggr_torch.slurm TEST DOUBLES run on the config k2fleet renders for the seed inventory.
 The sandbox run itself is tests/test_rehearse.py::test_rehearse_gb200_slurm."""
@@ -11,14 +11,14 @@ from pathlib import Path
 
 import yaml
 
-from k2fleet import sandbox_slurm
-from k2fleet.gate import check_hosts
-from k2fleet.inventory import inventory_host_data
-from k2fleet.rehearse import SLURM_MAX_HOSTS, slurm_job_config, unsupported
+from k2sandbox import slurm_site as sandbox_slurm
+from k2fleet.deploy.gate import check_hosts
+from k2fleet.inventory.loader import inventory_host_data
+from k2sandbox.rehearse import SLURM_MAX_HOSTS, slurm_job_config, unsupported
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = "inventories/gb200-trtllm-disagg.py"
-DOUBLES = ROOT / "files" / "sandbox_site" / "trtllm_checkout"
+DOUBLES = ROOT / "k2sandbox" / "files" / "sandbox_site" / "trtllm_checkout"
 
 
 def seed(overrides: dict | None = None):

@@ -1,6 +1,8 @@
-"""The code's shape, checked: no import cycles (late imports included), no role imports
-another, facts never import operations, roles keep no per-run state in module globals,
-and every role is a documented packaged ``@deploy`` with ``+ arg:`` lines and an example."""
+"""The code's shape, checked: packages by where code runs, each importing only the layers
+below it (late imports and ``importlib.import_module`` / ``__import__`` of a literal name
+included); the product never imports the sandbox package; no import cycles; no role imports
+another; facts never import operations; roles keep no per-run state in module globals; and
+every role is a documented packaged ``@deploy`` with ``+ arg:`` lines and an example."""
 
 from __future__ import annotations
 
@@ -11,30 +13,70 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ROLES = sorted(p for p in (REPO / "roles").glob("*.py") if p.stem not in ("__init__", "pipeline"))
+ROLES = sorted(p for p in (REPO / "k2fleet" / "deploy" / "roles").glob("*.py") if p.stem != "__init__")
+
+# Where code runs, lowest first: a module imports only from its own layer or a lower one.
+LAYERS = (
+    ("k2fleet.hostprogs", "host programs: standard library only (the Hub client on a fetcher host)"),
+    ("k2fleet.inventory", "the inventory's grammar"),
+    ("k2fleet.planning", "pure planning"),
+    ("k2fleet.control", "control-machine effects"),
+    ("k2fleet.deploy", "pyinfra glue: facts, operations, roles"),
+    ("k2fleet.cli", "the command line"),
+    ("k2sandbox", "the sandbox, rehearsal and test doubles: never imported by the product"),
+)
+
+
+def layer_of(module: str) -> int | None:
+    """The index of ``module``'s layer in :data:`LAYERS` (None: ``k2fleet`` itself).
+
+    >>> layer_of("k2fleet.planning.desired"), layer_of("k2sandbox.nspawn"), layer_of("k2fleet")
+    (2, 6, None)
+    """
+    for index, (prefix, _) in enumerate(LAYERS):
+        if module == prefix or module.startswith(prefix + "."):
+            return index
+    return None
 
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for path in [*(REPO / "k2fleet").rglob("*.py"), *(REPO / "roles").rglob("*.py")]:
+    paths = [*(REPO / "k2fleet").rglob("*.py"), *(p for p in (REPO / "k2sandbox").rglob("*.py") if "files" not in
+                                                  p.relative_to(REPO / "k2sandbox").parts[:1])]
+    for path in paths:
         name = ".".join(path.relative_to(REPO).with_suffix("").parts)
         out[name.removesuffix(".__init__")] = path
     return out
 
 
+def imported_names(tree: ast.AST) -> set[str]:
+    """Every module name ``tree`` imports: statements anywhere in the body, and calls of
+    ``import_module``/``__import__`` with a literal name.
+
+    >>> sorted(imported_names(ast.parse("import a.b\\nfrom c import d\\ndef f():\\n    importlib.import_module('e.f')")))
+    ['a.b', 'c', 'c.d', 'e.f']
+    """
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if called in ("import_module", "__import__"):
+                names.add(node.args[0].value)
+    return names
+
+
 def import_graph() -> dict[str, set[str]]:
-    """Module → the k2fleet/roles modules it imports anywhere in its body (late ones too)."""
+    """Module → the k2fleet/k2sandbox modules it imports anywhere in its body (late ones too)."""
     mods = _modules()
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, path in mods.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
-            else:
-                continue
-            graph[mod] |= {n for n in names if n in mods and n != mod}
+        graph[mod] |= {n for n in imported_names(ast.parse(path.read_text())) if n in mods and n != mod}
     return graph
 
 
@@ -76,12 +118,34 @@ def test_no_import_cycles() -> None:
     assert cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b"]]  # the check itself finds one
 
 
+def test_each_package_imports_only_its_layer_and_those_below() -> None:
+    graph = import_graph()
+    upward = sorted((mod, dep) for mod, deps in graph.items() for dep in deps
+                    if (layer_of(dep) or 0) > (layer_of(mod) or 0))
+    assert upward == []
+    hostprogs = sorted((mod, dep) for mod, deps in graph.items() if layer_of(mod) == 0 for dep in deps
+                       if layer_of(dep) != 0)
+    assert hostprogs == []  # not even k2fleet/__init__: they run on hosts from the shipped files alone
+
+
+def test_the_product_never_names_the_sandbox() -> None:
+    """Not in an import and not in a string a dynamic import could take: the seam is the
+    entry-point groups of :mod:`k2fleet.control.stand_ins`."""
+    named = sorted(str(path.relative_to(REPO)) for mod, path in _modules().items()
+                   if mod.startswith("k2fleet") and any(n == "k2sandbox" or n.startswith("k2sandbox.")
+                                                         for n in imported_names(ast.parse(path.read_text()))))
+    assert named == []
+    for path in [REPO / "config.py", REPO / "deploys" / "kimi.py"]:
+        assert not any(n.startswith("k2sandbox") for n in imported_names(ast.parse(path.read_text()))), path
+
+
 def test_no_role_imports_another_and_facts_import_no_operations() -> None:
     graph = import_graph()
     for path in ROLES:
-        mod = f"roles.{path.stem}"
-        assert not {n for n in graph[mod] if n.startswith("roles")}, mod
-    assert not {n for n in graph["k2fleet.facts"] if n.startswith(("k2fleet.operations", "roles"))}
+        mod = f"k2fleet.deploy.roles.{path.stem}"
+        assert not {n for n in graph[mod] if n.startswith("k2fleet.deploy.roles.")}, mod
+    assert not {n for n in graph["k2fleet.deploy.facts"] if n.startswith(("k2fleet.deploy.operations",
+                                                                           "k2fleet.deploy.roles"))}
 
 
 @pytest.mark.parametrize("path", ROLES, ids=lambda p: p.stem)
@@ -97,7 +161,7 @@ def test_role_keeps_no_per_run_state_in_module_globals(path: Path) -> None:
 def test_role_is_a_documented_deploy(path: Path) -> None:
     import importlib
 
-    module = importlib.import_module(f"roles.{path.stem}")
+    module = importlib.import_module(f"k2fleet.deploy.roles.{path.stem}")
     deploys = [f for f in vars(module).values()
                if inspect.isfunction(f) and getattr(f, "__wrapped__", f).__module__ == module.__name__ and hasattr(f, "deploy_name")]
     assert deploys, f"{path.stem} has no @deploy function"

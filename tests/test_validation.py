@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 from k2fleet.cli import load_plan
-from k2fleet.spec import HostEntry, HostSettings, SpecError, build_fleet, parse_host
+from k2fleet.inventory.spec import HostEntry, HostSettings, SpecError, build_fleet, parse_host
 from tests.inventory_factory import THINKING_SHA, write_inventory
 
 REPO = Path(__file__).resolve().parent.parent
@@ -349,7 +349,7 @@ STRUCTURE = family("structure", [
     Case("engine-arg-nested-list", {"k2_engine_args": {"cuda-graph-sizes": [[1, 2]]}},
          "k2_engine_args.cuda-graph-sizes[0]", "flat"),
     Case("ib-hcas-string", {"k2_ib_hcas": "mlx5_0"}, "k2_ib_hcas", "valid list"),
-    # flag and option names against the pinned engine's tables (k2fleet.engine_flags)
+    # flag and option names against the pinned engine's tables (k2fleet.planning.engine_flags)
     Case("engine-flag-typo", {"k2_engine_args": {"tensor-paralel-size": 8}}, "k2_engine_args", "did you mean"),
     Case("trtllm-option-contradicts-key", B200 | {"k2_trtllm_config": {"tensor_parallel_size": 4}},
          "k2_trtllm_config", "contradicts k2_tp=8"),
@@ -461,7 +461,7 @@ import importlib, json, os, runpy, sys, traceback
 kind = sys.argv[1]
 if kind == "pyinfra":
     import pyinfra_cli.main  # what `python -m pyinfra` imports first (gevent patch included)
-    import k2fleet.gate  # what the repository's config.py imports
+    import k2fleet.deploy.gate  # what the repository's config.py imports
 else:
     import k2fleet.cli  # its imports stay loaded; the module itself runs afresh as __main__
     del sys.modules["k2fleet.cli"]

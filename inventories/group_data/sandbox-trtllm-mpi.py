@@ -1,8 +1,8 @@
 """Sandbox TRT-LLM mpirun fleet data (inventories/sandbox-trtllm-mpi.py): the keys every
-sandbox inventory shares (k2fleet/sandbox_data.py), served by trtllm-serve TP16 EP8 with
+sandbox inventory shares (k2sandbox/inventory_data.py), served by trtllm-serve TP16 EP8 with
 attention DP over 2 hosts (venv runtime: the engine test double)."""
 
-from k2fleet.sandbox_data import *  # noqa: F403 - the shared sandbox keys (its __all__)
+from k2sandbox.inventory_data import *  # noqa: F403 - the shared sandbox keys (its __all__)
 
 k2_engine = "trtllm"
 k2_runtime = "venv"

@@ -1,0 +1,198 @@
+"""Control-machine effects, in one explicit step: :func:`prepare_control_artifacts`.
+
+A deployment needs a few things made on the control machine before any host can be
+told what to hold: the mesh key pairs (one client key for the fleet, one host key per
+host, so known_hosts is pinned before a host is contacted), the Hub-client wheelhouse
+for a ``k2_checkpoint_fetcher`` host, the engine-side wheelhouses (e.g. Ray for the
+hosts of vLLM's Ray backend), the offline .deb bundles for
+``k2_package_source: bundle`` and, for a sandbox container scenario, the engine TEST
+DOUBLE image archive (from the stand-ins, :mod:`k2fleet.control.stand_ins`) — or, with ``k2_bundle: DIR``, all of these
+but the mesh keys from that air-gapped bundle alone (:mod:`k2fleet.control.airgap`). :func:`read_control_artifacts` only reads what exists
+(``k2fleet plan`` and ``pyinfra --dry`` use it and change nothing);
+:func:`prepare_control_artifacts` makes what is missing and is called once per real
+run by ``deploys/kimi.py``. The checkpoint cache (a Hub download on the control
+machine) is filled later, by the checkpoint role's first operation, and only when a
+host's checkpoint gate fails — a settled fleet never asks the Hub.
+
+Generated state lives under ``$K2FLEET_STATE_DIR/<deployment id>`` (default
+``~/.local/state/k2fleet``), caches under ``/var/cache/k2fleet``.
+
+>>> deployment_id("m/x", "0" * 40, ["10.0.0.2", "10.0.0.1"]) == deployment_id("m/x", "0" * 40, ["10.0.0.1", "10.0.0.2"])
+True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+from k2fleet.planning.engine_side import host_python
+from k2fleet.control import ControlError, airgap, aptroot, deb_bundles as bundle, wheelhouse
+from k2fleet.control.stand_ins import engine_doubles_for, stand_ins
+from k2fleet.planning.deployment import Deployment
+from k2fleet.planning.desired import (ControlArtifacts, bundle_request, engine_side_requirements, host_arch, host_bootstrap,
+                             mesh_enabled, needs_double_image, package_set)
+from k2fleet.planning.processes import Plan
+
+
+def deployment_id(model: str, revision: str, addresses: list[str]) -> str:
+    """Stable id of a deployment: its model, revision and the fleet's addresses."""
+    return hashlib.sha256("|".join([model, revision, *sorted(addresses)]).encode()).hexdigest()[:12]
+
+
+def dep_id(dep: Deployment) -> str:
+    return deployment_id(dep.s.model, dep.s.revision, [h.address for h in dep.fleet.hosts])
+
+
+def state_dir(dep: Deployment) -> Path:
+    """Control-machine directory of this deployment's generated state (not created here)."""
+    base = Path(os.environ.get("K2FLEET_STATE_DIR", Path.home() / ".local/state/k2fleet"))
+    return base / dep_id(dep)
+
+
+def _mesh_paths(dep: Deployment) -> tuple[Path, dict[str, Path]]:
+    base = state_dir(dep) / "mesh"
+    return base / "id_ed25519", {h.name: base / "hosts" / h.name / "ssh_host_ed25519_key" for h in dep.fleet.hosts}
+
+
+def _read_pair(path: Path) -> tuple[bytes, bytes] | None:
+    public = path.with_name(path.name + ".pub")
+    if path.is_file() and public.is_file():
+        return path.read_bytes(), public.read_bytes()
+    return None
+
+
+def _package_sets(dep: Deployment, plan: Plan) -> set[tuple[str, ...]]:
+    """Each host's offline bundle request: its packages and its bootstrap's."""
+    return {package_set(bundle_request(dep, plan.hosts[h.name], host_bootstrap(dep, plan.hosts[h.name], h)))
+            for h in dep.fleet.hosts}
+
+
+def _bundle_sources(dep: Deployment, plan: Plan) -> aptroot.AptRoot | None:
+    """Where the offline bundles' packages come from: the control machine's own apt
+    (None) for Debian packages alone; with GPU packages on simulated GPUs, a private apt
+    configuration with the sandbox's Debian release and the TEST DOUBLE repository
+    standing in for NVIDIA's / AMD's (:mod:`k2sandbox.driver_doubles`)."""
+    gpu_stack = any(host_bootstrap(dep, plan.hosts[h.name], h).vendor for h in dep.fleet.hosts)
+    if not gpu_stack:
+        return None
+    if not dep.s.simulated_gpus:
+        raise ControlError("k2_package_source: bundle for real GPU hosts takes NVIDIA's / AMD's packages for the "
+                           "fleet's OS from an air-gapped bundle: make it with `k2fleet bundle INVENTORY --out DIR` "
+                           "and set k2_bundle: DIR (or use k2_package_source: apt with the hosts' repositories)")
+    provider = stand_ins()
+    return aptroot.AptRoot([*aptroot.debian_sources(provider.suite), f"deb [trusted=yes] file:{provider.driver_repo()} ./"])
+
+
+def _hub_requirement(dep: Deployment) -> str | None:
+    return wheelhouse.hub_client_requirement() if dep.s.checkpoint_fetcher != "control" else None
+
+
+def _engine_side_sets(dep: Deployment, plan: Plan) -> dict[tuple[str, ...], str]:
+    """Engine-side requirement sets → the Python of the hosts that install them."""
+    sets = {}
+    for h in dep.fleet.hosts:
+        reqs = engine_side_requirements(dep, plan.hosts[h.name])
+        if reqs:
+            sets[tuple(reqs)] = host_python(host_bootstrap(dep, plan.hosts[h.name], h).os)
+    return sets
+
+
+def _engine_wheelhouse(dep: Deployment, requirements: tuple[str, ...], python: str, build: bool) -> Path | None:
+    where = dict(pythons=(python,), archs=(host_arch(dep),))
+    if build:
+        return wheelhouse.ensure_wheelhouse(list(requirements), **where)
+    return wheelhouse.cached_wheelhouse(list(requirements), **where)
+
+
+def _engine_wheels(dep: Deployment, plan: Plan, build: bool) -> dict[tuple[str, ...], dict[str, bytes]]:
+    """Engine-side wheel sets (requirements → wheel name → bytes): built, or those cached."""
+    found = {reqs: _engine_wheelhouse(dep, reqs, python, build) for reqs, python in _engine_side_sets(dep, plan).items()}
+    return {reqs: wheelhouse.wheel_files(path) for reqs, path in found.items() if path is not None}
+
+
+def _double_images(dep: Deployment, plan: Plan, build: bool) -> dict[str, tuple[str, str]]:
+    """The engine TEST DOUBLE image archive of a sandbox container scenario (ref → (path,
+    image ID)): built, or the cached one; empty when none is needed (or, read only, made)."""
+    if not needs_double_image(dep):
+        return {}
+    assert dep.image is not None
+    made = stand_ins().image(dep.image, plan, build=build)
+    return {dep.image: (str(made[0]), made[1])} if made else {}
+
+
+def _from_bundle(dep: Deployment, plan: Plan, client: tuple[bytes, bytes] | None,
+                 hosts: dict[str, tuple[bytes, bytes]]) -> ControlArtifacts:
+    """``k2_bundle``: packages, wheels and images from the bundle alone, each sha256-checked
+    against its lock as it is read (:func:`k2fleet.control.airgap.read_bundle`); nothing is fetched."""
+    assert dep.s.bundle is not None
+    try:
+        found = airgap.read_bundle(dep, plan, dep.s.bundle)
+    except airgap.AirgapError as exc:
+        raise ControlError(f"k2_bundle: {exc}") from None
+    return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, hub_requirement=_hub_requirement(dep),
+                            wheels=found.hub_wheels, bundles=found.debs, images=found.images,
+                            engine_wheels=found.engine_wheels, engine_doubles=engine_doubles_for(dep))
+
+
+def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
+    """What exists already (read only; missing pieces stay None/absent)."""
+    client, hosts = None, {}
+    if mesh_enabled(dep):
+        client_path, host_paths = _mesh_paths(dep)
+        client = _read_pair(client_path)
+        hosts = {name: pair for name, path in host_paths.items() if (pair := _read_pair(path)) is not None}
+    if dep.s.bundle is not None:
+        return _from_bundle(dep, plan, client, hosts)
+    requirement = _hub_requirement(dep)
+    cached = wheelhouse.cached_wheelhouse([requirement]) if requirement else None
+    return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, hub_requirement=requirement,
+                            wheels=wheelhouse.wheel_files(cached) if cached else None,
+                            images=_double_images(dep, plan, build=False),
+                            engine_wheels=_engine_wheels(dep, plan, build=False), engine_doubles=engine_doubles_for(dep))
+
+
+def _keypair(path: Path, comment: str) -> tuple[bytes, bytes]:
+    """The key pair at ``path``, generated once (a fresh pair is linked into place only
+    if none exists: first writer wins, so concurrent runs agree)."""
+    public = path.with_name(path.name + ".pub")
+    if not public.exists():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(tmp)], check=True)
+        try:
+            os.link(tmp, path)
+            os.link(tmp.with_name(tmp.name + ".pub"), public)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+            tmp.with_name(tmp.name + ".pub").unlink()
+    return path.read_bytes(), public.read_bytes()
+
+
+def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
+    """THE control-machine step: make the mesh keys, the Hub-client wheelhouse, the
+    engine-side wheelhouses, package bundles and (sandbox container scenarios) the engine
+    TEST DOUBLE image archive this deployment needs (each only once; cached), then return them."""
+    client_path, host_paths = _mesh_paths(dep)
+    client, hosts = None, {}
+    state_dir(dep).mkdir(parents=True, exist_ok=True, mode=0o700)
+    if mesh_enabled(dep):
+        client = _keypair(client_path, f"k2fleet-mesh-{dep_id(dep)}")
+        hosts = {name: _keypair(path, name) for name, path in host_paths.items()}
+    if dep.s.bundle is not None:
+        return _from_bundle(dep, plan, client, hosts)
+    requirement = _hub_requirement(dep)
+    wheels = wheelhouse.wheel_files(wheelhouse.ensure_wheelhouse([requirement])) if requirement else None
+    bundles = {}
+    if dep.s.package_source == "bundle":
+        sources = _bundle_sources(dep, plan)
+        bundles = {names: str(bundle.ensure_bundle(list(names), apt_root=sources))
+                   for names in _package_sets(dep, plan) if names}
+    return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, hub_requirement=requirement, wheels=wheels,
+                            bundles=bundles, images=_double_images(dep, plan, build=True),
+                            engine_wheels=_engine_wheels(dep, plan, build=True), engine_doubles=engine_doubles_for(dep))

@@ -1,0 +1,114 @@
+"""One pyinfra run of the k2fleet deploy: the validated plan, the control-machine
+artifacts and every host's desired state, computed once and kept on pyinfra's own
+``State`` (no module globals).
+
+``deploys/kimi.py`` calls :func:`fleet_run` for each host it plans; the first call
+takes the plan the gate in ``config.py`` validated (or validates the inventory itself
+when run without that gate), runs the one control-machine step (:func:`k2fleet.control.artifacts.prepare_control_artifacts`,
+skipped under ``--dry``, where only existing artifacts are read) and computes the
+desired state (:func:`k2fleet.planning.desired.desired_state`). Later calls return the same
+object. pyinfra loads the deploy file for its hosts in concurrent greenlets, and the
+control step yields while its downloads run: the first call holds a lock (a cooperative
+one under pyinfra's gevent) so the others wait for its result instead of starting the
+step again (a second, blocking ``flock`` on a cache would freeze the whole process).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k2fleet.control import artifacts as control
+from k2fleet.planning.host_bootstrap import reboot_reason
+from k2fleet.control.checkpoint_copy import ControlRelay
+from k2fleet.deploy.facts import HostState
+from k2fleet.planning.preflight_checks import HostReport
+from k2fleet.planning.deployment import Deployment
+from k2fleet.planning.desired import ControlArtifacts, HostDesired, desired_state
+from k2fleet.deploy.gate import check_hosts, refuse
+from k2fleet.inventory.loader import host_data
+from k2fleet.planning.processes import Plan
+from k2fleet.inventory.spec import SpecError
+
+STATE_ATTRIBUTE = "k2fleet_run"
+
+
+@dataclass
+class FleetRun:
+    """Per-run state of the deploy (see module doc)."""
+
+    dep: Deployment
+    plan: Plan
+    artifacts: ControlArtifacts
+    desired: dict[str, HostDesired]
+    dry: bool
+    state_dir: Path
+    tracked: list[Any] = field(default_factory=list)  # ops whose change re-runs the health gate
+    facts: dict[str, HostReport] = field(default_factory=dict)  # HostState per host, gathered once
+    fact_locks: dict[str, threading.Lock] = field(default_factory=dict)
+    control_relay: ControlRelay = field(default_factory=ControlRelay)  # the control copy, served to the fleet
+    xet_disabled: bool = False  # HF_HUB_DISABLE_XET on the control machine: its Hub downloads skip hf-xet
+
+    def fleet_changed(self) -> bool:
+        """Did any tracked operation on any host change something (execution time)?"""
+        return any(op.is_complete() and op.did_change() for op in self.tracked)
+
+    def fact_of(self, host: Any) -> HostReport:
+        """``host``'s HostState, gathered once per run (any host's deploy may ask)."""
+        with self.fact_locks.setdefault(host.name, threading.Lock()):
+            if host.name not in self.facts:
+                query = self.desired[host.name].fact_query(self.dep.s.model_dir)
+                self.facts[host.name] = host.get_fact(HostState, query=query)
+        return self.facts[host.name]
+
+    def weights_wanted(self, inventory: Any) -> dict[str, list[str]]:
+        """Weight set check → the hosts that load weights and fail it (every host's fact)."""
+        out: dict[str, list[str]] = {}
+        for h in inventory:
+            fan = self.desired[h.name].fanout
+            for ws in self.dep.weight_sets:
+                if fan and fan.loads_weights and not self.fact_of(h).passed(ws.check):
+                    out.setdefault(ws.check, []).append(h.name)
+        return out
+
+    def reboots(self, inventory: Any) -> dict[str, str]:
+        """Host → why it reboots in this run's bootstrap (planning time; every host's fact)."""
+        out = {}
+        for h in inventory:
+            boot = self.desired[h.name].bootstrap
+            reason = reboot_reason(boot, self.fact_of(h).boot) if boot else None
+            if reason:
+                out[h.name] = reason
+        return out
+
+
+def fleet_run(state: Any, inventory: Any, dry: bool | None = None) -> FleetRun:
+    """The run's :class:`FleetRun`, made on first use and kept on ``state``."""
+    with vars(state).setdefault(f"{STATE_ATTRIBUTE}_lock", threading.Lock()):
+        return getattr(state, STATE_ATTRIBUTE, None) or _make_fleet_run(state, inventory, dry)
+
+
+def _make_fleet_run(state: Any, inventory: Any, dry: bool | None) -> FleetRun:
+    checked = getattr(state, "k2fleet_checked", None)  # the gate's (config.py) validated plan
+    if checked is None:  # not under the CLI's gate: validate here
+        try:
+            checked = check_hosts("inventory", host_data(inventory))
+        except SpecError as exc:
+            refuse(exc)
+    dep, plan = checked
+    if dry is None:  # under the CLI, the gate (config.py) recorded --dry on the state
+        dry = bool(getattr(state, "k2fleet_dry", False))
+    try:
+        artifacts = control.read_control_artifacts(dep, plan) if dry else control.prepare_control_artifacts(dep, plan)
+    except control.ControlError as exc:  # one line naming what and the fix, no traceback
+        sys.stderr.write(f"k2fleet: {exc}\n")
+        sys.stderr.flush()
+        raise SystemExit(1) from None
+    run = FleetRun(dep=dep, plan=plan, artifacts=artifacts, dry=dry, state_dir=control.state_dir(dep),
+                   desired=desired_state(dep, plan, artifacts), xet_disabled=bool(os.environ.get("HF_HUB_DISABLE_XET")))
+    setattr(state, STATE_ATTRIBUTE, run)
+    return run

@@ -1,0 +1,76 @@
+"""The trust boundary: an inventory is validated before any host is contacted, on
+every entry — ``pyinfra INVENTORY deploys/kimi.py``, ``k2fleet validate`` and
+``k2fleet plan`` — with the same one-line message, exit code 2 and no traceback.
+
+pyinfra's CLI runs ``config.py`` (repository root), loads the inventory (host data,
+group data, ``--data``), calls ``State.init`` and only then ``connect_all``. The
+repository's ``config.py`` calls :func:`install_pyinfra_gate`, which wraps that one
+``State.init`` call: the loaded inventory is checked there, before the first TCP
+connection, and a bad one ends the run.
+
+>>> refusal_line(SpecError("k2_port", "not a port", "inventories/x.py"))
+'error: inventories/x.py: k2_port: not a port'
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, NoReturn
+
+from k2fleet.planning.deployment import Deployment, resolve
+from k2fleet.inventory.loader import HostData, fleet_from_hosts, host_data
+from k2fleet.planning.processes import Plan
+from k2fleet.planning.planner import make_plan
+from k2fleet.inventory.spec import SpecError
+
+
+def refusal_line(exc: SpecError) -> str:
+    """The one line every entry prints for a bad inventory."""
+    return "error: " + " ".join(str(exc).split())
+
+
+def refuse(exc: SpecError) -> NoReturn:
+    """Print :func:`refusal_line` to stderr and exit 2 (no traceback)."""
+    sys.stderr.write(refusal_line(exc) + "\n")
+    sys.stderr.flush()
+    raise SystemExit(2)
+
+
+def check_hosts(source: str, hosts: list[HostData]) -> tuple[Deployment, Plan]:
+    """Validate an inventory's hosts and plan them; raises SpecError on the first problem."""
+    dep = resolve(fleet_from_hosts(source, hosts))
+    return dep, make_plan(dep)
+
+
+def _cli_params() -> dict[str, Any]:
+    """The parameters pyinfra's CLI was called with (``inventory``, ``dry``, ...), read in
+    the CLI's own greenlet (click's context is greenlet-local under gevent)."""
+    try:
+        import click
+
+        ctx = click.get_current_context(silent=True)
+        return dict(ctx.params) if ctx is not None else {}
+    except Exception:  # noqa: BLE001 - not under click
+        return {}
+
+
+def install_pyinfra_gate(state: Any) -> None:
+    """Check the inventory inside ``state.init`` (before ``connect_all``); see module doc.
+
+    Installed once per pyinfra run by the repository's ``config.py``.
+    """
+    if getattr(state, "_k2fleet_gate", False):
+        return
+    original_init = state.init
+
+    def gated_init(inventory: Any, config: Any, initial_limit: Any = None) -> None:
+        params = _cli_params()
+        state.k2fleet_dry = bool(params.get("dry"))  # read by k2fleet.deploy.fleet_run: no control step when dry
+        try:  # kept for k2fleet.deploy.fleet_run: the deploy plans from this, not a second time
+            state.k2fleet_checked = check_hosts(str(params.get("inventory", "inventory")), host_data(inventory))
+        except SpecError as exc:
+            refuse(exc)
+        original_init(inventory, config, initial_limit=initial_limit)
+
+    state.init = gated_init
+    state._k2fleet_gate = True

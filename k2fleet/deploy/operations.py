@@ -1,0 +1,140 @@
+"""k2fleet's own pyinfra operations: decided from the one HostState fact
+(:mod:`k2fleet.deploy.facts`), so a no-op re-run costs no extra round trips.
+
+Each operation yields commands only when the host differs from the plan; gate
+follow-ups on them with ``_if=`` (evaluated at execution time).
+"""
+
+from __future__ import annotations
+
+import posixpath
+import time
+from io import BytesIO
+
+from pyinfra import host
+from pyinfra.api import FileUploadCommand, FunctionCommand, StringCommand, operation
+from pyinfra.connectors.util import clear_askpass_cache
+
+from k2fleet.planning.desired import FileSpec
+from k2fleet.planning.quoting import shell_line, shell_word
+
+
+@operation()
+def synced_files(files: dict[str, FileSpec], current: dict[str, str | None]):
+    """Upload every file of the desired state whose sha256 differs from ``current[path]``.
+
+    + files: :class:`~k2fleet.planning.desired.FileSpec` (content, octal mode) per absolute path
+    + current: sha256 per path as the HostState fact saw it (None: missing)
+
+    A spec without content (a control artifact not made yet, only under ``--dry``) is
+    reported as a change with no command.
+
+    **Example:**
+
+    .. code:: python
+
+        synced_files(name="mesh files", files={"/etc/k2fleet/x": FileSpec(b"hi\\n", "600")},
+                     current=fact.files)
+    """
+    for path in sorted(files):
+        spec = files[path]
+        if spec.content is None:
+            yield StringCommand(f"true  # {shell_word(path)}: made by the control-machine step")
+            continue
+        data, mode = spec.content, spec.mode
+        if current.get(path) == spec.sha256:
+            continue
+        directory = posixpath.dirname(path)
+        yield StringCommand(f"mkdir -p {shell_word(directory)}")
+        yield FileUploadCommand(BytesIO(data), path, remote_temp_filename=host.get_temp_filename(path))
+        yield StringCommand(f"chmod {mode} {shell_word(path)}")
+
+
+@operation(is_idempotent=False)
+def command(argv: list[str] | str):
+    """Run one command (use with ``_if=`` to make it conditional).
+
+    **Example:**
+
+    .. code:: python
+
+        command(name="reload units", argv=["systemctl", "daemon-reload"], _if=unit_op.did_change)
+    """
+    yield StringCommand(argv if isinstance(argv, str) else shell_line(argv))
+
+
+@operation()
+def unit_running(unit: str, active: bool):
+    """Enable and start ``unit`` unless the HostState fact saw it active; when it fails
+    to start (e.g. an ``ExecStartPre`` gate failed), its last journal lines say why.
+
+    **Example:**
+
+    .. code:: python
+
+        unit_running(name="start k2-vllm", unit="k2-vllm.service",
+                     active=report.unit_active("k2-vllm.service"))
+    """
+    if not active:
+        yield StringCommand(start_or_explain(unit, "enable --now"))
+
+
+def start_or_explain(unit: str, verb: str = "start") -> str:
+    """``systemctl VERB UNIT``, tried a second time after ``reset-failed`` (a start right
+    after a stop can fail while the old run's cgroup is still being torn down, as seen
+    on nspawn hosts with Docker); if that fails too, the unit's last journal lines go to
+    stderr and the command fails.
+
+    >>> start_or_explain("k2-vllm.service")  # doctest: +NORMALIZE_WHITESPACE
+    'systemctl start k2-vllm.service || { systemctl reset-failed k2-vllm.service; systemctl start k2-vllm.service; }
+     || { journalctl -u k2-vllm.service -n 30 --no-pager -o cat >&2; exit 1; }'
+    """
+    word = shell_word(unit)
+    return (f"systemctl {verb} {word} || {{ systemctl reset-failed {word}; systemctl {verb} {word}; }} "
+            f"|| {{ journalctl -u {word} -n 30 --no-pager -o cat >&2; exit 1; }}")
+
+
+REBOOT_MARKER = "/run/k2fleet-reboot-pending"
+
+
+@operation(is_idempotent=False)
+def rebooted(reason: str, reboot_timeout: float = 600, interval: float = 1.0):
+    """Reboot the host, wait until it is back and carry on (the deploy goes on with it).
+
+    "Back" means it answers over SSH and a marker written to ``/run`` before the reboot
+    is gone (``/run`` is a tmpfs, emptied at every boot). pyinfra's ``server.reboot``
+    compares ``/proc/uptime`` instead, which a container host shares with its kernel, so
+    it never sees a sandbox host reboot. With ``_serial=True`` the hosts reboot one at
+    a time (a rolling reboot).
+
+    + reason: why (shown in the operation's name and in a timeout's error)
+    + reboot_timeout: seconds to wait for the host before failing
+    + interval: seconds between reconnection attempts
+
+    **Example:**
+
+    .. code:: python
+
+        rebooted(name="reboot: driver 580.95.05 is loaded", reason="driver change", _serial=True)
+    """
+    yield StringCommand(f"touch {REBOOT_MARKER}")
+    yield StringCommand("( sleep 1 && systemctl reboot ) </dev/null >/dev/null 2>&1 &")
+
+    def wait_until_back(state, host) -> None:
+        time.sleep(2)
+        clear_askpass_cache(host)
+        host.disconnect()
+        deadline = time.monotonic() + reboot_timeout
+        while True:
+            host.connect(show_errors=False)
+            if host.connected:
+                back, _ = host.run_shell_command(StringCommand(f"test ! -e {REBOOT_MARKER}"))
+                if back:  # sshd answers early in the boot: wait for the rest of it
+                    host.run_shell_command(StringCommand("systemctl is-system-running --wait >/dev/null 2>&1 || true"))
+                    return
+                host.disconnect()  # still going down
+            if time.monotonic() > deadline:
+                raise Exception(f"{host.name} did not come back within {reboot_timeout:.0f}s of its reboot ({reason})")
+            time.sleep(interval)
+
+    yield FunctionCommand(wait_until_back, (), {})

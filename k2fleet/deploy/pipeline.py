@@ -1,0 +1,66 @@
+"""The Kimi-K2 pipeline: every role, in order, for one host.
+
+Not a role itself (a plain function, so each role's operations keep their own names):
+the one place that composes them (no role imports another).
+``deploys/kimi.py`` gathers the host's fact and calls :func:`deploy_kimi`; the offline
+role tests call it with a fact they construct.
+"""
+
+from __future__ import annotations
+
+from k2fleet.planning import host_bootstrap as boot
+from k2fleet.planning.desired import HostDesired
+from k2fleet.planning.host_packages import bundle_apt_options
+from k2fleet.planning.preflight_checks import HostReport
+from k2fleet.deploy.fleet_run import FleetRun
+from k2fleet.deploy.roles import bootstrap, checkpoint, engine, health, hub_client, mesh, packages, preflight, services
+
+
+class RebootRefused(Exception):
+    """``k2_reboot: never`` and the bootstrap needs to reboot hosts."""
+
+
+def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: dict[str, str],
+                weights_wanted: dict[str, list[str]]) -> None:
+    """Carry out one host's desired state: preflight → packages → bootstrap → SSH mesh →
+    engine → Hub client → checkpoint → services → health gate.
+
+    + run: the run's :class:`~k2fleet.deploy.fleet_run.FleetRun` (deployment, artifacts, tracked operations)
+    + desired: this host's desired state (``run.desired[host.name]``)
+    + fact: this host's :class:`~k2fleet.deploy.facts.HostState`
+    + reboots: host → why the bootstrap reboots it in this run (every host's, from
+      :meth:`~k2fleet.deploy.fleet_run.FleetRun.reboots`); under ``k2_reboot: never`` any entry stops
+      the deploy before its first change; any reboot restarts the services in stage order
+    + weights_wanted: weight set check → hosts whose copy fails it (every host's, from
+      :meth:`~k2fleet.deploy.fleet_run.FleetRun.weights_wanted`): while any does, the fleet's relays run
+
+    **Example:**
+
+    .. code:: python
+
+        run = fleet_run(state, inventory)
+        mine = run.desired[host.name]
+        deploy_kimi(run, run.desired[host.name], run.fact_of(host), reboots=run.reboots(inventory),
+                    weights_wanted=run.weights_wanted(inventory))
+    """
+    dep = run.dep
+    if reboots and dep.s.reboot == "never":
+        raise RebootRefused("k2_reboot is never and these hosts need a reboot for their driver: " + "; ".join(
+            f"{name} ({why})" for name, why in sorted(reboots.items())) + "; nothing was changed. Set k2_reboot: "
+            "rolling (or if-needed), or reboot them yourself after the install")
+    plan = desired.bootstrap
+    pending = bool(plan and (boot.pending_packages(plan, fact.boot) or boot.obsolete_packages(plan, fact.boot)))
+    preflight.check(dep, desired, fact)
+    packages.install_packages(desired.packages, dep.s.package_source, installed=list(fact.packages),
+                              bundle=run.artifacts.bundle_for(desired.bundle_request), bootstrap_pending=pending)
+    if plan is not None:
+        bootstrap.bring_up(plan, fact, desired.files.get("bootstrap", {}), desired.gpu_gate or [],
+                           bundle_apt_options() if dep.s.package_source == "bundle" else "",
+                           reboots.get(desired.name), run.tracked)
+    mesh.configure(desired, fact, run.tracked)
+    engine.install(desired, fact, run.tracked)
+    hub_client.install(desired, fact, requirement=run.artifacts.hub_requirement)
+    checkpoint.ensure(dep, desired, fact, run.tracked, log_file=str(run.state_dir / "checkpoint-transfers.jsonl"),
+                      control_relay=run.control_relay, fleet_wanted=weights_wanted, xet_disabled=run.xet_disabled)
+    services.start(desired, fact, run.tracked, restart_all=bool(reboots))
+    health.gate(desired, fact, changed=run.fleet_changed)

@@ -1,0 +1,208 @@
+"""Checkpoint role: the pinned checkpoint is fetched once per fleet, passed host to host,
+verified file by file on every host before any engine may start (the units'
+``ExecStartPre`` re-checks the verified marker) or any peer copies from it.
+
+Sources (``k2_checkpoint_source``):
+
+- ``hub`` (default): ``k2_model`` at the pinned ``k2_revision`` with huggingface_hub
+  (endpoint ``k2_hub_endpoint`` or env ``HF_ENDPOINT``; token env ``HF_TOKEN`` or
+  ``k2_hub_token_file``, read at execution time only), fetched by
+  ``k2_checkpoint_fetcher``: ``control`` (default) downloads into
+  ``k2_checkpoint_cache`` on the control machine and verifies it there; a host name
+  makes that host download into ``k2_model_dir`` itself (Hub client from
+  :mod:`k2fleet.deploy.roles.hub_client`; the token reaches it only as a root-only file under
+  ``/run/k2fleet``, deleted when the download ends) and the control machine sends
+  no checkpoint bytes at all;
+- ``control:/path`` — a directory on the control machine with the files and
+  ``.k2fleet/manifest.json`` (air-gapped fleets), verified there.
+
+GGUF engines (``k2_gguf_repo``) need a second weight set, the GGUF files matching
+``k2_gguf_pattern`` at ``k2_gguf_revision`` (source ``k2_gguf_source``, same grammar),
+delivered, verified and gated exactly like the checkpoint (``Deployment.weight_sets``).
+
+Fan-out (:mod:`k2fleet.control.checkpoint_copy`): one transfer leaves the control machine, to
+the first host that loads weights (or the fetcher host downloads it); the others pull
+from verified peers over the SSH mesh in doubling rounds. A host whose gate fails
+re-receives only the files ``verify.py --json`` names. With ``k2_shared_storage`` only the first host fetches.
+Every step runs at execution time and only on hosts whose gate failed in the one
+HostState fact, so ``--dry`` and no-op runs transfer (and ask) nothing.
+
+"""
+
+from __future__ import annotations
+
+from io import BytesIO
+
+from pyinfra import host
+from pyinfra.api import deploy
+from pyinfra.operations import python
+
+from k2fleet.control import checkpoint_copy as fanout
+from k2fleet.planning import relay_plan
+from k2fleet.hostprogs.manifest import read_token
+from k2fleet.planning.deployment import Deployment, WeightSet
+from k2fleet.planning.desired import CHECKPOINT_CHECK, HUB_ENV, OVERLAY_PY, PY_LIB, VERIFY_PY, HostDesired
+from k2fleet.deploy.operations import command
+from k2fleet.planning.preflight_checks import HostReport
+from k2fleet.planning.units import gate_argv
+from k2fleet.planning.quoting import shell_line
+
+TOKEN_DIR = "/run/k2fleet"
+TOKEN_PATH = f"{TOKEN_DIR}/hf_token"
+
+
+def control_source(dep: Deployment, ws: WeightSet | None = None) -> tuple[str, bool]:
+    """(control-machine directory, fetched from the Hub?) of one weight set (default: the checkpoint)."""
+    ws = ws or dep.weight_sets[0]
+    if ws.source == "hub":
+        return relay_plan.control_dir(dep.s.checkpoint_cache, ws.repo, ws.revision), True
+    return ws.source.removeprefix("control:"), False
+
+
+def _ssh_command() -> list[str]:
+    data = host.data
+    ssh = ["ssh", "-o", "BatchMode=yes", "-p", str(data.get("ssh_port") or 22)]
+    if data.get("ssh_key"):
+        ssh += ["-i", str(data.get("ssh_key")), "-o", "IdentitiesOnly=yes"]
+    if data.get("ssh_known_hosts_file"):
+        ssh += ["-o", f"UserKnownHostsFile={data.get('ssh_known_hosts_file')}", "-o", "StrictHostKeyChecking=yes"]
+    return ssh
+
+
+def send_token(token_file: str | None) -> None:
+    """Put the Hub token (env ``HF_TOKEN`` or ``token_file``, read now) on the current
+    host as ``/run/k2fleet/hf_token``, root-only; nothing when there is no token."""
+    token = read_token(token_file)
+    ok = host.run_shell_command(f"install -d -m 700 {TOKEN_DIR} && rm -f {TOKEN_PATH}")[0]
+    if ok and token:
+        ok = host.put_file(BytesIO(token.encode()), TOKEN_PATH) and host.run_shell_command(f"chmod 600 {TOKEN_PATH}")[0]
+    if not ok:
+        raise RuntimeError(f"{host.name}: could not place the Hub token in {TOKEN_DIR}")
+
+
+def download_argv(dep: Deployment, xet_disabled: bool, ws: WeightSet | None = None) -> list[str]:
+    """The Hub download of one weight set (default: the checkpoint) on the fetcher host
+    (the token only by file, never its value)."""
+    s = dep.s
+    ws = ws or dep.weight_sets[0]
+    argv = ["env", f"PYTHONPATH={PY_LIB}", "HF_HUB_DISABLE_TELEMETRY=1", "HF_HUB_DISABLE_PROGRESS_BARS=1"]
+    if s.hub_endpoint:
+        argv.append(f"HF_ENDPOINT={s.hub_endpoint}")
+    if xet_disabled:  # the operator's choice of the resumable HTTP path
+        argv.append("HF_HUB_DISABLE_XET=1")
+    argv += [f"{HUB_ENV}/bin/python", "-m", "k2fleet.hostprogs.download", ws.repo, "--revision", ws.revision,
+             "--dir", ws.path]
+    return argv + (["--pattern", *ws.patterns] if ws.patterns else [])
+
+
+def host_download_command(dep: Deployment, xet_disabled: bool, ws: WeightSet | None = None) -> str:
+    """Shell line of the fetcher's Hub download; the token file is removed however it ends."""
+    argv = shell_line(download_argv(dep, xet_disabled, ws))
+    return (f"trap 'rm -f {TOKEN_PATH}' EXIT; if [ -f {TOKEN_PATH} ]; then set -- --token-file {TOKEN_PATH}; fi; "
+            f'{argv} "$@"')
+
+
+@deploy("k2fleet: checkpoint")
+def ensure(dep: Deployment, desired: HostDesired, fact: HostReport, tracked: list, log_file: str,
+           control_relay: fanout.ControlRelay, fleet_wanted: dict[str, list[str]], xet_disabled: bool = False) -> None:
+    """
+    Bring this host's copy of the pinned checkpoint (and of the GGUF weights, for GGUF
+    engines) to verified: the root from the control machine's copy or the Hub, every host
+    shard by shard through the relay, each shard verified before it is passed on.
+
+    + dep: the validated deployment (model, revision, source, paths, fetcher, relay port)
+    + desired: this host's desired state (``fanout``: its place, the fleet's relay URLs)
+    + fact: this host's HostState (the read-only ``checkpoint-verified``/``gguf-verified`` checks)
+    + tracked: list the run's health gate watches; verify operations are appended
+    + log_file: control-machine JSON-lines log of checkpoint transfers
+    + control_relay: the run's relay of the control machine's copies (started on first use)
+    + fleet_wanted: weight set check → the hosts whose copy failed it (every host's fact)
+    + xet_disabled: pass ``HF_HUB_DISABLE_XET=1`` to the fetcher host's download
+
+    **Example:**
+
+    .. code:: python
+
+        checkpoint.ensure(run.dep, run.desired[host.name], fact, run.tracked,
+                          log_file="/root/.local/state/k2fleet/ID/checkpoint-transfers.jsonl",
+                          control_relay=run.control_relay, fleet_wanted=run.weights_wanted(inventory))
+    """
+    fan = desired.fanout
+    assert fan is not None
+    for ws in dep.weight_sets:
+        _ensure_weight_set(dep, ws, desired, fact, tracked, log_file, control_relay,
+                           fleet_wanted.get(ws.check, []), xet_disabled)
+    path = dep.checkpoint_path
+    wanted = fan.loads_weights and not fact.passed(CHECKPOINT_CHECK)
+
+    # model_type fallback: a config overlay over the verified files, never an edit of them.
+    override = dep.s.model_type_override
+    overlay_missing = bool(override) and not fact.exists.get(f"{dep.serve_path}/config.json", False)
+    tracked.append(command(name=f"config overlay with model_type {override or '(none)'}",
+                           argv=["/usr/bin/python3", OVERLAY_PY, path, dep.serve_path, "--model-type", str(override)],
+                           _if=lambda: bool(override) and fan.loads_weights and (wanted or overlay_missing)))
+
+
+def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fact: HostReport, tracked: list,
+                       log_file: str, control_relay: fanout.ControlRelay, wanted_hosts: list[str],
+                       xet_disabled: bool) -> None:
+    """The distribution of one weight set (same operation sequence on every host)."""
+    fan = desired.fanout
+    assert fan is not None
+    source_dir, from_hub = control_source(dep, ws)
+    wanted = fan.loads_weights and not fact.passed(ws.check)
+    on_host = dep.s.checkpoint_fetcher != "control"
+    root_download = wanted and fan.is_root and on_host  # the fetcher host downloads from the Hub itself
+    distributing = bool(wanted_hosts) and not fan.shared  # some host of the fleet receives: relays run
+    serving = distributing and fan.loads_weights
+    receiving = wanted and not root_download and not (fan.shared and not fan.is_root)
+    control_needed = fan.is_root and not on_host and bool(wanted_hosts)  # runs once, on the root
+    path = ws.path
+    what = f"checkpoint{ws.label}"
+
+    # The control machine's copy (Hub download or control: dir, verified there), once per
+    # fleet: the root's source, and every host's last fallback.
+    python.call(
+        name=f"fetch + verify the {what} on the control machine (once per fleet)",
+        function=fanout.prepare_control_copy,
+        repo_id=ws.repo, revision=ws.revision, root=source_dir, hub=from_hub,
+        endpoint=dep.s.hub_endpoint, token_file=dep.s.hub_token_file, log_file=log_file,
+        patterns=list(ws.patterns) if ws.patterns else None,
+        _if=lambda: control_needed,
+    )
+    # Or the fetcher host downloads from the Hub itself (resumable, verified, repaired).
+    python.call(name=f"Hub token to the fetcher host (root-only file){ws.label}", function=send_token,
+                token_file=dep.s.hub_token_file, _if=lambda: root_download)
+    tracked.append(command(name=f"download + verify the {what} from the Hub on this host (once per fleet)",
+                           argv=["sh", "-c", host_download_command(dep, xet_disabled, ws)],
+                           _if=lambda: root_download))
+
+    # Pipelined: every host that loads weights serves what it has verified on the mesh;
+    # every host whose gate failed receives shard by shard (parent, ancestors, then the
+    # control machine's copy through its SSH connection), each verified before it is
+    # served onward; then the relays stop.
+    command(name=f"{what}: start this host's relay of its verified files (while the fleet receives)",
+            argv=relay_plan.relay_serve_argv(path, desired.address, dep.s.relay_port) if serving else ["true"],
+            _if=lambda: serving)
+    control_copy = None if on_host else source_dir
+    tunnel = [relay_plan.relay_url("127.0.0.1", dep.s.relay_port)] if control_copy else []
+    fetch_argv = relay_plan.relay_fetch_argv(path, list(fan.relays), fan.position or 0, fan.relay_fanout, tunnel) \
+        if receiving else ["true"]
+    user = host.data.get("ssh_user") or "root"
+    python.call(
+        name=f"{what}: receive shard by shard, each verified before it is passed on",
+        function=fanout.relay_to_host,
+        control=control_relay, source=control_copy, target=f"{user}@{host.data.get('ssh_hostname') or host.name}",
+        ssh=_ssh_command(), fetch_argv=fetch_argv, tunnel_port=dep.s.relay_port, log_file=log_file,
+        _if=lambda: receiving,
+    )
+    tracked.append(command(name=f"{what}: check every file (index, headers; hashed by the relay as it arrived)",
+                           argv=["/usr/bin/python3", VERIFY_PY, path], _if=lambda: receiving or root_download))
+    command(name=f"{what}: stop this host's relay", argv=relay_plan.relay_stop_argv(),
+            _if=lambda: serving)
+    python.call(name=f"{what}: stop the control machine's relay", function=control_relay.stop,
+                _if=lambda: control_needed)
+
+    # Shared storage: the root fetched into the shared path; the others only pass the gate.
+    command(name=f"{what} gate on shared storage",
+            argv=gate_argv(dep, path), _if=lambda: fan.shared and wanted and not fan.is_root)

@@ -1,0 +1,74 @@
+"""Services role: the plan's processes as systemd units, started stage by stage across
+the fleet, restarted only when their unit, environment or config files changed.
+
+Every host runs the same operation sequence (one slot per fleet-wide (stage, service)
+pair; a host without that service gets no commands), so pyinfra's per-operation
+ordering across hosts is the plan's start order.
+"""
+
+from __future__ import annotations
+
+
+from pyinfra.api import deploy
+
+from k2fleet.planning.desired import UNIT_GLOB, HostDesired
+from k2fleet.planning.mesh import UNIT as MESH_UNIT
+from k2fleet.deploy.operations import command, start_or_explain, synced_files, unit_running
+from k2fleet.planning.preflight_checks import HostReport
+from k2fleet.planning.quoting import shell_line
+
+
+@deploy("k2fleet: services")
+def start(desired: HostDesired, fact: HostReport, tracked: list, restart_all: bool = False) -> None:
+    """
+    Remove stale k2fleet units, write each unit's files, start stage by stage; units
+    whose own files changed are stopped in reverse stage order and started again in
+    stage order (head before members), the others are left running.
+
+    + desired: this host's desired state (``service_files``, ``units``, fleet-wide ``slots``,
+      this host's ``own_slots``)
+    + fact: this host's HostState (digests, unit states, the k2-*.service glob)
+    + tracked: list the run's health gate watches; file and start operations are appended
+    + restart_all: restart every running unit in stage order as if its files changed (the
+      bootstrap rebooted hosts of the fleet: units that came back at boot started unordered)
+
+    **Example:**
+
+    .. code:: python
+
+        services.start(run.desired[host.name], fact, run.tracked)
+    """
+    planned = set(desired.units) | {MESH_UNIT}
+    stale = sorted(p for p in fact.globs.get(UNIT_GLOB, []) if p.rsplit("/", 1)[1] not in planned)
+    stale_units = [p.rsplit("/", 1)[1] for p in stale]
+    remove = f"systemctl disable --now {shell_line(stale_units)}; rm -f {shell_line(stale)}" if stale else "true"
+    removed = command(name="stop and remove k2fleet units the plan no longer has", argv=remove,
+                      _if=lambda: bool(stale))
+    tracked.append(removed)
+    tracked.append(synced_files(name="config files of ranks this host serves",
+                                files=desired.files.get("host", {}), current=fact.files))
+    written = {}
+    for name in dict.fromkeys(name for _, name in desired.slots):
+        written[name] = synced_files(name=f"unit, env and config of {name}",
+                                     files=desired.service_files.get(name, {}), current=fact.files)
+        tracked.append(written[name])
+    command(name="reload systemd units", argv=["systemctl", "daemon-reload"],
+            _if=lambda: removed.did_change() or any(op.did_change() for op in written.values()))
+    def changed(stage: int, name: str):
+        """Execute-time test: this host's (stage, name) was running and its files changed
+        (or hosts rebooted)."""
+        was = fact.unit_active(f"{name}.service") and (stage, name) in desired.own_slots
+        return lambda op=written[name]: was and (restart_all or op.did_change())
+
+    # An instance whose files changed restarts as it starts: stop in reverse stage order
+    # (members/launchers before the head or the nodes they joined), start stage by stage.
+    for stage, name in reversed(desired.slots):
+        command(name=f"stage {stage}: stop {name} (its files changed or hosts rebooted)", argv=["systemctl", "stop", f"{name}.service"],
+                _if=changed(stage, name))
+    for stage, name in desired.slots:
+        mine = (stage, name) in desired.own_slots  # a name can start at one stage on the head, a later one on members
+        unit = f"{name}.service"
+        tracked.append(unit_running(name=f"stage {stage}: start {name}", unit=unit,
+                                    active=fact.unit_active(unit) or not mine))
+        tracked.append(command(name=f"stage {stage}: bring {name} back up (its files changed or hosts rebooted)",
+                               argv=start_or_explain(unit), _if=changed(stage, name)))

@@ -1,0 +1,428 @@
+"""Download a checkpoint at a pinned commit with huggingface_hub, verify it, repair bad files.
+
+The token comes from a file (``--token-file``) or env ``HF_TOKEN`` and is
+never printed or put on a command line; the endpoint comes from env
+``HF_ENDPOINT`` (default: the Hub).
+
+Resumption. huggingface_hub 2.4 resumes a dropped connection only within one
+call: each download goes to a process-unique ``<hash>.<etag>.<uuid>.incomplete``
+that is deleted on failure, so a killed or rebooted download starts that file
+from zero again (read from its ``file_download.py``). k2fleet therefore fetches
+each file itself with huggingface_hub's own pieces — :func:`hf_hub_url`,
+:func:`get_hf_file_metadata` (commit, ETag, size, redirect), its auth headers,
+HTTP client and error mapping — into a *stable* partial file
+``DIR/.k2fleet/partial/<file>.<etag>.part``, appended as bytes arrive. A later
+run (after a kill, a reboot, a lost connection) sends ``Range: bytes=<partial
+size>-`` and only the missing tail crosses the network; a file already in
+place is not fetched again. When the Hub marks a file as Xet-stored and
+``hf_xet`` is installed, the file goes through ``hf_hub_download`` instead (the
+fast path, which keeps its own chunk cache across runs).
+
+Nothing is trusted because it was downloaded: every download is followed by
+:func:`k2fleet.hostprogs.verify.verify` against the manifest, and
+:func:`repair` deletes a bad file before fetching it again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from k2fleet.hostprogs import locks
+from k2fleet.hostprogs.manifest import build_manifest, is_commit_sha, manifest_path, read_token, save_manifest
+from k2fleet.hostprogs.verify import (
+    BAD_HEADER,
+    CHANGED,
+    HASH_MISMATCH,
+    MISSING,
+    SIZE_MISMATCH,
+    Report,
+    load_manifest,
+    remove_marker,
+    state_dir,
+    verify,
+)
+
+log = logging.getLogger(__name__)
+
+REPAIRABLE = {MISSING, SIZE_MISMATCH, HASH_MISMATCH, BAD_HEADER, CHANGED}
+
+
+def hub_endpoint(endpoint: str | None = None) -> str | None:
+    """``endpoint`` or env ``HF_ENDPOINT`` (None: huggingface_hub's default).
+
+    Example:
+        >>> hub_endpoint("http://127.0.0.1:8080/")
+        'http://127.0.0.1:8080'
+    """
+    value = endpoint or os.environ.get("HF_ENDPOINT")
+    return value.rstrip("/") if value else None
+
+
+def _require_commit(revision: str) -> None:
+    if not is_commit_sha(revision):
+        raise ValueError(f"refusing to download revision {revision!r}: pin a 40-hex commit sha")
+
+
+def download_lock(local_dir: str | os.PathLike[str]) -> contextlib.AbstractContextManager[None]:
+    """Exclusive lock on ``DIR/.k2fleet/download.lock`` for the duration of the block.
+
+    A polled ``flock`` (:func:`k2fleet.hostprogs.locks.exclusive`): a second download of the same
+    directory in another greenlet of pyinfra's process waits without blocking the holder.
+    """
+    return locks.exclusive(Path(state_dir(str(local_dir))) / "download.lock")
+
+
+def remove_orphaned_partials(local_dir: str | os.PathLike[str]) -> list[Path]:
+    """Delete ``*.incomplete`` files a killed ``hf_hub_download`` left (call while holding the lock).
+
+    huggingface_hub never reuses them (their names are process-unique); k2fleet's own
+    resumable ``.part`` files are kept.
+    """
+    base = Path(local_dir) / ".cache" / "huggingface" / "download"
+    removed = sorted(base.rglob("*.incomplete")) if base.is_dir() else []
+    for path in removed:
+        path.unlink(missing_ok=True)
+    return removed
+
+
+PARTIAL_DIR = "partial"
+_STREAM_CHUNK = 1 << 20  # bytes written per write(); the partial file grows as bytes arrive
+_RETRIES_WITHOUT_PROGRESS = 5
+
+
+def partial_path(local_dir: str | os.PathLike[str], rel: str, etag: str) -> Path:
+    """Stable partial-download path of ``rel`` for content ``etag`` (same name on every run).
+
+    Example:
+        >>> str(partial_path("/m/k2", "model-00001-of-000062.safetensors", '"ab12"'))
+        '/m/k2/.k2fleet/partial/model-00001-of-000062.safetensors.ab12.part'
+    """
+    tag = "".join(c for c in etag if c.isalnum())[:64] or "noetag"
+    return Path(state_dir(str(local_dir))) / PARTIAL_DIR / f"{rel}.{tag}.part"
+
+
+def _transient_errors() -> tuple[type[BaseException], ...]:
+    try:
+        import httpx2 as httpx  # huggingface_hub 2.x
+    except ImportError:  # pragma: no cover - huggingface_hub 1.x
+        import httpx  # type: ignore[no-redef]
+    return (httpx.TransportError,)
+
+
+def _stream_into(url: str, part: Path, size: int | None, headers: dict[str, str]) -> int:
+    """Append ``url``'s bytes to ``part`` from its current size on; returns bytes received.
+
+    ``Range: bytes=N-`` when ``part`` holds N bytes; a 200 answer (Range ignored) restarts
+    the file, a 416 (partial longer than the file) discards it. A dropped connection is
+    retried from the new end, up to 5 times in a row without progress.
+    """
+    from huggingface_hub.utils import hf_raise_for_status, http_stream_backoff
+
+    received, stalls = 0, 0
+    while True:
+        have = part.stat().st_size if part.exists() else 0
+        if size is not None and have == size:
+            return received
+        if size is not None and have > size:
+            part.unlink()
+            have = 0
+        request = dict(headers)
+        if have:
+            request["Range"] = f"bytes={have}-"
+        try:
+            with http_stream_backoff("GET", url, headers=request, retry_on_exceptions=(),
+                                     retry_on_status_codes=(408, 429, 500, 502, 503, 504)) as response:
+                if response.status_code == 416:
+                    part.unlink(missing_ok=True)
+                    stalls += 1
+                    if stalls > _RETRIES_WITHOUT_PROGRESS:
+                        raise OSError(f"{url}: the server refuses every byte range")
+                    continue
+                hf_raise_for_status(response)
+                mode = "ab" if have and response.status_code == 206 else "wb"
+                with open(part, mode, buffering=0) as f:
+                    for chunk in response.iter_bytes():
+                        f.write(chunk)
+                        received += len(chunk)
+                        stalls = 0
+        except _transient_errors() as exc:
+            stalls += 1
+            if stalls > _RETRIES_WITHOUT_PROGRESS:
+                raise
+            log.warning("%s: %s; resuming from byte %d", url, exc, part.stat().st_size if part.exists() else 0)
+            time.sleep(1)
+            continue
+        got = part.stat().st_size
+        if size is None or got == size:
+            return received
+        if got > size:
+            part.unlink()
+            raise OSError(f"{url}: received {got} bytes, the Hub said {size}")
+        stalls += 1  # a short body without an error: ask for the rest
+        if stalls > _RETRIES_WITHOUT_PROGRESS:
+            raise OSError(f"{url}: stuck at {got} of {size} bytes")
+
+
+def fetch_file(
+    repo_id: str,
+    revision: str,
+    local_dir: str | os.PathLike[str],
+    rel: str,
+    *,
+    token: str | None = None,
+    endpoint: str | None = None,
+) -> dict[str, Any]:
+    """Fetch ``rel`` at commit ``revision`` into ``local_dir/rel``, resuming a partial file.
+
+    Returns ``{"path", "resumed_from", "received", "via"}``; ``via`` is ``http`` or ``xet``.
+
+    Example:
+        >>> fetch_file("moonshotai/Kimi-K2-Thinking", "6126...", "/models/k2",
+        ...            "model-00007-of-000062.safetensors")  # doctest: +SKIP
+        {'path': 'model-00007-of-000062.safetensors', 'resumed_from': 2147483648, ...}
+    """
+    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers
+    from huggingface_hub.utils._runtime import is_xet_available
+
+    _require_commit(revision)
+    endpoint = hub_endpoint(endpoint)
+    root = Path(local_dir)
+    url = hf_hub_url(repo_id, rel, revision=revision, endpoint=endpoint)
+    meta = get_hf_file_metadata(url, token=token, endpoint=endpoint)
+    if meta.commit_hash and meta.commit_hash != revision:
+        raise RuntimeError(f"{rel}: the Hub answered for commit {meta.commit_hash}, not the pinned {revision}")
+    if meta.xet_file_data is not None and is_xet_available():
+        hf_hub_download(repo_id, rel, revision=revision, local_dir=str(root), token=token, endpoint=endpoint)
+        return {"path": rel, "resumed_from": 0, "received": meta.size, "via": "xet"}
+    headers = build_hf_headers(token=token)
+    if urlsplit(meta.location)[:2] != urlsplit(url)[:2]:
+        headers.pop("authorization", None)  # a signed CDN URL: the token stays with the Hub
+    part = partial_path(root, rel, meta.etag or "")
+    part.parent.mkdir(parents=True, exist_ok=True)
+    resumed_from = part.stat().st_size if part.exists() else 0
+    received = _stream_into(meta.location, part, meta.size, headers)
+    dest = root / rel
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(part, dest)
+    if resumed_from:
+        log.info("%s: resumed at byte %d, received %d", rel, resumed_from, received)
+    return {"path": rel, "resumed_from": resumed_from, "received": received, "via": "http"}
+
+
+def _remove_partials(local_dir: Path) -> None:
+    """Drop leftover partial files (after every wanted file is in place)."""
+    shutil.rmtree(Path(state_dir(str(local_dir))) / PARTIAL_DIR, ignore_errors=True)
+
+
+def fetch_files(
+    repo_id: str,
+    revision: str,
+    local_dir: str | os.PathLike[str],
+    files: list[str],
+    *,
+    token: str | None = None,
+    endpoint: str | None = None,
+    max_workers: int = 8,
+) -> list[dict[str, Any]]:
+    """:func:`fetch_file` each of ``files`` in parallel; every file is attempted, then the
+    first error (if any) is raised. Call while holding :func:`download_lock`."""
+    _require_commit(revision)
+    errors: list[BaseException] = []
+    done: list[dict[str, Any]] = []
+
+    def one(rel: str) -> dict[str, Any] | None:
+        try:
+            result = fetch_file(repo_id, revision, local_dir, rel, token=token, endpoint=endpoint)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the other files
+            log.error("%s: %s", rel, exc)
+            errors.append(exc)
+            return None
+        done.append(result)
+        log.info("fetched %s (%d/%d files, %d bytes received so far)", rel, len(done), len(files),
+                 sum(r["received"] or 0 for r in done))
+        return result
+
+    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(files) or 1))) as pool:
+        results = [r for r in pool.map(one, files) if r is not None]
+    if errors:
+        raise errors[0]
+    return results
+
+
+def download(
+    repo_id: str,
+    revision: str,
+    local_dir: str | os.PathLike[str],
+    files: dict[str, Any],
+    *,
+    token: str | None = None,
+    endpoint: str | None = None,
+    max_workers: int = 8,
+) -> list[dict[str, Any]]:
+    """Fetch the manifest's ``files`` of ``repo_id`` at commit ``revision`` that are not in
+    ``local_dir`` yet (largest first); partial files from an earlier run are resumed.
+
+    Example:
+        >>> m = ensure_manifest("moonshotai/Kimi-K2-Thinking", "6126...", "/models/k2",
+        ...                     token=read_token(), endpoint=None)       # doctest: +SKIP
+        >>> download(m["repo_id"], m["revision"], "/models/k2", m["files"], max_workers=16)  # doctest: +SKIP
+        [{'path': 'model-00001-of-000062.safetensors', 'resumed_from': 0, ...}, ...]
+    """
+    _require_commit(revision)
+    root = Path(local_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    with download_lock(root):
+        remove_orphaned_partials(root)
+        missing = sorted((rel for rel in files if not (root / rel).is_file()),
+                         key=lambda rel: (-int(files[rel].get("size") or 0), rel))
+        _check_free_space(root, sum(int(files[rel].get("size") or 0) for rel in missing))
+        results = fetch_files(repo_id, revision, root, missing, token=token, endpoint=endpoint, max_workers=max_workers)
+        _remove_partials(root)
+    return results
+
+
+def _check_free_space(root: Path, needed: int) -> None:
+    part_dir = Path(state_dir(str(root))) / PARTIAL_DIR
+    have = sum(p.stat().st_size for p in part_dir.rglob("*.part")) if part_dir.is_dir() else 0
+    free = shutil.disk_usage(root).free
+    if needed - have > free:
+        raise OSError(f"{root}: {needed - have} bytes still to download but only {free} free")
+
+
+def _forget_local_copy(local_dir: Path, rel: str) -> None:
+    """Delete a file and huggingface_hub's ``.metadata`` for it, so it is fetched again."""
+    (local_dir / rel).unlink(missing_ok=True)
+    meta = local_dir / ".cache" / "huggingface" / "download" / f"{rel}.metadata"
+    meta.unlink(missing_ok=True)
+
+
+def repair(
+    local_dir: str | os.PathLike[str],
+    manifest: dict[str, Any],
+    bad_files: list[str],
+    *,
+    token: str | None = None,
+    endpoint: str | None = None,
+    max_workers: int = 4,
+) -> list[str]:
+    """Delete and re-fetch only ``bad_files`` at the manifest's revision; returns them.
+
+    The verified marker is removed first; run :func:`verify` afterwards.
+
+    Example:
+        >>> r = verify("/models/k2", m)                                         # doctest: +SKIP
+        >>> repair("/models/k2", m, sorted({p.path for p in r.problems}))        # doctest: +SKIP
+        ['model-00007-of-000062.safetensors']
+    """
+    unknown = sorted(set(bad_files) - set(manifest["files"]))
+    if unknown:
+        raise ValueError(f"not in the manifest, cannot repair: {', '.join(unknown)}")
+    root = Path(local_dir)
+    files = sorted(set(bad_files))
+    with download_lock(root):
+        remove_marker(str(root))
+        remove_orphaned_partials(root)
+        for rel in files:
+            _forget_local_copy(root, rel)
+        fetch_files(
+            manifest["repo_id"], manifest["revision"], root, files,
+            token=token, endpoint=endpoint, max_workers=max_workers,
+        )
+    return files
+
+
+def repairable_files(report: Report) -> list[str]:
+    """Files whose problems a re-download can fix (missing, size, hash, header)."""
+    return sorted({p.path for p in report.problems if p.kind in REPAIRABLE})
+
+
+def ensure_manifest(
+    repo_id: str, revision: str, local_dir: str | os.PathLike[str], *, token: str | None, endpoint: str | None,
+    allow_patterns: list[str] | None = None,
+) -> dict[str, Any]:
+    """The directory's manifest if it pins this repo and revision, else a fresh one from the Hub (saved),
+    of the files matching ``allow_patterns`` (None: all)."""
+    _require_commit(revision)
+    path = manifest_path(local_dir)
+    if path.is_file():
+        existing = load_manifest(str(path))
+        if existing.get("repo_id") == repo_id and existing.get("revision") == revision:
+            return existing
+    manifest = build_manifest(repo_id, revision, endpoint=hub_endpoint(endpoint), token=token,
+                              allow_patterns=allow_patterns)
+    save_manifest(local_dir, manifest)
+    return manifest
+
+
+def fetch_and_verify(
+    repo_id: str,
+    revision: str,
+    local_dir: str | os.PathLike[str],
+    *,
+    token: str | None = None,
+    endpoint: str | None = None,
+    only: list[str] | None = None,
+    max_workers: int = 8,
+    allow_patterns: list[str] | None = None,
+) -> Report:
+    """Manifest → download (or re-fetch ``only``) → verify → repair bad files once → verify.
+
+    Example:
+        >>> fetch_and_verify("moonshotai/Kimi-K2-Thinking", "6126...", "/models/k2").ok  # doctest: +SKIP
+        True
+    """
+    manifest = ensure_manifest(repo_id, revision, local_dir, token=token, endpoint=endpoint,
+                               allow_patterns=allow_patterns)
+    if only:
+        repair(local_dir, manifest, only, token=token, endpoint=endpoint, max_workers=max_workers)
+    else:
+        download(repo_id, revision, local_dir, manifest["files"], token=token, endpoint=endpoint,
+                 max_workers=max_workers)
+    report = verify(str(local_dir), manifest)
+    bad = repairable_files(report)
+    if bad and len(bad) == len({p.path for p in report.problems}):
+        log.warning("re-fetching %d bad file(s): %s", len(bad), ", ".join(bad))
+        repair(local_dir, manifest, bad, token=token, endpoint=endpoint, max_workers=max_workers)
+        report = verify(str(local_dir), manifest)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m k2fleet.hostprogs.download REPO --revision SHA --dir D [--token-file F] [--only FILE...]
+    [--pattern GLOB...]``."""
+    ap = argparse.ArgumentParser(prog="python -m k2fleet.hostprogs.download")
+    ap.add_argument("repo_id")
+    ap.add_argument("--revision", required=True, help="40-hex commit sha (branches and tags are refused)")
+    ap.add_argument("--dir", required=True, help="local directory to download into")
+    ap.add_argument("--token-file", help="file holding the Hub token (default: env HF_TOKEN)")
+    ap.add_argument("--only", nargs="+", metavar="FILE", help="delete and re-fetch only these files")
+    ap.add_argument("--max-workers", type=int, default=8)
+    ap.add_argument("--pattern", nargs="+", metavar="GLOB", help="only the repository files matching these globs")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if not is_commit_sha(args.revision):
+        print(f"error: revision {args.revision!r} is not a 40-hex commit sha; pin one", file=sys.stderr)
+        return 2
+    report = fetch_and_verify(
+        args.repo_id, args.revision, args.dir,
+        token=read_token(args.token_file), only=args.only, max_workers=args.max_workers,
+        allow_patterns=args.pattern,
+    )
+    for line in report.lines():
+        print(line)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,371 @@
+"""Host-side state probe: one round trip returns everything the deploy decides on.
+
+This file is run ON THE HOST by the :class:`k2fleet.deploy.facts.HostState` fact (``python3 -``
+with the source on stdin), so it is standard-library only and imports nothing from
+k2fleet. Input: one JSON document (argv[1]) naming what to look at; output: one JSON
+document with hardware facts (GPUs, driver, disk, RAM, /dev/shm, NICs, IB HCAs) and the
+state of the files, units, packages and health endpoints the deploy manages, plus what
+the bootstrap decides on (OS release, kernel, Secure Boot, the GPUs on the PCI bus, the
+loaded kernel module's version, installed package versions and holds).
+
+``--gate JSON`` runs the same probe after the bootstrap and compares it with the
+expectations in JSON (GPU count and type, driver branch, loaded module = installed
+driver, NVLink fabric state, services); it prints one line per mismatch and exits 1
+(0: every expectation holds). Still read-only.
+
+Simulated GPUs (the sandbox, TEST DOUBLES): a host whose ``/etc/k2fleet-doubles/gpus.json``
+exists (written by the sandbox when it boots the host) reports that hardware instead of
+the PCI bus, and the loaded module's version from the NVIDIA/AMD double packages'
+``/run/k2fleet-doubles/*/module-version`` (``/run`` is emptied at every boot, like a
+loaded module).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+
+def _run(argv: list[str]) -> str | None:
+    if not shutil.which(argv[0]):
+        return None
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def gpus() -> dict:
+    out = _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"])
+    if out:
+        rows = [[c.strip() for c in line.split(",")] for line in out.strip().splitlines() if line.strip()]
+        return {
+            "vendor": "nvidia",
+            "names": [r[0] for r in rows],
+            "memory_mib": [int(float(r[1])) for r in rows],
+            "driver": rows[0][2] if rows else None,
+        }
+    out = _run(["rocm-smi", "--showproductname", "--showmeminfo", "vram", "--showdriverversion", "--json"])
+    if out:
+        try:
+            data = json.loads(out)
+        except ValueError:
+            data = {}
+        cards = {k: v for k, v in data.items() if k.startswith("card")}
+        return {
+            "vendor": "amd",
+            "names": [v.get("Card series", v.get("Card SKU", "")) for v in cards.values()],
+            "memory_mib": [int(v.get("VRAM Total Memory (B)", 0)) // 2**20 for v in cards.values()],
+            "driver": data.get("system", {}).get("Driver version"),
+        }
+    return {"vendor": None, "names": [], "memory_mib": [], "driver": None}
+
+
+SIMULATED_HARDWARE = "/etc/k2fleet-doubles/gpus.json"
+DOUBLE_MODULE = "/run/k2fleet-doubles/{module}/module-version"
+PCI_VENDORS = {"0x10de": "nvidia", "0x1002": "amd"}
+PCI_GPU_CLASSES = ("0x0300", "0x0302", "0x0380")  # VGA, 3D controller, display (AMD Instinct)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def hardware() -> dict:
+    """The GPUs on the PCI bus (no driver needed): vendor and count; simulated ones from
+    the sandbox's hardware file (marked ``simulated``)."""
+    text = _read(SIMULATED_HARDWARE)
+    if text is not None:
+        try:
+            sim = json.loads(text)
+        except ValueError:
+            sim = {}
+        return {"vendor": sim.get("vendor"), "count": int(sim.get("count", 0)), "name": sim.get("name"),
+                "simulated": True}
+    found: dict = {}
+    for dev in glob.glob("/sys/bus/pci/devices/*"):
+        vendor = PCI_VENDORS.get(_read(dev + "/vendor") or "")
+        if vendor and (_read(dev + "/class") or "")[:6] in PCI_GPU_CLASSES:
+            found[vendor] = found.get(vendor, 0) + 1
+    vendor = max(found, key=found.get) if found else None
+    return {"vendor": vendor, "count": found.get(vendor, 0) if vendor else 0, "name": None, "simulated": False}
+
+
+def module_version(module: str, simulated: bool) -> str | None:
+    """Version of the loaded kernel module (None: not loaded)."""
+    if simulated:
+        return _read(DOUBLE_MODULE.format(module=module))
+    if not os.path.isdir(f"/sys/module/{module}"):
+        return None
+    return _read(f"/sys/module/{module}/version") or "loaded"
+
+
+def os_release() -> dict:
+    out = {}
+    for line in (_read("/etc/os-release") or "").splitlines():
+        key, _, value = line.partition("=")
+        if key in ("ID", "VERSION_ID"):
+            out[key.lower()] = value.strip('"')
+    return out
+
+
+def secure_boot() -> bool | None:
+    """UEFI Secure Boot on (True), off (False), or no UEFI variables (None)."""
+    for path in glob.glob("/sys/firmware/efi/efivars/SecureBoot-*"):
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError:
+            return None
+        return bool(data[4:5] == b"\x01")
+    return None
+
+
+def package_versions(patterns: list) -> dict:
+    """Installed version of every installed package matching ``patterns`` (dpkg globs)."""
+    if not patterns:
+        return {}
+    out = _run(["dpkg-query", "-W", "-f", "${Package} ${Version} ${db:Status-Abbrev}\n", *patterns]) or ""
+    rows = (line.split() for line in out.splitlines())
+    return {r[0]: r[1] for r in rows if len(r) >= 3 and r[2][1:2] == "i"}  # ii, hi (held): installed
+
+
+def holds() -> list:
+    return sorted((_run(["apt-mark", "showhold"]) or "").split())
+
+
+def reboot_required() -> list:
+    """Packages that asked for a reboot (Debian/Ubuntu's /run/reboot-required.pkgs)."""
+    if not os.path.exists("/run/reboot-required"):
+        return []
+    return sorted(set((_read("/run/reboot-required.pkgs") or "").split())) or ["(unnamed)"]
+
+
+def bootstrap_state(query: dict) -> dict:
+    hw = hardware()
+    return {
+        "os": os_release(),
+        "kernel": os.uname().release,
+        "secure_boot": secure_boot(),
+        "hardware": hw,
+        "modules": {m: module_version(m, hw["simulated"]) for m in ("nvidia", "amdgpu")},
+        "nouveau": os.path.isdir("/sys/module/nouveau"),
+        "package_versions": package_versions(query.get("package_versions", [])),
+        "holds": holds() if shutil.which("apt-mark") else [],
+        "reboot_required": reboot_required(),
+    }
+
+
+def disk_free(path: str) -> int:
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path.rstrip("/")) or "/"
+    st = os.statvfs(path or "/")
+    return st.f_bavail * st.f_frsize
+
+
+def mem_total() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def shm_size() -> int:
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return 0
+    return st.f_blocks * st.f_frsize
+
+
+def nics() -> dict:
+    out = {}
+    addrs = _run(["ip", "-j", "addr"])
+    if addrs:
+        for link in json.loads(addrs):
+            out[link["ifname"]] = [a["local"] for a in link.get("addr_info", [])]
+    return out
+
+
+def ib_hcas() -> list:
+    try:
+        return sorted(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return []
+
+
+def sha256_of(path: str) -> str | None:
+    try:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        return h.hexdigest()
+    except OSError:
+        return None
+
+
+def units(names: list) -> dict:
+    if not names:
+        return {}
+    out = _run(["systemctl", "show", *names, "-p", "Id,ActiveState,UnitFileState,LoadState"]) or ""
+    result, current = {}, {}
+    for line in out.splitlines() + [""]:
+        if not line.strip():
+            if current.get("Id"):
+                result[current["Id"]] = current
+            current = {}
+            continue
+        key, _, value = line.partition("=")
+        current[key] = value
+    return result
+
+
+def packages(names: list) -> list:
+    """The installed ones of ``names``."""
+    return sorted(package_versions(names))
+
+
+def checks(named: dict) -> dict:
+    """Run each named argv (when its program exists); return its exit code or None."""
+    result = {}
+    for name, argv in named.items():
+        if not os.path.exists(argv[1] if argv[0].endswith("python3") else argv[0]):
+            result[name] = None
+            continue
+        try:
+            result[name] = subprocess.run(argv, capture_output=True, timeout=60).returncode
+        except (OSError, subprocess.SubprocessError):
+            result[name] = None
+    return result
+
+
+def _smi(args: list) -> tuple:
+    """(exit code, output) of nvidia-smi (127: not installed)."""
+    if not shutil.which("nvidia-smi"):
+        return 127, "nvidia-smi: not installed"
+    try:
+        proc = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return 1, str(exc)
+    return proc.returncode, (proc.stdout + proc.stderr).strip()
+
+
+def fabric_states(text: str) -> list:
+    """(State, Status) of every GPU's ``Fabric`` block in ``nvidia-smi -q`` output."""
+    out, block, current = [], False, {}
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped == "Fabric":
+            block, current = True, {}
+            out.append(current)
+            continue
+        if block:
+            key, sep, value = stripped.partition(":")
+            if not sep:
+                block = False
+                continue
+            if key.strip() in ("State", "Status"):
+                current[key.strip()] = value.strip()
+            elif len(line) - len(line.lstrip()) <= 4:
+                block = False
+    return [(b.get("State"), b.get("Status")) for b in out]
+
+
+def nvidia_problems(want: dict) -> list:
+    code, out = _smi(["--query-gpu=name,driver_version", "--format=csv,noheader"])
+    if code != 0:
+        return [f"nvidia-smi failed ({code}): {out.splitlines()[0] if out else ''}"]
+    rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
+    problems = []
+    if len(rows) < want["count"]:
+        problems.append(f"{len(rows)} GPUs visible, the plan needs {want['count']}")
+    wrong = sorted({r[0] for r in rows if want["name"].upper() not in r[0].upper()})
+    if wrong:
+        problems.append(f"GPU type {', '.join(wrong)}, the plan is for {want['name']}")
+    driver = rows[0][1] if rows else ""
+    major = int(driver.split(".")[0]) if driver[:3].isdigit() else 0
+    if major != want["branch"]:
+        problems.append(f"driver {driver} is not of branch {want['branch']}")
+    if major < want["minimum"]:
+        problems.append(f"driver {driver} is older than the minimum branch {want['minimum']}")
+    if want.get("version") and driver != want["version"]:
+        problems.append(f"driver {driver}, the plan pins {want['version']}")
+    installed = package_versions([want["driver_package"]]).get(want["driver_package"], "")
+    loaded = module_version("nvidia", hardware()["simulated"])
+    if installed.split(":")[-1].split("-")[0] != loaded:
+        problems.append(f"loaded kernel module {loaded} differs from the installed driver {installed} (reboot)")
+    if want.get("fabric"):
+        code, out = _smi(["-q"])
+        states = fabric_states(out) if code == 0 else []
+        bad = [s for s in states if s != ("Completed", "Success")]
+        if not states or bad:
+            problems.append(f"NVLink fabric not ready on {len(bad) if states else 'any'} GPU(s) "
+                            f"({bad[0] if bad else 'no Fabric block'}): CUDA would fail with error 802; "
+                            "check nvidia-fabricmanager (its version must equal the driver's)")
+    return problems
+
+
+def amd_problems(want: dict) -> list:
+    hw = hardware()
+    problems = []
+    if module_version("amdgpu", hw["simulated"]) is None:
+        problems.append("the amdgpu kernel module is not loaded")
+    if hw["count"] < want["count"]:
+        problems.append(f"{hw['count']} AMD GPUs on the PCI bus, the plan needs {want['count']}")
+    return problems
+
+
+def gate(want: dict) -> int:
+    """Compare the host with ``want`` until it matches or ``want['timeout']`` passes;
+    print every mismatch of the last look (see the module doc)."""
+    deadline = time.monotonic() + float(want.get("timeout", 0))
+    while True:
+        problems = nvidia_problems(want) if want["vendor"] == "nvidia" else amd_problems(want)
+        for unit in want.get("services", []):
+            state = (_run(["systemctl", "is-active", unit]) or "").strip()
+            if state != "active":
+                problems.append(f"{unit} is {state or 'unknown'}")
+        if not problems or time.monotonic() >= deadline:
+            break
+        time.sleep(2)
+    for line in problems:
+        print(f"GPU gate: {line}")
+    return 1 if problems else 0
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--gate"]:
+        sys.exit(gate(json.loads(sys.argv[2])))
+    query = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    report = {
+        "gpus": gpus(),
+        "disk_free": disk_free(query.get("disk_path", "/")),
+        "mem_total": mem_total(),
+        "shm_size": shm_size(),
+        "nics": nics(),
+        "ib_hcas": ib_hcas(),
+        "files": {p: sha256_of(p) for p in query.get("files", [])},
+        "exists": {p: os.path.exists(p) for p in query.get("exists", [])},
+        "globs": {g: sorted(glob.glob(g)) for g in query.get("globs", [])},
+        "units": units(query.get("units", [])),
+        "packages": packages(query.get("packages", [])),
+        "checks": checks(query.get("checks", {})),
+        "bootstrap": bootstrap_state(query),
+    }
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

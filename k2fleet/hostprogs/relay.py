@@ -1,0 +1,867 @@
+"""Runs ON a host, or on the control machine (standard library only, with verify.py and
+swarm.py beside it): pipelined checkpoint distribution — each host passes a shard on as
+soon as it has verified it.
+
+    python3 relay.py mark  DIR                       # hash every file against the manifest, mark the good ones
+    python3 relay.py serve DIR --bind ADDR --port P   # serve the verified files (HTTP, Range), until killed
+    python3 relay.py fetch DIR --fleet URL,URL,... --position I [--fanout K] [--source URL] [--log FILE]
+    python3 relay.py fetch DIR --source URL [--source URL ...] [--plan FILE]
+
+The deploy (``k2fleet/deploy/roles/checkpoint.py``) starts ``serve`` on every host that loads weights and
+``fetch --fleet`` on every host whose copy is not verified: per shard, the host at
+position I takes it from its parent in :func:`swarm.plan_sources`'s plan over the fleet
+order (``--fanout 1``: a chain; k: per-shard k-ary trees), falling back to the parent's
+ancestors and last to ``--source`` (the control machine's verified copy). Every host
+receives every byte once over its own link and the shards flow down the fleet one behind
+the other, so the fleet is done a few shard-times after one host's transfer time S/B
+(``bench/distribution_bench.py`` measures it against the doubling tree's 1 + ⌈log2 N⌉
+full rounds).
+
+Rules it keeps:
+
+- **Never serve unverified.** A file is served only if this relay hashed it right
+  (``DIR/.k2fleet/relay/<file>.ok``: its sha256 and the file's stat then) or verify.py's
+  ``verified.json`` for this manifest lists it, in both cases with the file's size, mtime,
+  ctime and inode unchanged since. Received bytes go through verify.py's checks of one file
+  (size, safetensors header, sha256 or git blob sha1) before they get their final name. A
+  shard corrupted in flight fails them: it is deleted, never marked, never served, and
+  fetched again (from the next source if it fails twice).
+- **Resume and repair.** ``fetch`` first drops every marker (its own and verified.json)
+  and hashes what is in place: a file that passes is kept and marked (bit rot keeps sizes
+  and mtimes, so markers alone are not trusted); the others are fetched. A killed fetch
+  leaves only ``.k2fleet/relay-partial/``, which the next run discards. When every file is
+  in, the index is checked and verify.py's ``verified.json`` written, so the checkpoint
+  gate passes without hashing anything twice.
+- **Heal around a dead host.** Each file's list is its parent, then the parent's ancestors,
+  then the source: a source that has not answered for ``--dead-after`` seconds is skipped.
+- **One transfer near the wire.** Plain HTTP/1.1 range requests on kept-alive TCP
+  connections over the private mesh (no per-byte cipher, unlike one rsync-over-SSH
+  stream; the checks above are the integrity guarantee, the weights are not secret). The
+  bytes never pass through Python: the server ``sendfile``s them, the receiver
+  ``splice``s socket → pipe → file, and a thread hashes the landed prefix meanwhile, so a
+  file is verified a moment after its last byte. The next file starts landing at once:
+  up to ``--verify-behind`` landed files (default 4) are still hashed and checked, each on
+  a thread of its own, so a link faster than one core's sha256 is not held to it.
+  ``--streams`` range streams per file (default 1: on the sandbox one spliced stream got
+  more than four); files of different lanes move at once.
+
+Prints one JSON line at the end of ``fetch`` (files, bytes, kept, seconds — and, summed
+over files, ``transfer_seconds`` landing bytes and ``verify_seconds`` finishing checks,
+which overlap —, files and bytes per source, failovers, bad shards, when it ``started``
+(epoch seconds) and each file's ``ready_at``, seconds after that) and appends it to
+``--log``.
+"""
+
+import argparse
+import fcntl
+import http.client
+import http.server
+import json
+import mmap
+import os
+import shutil
+import socket
+import socketserver
+import struct
+import sys
+import threading
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+
+try:  # on hosts: beside this file in /opt/k2fleet/lib (shipped with it)
+    import swarm
+    import verify
+except ImportError:  # in the repository
+    from k2fleet.hostprogs import swarm, verify
+
+MANIFEST = os.path.join(".k2fleet", "manifest.json")
+MARKS = os.path.join(".k2fleet", "relay")
+PARTIAL = os.path.join(".k2fleet", "relay-partial")
+HEARTBEAT = os.path.join(".k2fleet", "relay-fetching")  # touched every HEARTBEAT_S while a fetch runs
+HEARTBEAT_S = 1.0
+FETCHING_FRESH_S = 5.0
+CHUNK = 64 << 20  # the largest range one stream asks for at once
+MIN_CHUNK = 1 << 20
+BLOCK = 1 << 20
+PIPE_BYTES = 1 << 20
+HASH_STEP = 8 << 20
+SENDFILE_BLOCK = 8 << 20
+POLL_S = 0.1
+WAIT_S = 5.0  # how long a peer is asked to hold a request for a file it has not verified yet (X-K2-Wait)
+WAIT_POLL_S = 0.02
+DATA_TIMEOUT_S = 20.0  # a data connection silent this long is dropped (its source is treated as dead)
+DEAD_AFTER_S = 10.0  # a source that does not answer (or idles without the file) this long is skipped
+GIVE_UP_S = 300.0  # no source of a file answered this long: the fetch fails (it does not hang a deploy)
+VERIFY_BEHIND = 4  # landed files of a lane still hashing while the next lands (sha256: ~1.5 GB/s a core)
+STREAMS = 1  # range streams per file: one spliced stream beat four on the sandbox (bench/distribution_bench.py)
+
+
+def load_manifest(root):
+    with open(os.path.join(root, MANIFEST)) as fh:
+        return json.load(fh)
+
+
+def mark_path(root, rel):
+    return os.path.join(root, MARKS, rel + ".ok")
+
+
+def is_verified_here(root, manifest, rel, verified=None):
+    """True if ``rel`` may be served: this relay hashed it right (its marker), or verify.py's
+    ``verified.json`` for this manifest lists it (``verified``: that marker's records,
+    read once by the caller) — either way with the file's stat unchanged since."""
+    now = verify.stat_record(os.path.join(root, rel))
+    if now is None:
+        return False
+    try:
+        with open(mark_path(root, rel)) as fh:
+            if json.load(fh) == {"sha256": expected(manifest["files"][rel]), "stat": now}:
+                return True
+    except (OSError, ValueError):
+        pass
+    if verified is None:
+        verified = verify.load_marker(root, manifest)
+    return verified.get(rel) == now
+
+
+def expected(entry):
+    return entry.get("sha256") or entry.get("git_blob_sha1")
+
+
+def write_mark(root, rel, entry, stat):
+    """Record that ``rel`` hashed right while its file had ``stat``: from now on it is served."""
+    path = mark_path(root, rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump({"sha256": expected(entry), "stat": stat}, fh)
+    os.replace(tmp, path)
+
+
+def drop_marks(root, manifest):
+    """Nothing here is served until hashed again: every relay marker and verified.json go."""
+    verify.remove_marker(root)
+    for rel in manifest["files"]:
+        try:
+            os.unlink(mark_path(root, rel))
+        except OSError:
+            pass
+
+
+def mark(root):
+    """Hash every file against the manifest; mark the good ones. Returns the bad ones."""
+    manifest = load_manifest(root)
+    bad = []
+    for rel, entry in sorted(manifest["files"].items()):
+        stat, _ = verify.check_one(root, manifest, rel)
+        if stat is None:
+            bad.append(rel)
+        else:
+            write_mark(root, rel, entry, stat)
+    return bad
+
+
+# --------------------------------------------------------------------------- serving
+
+
+def is_fetching(root):
+    """True while a ``fetch`` into ``root`` is running (its heartbeat file is fresh): what
+    this host lacks now it will have, so peers wait for it rather than go elsewhere."""
+    try:
+        return time.time() - os.stat(os.path.join(root, HEARTBEAT)).st_mtime < FETCHING_FRESH_S
+    except OSError:
+        return False
+
+
+def make_handler(root):
+    manifest_path = os.path.join(root, MANIFEST)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True  # a head then a small body: no wait for a delayed ACK
+
+        def log_message(self, fmt, *args):  # quiet
+            pass
+
+        def _send(self, code, body=b"", headers=()):
+            self.send_response(code)
+            for k, v in headers:
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if body and self.command != "HEAD":
+                self.wfile.write(body)
+
+        def do_GET(self):
+            path = urllib.parse.unquote(self.path.partition("?")[0])
+            if path == "/manifest":
+                try:
+                    with open(manifest_path, "rb") as fh:
+                        return self._send(200, fh.read(), [("Content-Type", "application/json")])
+                except OSError:
+                    return self._send(404)
+            try:
+                manifest = load_manifest(root)
+            except (OSError, ValueError):
+                return self._send(503)
+            rel = path[len("/file/"):] if path.startswith("/file/") else None
+            entry = manifest["files"].get(rel) if rel else None
+            if entry is None or ".." in rel.split("/"):
+                return self._send(404)
+            wait = self._wait_seconds(self.headers.get("X-K2-Wait"))
+            deadline = time.monotonic() + wait
+            while not is_verified_here(root, manifest, rel):  # never serve unverified
+                fetching = is_fetching(root)
+                if time.monotonic() >= deadline or not fetching:
+                    return self._send(409, b"not verified here yet", [("X-K2-Fetching", "1" if fetching else "0")])
+                time.sleep(WAIT_POLL_S)
+            size = entry["size"]
+            start, end = 0, size - 1
+            rng = self.headers.get("Range")
+            if rng and rng.startswith("bytes="):
+                a, _, b = rng[6:].partition("-")
+                start, end = int(a), min(int(b) if b else size - 1, size - 1)
+            length = max(0, end - start + 1)
+            self.send_response(206 if rng else 200)
+            self.send_header("Content-Length", str(length))
+            if rng:
+                self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+            self.end_headers()
+            self.wfile.flush()
+            with open(os.path.join(root, rel), "rb") as fh:  # the kernel copies file to socket (sendfile)
+                offset, left = start, length
+                while left > 0:
+                    sent = os.sendfile(self.connection.fileno(), fh.fileno(), offset, min(left, SENDFILE_BLOCK))
+                    if sent == 0:
+                        break
+                    offset += sent
+                    left -= sent
+
+        @staticmethod
+        def _wait_seconds(value):
+            try:
+                return max(0.0, min(float(value or 0), 60.0))
+            except ValueError:
+                return 0.0
+
+    return Handler
+
+
+class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def handle_error(self, request, client_address):
+        """A peer that hangs up mid-answer (it failed over, or was killed) is routine."""
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
+
+
+def serve(root, bind, port, exit_with_parent=False):
+    """Serve ``root`` on ``bind:port`` (0: any free port) until killed; prints
+    ``{"port": N}`` once listening. ``exit_with_parent``: stop when the process that
+    started this one is gone (the control machine's relay outlives no deploy)."""
+    server = Server((bind, port), make_handler(root))
+    print(json.dumps({"port": server.server_address[1]}), flush=True)
+    if exit_with_parent:
+        parent = os.getppid()
+
+        def watch():
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(0)
+
+        threading.Thread(target=watch, daemon=True).start()
+    server.serve_forever()
+
+
+# --------------------------------------------------------------------------- fetching
+
+
+class NotReady(Exception):
+    """The source has not verified the file (yet): ``fetching`` says whether it will."""
+
+    def __init__(self, url, rel, fetching):
+        super().__init__(f"{url} has not verified {rel}{' yet' if fetching else ''}")
+        self.fetching = fetching
+
+
+class Source:
+    """One upstream relay (``http://HOST:PORT``): its idle data connections (kept alive
+    between ranges), and since when it has not answered (``dead_since``) or has answered
+    without a file while no fetch runs there (``idle_since``). Shared by the lanes of one
+    fetch."""
+
+    def __init__(self, url):
+        parsed = urllib.parse.urlsplit(url)
+        self.url, self.host, self.port = url, parsed.hostname, parsed.port or 80
+        self.dead_since = None
+        self.idle_since = {}  # file → since when it answered without it, no fetch running there
+        self._idle = []
+        self._lock = threading.Lock()
+
+    def request(self, path, headers=None, timeout=30):
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            conn.request("GET", urllib.parse.quote(path), headers=headers or {})
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def note_dead(self):
+        with self._lock:
+            self.dead_since = self.dead_since or time.monotonic()
+
+    def note_alive(self):
+        with self._lock:
+            self.dead_since = None
+
+    def note_idle(self, rel, idle):
+        """``idle``: it answered without ``rel`` and no fetch runs there (it may start late)."""
+        with self._lock:
+            if idle:
+                self.idle_since.setdefault(rel, time.monotonic())
+            else:
+                self.idle_since.pop(rel, None)
+
+    def skipped(self, rel, dead_after):
+        """Silent, or idle without ``rel``, for ``dead_after`` seconds."""
+        now = time.monotonic()
+        with self._lock:
+            return any(t is not None and now - t > dead_after for t in (self.dead_since, self.idle_since.get(rel)))
+
+    def _take(self):
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        sock = socket.create_connection((self.host, self.port), timeout=DATA_TIMEOUT_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(None)  # blocking (splice needs it); a silent peer still times out:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(DATA_TIMEOUT_S), 0))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(DATA_TIMEOUT_S), 0))
+        return sock
+
+    def _give(self, sock):
+        with self._lock:
+            self._idle.append(sock)
+
+    def get_range(self, rel, fd, start, end, landed=None, wait=WAIT_S):
+        """Write bytes ``start..end`` of ``rel`` at the same offsets of ``fd``, calling
+        ``landed(offset)`` as they land (in order within the range). One HTTP/1.1 request
+        on a kept-alive connection, asked ahead: the source holds it up to ``wait`` seconds
+        until it has verified the file (then :class:`NotReady`), so the next shard leaves
+        the moment it is verified, with no round trip through a busy link. The body goes
+        socket → pipe → file inside the kernel (splice), or through one buffer where splice
+        is missing (Python < 3.10)."""
+        sock, ok = self._take(), False
+        try:
+            sock.sendall((f"GET {urllib.parse.quote('/file/' + rel)} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+                          f"Range: bytes={start}-{end}\r\nX-K2-Wait: {wait}\r\n\r\n").encode())
+            status, length, body, headers = read_head(sock)
+            if status == 409:
+                raise NotReady(self.url, rel, headers.get("x-k2-fetching", "1") == "1")
+            if status not in (200, 206) or length != end - start + 1:
+                raise OSError(f"{self.url} answered {status} ({length} bytes) for {rel} {start}-{end}")
+            offset = start
+            if body:
+                os.pwrite(fd, body, offset)
+                offset += len(body)
+                if landed:
+                    landed(offset)
+            offset = (splice_into if hasattr(os, "splice") else copy_into)(sock, fd, offset, end + 1, landed)
+            if offset != end + 1:
+                raise OSError(f"{self.url}: short read of {rel} ({offset - start} of {end - start + 1} bytes)")
+            ok = True
+        except ValueError as exc:
+            raise OSError(f"{self.url}: {exc!r} for {rel}") from exc
+        finally:
+            if ok:
+                self._give(sock)
+            else:
+                sock.close()
+
+
+HEAD_MAX = 64 << 10
+
+
+def read_head(sock):
+    """Read an HTTP/1.1 response head from ``sock``: (status, Content-Length, the body
+    bytes that came with the head, the headers by lower-case name)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        got = sock.recv(HEAD_MAX)
+        if not got or len(data) > HEAD_MAX:
+            raise OSError("connection closed before a response head")
+        data += got
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    length = int(headers.get("content-length", "0"))
+    if len(body) > length:
+        raise OSError("more bytes than the response's Content-Length")
+    if status not in (200, 206):  # an error's small body: the connection is not kept anyway
+        body = b""
+    return status, length, body, headers
+
+
+def splice_into(sock, fd, offset, stop, landed):
+    """Move bytes from ``sock`` to ``fd`` at ``offset`` until ``stop`` (or EOF) in the
+    kernel: socket → pipe → page cache, no copy through this process. Returns the offset
+    reached."""
+    r, w = os.pipe()
+    try:
+        try:
+            fcntl.fcntl(w, 1031, PIPE_BYTES)  # F_SETPIPE_SZ: fewer, larger moves
+        except OSError:
+            pass
+        while offset < stop:
+            n = os.splice(sock.fileno(), w, min(PIPE_BYTES, stop - offset))
+            if n == 0:
+                break
+            while n:
+                moved = os.splice(r, fd, n, offset_dst=offset)
+                offset += moved
+                n -= moved
+            if landed:
+                landed(offset)
+    except BlockingIOError as exc:  # SO_RCVTIMEO ran out
+        raise OSError(f"no bytes for {DATA_TIMEOUT_S:.0f}s") from exc
+    finally:
+        os.close(r)
+        os.close(w)
+    return offset
+
+
+def copy_into(sock, fd, offset, stop, landed):
+    """:func:`splice_into` through one buffer (no os.splice)."""
+    view = memoryview(bytearray(BLOCK))
+    while offset < stop:
+        n = sock.recv_into(view[: min(BLOCK, stop - offset)])
+        if n == 0:
+            break
+        os.pwrite(fd, view[:n], offset)
+        offset += n
+        if landed:
+            landed(offset)
+    return offset
+
+
+class LandingHash:
+    """Hashes a file while range streams write it: a thread follows the contiguous prefix
+    that has landed (read back from the file, so what is hashed is what is on disk), so
+    the file's hash is ready a moment after its last byte rather than a full re-read later."""
+
+    def __init__(self, fd, hasher, ranges):
+        self.fd, self.hasher, self.ranges = fd, hasher, ranges
+        self.size = ranges[-1][1] + 1 if ranges else 0
+        self.landed = [a for a, _ in ranges]  # per range: the offset its bytes reached
+        self.hashed = 0
+        self.stop = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def landed_at(self, i):
+        def note(offset):
+            with self._cond:
+                self.landed[i] = offset
+                self._cond.notify()
+        return note
+
+    def _frontier(self):
+        for (_, b), reached in zip(self.ranges, self.landed):
+            if reached <= b:
+                return reached
+        return self.size
+
+    def _run(self):
+        """Hash from a read-only map of the file: the landed bytes go from the page cache
+        to sha256 with no copy through a buffer (one less pass over memory per byte)."""
+        mapped = mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ) if self.size else None
+        view = memoryview(mapped) if mapped is not None else memoryview(b"")
+        try:
+            while self.hashed < self.size:
+                with self._cond:
+                    while self._frontier() <= self.hashed and not self.stop:
+                        self._cond.wait(0.5)
+                    if self.stop:
+                        return
+                    frontier = self._frontier()
+                while self.hashed < frontier:
+                    step = min(HASH_STEP, frontier - self.hashed)
+                    self.hasher.update(view[self.hashed:self.hashed + step])
+                    self.hashed += step
+        finally:
+            view.release()
+            if mapped is not None:
+                mapped.close()
+
+    def result(self):
+        """The hex digest once every byte is hashed (call after the ranges completed)."""
+        self._thread.join()
+        return self.hasher.hexdigest() if self.hashed == self.size else None
+
+    def abandon(self):
+        with self._cond:
+            self.stop = True
+            self._cond.notify()
+        self._thread.join()
+
+
+def plan_ranges(size, streams, chunk=CHUNK):
+    """Byte ranges of one file for ``streams`` parallel streams, taken in order: a quarter
+    of a stream's share each (so the landed prefix, which is hashed, advances steadily),
+    between :data:`MIN_CHUNK` and ``chunk`` bytes.
+
+    >>> plan_ranges(10, 4)
+    [(0, 9)]
+    >>> len(plan_ranges(16 << 20, 4)), len(plan_ranges(10 << 30, 4)), len(plan_ranges(10 << 30, 1))
+    (16, 160, 160)
+    """
+    if streams <= 1:  # one stream: the landed prefix is the stream's own progress
+        step = max(MIN_CHUNK, chunk)
+    else:
+        step = max(MIN_CHUNK, min(chunk, -(-size // (4 * streams))))
+    return [(a, min(a + step, size) - 1) for a in range(0, size, step)]
+
+
+class Landed:
+    """A file whose bytes have all landed in its partial file: its hash may still be
+    catching up (:class:`LandingHash`), its checks are still to come (:func:`finish_file`)."""
+
+    def __init__(self, part, fd, hashing, seconds):
+        self.part, self.fd, self.hashing, self.seconds = part, fd, hashing, seconds
+
+
+def land_file(source, root, manifest, rel, streams, chunk):
+    """Receive ``rel`` from ``source`` into a partial file over ``streams`` range streams,
+    hashing it as it lands; return once its last byte landed (the hash may lag behind)."""
+    t0 = time.monotonic()
+    part = os.path.join(root, PARTIAL, rel)
+    os.makedirs(os.path.dirname(part), exist_ok=True)
+    size = manifest["files"][rel]["size"]
+    fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, size)
+        ranges = plan_ranges(size, streams, chunk)
+        hashing = LandingHash(fd, verify.new_hasher(manifest["files"][rel]), ranges)
+        try:
+            if streams <= 1 or len(ranges) <= 1:
+                for i, (a, b) in enumerate(ranges):
+                    source.get_range(rel, fd, a, b, hashing.landed_at(i))
+            else:
+                with ThreadPoolExecutor(max_workers=min(streams, len(ranges))) as pool:
+                    for f in [pool.submit(source.get_range, rel, fd, a, b, hashing.landed_at(i))
+                              for i, (a, b) in enumerate(ranges)]:
+                        f.result()
+        except BaseException:
+            hashing.abandon()
+            raise
+    except BaseException:
+        os.close(fd)
+        raise
+    return Landed(part, fd, hashing, time.monotonic() - t0)
+
+
+def finish_file(landed, root, manifest, rel):
+    """Wait for ``landed``'s hash, verify it (verify.py's checks of one file, with that
+    hash), move it into place and mark it. True if it verified; False if the bytes were
+    bad (deleted, not marked)."""
+    try:
+        digest = landed.hashing.result()
+        hashed_stat = verify.stat_record(landed.part)
+    finally:
+        os.close(landed.fd)
+    stat, _ = verify.check_one(os.path.join(root, PARTIAL), manifest, rel,
+                               (digest, hashed_stat) if digest else None)
+    if stat is None:
+        os.unlink(landed.part)
+        return False
+    dest = os.path.join(root, rel)
+    os.makedirs(os.path.dirname(dest) or root, exist_ok=True)
+    os.replace(landed.part, dest)
+    moved = verify.stat_record(dest)  # a rename changes ctime only
+    if moved is None or {k: moved[k] for k in ("size", "mtime_ns", "ino")} != {k: stat[k] for k in ("size", "mtime_ns", "ino")}:
+        return False
+    write_mark(root, rel, manifest["files"][rel], moved)
+    return True
+
+
+def _manifest_from(sources, wait_s=600.0):
+    """The manifest from the first source that has one; sources that answer without one
+    yet (a peer still fetching it) are waited for, up to ``wait_s`` seconds."""
+    deadline, last = time.monotonic() + wait_s, None
+    while time.monotonic() < deadline:
+        for src in sources:
+            try:
+                status, body = src.request("/manifest", timeout=10)
+                if status == 200:
+                    return body
+                last = f"{src.url} answered {status}"
+            except OSError as exc:
+                last = exc
+        time.sleep(POLL_S)
+    raise SystemExit(f"no source answered with a manifest ({last})")
+
+
+def fleet_plan(files, fleet, position, fanout, sources):
+    """file → URLs to try, parent first (:func:`swarm.plan_sources` over the fleet's relay
+    URLs, this host at ``position``); the plan's source is ``sources`` (none: skipped)."""
+    plan = swarm.plan_sources(list(range(len(fleet))), sorted(files), fanout)[position]
+    return {rel: [u for p in chain for u in ([fleet[p]] if p is not None else sources)] for rel, chain in plan.items()}
+
+
+class _Fetch:
+    """State the lanes of one fetch share (under ``lock``)."""
+
+    def __init__(self, root, manifest, urls, plan, streams, chunk, dead_after, give_up_after, t0, verify_behind):
+        self.root, self.manifest, self.urls, self.plan = root, manifest, urls, plan or {}
+        self.streams, self.chunk, self.dead_after, self.give_up_after = streams, chunk, dead_after, give_up_after
+        self.verify_behind = max(0, verify_behind)
+        self.lock = threading.Lock()
+        self.sources = {}
+        self.refused = {}  # (file, url) → times its bytes did not verify
+        self.failed_over = set()
+        self.clock = {"transfer": 0.0, "verify": 0.0}  # seconds receiving bytes, finishing checks
+        self.report = {"files": 0, "bytes": 0, "kept": 0, "bad_shards": [], "sources": {}, "bytes_from": {},
+                       "failovers": 0, "ready_at": {}}
+        self.t0 = t0  # the fetch's start: ready_at counts from it
+        self.abort = threading.Event()
+
+    def source(self, url):
+        with self.lock:
+            if url not in self.sources:
+                self.sources[url] = Source(url)
+            return self.sources[url]
+
+    def pick(self, rel):
+        """The source to take ``rel`` from now: the first of its list not skipped."""
+        candidates = [self.source(u) for u in (self.plan.get(rel) or self.urls)]
+        if not candidates:
+            raise SystemExit(f"{rel}: no source to fetch it from")
+        with self.lock:
+            refused = dict(self.refused)
+        live = [c for c in candidates if refused.get((rel, c.url), 0) < 2 and not c.skipped(rel, self.dead_after)]
+        if not live:  # every source failed this file: start over with the last (the source)
+            if all(refused.get((rel, c.url), 0) >= 2 for c in candidates):
+                raise SystemExit(f"{rel}: no source gave bytes matching the manifest")
+            now = time.monotonic()
+            if all(c.dead_since and now - c.dead_since > self.give_up_after for c in candidates):
+                raise SystemExit(f"{rel}: no source answered for {self.give_up_after:.0f}s "
+                                 f"({', '.join(c.url for c in candidates)})")
+            live = candidates[-1:]
+        if live[0] is not candidates[0]:
+            with self.lock:
+                if rel not in self.failed_over:
+                    self.failed_over.add(rel)
+                    self.report["failovers"] += 1
+        return live[0]
+
+    def lane(self, files):
+        """Take ``files`` in order, each as soon as its source has verified it. Bytes land
+        one file at a time; while the next one lands, up to ``verify_behind`` landed files
+        are still hashed and checked, each on a thread of its own (0: one file at a time).
+        On a link faster than one core's sha256, the hashing spreads over cores instead of
+        holding the link."""
+        behind = threading.BoundedSemaphore(self.verify_behind + 1)  # + the file landing
+        with ThreadPoolExecutor(max_workers=self.verify_behind + 1) as finishers:
+            checks = []
+            for rel, entry in files:
+                behind.acquire()
+                got = self.land(rel)
+                if got is None:  # the fetch was aborted
+                    behind.release()
+                    break
+                checks.append(finishers.submit(self.finish, rel, entry, *got, behind))
+            for check in checks:
+                check.result()
+
+    def land(self, rel):
+        """(source, :class:`Landed`) of ``rel``, from the first source :meth:`pick` allows
+        that has verified it; None once the fetch is aborted."""
+        while not self.abort.is_set():
+            src = self.pick(rel)
+            try:
+                landed = land_file(src, self.root, self.manifest, rel, self.streams, self.chunk)
+            except NotReady as exc:  # held for WAIT_S: ask again, or go on if no fetch runs there
+                src.note_idle(rel, not exc.fetching)
+                if not exc.fetching:
+                    time.sleep(POLL_S)
+                continue
+            except OSError:
+                src.note_dead()
+                time.sleep(POLL_S)
+                continue
+            src.note_idle(rel, False)
+            src.note_alive()
+            return src, landed
+        return None
+
+    def finish(self, rel, entry, src, landed, behind):
+        """Check a landed file and mark it. Bytes that do not verify count against their
+        source and the file is landed again (from the source :meth:`pick` allows then)."""
+        try:
+            while True:
+                t = time.monotonic()
+                ok = finish_file(landed, self.root, self.manifest, rel)
+                with self.lock:
+                    self.clock["transfer"] += landed.seconds
+                    self.clock["verify"] += time.monotonic() - t
+                    if ok:
+                        self.report["ready_at"][rel] = round(time.monotonic() - self.t0, 3)
+                        self.report["files"] += 1
+                        self.report["bytes"] += entry["size"]
+                        self.report["sources"][src.url] = self.report["sources"].get(src.url, 0) + 1
+                        self.report["bytes_from"][src.url] = self.report["bytes_from"].get(src.url, 0) + entry["size"]
+                        return
+                    self.report["bad_shards"].append({"file": rel, "source": src.url})
+                    self.refused[(rel, src.url)] = self.refused.get((rel, src.url), 0) + 1
+                got = self.land(rel)
+                if got is None:
+                    return
+                src, landed = got
+        finally:
+            behind.release()
+
+
+def _heartbeat(root, stop):
+    """Keep ``root``'s heartbeat file fresh until ``stop`` is set (then remove it)."""
+    path = os.path.join(root, HEARTBEAT)
+    with open(path, "w") as fh:
+        fh.write(str(os.getpid()))
+    while not stop.wait(HEARTBEAT_S):
+        try:
+            os.utime(path)
+        except OSError:
+            pass
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_after=DEAD_AFTER_S, fleet=None,
+          position=None, fanout=1, give_up_after=GIVE_UP_S, verify_behind=VERIFY_BEHIND):
+    """Fetch every file of the sources' manifest into ``root``, each from the first live
+    source of its list, verifying each before it is marked (and so served onward).
+    The lists: ``plan`` (file → URLs, parent first), or the fleet's per-shard plan
+    (``fleet``: every host's relay URL in fleet order, this host at ``position``; the
+    source is ``urls``), or ``urls`` for every file. Files are taken in ``fanout`` lanes
+    at once (shard j in lane j mod fanout: one lane per tree of the plan, each fed by its
+    own parent), in order within a lane."""
+    os.makedirs(os.path.join(root, ".k2fleet"), exist_ok=True)
+    shutil.rmtree(os.path.join(root, PARTIAL), ignore_errors=True)  # a killed run's leftovers
+    t0, started = time.monotonic(), time.time()
+    stop = threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(root, stop), daemon=True)
+    beat.start()
+    try:
+        ancestors = fleet[:position] if fleet else []
+        manifest_bytes = _manifest_from([Source(u) for u in [*reversed(ancestors), *urls]], give_up_after)
+        manifest = json.loads(manifest_bytes)
+        if fleet:
+            plan = fleet_plan(manifest["files"], fleet, position, fanout, urls)
+        try:
+            old_files = load_manifest(root)["files"]
+        except (OSError, ValueError, KeyError):
+            old_files = {}
+        # nothing is served until hashed again (bit rot keeps sizes and mtimes): the markers of
+        # the old manifest's files and the new one's, and verify.py's marker, go
+        drop_marks(root, {"files": {**old_files, **manifest["files"]}})
+        with open(os.path.join(root, MANIFEST) + ".tmp", "wb") as fh:
+            fh.write(manifest_bytes)
+        os.replace(os.path.join(root, MANIFEST) + ".tmp", os.path.join(root, MANIFEST))
+        run = _Fetch(root, manifest, urls, plan, streams, chunk, dead_after, give_up_after, t0, verify_behind)
+        lanes = [[] for _ in range(max(1, fanout if fleet else 1))]
+        todo = set(mark(root))  # resume/repair: what hashes right stays (and is served at once)
+        run.report["kept"] = len(manifest["files"]) - len(todo)
+        for j, (rel, entry) in enumerate(sorted(manifest["files"].items())):
+            if rel in todo:
+                lanes[j % len(lanes)].append((rel, entry))
+        with ThreadPoolExecutor(max_workers=len(lanes)) as pool:
+            futures = [pool.submit(run.lane, files) for files in lanes if files]
+            try:
+                for f in futures:
+                    f.result()
+            finally:
+                run.abort.set()
+    finally:
+        stop.set()
+        beat.join()
+    shutil.rmtree(os.path.join(root, PARTIAL), ignore_errors=True)
+    report = run.report
+    # every file verified and marked: verify.py's marker too (index and headers checked,
+    # nothing hashed twice), so the deploy's checkpoint gate passes without re-hashing
+    stats = {rel: verify.stat_record(os.path.join(root, rel)) for rel in manifest["files"]}
+    problems = verify.index_problems(root, manifest)
+    if not problems and all(is_verified_here(root, manifest, rel, {}) for rel in manifest["files"]):
+        verify.write_marker(root, manifest, stats)
+    report.update(seconds=round(time.monotonic() - t0, 3), started=round(started, 3), dir=root, verified=not problems,
+                  transfer_seconds=round(run.clock["transfer"], 3), verify_seconds=round(run.clock["verify"], 3),
+                  time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    line = json.dumps(report, sort_keys=True)
+    print(line, flush=True)
+    if log:
+        os.makedirs(os.path.dirname(log), exist_ok=True)
+        with open(log, "a") as fh:
+            fh.write(line + "\n")
+    if problems:
+        raise SystemExit("index problems: " + "; ".join(p.line() for p in problems))
+    return report
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="relay.py", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("mark")
+    m.add_argument("dir")
+    s = sub.add_parser("serve")
+    s.add_argument("dir")
+    s.add_argument("--bind", default="0.0.0.0")
+    s.add_argument("--port", type=int, required=True, help="0: any free port (printed)")
+    s.add_argument("--exit-with-parent", action="store_true")
+    f = sub.add_parser("fetch")
+    f.add_argument("dir")
+    f.add_argument("--source", action="append", default=[], help="http://HOST:PORT of the source's copy")
+    f.add_argument("--fleet", help="comma-separated relay URLs of every host in fleet order (with --position)")
+    f.add_argument("--position", type=int, help="this host's index in --fleet")
+    f.add_argument("--fanout", type=int, default=1, help="1: a chain; k: per-shard k-ary trees")
+    f.add_argument("--streams", type=int, default=STREAMS, help="parallel range streams per file")
+    f.add_argument("--chunk", type=int, default=CHUNK)
+    f.add_argument("--log")
+    f.add_argument("--dead-after", type=float, default=DEAD_AFTER_S,
+                   help="seconds a source may not answer before the next one is used")
+    f.add_argument("--give-up-after", type=float, default=GIVE_UP_S,
+                   help="seconds without any source of a file answering before the fetch fails")
+    f.add_argument("--verify-behind", type=int, default=VERIFY_BEHIND,
+                   help="landed files of a lane still being hashed and checked while the next lands (0: none)")
+    f.add_argument("--plan", help="JSON file: {file: [source URL, ...]} (parent first); default --source for all")
+    a = p.parse_args(argv)
+    if a.cmd == "mark":
+        bad = mark(a.dir)
+        print(json.dumps({"bad": bad}))
+        return 1 if bad else 0
+    if a.cmd == "serve":
+        serve(a.dir, a.bind, a.port, a.exit_with_parent)
+        return 0
+    plan = None
+    if a.plan:
+        with open(a.plan) as fh:
+            plan = json.load(fh)
+    fleet = a.fleet.split(",") if a.fleet else None
+    if fleet and not (a.position is not None and 0 <= a.position < len(fleet)):
+        p.error("--fleet needs --position, an index into it")
+    if not (a.source or plan or fleet):
+        p.error("fetch needs --source, --plan or --fleet")
+    fetch(a.dir, a.source, a.streams, a.chunk, a.log, plan, a.dead_after, fleet, a.position, a.fanout,
+          a.give_up_after, a.verify_behind)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Read a pyinfra inventory file into a :class:`~k2fleet.inventory.spec.Fleet` without connecting.
+
+pyinfra's own loader is used, so host data, group data, ``group_data/<group>.py`` files
+next to the inventory and the implicit group named after the file all merge exactly as
+they will during ``pyinfra INVENTORY deploys/kimi.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from k2fleet.inventory.spec import Fleet, SpecError, build_fleet, parse_host
+
+HostData = tuple[str, dict[str, Any], tuple[str, ...]]  # (host name, merged data, groups)
+
+
+def _import_pyinfra_cli_inventory() -> types.ModuleType:
+    """Import ``pyinfra_cli.inventory`` without running ``pyinfra_cli/__init__``.
+
+    That ``__init__`` calls ``gevent.monkey.patch_all()``, which must not happen as a
+    side effect of planning (it turns the caller's threads into greenlets). Under the
+    pyinfra CLI the package is already imported and this is a plain import.
+    """
+    if "pyinfra_cli" not in sys.modules:
+        spec = importlib.util.find_spec("pyinfra_cli")
+        assert spec is not None and spec.submodule_search_locations is not None
+        package = types.ModuleType("pyinfra_cli")
+        package.__path__ = list(spec.submodule_search_locations)
+        sys.modules["pyinfra_cli"] = package
+    import pyinfra_cli.inventory
+
+    return pyinfra_cli.inventory
+
+
+def parse_data_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """``--data KEY=VALUE`` items parsed exactly as pyinfra's CLI parses them.
+
+    >>> parse_data_overrides(["k2_port=9000", 'k2_engine_args={"max-num-seqs": 64}'])
+    {'k2_port': 9000, 'k2_engine_args': {'max-num-seqs': 64}}
+    """
+    _import_pyinfra_cli_inventory()
+    from pyinfra_cli.util import parse_cli_arg
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SpecError("--data", f"{item!r} is not KEY=VALUE")
+        out[key] = parse_cli_arg(value)
+    return out
+
+
+def inventory_host_data(path: str | Path, override_data: dict[str, Any] | None = None) -> list[HostData]:
+    """``[(host name, merged data, groups)]`` in inventory order, with pyinfra's
+    ``--data`` overrides applied the way pyinfra applies them; no connection is made."""
+    from pyinfra.api import State
+    from pyinfra.context import ctx_state
+    make_inventory_from_files = _import_pyinfra_cli_inventory().make_inventory_from_files
+
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError("inventory", f"no inventory file at {path}", str(path))
+    with ctx_state.use(State()):
+        try:
+            inventory = make_inventory_from_files(str(path), override_data or None)
+        except (SystemExit, Exception) as exc:  # user Python (may stop itself): report, don't trace
+            raise SpecError("inventory", f"could not be loaded: {exc}", str(path)) from None
+    return host_data(inventory)
+
+
+def host_data(inventory: Iterable[Any]) -> list[HostData]:
+    """``[(name, merged data, groups)]`` of a loaded pyinfra ``Inventory``, in order."""
+    return [(h.name, h.data.dict(), tuple(h.groups)) for h in inventory]
+
+
+def fleet_from_hosts(source: str, hosts: list[HostData]) -> Fleet:
+    return build_fleet(source, [parse_host(name, data, source, groups) for name, data, groups in hosts])
+
+
+def data_args(data: Mapping[str, Any] | None) -> list[str]:
+    """pyinfra ``--data KEY=VALUE`` arguments; non-strings as JSON (pyinfra parses them
+    back with ``parse_cli_arg``: ``true``, numbers, objects).
+
+    >>> data_args({"k2_nic": "eth9", "k2_engine_args": {"max-num-seqs": 64}, "k2_shared_storage": True})
+    ['--data', 'k2_nic=eth9', '--data', 'k2_engine_args={"max-num-seqs": 64}', '--data', 'k2_shared_storage=true']
+    """
+    argv: list[str] = []
+    for key, value in (data or {}).items():
+        argv += ["--data", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
+    return argv

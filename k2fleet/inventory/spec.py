@@ -1,0 +1,1027 @@
+"""The fleet spec: every ``k2_*`` inventory key, typed, with its default and meaning.
+
+An inventory is a plain pyinfra inventory. k2fleet reads the ``k2_*`` keys of each
+host's data (host data, group data, ``group_data/*.py`` — pyinfra's own merge) into a
+:class:`HostSettings`. Each key has a *scope*:
+
+- ``fleet``: must be the same on every host (model, revision, engine, ports, ...);
+- ``pool``: must be the same on every host of one role (prefill, decode, serve, ...);
+- ``host``: may differ per host (address, NIC).
+
+``k2fleet keys`` prints the table below as Markdown; README's key table is that output.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import math
+import posixpath
+import re
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError
+from pydantic_core import PydanticCustomError
+
+PREFIX = "k2_"
+FLEET, POOL, HOST = "fleet", "pool", "host"
+Role = Literal["serve", "prefill", "decode", "router", "slurm-submit"]
+SHA_RE = re.compile(r"^[0-9a-f]{40}$")
+IMAGE_ID_RE = re.compile(r"sha256:[0-9a-f]{64}")
+
+# ======================================================================================
+# The grammar of values. Every rule has one owner below: a check function (raising
+# ValueError with the user-facing message) wrapped into a reusable Annotated type.
+# Values reach systemd units, env files, sshd configs and shell lines, so the types
+# are strict (no bool for int, no "9000" for int) and no string anywhere may hold a
+# control character.
+# ======================================================================================
+
+# C0/C1 controls, DEL, Unicode line/paragraph separators, zero-width and bidi controls.
+CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2066-\u2069\ufeff]")
+PATH_CHARS_RE = re.compile(r"[A-Za-z0-9._/+-]+")
+HOST_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+POSIX_USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+IFNAME_RE = re.compile(r"[A-Za-z0-9_.:-]{1,15}")
+IB_HCA_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}(?::[0-9]{1,3})?")
+REPO_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+REPO_ID_MAX = 96
+SERVED_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+-]{0,127}")
+PARSER_RE = re.compile(r"[a-z0-9_.-]{1,64}")
+ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+FLAG_NAME_RE = re.compile(r"-{0,2}[A-Za-z0-9][A-Za-z0-9_-]*")
+CONFIG_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+VERSION_RE = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+-]{0,31}")
+GPU_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,32}")
+GLOB_RE = re.compile(r"[A-Za-z0-9._*?/+\[\]-]+")
+DNS_LABEL_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+# Docker reference grammar (distribution/reference): [domain[:port]/]path[:tag][@digest]
+_D_COMPONENT = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+_D_DOMAIN = rf"(?:{_D_COMPONENT}(?:\.{_D_COMPONENT})*|\[[0-9A-Fa-f:]+\])(?::[0-9]+)?"
+_D_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_D_NAME = rf"(?:{_D_DOMAIN}/)?{_D_PATH_COMPONENT}(?:/{_D_PATH_COMPONENT})*"
+DOCKER_REF_RE = re.compile(
+    rf"(?P<name>{_D_NAME})(?::[A-Za-z0-9_][A-Za-z0-9_.-]{{0,127}})?"
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?"
+)
+# TRT-LLM / engine options that are fractions of GPU memory, wherever they appear.
+FRACTION_KEYS = frozenset(
+    {"free_gpu_memory_fraction", "kv_cache_free_gpu_memory_fraction", "mem_fraction_static", "gpu_memory_utilization"}
+)
+
+# --- secrets --------------------------------------------------------------------------
+SECRET_VALUE_RES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"hf_[A-Za-z0-9]{30,}"), "a Hugging Face token"),
+    (re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]{8,}"), "a bearer token"),
+    (re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"), "an AWS access key"),
+    (re.compile(r"\bgh[pousr]_[A-Za-z0-9]{20,}"), "a GitHub token"),
+    (re.compile(r"\bgithub_pat_[A-Za-z0-9_]{20,}"), "a GitHub token"),
+    (re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"), "a private key"),
+)
+SECRET_ENV_RE = re.compile(r"(?i)(?:^|_)(?:TOKEN|SECRET|PASSWORD|PASSWD|KEY)$|^HUGGING_FACE_HUB_TOKEN$")
+SECRET_FLAGS = frozenset({"hf_token", "token", "api_key", "hf_api_token"})
+SECRET_HINT = (
+    "secrets never go in inventory values (they would land in unit files, env files and "
+    "the plan); put the Hub token in a root-only file on the control machine and set "
+    "k2_hub_token_file (or export HF_TOKEN)"
+)
+
+
+def looks_secret(text: str) -> str | None:
+    """What kind of secret ``text`` looks like, or None.
+
+    >>> looks_secret("hf_" + "a" * 34)
+    'a Hugging Face token'
+    >>> looks_secret("moonshotai/Kimi-K2-Thinking") is None
+    True
+    """
+    for regex, what in SECRET_VALUE_RES:
+        if regex.search(text):
+            return what
+    return None
+
+
+def mask(text: str) -> str:
+    """A secret as it may appear in a message: at most its first 3 characters + ``…``."""
+    return text[:3] + "…"
+
+
+def show(value: Any, limit: int = 40) -> str:
+    """``repr`` of a value for a message: secrets masked, long values truncated.
+
+    >>> len(show("x" * 50)), show("x" * 50)[-2:]
+    (40, 'x…')
+    >>> show("hf_" + "a" * 34)
+    'hf_…'
+    """
+    text = repr(value)
+    if looks_secret(text):
+        return mask(text.lstrip("'\"{[("))
+    if len(text) > limit:
+        return text[: limit - 1] + "…"
+    return text
+
+
+def _path_text(parts: tuple[Any, ...] | list[Any]) -> str:
+    """A nested location as ``a.b[2].c`` (unsafe pieces shown as a short repr)."""
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+            continue
+        text = str(part)
+        if not re.fullmatch(r"[A-Za-z0-9_.:/+-]{1,64}", text):
+            text = show(text, 24)
+        out += ("." if out else "") + text
+    return out
+
+
+class _Nested(Exception):
+    """A rule broken at ``path`` inside a nested value (converted to a pydantic error)."""
+
+    def __init__(self, path: tuple[Any, ...], message: str) -> None:
+        self.path, self.message = path, message
+        super().__init__(message)
+
+
+def _nested_error(path: tuple[Any, ...], message: str) -> PydanticCustomError:
+    return PydanticCustomError("k2_nested", "{message}", {"path": _path_text(path), "message": message})
+
+
+def scan_secrets(value: Any, path: tuple[Any, ...] = (), env_names: bool = False, flag_names: bool = False) -> None:
+    """Raise :class:`_Nested` where ``value`` (any depth, keys included) holds a secret."""
+    if isinstance(value, str):
+        what = looks_secret(value)
+        if what:
+            raise _Nested(path, f"looks like {what} ({mask(value)}); {SECRET_HINT}")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(k, str):
+                what = looks_secret(k)
+                if what:
+                    raise _Nested(path, f"a key looks like {what} ({mask(k)}); {SECRET_HINT}")
+                if env_names and SECRET_ENV_RE.search(k) and v not in (None, ""):
+                    raise _Nested(path + (k,), f"{k} would carry a secret in the environment; {SECRET_HINT}")
+                if flag_names and k.lstrip("-").replace("-", "_").lower() in SECRET_FLAGS and v not in (None, False, ""):
+                    raise _Nested(path + (k,), f"--{k.lstrip('-')} would put a secret in argv; {SECRET_HINT}")
+            scan_secrets(v, path + (k,))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            scan_secrets(item, path + (i,))
+
+
+# --- check functions (one owner per rule) -----------------------------------------------
+def no_control(value: str) -> str:
+    """No control character anywhere (newline, CR, NUL, ESC, DEL, bidi/zero-width...)."""
+    found = CONTROL_RE.search(value)
+    if found:
+        raise ValueError(
+            f"contains a control character (U+{ord(found.group()):04X} at position {found.start()}); "
+            "values end up in systemd units, env files and shell lines"
+        )
+    return value
+
+
+def _pattern(regex: re.Pattern[str], what: str, max_len: int | None = None):
+    def check(value: str) -> str:
+        if max_len is not None and len(value) > max_len:
+            raise ValueError(f"must be {what}, at most {max_len} characters (got {len(value)})")
+        if not regex.fullmatch(value):
+            raise ValueError(f"must be {what} (got {show(value)})")
+        return value
+
+    return check
+
+
+def abs_path(value: str) -> str:
+    """An absolute, normalised path of ``[A-Za-z0-9._/+-]`` (no `..`, `//`, trailing `/`)."""
+    if not value.startswith("/"):
+        raise ValueError(f"must be an absolute path (got {show(value)})")
+    bad = sorted(set(PATH_CHARS_RE.sub("", value)))
+    if bad:
+        raise ValueError(
+            f"may only use letters, digits and . _ / + - (found {''.join(bad)!r} in {show(value)})"
+        )
+    if value == "/":
+        raise ValueError("must not be the root directory")
+    if "//" in value or value.endswith("/") or ".." in value.split("/") or posixpath.normpath(value) != value:
+        raise ValueError(f"must be a normalised path without `..`, `.`, `//` or a trailing `/` (got {show(value)})")
+    return value
+
+
+def rel_path(value: str) -> str:
+    """A normalised relative path of the same characters as :func:`abs_path`."""
+    bad = sorted(set(PATH_CHARS_RE.sub("", value)))
+    if bad:
+        raise ValueError(f"may only use letters, digits and . _ / + - (found {''.join(bad)!r} in {show(value)})")
+    if value.startswith("/") or ".." in value.split("/") or posixpath.normpath(value) != value or value == ".":
+        raise ValueError(f"must be a normalised relative path without `..` (got {show(value)})")
+    return value
+
+
+def path_or_rel(value: str) -> str:
+    if value == "":
+        return value
+    return abs_path(value) if value.startswith("/") else rel_path(value)
+
+
+def path_or_empty(value: str) -> str:
+    return value if value == "" else abs_path(value)
+
+
+def address(value: str) -> str:
+    """An IPv4/IPv6 literal or an RFC 1123 DNS name."""
+    try:
+        ipaddress.ip_address(value)
+        return value
+    except ValueError:
+        pass
+    if re.fullmatch(r"[0-9.]+", value):  # looks like IPv4 but ipaddress refused it (300.1.1.1)
+        raise ValueError(f"{show(value)} is not a valid IPv4 address")
+    name = value[:-1] if value.endswith(".") else value
+    if not name or len(name) > 253 or not all(DNS_LABEL_RE.fullmatch(label) for label in name.split(".")):
+        raise ValueError(f"must be an IPv4/IPv6 address or a DNS name (RFC 1123 labels) (got {show(value)})")
+    return value
+
+
+def http_url(value: str) -> str:
+    """An http(s) URL with a host and no credentials."""
+    if any(ch.isspace() for ch in value):
+        raise ValueError("must not contain whitespace")
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError as exc:
+        raise ValueError(f"is not a valid URL ({exc})") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"must be an http:// or https:// URL (got scheme {parts.scheme!r})")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"must not carry credentials (user:password@); {SECRET_HINT}")
+    if not parts.hostname:
+        raise ValueError("must name a host (http(s)://HOST[:PORT][/path])")
+    address(parts.hostname)
+    return value
+
+
+def docker_ref(value: str) -> str:
+    """A Docker image reference ``[registry[:port]/]name[:tag][@digest]``."""
+    match = DOCKER_REF_RE.fullmatch(value)
+    first, slash, _ = value.partition("/")
+    # the first component is a registry only with a `.` or `:` in it, or `localhost` (as docker parses it)
+    registry = bool(slash) and ("." in first or ":" in first or first == "localhost" or first.startswith("["))
+    if not match or len(match.group("name")) > 255 or (slash and not registry and first != first.lower()):
+        raise ValueError(
+            f"must be a Docker image reference [registry[:port]/]name[:tag][@sha256:...] "
+            f"with a lowercase name (got {show(value)})"
+        )
+    return value
+
+
+def repo_id(value: str) -> str:
+    if len(value) > REPO_ID_MAX:
+        raise ValueError(f"must be a Hub repo id `org/name` of at most {REPO_ID_MAX} characters")
+    if not REPO_ID_RE.fullmatch(value) or "--" in value or ".." in value or value.endswith((".", "-")):
+        raise ValueError(
+            f"must be a Hub repo id `org/name` (letters, digits, . _ -; no `--` or `..`) (got {show(value)})"
+        )
+    return value
+
+
+def ifname(value: str) -> str:
+    if value in (".", "..") or not IFNAME_RE.fullmatch(value):
+        raise ValueError(f"must be a Linux interface name: 1-15 of A-Z a-z 0-9 _ . : - (got {show(value)})")
+    return value
+
+
+def checkpoint_source(value: str) -> str:
+    if value == "hub":
+        return value
+    if not value.startswith("control:"):
+        raise ValueError(f"{show(value)} is neither `hub` nor `control:/absolute/path`")
+    abs_path(value[len("control:"):])
+    return value
+
+
+def fetcher(value: str) -> str:
+    return value if value == "control" else _pattern(HOST_NAME_RE, "`control` or an inventory host name")(value)
+
+
+def gguf_pattern(value: str) -> str:
+    if not GLOB_RE.fullmatch(value) or value.startswith("/") or ".." in value.split("/"):
+        raise ValueError(f"must be a relative file pattern like `Q4_K_M/*` (got {show(value)})")
+    return value
+
+
+def finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError("must be a finite number")
+    return value
+
+
+def fraction(value: float) -> float:
+    if not math.isfinite(value) or not 0 < value <= 1:
+        raise ValueError(f"must be a fraction in (0, 1] (got {value!r})")
+    return value
+
+
+def _scalar(value: Any, path: tuple[Any, ...], what: str) -> None:
+    """One plain value inside a nested key: a string without control characters, a
+    finite number or a boolean; anything else is refused as ``what``."""
+    if isinstance(value, str):
+        try:
+            no_control(value)
+        except ValueError as exc:
+            raise _Nested(path, str(exc)) from None
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise _Nested(path, "must be a finite number")
+    elif not isinstance(value, (bool, int)):
+        raise _Nested(path, f"{what}, not {type(value).__name__}")
+
+
+def _check_config_tree(value: Any, path: tuple[Any, ...] = ()) -> None:
+    """Options trees (TRT-LLM LLM API dicts, SLURM sections): plain YAML data only."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str) or not CONFIG_KEY_RE.fullmatch(k):
+                raise _Nested(path, f"option name {show(k)} must match [A-Za-z_][A-Za-z0-9_]*")
+            if k in FRACTION_KEYS and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1):
+                raise _Nested(path + (k,), f"must be a fraction in (0, 1] (got {show(v)})")
+            _check_config_tree(v, path + (k,))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_config_tree(item, path + (i,))
+    elif value is not None:
+        _scalar(value, path, "must be a string, number, boolean, list or mapping")
+
+
+def _engine_arg(value: Any, path: tuple[Any, ...]) -> None:
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            if isinstance(item, list):
+                raise _Nested(path + (i,), "lists of flag values are flat (no nested lists)")
+            _engine_arg(item, path + (i,))
+        return
+    _scalar(value, path, "a flag value is a string, number, boolean or list of those")
+
+
+def engine_args(value: dict[str, Any]) -> dict[str, Any]:
+    """``{flag: value}``: flag names by pattern, values scalars or flat lists, fractions in (0, 1]."""
+    try:
+        for name, arg in value.items():
+            _engine_arg(arg, (name,))
+            if name.lstrip("-").replace("-", "_") in FRACTION_KEYS and (
+                isinstance(arg, bool) or not isinstance(arg, (int, float)) or not 0 < arg <= 1
+            ):
+                raise _Nested((name,), f"must be a fraction in (0, 1] (got {show(arg)})")
+    except _Nested as exc:
+        raise _nested_error(exc.path, exc.message) from None
+    return value
+
+
+def _typed(model: type[BaseModel], tree: bool = True):
+    """Validate a nested dict against ``model`` (and the options-tree grammar), keep the dict."""
+
+    def check(value: Any) -> Any:
+        if value is None:
+            return value
+        try:
+            if tree:
+                _check_config_tree(value)
+            model.model_validate(value)
+        except _Nested as exc:
+            raise _nested_error(exc.path, exc.message) from None
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            msg = _pydantic_message(err)
+            raise _nested_error(tuple(err["loc"]), msg) from None
+        return value
+
+    return check
+
+
+def _pydantic_message(err: Any) -> str:
+    """A pydantic error as one short line (the input shown masked/truncated)."""
+    if err["type"] == "k2_nested":
+        return str(err["ctx"]["message"])
+    if err["type"] == "missing":
+        return "required but not set"
+    msg = str(err["msg"])
+    if err["type"] == "value_error":
+        return msg.removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        return "not a known option here"
+    return f"{msg} (got {show(err.get('input'))})"
+
+
+# --- the reusable types ------------------------------------------------------------------
+SafeStr = Annotated[str, Strict(), AfterValidator(no_control)]
+AbsPath = Annotated[SafeStr, AfterValidator(abs_path)]
+RelOrAbsPath = Annotated[SafeStr, AfterValidator(path_or_rel)]
+OptionalAbsPath = Annotated[SafeStr, AfterValidator(path_or_empty)]
+HostName = Annotated[SafeStr, AfterValidator(_pattern(HOST_NAME_RE, "a host name: 1-63 of A-Z a-z 0-9 . _ -, starting with a letter or digit"))]
+PosixUser = Annotated[SafeStr, AfterValidator(_pattern(POSIX_USER_RE, "a POSIX user name [a-z_][a-z0-9_-]{0,31}"))]
+IfName = Annotated[SafeStr, AfterValidator(ifname)]
+IbHca = Annotated[SafeStr, AfterValidator(_pattern(IB_HCA_RE, "an InfiniBand HCA name like mlx5_0 (optionally :PORT)"))]
+RepoId = Annotated[SafeStr, AfterValidator(repo_id)]
+ServedName = Annotated[SafeStr, AfterValidator(_pattern(SERVED_NAME_RE, "1-128 of A-Z a-z 0-9 . _ : / + -, starting with a letter or digit"))]
+ParserName = Annotated[SafeStr, AfterValidator(_pattern(PARSER_RE, "a name of a-z 0-9 _ . -"))]
+EnvName = Annotated[SafeStr, AfterValidator(_pattern(ENV_NAME_RE, "an environment variable name [A-Za-z_][A-Za-z0-9_]*"))]
+FlagName = Annotated[SafeStr, AfterValidator(_pattern(FLAG_NAME_RE, "a flag name like max-num-seqs or --max-num-seqs"))]
+VersionStr = Annotated[SafeStr, AfterValidator(_pattern(VERSION_RE, "a version like 0.33.0"))]
+GpuName = Annotated[SafeStr, AfterValidator(_pattern(GPU_NAME_RE, "a GPU type name"))]
+ImageRef = Annotated[SafeStr, AfterValidator(docker_ref)]
+ImageId = Annotated[SafeStr, AfterValidator(_pattern(IMAGE_ID_RE, "an image ID sha256:<64 lowercase hex>, as `docker image inspect --format {{.Id}}` prints it"))]
+Address = Annotated[SafeStr, AfterValidator(address)]
+HttpUrl = Annotated[SafeStr, AfterValidator(http_url)]
+Port = Annotated[int, Strict(), Field(ge=1, le=65535)]
+PosInt = Annotated[int, Strict(), Field(ge=1)]
+NonNegInt = Annotated[int, Strict(), Field(ge=0)]
+DriverBranch = Annotated[int, Strict(), Field(ge=450, le=999)]
+DriverVersion = Annotated[SafeStr, AfterValidator(_pattern(re.compile(r"[0-9]{3}\.[0-9]{1,3}(?:\.[0-9]{1,3})?"),
+                                                           "an NVIDIA driver version like 580.95.05"))]
+Fraction = Annotated[float, AfterValidator(fraction)]
+Number = Annotated[float, AfterValidator(finite)]
+
+
+# --- nested structures --------------------------------------------------------------------
+class _Closed(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Open(BaseModel):
+    """Sections owned by another tool: known fields typed, others kept (options-tree grammar)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class KtSettings(_Closed):
+    """``k2_kt``: what k2fleet.planning.render.ktransformers reads."""
+
+    method: Literal["AMXINT4", "AMXINT8", "LLAMAFILE", "RAWINT4", "FP8"] | None = None
+    cpuinfer: PosInt | None = None
+    threadpool_count: PosInt | None = None
+    gpu_experts: NonNegInt | None = None
+    optimize_rules: RelOrAbsPath | None = None
+    cache_lens: PosInt | None = None
+
+
+class KvCacheConfig(_Open):
+    free_gpu_memory_fraction: Fraction | None = None
+    enable_block_reuse: bool | None = None
+    dtype: ParserName | None = None
+    max_tokens: PosInt | None = None
+
+
+class CudaGraphConfig(_Open):
+    enable_padding: bool | None = None
+    padding_enabled: bool | None = None
+    batch_sizes: list[PosInt] | None = None
+    max_batch_size: PosInt | None = None
+
+
+class CacheTransceiverConfig(_Open):
+    backend: Annotated[SafeStr, AfterValidator(_pattern(re.compile(r"[A-Za-z0-9_]{1,32}"), "a backend name like UCX"))] | None = None
+    max_tokens_in_buffer: PosInt | None = None
+
+
+class MoeConfig(_Open):
+    backend: Annotated[SafeStr, AfterValidator(_pattern(re.compile(r"[A-Za-z0-9_]{1,32}"), "a backend name like WIDEEP"))] | None = None
+
+
+class LlmApiOptions(_Open):
+    """One TRT-LLM LLM API options dict (``k2_trtllm_config``, each ``k2_disagg`` side):
+    the keys k2fleet reads or sets typed; option names are checked against TRT-LLM's
+    table by k2fleet.planning.engine_flags."""
+
+    tensor_parallel_size: PosInt | None = None
+    pipeline_parallel_size: PosInt | None = None
+    moe_expert_parallel_size: PosInt | None = None
+    enable_attention_dp: bool | None = None
+    max_batch_size: PosInt | None = None
+    max_num_tokens: PosInt | None = None
+    max_seq_len: PosInt | None = None
+    trust_remote_code: bool | None = None
+    print_iter_log: bool | None = None
+    disable_overlap_scheduler: bool | None = None
+    kv_cache_config: KvCacheConfig | None = None
+    cuda_graph_config: CudaGraphConfig | None = None
+    cache_transceiver_config: CacheTransceiverConfig | None = None
+    moe_config: MoeConfig | None = None
+
+
+class DisaggSettings(_Closed):
+    """``k2_disagg``: the ctx and gen worker configs of the SLURM disaggregated job."""
+
+    ctx: LlmApiOptions
+    gen: LlmApiOptions
+
+
+class SlurmSection(_Open):
+    script_file: Annotated[SafeStr, AfterValidator(path_or_rel)]
+    partition: SafeStr
+    account: SafeStr
+    job_time: SafeStr
+    job_name: SafeStr
+    numa_bind: bool
+    extra_args: SafeStr | None = None
+
+
+class BenchmarkSection(_Open):
+    mode: SafeStr
+    input_length: PosInt
+    output_length: PosInt
+    concurrency_list: SafeStr
+    multi_round: PosInt | None = None
+    streaming: bool | None = None
+    benchmark_ratio: Number | None = None
+    dataset_file: SafeStr | None = None
+
+
+class HardwareSection(_Closed):
+    gpus_per_node: PosInt | None = None
+    num_ctx_servers: PosInt
+    num_gen_servers: PosInt
+
+
+class EnvironmentSection(_Open):
+    container_mount: SafeStr
+    work_dir: AbsPath
+    trtllm_repo: AbsPath | None = None
+    model_path: AbsPath | None = None
+    container_image: ImageRef | None = None
+    build_wheel: bool | None = None
+    trtllm_wheel_path: OptionalAbsPath | None = None
+    worker_env_var: SafeStr | None = None
+    server_env_var: SafeStr | None = None
+
+
+class SlurmSettings(_Closed):
+    """``k2_slurm``: the sections of submit.py's config.yaml k2fleet takes from the inventory
+    (``worker_config`` comes from ``k2_disagg``)."""
+
+    slurm: SlurmSection
+    benchmark: BenchmarkSection
+    hardware: HardwareSection
+    environment: EnvironmentSection
+
+
+EngineArgs = Annotated[dict[FlagName, Any], AfterValidator(engine_args)]
+EnvMap = dict[EnvName, SafeStr]
+TrtllmConfig = Annotated[dict[str, Any], AfterValidator(_typed(LlmApiOptions))]
+KtConfig = Annotated[dict[str, Any], AfterValidator(_typed(KtSettings, tree=False))]
+SlurmConfig = Annotated[dict[str, Any], AfterValidator(_typed(SlurmSettings))]
+DisaggConfig = Annotated[dict[str, Any], AfterValidator(_typed(DisaggSettings))]
+
+
+def _key(scope: str, description: str, **kw: Any) -> Any:
+    return Field(json_schema_extra={"scope": scope}, description=description, **kw)
+
+
+GlobPattern = Annotated[SafeStr, AfterValidator(gguf_pattern)]
+CheckpointSource = Annotated[SafeStr, AfterValidator(checkpoint_source)]
+Fetcher = Annotated[SafeStr, AfterValidator(fetcher)]
+
+
+class HostSettings(BaseModel):
+    """All ``k2_*`` keys of one host (names without the ``k2_`` prefix)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    # --- model -----------------------------------------------------------------
+    model: RepoId = _key(FLEET, "Hub repo id of the checkpoint, e.g. `moonshotai/Kimi-K2-Thinking`.")
+    revision: SafeStr = _key(
+        FLEET, "Pinned 40-hex commit sha of `k2_model` (never a branch or tag)."
+    )
+    served_model_name: ServedName | None = _key(
+        FLEET, "Name clients use in requests; default: `k2_model`.", default=None
+    )
+    checkpoint_bytes: PosInt | None = _key(
+        FLEET,
+        "Checkpoint size in bytes, for the memory-fit check; default from k2fleet's catalog.",
+        default=None,
+    )
+    quantization: Literal["int4", "fp8", "nvfp4", "gguf", "bf16"] | None = _key(
+        FLEET, "Weight format; default from the catalog (required for unknown models).", default=None
+    )
+    model_type_override: ParserName | None = _key(
+        FLEET,
+        "Serve through a config overlay with this `model_type` (e.g. `deepseek_v3` for "
+        "engines without Kimi support); the verified files are never edited.",
+        default=None,
+    )
+    gguf_repo: RepoId | None = _key(FLEET, "KTransformers: Hub repo id of the GGUF weights.", default=None)
+    gguf_revision: SafeStr | None = _key(FLEET, "KTransformers: pinned commit of `k2_gguf_repo`.", default=None)
+    gguf_pattern: GlobPattern | None = _key(
+        FLEET, "KTransformers: files of `k2_gguf_repo` to fetch, e.g. `Q4_K_M/*`.", default=None
+    )
+    checkpoint_source: CheckpointSource = _key(
+        FLEET,
+        "Where the checkpoint comes from: `hub` (huggingface-hub at `k2_revision`) or "
+        "`control:/path` (a directory on the control machine holding the files and "
+        "`.k2fleet/manifest.json`, e.g. made by `hf download` on a connected machine).",
+        default="hub",
+    )
+    gguf_source: CheckpointSource = _key(
+        FLEET,
+        "Where the `k2_gguf_repo` files come from: `hub` (at `k2_gguf_revision`, only those "
+        "matching `k2_gguf_pattern`) or `control:/path` (a directory holding them and "
+        "`.k2fleet/manifest.json`).",
+        default="hub",
+    )
+    checkpoint_cache: AbsPath = _key(
+        FLEET,
+        "Control-machine directory the `hub` source downloads into and verifies "
+        "(`DIR/<org>--<name>/<revision>`); the fleet then receives it from there once.",
+        default="/var/cache/k2fleet/checkpoints",
+    )
+    hub_endpoint: HttpUrl | None = _key(
+        FLEET,
+        "Hub URL for the `hub` source (an internal mirror); default: env `HF_ENDPOINT`, "
+        "else huggingface.co.",
+        default=None,
+    )
+    hub_token_file: AbsPath | None = _key(
+        FLEET,
+        "File on the control machine holding the Hub token; default: env `HF_TOKEN`. "
+        "The token is read at execution time, never put in argv, logs or the plan.",
+        default=None,
+    )
+    checkpoint_fetcher: Fetcher = _key(
+        FLEET,
+        "Who talks to the Hub for the `hub` source: `control` (the control machine downloads "
+        "into `k2_checkpoint_cache`, verifies, and sends the fleet one copy) or the name of one "
+        "inventory host that loads weights (it downloads into `k2_model_dir` itself, with "
+        "huggingface_hub from an offline wheelhouse the control machine ships; the token goes "
+        "there as a root-only file, removed after the download). The others receive from peers.",
+        default="control",
+    )
+    shared_storage: bool = _key(
+        FLEET,
+        "`k2_model_dir` is shared storage (NFS, Lustre) seen by every host: only the first "
+        "host fetches and verifies the checkpoint, the others only pass the gate.",
+        default=False,
+    )
+    model_dir: AbsPath = _key(
+        FLEET, "Where checkpoints live on hosts: `DIR/<org>--<name>/<revision>`.", default="/srv/k2fleet/models"
+    )
+    # --- engine ----------------------------------------------------------------
+    engine: Literal["vllm", "sglang", "trtllm", "ktransformers"] = _key(
+        FLEET, "Serving engine: `vllm`, `sglang`, `trtllm` or `ktransformers`."
+    )
+    engine_version: VersionStr | None = _key(
+        FLEET,
+        "Engine release to pin; default today's (vLLM 0.33.0, SGLang 0.5.23, TRT-LLM 1.2.0, "
+        "KTransformers 0.7.2). Flag names are rendered for this version.",
+        default=None,
+    )
+    runtime: Literal["venv", "container"] | None = _key(
+        FLEET,
+        "`venv` (engine installed in `k2_venv`) or `container` (Docker image `k2_image`); "
+        "default: container for TRT-LLM and ROCm, venv otherwise.",
+        default=None,
+    )
+    image: ImageRef | None = _key(FLEET, "Container image; default per engine, version and platform.", default=None)
+    image_id: ImageId | None = _key(
+        FLEET,
+        "Image ID (`sha256:...`) `k2_image` must be: hosts pull the reference and check it, and each container "
+        "unit refuses to start any other image under it. Sandbox: the engine test double image's own ID.",
+        default=None,
+    )
+    venv: AbsPath = _key(FLEET, "Python virtual environment of the engine (venv runtime).", default="/opt/k2fleet/venv")
+    platform: Literal["cuda", "rocm"] | None = _key(
+        FLEET, "Engine build: `cuda` or `rocm`; default from the GPU vendor.", default=None
+    )
+    package_source: Literal["apt", "bundle"] = _key(
+        FLEET,
+        "Host packages (rsync, OpenMPI, ...) from `apt` (hosts reach a mirror) or `bundle` "
+        "(an offline .deb bundle with its full dependency closure, built on the control machine).",
+        default="apt",
+    )
+    bundle: AbsPath | None = _key(
+        FLEET,
+        "Air-gapped: a directory made by `k2fleet bundle INVENTORY --out DIR` (with its `k2fleet.lock`). "
+        "Packages, wheels, images and the Hub checkpoint come from it alone, each sha256-checked against "
+        "the lock; needs `k2_package_source: bundle`.",
+        default=None,
+    )
+    config_dir: AbsPath = _key(FLEET, "Where rendered config files go on hosts.", default="/etc/k2fleet")
+    # --- hardware --------------------------------------------------------------
+    gpu: GpuName = _key(FLEET, "GPU type: h100, h800, h20, h200, b200, b300, gb200, gb300, mi300x, mi325x, mi355x.")
+    gpus_per_node: PosInt | None = _key(FLEET, "GPUs per host; default 8 (4 on GB200/GB300).", default=None)
+    simulated_gpus: bool = _key(
+        FLEET,
+        "Sandbox only: hosts have no GPUs and run engine test doubles. Requires "
+        "`k2_engine_doubles`; refused on any other inventory.",
+        default=False,
+    )
+    engine_doubles: bool = _key(
+        FLEET, "Sandbox only: install k2fleet's engine test doubles instead of real engines.", default=False
+    )
+    # --- host bootstrap (driver, fabric, container runtime) --------------------------
+    os: Literal["ubuntu-22.04", "ubuntu-24.04", "debian-12", "debian-13", "rhel-9", "rocky-9"] | None = _key(
+        HOST,
+        "The host's OS release, which selects the bootstrap's package table; default "
+        "`ubuntu-22.04` (the deploy compares it with the host's /etc/os-release). Engine venvs use the "
+        "release's Python (ubuntu-22.04: python3.11 from universe; rhel-9: python3.12).",
+        default=None,
+    )
+    driver_branch: DriverBranch | None = _key(
+        FLEET,
+        "NVIDIA driver branch, e.g. 580; default: the first data-center branch at or above the "
+        "minimum of the engine's CUDA build and the GPU (vLLM 0.33/SGLang 0.5.23: 580). Lower is refused.",
+        default=None,
+    )
+    driver_flavour: Literal["open", "proprietary"] | None = _key(
+        FLEET, "NVIDIA kernel modules: `open` (default; required on Blackwell) or `proprietary`.", default=None
+    )
+    driver_version: DriverVersion | None = _key(
+        FLEET,
+        "Exact NVIDIA driver version within the branch (e.g. `580.95.05`); fabric manager, NSCQ and "
+        "IMEX are pinned to it. Default: the branch's newest, fabric packages at the installed driver's version.",
+        default=None,
+    )
+    reboot: Literal["never", "if-needed", "rolling"] = _key(
+        FLEET,
+        "Reboots after a driver change: `never` (stop, naming the hosts that need one), `if-needed`, "
+        "`rolling` (one host at a time).",
+        default="if-needed",
+    )
+    imex_address: Address | None = _key(
+        HOST,
+        "GB200/GB300: this host's IP in IMEX's nodes_config.cfg; default `k2_address` (must be an IP).",
+        default=None,
+    )
+    # --- serving features --------------------------------------------------------
+    tool_parser: ParserName | None = _key(FLEET, "Tool-call parser (`--tool-call-parser`).", default="kimi_k2")
+    reasoning_parser: ParserName | None = _key(
+        FLEET, "Reasoning parser; default `kimi_k2` for thinking models, none otherwise.", default=None
+    )
+    auto_tool_choice: bool = _key(FLEET, "vLLM `--enable-auto-tool-choice`.", default=True)
+    max_model_len: PosInt | None = _key(FLEET, "Context length cap (`--max-model-len`, `--context-length`).", default=None)
+    # --- ports -------------------------------------------------------------------
+    port: Port = _key(FLEET, "OpenAI API port of each serving process.", default=8000)
+    router_port: Port = _key(FLEET, "PD router's API port (router host).", default=8000)
+    master_port: Port = _key(FLEET, "vLLM `--master-port` (multi-node without Ray).", default=29501)
+    dp_rpc_port: Port = _key(FLEET, "vLLM `--data-parallel-rpc-port`.", default=13345)
+    ray_port: Port = _key(FLEET, "Ray head GCS port.", default=6379)
+    dist_init_port: Port = _key(FLEET, "SGLang `--dist-init-addr` port.", default=50000)
+    bootstrap_port: Port = _key(FLEET, "SGLang PD `--disaggregation-bootstrap-port`.", default=8998)
+    mesh_port: Port = _key(FLEET, "Port of k2fleet's own sshd for the SSH mesh (mpirun).", default=2233)
+    relay_port: Port = _key(
+        FLEET,
+        "Port of the checkpoint relay while the fleet receives the checkpoint: each host serves its verified "
+        "shards to its peers on its address, and the control machine's copy reaches a host on its own "
+        "127.0.0.1 at this port through the deploy's SSH connection.",
+        default=29700,
+    )
+    mesh_user: PosixUser = _key(FLEET, "User mpirun connects as over the mesh.", default="root")
+    health_timeout: PosInt = _key(FLEET, "Seconds to wait for a real completion before failing.", default=3600)
+    # --- topology ------------------------------------------------------------------
+    role: Role = _key(
+        POOL,
+        "What this host runs: `serve` (default), `prefill`, `decode`, `router` (SGLang PD), "
+        "`slurm-submit` (TRT-LLM SLURM login node).",
+        default="serve",
+    )
+    tp: PosInt | None = _key(POOL, "Tensor parallel size; default `k2_gpus_per_node`.", default=None)
+    pp: PosInt = _key(POOL, "Pipeline parallel size.", default=1)
+    dp: PosInt = _key(POOL, "Data parallel size (vLLM DP ranks / SGLang `--dp-size`).", default=1)
+    ep: PosInt = _key(POOL, "Expert parallel size; 1 = off. vLLM: must equal tp×dp.", default=1)
+    dcp: PosInt = _key(POOL, "vLLM decode context parallel size; must divide `k2_tp`.", default=1)
+    attn_dp: bool = _key(POOL, "DP attention (SGLang `--enable-dp-attention`, TRT-LLM `enable_attention_dp`).", default=False)
+    multinode_backend: Literal["ray", "mp"] = _key(
+        POOL, "vLLM across nodes: `ray` (Ray cluster) or `mp` (`--nnodes/--node-rank`, headless ranks).", default="mp"
+    )
+    engine_args: EngineArgs = _key(
+        POOL,
+        "Extra engine flags `{flag: value}` (`True` = bare flag). Renamed flags are translated "
+        "for the pinned version.",
+        default_factory=dict,
+    )
+    env: EnvMap = _key(POOL, "Extra environment for the engine process.", default_factory=dict)
+    gpu_memory_utilization: Fraction | None = _key(
+        POOL, "Fraction of GPU memory the engine may use (default 0.9).", default=None
+    )
+    trtllm_config: TrtllmConfig = _key(
+        POOL, "TRT-LLM extra LLM API options YAML (`--config`), merged over k2fleet's parallel keys.", default_factory=dict
+    )
+    slurm: SlurmConfig | None = _key(
+        POOL, "TRT-LLM SLURM submit: `slurm`, `benchmark`, `hardware`, `environment` sections of config.yaml.", default=None
+    )
+    disagg: DisaggConfig | None = _key(
+        POOL, "TRT-LLM SLURM disaggregation: `{ctx: {...LLM API...}, gen: {...}}` worker configs.", default=None
+    )
+    kt: KtConfig = _key(
+        POOL,
+        "KTransformers settings: `method` (AMXINT4, AMXINT8, LLAMAFILE), `cpuinfer`, "
+        "`threadpool_count`, `gpu_experts`, `optimize_rules` (legacy server), `cache_lens`.",
+        default_factory=dict,
+    )
+    # --- per host --------------------------------------------------------------------
+    address: Address | None = _key(HOST, "Fleet-internal address; default `ssh_hostname`, else the host name.", default=None)
+    nic: IfName | None = _key(HOST, "Interface for NCCL/Gloo sockets (`NCCL_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME`).", default=None)
+    ib_hcas: list[IbHca] = _key(HOST, "InfiniBand HCAs (`NCCL_IB_HCA`, SGLang `--disaggregation-ib-device`).", default_factory=list)
+
+
+def scope_of(name: str) -> str:
+    extra = HostSettings.model_fields[name].json_schema_extra
+    assert isinstance(extra, dict)
+    return str(extra["scope"])
+
+
+class SpecError(Exception):
+    """A bad inventory: ``key`` is the inventory key to fix, the message says how."""
+
+    def __init__(self, key: str, message: str, where: str = "") -> None:
+        self.key, self.message, self.where = key, message, where
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        prefix = f"{self.where}: " if self.where else ""
+        return f"{prefix}{self.key}: {self.message}"
+
+
+@dataclass(frozen=True)
+class HostEntry:
+    """One inventory host: its name, pyinfra data it connects with, its k2 settings."""
+
+    name: str
+    settings: HostSettings
+    ssh_hostname: str | None = None
+    groups: tuple[str, ...] = ()
+
+    @property
+    def address(self) -> str:
+        return self.settings.address or self.ssh_hostname or self.name
+
+
+@dataclass
+class Fleet:
+    """A validated inventory: hosts in inventory order, grouped into role pools."""
+
+    source: str
+    hosts: list[HostEntry]
+    pools: dict[str, list[HostEntry]] = field(default_factory=dict)
+
+    @property
+    def settings(self) -> HostSettings:
+        """Fleet-scope settings (identical on every host by construction)."""
+        return self.hosts[0].settings
+
+
+def _loc_key(loc: tuple[Any, ...], err: Any) -> str:
+    """The inventory key a pydantic error is about, with its nested path (``k2_kt.cpuinfer``)."""
+    parts = [p for p in loc if p != "[key]"]
+    if err.get("type") == "k2_nested" and err["ctx"].get("path"):
+        return PREFIX + _path_text(parts) + "." + str(err["ctx"]["path"])
+    return PREFIX + _path_text(parts) if parts else "inventory"
+
+
+def check_host_identity(name: Any, ssh_hostname: Any, where: str = "") -> None:
+    """The inventory host name and its ``ssh_hostname`` (the default ``k2_address``)."""
+    if not isinstance(name, str):
+        raise SpecError("inventory", f"host name {show(name)} is not a string", where)
+    try:
+        _pattern(HOST_NAME_RE, "a host name: 1-63 of A-Z a-z 0-9 . _ -, starting with a letter or digit")(name)
+    except ValueError as exc:
+        raise SpecError("inventory", f"host name {exc}", where) from None
+    if ssh_hostname is not None:
+        if not isinstance(ssh_hostname, str):
+            raise SpecError("ssh_hostname", f"must be a string (got {show(ssh_hostname)} on host {name})", where)
+        try:
+            address(no_control(ssh_hostname))
+        except ValueError as exc:
+            raise SpecError("ssh_hostname", f"{exc} on host {name}", where) from None
+
+
+class _ConnectionKeys(BaseModel):
+    """pyinfra's own connection keys that k2fleet passes on (the checkpoint push's ssh
+    and rsync argv): checked like every k2_* value."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    ssh_user: PosixUser | None = None
+    ssh_port: Port | None = None
+    ssh_key: RelOrAbsPath | None = None
+    ssh_known_hosts_file: RelOrAbsPath | None = None
+
+
+def check_connection_keys(name: str, data: dict[str, Any], where: str = "") -> None:
+    """``ssh_user``, ``ssh_port``, ``ssh_key``, ``ssh_known_hosts_file`` of one host.
+
+    >>> check_connection_keys("n1", {"ssh_user": "root", "ssh_port": 22})
+    >>> try:
+    ...     check_connection_keys("n1", {"ssh_port": True})
+    ... except SpecError as exc:
+    ...     print(exc)
+    ssh_port: Input should be a valid integer (got True) on host n1
+    """
+    try:
+        _ConnectionKeys(**{k: v for k, v in data.items() if k in _ConnectionKeys.model_fields and v is not None})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise SpecError(str(err["loc"][0]), f"{_pydantic_message(err)} on host {name}", where) from None
+
+
+def parse_host(name: str, data: dict[str, Any], where: str = "", groups: tuple[str, ...] = ()) -> HostEntry:
+    """Type-check one host's ``k2_*`` keys.
+
+    >>> parse_host("n1", {"k2_model": "m/x", "k2_revision": "0"*40, "k2_engine": "vllm",
+    ...                   "k2_gpu": "h200"}).settings.port
+    8000
+    """
+    keys = {k[len(PREFIX):]: v for k, v in data.items() if isinstance(k, str) and k.startswith(PREFIX)}
+    for key in keys:
+        if key not in HostSettings.model_fields:
+            close = difflib.get_close_matches(key, HostSettings.model_fields, n=1)
+            hint = f"did you mean {PREFIX}{close[0]}?" if close else "see `k2fleet keys` for the list"
+            raise SpecError(PREFIX + _path_text([key]), f"unknown key on host {name}; {hint}", where)
+    check_host_identity(name, data.get("ssh_hostname"), where)
+    check_connection_keys(name, data, where)
+    for key, value in keys.items():  # secrets first: their message never echoes the value
+        try:
+            scan_secrets(value, (), env_names=key == "env", flag_names=key == "engine_args")
+        except _Nested as exc:
+            path = PREFIX + _path_text((key, *exc.path))
+            raise SpecError(path, f"{exc.message} (on host {name})", where) from None
+    try:
+        settings = HostSettings(**keys)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc_key = _loc_key(tuple(err["loc"]), err)
+        if err["type"] == "missing" and len(err["loc"]) == 1:
+            msg = f"required on host {name} but not set; {HostSettings.model_fields[str(err['loc'][0])].description}"
+        else:
+            msg = f"{_pydantic_message(err)} on host {name}"
+        raise SpecError(loc_key, msg, where) from None
+    return HostEntry(name=name, settings=settings, ssh_hostname=data.get("ssh_hostname"), groups=groups)
+
+
+def build_fleet(source: str, entries: list[HostEntry]) -> Fleet:
+    """Group hosts into pools, check host names and addresses are unique and that
+    fleet/pool scoped keys agree."""
+    if not entries:
+        raise SpecError("inventory", "no hosts", source)
+    seen_names: dict[str, HostEntry] = {}
+    seen_addresses: dict[str, HostEntry] = {}
+    for entry in entries:
+        check_host_identity(entry.name, entry.ssh_hostname, source)
+        if entry.name in seen_names:
+            raise SpecError("inventory", f"host name {entry.name} is listed twice; host names must be unique", source)
+        seen_names[entry.name] = entry
+        addr = entry.address
+        key = "k2_address" if entry.settings.address else "ssh_hostname" if entry.ssh_hostname else "inventory"
+        try:
+            address(addr)
+        except ValueError as exc:
+            raise SpecError(key, f"{exc} (address of host {entry.name})", source) from None
+        canonical = addr.lower().rstrip(".")
+        try:
+            canonical = str(ipaddress.ip_address(addr))
+        except ValueError:
+            pass
+        other = seen_addresses.get(canonical)
+        if other is not None:
+            raise SpecError(
+                key,
+                f"hosts {other.name} and {entry.name} both have address {addr}; every host needs its own "
+                "address (set k2_address or ssh_hostname)",
+                source,
+            )
+        seen_addresses[canonical] = entry
+    first = entries[0]
+    pools: dict[str, list[HostEntry]] = {}
+    for entry in entries:
+        pools.setdefault(entry.settings.role, []).append(entry)
+    for name in HostSettings.model_fields:
+        scope = scope_of(name)
+        if scope == HOST:
+            continue
+        for entry in entries:
+            ref = first if scope == FLEET else pools[entry.settings.role][0]
+            a, b = getattr(ref.settings, name), getattr(entry.settings, name)
+            if a != b:
+                what = "every host" if scope == FLEET else f"every {entry.settings.role} host"
+                raise SpecError(
+                    PREFIX + name,
+                    f"must be the same on {what}, but {ref.name} has {show(a)} and {entry.name} has {show(b)}; "
+                    "set it in group data",
+                    source,
+                )
+    return Fleet(source=source, hosts=entries, pools=pools)
+
+
+def keys_markdown() -> str:
+    """The README table of every inventory key."""
+    lines = ["| key | scope | default | meaning |", "|---|---|---|---|"]
+    for name, info in HostSettings.model_fields.items():
+        if info.is_required():
+            default = "**required**"
+        elif info.default_factory is not None:
+            default = f"`{info.default_factory()!r}`"
+        else:
+            default = f"`{info.default!r}`"
+        lines.append(f"| `{PREFIX}{name}` | {scope_of(name)} | {default} | {info.description} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,507 @@
+"""A validated fleet with every default resolved: what the planner and renderers read.
+
+:func:`resolve` applies the cross-key rules (parallel sizes, node counts, hardware
+fit, PD completeness, versions) and raises :class:`~k2fleet.inventory.spec.SpecError` naming the
+key and the fix for the first one broken. Port clashes are checked on the plan
+(:func:`k2fleet.planning.planner.make_plan`), where every port of every process is known.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+import posixpath
+from dataclasses import dataclass
+from typing import Any
+
+from k2fleet.planning.engine_side import engine_min_python, host_python
+from k2fleet.planning import catalog
+from k2fleet.planning.os_tables import DriverChoice, choose_driver, host_os
+from k2fleet.inventory.spec import SHA_RE, Fleet, HostEntry, HostSettings, SpecError
+
+KV_RESERVE_GIB = 4.0  # the least KV cache per GPU worth serving with...
+KV_RESERVE_FRACTION = 0.08  # ...or this share of the GPU, whichever is more
+DEFAULT_GPU_UTIL = 0.9
+PD_ROLES = ("prefill", "decode", "router")
+
+
+@dataclass(frozen=True)
+class Pool:
+    """Hosts of one role and how they split into engine instances."""
+
+    role: str
+    hosts: tuple[HostEntry, ...]
+    settings: HostSettings
+    tp: int
+    instance_gpus: int
+    nodes_per_instance: int
+
+    @property
+    def instances(self) -> list[tuple[HostEntry, ...]]:
+        n = self.nodes_per_instance
+        return [self.hosts[i : i + n] for i in range(0, len(self.hosts), n)]
+
+
+@dataclass(frozen=True)
+class WeightSet:
+    """One pinned Hub repository every weight-loading host must hold, verified file by
+    file, at ``path`` (the same on every host), before any engine starts.
+
+    ``check``: its HostState check name; ``source``: ``hub`` or ``control:/DIR``;
+    ``patterns``: the repository files it holds (None: all); ``label``: what operation
+    names add for it ("" for the model checkpoint).
+    """
+
+    check: str
+    repo: str
+    revision: str
+    path: str
+    source: str
+    patterns: tuple[str, ...] | None
+    label: str
+
+
+CHECKPOINT_CHECK = "checkpoint-verified"
+GGUF_CHECK = "gguf-verified"
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Everything the renderers need, defaults resolved."""
+
+    fleet: Fleet
+    engine: str
+    version: str
+    platform: str
+    runtime: str
+    image: str | None
+    gpu: catalog.GpuType | None
+    gpus_per_node: int
+    checkpoint_bytes: int
+    quantization: str
+    reasoning_parser: str | None
+    served_model_name: str
+    pools: dict[str, Pool]
+    driver: DriverChoice | None = None  # NVIDIA driver the bootstrap installs (None: AMD)
+
+    @property
+    def s(self) -> HostSettings:
+        return self.fleet.settings
+
+    @property
+    def version_tuple(self) -> tuple[int, ...]:
+        return catalog.version_tuple(self.version)
+
+    @property
+    def checkpoint_path(self) -> str:
+        """``k2_model_dir/<org>--<name>/<revision>`` on every host."""
+        return posixpath.join(self.s.model_dir, self.s.model.replace("/", "--"), self.s.revision)
+
+    @property
+    def gguf_path(self) -> str | None:
+        if not self.s.gguf_repo:
+            return None
+        return posixpath.join(self.s.model_dir, self.s.gguf_repo.replace("/", "--"), str(self.s.gguf_revision))
+
+    @property
+    def weight_sets(self) -> tuple[WeightSet, ...]:
+        """What hosts that load weights must hold: the ``k2_model`` checkpoint, and for
+        GGUF engines the ``k2_gguf_repo`` files matching ``k2_gguf_pattern``."""
+        s = self.s
+        sets = [WeightSet(CHECKPOINT_CHECK, s.model, s.revision, self.checkpoint_path,
+                          self._weight_source(s.checkpoint_source, s.model, s.revision), None, "")]
+        if s.gguf_repo and self.gguf_path:
+            sets.append(WeightSet(GGUF_CHECK, s.gguf_repo, str(s.gguf_revision), self.gguf_path,
+                                  self._weight_source(s.gguf_source, s.gguf_repo, str(s.gguf_revision)),
+                                  (s.gguf_pattern,) if s.gguf_pattern else None, " (GGUF weights)"))
+        return tuple(sets)
+
+    def _weight_source(self, source: str, repo: str, revision: str) -> str:
+        """``k2_bundle``: a Hub source the control machine fetches is the bundle's copy."""
+        if self.s.bundle and source == "hub" and self.s.checkpoint_fetcher == "control":
+            return f"control:{self.s.bundle}/checkpoint/{repo.replace('/', '--')}/{revision}"
+        return source
+
+    @property
+    def api_model_name(self) -> str:
+        """The ``model`` clients send: trtllm-serve names the model by its path."""
+        return self.serve_path if self.engine == "trtllm" else self.served_model_name
+
+    @property
+    def serve_path(self) -> str:
+        """What engines load: the verified checkpoint, or its config overlay."""
+        if self.s.model_type_override:
+            return self.checkpoint_path + ".overlay-" + self.s.model_type_override
+        return self.checkpoint_path
+
+
+def _fail(key: str, msg: str, fleet: Fleet) -> SpecError:
+    return SpecError(key, msg, fleet.source)
+
+
+def _check_model(fleet: Fleet) -> tuple[int, str, bool]:
+    s = fleet.settings
+    if not SHA_RE.match(s.revision):
+        raise _fail(
+            "k2_revision",
+            f"{s.revision!r} is not a pinned commit; set the 40-hex commit sha of {s.model} "
+            "(HfApi().model_info(repo).sha), never a branch or tag",
+            fleet,
+        )
+    if s.gguf_repo and (not s.gguf_revision or not SHA_RE.match(s.gguf_revision)):
+        raise _fail("k2_gguf_revision", "set the 40-hex commit sha of k2_gguf_repo", fleet)
+    known = catalog.CHECKPOINTS.get(s.model)
+    size = s.checkpoint_bytes or (known.bytes if known else None)
+    quant = s.quantization or (known.quantization if known else None)
+    if size is None or quant is None:
+        raise _fail(
+            "k2_checkpoint_bytes" if size is None else "k2_quantization",
+            f"{s.model} is not in k2fleet's catalog; set k2_checkpoint_bytes and k2_quantization",
+            fleet,
+        )
+    # k2_checkpoint_source's grammar (hub | control:/PATH) is owned by spec.checkpoint_source
+    if known and known.max_context and s.max_model_len and s.max_model_len > known.max_context:
+        raise _fail(
+            "k2_max_model_len",
+            f"{s.max_model_len} exceeds the {known.max_context}-token context of {s.model}; "
+            f"set at most {known.max_context}",
+            fleet,
+        )
+    reasoning = known.reasoning if known else "thinking" in s.model.lower()
+    return size, quant, reasoning
+
+
+def _check_hardware(fleet: Fleet) -> tuple[catalog.GpuType | None, int, str]:
+    s = fleet.settings
+    if s.simulated_gpus and not s.engine_doubles:
+        raise _fail(
+            "k2_simulated_gpus",
+            "simulated GPUs are for the sandbox fleet only (with k2_engine_doubles: true); "
+            "remove it from a production inventory",
+            fleet,
+        )
+    if s.engine_doubles and not s.simulated_gpus:
+        raise _fail("k2_engine_doubles", "engine test doubles need k2_simulated_gpus: true (sandbox only)", fleet)
+    gpu = catalog.GPUS.get(s.gpu.lower())
+    if gpu is None:
+        raise _fail("k2_gpu", f"unknown GPU type {s.gpu!r}; one of {', '.join(catalog.GPUS)}", fleet)
+    per_node = s.gpus_per_node or gpu.default_per_node
+    if per_node > gpu.max_per_node:
+        raise _fail(
+            "k2_gpus_per_node",
+            f"{per_node} GPUs per node on {gpu.name}: one {gpu.name} node ships at most {gpu.max_per_node}",
+            fleet,
+        )
+    platform = s.platform or ("rocm" if gpu.vendor == "amd" else "cuda")
+    if platform == "rocm" and gpu.vendor != "amd":
+        raise _fail("k2_platform", f"a ROCm engine cannot run on NVIDIA {gpu.name} hosts; use platform cuda", fleet)
+    if platform == "cuda" and gpu.vendor == "amd":
+        raise _fail("k2_platform", f"a CUDA engine cannot run on AMD {gpu.name} hosts; use platform rocm", fleet)
+    image = (s.image or "").lower()
+    if "rocm" in image and gpu.vendor != "amd":
+        raise _fail("k2_image", f"{s.image} is a ROCm image but the hosts have NVIDIA {gpu.name} GPUs", fleet)
+    return gpu, per_node, platform
+
+
+def _check_engine(fleet: Fleet, platform: str) -> tuple[str, str, str | None]:
+    s = fleet.settings
+    versions = catalog.ENGINE_VERSIONS[s.engine]
+    version = s.engine_version or versions[0]
+    if version not in versions:
+        raise _fail(
+            "k2_engine_version",
+            f"{s.engine} {version} is not supported; supported pins: {', '.join(versions)}",
+            fleet,
+        )
+    if platform == "rocm" and s.engine not in ("vllm", "sglang"):
+        raise _fail("k2_engine", f"{s.engine} has no ROCm build; use vllm or sglang on AMD GPUs", fleet)
+    runtime = s.runtime or ("container" if s.engine == "trtllm" or platform == "rocm" else "venv")
+    if s.engine == "trtllm" and runtime == "venv" and not s.engine_doubles:
+        raise _fail("k2_runtime", "TensorRT-LLM ships as a container image (the PyPI package is a stub); use container", fleet)
+    if s.image_id and runtime != "container":
+        raise _fail("k2_image_id", "pins a container image; it needs k2_runtime container", fleet)
+    image = s.image
+    if runtime == "container" and image is None:
+        template = catalog.DEFAULT_IMAGES.get((s.engine, platform))
+        if template is None:
+            raise _fail("k2_image", f"no default image for {s.engine} on {platform}; set k2_image", fleet)
+        image = template.format(version=version)
+    return version, runtime, image
+
+
+def _instance_gpus(s: HostSettings, engine: str, tp: int) -> int:
+    if engine == "vllm":
+        return tp * s.pp * s.dp
+    if engine == "sglang" and not s.attn_dp:
+        return tp * s.pp * s.dp
+    return tp * s.pp  # SGLang DP attention / TRT-LLM attention DP run inside the TP group
+
+
+def _check_pool(fleet: Fleet, role: str, hosts: list[HostEntry], engine: str, per_node: int) -> Pool:
+    s = hosts[0].settings
+    where = f"{role} pool ({', '.join(h.name for h in hosts)})"
+    if role in ("router", "slurm-submit"):
+        return Pool(role, tuple(hosts), s, tp=0, instance_gpus=0, nodes_per_instance=1)
+    tp = s.tp or per_node
+    if engine == "vllm":
+        if s.dcp > 1 and tp % s.dcp:
+            divisors = [d for d in range(1, tp + 1) if tp % d == 0]
+            raise _fail("k2_dcp", f"k2_dcp={s.dcp} does not divide k2_tp={tp}; use one of {divisors}", fleet)
+        if s.dp > 1 and s.pp > 1:
+            raise _fail("k2_pp", f"vLLM data parallel (k2_dp={s.dp}) cannot be combined with k2_pp={s.pp}; set k2_pp: 1 or k2_dp: 1", fleet)
+        if s.ep > 1 and s.ep != tp * s.dp:
+            raise _fail("k2_ep", f"vLLM expert parallel spans tp×dp = {tp * s.dp}; set k2_ep to {tp * s.dp} (or 1 for off)", fleet)
+    elif s.dcp > 1:
+        raise _fail("k2_dcp", f"decode context parallel is a vLLM feature; remove it for {engine}", fleet)
+    if engine == "sglang" and s.attn_dp and tp % s.dp:
+        raise _fail("k2_dp", f"SGLang DP attention needs k2_dp ({s.dp}) to divide k2_tp ({tp})", fleet)
+    gpus = _instance_gpus(s, engine, tp)
+    if gpus > per_node and gpus % per_node:
+        raise _fail(
+            "k2_tp",
+            f"{where}: parallel sizes use {gpus} GPUs per instance, not a whole number of "
+            f"{per_node}-GPU nodes; make tp×pp{'×dp' if engine == 'vllm' else ''} a multiple of {per_node}",
+            fleet,
+        )
+    if gpus < per_node:
+        raise _fail(
+            "k2_tp",
+            f"{where}: parallel sizes multiply to {gpus} GPUs but each node has {per_node}; "
+            f"make tp×pp{'×dp' if engine == 'vllm' else ''} = {per_node} (or a multiple) or set k2_gpus_per_node",
+            fleet,
+        )
+    nodes = math.ceil(gpus / per_node)
+    if len(hosts) < nodes:
+        raise _fail(
+            "inventory",
+            f"{where}: the topology needs {nodes} nodes of {per_node} GPUs ({gpus} GPUs) but the "
+            f"inventory lists {len(hosts)}; add hosts or lower the parallel sizes",
+            fleet,
+        )
+    if len(hosts) % nodes:
+        raise _fail(
+            "inventory",
+            f"{where}: {len(hosts)} hosts do not split into instances of {nodes} nodes; "
+            f"list a multiple of {nodes} hosts",
+            fleet,
+        )
+    if engine == "vllm" and s.dp > 1 and nodes > 1:
+        hybrid = any(k.lstrip("-") in ("data-parallel-hybrid-lb", "dph") for k in s.engine_args)
+        if hybrid:
+            raise _fail(
+                "k2_engine_args",
+                "--data-parallel-hybrid-lb starts an API server on every node, which conflicts "
+                "with the headless ranks k2fleet plans; remove it",
+                fleet,
+            )
+    if engine == "vllm" and s.multinode_backend == "ray" and s.dp > 1 and nodes > 1:
+        raise _fail("k2_multinode_backend", "vLLM DP across nodes uses headless ranks, not Ray; set mp", fleet)
+    return Pool(role, tuple(hosts), s, tp=tp, instance_gpus=gpus, nodes_per_instance=nodes)
+
+
+def _check_fit(fleet: Fleet, pool: Pool, gpu: catalog.GpuType, size: int, quant: str, engine: str) -> None:
+    if engine == "ktransformers" or pool.instance_gpus == 0:
+        return  # KTransformers keeps experts in host RAM; preflight checks RAM instead
+    s = pool.settings
+    shards = pool.instance_gpus if s.ep > 1 else pool.tp * s.pp
+    per_gpu_gib = size / shards / catalog.GIB
+    util = s.gpu_memory_utilization or DEFAULT_GPU_UTIL
+    budget = gpu.memory_gib * util
+    reserve = max(KV_RESERVE_GIB, KV_RESERVE_FRACTION * gpu.memory_gib)
+    if budget <= reserve:
+        least = math.ceil((reserve / gpu.memory_gib) * 100 + 1) / 100
+        raise _fail(
+            "k2_gpu_memory_utilization",
+            f"{pool.role} pool: {util:.2f} of {gpu.name}'s {gpu.memory_gib:.0f} GiB is {budget:.1f} GiB, "
+            f"no more than the {reserve:.1f} GiB KV reserve: the utilisation leaves no room for weights; "
+            f"set well above {least:.2f} (default {DEFAULT_GPU_UTIL})",
+            fleet,
+        )
+    if per_gpu_gib + reserve > budget:
+        need = math.ceil(size / catalog.GIB / (budget - reserve) / 8) * 8
+        raise _fail(
+            "k2_tp",
+            f"{pool.role} pool: {size / 1e9:.0f} GB of {quant} weights over {shards} GPUs is "
+            f"{per_gpu_gib:.1f} GiB per GPU + {reserve:.1f} GiB KV reserve > {budget:.1f} GiB "
+            f"usable on {gpu.name} (at {util:.2f} utilisation); spread the weights over at least "
+            f"{need} GPUs (more nodes, larger tp/pp or expert parallel)",
+            fleet,
+        )
+
+
+def _check_fetcher(fleet: Fleet) -> None:
+    fetcher = fleet.settings.checkpoint_fetcher
+    if fetcher == "control":
+        return
+    if fleet.settings.checkpoint_source != "hub":
+        raise _fail("k2_checkpoint_fetcher", f"{fetcher!r} downloads from the Hub, but k2_checkpoint_source is "
+                    f"{fleet.settings.checkpoint_source!r}; use `control` (or k2_checkpoint_source: hub)", fleet)
+    if fleet.settings.gguf_repo and fleet.settings.gguf_source != "hub":
+        raise _fail("k2_checkpoint_fetcher", f"{fetcher!r} downloads from the Hub, but k2_gguf_source is "
+                    f"{fleet.settings.gguf_source!r}; use `control` (or k2_gguf_source: hub)", fleet)
+    entry = next((h for h in fleet.hosts if h.name == fetcher), None)
+    if entry is None:
+        raise _fail("k2_checkpoint_fetcher", f"{fetcher!r} is neither `control` nor a host of this inventory "
+                    f"({', '.join(h.name for h in fleet.hosts)})", fleet)
+    role = entry.settings.role
+    if role in ("router", "slurm-submit"):
+        raise _fail("k2_checkpoint_fetcher", f"{fetcher} is a {role} host and holds no checkpoint; "
+                    "name a host that loads weights", fleet)
+
+
+def _check_venv_python(fleet: Fleet, engine: str, version: str, runtime: str) -> None:
+    """A venv engine is installed with the host OS's venv interpreter (its OS table's): it
+    must be one the engine's release installs on (its Requires-Python)."""
+    need = engine_min_python(engine, version)
+    if runtime != "venv" or need is None or fleet.settings.simulated_gpus:
+        return
+    for h in fleet.hosts:
+        os_name = host_os(h)
+        have = host_python(os_name)
+        if tuple(map(int, have.split("."))) < tuple(map(int, need.split("."))):
+            raise SpecError("k2_os", f"host {h.name} runs {os_name} (Python {have}) but {engine} {version} needs "
+                            f"Python >= {need}; set another k2_os, k2_runtime: container, or an older "
+                            f"k2_engine_version", fleet.source)
+
+
+def _check_bundle(fleet: Fleet) -> None:
+    """``k2_bundle``: the deploy takes its packages from it, and it was made (its lock exists)."""
+    s = fleet.settings
+    if s.bundle is None:
+        return
+    if s.package_source != "bundle":
+        raise _fail("k2_bundle", "the deploy takes its packages from the bundle; set k2_package_source: bundle", fleet)
+    lock = posixpath.join(s.bundle, "k2fleet.lock")
+    if not os.path.isfile(lock):
+        raise _fail("k2_bundle", f"{lock} does not exist; make the bundle with "
+                    f"`k2fleet bundle INVENTORY --out {s.bundle}` on a connected machine and copy it here", fleet)
+
+
+def _check_roles(fleet: Fleet, engine: str) -> None:
+    roles = set(fleet.pools)
+    pd = roles & set(PD_ROLES)
+    if pd:
+        if engine != "sglang":
+            raise _fail("k2_role", f"prefill/decode/router roles are planned for SGLang; {engine} cannot use them", fleet)
+        missing = [r for r in PD_ROLES if r not in roles]
+        if missing:
+            raise _fail(
+                "k2_role",
+                f"prefill/decode disaggregation needs prefill, decode and router hosts; none has role "
+                f"{', '.join(missing)}",
+                fleet,
+            )
+        if "serve" in roles:
+            raise _fail("k2_role", "mixing role serve with prefill/decode hosts; give every host a PD role", fleet)
+        if len(fleet.pools["router"]) != 1:
+            raise _fail("k2_role", "exactly one router host is planned", fleet)
+    if "slurm-submit" in roles:
+        if engine != "trtllm":
+            raise _fail("k2_role", "slurm-submit is the TRT-LLM SLURM disaggregated path", fleet)
+        s = fleet.pools["slurm-submit"][0].settings
+        if not s.slurm or not s.disagg or not {"ctx", "gen"} <= set(s.disagg):
+            raise _fail("k2_disagg", "a slurm-submit host needs k2_slurm and k2_disagg with ctx and gen worker configs", fleet)
+
+
+def _check_slurm(fleet: Fleet, gpu: catalog.GpuType, per_node: int, size: int) -> None:
+    s = fleet.pools["slurm-submit"][0].settings
+    assert s.slurm is not None and s.disagg is not None
+    hardware = s.slurm.get("hardware", {})
+    if hardware.get("gpus_per_node", per_node) != per_node:
+        raise _fail(
+            "k2_slurm.hardware.gpus_per_node",
+            f"{hardware['gpus_per_node']} differs from k2_gpus_per_node {per_node}; set both to the same",
+            fleet,
+        )
+    for side in ("ctx", "gen"):
+        worker = s.disagg[side]
+        tp = int(worker.get("tensor_parallel_size", 1))
+        ep = int(worker.get("moe_expert_parallel_size", 1))
+        if tp % per_node and per_node % tp:
+            raise _fail("k2_disagg", f"{side}.tensor_parallel_size {tp} does not fit {per_node}-GPU nodes", fleet)
+        if ep > tp:
+            raise _fail("k2_disagg", f"{side}.moe_expert_parallel_size {ep} exceeds tensor_parallel_size {tp}", fleet)
+        per_gpu = size / (ep if ep > 1 else tp) / catalog.GIB
+        if per_gpu + KV_RESERVE_GIB > gpu.memory_gib * 0.95:
+            raise _fail("k2_disagg", f"{side}: {per_gpu:.0f} GiB of weights per GPU does not fit {gpu.name}", fleet)
+
+
+ENGINE_FLAGS_MODULE = "k2fleet.planning.engine_flags"
+
+
+def _check_engine_flags(fleet: Fleet, engine: str, version: str, pools: dict[str, Pool]) -> None:
+    """Flag names of ``k2_engine_args`` (every pool) and TRT-LLM LLM API option names
+    (``k2_trtllm_config``, both ``k2_disagg`` sides) against the pinned version's tables.
+
+    The single call site of :mod:`k2fleet.planning.engine_flags` (it raises SpecError naming the
+    key); skipped if that module is absent."""
+    if importlib.util.find_spec(ENGINE_FLAGS_MODULE) is None:
+        return
+    try:
+        _engine_flag_calls(importlib.import_module(ENGINE_FLAGS_MODULE), engine, version, pools)
+    except SpecError as exc:
+        raise SpecError(exc.key, exc.message, exc.where or fleet.source) from None
+
+
+def _engine_flag_calls(flags: Any, engine: str, version: str, pools: dict[str, Pool]) -> None:
+    for pool in pools.values():
+        s = pool.settings
+        flags.check_engine_args(engine, version, s.engine_args, key="k2_engine_args")
+        if engine != "trtllm":
+            continue
+        if s.trtllm_config and pool.tp:
+            owned = {"tensor_parallel_size": pool.tp, "pipeline_parallel_size": s.pp,
+                     "moe_expert_parallel_size": s.ep, "enable_attention_dp": s.attn_dp}
+            flags.check_llm_api_config(version, s.trtllm_config, key="k2_trtllm_config", owned_values=owned)
+        for side in ("ctx", "gen"):
+            if s.disagg and side in s.disagg:
+                flags.check_llm_api_config(version, s.disagg[side], key=f"k2_disagg.{side}")
+
+
+def resolve(fleet: Fleet) -> Deployment:
+    """Check the cross-key rules and resolve defaults; raises SpecError on the first problem."""
+    s = fleet.settings
+    size, quant, reasoning = _check_model(fleet)
+    gpu, per_node, platform = _check_hardware(fleet)
+    if quant == "nvfp4" and gpu is not None and gpu.arch != catalog.BLACKWELL:
+        raise _fail(
+            "k2_gpu",
+            f"NVFP4 weights ({s.model}) need Blackwell GPUs (b200, b300, gb200, gb300), not {gpu.name}; "
+            "use an FP8/INT4 checkpoint on this hardware",
+            fleet,
+        )
+    version, runtime, image = _check_engine(fleet, platform)
+    if s.engine == "ktransformers" and not s.gguf_repo:
+        raise _fail("k2_gguf_repo", "KTransformers serves GGUF weights; set k2_gguf_repo, k2_gguf_revision and k2_gguf_pattern", fleet)
+    _check_roles(fleet, s.engine)
+    _check_fetcher(fleet)
+    _check_bundle(fleet)
+    _check_venv_python(fleet, s.engine, version, runtime)
+    pools = {}
+    for role, hosts in fleet.pools.items():
+        pools[role] = _check_pool(fleet, role, hosts, s.engine, per_node)
+        if gpu is not None:
+            _check_fit(fleet, pools[role], gpu, size, quant, s.engine)
+    if "slurm-submit" in pools and gpu is not None:
+        _check_slurm(fleet, gpu, per_node, size)
+    _check_engine_flags(fleet, s.engine, version, pools)
+    driver = choose_driver(fleet, gpu, s.engine, version) if gpu is not None else None
+    reasoning_parser = s.reasoning_parser or ("kimi_k2" if reasoning else None)
+    return Deployment(
+        fleet=fleet,
+        engine=s.engine,
+        version=version,
+        platform=platform,
+        runtime=runtime,
+        image=image,
+        gpu=gpu,
+        gpus_per_node=per_node,
+        checkpoint_bytes=size,
+        quantization=quant,
+        reasoning_parser=reasoning_parser,
+        served_model_name=s.served_model_name or s.model,
+        pools=pools,
+        driver=driver,
+    )

@@ -1,0 +1,612 @@
+"""The desired state: everything each host must hold, computed from the plan (pure).
+
+:func:`desired_state` turns a validated :class:`~k2fleet.planning.deployment.Deployment`, its
+:class:`~k2fleet.planning.processes.Plan` and a read-only view of the control machine's artifacts
+(:class:`ControlArtifacts`: mesh keys, Hub-client wheels) into one
+:class:`HostDesired` per host: files (path, mode, content, sha256) grouped by the role
+that writes them, systemd units, Debian packages, read-only checks the HostState fact
+runs, paths whose existence matters, and the host's place in the checkpoint distribution.
+``k2fleet plan --json`` prints it; the deploy's roles only carry it out.
+
+Computing it connects to nothing and writes nothing. A control artifact that does not
+exist yet (first run under ``--dry``) is a file with unknown content (``sha256`` None),
+made by :func:`k2fleet.control.artifacts.prepare_control_artifacts`.
+
+>>> FileSpec(b"hi\\n", "644").sha256[:12]
+'98ea6e4f216f'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k2fleet.planning.engine_side import HOST_ARCH, engine_side_requirements as venv_side_requirements, host_python, requirement_version
+from k2fleet.planning import mesh
+from k2fleet.planning import host_bootstrap as bootstrap
+from k2fleet.planning.host_bootstrap import BootstrapPlan, bootstrap_plan
+from k2fleet.planning.os_tables import OS_TABLES
+from k2fleet.planning import relay_plan
+from k2fleet.hostprogs import swarm
+from k2fleet.planning.deployment import CHECKPOINT_CHECK, Deployment
+from k2fleet.planning.host_packages import required_packages
+from k2fleet.planning.processes import HostPlan, Plan, Service
+from k2fleet.planning.units import (IMAGE_PIN_PY, LIB_DIR, RAY_GATE, container_name, env_file, env_path, image_pin_argv,
+                           unit_file, unit_name, unit_path)
+from k2fleet.planning.quoting import shell_line, shell_word
+from k2fleet.planning.render.common import DOCKER
+from k2fleet.planning.render.ktransformers import SGLANG_KT_SINCE
+
+REPO = Path(__file__).resolve().parents[2]
+DOUBLES_DIR = "/opt/k2fleet/doubles"
+GPU_STACK_DOUBLES = "gpu_stack"  # the doubles' gpu_stack/: inside the TEST DOUBLE driver packages, not shipped
+HUB_ENV = "/opt/k2fleet/hubenv"
+WHEEL_DIR = "/var/cache/k2fleet/control/wheelhouse"
+ENGINE_WHEEL_DIR = "/var/cache/k2fleet/engine-wheelhouse"
+PY_LIB = f"{LIB_DIR}/py"
+HEALTH_PY = f"{LIB_DIR}/k2fleet-health.py"
+VERIFY_PY = f"{LIB_DIR}/verify.py"
+OVERLAY_PY = f"{LIB_DIR}/overlay.py"
+UNIT_GLOB = "/etc/systemd/system/k2-*.service"
+MESH_UNIT_PATH = f"/etc/systemd/system/{mesh.UNIT}"
+HEALTH_CHECK = "healthy"
+HUB_CLIENT_CHECK = "hub-client"
+IMAGE_CHECK = "image-pinned"
+IMAGE_DIR = "/var/cache/k2fleet/images"  # where hosts keep the image archive they docker-load
+# Sandbox ROCm hosts: /dev/kfd and /dev/dri/renderD128 as TEST DOUBLE device nodes (the
+# null device's numbers), made by systemd-tmpfiles at every boot, so `--device` is real.
+DEVICE_DOUBLES_CONF = "/etc/tmpfiles.d/k2fleet-device-doubles.conf"
+DEVICE_DOUBLES = {"rocm": ("/dev/kfd", "/dev/dri/renderD128")}
+ENGINE_SIDE_CHECK = "engine-side"
+ENGINE_ENTRY = {"vllm": "vllm", "sglang": "python", "ktransformers": "python", "trtllm": "trtllm-serve"}
+HOSTSTATE_PY = f"{LIB_DIR}/hoststate.py"  # the HostState probe, also the bootstrap's GPU gate (--gate)
+HOST_PROGRAMS = {  # stdlib-only programs k2fleet runs on hosts (the Ray gate imports k2_venv's ray): host → repo path
+    VERIFY_PY: "k2fleet/hostprogs/verify.py",
+    OVERLAY_PY: "k2fleet/hostprogs/overlay.py",
+    HEALTH_PY: "k2fleet/hostprogs/health.py",
+    relay_plan.RELAY_PY: "k2fleet/hostprogs/relay.py",
+    f"{LIB_DIR}/swarm.py": "k2fleet/hostprogs/swarm.py",  # imported by relay.py
+    IMAGE_PIN_PY: "k2fleet/hostprogs/image_pin.py",
+    RAY_GATE: "k2fleet/hostprogs/raygate.py",
+}
+DOWNLOADER = ("k2fleet/__init__.py", "k2fleet/hostprogs/__init__.py", "k2fleet/hostprogs/verify.py",
+              "k2fleet/hostprogs/manifest.py", "k2fleet/hostprogs/download.py", "k2fleet/hostprogs/locks.py")
+
+
+@dataclass(frozen=True)
+class FileSpec:
+    """One file a host must hold. ``content`` None: a control artifact not made yet."""
+
+    content: bytes | None
+    mode: str
+    origin: str = "plan"
+
+    @property
+    def sha256(self) -> str | None:
+        return None if self.content is None else hashlib.sha256(self.content).hexdigest()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mode": self.mode, "sha256": self.sha256,
+                "bytes": None if self.content is None else len(self.content), "origin": self.origin}
+
+
+@dataclass(frozen=True)
+class EngineDoubles:
+    """``k2_engine_doubles``: the engine TEST DOUBLES the control step got from the
+    stand-in provider (:mod:`k2fleet.control.stand_ins`): the requirement that installs
+    their wheel, and their sources (path under the doubles' root → bytes)."""
+
+    requirement: str
+    files: dict[str, bytes] = field(default_factory=dict)
+
+
+ENGINE_DOUBLES_UNREAD = "k2fleet-engine-doubles"  # the requirement's stand-in before the control step read it
+
+
+@dataclass(frozen=True)
+class ControlArtifacts:
+    """What the control machine generated for this deployment (read-only view).
+
+    ``mesh_client``: (private, public) key of the fleet's mesh user; ``mesh_hosts``:
+    host name → (private, public) mesh host key; ``hub_requirement``: the Hub client the
+    fetcher host gets (``huggingface_hub==VERSION``; None: no fetcher host); ``wheels``:
+    its wheel name → bytes (None: not built); ``bundles``: package set
+    (:func:`package_set`) → offline bundle tar path; ``engine_wheels``: engine-side
+    requirement set (:func:`engine_side_requirements`, as a tuple) → wheel name → bytes
+    for the hosts' interpreter (absent: not built).
+    """
+
+    mesh_client: tuple[bytes, bytes] | None = None
+    mesh_hosts: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)
+    hub_requirement: str | None = None
+    wheels: dict[str, bytes] | None = None
+    bundles: dict[tuple[str, ...], str] = field(default_factory=dict)
+    images: dict[str, tuple[str, str]] = field(default_factory=dict)  # image ref → (archive path, image ID)
+    engine_wheels: dict[tuple[str, ...], dict[str, bytes]] = field(default_factory=dict)
+    engine_doubles: EngineDoubles | None = None  # k2_engine_doubles: the stand-ins (None: not read)
+
+    def bundle_for(self, packages: list[str]) -> str | None:
+        """The bundle tar made for ``packages`` (None: none made, e.g. under ``--dry``)."""
+        return self.bundles.get(package_set(packages))
+
+
+def package_set(packages: list[str]) -> tuple[str, ...]:
+    """The key of one host's package list: sorted, without repeats.
+
+    >>> package_set(["rsync", "openmpi-bin", "rsync"])
+    ('openmpi-bin', 'rsync')
+    """
+    return tuple(sorted(set(packages)))
+
+
+@dataclass(frozen=True)
+class FanoutPlace:
+    """This host's place in the checkpoint's distribution (:mod:`k2fleet.hostprogs.relay`): the
+    root receives from the control machine's copy (or the Hub); the others shard by shard
+    from peers, by the per-shard plan over ``relays``."""
+
+    loads_weights: bool
+    is_root: bool
+    shared: bool
+    position: int | None = None  # index in ``relays`` (None: loads no weights)
+    relays: tuple[str, ...] = ()  # relay URL of every host that loads weights, fan-out order (root first)
+    relay_fanout: int = 1  # 1: a chain; k: k fixed trees, shard j down tree j mod k (:func:`k2fleet.hostprogs.swarm.fanout_for`)
+
+
+@dataclass(frozen=True)
+class ImagePin:
+    """The container image a host runs: ``ref`` pinned to ``image_id`` (None: the
+    archive is not built yet, ``--dry``), shipped as the archive at ``archive`` (sandbox
+    doubles) or pulled from the registry (None: ``k2_image_id``)."""
+
+    ref: str
+    image_id: str | None
+    archive: str | None
+
+
+@dataclass
+class HostDesired:
+    """Everything one host must hold; see the module doc."""
+
+    name: str
+    address: str
+    files: dict[str, dict[str, FileSpec]] = field(default_factory=dict)  # role → path → spec
+    service_files: dict[str, dict[str, FileSpec]] = field(default_factory=dict)  # service → path → spec
+    units: list[str] = field(default_factory=list)
+    slots: list[tuple[int, str]] = field(default_factory=list)  # fleet-wide (stage, service): one op sequence
+    own_slots: list[tuple[int, str]] = field(default_factory=list)  # this host's (stage, service)
+    packages: list[str] = field(default_factory=list)
+    bundle_request: list[str] = field(default_factory=list)  # the offline bundle's packages (host + bootstrap)
+    gpu_gate: list[str] | None = None  # the bootstrap's GPU gate (hoststate.py --gate)
+    mesh_yields_to: list[str] = field(default_factory=list)  # units that take the mesh port while they run
+    checks: dict[str, list[str]] = field(default_factory=dict)
+    exists: list[str] = field(default_factory=list)
+    fanout: FanoutPlace | None = None
+    health_argv: list[str] | None = None
+    venv_install: list[str] | None = None
+    python: str = "python3"  # the interpreter venvs are made with (the OS table's)
+    engine_side_install: list[str] | None = None
+    engine_entry: str = ""
+    bootstrap: BootstrapPlan | None = None  # driver, fabric, container runtime (k2fleet.planning.host_bootstrap)
+    image: ImagePin | None = None
+    device_doubles: tuple[str, ...] = ()
+
+    def all_paths(self) -> list[str]:
+        paths = {p for files in self.files.values() for p in files}
+        paths |= {p for files in self.service_files.values() for p in files}
+        return sorted(paths)
+
+    def fact_query(self, disk_path: str) -> dict[str, Any]:
+        """The HostState query for this host: one round trip answers every decision."""
+        boot = self.bootstrap
+        units = self.units + [f"{s}.service" for s in (boot.services if boot else ())]
+        return {"disk_path": disk_path, "files": self.all_paths(), "units": units, "checks": self.checks,
+                "exists": self.exists, "globs": [UNIT_GLOB], "packages": self.packages,
+                "package_versions": bootstrap.fact_patterns(boot) if boot else []}
+
+    def to_json(self) -> dict[str, Any]:
+        fan = self.fanout
+        return {
+            "files": {p: spec.to_json() for files in (*self.files.values(), *self.service_files.values())
+                      for p, spec in sorted(files.items())},
+            "units": self.units,
+            "packages": self.packages,
+            "checks": self.checks,
+            "checkpoint": None if fan is None or not fan.loads_weights else {
+                "from": _source_label(fan), "position": fan.position,
+                "relay": None if fan.shared else fan.relays[fan.position], "relay_fanout": fan.relay_fanout},
+            "bootstrap": None if self.bootstrap is None else self.bootstrap.to_json(),
+        }
+
+
+def _source_label(fan: FanoutPlace) -> str:
+    if fan.is_root:
+        return "control-or-hub"
+    if fan.shared:
+        return "shared-storage"
+    return "peer"
+
+
+# --------------------------------------------------------------------------- per role
+
+
+def loads_weights(hp: HostPlan) -> bool:
+    """Every GPU host loads weights (mpirun ranks too, with no service of their own)."""
+    return hp.role not in ("router", "slurm-submit") or any(s.needs_checkpoint for s in hp.services)
+
+
+def mesh_enabled(dep: Deployment) -> bool:
+    """The mesh exists on fleets of more than one host (mpirun; host-to-host SSH)."""
+    return len(dep.fleet.hosts) > 1
+
+
+def _key(pair: tuple[bytes, bytes] | None, index: int, mode: str, origin: str) -> FileSpec:
+    return FileSpec(None if pair is None else pair[index], mode, origin)
+
+
+def mesh_files(dep: Deployment, host_name: str, art: ControlArtifacts) -> dict[str, FileSpec]:
+    if not mesh_enabled(dep):
+        return {}
+    entry = next(h for h in dep.fleet.hosts if h.name == host_name)
+    d = mesh.mesh_dir(dep)
+    files = {
+        f"{d}/id_ed25519": _key(art.mesh_client, 0, "600", "mesh-keys"),
+        f"{d}/id_ed25519.pub": _key(art.mesh_client, 1, "644", "mesh-keys"),
+        f"{d}/ssh_config": FileSpec(mesh.ssh_config(dep).encode(), "644"),
+        f"{d}/sshd_config": FileSpec(mesh.sshd_config(dep, entry).encode(), "644"),
+        f"{d}/ssh_host_ed25519_key": _key(art.mesh_hosts.get(host_name), 0, "600", "mesh-keys"),
+        f"{d}/ssh_host_ed25519_key.pub": _key(art.mesh_hosts.get(host_name), 1, "644", "mesh-keys"),
+        MESH_UNIT_PATH: FileSpec(mesh.unit_file(dep).encode(), "644"),
+    }
+    if art.mesh_client is not None:
+        files[f"{d}/authorized_keys"] = FileSpec(mesh.authorized_keys(dep, art.mesh_client[1].decode()).encode(), "644")
+    else:
+        files[f"{d}/authorized_keys"] = FileSpec(None, "644", "mesh-keys")
+    if all(h.name in art.mesh_hosts for h in dep.fleet.hosts):
+        publics = {n: k[1].decode() for n, k in art.mesh_hosts.items()}
+        files[f"{d}/known_hosts"] = FileSpec(mesh.known_hosts(dep, publics).encode(), "644")
+    else:
+        files[f"{d}/known_hosts"] = FileSpec(None, "644", "mesh-keys")
+    return files
+
+
+def host_arch(dep: Deployment) -> str:
+    """CPU architecture of the fleet's hosts (for engine-side wheels)."""
+    return HOST_ARCH.get(dep.gpu.name if dep.gpu else "", "x86_64")
+
+
+def engine_side_requirements(dep: Deployment, hp: HostPlan) -> list[str]:
+    """What this host's engine venv needs beside the engine for the services it runs."""
+    return venv_side_requirements(dep.engine, dep.s.venv, [svc.argv for svc in hp.services])
+
+
+ENGINE_PIP = {"vllm": "vllm", "sglang": "sglang[all]", "ktransformers": "ktransformers", "trtllm": "tensorrt_llm"}
+
+
+def engine_pin(dep: Deployment, doubles: EngineDoubles | None) -> str:
+    """The requirement that installs the engine into ``k2_venv``: its release, or with
+    engine test doubles the doubles' wheel (``doubles``, from the control step)."""
+    if dep.s.engine_doubles:
+        return doubles.requirement if doubles else ENGINE_DOUBLES_UNREAD
+    return f"{ENGINE_PIP[dep.engine]}=={dep.version}"
+
+
+def engine_requirements(dep: Deployment, hp: HostPlan, bundled: bool, doubles: EngineDoubles | None) -> list[str]:
+    """What this host installs into ``k2_venv`` from wheels the control machine ships:
+    the engine-side requirements and, when the deploy takes everything from a bundle
+    (``k2_bundle``, or ``bundled`` while one is built), the engine itself (sorted)."""
+    side = engine_side_requirements(dep, hp)
+    if bundled and dep.runtime == "venv":
+        return sorted({*side, engine_pin(dep, doubles)})
+    return side
+
+
+def engine_files(dep: Deployment, doubles: EngineDoubles | None, real_venv: bool = False,
+                 from_wheel: bool = False) -> dict[str, FileSpec]:
+    """k2fleet's host programs, and (sandbox only) the engine test doubles + wrappers.
+
+    ``real_venv``: the host's ``k2_venv`` is a real venv (it holds engine-side wheels):
+    the doubles run with its python, which is left alone; otherwise ``k2_venv/bin/python``
+    is a wrapper running the system python with the doubles on its path. ``from_wheel``:
+    the doubles come as a wheel installed into the venv (a bundle), so only KTransformers'
+    rule files are shipped beside it."""
+    files = {path: FileSpec((REPO / rel).read_bytes(), "755", "k2fleet") for path, rel in HOST_PROGRAMS.items()}
+    if not dep.s.engine_doubles:
+        return files
+    venv = dep.s.venv
+    if doubles is None:  # not read yet (the control step reads them)
+        files[f"{DOUBLES_DIR}/"] = FileSpec(None, "644", "engine-doubles")
+        return files
+    sources = sorted(doubles.files.items())
+    if dep.engine == "ktransformers":  # the legacy server's rule files, where a source install keeps them
+        for rel, data in sources:
+            if rel.startswith("ktransformers/optimize/") and rel.endswith(".yaml"):
+                files[f"{venv}/src/ktransformers/{rel}"] = FileSpec(data, "644", "engine-doubles")
+    if from_wheel:
+        return files
+    for rel, data in sources:
+        if not rel.startswith(f"{GPU_STACK_DOUBLES}/"):
+            mode = "755" if rel.startswith("bin/") else "644"
+            files[f"{DOUBLES_DIR}/{rel}"] = FileSpec(data, mode, "engine-doubles")
+    interpreter = f"{venv}/bin/python3 " if real_venv else ""
+    for name in ("vllm", "trtllm-serve", "trtllm-llmapi-launch"):
+        wrapper = (f'#!/bin/sh\n# k2fleet engine TEST DOUBLE wrapper (sandbox only)\n'
+                   f'exec {interpreter}{DOUBLES_DIR}/bin/{name} "$@"\n')
+        files[f"{venv}/bin/{name}"] = FileSpec(wrapper.encode(), "755", "k2fleet")
+    if not real_venv:
+        python = (f"#!/bin/sh\n# k2fleet engine TEST DOUBLE python (sandbox only)\n"
+                  f'PYTHONPATH={DOUBLES_DIR} exec /usr/bin/python3 "$@"\n')
+        files[f"{venv}/bin/python"] = FileSpec(python.encode(), "755", "k2fleet")
+    return files
+
+
+def engine_side_files(requirements: list[str], art: ControlArtifacts) -> dict[str, FileSpec]:
+    """The engine-side wheels this host installs into its engine venv (none: no requirements)."""
+    if not requirements:
+        return {}
+    wheels = art.engine_wheels.get(tuple(requirements))
+    if wheels is None:
+        return {f"{ENGINE_WHEEL_DIR}/": FileSpec(None, "644", "wheelhouse")}
+    return {f"{ENGINE_WHEEL_DIR}/{name}": FileSpec(data, "644", "wheelhouse") for name, data in wheels.items()}
+
+
+def engine_side_check(dep: Deployment, requirements: list[str], python: str) -> list[str]:
+    """Read-only check: ``k2_venv``'s python is ``python`` (the host OS's, which its wheels
+    are for: :func:`host_python`) and holds every distribution of
+    ``requirements`` at its pinned version; prints what differs."""
+    pins = dict(requirement_version(r) for r in requirements)
+    code = ("import sys\n"
+            "from importlib.metadata import version, PackageNotFoundError as Missing\n"
+            "def have(name):\n    try:\n        return version(name)\n    except Missing:\n        return \"missing\"\n"
+            f"want = {json.dumps(pins, sort_keys=True)}\n"
+            "bad = [\"%s %s (fleet: %s)\" % (n, have(n), v) for n, v in sorted(want.items()) if have(n) != v]\n"
+            "py = \"%d.%d\" % sys.version_info[:2]\n"
+            f"bad += [] if py == {json.dumps(python)} else "
+            f"[\"python %s (fleet: {python})\" % py]\n"
+            "print(\"; \".join(bad) or \"python %s, %s\" % (py, want))\n"
+            "sys.exit(1 if bad else 0)\n")
+    return [f"{dep.s.venv}/bin/python", "-c", code]
+
+
+def engine_side_install_argv(dep: Deployment, requirements: list[str], python: str, interpreter: str) -> list[str]:
+    """Make ``k2_venv`` (``INTERPRETER -m venv``, the OS table's), install the engine-side wheels with no
+    package index, then run :func:`engine_side_check` (a host whose Python or pins differ
+    from the fleet's fails here, naming what differs)."""
+    venv = dep.s.venv
+    pip = shell_line([f"{venv}/bin/pip", "install", "--quiet", "--no-index", "--find-links", ENGINE_WHEEL_DIR,
+                      *requirements])
+    check = shell_line(engine_side_check(dep, requirements, python))
+    return ["sh", "-c", f"{shell_word(interpreter)} -m venv {shell_word(venv)} && {pip} && "
+                        f"{{ {check} || {{ echo \"$(hostname): engine venv {venv} differs from the fleet\" >&2; exit 1; }}; }}"]
+
+
+def hub_client_files(dep: Deployment, host_name: str, art: ControlArtifacts) -> dict[str, FileSpec]:
+    if dep.s.checkpoint_fetcher != host_name:
+        return {}
+    files = {f"{PY_LIB}/{rel}": FileSpec((REPO / rel).read_bytes(), "644", "k2fleet") for rel in DOWNLOADER}
+    if art.wheels is None:
+        files[f"{WHEEL_DIR}/"] = FileSpec(None, "644", "wheelhouse")
+    else:
+        files |= {f"{WHEEL_DIR}/{name}": FileSpec(data, "644", "wheelhouse") for name, data in art.wheels.items()}
+    return files
+
+
+def needs_double_image(dep: Deployment) -> bool:
+    """The sandbox's container scenarios run the engine test doubles in an image the
+    control-machine step builds (:mod:`k2sandbox.double_image`) and tags as ``k2_image``."""
+    return dep.runtime == "container" and dep.s.engine_doubles and dep.image is not None
+
+
+def image_files(dep: Deployment, hp: HostPlan, art: ControlArtifacts) -> tuple[ImagePin | None, dict[str, FileSpec]]:
+    """A container host's image pin and the archive it loads (sandbox doubles, or a
+    ``k2_bundle``'s saved image; otherwise a real fleet pulls ``k2_image`` and checks it
+    is ``k2_image_id``)."""
+    if dep.image is None or not any(container_name(s) for s in hp.services):
+        return None, {}
+    if not needs_double_image(dep) and dep.s.bundle is None:
+        return (ImagePin(dep.image, dep.s.image_id, None) if dep.s.image_id else None), {}
+    made = art.images.get(dep.image)  # the double image, or (k2_bundle) the archive in the bundle
+    if made is None:
+        name = "double-image.tar.gz"
+        return ImagePin(dep.image, None, f"{IMAGE_DIR}/{name}"), {f"{IMAGE_DIR}/{name}": FileSpec(None, "644", "image")}
+    path = Path(made[0])
+    remote = f"{IMAGE_DIR}/{path.name}"
+    return ImagePin(dep.image, made[1], remote), {remote: FileSpec(path.read_bytes(), "644", "image")}
+
+
+def device_double_files(dep: Deployment) -> tuple[tuple[str, ...], dict[str, FileSpec]]:
+    """(device nodes, tmpfiles.d config) standing in for a simulated platform's devices."""
+    nodes = DEVICE_DOUBLES.get(dep.platform, ()) if dep.s.simulated_gpus and dep.runtime == "container" else ()
+    if not nodes:
+        return (), {}
+    lines = ["# k2fleet: TEST DOUBLE device nodes for simulated GPUs (sandbox only): the null",
+             "# device's numbers under the names the engine container is given with --device."]
+    lines += sorted({f"d {node.rsplit('/', 1)[0]} 0755 root root -" for node in nodes if node.count("/") > 2})
+    lines += [f"c {node} 0666 root root - 1:3" for node in nodes]
+    return nodes, {DEVICE_DOUBLES_CONF: FileSpec(("\n".join(lines) + "\n").encode(), "644", "k2fleet")}
+
+
+def service_files(dep: Deployment, svc: Service, pin: ImagePin | None = None) -> dict[str, FileSpec]:
+    unit = None if pin is not None and pin.image_id is None else unit_file(dep, svc, pin.image_id if pin else None)
+    files = {
+        unit_path(svc): FileSpec(None if unit is None else unit.encode(), "644", "plan" if unit else "image"),
+        env_path(dep, svc): FileSpec(env_file(svc).encode(), "600"),
+    }
+    for path, content in svc.files.items():
+        files[path] = FileSpec(content.encode(), "644")
+    return files
+
+
+# What each engine's test double reports in /v1/models metadata, from the planned pool.
+WORLD_KEYS = {
+    "vllm": lambda pool: {"tensor_parallel_size": pool.tp, "pipeline_parallel_size": pool.settings.pp,
+                          "data_parallel_size": pool.settings.dp},
+    "sglang": lambda pool: {"tp_size": pool.tp},
+    "trtllm": lambda pool: {"tp_size": pool.tp, "pp_size": pool.settings.pp},
+}
+
+
+def expected_world(dep: Deployment, svc: Service, host: str) -> dict[str, Any] | None:
+    """The topology the health gate checks (sandbox: the engine test doubles report it):
+    the planned parallel sizes and, for vLLM and SGLang rendezvous (not Ray), the
+    addresses of the other hosts of ``host``'s instance, as the head saw them join.
+    KTransformers ≥ 0.4 serves through sglang-kt; the legacy server reports none."""
+    pool = dep.pools.get(svc.role)
+    server = "sglang" if dep.engine == "ktransformers" and dep.version_tuple >= SGLANG_KT_SINCE else dep.engine
+    if not dep.s.engine_doubles or pool is None or not pool.tp or server not in WORLD_KEYS:
+        return None
+    world: dict[str, Any] = WORLD_KEYS[server](pool)
+    if pool.settings.multinode_backend == "ray" and pool.nodes_per_instance > 1:
+        # the Ray cluster the engine joined: every node of the instance with all its GPUs
+        world |= {"ray_nodes": pool.nodes_per_instance, "ray_gpus": pool.nodes_per_instance * dep.gpus_per_node}
+    elif server in ("vllm", "sglang"):
+        nodes = next((n for n in pool.instances if n[0].name == host), None)
+        if nodes is not None:
+            world["members"] = sorted({h.address for h in nodes[1:]} - {nodes[0].address})
+    return world
+
+
+def pd_servers(plan: Plan) -> dict[str, list[str]]:
+    """Base URLs of the PD prefill and decode servers (rank 0 of each instance)."""
+    pools: dict[str, list[str]] = {}
+    for host, svc in plan.services():
+        if svc.role in ("prefill", "decode") and svc.health:
+            pools.setdefault(svc.role, []).append(f"http://{host.address}:{svc.health.port}")
+    return pools
+
+
+def health_argv(dep: Deployment, hp: HostPlan, timeout: int, pd: dict[str, list[str]] | None = None) -> list[str] | None:
+    """The health gate of this host's first chat-serving service: its readiness route
+    (``/health`` unless the plan's Health names another) 200 + a completion (+ on engine
+    test doubles, the parallel sizes and members they report equal the plan's, and a
+    router's completion reached both PD pools: ``pd``, from :func:`pd_servers`)."""
+    for svc in hp.services:
+        if svc.health and svc.health.chat:
+            argv = ["/usr/bin/python3", HEALTH_PY, "--base", f"http://127.0.0.1:{svc.health.port}",
+                    "--model", dep.api_model_name, "--unit", unit_name(svc), "--timeout", str(timeout)]
+            if svc.health.path != "/health":
+                argv += ["--ready-path", svc.health.path]
+            world = expected_world(dep, svc, hp.name)
+            argv += ["--expect-world", json.dumps(world, sort_keys=True)] if world else []
+            if dep.s.engine_doubles and svc.role == "router" and pd and len(pd) == 2:
+                argv += ["--expect-pd", json.dumps(pd, sort_keys=True)]
+            return argv
+    return None
+
+
+def marker_check_argv(path: str) -> list[str]:
+    """Read-only check of one weight set (``path``) for the HostState fact: the verified
+    marker matches the manifest and no file's stat changed (never writes or removes the marker)."""
+    return ["/usr/bin/python3", VERIFY_PY, "--marker-only", path]
+
+
+def hub_client_check(requirement: str) -> list[str]:
+    want = requirement.split("==", 1)[1]
+    return [f"{HUB_ENV}/bin/python", "-c", f"import sys, huggingface_hub as h; sys.exit(h.__version__ != {want!r})"]
+
+
+def venv_install_argv(dep: Deployment, interpreter: str) -> list[str]:
+    """``INTERPRETER -m venv`` (the OS table's) + pip install of the pinned engine (offline wheelhouse first)."""
+    venv = dep.s.venv
+    pip = shell_line([f"{venv}/bin/pip", "install", engine_pin(dep, None)])
+    wheelhouse = shell_word(f"{venv}/wheelhouse")
+    return ["sh", "-c", f"{shell_word(interpreter)} -m venv {shell_word(venv)} && {pip} --no-index --find-links {wheelhouse} || {pip}"]
+
+
+# --------------------------------------------------------------------------- bootstrap
+
+
+def runs_containers(hp: HostPlan) -> bool:
+    return any(s.argv and s.argv[0] == DOCKER for s in hp.services)
+
+
+def host_bootstrap(dep: Deployment, hp: HostPlan, entry: Any) -> BootstrapPlan:
+    """The host's bootstrap plan; Docker where it runs containers."""
+    return bootstrap_plan(dep, entry, docker=runs_containers(hp))
+
+
+def bootstrap_files(plan: BootstrapPlan) -> dict[str, FileSpec]:
+    """The bootstrap's config files and the GPU gate program (hoststate.py)."""
+    files = {path: FileSpec(text.encode(), "644") for path, text in plan.files.items()}
+    if plan.vendor:
+        files[HOSTSTATE_PY] = FileSpec((REPO / "k2fleet/hostprogs/hoststate.py").read_bytes(), "755", "k2fleet")
+    return files
+
+
+def bundle_request(dep: Deployment, hp: HostPlan, plan: BootstrapPlan) -> list[str]:
+    """What the host's offline bundle holds: its packages and its bootstrap's, pinned."""
+    return sorted(set(required_packages(dep, hp, mesh_enabled(dep))) | set(plan.specs()))
+
+
+# --------------------------------------------------------------------------- the whole fleet
+
+
+def fanout_plan(dep: Deployment, plan: Plan) -> relay_plan.FanoutPlan:
+    names = [h.name for h in dep.fleet.hosts if loads_weights(plan.hosts[h.name])]
+    fetcher = dep.s.checkpoint_fetcher
+    return relay_plan.plan_fanout(names, shared_storage=dep.s.shared_storage, root=None if fetcher == "control" else fetcher)
+
+
+def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[str, HostDesired]:
+    """One :class:`HostDesired` per host, in inventory order (pure)."""
+    slots = sorted({(svc.stage, svc.name) for _, svc in plan.services()})
+    fan = fanout_plan(dep, plan)
+    address = {h.name: h.address for h in dep.fleet.hosts}
+    relays = tuple(relay_plan.relay_url(address[name], dep.s.relay_port) for name in fan.order)
+    bundled = dep.s.bundle is not None
+    engine = {real: engine_files(dep, art.engine_doubles, real, from_wheel=bundled and dep.runtime == "venv")
+              for real in (False, True)}
+    out: dict[str, HostDesired] = {}
+    for h in dep.fleet.hosts:
+        hp = plan.hosts[h.name]
+        d = HostDesired(name=h.name, address=h.address, slots=slots, bootstrap=host_bootstrap(dep, hp, h))
+        d.files["bootstrap"] = bootstrap_files(d.bootstrap)
+        d.files["mesh"] = mesh_files(dep, h.name, art)
+        engine_side = engine_requirements(dep, hp, bundled, art.engine_doubles)
+        python = host_python(d.bootstrap.os)
+        d.python = OS_TABLES[d.bootstrap.os].python
+        d.files["engine"] = dict(engine[bool(engine_side)])
+        d.files["engine_side"] = engine_side_files(engine_side, art)
+        d.files["hub_client"] = hub_client_files(dep, h.name, art)
+        d.files["host"] = {p: FileSpec(c.encode(), "644") for p, c in hp.files.items()}
+        d.image, d.files["image"] = image_files(dep, hp, art)
+        d.device_doubles, devices = device_double_files(dep)
+        d.files["engine"].update(devices)
+        d.service_files = {svc.name: service_files(dep, svc, d.image if container_name(svc) else None)
+                           for svc in hp.services}
+        d.own_slots = sorted((svc.stage, svc.name) for svc in hp.services)
+        d.units = [mesh.UNIT] + [unit_name(s) for s in hp.services]
+        d.mesh_yields_to = [unit_name(s) for s in hp.services if mesh.UNIT in s.conflicts]
+        d.packages = required_packages(dep, hp, mesh_enabled(dep))
+        d.bundle_request = bundle_request(dep, hp, d.bootstrap)
+        d.checks = {ws.check: marker_check_argv(ws.path) for ws in dep.weight_sets}
+        d.checks.update(bootstrap.fact_checks(d.bootstrap, HOSTSTATE_PY))
+        if d.bootstrap.vendor:
+            d.gpu_gate = bootstrap.gate_argv(d.bootstrap, HOSTSTATE_PY)
+            if bootstrap.CDI_SPEC in " ".join(" ".join(c) for c in d.bootstrap.commands):
+                d.exists.append(bootstrap.CDI_SPEC)
+        d.health_argv = health_argv(dep, hp, dep.s.health_timeout, pd_servers(plan))
+        quick = health_argv(dep, hp, 5, pd_servers(plan))
+        if quick:
+            d.checks[HEALTH_CHECK] = quick
+        if d.image is not None and d.image.image_id:
+            d.checks[IMAGE_CHECK] = image_pin_argv(d.image.ref, d.image.image_id)
+        if dep.s.checkpoint_fetcher == h.name and art.hub_requirement:
+            d.checks[HUB_CLIENT_CHECK] = hub_client_check(art.hub_requirement)
+        if engine_side:
+            d.checks[ENGINE_SIDE_CHECK] = engine_side_check(dep, engine_side, python)
+            d.engine_side_install = engine_side_install_argv(dep, engine_side, python, d.python)
+        d.engine_entry = f"{dep.s.venv}/bin/{ENGINE_ENTRY[dep.engine]}"
+        d.exists = [*d.exists, d.engine_entry, *d.device_doubles]
+        if dep.s.model_type_override:
+            d.exists.append(f"{dep.serve_path}/config.json")
+        if dep.runtime == "venv" and not dep.s.engine_doubles and not bundled:
+            d.venv_install = venv_install_argv(dep, d.python)
+        d.fanout = FanoutPlace(loads_weights=loads_weights(hp), is_root=h.name == fan.root, shared=fan.shared,
+                               position=fan.order.index(h.name) if h.name in fan.order else None,
+                               relays=relays, relay_fanout=swarm.fanout_for(len(relays)))
+        out[h.name] = d
+    return out

@@ -1,0 +1,41 @@
+"""Which Debian packages a host needs for its part of the plan (pure)."""
+
+from __future__ import annotations
+
+from k2fleet.planning.engine_side import engine_side_requirements as venv_side_requirements
+from k2fleet.planning.os_tables import OS_TABLES, host_os
+from k2fleet.planning.deployment import Deployment
+from k2fleet.planning.processes import HostPlan
+
+
+def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool) -> list[str]:
+    """Debian packages for ``host_plan``: rsync for checkpoints, sshd for the mesh,
+    OpenMPI where mpirun runs on the host (not in a container), mpi4py for doubles,
+    the OS table's venv interpreter packages (``python3-venv``; ubuntu-22.04
+    ``python3.11-venv``) for engine venvs (the engine test doubles' too, installed as a
+    wheel from a bundle or beside engine-side wheels such as Ray) and for the Hub client of
+    ``k2_checkpoint_fetcher``. (Docker is the bootstrap's: :mod:`k2fleet.planning.host_bootstrap`.)"""
+    needed = {"rsync"}
+    if mesh:
+        needed |= {"openssh-server", "openssh-client"}
+    uses_mpirun = any(s.argv and s.argv[0].endswith("mpirun") for s in host_plan.services)
+    if dep.engine == "trtllm" and dep.runtime != "container" and len(dep.fleet.hosts) > 1:
+        uses_mpirun = True  # every rank host needs orted
+    if uses_mpirun:
+        needed |= {"openmpi-bin"}
+        if dep.s.engine_doubles:
+            needed |= {"python3-mpi4py"}
+    engine_side = venv_side_requirements(dep.engine, dep.s.venv, [s.argv for s in host_plan.services])
+    if dep.runtime == "venv" or dep.s.checkpoint_fetcher == host_plan.name or engine_side:
+        entry = next(h for h in dep.fleet.hosts if h.name == host_plan.name)
+        needed |= set(OS_TABLES[host_os(entry)].venv_packages)
+    return sorted(needed)
+
+
+BUNDLE_LIST = "/etc/apt/sources.list.d/k2fleet-bundle.list"
+
+
+def bundle_apt_options(list_path: str = BUNDLE_LIST) -> str:
+    """apt-get options that restrict apt to the offline bundle's source list only."""
+    return (f"-o Dir::Etc::sourcelist={list_path} -o Dir::Etc::sourceparts=- "
+            "-o APT::Get::List-Cleanup=0")

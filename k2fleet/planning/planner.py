@@ -1,0 +1,55 @@
+"""The planner: a resolved Deployment → a :class:`~k2fleet.planning.processes.Plan` (pure).
+
+Each engine's renderer (:mod:`k2fleet.planning.render`) yields ``(host name, Service)`` pairs
+(or ``(host name, {path: content})`` for files a host needs without a service of its
+own); the planner collects them per host and checks that no two processes of one host
+share a port. Nothing here connects to a host or writes a file.
+"""
+
+from __future__ import annotations
+
+from k2fleet.planning.os_tables import reserved_ports
+from k2fleet.planning.deployment import Deployment
+from k2fleet.planning.processes import HostPlan, Plan, Service
+from k2fleet.planning.render import ktransformers, sglang, trtllm, vllm
+from k2fleet.inventory.spec import SpecError
+
+RENDERERS = {"vllm": vllm, "sglang": sglang, "trtllm": trtllm, "ktransformers": ktransformers}
+
+
+def _check_ports(plan: Plan, host_ports: dict[str, int]) -> None:
+    for host in plan.hosts.values():
+        seen: dict[int, str] = {}
+        for key, port in [*host_ports.items(), *((k, p) for svc in host.services for k, p in svc.ports.items())]:
+            other = seen.get(port)
+            if other is not None and other != key:
+                raise SpecError(
+                    key,
+                    f"port {port} on host {host.name} is also used by {other}; give them different ports",
+                    plan.source,
+                )
+            seen[port] = key
+
+
+def make_plan(dep: Deployment) -> Plan:
+    """Render every host's services for ``dep``; raises SpecError on port clashes."""
+    hosts = {
+        h.name: HostPlan(name=h.name, address=h.address, role=h.settings.role) for h in dep.fleet.hosts
+    }
+    for host_name, item in RENDERERS[dep.engine].render(dep):
+        if isinstance(item, Service):
+            hosts[host_name].services.append(item)
+        else:
+            hosts[host_name].files.update(item)
+    plan = Plan(
+        source=dep.fleet.source,
+        engine=dep.engine,
+        engine_version=dep.version,
+        runtime=dep.runtime,
+        image=dep.image,
+        checkpoint_path=dep.serve_path,
+        hosts=hosts,
+    )
+    reserved = reserved_ports(dep.gpu.name) if dep.gpu else {}
+    _check_ports(plan, {"k2_mesh_port": dep.s.mesh_port, "k2_relay_port": dep.s.relay_port} | reserved)
+    return plan

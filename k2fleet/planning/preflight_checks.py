@@ -1,0 +1,168 @@
+"""Preflight: can this host run its part of the plan? Pure checks over a HostReport.
+
+The deploy's preflight role gathers a :class:`HostReport` per host (one fact) and calls
+:func:`check_host`; any problem stops the deploy before the first change, naming the
+host and the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from k2fleet.planning import catalog
+from k2fleet.planning.deployment import Deployment
+from k2fleet.inventory.spec import HostEntry
+
+GIB = catalog.GIB
+REAL_MIN_SHM = 16 * GIB
+REAL_MIN_RAM = 64 * GIB
+SIMULATED_MIN_SHM = 32 * 2**20
+SIMULATED_MIN_RAM = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class Gpus:
+    vendor: str | None
+    names: tuple[str, ...]
+    memory_mib: tuple[int, ...]
+    driver: str | None
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+
+@dataclass(frozen=True)
+class BootState:
+    """What the bootstrap decides on (see :mod:`k2fleet.hostprogs.hoststate`)."""
+
+    os: dict[str, str] = field(default_factory=dict)  # os-release ID, VERSION_ID
+    kernel: str = ""
+    secure_boot: bool | None = None
+    hardware: dict[str, Any] = field(default_factory=dict)  # vendor, count, name, simulated
+    modules: dict[str, str | None] = field(default_factory=dict)  # loaded version of nvidia / amdgpu
+    nouveau: bool = False
+    package_versions: dict[str, str] = field(default_factory=dict)
+    holds: tuple[str, ...] = ()
+    reboot_required: tuple[str, ...] = ()
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "BootState":
+        return cls(os=data.get("os", {}), kernel=data.get("kernel", ""), secure_boot=data.get("secure_boot"),
+                   hardware=data.get("hardware", {}), modules=data.get("modules", {}),
+                   nouveau=bool(data.get("nouveau")), package_versions=data.get("package_versions", {}),
+                   holds=tuple(data.get("holds", [])), reboot_required=tuple(data.get("reboot_required", [])))
+
+    @property
+    def simulated(self) -> bool:
+        return bool(self.hardware.get("simulated"))
+
+
+@dataclass(frozen=True)
+class HostReport:
+    """What :mod:`k2fleet.hostprogs.hoststate` saw on a host."""
+
+    gpus: Gpus
+    disk_free: int
+    mem_total: int
+    shm_size: int
+    nics: dict[str, list[str]]
+    ib_hcas: tuple[str, ...]
+    files: dict[str, str | None] = field(default_factory=dict)
+    exists: dict[str, bool] = field(default_factory=dict)
+    globs: dict[str, list[str]] = field(default_factory=dict)
+    units: dict[str, dict[str, str]] = field(default_factory=dict)
+    packages: tuple[str, ...] = ()
+    checks: dict[str, int | None] = field(default_factory=dict)
+    boot: BootState = field(default_factory=BootState)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "HostReport":
+        g = data["gpus"]
+        return cls(
+            gpus=Gpus(g["vendor"], tuple(g["names"]), tuple(g["memory_mib"]), g["driver"]),
+            disk_free=data["disk_free"],
+            mem_total=data["mem_total"],
+            shm_size=data["shm_size"],
+            nics=data["nics"],
+            ib_hcas=tuple(data["ib_hcas"]),
+            files=data.get("files", {}),
+            exists=data.get("exists", {}),
+            globs=data.get("globs", {}),
+            units=data.get("units", {}),
+            packages=tuple(data.get("packages", [])),
+            checks=data.get("checks", {}),
+            boot=BootState.from_json(data.get("bootstrap", {})),
+        )
+
+    def passed(self, check: str) -> bool:
+        return self.checks.get(check) == 0
+
+    def unit_active(self, unit: str) -> bool:
+        return self.units.get(unit, {}).get("ActiveState") == "active"
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def _check_gpus(dep: Deployment, report: HostReport) -> list[str]:
+    """The GPUs are there (on the PCI bus; the driver may not be installed yet: the
+    bootstrap installs it and its GPU gate checks driver, module and fabric)."""
+    gpu = dep.gpu
+    assert gpu is not None
+    hw = report.boot.hardware
+    if dep.s.simulated_gpus:
+        if hw.get("simulated"):
+            found = int(hw.get("count", 0))
+            return [] if found >= dep.gpus_per_node else [
+                f"needs {dep.gpus_per_node} simulated GPUs, the sandbox host has {found}"]
+        if report.gpus.count or hw.get("count"):
+            return ["inventory declares simulated GPUs but the host has real ones; remove k2_simulated_gpus"]
+        return ["inventory declares simulated GPUs but this is not a k2fleet sandbox host "
+                "(no /etc/k2fleet-doubles/gpus.json); rehearse with `k2fleet rehearse`"]
+    if hw.get("simulated"):
+        return ["the host has TEST DOUBLE GPUs (a k2fleet sandbox host); production inventories need real ones"]
+    count = max(int(hw.get("count", 0)), report.gpus.count)
+    vendor = hw.get("vendor") or report.gpus.vendor
+    if count < dep.gpus_per_node:
+        return [f"needs {dep.gpus_per_node} {gpu.name} GPUs, found {count} on the PCI bus"]
+    problems = []
+    if vendor != gpu.vendor:
+        problems.append(f"plan is for {gpu.vendor} GPUs, host has {vendor}")
+    wrong = [n for n in report.gpus.names if gpu.name.replace("gb", "").upper() not in n.upper()]
+    if wrong:
+        problems.append(f"plan is for {gpu.name}, host has {', '.join(sorted(set(wrong)))}")
+    return problems
+
+
+def check_host(dep: Deployment, entry: HostEntry, report: HostReport, checkpoint_present: bool) -> list[str]:
+    """Reasons ``entry`` cannot run its part of the plan (empty: it can)."""
+    s = dep.s
+    problems: list[str] = []
+    serves_gpus = entry.settings.role not in ("router", "slurm-submit")
+    if serves_gpus:
+        problems += _check_gpus(dep, report)
+    min_shm = SIMULATED_MIN_SHM if s.simulated_gpus else REAL_MIN_SHM
+    if serves_gpus and report.shm_size < min_shm:
+        problems.append(f"/dev/shm is {_gib(report.shm_size)}, needs at least {_gib(min_shm)} (NCCL and engine IPC)")
+    min_ram = SIMULATED_MIN_RAM if s.simulated_gpus else REAL_MIN_RAM
+    if dep.engine == "ktransformers":
+        min_ram = max(min_ram, dep.checkpoint_bytes)
+    if serves_gpus and report.mem_total < min_ram:
+        problems.append(f"RAM is {_gib(report.mem_total)}, needs at least {_gib(min_ram)}")
+    if serves_gpus and not checkpoint_present:
+        need = int(dep.checkpoint_bytes * 1.05)
+        if report.disk_free < need:
+            problems.append(f"{_gib(report.disk_free)} free under {s.model_dir}, the checkpoint needs {_gib(need)}")
+    nic = entry.settings.nic
+    if nic and nic not in report.nics:
+        problems.append(f"k2_nic {nic} does not exist (NICs: {', '.join(sorted(report.nics))})")
+    missing = [h for h in entry.settings.ib_hcas if h not in report.ib_hcas]
+    if missing:
+        problems.append(f"IB HCAs {', '.join(missing)} not present (found: {', '.join(report.ib_hcas) or 'none'})")
+    addresses = {a for addrs in report.nics.values() for a in addrs}
+    if report.nics and entry.address not in addresses and entry.address[0].isdigit():
+        problems.append(f"fleet address {entry.address} is not on any interface; set k2_address to this host's address")
+    return problems

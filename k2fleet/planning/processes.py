@@ -1,0 +1,105 @@
+"""The plan's data model: for each host, the processes it runs, in which order.
+
+:func:`k2fleet.planning.planner.make_plan` fills it from a resolved Deployment (pure);
+:mod:`k2fleet.planning.desired` turns it into everything each host must hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+
+@dataclass
+class Health:
+    """How the health gate proves a service serves: /health 200 and a real completion."""
+
+    port: int
+    path: str = "/health"
+    chat: bool = True
+
+
+@dataclass
+class Service:
+    """One long-running (or oneshot) process on one host.
+
+    ``stage``: services start stage by stage across the whole fleet (0 first); a
+    stage starts only after every service of the previous one is running.
+    ``ports``: inventory key → port, used for the port clash check.
+    ``pre_start``: commands that must succeed before the process starts (``ExecStartPre``,
+    after the checkpoint gate), e.g. the Ray gate before vLLM drives the cluster.
+    ``conflicts``: units this service stops while it runs (``Conflicts=``), e.g. the TRT-LLM
+    node container whose sshd takes the mesh port from the host's mesh sshd.
+    """
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+    stage: int = 0
+    rank: int = 0
+    role: str = "serve"
+    health: Health | None = None
+    oneshot: bool = False
+    workdir: str | None = None
+    needs_checkpoint: bool = True
+    description: str = ""
+    pre_start: list[list[str]] = field(default_factory=list)
+    conflicts: tuple[str, ...] = ()
+
+
+@dataclass
+class HostPlan:
+    """``files``: config a host needs without running a service of its own (e.g. the
+    TRT-LLM options YAML on every mpirun rank host)."""
+
+    name: str
+    address: str
+    role: str
+    services: list[Service] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    """Hosts in inventory order; ``to_json()`` is the ``k2fleet plan --json`` document."""
+
+    source: str
+    engine: str
+    engine_version: str
+    runtime: str
+    image: str | None
+    checkpoint_path: str
+    hosts: dict[str, HostPlan]
+
+    def services(self) -> list[tuple[HostPlan, Service]]:
+        return [(h, s) for h in self.hosts.values() for s in h.services]
+
+    def stages(self) -> list[int]:
+        return sorted({s.stage for _, s in self.services()})
+
+    def endpoint(self) -> tuple[str, int] | None:
+        """The address clients use: the router if any, else the first healthy service."""
+        for host, svc in self.services():
+            if svc.role == "router" and svc.health:
+                return host.address, svc.health.port
+        for host, svc in self.services():
+            if svc.health:
+                return host.address, svc.health.port
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "engine": self.engine,
+            "engine_version": self.engine_version,
+            "runtime": self.runtime,
+            "image": self.image,
+            "checkpoint_path": self.checkpoint_path,
+            "hosts": {
+                name: {"address": h.address, "role": h.role, "files": h.files, "services": [asdict(s) for s in h.services]}
+                for name, h in self.hosts.items()
+            },
+        }

@@ -1,0 +1,146 @@
+"""The checkpoint's distribution, planned (pure): who receives from whom, the relays'
+URLs and argv, and where the control machine keeps its copy.
+
+:mod:`k2fleet.control.checkpoint_copy` runs what this plans; the relay itself is the host
+program :mod:`k2fleet.hostprogs.relay`.
+
+Example:
+    >>> plan_fanout(["a", "b", "c"]).order
+    ('a', 'b', 'c')
+"""
+
+from __future__ import annotations
+
+import posixpath
+import shlex
+from dataclasses import dataclass, field
+
+CONTROL = None  # a host's parent when it receives from the control machine
+RELAY_PY = "/opt/k2fleet/lib/relay.py"  # k2fleet/hostprogs/relay.py on every host (verify.py, swarm.py beside it)
+RELAY_UNIT = "k2-relay"
+RELAY_MAX_SECONDS = 6 * 3600  # a relay a failed deploy left behind stops by itself
+HOST_LOG = "/var/log/k2fleet/checkpoint-transfers.jsonl"
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True)
+class FanoutPlan:
+    """Who receives the checkpoint from whom, in which round.
+
+    ``order``: hosts that load weights, fleet order (``order[0]`` is the root);
+    ``parents``: host → source host (None: the control machine);
+    ``rounds``: round → hosts active in it (round 0 is the root alone);
+    ``shared``: shared storage — only the root fetches, the others only pass the gate.
+    """
+
+    order: tuple[str, ...]
+    parents: dict[str, str | None] = field(default_factory=dict)
+    rounds: tuple[tuple[str, ...], ...] = ()
+    shared: bool = False
+
+    @property
+    def root(self) -> str | None:
+        return self.order[0] if self.order else None
+
+    def round_of(self, host: str) -> int | None:
+        """The round in which ``host`` receives (None: never, e.g. shared storage non-root)."""
+        return next((r for r, hosts in enumerate(self.rounds) if host in hosts), None)
+
+    def control_transfers(self) -> int:
+        """How many transfers leave the control machine (1 for any non-empty fleet)."""
+        return sum(1 for h in self.order if self.parents.get(h, "") is CONTROL and self.round_of(h) is not None)
+
+
+def plan_fanout(hosts: list[str], shared_storage: bool = False, root: str | None = None) -> FanoutPlan:
+    """The doubling fan-out over ``hosts`` (fleet order, only hosts that load weights),
+    rooted at ``root`` (default: the first host) — the one host that gets the checkpoint
+    from outside the fleet (from the control machine, or from the Hub itself).
+
+    Example:
+        >>> p = plan_fanout(["h1", "h2", "h3", "h4", "h5"])
+        >>> p.rounds
+        (('h1',), ('h2',), ('h3', 'h4'), ('h5',))
+        >>> p.parents["h5"], p.parents["h4"]
+        ('h1', 'h2')
+        >>> plan_fanout(["h1", "h2"], shared_storage=True).rounds
+        (('h1',),)
+        >>> plan_fanout(["h1", "h2", "h3"], root="h2").parents
+        {'h2': None, 'h1': 'h2', 'h3': 'h2'}
+    """
+    order = tuple(dict.fromkeys(hosts))
+    if root is not None:
+        if root not in order:
+            raise ValueError(f"fan-out root {root} is not among the hosts that load weights")
+        order = (root,) + tuple(h for h in order if h != root)
+    if not order:
+        return FanoutPlan(order=(), shared=shared_storage)
+    if shared_storage:
+        return FanoutPlan(order=order, parents={order[0]: CONTROL}, rounds=((order[0],),), shared=True)
+    parents: dict[str, str | None] = {order[0]: CONTROL}
+    rounds: list[tuple[str, ...]] = [(order[0],)]
+    have = 1
+    while have < len(order):
+        batch = order[have : 2 * have]
+        for k, h in enumerate(batch):
+            parents[h] = order[k]
+        rounds.append(batch)
+        have += len(batch)
+    return FanoutPlan(order=order, parents=parents, rounds=tuple(rounds), shared=False)
+
+
+def relay_url(address: str, port: int) -> str:
+    """A host's relay (``[v6]`` bracketed).
+
+    >>> relay_url("10.0.0.2", 29700), relay_url("fd00::2", 29700)
+    ('http://10.0.0.2:29700', 'http://[fd00::2]:29700')
+    """
+    return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
+
+
+def relay_serve_argv(path: str, address: str, port: int) -> list[str]:
+    """argv (run on a host) starting its relay as a transient systemd unit that serves the
+    verified files of ``path`` on ``address:port`` (the private mesh) while the fleet
+    distributes; earlier ones are stopped first. Each start gets a unit of its own
+    (``k2-relay-<ns>``): a stopped transient unit can stay loaded where systemd cannot
+    read its cgroup back (the sandbox's hybrid hierarchy), and its name would be taken.
+
+    >>> relay_serve_argv("/m/k2", "10.0.0.2", 29700)[2].split(" && ")[1]
+    'systemd-run --unit=k2-relay-$(date +%s%N) --collect --quiet --property=RuntimeMaxSec=21600 /usr/bin/python3 /opt/k2fleet/lib/relay.py serve /m/k2 --bind 10.0.0.2 --port 29700'
+    """
+    start = ["--collect", "--quiet", f"--property=RuntimeMaxSec={RELAY_MAX_SECONDS}", "/usr/bin/python3", RELAY_PY,
+             "serve", path, "--bind", address, "--port", str(port)]
+    return ["sh", "-c", f"{shlex.join(relay_stop_argv())} 2>/dev/null; mkdir -p {shlex.quote(path)} && "
+            f"systemd-run --unit={RELAY_UNIT}-$(date +%s%N) " + shlex.join(start)]
+
+
+def relay_stop_argv() -> list[str]:
+    """argv stopping every relay unit of this host (:func:`relay_serve_argv`'s)."""
+    return ["systemctl", "stop", f"{RELAY_UNIT}-*.service"]
+
+
+def relay_fetch_argv(path: str, fleet: list[str], position: int, fanout_k: int, sources: list[str],
+                     log_file: str = HOST_LOG) -> list[str]:
+    """argv (run on a host) receiving ``path`` shard by shard through the relay: from its
+    place ``position`` in the fleet order ``fleet`` (relay URLs), falling back to the
+    parent's ancestors and last to ``sources``.
+
+    >>> relay_fetch_argv("/m/k2", ["http://a:1", "http://b:1"], 1, 1, [])[3:9]
+    ['--fleet', 'http://a:1,http://b:1', '--position', '1', '--fanout', '1']
+    """
+    argv = ["/usr/bin/python3", RELAY_PY, "fetch", "--fleet", ",".join(fleet), "--position", str(position),
+            "--fanout", str(fanout_k), "--log", log_file]
+    for url in sources:
+        argv += ["--source", url]
+    return argv + [path]
+
+
+def control_dir(cache: str, repo_id: str, revision: str) -> str:
+    """Control-machine cache directory of one pinned checkpoint: ``CACHE/<org>--<name>/<revision>``.
+
+    Example:
+        >>> control_dir("/var/cache/k2fleet/checkpoints", "moonshotai/Kimi-K2-Thinking", "a" * 40)[-12:]
+        'aaaaaaaaaaaa'
+    """
+    return posixpath.join(cache, repo_id.replace("/", "--"), revision)

@@ -1,0 +1,113 @@
+"""Pieces every engine renderer shares: environment, extra flags, container wrapping."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from k2fleet.planning.catalog import version_tuple
+from k2fleet.planning.deployment import Deployment
+from k2fleet.inventory.spec import HostEntry
+
+# (engine, old flag, first version where it is gone, replacement flags or None = drop)
+# A replacement may use "{value}" for the old flag's value.
+RENAMED_FLAGS: list[tuple[str, str, str, list[str] | None]] = [
+    ("vllm", "disable-log-requests", "0.12.0", None),  # logging is off by default now
+    ("vllm", "disable-log-stats", "99.0.0", ["--disable-log-stats"]),
+    ("sglang", "enable-deepep-moe", "0.5.0", ["--moe-a2a-backend", "deepep"]),
+    ("sglang", "tp", "0.0.0", ["--tp-size", "{value}"]),
+    ("sglang", "nccl-init-addr", "0.4.0", ["--dist-init-addr", "{value}"]),
+    ("sglang", "cuda-graph-bs", "0.5.23", ["--cuda-graph-bs-decode", "{value}"]),
+    ("sglang", "cuda-graph-max-bs", "0.5.23", ["--cuda-graph-max-bs-decode", "{value}"]),
+]
+
+
+def _value_words(value: Any) -> list[str]:
+    if isinstance(value, (list, tuple)):
+        return [str(v) for v in value]
+    return [str(value)]
+
+
+def flag_words(engine: str, version: str, name: str, value: Any, dash: str = "-") -> list[str]:
+    """One extra flag as argv words, translated for ``version`` when it was renamed.
+
+    >>> flag_words("sglang", "0.5.23", "enable-deepep-moe", True)
+    ['--moe-a2a-backend', 'deepep']
+    >>> flag_words("vllm", "0.33.0", "max-num-seqs", 256)
+    ['--max-num-seqs', '256']
+    """
+    name = name.lstrip("-")
+    if value is False or value is None:
+        return []
+    for eng, old, gone_in, replacement in RENAMED_FLAGS:
+        if eng == engine and name == old and version_tuple(version) >= version_tuple(gone_in):
+            if replacement is None:
+                return []
+            words: list[str] = []
+            for word in replacement:
+                words.extend(_value_words(value) if word == "{value}" else [word])
+            return words
+    if dash == "_":
+        name = name.replace("-", "_")
+    if value is True:
+        return [f"--{name}"]
+    return [f"--{name}", *_value_words(value)]
+
+
+def extra_flags(dep: Deployment, engine_args: dict[str, Any], dash: str = "-") -> list[str]:
+    words: list[str] = []
+    for name, value in engine_args.items():
+        words += flag_words(dep.engine, dep.version, name, value, dash)
+    return words
+
+
+def engine_env(dep: Deployment, host: HostEntry, pool_env: dict[str, str]) -> dict[str, str]:
+    """Environment every engine process gets: sockets on the right NIC, offline Hub."""
+    env: dict[str, str] = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    nic = host.settings.nic
+    if nic:
+        env["NCCL_SOCKET_IFNAME"] = nic
+        env["GLOO_SOCKET_IFNAME"] = nic
+    if host.settings.ib_hcas:
+        env["NCCL_IB_HCA"] = ",".join(host.settings.ib_hcas)
+    env.update({k: str(v) for k, v in pool_env.items()})
+    return env
+
+
+def venv_bin(dep: Deployment, name: str) -> str:
+    return f"{dep.s.venv}/bin/{name}"
+
+
+DOCKER = "/usr/bin/docker"  # Debian's docker.io (k2fleet.planning.host_packages installs it where a service runs this)
+# --ulimit memlock per GPU kind: unlimited on real GPUs (RDMA/NCCL pin memory). Simulated
+# GPUs live on the sandbox machine, whose hard memlock limit is 8 MiB and which has no
+# CAP_SYS_RESOURCE to raise it (runc's setrlimit fails), so the sandbox asks for exactly that.
+SIMULATED_MEMLOCK = 8 * 2**20
+MEMLOCK = {False: "memlock=-1", True: f"memlock={SIMULATED_MEMLOCK}"}
+
+
+def container_argv(
+    dep: Deployment,
+    name: str,
+    command: list[str],
+    env: dict[str, str],
+    mounts: Iterable[str] = (),
+    entrypoint: str | None = None,
+) -> list[str]:
+    """``docker run`` in the foreground (systemd supervises it), host network and IPC."""
+    assert dep.image is not None
+    argv = [DOCKER, "run", "--rm", "--name", name, "--network", "host", "--ipc", "host"]
+    argv += ["--ulimit", MEMLOCK[dep.s.simulated_gpus], "--ulimit", "stack=67108864"]
+    if dep.platform == "rocm":
+        argv += ["--device", "/dev/kfd", "--device", "/dev/dri", "--group-add", "video"]
+        argv += ["--cap-add", "SYS_PTRACE", "--security-opt", "seccomp=unconfined"]
+    elif not dep.s.simulated_gpus:
+        argv += ["--gpus", "all"]
+    paths = sorted({dep.serve_path, dep.checkpoint_path, *mounts})
+    for path in paths:
+        argv += ["-v", f"{path}:{path}:ro"]
+    for key in sorted(env):
+        argv += ["-e", key]  # value comes from the unit's Environment=, not argv
+    if entrypoint:
+        argv += ["--entrypoint", entrypoint]
+    return argv + [dep.image, *command]

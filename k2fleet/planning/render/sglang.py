@@ -1,0 +1,131 @@
+"""SGLang: multi-node TP, DP attention + EP (DeepEP), prefill/decode disaggregation
+behind the router. Also the launch path of KTransformers ≥ 0.7 (sglang-kt).
+
+Version-dependent spellings (SGLang 0.5.23): ``--tp-size`` (``--tp`` only parses as an
+abbreviation), ``--attn-dp-size N`` for DP attention (older pins: ``--dp-size N
+--enable-dp-attention``), ``--moe-a2a-backend deepep`` (older: ``--enable-deepep-moe``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from k2fleet.planning.catalog import version_tuple
+from k2fleet.planning.deployment import Deployment, Pool
+from k2fleet.planning.processes import Health, Service
+from k2fleet.planning.render.common import container_argv, engine_env, extra_flags, venv_bin
+from k2fleet.inventory.spec import HostEntry
+
+ATTN_DP_SIZE_SINCE = (0, 5, 23)
+A2A_BACKEND_SINCE = (0, 5, 0)
+
+
+def python_module(dep: Deployment, module: str, words: list[str], env: dict[str, str], name: str) -> list[str]:
+    """``python -m MODULE WORDS`` from the venv, or inside the container image."""
+    if dep.runtime == "container":
+        return container_argv(dep, name, ["python3", "-m", module, *words], env)
+    return [venv_bin(dep, "python"), "-m", module, *words]
+
+
+def parallel_words(dep: Deployment, pool: Pool) -> list[str]:
+    s = pool.settings
+    v = version_tuple(dep.version)
+    words = ["--tp-size", str(pool.tp)]
+    if s.pp > 1:
+        words += ["--pp-size", str(s.pp)]
+    if s.attn_dp and s.dp > 1:
+        if v >= ATTN_DP_SIZE_SINCE:
+            words += ["--attn-dp-size", str(s.dp)]
+        else:
+            words += ["--dp-size", str(s.dp), "--enable-dp-attention"]
+    elif s.dp > 1:
+        words += ["--dp-size", str(s.dp)]
+    if s.ep > 1:
+        words += ["--ep-size", str(s.ep)]
+        words += ["--moe-a2a-backend", "deepep"] if v >= A2A_BACKEND_SINCE else ["--enable-deepep-moe"]
+    return words
+
+
+def feature_words(dep: Deployment) -> list[str]:
+    words = ["--trust-remote-code"]
+    if dep.s.tool_parser:
+        words += ["--tool-call-parser", dep.s.tool_parser]
+    if dep.reasoning_parser:
+        words += ["--reasoning-parser", dep.reasoning_parser]
+    if dep.s.max_model_len:
+        words += ["--context-length", str(dep.s.max_model_len)]
+    return words
+
+
+def _server_words(dep: Deployment, pool: Pool, host: HostEntry, rank: int, nodes: tuple[HostEntry, ...]) -> list[str]:
+    s = pool.settings
+    words = ["--model-path", dep.serve_path, "--served-model-name", dep.served_model_name]
+    words += ["--host", "0.0.0.0", "--port", str(dep.s.port)]
+    words += parallel_words(dep, pool)
+    if len(nodes) > 1:
+        words += ["--dist-init-addr", f"{nodes[0].address}:{dep.s.dist_init_port}"]
+        words += ["--nnodes", str(len(nodes)), "--node-rank", str(rank)]
+    if pool.role in ("prefill", "decode"):
+        words += ["--disaggregation-mode", pool.role]
+        if pool.role == "prefill":
+            words += ["--disaggregation-bootstrap-port", str(dep.s.bootstrap_port)]
+        if host.settings.ib_hcas:
+            words += ["--disaggregation-ib-device", ",".join(host.settings.ib_hcas)]
+    if s.gpu_memory_utilization:
+        words += ["--mem-fraction-static", str(s.gpu_memory_utilization)]
+    return words + feature_words(dep) + extra_flags(dep, s.engine_args)
+
+
+def _pool_services(dep: Deployment, pool: Pool) -> Iterator[tuple[str, Service]]:
+    for nodes in pool.instances:
+        for rank, host in enumerate(nodes):
+            env = engine_env(dep, host, pool.settings.env)
+            ports = {}
+            if rank == 0:
+                ports["k2_port"] = dep.s.port
+                if len(nodes) > 1:
+                    ports["k2_dist_init_port"] = dep.s.dist_init_port
+                if pool.role == "prefill":
+                    ports["k2_bootstrap_port"] = dep.s.bootstrap_port
+            name = "k2-sglang" if pool.role == "serve" else f"k2-sglang-{pool.role}"
+            yield host.name, Service(
+                name=name,
+                argv=python_module(dep, "sglang.launch_server", _server_words(dep, pool, host, rank, nodes), env, name),
+                env=env,
+                ports=ports,
+                stage=0 if rank == 0 else 1,  # node 0 (the --dist-init-addr store) first
+                rank=rank,
+                role=pool.role,
+                health=Health(dep.s.port, chat=pool.role == "serve") if rank == 0 else None,
+                description=f"SGLang {pool.role} node {rank} of {len(nodes)}",
+            )
+
+
+def _router(dep: Deployment) -> Iterator[tuple[str, Service]]:
+    router = dep.pools["router"].hosts[0]
+    words = ["--pd-disaggregation"]
+    for nodes in dep.pools["prefill"].instances:
+        words += ["--prefill", f"http://{nodes[0].address}:{dep.s.port}", str(dep.s.bootstrap_port)]
+    for nodes in dep.pools["decode"].instances:
+        words += ["--decode", f"http://{nodes[0].address}:{dep.s.port}"]
+    words += ["--host", "0.0.0.0", "--port", str(dep.s.router_port)]
+    env = {"PYTHONUNBUFFERED": "1"}
+    yield router.name, Service(
+        name="k2-sglang-router",
+        argv=python_module(dep, "sglang_router.launch_router", words, env, "k2-sglang-router"),
+        env=env,
+        ports={"k2_router_port": dep.s.router_port},
+        stage=2,
+        role="router",
+        health=Health(dep.s.router_port),
+        needs_checkpoint=False,
+        description="SGLang PD router: prefill and decode servers behind one endpoint",
+    )
+
+
+def render(dep: Deployment) -> Iterator[tuple[str, Service]]:
+    for role, pool in dep.pools.items():
+        if role != "router":
+            yield from _pool_services(dep, pool)
+    if "router" in dep.pools:
+        yield from _router(dep)

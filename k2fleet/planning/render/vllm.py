@@ -1,0 +1,176 @@
+"""vLLM: one replica per node, TP×PP across nodes (Ray or ``--nnodes``), DP+EP with
+headless ranks, decode context parallel; CUDA venv or container, ROCm container.
+
+Flag names are vLLM 0.33's (``vllm serve --help``); ``k2_engine_args`` renamed since
+older pins are translated by :func:`k2fleet.planning.render.common.flag_words`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from k2fleet.planning.deployment import Deployment, Pool
+from k2fleet.planning.processes import Health, Service
+from k2fleet.planning.render.common import container_argv, engine_env, extra_flags, venv_bin
+from k2fleet.inventory.spec import HostEntry
+from k2fleet.planning.units import RAY_GATE
+
+UNIT = "k2-vllm"
+RAY_GATE_MAX_S = 600  # a worker that has not joined in 10 minutes will not (its unit restarts every 5 s)
+
+
+def _ray_gate(dep: Deployment, nodes: tuple[HostEntry, ...]) -> list[str]:
+    """Before ``vllm serve`` drives the cluster: every planned node alive in Ray with its
+    GPUs, asked with the venv's Ray (fails naming the node that never joined)."""
+    argv = [venv_bin(dep, "python3"), RAY_GATE, "--address", f"{nodes[0].address}:{dep.s.ray_port}",
+            "--unit", f"{UNIT}.service", "--timeout", str(min(dep.s.health_timeout, RAY_GATE_MAX_S))]
+    for host in nodes:
+        argv += ["--node", f"{host.name}={host.address}:{dep.gpus_per_node}"]
+    return argv
+
+
+def _serve_words(dep: Deployment, pool: Pool) -> list[str]:
+    s = pool.settings
+    words = [dep.serve_path, "--served-model-name", dep.served_model_name, "--trust-remote-code"]
+    words += ["--host", "0.0.0.0", "--port", str(dep.s.port)]
+    words += ["--tensor-parallel-size", str(pool.tp)]
+    if s.pp > 1:
+        words += ["--pipeline-parallel-size", str(s.pp)]
+    if s.dcp > 1:
+        words += ["--decode-context-parallel-size", str(s.dcp)]
+    if s.ep > 1:
+        words += ["--enable-expert-parallel"]
+    if dep.s.max_model_len:
+        words += ["--max-model-len", str(dep.s.max_model_len)]
+    if s.gpu_memory_utilization:
+        words += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
+    if dep.s.tool_parser:
+        if dep.s.auto_tool_choice:
+            words += ["--enable-auto-tool-choice"]
+        words += ["--tool-call-parser", dep.s.tool_parser]
+    if dep.reasoning_parser:
+        words += ["--reasoning-parser", dep.reasoning_parser]
+    if dep.platform == "rocm":
+        words += ["--no-enable-prefix-caching"]
+    return words + extra_flags(dep, s.engine_args)
+
+
+def _platform_env(dep: Deployment) -> dict[str, str]:
+    if dep.platform == "rocm":
+        return {"SAFETENSORS_FAST_GPU": "1", "VLLM_ROCM_USE_AITER": "1"}
+    return {}
+
+
+def _command(dep: Deployment, words: list[str], env: dict[str, str], name: str) -> list[str]:
+    if dep.runtime == "container":
+        return container_argv(dep, name, ["serve", *words], env, entrypoint="vllm")
+    return [venv_bin(dep, "vllm"), "serve", *words]
+
+
+def _service(dep: Deployment, pool: Pool, host: HostEntry, rank: int, words: list[str], env: dict[str, str], **kw) -> Service:
+    return Service(
+        name=kw.pop("name", UNIT),
+        argv=_command(dep, words, env, kw.pop("container", UNIT)),
+        env=env,
+        rank=rank,
+        role=pool.role,
+        **kw,
+    )
+
+
+def _ray_services(dep: Deployment, pool: Pool, nodes: tuple[HostEntry, ...]) -> Iterator[tuple[str, Service]]:
+    head = nodes[0]
+    ray = venv_bin(dep, "ray")
+    for rank, host in enumerate(nodes):
+        env = engine_env(dep, host, pool.settings.env) | {"VLLM_HOST_IP": host.address}
+        common = ["--node-ip-address", host.address, "--num-gpus", str(dep.gpus_per_node), "--block"]
+        if rank == 0:
+            argv = [ray, "start", "--head", "--port", str(dep.s.ray_port), *common]
+        else:
+            argv = [ray, "start", "--address", f"{head.address}:{dep.s.ray_port}", *common]
+        yield host.name, Service(
+            name="k2-ray",
+            argv=argv,
+            env=env,
+            ports={"k2_ray_port": dep.s.ray_port} if rank == 0 else {},
+            stage=0 if rank == 0 else 1,
+            rank=rank,
+            role=pool.role,
+            needs_checkpoint=False,
+            description=f"Ray {'head' if rank == 0 else 'worker'} for vLLM TP×PP across nodes",
+        )
+    env = engine_env(dep, head, pool.settings.env) | {"VLLM_HOST_IP": head.address} | _platform_env(dep)
+    words = _serve_words(dep, pool) + ["--distributed-executor-backend", "ray"]
+    yield head.name, _service(
+        dep, pool, head, 0, words, env,
+        ports={"k2_port": dep.s.port}, stage=2, health=Health(dep.s.port),
+        description="vLLM API server driving the Ray cluster",
+        pre_start=[_ray_gate(dep, nodes)] if dep.runtime == "venv" else [],
+    )
+
+
+def _dp_services(dep: Deployment, pool: Pool, nodes: tuple[HostEntry, ...]) -> Iterator[tuple[str, Service]]:
+    s = pool.settings
+    head = nodes[0]
+    local = dep.gpus_per_node // (pool.tp * s.pp)
+    for rank, host in enumerate(nodes):
+        env = engine_env(dep, host, s.env) | {"VLLM_HOST_IP": host.address} | _platform_env(dep)
+        words = _serve_words(dep, pool)
+        words += ["--data-parallel-size", str(s.dp), "--data-parallel-size-local", str(local)]
+        if len(nodes) > 1:
+            words += ["--data-parallel-address", head.address, "--data-parallel-rpc-port", str(dep.s.dp_rpc_port)]
+        if rank == 0:
+            ports = {"k2_port": dep.s.port} | ({"k2_dp_rpc_port": dep.s.dp_rpc_port} if len(nodes) > 1 else {})
+            yield host.name, _service(
+                dep, pool, host, 0, words, env, ports=ports, stage=0, health=Health(dep.s.port),
+                description=f"vLLM DP head: ranks 0-{local - 1} of {s.dp} and the API server",
+            )
+        else:
+            start = rank * local
+            words = [words[0], "--headless", "--data-parallel-start-rank", str(start), *words[1:]]
+            yield host.name, _service(
+                dep, pool, host, rank, words, env, stage=1,
+                description=f"vLLM headless DP ranks {start}-{start + local - 1} of {s.dp}",
+            )
+
+
+def _multinode_services(dep: Deployment, pool: Pool, nodes: tuple[HostEntry, ...]) -> Iterator[tuple[str, Service]]:
+    head = nodes[0]
+    for rank, host in enumerate(nodes):
+        env = engine_env(dep, host, pool.settings.env) | {"VLLM_HOST_IP": host.address} | _platform_env(dep)
+        words = _serve_words(dep, pool)
+        words += ["--nnodes", str(len(nodes)), "--node-rank", str(rank)]
+        words += ["--master-addr", head.address, "--master-port", str(dep.s.master_port)]
+        if rank == 0:
+            yield host.name, _service(
+                dep, pool, host, 0, words, env,
+                ports={"k2_port": dep.s.port, "k2_master_port": dep.s.master_port},
+                stage=0, health=Health(dep.s.port),
+                description=f"vLLM node 0 of {len(nodes)} (API server)",
+            )
+        else:
+            words = [words[0], "--headless", *words[1:]]
+            yield host.name, _service(
+                dep, pool, host, rank, words, env, stage=1,
+                description=f"vLLM headless node {rank} of {len(nodes)}",
+            )
+
+
+def render(dep: Deployment) -> Iterator[tuple[str, Service]]:
+    for pool in dep.pools.values():
+        for nodes in pool.instances:
+            s = pool.settings
+            if s.dp > 1:
+                yield from _dp_services(dep, pool, nodes)
+            elif len(nodes) == 1:
+                host = nodes[0]
+                env = engine_env(dep, host, s.env) | _platform_env(dep)
+                yield host.name, _service(
+                    dep, pool, host, 0, _serve_words(dep, pool), env,
+                    ports={"k2_port": dep.s.port}, stage=0, health=Health(dep.s.port),
+                    description=f"vLLM replica, TP{pool.tp}" + (f"×PP{s.pp}" if s.pp > 1 else ""),
+                )
+            elif s.multinode_backend == "ray":
+                yield from _ray_services(dep, pool, nodes)
+            else:
+                yield from _multinode_services(dep, pool, nodes)

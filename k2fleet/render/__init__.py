@@ -1,3 +1,0 @@
-"""Engine renderers, one module per engine: ``render(dep)`` takes a resolved Deployment
-and yields ``(host name, Service)`` pairs, or ``(host name, {path: content})`` for files
-a host needs without a service of its own. :mod:`k2fleet.planner` collects them."""

@@ -1,0 +1,43 @@
+"""The sandbox's ``k2fleet`` commands, added through the entry-point group
+``k2fleet.commands`` (:func:`k2fleet.control.stand_ins.command_plugins`):
+
+    k2fleet rehearse inventories/h200.py [--keep] [--bundle DIR --offline] [--data KEY=VALUE ...]
+    k2fleet sandbox up 3 | down | status
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def _cmd_sandbox(args: argparse.Namespace) -> int:
+    from k2sandbox import nspawn
+
+    return int(nspawn.main(args.rest) or 0)
+
+
+def _cmd_rehearse(args: argparse.Namespace) -> int:
+    from k2sandbox.rehearse import rehearse
+
+    if args.offline and not args.bundle:
+        sys.stderr.write("k2fleet rehearse: --offline needs --bundle DIR (made by `k2fleet bundle INVENTORY --rehearsal`)\n")
+        return 2
+    return rehearse(args.inventory, args.data, keep=args.keep, bundle=args.bundle, offline=args.offline)
+
+
+def add(sub: Any, inventory_arguments: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Add ``rehearse`` and ``sandbox`` to ``k2fleet``'s subcommands."""
+    rh = sub.add_parser("rehearse", help="deploy an inventory's scenario to sandbox hosts (engine test doubles)")
+    inventory_arguments(rh)
+    rh.add_argument("--keep", action="store_true", help="leave the sandbox hosts up afterwards")
+    rh.add_argument("--bundle", type=Path, help="deploy from this bundle only (k2_bundle; `k2fleet bundle --rehearsal`)")
+    rh.add_argument("--offline", action="store_true",
+                    help="run the deploy in a network namespace whose only link is the sandbox bridge")
+    rh.set_defaults(func=_cmd_rehearse)
+    sb = sub.add_parser("sandbox", help="local sandbox fleet: up N | down | status", add_help=False)
+    sb.add_argument("rest", nargs=argparse.REMAINDER)
+    sb.set_defaults(func=_cmd_sandbox)

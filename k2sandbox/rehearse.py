@@ -1,0 +1,502 @@
+"""``k2fleet rehearse INVENTORY [--keep] [--data K=V ...]``: try a user's own inventory on
+the sandbox fleet before touching a real one.
+
+1. INVENTORY (+ ``--data``) is loaded with pyinfra's loader and validated exactly like
+   ``k2fleet plan`` (a bad one: the usual one-line refusal, exit 2, nothing booted).
+2. As many sandbox hosts as INVENTORY has are booted bare (``sandbox.down()``, ``up(N)``).
+3. The same ``deploys/kimi.py`` deploys INVENTORY's scenario with its own group data
+   unchanged (``pyinfra --group-data <INVENTORY dir>/group_data``) through a generated
+   inventory of the same file name (so the implicit group named after the file matches),
+   the same groups, host names and host/inline-group data; overlaid are only:
+
+   - per host, the i-th sandbox host's connection data, ``k2_address`` and ``k2_nic``;
+   - ``k2_simulated_gpus`` and ``k2_engine_doubles`` (GPUs and engines are test doubles);
+   - what a GPU-less, air-gapped sandbox must change: a synthetic checkpoint made for the
+     inventory's own ``k2_model``/``k2_revision`` served from the control machine
+     (``k2_checkpoint_source=control:DIR``, ``k2_checkpoint_bytes`` its real size), and
+     for GGUF engines synthetic ``.gguf`` files of ``k2_gguf_repo`` matching
+     ``k2_gguf_pattern`` (``k2_gguf_source=control:DIR``),
+     ``k2_package_source=bundle``, a modest ``k2_health_timeout`` and no IB HCAs.
+
+4. The deploy's health role waits for every health gate; the deploy runs a second time and
+   its changes are read from pyinfra's ``--json`` (:mod:`k2sandbox.pyinfra_cli`).
+5. Every endpoint gets a real chat completion from the control machine; the URLs and one
+   ``curl`` line are printed, then as the last line
+   ``rehearsal INVENTORY: N/N endpoints healthy, re-run 0 changes`` (exit 0), or what
+   failed, with the deploy's own failure output (exit 1).
+
+A ``k2_role: slurm-submit`` inventory (gb200-trtllm-disagg) lists only the Slurm login
+host; the sandbox also boots the compute hosts its ``k2_slurm`` job asks for, and before the
+deploy the rehearsal builds the Slurm site a real GB200 cluster already has
+(:mod:`k2sandbox.slurm_site`: slurmctld/slurmd/munge from Debian's packages, the
+TensorRT-LLM checkout's submit.py as a TEST DOUBLE calling the real ``sbatch``, shared
+storage); a placeholder ``slurm.partition``/``slurm.account`` is overlaid with the sandbox
+cluster's (printed). The endpoints are the job's: the disaggregated front end (a chat
+completion through a context then a generation server) and every ctx/gen server, and the
+topology the front end reports must be the plan's.
+
+Container scenarios (``k2_runtime: container``: b200-trtllm, mi300x, h200-trtllm-mpi) boot
+the hosts with Docker-in-nspawn flags but without Docker: the deploy installs ``docker.io``
+from the offline bundle and loads the engine TEST DOUBLE image the control step built, tagged
+as the inventory's ``k2_image`` and pinned by image ID (:mod:`k2sandbox.double_image`). For
+h200-trtllm-mpi the image also holds Debian's sshd, OpenMPI and mpi4py: each host's
+container runs the mesh's sshd on the mesh port, and the head runs the real ``mpirun`` in
+its container (``docker exec``), which reaches the other host's container over SSH.
+
+Ray (h800-pp) runs for real: the control machine's engine-side wheelhouse puts the
+``ray`` package into each host's ``k2_venv``, the Ray head and workers are real, and
+the vLLM test double joins that cluster with the venv's python. So does SGLang's PD
+router (h200-sglang-pd): the real ``sglang-router`` package on the router host, in
+front of the prefill and decode test doubles.
+
+From a bundle (``--bundle DIR``, made by ``k2fleet bundle INVENTORY --rehearsal --out DIR``):
+the deploy sets ``k2_bundle`` and takes every package, wheel (the engine TEST DOUBLE wheel
+is installed into ``k2_venv`` like a real engine), image and the synthetic checkpoint from
+DIR alone; with ``--offline`` pyinfra and its control step run in the network namespace
+``k2sb-offline``, whose only link is the sandbox bridge (no route out).
+
+Not in this slice (refused with exit 2): engines other than TensorRT-LLM in containers
+across hosts.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import hashlib
+import json
+import re
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from k2sandbox import nspawn as sandbox, slurm_site as sandbox_slurm
+from k2fleet.planning.deployment import Deployment
+from k2fleet.deploy.gate import check_hosts
+from k2fleet.inventory.loader import _import_pyinfra_cli_inventory, inventory_host_data, parse_data_overrides
+from k2fleet.planning.processes import Plan
+from k2fleet.inventory.loader import data_args
+from k2sandbox.pyinfra_cli import DEPLOY_FILE, ROOT, run_pyinfra, tool
+from k2fleet.inventory.spec import SpecError
+from k2sandbox.checkpoint_cache import gguf_file_names, rehearsal_checkpoint, rehearsal_gguf
+
+HEALTH_TIMEOUT_S = 120
+DEPLOY_TIMEOUT_S = 1200
+PROBE_TIMEOUT_S = 30
+SLURM_MAX_HOSTS = 16  # login + compute hosts of a Slurm rehearsal (memory of the 2-core, 24 GiB machine)
+MULTI_HOST_CONTAINER_ENGINES = ("trtllm",)  # engines whose containers across hosts rehearse (mpirun between them)
+CONNECTION_KEYS = ("ssh_hostname", "ssh_user", "ssh_key", "ssh_known_hosts_file", "ssh_strict_host_key_checking")
+
+
+class RehearsalError(RuntimeError):
+    """The rehearsal failed after hosts were booted (exit 1): ``detail`` is printed,
+    ``summary`` (host, unit, reason) goes in the last line."""
+
+    def __init__(self, summary: str, detail: str = "") -> None:
+        super().__init__(summary)
+        self.summary, self.detail = summary, detail
+
+
+# --------------------------------------------------------------------------
+# what this slice can rehearse
+
+
+def unsupported(dep: Deployment, plan: Plan) -> str | None:
+    """What the sandbox hosts would need that this slice does not give them, or None."""
+    slurm = slurm_job_config(dep)
+    if slurm is not None:  # the containers run inside the Slurm job, not on the login host
+        hosts = len(dep.fleet.hosts) + sandbox_slurm.compute_node_count(slurm)
+        if hosts > SLURM_MAX_HOSTS:
+            return f"{hosts} hosts (login + Slurm compute nodes; the sandbox boots at most {SLURM_MAX_HOSTS})"
+        return None
+    if dep.runtime == "container" and len(dep.fleet.hosts) > 1 and dep.engine not in MULTI_HOST_CONTAINER_ENGINES:
+        return f"{dep.engine} in containers across hosts (only TensorRT-LLM's mpirun between containers is rehearsed)"
+    if dep.s.gguf_repo and gguf_file_names(dep.s.gguf_pattern, dep.s.gguf_repo) is None:
+        return f"GGUF files matching k2_gguf_pattern {dep.s.gguf_pattern!r} (no synthetic .gguf name matches it)"
+    return None
+
+
+def slurm_job_config(dep: Deployment) -> dict[str, Any] | None:
+    """The config.yaml k2fleet renders for submit.py, or None without a slurm-submit host."""
+    from k2fleet.planning.render.trtllm import slurm_config
+
+    pool = dep.pools.get("slurm-submit")
+    return slurm_config(dep, pool) if pool is not None and dep.engine == "trtllm" else None
+
+
+# --------------------------------------------------------------------------
+# the generated inventory
+
+
+def inventory_groups(path: str | Path) -> dict[str, Any]:
+    """The inventory file's groups as pyinfra reads them (``{name: hosts | (hosts, data)}``),
+    with no group_data applied: each host's own data and each group's inline data."""
+    from pyinfra.api import State
+    from pyinfra.context import ctx_state
+
+    cli_inventory = _import_pyinfra_cli_inventory()
+    with ctx_state.use(State()):
+        try:
+            return cli_inventory._get_groups_from_filename(str(path))
+        except (SystemExit, Exception) as exc:  # noqa: BLE001 - user Python, reported as one line
+            raise SpecError("inventory", f"could not be loaded: {exc}", str(path)) from None
+
+
+def _literal(value: Any, what: str, source: str) -> str:
+    text = repr(value)
+    try:
+        if ast.literal_eval(text) != value:
+            raise ValueError
+    except (ValueError, SyntaxError):
+        raise SpecError("inventory", f"{what} is not plain data (rehearse copies it): {text[:80]}", source) from None
+    return text
+
+
+def generated_inventory(source: str, groups: dict[str, Any], overlay: dict[str, dict[str, Any]]) -> str:
+    """Python text of an inventory with ``groups``' groups, hosts and data, each host's
+    data updated with ``overlay[host]``.
+
+    >>> text = generated_inventory("x.py", {"nodes": [("a", {"k2_role": "r"}), "b"], "_private": 1},
+    ...                            {"a": {"ssh_hostname": "10.0.0.1"}, "b": {"ssh_hostname": "10.0.0.2"}})
+    >>> ns = {}; exec(text, ns); ns["nodes"]
+    ([('a', {'k2_role': 'r', 'ssh_hostname': '10.0.0.1'}), ('b', {'ssh_hostname': '10.0.0.2'})], {})
+    """
+    lines = [f'"""Generated by `k2fleet rehearse {source}`: its groups, hosts and data on sandbox hosts."""', ""]
+    for group, value in groups.items():
+        if group.startswith("_"):
+            continue
+        hosts, data = value if isinstance(value, tuple) else (value, {})
+        entries = []
+        for entry in hosts:
+            name, host_data = entry if isinstance(entry, tuple) else (entry, {})
+            entries.append((name, {**dict(host_data or {}), **overlay[name]}))
+        lines.append(f"{group} = ({_literal(entries, f'host data in {group}', source)}, "
+                     f"{_literal(dict(data or {}), f'data of group {group}', source)})")
+    return "\n".join(lines) + "\n"
+
+
+def connection_overlay(names: Sequence[str], hosts: Sequence[sandbox.SandboxHost]) -> dict[str, dict[str, Any]]:
+    """Host name → the i-th sandbox host's connection data, address and NIC."""
+    return {
+        name: {"ssh_hostname": h.address, "ssh_user": h.ssh_user, "ssh_key": h.ssh_key,
+               "ssh_known_hosts_file": h.ssh_known_hosts_file, "ssh_strict_host_key_checking": "yes",
+               "k2_address": h.address, "k2_nic": sandbox.HOST_NIC}
+        for name, h in zip(names, hosts)
+    }
+
+
+def sandbox_data(dep: Deployment, checkpoint: Path, size: int, gguf: Path | None = None) -> dict[str, Any]:
+    """The fleet-wide overlay (``--data``): simulated GPUs, engine doubles, and what a
+    GPU-less, Hub-less sandbox must change."""
+    data: dict[str, Any] = {
+        "k2_simulated_gpus": True,
+        "k2_engine_doubles": True,
+        "k2_checkpoint_source": f"control:{checkpoint}",
+        "k2_checkpoint_bytes": size,
+        "k2_package_source": "bundle",
+        "k2_health_timeout": min(dep.s.health_timeout, HEALTH_TIMEOUT_S),
+        "k2_os": sandbox.HOST_OS,
+    }
+    if gguf is not None:
+        data["k2_gguf_source"] = f"control:{gguf}"
+    if any(h.settings.ib_hcas for h in dep.fleet.hosts):
+        data["k2_ib_hcas"] = []  # sandbox hosts have no InfiniBand HCAs
+    return data
+
+
+# --------------------------------------------------------------------------
+# probing
+
+
+def endpoints(plan: Plan) -> list[tuple[str, str, str, Any]]:
+    """(host, service, base URL, health) of every service with a health port."""
+    return [(host.name, svc.name, f"http://{host.address}:{svc.health.port}/v1", svc.health)
+            for host, svc in plan.services() if svc.health]
+
+
+def probe(base: str, health: Any, model: str) -> str | None:
+    """None if the endpoint answers a real chat completion (or, for a service whose gate
+    is /health only, 200 on it); else the reason."""
+    root = base[: -len("/v1")]
+    if health.chat:
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Say hello."}],
+                           "max_tokens": 16}).encode()
+        req = urllib.request.Request(f"{base}/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    else:
+        req = urllib.request.Request(f"{root}{health.path}")
+    try:
+        with urllib.request.urlopen(req, timeout=PROBE_TIMEOUT_S) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}: {exc.read()[:200].decode(errors='replace')}"
+    except OSError as exc:
+        return f"no answer: {exc}"
+    if health.chat:
+        try:
+            if not json.loads(raw).get("choices"):
+                return f"no choices in the answer: {raw[:200]!r}"
+        except (ValueError, AttributeError):
+            return f"not JSON: {raw[:200]!r}"
+    return None
+
+
+def curl_line(base: str, model: str) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 64})
+    return f"curl -s {base}/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}"
+
+
+def _tail(log: str, lines: int = 40) -> str:
+    return "\n".join(log.rstrip().splitlines()[-lines:])
+
+
+_UNIT_FAILURE = re.compile(r"^\s*\[([^\]]+)\]\s+\S+: (k2-[\w@.-]+?)(?:\.service)?: (.+)$")
+
+
+def failure_summary(log: str) -> str:
+    """The host, unit and reason the deploy's own output names (its last such line).
+
+    >>> failure_summary("    [router-0]  k2sb-5: k2-sglang-router.service: not healthy after 120s: /health answered 503\\n")
+    'router-0 k2-sglang-router: not healthy after 120s: /health answered 503'
+    """
+    for line in reversed(log.splitlines()):
+        match = _UNIT_FAILURE.match(line)
+        if match:
+            return f"{match[1]} {match[2]}: {match[3]}"
+    for line in reversed(log.splitlines()):
+        if "error" in line.lower() and line.strip():
+            return line.strip()
+    return "see the deploy output above"
+
+
+def slurm_endpoints(job: dict[str, Any], login: sandbox.SandboxHost, hosts: Sequence[sandbox.SandboxHost],
+                    timeout: float, say: Any) -> tuple[list[tuple[str, str, str, Any]], str | None]:
+    """The Slurm job's endpoints (front end + every ctx/gen server) once its front end
+    answers /health 200 (at most ``timeout`` s), and the topology mismatch (or None)."""
+    from k2fleet.planning.processes import Health
+
+    addresses = {h.name: h.address for h in hosts}
+    deadline = time.monotonic() + timeout
+    front, status, config_path = "", "the job wrote no server_config.yaml", None
+    while time.monotonic() < deadline:
+        config_path = sandbox_slurm.server_config_path(job)
+        if config_path is not None:
+            import yaml
+
+            server_config = yaml.safe_load(config_path.read_text())
+            front, workers = sandbox_slurm.job_urls(server_config, addresses)
+            try:
+                with urllib.request.urlopen(f"{front[:-len('/v1')]}/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except urllib.error.HTTPError as exc:
+                status = f"{front} /health {exc.code}: {exc.read()[:200].decode(errors='replace')}"
+            except OSError as exc:
+                status = f"{front} /health: {exc}"
+        time.sleep(2)
+    else:
+        raise RehearsalError(f"slurm job: not healthy after {timeout:.0f}s: {status}",
+                             sandbox_slurm.job_report(login, job))
+    queue = sandbox.ssh(login, "squeue -h -o '%i %j %T %D %N'", timeout=20).stdout.strip()
+    say(f"slurm job (squeue on {login.name}): {queue}")
+    say(f"slurm job log directory: {config_path.parent}")
+
+    def health(url: str) -> Health:
+        return Health(int(url.rsplit(":", 1)[1].split("/")[0]))
+
+    found = [("slurm-job", "trtllm-serve disaggregated", front, health(front))]
+    found += [("slurm-job", f"trtllm-serve {role}", url, health(url)) for role, url in workers]
+    with urllib.request.urlopen(f"{front}/models", timeout=PROBE_TIMEOUT_S) as resp:
+        models = json.loads(resp.read())
+    return found, sandbox_slurm.topology_mismatch(models, job)
+
+
+# --------------------------------------------------------------------------
+# the command
+
+
+def bundle_data(dep: Deployment, bundle: Path) -> dict[str, Any]:
+    """The fleet-wide overlay of a rehearsal from a bundle (``--bundle DIR``): what
+    ``k2fleet bundle --rehearsal`` computed the bundle with, plus ``k2_bundle`` (the
+    checkpoint is the bundle's synthetic one, its real size given)."""
+    from k2fleet.control.airgap import AirgapError, bundle_overlay, read_lock
+
+    try:
+        lock = read_lock(bundle)
+    except AirgapError as exc:
+        raise SpecError("k2_bundle", str(exc), str(bundle)) from None
+    if not lock.rehearsal:
+        raise SpecError("k2_bundle", f"{bundle} was not made with `k2fleet bundle --rehearsal` (it holds the real "
+                        "engine and driver stack, which sandbox hosts cannot run)", str(bundle))
+    size = sum(a.bytes for a in lock.artifacts if a.kind == "checkpoint-file" and a.name.startswith(dep.s.model + "/"))
+    data = {**bundle_overlay(True), "k2_bundle": str(bundle.resolve()),
+            "k2_health_timeout": min(dep.s.health_timeout, HEALTH_TIMEOUT_S)}
+    if size:
+        data["k2_checkpoint_bytes"] = size
+    return data
+
+
+def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: TextIO = sys.stdout,
+             bundle: Path | None = None, offline: bool = False) -> int:
+    """The ``k2fleet rehearse`` command; SpecError (exit 2) before anything is booted.
+
+    ``bundle``: deploy from that ``k2fleet bundle --rehearsal`` directory alone
+    (``k2_bundle``); ``offline``: run the deploy (pyinfra and its control step) in a
+    network namespace whose only link is the sandbox bridge."""
+    overrides = parse_data_overrides(list(data))
+    hosts = inventory_host_data(inventory, overrides)
+    dep, plan = check_hosts(str(inventory), hosts)
+    fleet_data = bundle_data(dep, bundle) if bundle is not None else None
+    missing = unsupported(dep, plan)
+    if missing:
+        sys.stderr.write(f"rehearse: {inventory} needs {missing} in sandbox hosts, not supported yet\n")
+        sys.stderr.flush()
+        return 2
+    groups = inventory_groups(inventory)
+    names = [name for name, _, _ in hosts]
+    job = slurm_job_config(dep)
+    slurm_overlay: dict[str, Any] = {}
+    mapped: dict[str, tuple[Any, str]] = {}
+    if job is not None:
+        k2_slurm, mapped = sandbox_slurm.site_overlay(dep.pools["slurm-submit"].settings.slurm or {})
+        slurm_overlay = {"k2_slurm": k2_slurm}
+        job = {**job, "slurm": k2_slurm["slurm"]}
+        try:
+            sandbox_slurm.shared_tops(job)
+        except sandbox_slurm.SlurmSiteError as exc:
+            sys.stderr.write(f"rehearse: {inventory}: {exc}\n")
+            return 2
+    computes = sandbox_slurm.compute_node_count(job) if job is not None else 0
+    inv_path = Path(inventory).resolve()
+
+    def say(line: str) -> None:
+        out.write(line + "\n")
+        out.flush()
+
+    started = time.monotonic()
+    if fleet_data is None:
+        checkpoint, size = rehearsal_checkpoint(dep.s.model, dep.s.revision)
+        gguf = rehearsal_gguf(dep.s.gguf_repo, str(dep.s.gguf_revision), dep.s.gguf_pattern) if dep.s.gguf_repo else None
+        fleet_data = sandbox_data(dep, checkpoint, size, gguf)
+    else:
+        from k2fleet.control.airgap import checkpoint_rel
+
+        assert bundle is not None
+        checkpoint = bundle.resolve() / checkpoint_rel(dep.s.model, dep.s.revision)  # (a Slurm site's shared storage)
+    work = Path(tempfile.mkdtemp(prefix="k2rehearse-"))
+    booted = False
+    waiting = time.monotonic()
+    lock = sandbox.hold_sandbox_lock()  # one sandbox user at a time; released at exit
+    waited = time.monotonic() - waiting
+    try:
+        if waited >= 1:
+            say(f"rehearse {inventory}: waited {waited:.0f}s for the sandbox lock (another user had it)")
+        extra = f" ({len(names)} from the inventory + {computes} Slurm compute hosts its job asks for)" if computes else ""
+        say(f"rehearse {inventory}: booting {len(names) + computes} bare sandbox hosts{extra}")
+        sandbox.down()
+        booted = True
+        sb_hosts = sandbox.up(len(names) + computes, docker=dep.runtime == "container" and job is None,
+                              hardware=sandbox.simulated_hardware(dep.gpu.name, dep.gpus_per_node))
+        if job is not None:
+            site_started = time.monotonic()
+            login = sb_hosts[names.index(dep.pools["slurm-submit"].hosts[0].name)]
+            sandbox_slurm.setup_site(login, sb_hosts[len(names):], job, checkpoint)
+            say(f"rehearse {inventory}: Slurm site up in {time.monotonic() - site_started:.0f}s: slurmctld on "
+                f"{login.name}, slurmd on {sb_hosts[len(names)].name}..{sb_hosts[-1].name}, "
+                f"partition {job['slurm']['partition']}; TensorRT-LLM checkout (submit.py TEST DOUBLE) at "
+                f"{job['environment']['trtllm_repo']}")
+            for key, (old, new) in mapped.items():
+                say(f"  k2_slurm {key}: {old!r} -> {new!r} (the sandbox cluster's)")
+        generated = work / "inventory" / inv_path.name
+        generated.parent.mkdir()
+        generated.write_text(generated_inventory(str(inventory), groups, connection_overlay(names, sb_hosts)))
+        overlay = {**fleet_data, **slurm_overlay}
+        netns = sandbox.offline_control_netns() if offline else []
+        if offline:
+            say(f"rehearse {inventory}: --offline: the deploy runs in netns {sandbox.OFFLINE_NS}, whose only link is "
+                f"the sandbox bridge {sandbox.BRIDGE} ({sandbox.OFFLINE_ADDRESS}, no route out)")
+        argv = [*netns, tool("pyinfra"), "-y", "--json", "--group-data", str(inv_path.parent / "group_data"),
+                *data_args(overlay), *[a for item in data for a in ("--data", item)],
+                str(generated), DEPLOY_FILE]
+        env = {"K2FLEET_STATE_DIR": str(work / "state")}
+        for host_name, sb in zip(names, sb_hosts):
+            say(f"  {host_name} -> {sb.name} {sb.address}")
+        source = f", everything from bundle {bundle}" if bundle is not None else ""
+        say(f"rehearse {inventory}: deploying ({dep.engine} {dep.version}, engine test doubles, simulated GPUs{source})")
+        first = run_pyinfra(argv, env, DEPLOY_TIMEOUT_S)
+        if first.returncode != 0:
+            raise RehearsalError(failure_summary(first.log),
+                                 f"deploy failed (exit {first.returncode}); its output ends:\n{_tail(first.log)}")
+        say(f"rehearse {inventory}: deployed, {first.changed} changes; re-running")
+        second = run_pyinfra(argv, env, DEPLOY_TIMEOUT_S)
+        if second.returncode != 0 or not (second.payload or {}).get("results"):
+            raise RehearsalError(f"re-run: {failure_summary(second.log)}",
+                                 f"re-run failed (exit {second.returncode}); its output ends:\n{_tail(second.log)}")
+        rerun = second.changed
+        # Re-read the plan the deploy ran: endpoint addresses are the sandbox hosts'.
+        conn = connection_overlay(names, sb_hosts)
+        _, sb_plan = check_hosts(str(inventory), [(n, {**d, **conn[n], **overlay, **overrides}, g) for n, d, g in hosts])
+        model = dep.api_model_name
+        failures = []
+        if job is not None:
+            found, mismatch = slurm_endpoints(job, login, sb_hosts, min(dep.s.health_timeout, HEALTH_TIMEOUT_S), say)
+            if mismatch:
+                failures.append(f"slurm job topology: {mismatch}")
+            else:
+                say("slurm job topology: ctx/gen servers and parallel sizes as planned")
+        else:
+            found = endpoints(sb_plan)
+        healthy = 0
+        for host_name, unit, base, health in found:
+            reason = probe(base, health, model)
+            say(f"  {'ok  ' if reason is None else 'FAIL'} {host_name} {unit}: {base}" + (f" ({reason})" if reason else ""))
+            if reason is None:
+                healthy += 1
+            else:
+                failures.append(f"{host_name} {unit}: {reason}")
+        main = sb_plan.endpoint()
+        main_base = found[0][2] if job is not None else f"http://{main[0]}:{main[1]}/v1" if main else None
+        if main_base:
+            say(f"endpoint: {main_base}")
+            say(f"try: {curl_line(main_base, model)}")
+        if keep:
+            say("--keep: sandbox hosts left up (k2fleet sandbox status; k2fleet sandbox down); deploy again with:")
+            say(f"  cd {ROOT} && K2FLEET_STATE_DIR={shlex.quote(env['K2FLEET_STATE_DIR'])} "
+                + " ".join(shlex.quote(a) for a in argv))
+        say(f"rehearse {inventory}: {time.monotonic() - started:.0f}s")
+        last = f"rehearsal {inventory}: {healthy}/{len(found)} endpoints healthy, re-run {rerun} changes"
+        for name, changed_hosts in second.changed_operations.items():
+            say(f"re-run changed: {name} on {', '.join(changed_hosts)}")
+        if failures or rerun != 0 or not found:
+            for failure in failures:
+                say(f"unhealthy: {failure}")
+            say(last)
+            return 1
+        say(last)
+        return 0
+    except (RehearsalError, sandbox.SandboxError, sandbox_slurm.SlurmSiteError) as exc:
+        if isinstance(exc, sandbox_slurm.SlurmSiteError):
+            exc = RehearsalError(f"slurm site: {exc}")
+        if isinstance(exc, RehearsalError):
+            say(exc.detail)
+            summary = exc.summary
+        else:
+            summary = "sandbox: " + " ".join(str(exc).split())[:300]
+        if keep and booted:
+            say("--keep: sandbox hosts left up (k2fleet sandbox down removes them)")
+        say(f"rehearse {inventory}: {time.monotonic() - started:.0f}s")
+        say(f"rehearsal {inventory}: failed: {summary}")
+        return 1
+    finally:
+        if not keep:
+            if booted:
+                sandbox.down()
+            shutil.rmtree(work, ignore_errors=True)
+        lock.close()

@@ -1,0 +1,45 @@
+"""The sandbox's stand-ins for production parts, offered to the product through its one
+seam (:mod:`k2fleet.control.stand_ins`, entry-point group ``k2fleet.stand_ins``): the
+driver-package TEST DOUBLE repository, the engine TEST DOUBLES (sources, wheel, image),
+synthetic checkpoints and the sandbox hosts' OS."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from k2sandbox import DOUBLES, checkpoint_cache, double_image, driver_doubles, engine_double_wheel, nspawn
+
+
+class SandboxStandIns:
+    """:class:`k2fleet.control.stand_ins.StandIns` for the nspawn sandbox."""
+
+    host_os = nspawn.HOST_OS
+    suite = nspawn.SUITE
+    engine_project = engine_double_wheel.PROJECT
+
+    def driver_repo(self, cache: Path | None = None) -> Path:
+        return driver_doubles.ensure_double_repo(*(() if cache is None else (cache,)))
+
+    def engine_requirement(self) -> str:
+        return engine_double_wheel.requirement()
+
+    def engine_wheel(self) -> tuple[str, bytes, str]:
+        name, data = engine_double_wheel.build_wheel()
+        return name, data, engine_double_wheel.version()
+
+    def engine_files(self) -> dict[str, bytes]:
+        return {str(p.relative_to(DOUBLES)): p.read_bytes() for p in sorted(DOUBLES.rglob("*"))
+                if p.is_file() and "__pycache__" not in p.parts}
+
+    def image(self, ref: str, plan: Any, *, build: bool, cache: Path | None = None) -> tuple[Path, str] | None:
+        where = {} if cache is None else {"out_dir": cache}
+        lookup = double_image.ensure_double_image if build else double_image.cached_double_image
+        made = lookup(ref, packages=double_image.double_image_packages(plan), **where)
+        return (made.path, made.image_id) if made else None
+
+    def checkpoint(self, repo: str, revision: str) -> Path:
+        return checkpoint_cache.rehearsal_checkpoint(repo, revision)[0]
+
+    def gguf(self, repo: str, revision: str, pattern: str | None) -> Path:
+        return checkpoint_cache.rehearsal_gguf(repo, revision, pattern)
