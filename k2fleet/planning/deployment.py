@@ -8,8 +8,6 @@ key and the fix for the first one broken. Port clashes are checked on the plan
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import os
 import posixpath
@@ -428,38 +426,6 @@ def _check_slurm(fleet: Fleet, gpu: catalog.GpuType, per_node: int, size: int) -
             raise _fail("k2_disagg", f"{side}: {per_gpu:.0f} GiB of weights per GPU does not fit {gpu.name}", fleet)
 
 
-ENGINE_FLAGS_MODULE = "k2fleet.planning.engine_flags"
-
-
-def _check_engine_flags(fleet: Fleet, engine: str, version: str, pools: dict[str, Pool]) -> None:
-    """Flag names of ``k2_engine_args`` (every pool) and TRT-LLM LLM API option names
-    (``k2_trtllm_config``, both ``k2_disagg`` sides) against the pinned version's tables.
-
-    The single call site of :mod:`k2fleet.planning.engine_flags` (it raises SpecError naming the
-    key); skipped if that module is absent."""
-    if importlib.util.find_spec(ENGINE_FLAGS_MODULE) is None:
-        return
-    try:
-        _engine_flag_calls(importlib.import_module(ENGINE_FLAGS_MODULE), engine, version, pools)
-    except SpecError as exc:
-        raise SpecError(exc.key, exc.message, exc.where or fleet.source) from None
-
-
-def _engine_flag_calls(flags: Any, engine: str, version: str, pools: dict[str, Pool]) -> None:
-    for pool in pools.values():
-        s = pool.settings
-        flags.check_engine_args(engine, version, s.engine_args, key="k2_engine_args")
-        if engine != "trtllm":
-            continue
-        if s.trtllm_config and pool.tp:
-            owned = {"tensor_parallel_size": pool.tp, "pipeline_parallel_size": s.pp,
-                     "moe_expert_parallel_size": s.ep, "enable_attention_dp": s.attn_dp}
-            flags.check_llm_api_config(version, s.trtllm_config, key="k2_trtllm_config", owned_values=owned)
-        for side in ("ctx", "gen"):
-            if s.disagg and side in s.disagg:
-                flags.check_llm_api_config(version, s.disagg[side], key=f"k2_disagg.{side}")
-
-
 def resolve(fleet: Fleet) -> Deployment:
     """Check the cross-key rules and resolve defaults; raises SpecError on the first problem."""
     s = fleet.settings
@@ -486,7 +452,6 @@ def resolve(fleet: Fleet) -> Deployment:
             _check_fit(fleet, pools[role], gpu, size, quant, s.engine)
     if "slurm-submit" in pools and gpu is not None:
         _check_slurm(fleet, gpu, per_node, size)
-    _check_engine_flags(fleet, s.engine, version, pools)
     driver = choose_driver(fleet, gpu, s.engine, version) if gpu is not None else None
     reasoning_parser = s.reasoning_parser or ("kimi_k2" if reasoning else None)
     return Deployment(

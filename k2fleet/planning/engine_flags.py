@@ -14,59 +14,20 @@ from pathlib import Path
 from typing import Any
 
 from k2fleet.inventory.spec import SpecError
+from k2fleet.planning.deployment import Deployment
+from k2fleet.planning.render import ktransformers, sglang, trtllm, vllm
+from k2fleet.planning.render.common import RENAMED_FLAGS, flag_words
 
 DATA = Path(__file__).parent / "data" / "engine_flags"
 
-# flag -> inventory key that controls it ("" = k2fleet renders it, no key)
-_VLLM_OWNED = {
-    "--tensor-parallel-size": "k2_tp", "-tp": "k2_tp",
-    "--pipeline-parallel-size": "k2_pp", "-pp": "k2_pp",
-    "--data-parallel-size": "k2_dp", "-dp": "k2_dp",
-    "--data-parallel-size-local": "k2_dp", "-dpl": "k2_dp",
-    "--data-parallel-address": "k2_dp", "-dpa": "k2_dp",
-    "--data-parallel-rpc-port": "k2_dp_rpc_port", "-dpp": "k2_dp_rpc_port",
-    "--data-parallel-start-rank": "k2_dp", "-dpr": "k2_dp",
-    "--decode-context-parallel-size": "k2_dcp", "-dcp": "k2_dcp",
-    "--enable-expert-parallel": "k2_ep", "-ep": "k2_ep",
-    "--headless": "k2_multinode_backend", "--nnodes": "k2_multinode_backend",
-    "--node-rank": "k2_multinode_backend", "--master-addr": "k2_multinode_backend",
-    "--master-port": "k2_master_port", "--distributed-executor-backend": "k2_multinode_backend",
-    "--port": "k2_port", "--host": "", "--model": "k2_model",
-    "--served-model-name": "k2_served_model_name",
-}
-_SGLANG_OWNED = {
-    "--tp-size": "k2_tp", "--tensor-parallel-size": "k2_tp", "--tp": "k2_tp",
-    "--pp-size": "k2_pp", "--pipeline-parallel-size": "k2_pp",
-    "--dp-size": "k2_dp", "--data-parallel-size": "k2_dp", "--attn-dp-size": "k2_dp",
-    "--enable-dp-attention": "k2_attn_dp",
-    "--ep-size": "k2_ep", "--expert-parallel-size": "k2_ep", "--ep": "k2_ep",
-    "--dist-init-addr": "k2_dist_init_port", "--nccl-init-addr": "k2_dist_init_port",
-    "--nnodes": "", "--node-rank": "",
-    "--disaggregation-mode": "k2_role", "--disaggregation-bootstrap-port": "k2_bootstrap_port",
-    "--port": "k2_port", "--host": "", "--model-path": "k2_model", "--model": "k2_model",
-    "--served-model-name": "k2_served_model_name",
-}
-_KT_OWNED = _SGLANG_OWNED | {
-    "--kt-weight-path": "k2_gguf_repo", "--kt-method": "k2_kt", "--kt-cpuinfer": "k2_kt",
-    "--kt-threadpool-count": "k2_kt", "--kt-num-gpu-experts": "k2_kt",
-    "--model_path": "k2_model", "--gguf_path": "k2_gguf_repo", "--optimize_config_path": "k2_kt",
-    "--cache_lens": "k2_kt",
-}
-_TRTLLM_OWNED = {
-    "--tp_size": "k2_tp", "--pp_size": "k2_pp", "--ep_size": "k2_ep",
-    "--host": "", "--port": "k2_port", "--config": "k2_trtllm_config",
-    "--extra_llm_api_options": "k2_trtllm_config",
-}
+# Each renderer declares the flags it owns beside the words it emits (flag -> the inventory key
+# that controls it, "" = k2fleet renders it, no key); this module only checks against them.
 _OWNER_KEYS: dict[str, dict[str, str]] = {
-    "vllm": _VLLM_OWNED, "sglang": _SGLANG_OWNED, "ktransformers": _KT_OWNED, "trtllm": _TRTLLM_OWNED,
+    "vllm": vllm.OWNED_FLAGS, "sglang": sglang.OWNED_FLAGS, "ktransformers": ktransformers.OWNED_FLAGS,
+    "trtllm": trtllm.OWNED_FLAGS,
 }
 OWNED_FLAGS: dict[str, frozenset[str]] = {e: frozenset(m) for e, m in _OWNER_KEYS.items()}
 
-# keys of the LLM API YAML that k2fleet sets (render/trtllm.py api_options) -> inventory key
-LLM_API_OWNED = {
-    "tensor_parallel_size": "k2_tp", "pipeline_parallel_size": "k2_pp",
-    "moe_expert_parallel_size": "k2_ep", "enable_attention_dp": "k2_attn_dp",
-}
 
 
 @lru_cache(maxsize=None)
@@ -101,8 +62,6 @@ def known_flags(engine: str, version: str) -> frozenset[str]:
 
 def _translated(engine: str, version: str, name: str, value: Any) -> list[str] | None:
     """The words ``render.common.flag_words`` emits when ``name`` is a known rename."""
-    from k2fleet.planning.render.common import RENAMED_FLAGS, flag_words  # lazy: render imports deployment
-
     bare = name.lstrip("-")
     if not any(e == engine and old == bare for e, old, _, _ in RENAMED_FLAGS):
         return None
@@ -165,21 +124,19 @@ def check_llm_api_config(
     ...
     k2fleet.inventory.spec.SpecError: k2_trtllm_config: cuda_graph_config.enable_padingg is not an LLM API option of trtllm 1.2.0; did you mean enable_padding?
     """
-    from k2fleet.planning.render.trtllm import RENAMED_KEYS  # lazy: render imports deployment
-
     if schema is None and not path:
         table = _table("trtllm", version)
         schema = table.get("llm_api") if table else None
     for name, value in config.items():
         dotted = f"{path}.{name}" if path else name
         if not path and owned_values and name in owned_values and value != owned_values[name]:
-            owner = LLM_API_OWNED.get(name, "k2fleet")
+            owner = trtllm.LLM_API_OWNED.get(name, "k2fleet")
             raise SpecError(key, f"{name}: {value!r} contradicts {owner}={owned_values[name]!r}; remove it")
         if schema is None:
             continue
         fields = schema.get("fields", {})
         section = path.rsplit(".", 1)[-1] if path else ""
-        real = RENAMED_KEYS.get((section, name), name) if path else name
+        real = trtllm.RENAMED_KEYS.get((section, name), name) if path else name
         if real not in fields:
             if schema.get("extra") != "forbid":
                 continue
@@ -189,3 +146,24 @@ def check_llm_api_config(
         sub = fields[real]
         if isinstance(sub, dict) and isinstance(value, dict):
             check_llm_api_config(version, value, key, dotted, None, sub)
+
+
+def check_deployment(dep: Deployment) -> None:
+    """Flag names of ``k2_engine_args`` (every pool) and TRT-LLM LLM API option names
+    (``k2_trtllm_config``, both ``k2_disagg`` sides) against the pinned version's tables;
+    raises SpecError naming the key (the planner's first step)."""
+    try:
+        for pool in dep.pools.values():
+            s = pool.settings
+            check_engine_args(dep.engine, dep.version, s.engine_args, key="k2_engine_args")
+            if dep.engine != "trtllm":
+                continue
+            if s.trtllm_config and pool.tp:
+                owned = {"tensor_parallel_size": pool.tp, "pipeline_parallel_size": s.pp,
+                         "moe_expert_parallel_size": s.ep, "enable_attention_dp": s.attn_dp}
+                check_llm_api_config(dep.version, s.trtllm_config, key="k2_trtllm_config", owned_values=owned)
+            for side in ("ctx", "gen"):
+                if s.disagg and side in s.disagg:
+                    check_llm_api_config(dep.version, s.disagg[side], key=f"k2_disagg.{side}")
+    except SpecError as exc:
+        raise SpecError(exc.key, exc.message, exc.where or dep.fleet.source) from None

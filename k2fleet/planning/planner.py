@@ -11,6 +11,7 @@ from __future__ import annotations
 from k2fleet.planning.os_tables import reserved_ports
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.processes import HostPlan, Plan, Service
+from k2fleet.planning import engine_flags
 from k2fleet.planning.render import ktransformers, sglang, trtllm, vllm
 from k2fleet.inventory.spec import SpecError
 
@@ -32,7 +33,9 @@ def _check_ports(plan: Plan, host_ports: dict[str, int]) -> None:
 
 
 def make_plan(dep: Deployment) -> Plan:
-    """Render every host's services for ``dep``; raises SpecError on port clashes."""
+    """Check ``k2_engine_args`` and the LLM API options against the engine's flag tables,
+    then render every host's services for ``dep``; raises SpecError (a flag, a port clash)."""
+    engine_flags.check_deployment(dep)
     hosts = {
         h.name: HostPlan(name=h.name, address=h.address, role=h.settings.role) for h in dep.fleet.hosts
     }

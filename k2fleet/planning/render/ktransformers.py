@@ -22,10 +22,17 @@ from k2fleet.planning.catalog import version_tuple
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.processes import Health, Service
 from k2fleet.planning.render.common import engine_env, extra_flags, venv_bin
-from k2fleet.planning.render.sglang import feature_words
+from k2fleet.planning.render.sglang import OWNED_FLAGS as SGLANG_OWNED_FLAGS, feature_words
 
 LEGACY_AMX_RULES = "ktransformers/optimize/optimize_rules/DeepSeek-V3-Chat-fp8-linear-ggml-experts-serve-amx.yaml"
 SGLANG_KT_SINCE = (0, 4, 0)
+# The flags this renderer emits (sglang-kt's beside SGLang's, and the legacy server's) and so owns.
+OWNED_FLAGS = SGLANG_OWNED_FLAGS | {
+    "--kt-weight-path": "k2_gguf_repo", "--kt-method": "k2_kt", "--kt-cpuinfer": "k2_kt",
+    "--kt-threadpool-count": "k2_kt", "--kt-num-gpu-experts": "k2_kt",
+    "--model_path": "k2_model", "--gguf_path": "k2_gguf_repo", "--optimize_config_path": "k2_kt",
+    "--cache_lens": "k2_kt",
+}
 # The legacy server has no /health; it listens only once the model is loaded, and
 # GET /v1/models is its cheapest route (ktransformers/server/api/openai/endpoints/chat.py).
 LEGACY_READY_PATH = "/v1/models"

@@ -17,6 +17,20 @@ from k2fleet.planning.render.common import container_argv, engine_env, extra_fla
 from k2fleet.inventory.spec import HostEntry
 
 ATTN_DP_SIZE_SINCE = (0, 5, 23)
+# The flags this renderer emits and so owns: flag -> the inventory key that sets it ("": none);
+# k2_engine_args may not set them (k2fleet.planning.engine_flags checks).
+OWNED_FLAGS = {
+    "--tp-size": "k2_tp", "--tensor-parallel-size": "k2_tp", "--tp": "k2_tp",
+    "--pp-size": "k2_pp", "--pipeline-parallel-size": "k2_pp",
+    "--dp-size": "k2_dp", "--data-parallel-size": "k2_dp", "--attn-dp-size": "k2_dp",
+    "--enable-dp-attention": "k2_attn_dp",
+    "--ep-size": "k2_ep", "--expert-parallel-size": "k2_ep", "--ep": "k2_ep",
+    "--dist-init-addr": "k2_dist_init_port", "--nccl-init-addr": "k2_dist_init_port",
+    "--nnodes": "", "--node-rank": "",
+    "--disaggregation-mode": "k2_role", "--disaggregation-bootstrap-port": "k2_bootstrap_port",
+    "--port": "k2_port", "--host": "", "--model-path": "k2_model", "--model": "k2_model",
+    "--served-model-name": "k2_served_model_name",
+}
 A2A_BACKEND_SINCE = (0, 5, 0)
 
 

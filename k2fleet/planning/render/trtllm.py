@@ -22,6 +22,17 @@ from k2fleet.planning.render.common import container_argv, engine_env, extra_fla
 from k2fleet.inventory.spec import HostEntry
 
 RENAMED_KEYS = {("cuda_graph_config", "padding_enabled"): "enable_padding"}
+# The flags this renderer emits and so owns: flag -> the inventory key that sets it ("": none).
+OWNED_FLAGS = {
+    "--tp_size": "k2_tp", "--pp_size": "k2_pp", "--ep_size": "k2_ep",
+    "--host": "", "--port": "k2_port", "--config": "k2_trtllm_config",
+    "--extra_llm_api_options": "k2_trtllm_config",
+}
+# The LLM API YAML keys it sets (api_options) -> the inventory key.
+LLM_API_OWNED = {
+    "tensor_parallel_size": "k2_tp", "pipeline_parallel_size": "k2_pp",
+    "moe_expert_parallel_size": "k2_ep", "enable_attention_dp": "k2_attn_dp",
+}
 
 
 def mesh_paths(dep: Deployment) -> dict[str, str]:

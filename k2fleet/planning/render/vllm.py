@@ -16,6 +16,24 @@ from k2fleet.inventory.spec import HostEntry
 from k2fleet.planning.units import RAY_GATE
 
 UNIT = "k2-vllm"
+# The flags this renderer emits and so owns: flag -> the inventory key that sets it ("": none);
+# k2_engine_args may not set them (k2fleet.planning.engine_flags checks).
+OWNED_FLAGS = {
+    "--tensor-parallel-size": "k2_tp", "-tp": "k2_tp",
+    "--pipeline-parallel-size": "k2_pp", "-pp": "k2_pp",
+    "--data-parallel-size": "k2_dp", "-dp": "k2_dp",
+    "--data-parallel-size-local": "k2_dp", "-dpl": "k2_dp",
+    "--data-parallel-address": "k2_dp", "-dpa": "k2_dp",
+    "--data-parallel-rpc-port": "k2_dp_rpc_port", "-dpp": "k2_dp_rpc_port",
+    "--data-parallel-start-rank": "k2_dp", "-dpr": "k2_dp",
+    "--decode-context-parallel-size": "k2_dcp", "-dcp": "k2_dcp",
+    "--enable-expert-parallel": "k2_ep", "-ep": "k2_ep",
+    "--headless": "k2_multinode_backend", "--nnodes": "k2_multinode_backend",
+    "--node-rank": "k2_multinode_backend", "--master-addr": "k2_multinode_backend",
+    "--master-port": "k2_master_port", "--distributed-executor-backend": "k2_multinode_backend",
+    "--port": "k2_port", "--host": "", "--model": "k2_model",
+    "--served-model-name": "k2_served_model_name",
+}
 RAY_GATE_MAX_S = 600  # a worker that has not joined in 10 minutes will not (its unit restarts every 5 s)
 
 
