@@ -83,7 +83,7 @@ def plan_document(dep: Deployment, plan: Plan) -> dict:
 def _cmd_plan(args: argparse.Namespace) -> int:
     dep, plan = load_plan(args.inventory, args.data)
     if args.json:
-        json.dump(plan_document(dep, plan), sys.stdout, indent=2)
+        sys.stdout.write(json.dumps(plan_document(dep, plan)))  # one line: the C encoder (indent is pure Python: 2.4 s of 1,024 hosts)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(format_plan(plan))

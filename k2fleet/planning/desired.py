@@ -247,30 +247,34 @@ def _key(pair: tuple[bytes, bytes] | None, index: int, mode: str, origin: str) -
     return FileSpec(None if pair is None else pair[index], mode, origin)
 
 
-def mesh_files(dep: Deployment, host_name: str, art: ControlArtifacts) -> dict[str, FileSpec]:
+def mesh_files(dep: Deployment, art: ControlArtifacts) -> dict[str, dict[str, FileSpec]]:
+    """Every host's SSH mesh files (none without a mesh); what is the same on every host
+    is computed once for the fleet."""
     if not mesh_enabled(dep):
-        return {}
-    entry = next(h for h in dep.fleet.hosts if h.name == host_name)
+        return {h.name: {} for h in dep.fleet.hosts}
     d = mesh.mesh_dir(dep)
-    files = {
+    shared = {
         f"{d}/id_ed25519": _key(art.mesh_client, 0, "600", "mesh-keys"),
         f"{d}/id_ed25519.pub": _key(art.mesh_client, 1, "644", "mesh-keys"),
         f"{d}/ssh_config": FileSpec(mesh.ssh_config(dep).encode(), "644"),
-        f"{d}/sshd_config": FileSpec(mesh.sshd_config(dep, entry).encode(), "644"),
-        f"{d}/ssh_host_ed25519_key": _key(art.mesh_hosts.get(host_name), 0, "600", "mesh-keys"),
-        f"{d}/ssh_host_ed25519_key.pub": _key(art.mesh_hosts.get(host_name), 1, "644", "mesh-keys"),
         MESH_UNIT_PATH: FileSpec(mesh.unit_file(dep).encode(), "644"),
     }
     if art.mesh_client is not None:
-        files[f"{d}/authorized_keys"] = FileSpec(mesh.authorized_keys(dep, art.mesh_client[1].decode()).encode(), "644")
+        shared[f"{d}/authorized_keys"] = FileSpec(mesh.authorized_keys(dep, art.mesh_client[1].decode()).encode(), "644")
     else:
-        files[f"{d}/authorized_keys"] = FileSpec(None, "644", "mesh-keys")
+        shared[f"{d}/authorized_keys"] = FileSpec(None, "644", "mesh-keys")
     if all(h.name in art.mesh_hosts for h in dep.fleet.hosts):
         publics = {n: k[1].decode() for n, k in art.mesh_hosts.items()}
-        files[f"{d}/known_hosts"] = FileSpec(mesh.known_hosts(dep, publics).encode(), "644")
+        shared[f"{d}/known_hosts"] = FileSpec(mesh.known_hosts(dep, publics).encode(), "644")
     else:
-        files[f"{d}/known_hosts"] = FileSpec(None, "644", "mesh-keys")
-    return files
+        shared[f"{d}/known_hosts"] = FileSpec(None, "644", "mesh-keys")
+    allow = mesh.allow_users(dep)
+    return {h.name: {
+        **shared,
+        f"{d}/sshd_config": FileSpec(mesh.sshd_config(dep, h, allow).encode(), "644"),
+        f"{d}/ssh_host_ed25519_key": _key(art.mesh_hosts.get(h.name), 0, "600", "mesh-keys"),
+        f"{d}/ssh_host_ed25519_key.pub": _key(art.mesh_hosts.get(h.name), 1, "644", "mesh-keys"),
+    } for h in dep.fleet.hosts}
 
 
 def host_arch(dep: Deployment) -> str:
@@ -559,12 +563,14 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
     bundled = dep.s.bundle is not None
     engine = {real: engine_files(dep, art.engine_doubles, real, from_wheel=bundled and dep.runtime == "venv")
               for real in (False, True)}
+    meshes = mesh_files(dep, art)
+    pd = pd_servers(plan)
     out: dict[str, HostDesired] = {}
     for h in dep.fleet.hosts:
         hp = plan.hosts[h.name]
         d = HostDesired(name=h.name, address=h.address, slots=slots, bootstrap=host_bootstrap(dep, hp, h))
         d.files["bootstrap"] = bootstrap_files(d.bootstrap)
-        d.files["mesh"] = mesh_files(dep, h.name, art)
+        d.files["mesh"] = meshes[h.name]
         engine_side = engine_requirements(dep, hp, bundled, art.engine_doubles)
         python = host_python(d.bootstrap.os)
         d.python = OS_TABLES[d.bootstrap.os].python
@@ -588,8 +594,8 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
             d.gpu_gate = bootstrap.gate_argv(d.bootstrap, HOSTSTATE_PY)
             if bootstrap.CDI_SPEC in " ".join(" ".join(c) for c in d.bootstrap.commands):
                 d.exists.append(bootstrap.CDI_SPEC)
-        d.health_argv = health_argv(dep, hp, dep.s.health_timeout, pd_servers(plan))
-        quick = health_argv(dep, hp, 5, pd_servers(plan))
+        d.health_argv = health_argv(dep, hp, dep.s.health_timeout, pd)
+        quick = health_argv(dep, hp, 5, pd)
         if quick:
             d.checks[HEALTH_CHECK] = quick
         if d.image is not None and d.image.image_id:

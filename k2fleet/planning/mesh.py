@@ -32,9 +32,16 @@ def fleet_addresses(dep: Deployment) -> list[str]:
     return [h.address for h in dep.fleet.hosts]
 
 
-def sshd_config(dep: Deployment, entry: HostEntry) -> str:
+def allow_users(dep: Deployment) -> str:
+    """sshd's ``AllowUsers`` words: the mesh user from every fleet address (one line for the fleet)."""
+    return " ".join(sshd_allow_user(dep.s.mesh_user, a) for a in fleet_addresses(dep))
+
+
+def sshd_config(dep: Deployment, entry: HostEntry, allow: str | None = None) -> str:
+    """The mesh sshd's config on ``entry``; ``allow``: :func:`allow_users` when the caller
+    has it already (it is the same on every host)."""
     d = mesh_dir(dep)
-    allow = " ".join(sshd_allow_user(dep.s.mesh_user, a) for a in fleet_addresses(dep))
+    allow = allow_users(dep) if allow is None else allow
     return "\n".join([
         "# k2fleet SSH mesh: a separate sshd for this deployment only.",
         f"Port {dep.s.mesh_port:d}",
