@@ -29,6 +29,7 @@ time. Larger fleets are simulated (:func:`k2fleet.hostprogs.swarm.simulate`) fro
 for chains and k trees; the figure for each size is the deploy's plan.
 
     python bench/distribution_bench.py [--rate 200mbit] [--shard-mib 16] [--shards 62] [--only stream|fleet]
+    python bench/distribution_bench.py --short   # the suite's run: 8 shards of 1 MiB, 100mbit
 
 Ends with ``ratios: distribution_vs_link_limit=X tree_vs_link_limit=X stream_vs_raw_tcp=X
 copy_with_verify_vs_raw_tcp=X simulated_64_vs_link_limit=X`` (distribution and tree: the
@@ -177,7 +178,10 @@ def main() -> int:
     p.add_argument("--only", choices=("stream", "fleet"), help="run one phase (for tuning; no ratios line)")
     p.add_argument("--keep", action="store_true", help="leave the sandbox fleet up (for tuning)")
     p.add_argument("--workdir", type=Path, default=Path("/var/tmp/k2fleet-distribution-bench"))
+    p.add_argument("--short", action="store_true", help="8 shards of 1 MiB on 100mbit links (the test suite's run)")
     args = p.parse_args()
+    if args.short:
+        args.shards, args.shard_mib, args.rate = 8, 1, "100mbit"
     src = ensure_synthetic_checkpoint(args.workdir / "source", "k2fleet-bench/Kimi-K2-Thinking", "b" * 40,
                                       num_shards=args.shards, shard_bytes=args.shard_mib << 20)
     manifest = json.loads((src / ".k2fleet/manifest.json").read_text())

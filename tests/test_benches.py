@@ -1,0 +1,39 @@
+"""Every bench in bench/ runs in its short mode and ends with its ``ratios:`` line, so none
+of them rots between the manual full runs. The sandbox benches take the sandbox lock
+themselves (this module holds no fleet) and leave the sandbox down."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RATIOS = re.compile(r"^ratios:( [a-z0-9_]+=[0-9]+(\.[0-9]+)?)+$")
+BENCHES = sorted(p.name for p in (ROOT / "bench").glob("*_bench.py"))
+NEEDS_ROOT = {"noop_bench.py", "distribution_bench.py", "verify_bench.py", "bundle_bench.py"}
+
+
+def test_the_ratios_pattern_takes_numbers_only() -> None:
+    assert RATIOS.match("ratios: a=1.25 b_2=0.5")
+    assert not RATIOS.match("ratios: a=nan") and not RATIOS.match("ratios:") and not RATIOS.match("ratio: a=1")
+
+
+def test_every_bench_is_run_here() -> None:
+    assert set(BENCHES) == {"bundle_bench.py", "distribution_bench.py", "noop_bench.py", "plan_bench.py",
+                            "verify_bench.py"}
+
+
+@pytest.mark.parametrize("bench", BENCHES)
+def test_bench_short_mode_prints_its_ratios(bench: str) -> None:
+    if bench in NEEDS_ROOT and os.geteuid() != 0:
+        pytest.skip("this bench needs root (sandbox hosts, cache drops or apt)")
+    out = subprocess.run([sys.executable, f"bench/{bench}", "--short"], cwd=ROOT, capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL, timeout=900)
+    lines = out.stdout.strip().splitlines()
+    assert out.returncode == 0 and lines, f"{bench} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    assert RATIOS.match(lines[-1]), f"{bench} ended with {lines[-1]!r}"
