@@ -51,7 +51,8 @@ sys.path.insert(0, str(ROOT))
 from k2sandbox import nspawn as sandbox  # noqa: E402
 from k2fleet.hostprogs import swarm  # noqa: E402
 from k2sandbox.checkpoint_cache import ensure_synthetic_checkpoint  # noqa: E402
-from k2sandbox.relay_fleet import HOST_DIR, HOST_RELAY, RelayFleet, url  # noqa: E402
+from k2fleet.planning.host_archive import ARCHIVE  # noqa: E402
+from k2sandbox.relay_fleet import HOST_DIR, RelayFleet, url  # noqa: E402
 from verify_bench import prefault  # noqa: E402  (bench/ is on sys.path as this script's directory)
 
 RATES = {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8}
@@ -103,14 +104,14 @@ def relay_transport_seconds(sender: sandbox.SandboxHost, receiver: sandbox.Sandb
     sender's relay server for each file in turn on one kept-alive connection (the server
     ``sendfile``s, the receiver ``splice``s into the file), as a fetch does minus its checks."""
     scratch = "/var/tmp/k2-transport"
-    code = ("import json,os,sys,time;sys.path.insert(0,%r);import relay\n"
+    code = ("import json,os,sys,time;sys.path.insert(0,%r);from k2fleet.hostprogs import relay\n"
             "src=relay.Source(%r);m=json.loads(src.request('/manifest')[1]);os.makedirs(%r,exist_ok=True)\n"
             "t=time.monotonic()\n"
             "for i,(rel,e) in enumerate(sorted(m['files'].items())):\n"
             " fd=os.open(os.path.join(%r,str(i)),os.O_RDWR|os.O_CREAT|os.O_TRUNC,0o644);os.ftruncate(fd,e['size'])\n"
             " if e['size']: src.get_range(rel,fd,0,e['size']-1)\n"
             " os.close(fd)\n"
-            "print(time.monotonic()-t)" % (str(Path(HOST_RELAY).parent), url(sender.address), scratch, scratch))
+            "print(time.monotonic()-t)" % (ARCHIVE, url(sender.address), scratch, scratch))
     sandbox.ssh(receiver, f"rm -rf {scratch} && sync")
     prefault(int(PREFAULT_TIMES * nbytes))
     out = sandbox.ssh(receiver, f"python3 -c {shlex.quote(code)}", timeout=600)

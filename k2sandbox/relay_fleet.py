@@ -14,14 +14,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from k2sandbox import nspawn as sandbox
 from k2fleet.planning import relay_plan
+from k2fleet.planning.host_archive import ARCHIVE, archive_bytes
+from k2sandbox import nspawn as sandbox
 
-RELAY = Path(__file__).resolve().parents[1] / "k2fleet" / "hostprogs" / "relay.py"
-HOST_PROGRAMS = {relay_plan.RELAY_PY: RELAY,  # relay.py with what it imports beside it, as the deploy ships them
-                 "/opt/k2fleet/lib/verify.py": RELAY.parent / "verify.py",
-                 "/opt/k2fleet/lib/swarm.py": RELAY.parent / "swarm.py"}
-HOST_RELAY = relay_plan.RELAY_PY
+RELAY = Path(__file__).resolve().parents[1] / "k2fleet" / "hostprogs" / "relay.py"  # on the control machine
+HOST_RELAY = f"{ARCHIVE} relay"  # on hosts: the host archive, as the deploy ships it
 HOST_DIR = "/srv/k2fleet/relay-bench"
 PORT = 29700
 
@@ -49,10 +47,9 @@ class RelayFleet:
             self.control.kill()
             raise RuntimeError(f"the control relay did not start: {self.control.communicate()[1][-800:]}")
         for h in self.hosts:
-            for path, program in HOST_PROGRAMS.items():
-                put = subprocess.run(sandbox.ssh_command(h, f"mkdir -p /opt/k2fleet/lib && cat > {path}"),
-                                     input=program.read_text(), capture_output=True, text=True)
-                assert put.returncode == 0, put.stderr
+            put = subprocess.run(sandbox.ssh_command(h, f"mkdir -p {Path(ARCHIVE).parent} && cat > {ARCHIVE}"),
+                                 input=archive_bytes(), capture_output=True)
+            assert put.returncode == 0, put.stderr
             self.restart_server(h)
 
     def restart_server(self, h: sandbox.SandboxHost) -> None:

@@ -25,7 +25,9 @@ import pytest
 from k2fleet.control import airgap
 from k2sandbox import engine_double_wheel as engine_wheel, nspawn as sandbox
 from k2fleet.cli import load_plan
-from k2fleet.control.artifacts import ControlError, prepare_control_artifacts, read_control_artifacts
+from k2fleet.control import ControlError
+from k2fleet.control.artifacts import prepare_control_artifacts, read_control_artifacts
+from k2fleet.control.stand_ins import engine_doubles_for
 from k2fleet.planning.desired import ControlArtifacts, desired_state
 from k2fleet.deploy.gate import check_hosts
 from k2fleet.inventory.loader import inventory_host_data
@@ -103,7 +105,7 @@ def test_k2_bundle_deploys_the_engine_and_the_checkpoint_from_the_bundle(tmp_pat
     (tmp_path / LOCK_NAME).write_text(Lock("inventories/h800-pp.py", True, {}, ()).to_text())
     dep, plan = load_plan(ROOT / "inventories/h800-pp.py", with_bundle(tmp_path))
     assert dep.weight_sets[0].source == f"control:{tmp_path}/{airgap.checkpoint_rel(dep.s.model, dep.s.revision)}"
-    desired = desired_state(dep, plan, ControlArtifacts())
+    desired = desired_state(dep, plan, ControlArtifacts(engine_doubles=engine_doubles_for(dep)))  # as the control step reads them
     for d in desired.values():
         assert d.venv_install is None and engine_wheel.requirement() in " ".join(d.engine_side_install or [])
         assert not any(p.startswith("/opt/k2fleet/doubles/") for p in d.files["engine"])  # the wheel brings them

@@ -104,7 +104,7 @@ def test_branch_change_reboots_one_host_at_a_time_and_ends_healthy_in_the_same_r
 def test_a_dead_fabric_manager_fails_the_gate_as_cuda_802_and_the_deploy_brings_it_back(fleet) -> None:
     from k2fleet.planning.host_bootstrap import gate_argv
     from k2fleet.cli import load_plan
-    from k2fleet.planning.desired import HOSTSTATE_PY, ControlArtifacts, desired_state
+    from k2fleet.planning.desired import ControlArtifacts, desired_state
     from k2fleet.planning.quoting import shell_line
     from k2sandbox.harness import INVENTORY, ROOT
 
@@ -113,7 +113,7 @@ def test_a_dead_fabric_manager_fails_the_gate_as_cuda_802_and_the_deploy_brings_
     boot = desired_state(dep, plan, ControlArtifacts())[NAMES[0]].bootstrap
     host = fleet.hosts[0]
     ssh(host, "systemctl stop nvidia-fabricmanager")
-    gate = ssh(host, shell_line(gate_argv(boot, HOSTSTATE_PY, timeout=0)), check=False)
+    gate = ssh(host, shell_line(gate_argv(boot, timeout=0)), check=False)
     assert gate.returncode == 1
     assert "NVLink fabric not ready on 8 GPU(s) (('In Progress', 'N/A'))" in gate.stdout, gate.stdout
     assert "CUDA would fail with error 802" in gate.stdout and "nvidia-fabricmanager is inactive" in gate.stdout
@@ -121,4 +121,4 @@ def test_a_dead_fabric_manager_fails_the_gate_as_cuda_802_and_the_deploy_brings_
     assert result.returncode == 0, result.tail()
     started = [hosts for name, hosts in result.changed_operations.items() if "enable and start the GPU services" in name]
     assert started == [[NAMES[0]]], result.changed_operations
-    assert ssh(host, shell_line(gate_argv(boot, HOSTSTATE_PY, timeout=0)), check=False).returncode == 0
+    assert ssh(host, shell_line(gate_argv(boot, timeout=0)), check=False).returncode == 0

@@ -466,15 +466,13 @@ def test_manifest_from_dir_air_gapped(fetched: tuple[Path, dict[str, Any]], hub:
 
 
 def test_downloader_as_shipped_to_a_host_imports_from_its_own_files_only(tmp_path: Path) -> None:
-    from k2fleet.planning.desired import DOWNLOADER
+    from k2fleet.planning.host_archive import archive_bytes
 
-    lib = tmp_path / "lib"
-    for rel in DOWNLOADER:
-        (lib / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(REPO_ROOT / rel, lib / rel)
+    lib = tmp_path / "k2fleet-host.pyz"
+    lib.write_bytes(archive_bytes())
     code = (f"import sys; sys.path.insert(0, {str(lib)!r}); import k2fleet.hostprogs.download as d; "
             f"cm = d.download_lock({str(tmp_path / 'ckpt')!r})\nwith cm: print(d.__file__)")
-    # -I -S: no k2fleet checkout, no site-packages; only what DOWNLOADER ships
+    # -I -S: no k2fleet checkout, no site-packages; only what the host archive ships
     run = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == str(lib / "k2fleet/hostprogs/download.py")

@@ -235,7 +235,7 @@ def _healthy(fleet: Fleet, model_dir: str = "/srv/k2fleet/models") -> None:
         body = {"model": models["data"][0]["id"], "messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 16}
         status, answer = http_json(f"http://{host['address']}:8000/v1/chat/completions", body)
         assert status == 200 and answer["choices"][0]["message"]["content"].strip(), answer
-        gate = ssh(host, f"python3 /opt/k2fleet/lib/verify.py {model_dir}/*/*/", check=False)
+        gate = ssh(host, f"python3 /opt/k2fleet/lib/k2fleet-host.pyz verify {model_dir}/*/*/", check=False)
         assert gate.returncode == 0, gate.stdout + gate.stderr
 
 

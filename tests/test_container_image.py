@@ -24,7 +24,8 @@ import pytest
 from k2sandbox import double_image as image, nspawn as sandbox
 from k2fleet.cli import load_plan
 from k2fleet.planning.desired import IMAGE_CHECK, IMAGE_DIR, ControlArtifacts, desired_state
-from k2fleet.planning.units import IMAGE_PIN_PY, unit_file
+from k2fleet.planning.host_archive import ARCHIVE
+from k2fleet.planning.units import unit_file
 
 ROOT = Path(__file__).resolve().parents[1]
 ROOTFS = sandbox.ROOTFS_CACHE / sandbox.rootfs_key()
@@ -120,7 +121,7 @@ def test_container_unit_pins_the_image_and_removes_the_container() -> None:
     unit = unit_file(dep, svc, "sha256:" + "ab" * 32).splitlines()
     pre = [line for line in unit if line.startswith("ExecStartPre=")]
     assert pre[-2:] == ["ExecStartPre=-/usr/bin/docker rm --force k2-trtllm",
-                        f"ExecStartPre=/usr/bin/python3 {IMAGE_PIN_PY} {TRT_REF} sha256:{'ab' * 32}"]
+                        f"ExecStartPre=/usr/bin/python3 {ARCHIVE} image_pin {TRT_REF} sha256:{'ab' * 32}"]
     assert "ExecStop=/usr/bin/docker stop --time 30 k2-trtllm" in unit
     assert "ExecStopPost=-/usr/bin/docker rm --force k2-trtllm" in unit
     assert "Requires=docker.service" in unit and "docker.service" in next(x for x in unit if x.startswith("After="))
@@ -143,7 +144,7 @@ def test_container_hosts_get_docker_and_the_pinned_archive(tmp_path: Path) -> No
     assert "docker" in d.bootstrap.services
     assert d.image.ref == dep.image and d.image.archive == f"{IMAGE_DIR}/double-x.tar.gz"
     assert d.files["image"][d.image.archive].content == b"archive"
-    assert d.checks[IMAGE_CHECK] == ["/usr/bin/python3", IMAGE_PIN_PY, dep.image, "sha256:" + "cd" * 32]
+    assert d.checks[IMAGE_CHECK] == ["/usr/bin/python3", ARCHIVE, "image_pin", dep.image, "sha256:" + "cd" * 32]
     assert d.device_doubles == ("/dev/kfd", "/dev/dri/renderD128")
     h200_dep, h200_plan = load_plan(ROOT / "inventories/h200.py")
     h200 = desired_state(h200_dep, h200_plan, ControlArtifacts())
@@ -158,7 +159,7 @@ def test_real_fleet_pins_k2_image_id_and_pulls() -> None:
     assert d.files["image"] == {}
     assert d.checks[IMAGE_CHECK][-2:] == [TRT_REF, pinned]
     unit = d.service_files["k2-trtllm"]["/etc/systemd/system/k2-trtllm.service"].content.decode()
-    assert f"ExecStartPre=/usr/bin/python3 {IMAGE_PIN_PY} {TRT_REF} {pinned}" in unit.splitlines()
+    assert f"ExecStartPre=/usr/bin/python3 {ARCHIVE} image_pin {TRT_REF} {pinned}" in unit.splitlines()
 
 
 # ---------------------------------------------------------------- multi-node container form (mpirun)

@@ -122,7 +122,7 @@ def test_model_type_fallback_serves_an_overlay_and_leaves_verified_files_alone(f
         assert status == 200 and "deepseek_v3" in json.dumps(models), models
         base = ssh(host, "ls -d /srv/k2fleet/models/*/*[0-9a-f] | head -1").stdout.strip()
         assert '"model_type": "kimi_k2"' in ssh(host, f"cat {base}/config.json").stdout  # verified file untouched
-        assert ssh(host, f"python3 /opt/k2fleet/lib/verify.py --full {base}", check=False).returncode == 0
+        assert ssh(host, f"python3 /opt/k2fleet/lib/k2fleet-host.pyz verify --full {base}", check=False).returncode == 0
         manifest = json.loads(ssh(host, f"cat {base}/.k2fleet/manifest.json").stdout)
         assert manifest["overlay"]["model_type"] == "deepseek_v3"  # recorded in the manifest
     again = fleet.deploy(DEEPSEEK_OVERLAY)

@@ -1,56 +1,115 @@
-"""Host programs are standard-library only and run from the one place they are shipped to.
+"""Host programs ship one way — one reproducible archive (``k2fleet-host.pyz``) — are
+standard-library only, and run from it alone.
 
-Every program of ``k2fleet.planning.desired.HOST_PROGRAMS`` (and the HostState probe) is copied
-alone into an empty directory — as the engine role lays out ``/opt/k2fleet/lib`` — and
-loaded by an isolated interpreter without site-packages (``python3 -I -S``), so an
-import of anything outside the standard library (k2fleet, pydantic, ...) fails here.
+The archive is written into an empty directory as the engine role lays out
+``/opt/k2fleet/lib`` and every program is started from it by an isolated interpreter
+without site-packages (``python3 -S -E -s``), so an import of anything outside the archive
+and the standard library (k2fleet's checkout, pydantic, ...) fails here.
 """
 
 from __future__ import annotations
 
-import shutil
+import hashlib
+import json
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
-from k2fleet.planning.desired import HOST_PROGRAMS, REPO
 from k2fleet.deploy.facts import PROBE
+from k2fleet.planning.host_archive import ARCHIVE, PROGRAMS, SOURCES, archive_bytes, host_argv
 
-# As ``python3 /opt/k2fleet/lib/PROG.py`` sees it: its own directory first on sys.path.
-LOAD = ("import importlib.util, os, sys; sys.path.insert(0, os.path.dirname(sys.argv[1])); "
-        "spec = importlib.util.spec_from_file_location('prog', sys.argv[1]); "
-        "mod = importlib.util.module_from_spec(spec); sys.modules['prog'] = mod; spec.loader.exec_module(mod); "
-        "print('loaded')")
+REPO = Path(__file__).resolve().parents[1]
+ISOLATED = [sys.executable, "-S", "-E", "-s"]
 
 
-@pytest.mark.parametrize("host_path", sorted(HOST_PROGRAMS))
-def test_host_program_loads_with_the_standard_library_only(tmp_path: Path, host_path: str) -> None:
-    for path, rel in HOST_PROGRAMS.items():  # the directory as shipped: every program, nothing else
-        shutil.copy(REPO / rel, tmp_path / Path(path).name)
-    target = tmp_path / Path(host_path).name
-    out = subprocess.run([sys.executable, "-S", "-E", "-s", "-c", LOAD, str(target)], capture_output=True, text=True,
-                         cwd=tmp_path, timeout=60)
-    assert out.returncode == 0 and out.stdout.strip() == "loaded", out.stderr
+@pytest.fixture(scope="module")
+def archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("lib") / Path(ARCHIVE).name
+    path.write_bytes(archive_bytes())
+    return path
+
+
+def test_the_archive_holds_every_host_program_and_nothing_else() -> None:
+    with zipfile.ZipFile(__import__("io").BytesIO(archive_bytes())) as zf:
+        names = zf.namelist()
+        assert names == sorted(names)
+        assert set(names) == {"__main__.py", "k2fleet/__init__.py",
+                              *(f"k2fleet/hostprogs/{p.name}" for p in SOURCES.glob("*.py"))}
+        assert zf.read("k2fleet/__init__.py") == b""  # not the product's package: nothing of it but the programs
+        assert {info.date_time for info in zf.infolist()} == {(1980, 1, 1, 0, 0, 0)}
+
+
+def test_the_archive_is_reproducible_across_processes() -> None:
+    code = "from k2fleet.planning.host_archive import archive_bytes; import hashlib; print(hashlib.sha256(archive_bytes()).hexdigest())"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert other == hashlib.sha256(archive_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_each_program_loads_from_the_archive_with_the_standard_library_only(archive: Path, program: str) -> None:
+    out = subprocess.run([*ISOLATED, "-c", f"import sys; sys.path.insert(0, {str(archive)!r}); "
+                          f"import k2fleet.hostprogs.{program} as m; print(m.__file__)"],
+                         capture_output=True, text=True, cwd=archive.parent, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"{archive}/k2fleet/hostprogs/{program}.py", out.stderr
+
+
+@pytest.mark.parametrize("program", ["relay", "verify", "health", "overlay", "raygate"])
+def test_a_program_runs_as_the_archive_starts_it(archive: Path, program: str) -> None:
+    out = subprocess.run([*ISOLATED, str(archive), program, "--help"], capture_output=True, text=True,
+                         cwd=archive.parent, timeout=60)
+    assert out.returncode == 0 and "usage" in out.stdout.lower(), (program, out.stdout, out.stderr)
+
+
+def test_the_state_probe_answers_from_the_archive(archive: Path) -> None:
+    query = '{"files": ["/etc/hostname"], "exists": ["/nonexistent"], "disk_path": "/"}'
+    out = subprocess.run([*ISOLATED, str(archive), "hoststate", query], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and json.loads(out.stdout)["exists"] == {"/nonexistent": False}, out.stderr
+
+
+def test_an_unknown_program_is_refused(archive: Path) -> None:
+    out = subprocess.run([*ISOLATED, str(archive), "nope"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "usage: k2fleet-host.pyz" in out.stderr
+    with pytest.raises(ValueError):
+        host_argv("nope")
+
+
+def test_a_same_named_module_of_the_host_cannot_stand_in_for_a_program(archive: Path, tmp_path: Path) -> None:
+    """Exploit first: a host whose Python path holds a ``verify`` or ``swarm`` module (a
+    stray file, another package) must not have it imported by the relay in place of the
+    archive's (the relay used to try ``import swarm`` / ``import verify`` first)."""
+    evil = tmp_path / "site"
+    evil.mkdir()
+    for name in ("swarm", "verify"):
+        (evil / f"{name}.py").write_text("raise SystemExit('hostile module imported')\n")
+    out = subprocess.run([*ISOLATED, str(archive), "relay", "--help"], capture_output=True, text=True,
+                         env={"PYTHONPATH": str(evil)}, cwd=evil, timeout=60)
+    assert out.returncode == 0 and "hostile" not in out.stdout + out.stderr, out.stderr
+
+
+def test_verify_from_the_archive_checks_a_real_directory(archive: Path, tmp_path: Path) -> None:
+    """Not only ``--help``: the shipped verify refuses a directory without a manifest."""
+    out = subprocess.run([*ISOLATED, str(archive), "verify", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
 
 
 def test_hoststate_probe_runs_piped_with_the_standard_library_only(tmp_path: Path) -> None:
     query = '{"files": ["/etc/hostname"], "exists": ["/nonexistent"], "disk_path": "/"}'
-    out = subprocess.run([sys.executable, "-S", "-E", "-s", "-", query], input=PROBE, capture_output=True, text=True,
-                         cwd=tmp_path, timeout=120)
+    out = subprocess.run([*ISOLATED, "-", query], input=PROBE, capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert '"/nonexistent": false' in out.stdout
+    assert json.loads(out.stdout)["exists"] == {"/nonexistent": False}
 
 
-def test_every_host_program_is_shipped_by_the_desired_state() -> None:
-    from k2fleet.cli import load_plan
+def test_the_desired_state_ships_the_archive_and_names_its_sha256() -> None:
+    from k2fleet.cli import load_plan, plan_document
     from k2fleet.planning.desired import ControlArtifacts, desired_state
 
     dep, plan = load_plan(REPO / "inventories" / "h200.py")
+    want = hashlib.sha256(archive_bytes()).hexdigest()
     for host in desired_state(dep, plan, ControlArtifacts()).values():
-        shipped = host.files["engine"]
-        assert set(HOST_PROGRAMS) <= set(shipped)
-        for path, rel in HOST_PROGRAMS.items():
-            assert shipped[path].content == (REPO / rel).read_bytes()
-    assert shutil.which("python3")
+        assert host.files["engine"][ARCHIVE].content == archive_bytes()
+        assert not any(p.startswith("/opt/k2fleet/lib/") and p != ARCHIVE for part in host.files.values() for p in part)
+    doc = plan_document(dep, plan)
+    assert {h["desired"]["files"][ARCHIVE]["sha256"] for h in doc["hosts"].values()} == {want}

@@ -25,7 +25,8 @@ from k2fleet.planning.desired import ENGINE_SIDE_CHECK, desired_state, engine_si
 from k2fleet.deploy.gate import check_hosts
 from k2fleet.inventory.loader import inventory_host_data
 from k2sandbox.harness import ROOT, tool
-from k2fleet.planning.units import RAY_GATE, unit_file
+from k2fleet.planning.host_archive import ARCHIVE
+from k2fleet.planning.units import unit_file
 
 INVENTORY = "inventories/h800-pp.py"
 REHEARSAL_TIMEOUT_S = 600
@@ -69,7 +70,7 @@ def test_ray_gate_runs_before_vllm_serve_and_names_every_planned_node() -> None:
     dep, plan = sandbox_plan()
     vllm = next(s for s in plan.hosts["h800-0"].services if s.name == "k2-vllm")
     unit = unit_file(dep, vllm)
-    gate = next(line for line in unit.splitlines() if RAY_GATE in line)
+    gate = next(line for line in unit.splitlines() if f"{ARCHIVE} raygate" in line)
     assert gate.startswith("ExecStartPre=") and unit.index(gate) < unit.index("ExecStart=/")
     assert "--node h800-0=192.0.2.20:8 --node h800-1=192.0.2.21:8" in gate
     assert "--address 192.0.2.20:6379" in gate and "/opt/k2fleet/venv/bin/python3" in gate

@@ -40,7 +40,8 @@ from k2fleet.control import checkpoint_copy as fanout
 from k2fleet.planning import relay_plan
 from k2fleet.cli import load_plan
 from k2fleet.planning.deployment import Deployment
-from k2fleet.planning.desired import CHECKPOINT_CHECK, UNIT_GLOB, VERIFY_PY, ControlArtifacts, HostDesired, desired_state
+from k2fleet.planning.desired import CHECKPOINT_CHECK, UNIT_GLOB, ControlArtifacts, HostDesired, desired_state
+from k2fleet.planning.host_archive import host_argv
 from k2fleet.planning.processes import Plan
 from k2fleet.planning.preflight_checks import HostReport
 from k2fleet.deploy.fleet_run import FleetRun
@@ -339,8 +340,8 @@ def test_failed_gate_receives_through_the_relay_from_its_peers(tmp_path: Path, c
 
     assert out.changed("h200-1") == [*RELAY_OPS, "health gate: /health 200 and a real chat completion"]
     serve = out.op("h200-1", RELAY_OPS[0]).commands
-    assert len(serve) == 1 and f"relay.py serve {path} --bind {child.address} --port {dep.s.relay_port}" in serve[0]
-    assert out.op("h200-1", RELAY_OPS[2]).commands == [shlex.join(["/usr/bin/python3", VERIFY_PY, path])]
+    assert len(serve) == 1 and f"k2fleet-host.pyz relay serve {path} --bind {child.address} --port {dep.s.relay_port}" in serve[0]
+    assert out.op("h200-1", RELAY_OPS[2]).commands == [shlex.join(host_argv("verify", path))]
     # the root's gate passed: it serves its verified copy and stops afterwards, receives nothing
     assert out.changed("h200-0") == ["fetch + verify the checkpoint on the control machine (once per fleet)",
                                      RELAY_OPS[0], RELAY_OPS[3], "checkpoint: stop the control machine's relay",
@@ -348,7 +349,7 @@ def test_failed_gate_receives_through_the_relay_from_its_peers(tmp_path: Path, c
     assert out.control_calls == ["prepare_control_copy", "relay_to_host"]  # the one receiving host
     call = control_calls.kwargs[1]
     assert call["target"].endswith(child.address) and call["source"] is not None
-    assert call["fetch_argv"] == ["/usr/bin/python3", relay_plan.RELAY_PY, "fetch", "--fleet", ",".join(relays),
+    assert call["fetch_argv"] == [*host_argv("relay"), "fetch", "--fleet", ",".join(relays),
                                   "--position", "1", "--fanout", "1", "--log", relay_plan.HOST_LOG, "--source",
                                   f"http://127.0.0.1:{dep.s.relay_port}", path]
 

@@ -58,9 +58,9 @@ class ControlRelay:
     def _port_for(self, root: str) -> int:
         proc, port = self._servers.get(root, (None, 0))
         if proc is None or proc.poll() is not None:
-            relay = Path(__file__).resolve().parents[1] / "hostprogs" / "relay.py"
-            proc = subprocess.Popen([sys.executable, str(relay), "serve", root, "--bind", "127.0.0.1", "--port", "0",
-                                     "--exit-with-parent"], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+            proc = subprocess.Popen([sys.executable, "-m", "k2fleet.hostprogs.relay", "serve", root, "--bind", "127.0.0.1",
+                                     "--port", "0", "--exit-with-parent"], stdout=subprocess.PIPE,
+                                    stdin=subprocess.DEVNULL, text=True, env=_with_this_checkout())
             line = proc.stdout.readline() if proc.stdout else ""
             try:
                 port = int(json.loads(line)["port"])
@@ -178,8 +178,7 @@ def prepare_control_copy(
     argv = [sys.executable, "-m", "k2fleet.control.checkpoint_copy", "control-copy", repo_id, revision, root]
     argv += ["--hub"] if hub else []
     argv += ["--pattern", *patterns] if patterns else []
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")]))
+    env = _with_this_checkout()
     if endpoint:
         env["HF_ENDPOINT"] = endpoint
     if token_file:
@@ -191,6 +190,13 @@ def prepare_control_copy(
     if log_file:
         _append(log_file, {"step": "control-copy", **record})
     return record
+
+
+def _with_this_checkout() -> dict[str, str]:
+    """This environment with this k2fleet first on ``PYTHONPATH`` (for ``python -m`` children)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")]))
+    return env
 
 
 def _append(log_file: str | os.PathLike[str], record: dict[str, Any]) -> None:

@@ -1,13 +1,17 @@
-"""Programs k2fleet runs ON the hosts: standard library only, no k2fleet imports.
+"""Programs k2fleet runs ON the hosts: standard library only (the Hub downloader and the Ray
+gate also import what their venv holds: huggingface_hub, ray), importing one another as
+``k2fleet.hostprogs.NAME`` and nothing else of k2fleet.
 
-- :mod:`k2fleet.hostprogs.hoststate` — the state probe behind the HostState fact (piped to
-  ``python3 -`` by the fact, because it must run on a bare host before anything is
-  shipped);
-- :mod:`k2fleet.hostprogs.health` — the health probe (``/health`` + a real completion);
-- :mod:`k2fleet.hostprogs.pull` — a checkpoint pull (repair or full) from a verified peer;
-- the checkpoint verifier and config overlay, :mod:`k2fleet.hostprogs.verify` and
-  :mod:`k2fleet.hostprogs.overlay`, which the control machine uses too.
+- :mod:`.hoststate` — the state probe behind the HostState fact (piped to ``python3 -``
+  by the fact, because it must run on a bare host before anything is shipped) and the
+  bootstrap's GPU gate (``--gate``);
+- :mod:`.health` — the health gate (``/health`` + a real completion);
+- :mod:`.relay` (+ :mod:`.swarm`) — the checkpoint relay, serving and receiving peer to peer;
+- :mod:`.verify` and :mod:`.overlay` — the checkpoint verifier and config overlay, which
+  the control machine uses too;
+- :mod:`.image_pin`, :mod:`.raygate`, :mod:`.download` (+ :mod:`.manifest`, :mod:`.locks`).
 
-All but the probe are shipped one way: as files of the desired state
-(``k2fleet.planning.desired.HOST_PROGRAMS``) into ``/opt/k2fleet/lib`` by the engine role.
+All are shipped one way: as one reproducible archive, ``/opt/k2fleet/lib/k2fleet-host.pyz``
+(:mod:`k2fleet.planning.host_archive`), a file of the desired state, and run as
+``python3 k2fleet-host.pyz PROGRAM ARGS...``.
 """

@@ -17,10 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-try:
-    from k2fleet.hostprogs.verify import atomic_write_json, is_verified, load_manifest
-except ImportError:  # on a fleet host: this file and verify.py sit side by side in /opt/k2fleet/lib
-    from verify import atomic_write_json, is_verified, load_manifest  # type: ignore[no-redef]
+from k2fleet.hostprogs.verify import atomic_write_json, is_verified, load_manifest
 
 CONFIG = "config.json"
 DEFAULT_MODEL_TYPE_MAP = {"kimi_k2": "deepseek_v3"}

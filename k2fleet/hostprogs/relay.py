@@ -69,11 +69,7 @@ import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
-try:  # on hosts: beside this file in /opt/k2fleet/lib (shipped with it)
-    import swarm
-    import verify
-except ImportError:  # in the repository
-    from k2fleet.hostprogs import swarm, verify
+from k2fleet.hostprogs import swarm, verify  # in the host archive beside it; never a same-named module of the host's
 
 MANIFEST = os.path.join(".k2fleet", "manifest.json")
 MARKS = os.path.join(".k2fleet", "relay")

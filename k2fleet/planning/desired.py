@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k2fleet.planning.host_archive import ARCHIVE as HOST_ARCHIVE, archive_bytes, host_argv
 from k2fleet.planning.engine_side import HOST_ARCH, engine_side_requirements as venv_side_requirements, host_python, requirement_version
 from k2fleet.planning import mesh
 from k2fleet.planning import host_bootstrap as bootstrap
@@ -34,22 +35,17 @@ from k2fleet.hostprogs import swarm
 from k2fleet.planning.deployment import CHECKPOINT_CHECK, Deployment
 from k2fleet.planning.host_packages import required_packages
 from k2fleet.planning.processes import HostPlan, Plan, Service
-from k2fleet.planning.units import (IMAGE_PIN_PY, LIB_DIR, RAY_GATE, container_name, env_file, env_path, image_pin_argv,
+from k2fleet.planning.units import (container_name, env_file, env_path, image_pin_argv,
                            unit_file, unit_name, unit_path)
 from k2fleet.planning.quoting import shell_line, shell_word
 from k2fleet.planning.render.common import DOCKER
 from k2fleet.planning.render.ktransformers import SGLANG_KT_SINCE
 
-REPO = Path(__file__).resolve().parents[2]
 DOUBLES_DIR = "/opt/k2fleet/doubles"
 GPU_STACK_DOUBLES = "gpu_stack"  # the doubles' gpu_stack/: inside the TEST DOUBLE driver packages, not shipped
 HUB_ENV = "/opt/k2fleet/hubenv"
 WHEEL_DIR = "/var/cache/k2fleet/control/wheelhouse"
 ENGINE_WHEEL_DIR = "/var/cache/k2fleet/engine-wheelhouse"
-PY_LIB = f"{LIB_DIR}/py"
-HEALTH_PY = f"{LIB_DIR}/k2fleet-health.py"
-VERIFY_PY = f"{LIB_DIR}/verify.py"
-OVERLAY_PY = f"{LIB_DIR}/overlay.py"
 UNIT_GLOB = "/etc/systemd/system/k2-*.service"
 MESH_UNIT_PATH = f"/etc/systemd/system/{mesh.UNIT}"
 HEALTH_CHECK = "healthy"
@@ -62,18 +58,6 @@ DEVICE_DOUBLES_CONF = "/etc/tmpfiles.d/k2fleet-device-doubles.conf"
 DEVICE_DOUBLES = {"rocm": ("/dev/kfd", "/dev/dri/renderD128")}
 ENGINE_SIDE_CHECK = "engine-side"
 ENGINE_ENTRY = {"vllm": "vllm", "sglang": "python", "ktransformers": "python", "trtllm": "trtllm-serve"}
-HOSTSTATE_PY = f"{LIB_DIR}/hoststate.py"  # the HostState probe, also the bootstrap's GPU gate (--gate)
-HOST_PROGRAMS = {  # stdlib-only programs k2fleet runs on hosts (the Ray gate imports k2_venv's ray): host → repo path
-    VERIFY_PY: "k2fleet/hostprogs/verify.py",
-    OVERLAY_PY: "k2fleet/hostprogs/overlay.py",
-    HEALTH_PY: "k2fleet/hostprogs/health.py",
-    relay_plan.RELAY_PY: "k2fleet/hostprogs/relay.py",
-    f"{LIB_DIR}/swarm.py": "k2fleet/hostprogs/swarm.py",  # imported by relay.py
-    IMAGE_PIN_PY: "k2fleet/hostprogs/image_pin.py",
-    RAY_GATE: "k2fleet/hostprogs/raygate.py",
-}
-DOWNLOADER = ("k2fleet/__init__.py", "k2fleet/hostprogs/__init__.py", "k2fleet/hostprogs/verify.py",
-              "k2fleet/hostprogs/manifest.py", "k2fleet/hostprogs/download.py", "k2fleet/hostprogs/locks.py")
 
 
 @dataclass(frozen=True)
@@ -317,7 +301,7 @@ def engine_files(dep: Deployment, doubles: EngineDoubles | None, real_venv: bool
     is a wrapper running the system python with the doubles on its path. ``from_wheel``:
     the doubles come as a wheel installed into the venv (a bundle), so only KTransformers'
     rule files are shipped beside it."""
-    files = {path: FileSpec((REPO / rel).read_bytes(), "755", "k2fleet") for path, rel in HOST_PROGRAMS.items()}
+    files = host_archive_files()
     if not dep.s.engine_doubles:
         return files
     venv = dep.s.venv
@@ -390,7 +374,7 @@ def engine_side_install_argv(dep: Deployment, requirements: list[str], python: s
 def hub_client_files(dep: Deployment, host_name: str, art: ControlArtifacts) -> dict[str, FileSpec]:
     if dep.s.checkpoint_fetcher != host_name:
         return {}
-    files = {f"{PY_LIB}/{rel}": FileSpec((REPO / rel).read_bytes(), "644", "k2fleet") for rel in DOWNLOADER}
+    files: dict[str, FileSpec] = {}  # the downloader itself is in the host archive (the engine stage's)
     if art.wheels is None:
         files[f"{WHEEL_DIR}/"] = FileSpec(None, "644", "wheelhouse")
     else:
@@ -489,7 +473,7 @@ def health_argv(dep: Deployment, hp: HostPlan, timeout: int, pd: dict[str, list[
     router's completion reached both PD pools: ``pd``, from :func:`pd_servers`)."""
     for svc in hp.services:
         if svc.health and svc.health.chat:
-            argv = ["/usr/bin/python3", HEALTH_PY, "--base", f"http://127.0.0.1:{svc.health.port}",
+            argv = [*host_argv("health"), "--base", f"http://127.0.0.1:{svc.health.port}",
                     "--model", dep.api_model_name, "--unit", unit_name(svc), "--timeout", str(timeout)]
             if svc.health.path != "/health":
                 argv += ["--ready-path", svc.health.path]
@@ -504,7 +488,7 @@ def health_argv(dep: Deployment, hp: HostPlan, timeout: int, pd: dict[str, list[
 def marker_check_argv(path: str) -> list[str]:
     """Read-only check of one weight set (``path``) for the HostState fact: the verified
     marker matches the manifest and no file's stat changed (never writes or removes the marker)."""
-    return ["/usr/bin/python3", VERIFY_PY, "--marker-only", path]
+    return host_argv("verify", "--marker-only", path)
 
 
 def hub_client_check(requirement: str) -> list[str]:
@@ -533,11 +517,16 @@ def host_bootstrap(dep: Deployment, hp: HostPlan, entry: Any) -> BootstrapPlan:
 
 
 def bootstrap_files(plan: BootstrapPlan) -> dict[str, FileSpec]:
-    """The bootstrap's config files and the GPU gate program (hoststate.py)."""
+    """The bootstrap's config files and, for its GPU gate, the host archive (``hoststate --gate``)."""
     files = {path: FileSpec(text.encode(), "644") for path, text in plan.files.items()}
     if plan.vendor:
-        files[HOSTSTATE_PY] = FileSpec((REPO / "k2fleet/hostprogs/hoststate.py").read_bytes(), "755", "k2fleet")
+        files |= host_archive_files()
     return files
+
+
+def host_archive_files() -> dict[str, FileSpec]:
+    """The one archive of k2fleet's host programs (:mod:`k2fleet.planning.host_archive`)."""
+    return {HOST_ARCHIVE: FileSpec(archive_bytes(), "644", "k2fleet")}
 
 
 def bundle_request(dep: Deployment, hp: HostPlan, plan: BootstrapPlan) -> list[str]:
@@ -589,9 +578,9 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         d.packages = required_packages(dep, hp, mesh_enabled(dep))
         d.bundle_request = bundle_request(dep, hp, d.bootstrap)
         d.checks = {ws.check: marker_check_argv(ws.path) for ws in dep.weight_sets}
-        d.checks.update(bootstrap.fact_checks(d.bootstrap, HOSTSTATE_PY))
+        d.checks.update(bootstrap.fact_checks(d.bootstrap))
         if d.bootstrap.vendor:
-            d.gpu_gate = bootstrap.gate_argv(d.bootstrap, HOSTSTATE_PY)
+            d.gpu_gate = bootstrap.gate_argv(d.bootstrap)
             if bootstrap.CDI_SPEC in " ".join(" ".join(c) for c in d.bootstrap.commands):
                 d.exists.append(bootstrap.CDI_SPEC)
         d.health_argv = health_argv(dep, hp, dep.s.health_timeout, pd)

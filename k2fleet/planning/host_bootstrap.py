@@ -37,6 +37,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from k2fleet.planning.host_archive import host_argv
 from k2fleet.planning import os_tables as t
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.preflight_checks import BootState
@@ -384,18 +385,18 @@ def bootstrap_plan(dep: Deployment, host: HostEntry, host_os: str | None = None,
 # --------------------------------------------------------------------------- decisions on the host's state
 
 
-def gate_argv(plan: BootstrapPlan, program: str, timeout: float | None = None) -> list[str]:
-    """``hoststate.py --gate`` with this plan's expectations (``timeout`` overrides its own)."""
+def gate_argv(plan: BootstrapPlan, timeout: float | None = None) -> list[str]:
+    """``hoststate --gate`` (from the host archive) with this plan's expectations (``timeout`` overrides its own)."""
     want = dict(plan.gate_expect)
     if timeout is not None:
         want["timeout"] = timeout
-    return ["/usr/bin/python3", program, "--gate", json.dumps(want, sort_keys=True)]
+    return host_argv("hoststate", "--gate", json.dumps(want, sort_keys=True))
 
 
-def fact_checks(plan: BootstrapPlan, program: str) -> dict[str, list[str]]:
+def fact_checks(plan: BootstrapPlan) -> dict[str, list[str]]:
     """Read-only checks the HostState fact runs for the bootstrap: the GPU gate as the host
     is now, and whether the container toolkit configured Docker."""
-    checks = {GPU_GATE_CHECK: gate_argv(plan, program, timeout=0)} if plan.vendor else {}
+    checks = {GPU_GATE_CHECK: gate_argv(plan, timeout=0)} if plan.vendor else {}
     if plan.package("nvidia-container-toolkit"):
         checks[DOCKER_RUNTIME_CHECK] = ["/usr/bin/grep", "-q", "nvidia-container-runtime", DOCKER_DAEMON_JSON]
     return checks

@@ -15,8 +15,9 @@ import posixpath
 import shlex
 from dataclasses import dataclass, field
 
+from k2fleet.planning.host_archive import host_argv
+
 CONTROL = None  # a host's parent when it receives from the control machine
-RELAY_PY = "/opt/k2fleet/lib/relay.py"  # k2fleet/hostprogs/relay.py on every host (verify.py, swarm.py beside it)
 RELAY_UNIT = "k2-relay"
 RELAY_MAX_SECONDS = 6 * 3600  # a relay a failed deploy left behind stops by itself
 HOST_LOG = "/var/log/k2fleet/checkpoint-transfers.jsonl"
@@ -107,9 +108,9 @@ def relay_serve_argv(path: str, address: str, port: int) -> list[str]:
     read its cgroup back (the sandbox's hybrid hierarchy), and its name would be taken.
 
     >>> relay_serve_argv("/m/k2", "10.0.0.2", 29700)[2].split(" && ")[1]
-    'systemd-run --unit=k2-relay-$(date +%s%N) --collect --quiet --property=RuntimeMaxSec=21600 /usr/bin/python3 /opt/k2fleet/lib/relay.py serve /m/k2 --bind 10.0.0.2 --port 29700'
+    'systemd-run --unit=k2-relay-$(date +%s%N) --collect --quiet --property=RuntimeMaxSec=21600 /usr/bin/python3 /opt/k2fleet/lib/k2fleet-host.pyz relay serve /m/k2 --bind 10.0.0.2 --port 29700'
     """
-    start = ["--collect", "--quiet", f"--property=RuntimeMaxSec={RELAY_MAX_SECONDS}", "/usr/bin/python3", RELAY_PY,
+    start = ["--collect", "--quiet", f"--property=RuntimeMaxSec={RELAY_MAX_SECONDS}", *host_argv("relay"),
              "serve", path, "--bind", address, "--port", str(port)]
     return ["sh", "-c", f"{shlex.join(relay_stop_argv())} 2>/dev/null; mkdir -p {shlex.quote(path)} && "
             f"systemd-run --unit={RELAY_UNIT}-$(date +%s%N) " + shlex.join(start)]
@@ -126,10 +127,10 @@ def relay_fetch_argv(path: str, fleet: list[str], position: int, fanout_k: int, 
     place ``position`` in the fleet order ``fleet`` (relay URLs), falling back to the
     parent's ancestors and last to ``sources``.
 
-    >>> relay_fetch_argv("/m/k2", ["http://a:1", "http://b:1"], 1, 1, [])[3:9]
+    >>> relay_fetch_argv("/m/k2", ["http://a:1", "http://b:1"], 1, 1, [])[4:10]
     ['--fleet', 'http://a:1,http://b:1', '--position', '1', '--fanout', '1']
     """
-    argv = ["/usr/bin/python3", RELAY_PY, "fetch", "--fleet", ",".join(fleet), "--position", str(position),
+    argv = [*host_argv("relay"), "fetch", "--fleet", ",".join(fleet), "--position", str(position),
             "--fanout", str(fanout_k), "--log", log_file]
     for url in sources:
         argv += ["--source", url]

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 from k2fleet.planning.deployment import Deployment
+from k2fleet.planning.host_archive import host_argv
 from k2fleet.planning.processes import Service
 from k2fleet.planning.render.common import DOCKER
 from k2fleet.planning.quoting import env_file_line, systemd_exec, systemd_value
 
 UNIT_DIR = "/etc/systemd/system"
-LIB_DIR = "/opt/k2fleet/lib"
-IMAGE_PIN_PY = f"{LIB_DIR}/image-pin.py"
 CONTAINER_STOP_S = 30
-RAY_GATE = f"{LIB_DIR}/k2fleet-ray-gate.py"
 
 
 def unit_name(svc: Service) -> str:
@@ -33,7 +31,7 @@ def env_file(svc: Service) -> str:
 def gate_argv(dep: Deployment, path: str | None = None) -> list[str]:
     """The checkpoint gate of one weight set (default: the checkpoint): a stat-fast
     re-verify against the verified marker."""
-    return ["/usr/bin/python3", f"{LIB_DIR}/verify.py", path or dep.checkpoint_path]
+    return host_argv("verify", path or dep.checkpoint_path)
 
 
 def container_name(svc: Service) -> str | None:
@@ -50,7 +48,7 @@ def container_name(svc: Service) -> str | None:
 
 def image_pin_argv(image: str, image_id: str) -> list[str]:
     """Exit 0 only when Docker's ``image`` reference is ``image_id`` (:mod:`k2fleet.hostprogs.image_pin`)."""
-    return ["/usr/bin/python3", IMAGE_PIN_PY, image, image_id]
+    return host_argv("image_pin", image, image_id)
 
 
 def container_lines(svc: Service, image: str | None, image_id: str | None) -> tuple[list[str], list[str]]:

@@ -41,7 +41,8 @@ from k2fleet.control import checkpoint_copy as fanout
 from k2fleet.planning import relay_plan
 from k2fleet.hostprogs.manifest import read_token
 from k2fleet.planning.deployment import Deployment, WeightSet
-from k2fleet.planning.desired import CHECKPOINT_CHECK, HUB_ENV, OVERLAY_PY, PY_LIB, VERIFY_PY, HostDesired
+from k2fleet.planning.desired import CHECKPOINT_CHECK, HUB_ENV, HostDesired
+from k2fleet.planning.host_archive import host_argv
 from k2fleet.deploy.operations import command
 from k2fleet.planning.preflight_checks import HostReport
 from k2fleet.planning.units import gate_argv
@@ -85,13 +86,12 @@ def download_argv(dep: Deployment, xet_disabled: bool, ws: WeightSet | None = No
     (the token only by file, never its value)."""
     s = dep.s
     ws = ws or dep.weight_sets[0]
-    argv = ["env", f"PYTHONPATH={PY_LIB}", "HF_HUB_DISABLE_TELEMETRY=1", "HF_HUB_DISABLE_PROGRESS_BARS=1"]
+    argv = ["env", "HF_HUB_DISABLE_TELEMETRY=1", "HF_HUB_DISABLE_PROGRESS_BARS=1"]
     if s.hub_endpoint:
         argv.append(f"HF_ENDPOINT={s.hub_endpoint}")
     if xet_disabled:  # the operator's choice of the resumable HTTP path
         argv.append("HF_HUB_DISABLE_XET=1")
-    argv += [f"{HUB_ENV}/bin/python", "-m", "k2fleet.hostprogs.download", ws.repo, "--revision", ws.revision,
-             "--dir", ws.path]
+    argv += host_argv("download", ws.repo, "--revision", ws.revision, "--dir", ws.path, python=f"{HUB_ENV}/bin/python")
     return argv + (["--pattern", *ws.patterns] if ws.patterns else [])
 
 
@@ -139,7 +139,7 @@ def ensure(dep: Deployment, desired: HostDesired, fact: HostReport, tracked: lis
     override = dep.s.model_type_override
     overlay_missing = bool(override) and not fact.exists.get(f"{dep.serve_path}/config.json", False)
     tracked.append(command(name=f"config overlay with model_type {override or '(none)'}",
-                           argv=["/usr/bin/python3", OVERLAY_PY, path, dep.serve_path, "--model-type", str(override)],
+                           argv=host_argv("overlay", path, dep.serve_path, "--model-type", str(override)),
                            _if=lambda: bool(override) and fan.loads_weights and (wanted or overlay_missing)))
 
 
@@ -197,7 +197,7 @@ def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fac
         _if=lambda: receiving,
     )
     tracked.append(command(name=f"{what}: check every file (index, headers; hashed by the relay as it arrived)",
-                           argv=["/usr/bin/python3", VERIFY_PY, path], _if=lambda: receiving or root_download))
+                           argv=host_argv("verify", path), _if=lambda: receiving or root_download))
     command(name=f"{what}: stop this host's relay", argv=relay_plan.relay_stop_argv(),
             _if=lambda: serving)
     python.call(name=f"{what}: stop the control machine's relay", function=control_relay.stop,

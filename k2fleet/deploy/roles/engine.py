@@ -1,7 +1,7 @@
 """Engine runtime role: k2fleet's host programs and the engine itself.
 
-- always: ``/opt/k2fleet/lib`` (checkpoint ``verify.py``, ``overlay.py``,
-  ``k2fleet-health.py``);
+- always: the host archive ``/opt/k2fleet/lib/k2fleet-host.pyz`` (every host program:
+  :mod:`k2fleet.planning.host_archive`);
 - ``k2_engine_doubles`` (sandbox only): the engine test doubles under
   ``/opt/k2fleet/doubles`` and, in ``k2_venv/bin``, wrappers named like the real
   entry points, so the planned argv runs unchanged;

@@ -13,7 +13,7 @@ from k2fleet.planning.deployment import Deployment, Pool
 from k2fleet.planning.processes import Health, Service
 from k2fleet.planning.render.common import container_argv, engine_env, extra_flags, venv_bin
 from k2fleet.inventory.spec import HostEntry
-from k2fleet.planning.units import RAY_GATE
+from k2fleet.planning.host_archive import host_argv
 
 UNIT = "k2-vllm"
 # The flags this renderer emits and so owns: flag -> the inventory key that sets it ("": none);
@@ -40,8 +40,8 @@ RAY_GATE_MAX_S = 600  # a worker that has not joined in 10 minutes will not (its
 def _ray_gate(dep: Deployment, nodes: tuple[HostEntry, ...]) -> list[str]:
     """Before ``vllm serve`` drives the cluster: every planned node alive in Ray with its
     GPUs, asked with the venv's Ray (fails naming the node that never joined)."""
-    argv = [venv_bin(dep, "python3"), RAY_GATE, "--address", f"{nodes[0].address}:{dep.s.ray_port}",
-            "--unit", f"{UNIT}.service", "--timeout", str(min(dep.s.health_timeout, RAY_GATE_MAX_S))]
+    argv = host_argv("raygate", "--address", f"{nodes[0].address}:{dep.s.ray_port}", "--unit", f"{UNIT}.service",
+                     "--timeout", str(min(dep.s.health_timeout, RAY_GATE_MAX_S)), python=venv_bin(dep, "python3"))
     for host in nodes:
         argv += ["--node", f"{host.name}={host.address}:{dep.gpus_per_node}"]
     return argv
