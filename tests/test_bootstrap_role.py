@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from k2fleet.planning.host_bootstrap import reboot_reason
-from k2fleet.planning.preflight_checks import BootState
+from k2fleet.planning.host_fact import BootState
 from k2fleet.deploy.pipeline import RebootRefused
 from tests.test_roles_offline import H200, control_calls, planned, run_roles, settled_fleet  # noqa: F401
 
@@ -53,7 +53,7 @@ def test_bare_host_gets_driver_then_fabric_at_its_version_holds_module_services_
     assert out.op("h200-1", "load the GPU kernel module").commands == ["modprobe -a nvidia nvidia-uvm"]
     assert "enable --now nvidia-fabricmanager.service" in " ".join(out.op("h200-1", "enable and start the GPU services").commands)
     gate = out.op("h200-1", "GPU gate: count").commands[0]
-    assert "hoststate.py --gate" in gate and '"fabric": true' in gate and '"count": 8' in gate
+    assert "k2fleet-host.pyz hoststate --gate" in gate and '"fabric": true' in gate and '"count": 8' in gate
     assert "reboot (if-needed): the loaded driver module changes" not in out.changed("h200-1")  # modprobe instead
     assert out.changed("h200-0") == ["health gate: /health 200 and a real chat completion"]  # the other host: settled
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from k2fleet.cli import load_plan
 from k2fleet.planning.mesh import authorized_keys, known_hosts, sshd_config
-from k2fleet.planning.preflight_checks import BootState, Gpus, HostReport, check_host
+from k2fleet.planning.host_fact import BootState, Gpus, HostReport
+from k2fleet.planning.preflight_checks import check_host
 from k2fleet.planning.units import env_file, unit_file
 from tests.inventory_factory import write_inventory
 

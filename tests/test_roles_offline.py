@@ -3,7 +3,7 @@
 Each test plans a real inventory with the real planner (:func:`k2fleet.cli.load_plan` +
 :func:`k2fleet.planning.desired.desired_state`, no side effects), runs the deploy's own pipeline
 (:func:`k2fleet.deploy.pipeline.deploy_kimi`, what ``deploys/kimi.py`` calls) with a
-:class:`~k2fleet.planning.preflight_checks.HostReport` built here instead of the HostState fact, and runs the operations with
+:class:`~k2fleet.planning.host_fact.HostReport` built here instead of the HostState fact, and runs the operations with
 ``pyinfra.api.run_ops`` against ``@fake/<host>`` hosts: nothing is contacted, every
 command "succeeds" with no output.
 
@@ -43,7 +43,7 @@ from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.desired import CHECKPOINT_CHECK, UNIT_GLOB, ControlArtifacts, HostDesired, desired_state
 from k2fleet.planning.host_archive import host_argv
 from k2fleet.planning.processes import Plan
-from k2fleet.planning.preflight_checks import HostReport
+from k2fleet.planning.host_fact import HostReport
 from k2fleet.deploy.fleet_run import FleetRun
 from k2fleet.deploy.roles import checkpoint
 from k2fleet.deploy.pipeline import deploy_kimi

@@ -16,14 +16,14 @@ from typing import Any
 
 from pyinfra.api import FactBase
 
-from k2fleet.planning.preflight_checks import HostReport
+from k2fleet.planning.host_fact import HostReport
 from k2fleet.planning.quoting import shell_word
 
 PROBE = (Path(__file__).resolve().parents[1] / "hostprogs" / "hoststate.py").read_text()
 
 
 class HostState(FactBase[HostReport]):
-    """Hardware and managed state of a host, as a :class:`~k2fleet.planning.preflight_checks.HostReport`.
+    """Hardware and managed state of a host, as a :class:`~k2fleet.planning.host_fact.HostReport`.
 
     .. code:: python
 

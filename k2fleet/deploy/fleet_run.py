@@ -26,7 +26,7 @@ from k2fleet.control import artifacts as control
 from k2fleet.planning.host_bootstrap import reboot_reason
 from k2fleet.control.checkpoint_copy import ControlRelay
 from k2fleet.deploy.facts import HostState
-from k2fleet.planning.preflight_checks import HostReport
+from k2fleet.planning.host_fact import HostReport
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.desired import ControlArtifacts, HostDesired, desired_state
 from k2fleet.deploy.gate import check_hosts, refuse

@@ -11,7 +11,7 @@ from __future__ import annotations
 from k2fleet.planning import host_bootstrap as boot
 from k2fleet.planning.desired import HostDesired
 from k2fleet.planning.host_packages import bundle_apt_options
-from k2fleet.planning.preflight_checks import HostReport
+from k2fleet.planning.host_fact import HostReport
 from k2fleet.deploy.fleet_run import FleetRun
 from k2fleet.deploy.roles import bootstrap, checkpoint, engine, health, hub_client, mesh, packages, preflight, services
 

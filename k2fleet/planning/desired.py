@@ -164,7 +164,7 @@ class HostDesired:
     own_slots: list[tuple[int, str]] = field(default_factory=list)  # this host's (stage, service)
     packages: list[str] = field(default_factory=list)
     bundle_request: list[str] = field(default_factory=list)  # the offline bundle's packages (host + bootstrap)
-    gpu_gate: list[str] | None = None  # the bootstrap's GPU gate (hoststate.py --gate)
+    gpu_gate: list[str] | None = None  # the bootstrap's GPU gate (k2fleet-host.pyz hoststate --gate)
     mesh_yields_to: list[str] = field(default_factory=list)  # units that take the mesh port while they run
     checks: dict[str, list[str]] = field(default_factory=dict)
     exists: list[str] = field(default_factory=list)

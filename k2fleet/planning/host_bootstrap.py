@@ -40,7 +40,7 @@ from typing import Any
 from k2fleet.planning.host_archive import host_argv
 from k2fleet.planning import os_tables as t
 from k2fleet.planning.deployment import Deployment
-from k2fleet.planning.preflight_checks import BootState
+from k2fleet.planning.host_fact import BootState
 from k2fleet.inventory.spec import HostEntry
 
 CUDA_REPO_URL = "https://developer.download.nvidia.com/compute/cuda/repos/{os}/{arch}/"

@@ -7,100 +7,16 @@ host and the reason.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
+from k2fleet.inventory.spec import HostEntry
 from k2fleet.planning import catalog
 from k2fleet.planning.deployment import Deployment
-from k2fleet.inventory.spec import HostEntry
+from k2fleet.planning.host_fact import HostReport
 
 GIB = catalog.GIB
 REAL_MIN_SHM = 16 * GIB
 REAL_MIN_RAM = 64 * GIB
 SIMULATED_MIN_SHM = 32 * 2**20
 SIMULATED_MIN_RAM = 256 * 2**20
-
-
-@dataclass(frozen=True)
-class Gpus:
-    vendor: str | None
-    names: tuple[str, ...]
-    memory_mib: tuple[int, ...]
-    driver: str | None
-
-    @property
-    def count(self) -> int:
-        return len(self.names)
-
-
-@dataclass(frozen=True)
-class BootState:
-    """What the bootstrap decides on (see :mod:`k2fleet.hostprogs.hoststate`)."""
-
-    os: dict[str, str] = field(default_factory=dict)  # os-release ID, VERSION_ID
-    kernel: str = ""
-    secure_boot: bool | None = None
-    hardware: dict[str, Any] = field(default_factory=dict)  # vendor, count, name, simulated
-    modules: dict[str, str | None] = field(default_factory=dict)  # loaded version of nvidia / amdgpu
-    nouveau: bool = False
-    package_versions: dict[str, str] = field(default_factory=dict)
-    holds: tuple[str, ...] = ()
-    reboot_required: tuple[str, ...] = ()
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "BootState":
-        return cls(os=data.get("os", {}), kernel=data.get("kernel", ""), secure_boot=data.get("secure_boot"),
-                   hardware=data.get("hardware", {}), modules=data.get("modules", {}),
-                   nouveau=bool(data.get("nouveau")), package_versions=data.get("package_versions", {}),
-                   holds=tuple(data.get("holds", [])), reboot_required=tuple(data.get("reboot_required", [])))
-
-    @property
-    def simulated(self) -> bool:
-        return bool(self.hardware.get("simulated"))
-
-
-@dataclass(frozen=True)
-class HostReport:
-    """What :mod:`k2fleet.hostprogs.hoststate` saw on a host."""
-
-    gpus: Gpus
-    disk_free: int
-    mem_total: int
-    shm_size: int
-    nics: dict[str, list[str]]
-    ib_hcas: tuple[str, ...]
-    files: dict[str, str | None] = field(default_factory=dict)
-    exists: dict[str, bool] = field(default_factory=dict)
-    globs: dict[str, list[str]] = field(default_factory=dict)
-    units: dict[str, dict[str, str]] = field(default_factory=dict)
-    packages: tuple[str, ...] = ()
-    checks: dict[str, int | None] = field(default_factory=dict)
-    boot: BootState = field(default_factory=BootState)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "HostReport":
-        g = data["gpus"]
-        return cls(
-            gpus=Gpus(g["vendor"], tuple(g["names"]), tuple(g["memory_mib"]), g["driver"]),
-            disk_free=data["disk_free"],
-            mem_total=data["mem_total"],
-            shm_size=data["shm_size"],
-            nics=data["nics"],
-            ib_hcas=tuple(data["ib_hcas"]),
-            files=data.get("files", {}),
-            exists=data.get("exists", {}),
-            globs=data.get("globs", {}),
-            units=data.get("units", {}),
-            packages=tuple(data.get("packages", [])),
-            checks=data.get("checks", {}),
-            boot=BootState.from_json(data.get("bootstrap", {})),
-        )
-
-    def passed(self, check: str) -> bool:
-        return self.checks.get(check) == 0
-
-    def unit_active(self, unit: str) -> bool:
-        return self.units.get(unit, {}).get("ActiveState") == "active"
 
 
 def _gib(n: float) -> str:

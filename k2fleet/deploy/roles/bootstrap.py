@@ -4,7 +4,7 @@ host's :class:`~k2fleet.planning.host_bootstrap.BootstrapPlan` and the HostState
 In order, each step only when the fact says the host differs:
 
 1. files: the unattended-upgrades blacklist, IMEX's nodes_config.cfg, ib_umad's
-   modules-load.d entry, and the GPU gate program (``hoststate.py --gate``);
+   modules-load.d entry, and the GPU gate program (``k2fleet-host.pyz hoststate --gate``);
 2. NVIDIA's / Docker's repositories (``k2_package_source: apt``; the bundle carries its own);
 3. packages: packages of another driver branch removed, the driver installed at its pin,
    then the fabric packages at exactly the version the driver installed (from its
@@ -27,7 +27,7 @@ from k2fleet.planning import host_bootstrap as b
 from k2fleet.planning.host_bootstrap import BootstrapPlan, Package
 from k2fleet.planning.os_tables import OS_TABLES, PACKAGE_MANAGERS
 from k2fleet.deploy.operations import command, rebooted, start_or_explain, synced_files, unit_running
-from k2fleet.planning.preflight_checks import HostReport
+from k2fleet.planning.host_fact import HostReport
 from k2fleet.planning.quoting import shell_line, shell_word
 
 REBOOT_TIMEOUT_S = 600
@@ -88,7 +88,7 @@ def bring_up(plan: BootstrapPlan, fact: HostReport, files: dict, gate_argv: list
     + plan: this host's :class:`~k2fleet.planning.host_bootstrap.BootstrapPlan` (``desired.bootstrap``)
     + fact: this host's HostState (``boot``: packages, holds, loaded module; ``checks``)
     + files: the bootstrap's files (``desired.files["bootstrap"]``: path → FileSpec)
-    + gate_argv: the GPU gate (``hoststate.py --gate``) this host runs after any change
+    + gate_argv: the GPU gate (``k2fleet-host.pyz hoststate --gate``) this host runs after any change
     + apt_options: apt options restricting apt to the offline bundle ("" for ``apt``)
     + reboot: why this host reboots in this run (``k2fleet.planning.host_bootstrap.reboot_reason``), or None
     + tracked: the run's changed-operation list (a reboot re-runs the health gate)

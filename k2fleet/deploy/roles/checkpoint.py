@@ -44,7 +44,7 @@ from k2fleet.planning.deployment import Deployment, WeightSet
 from k2fleet.planning.desired import CHECKPOINT_CHECK, HUB_ENV, HostDesired
 from k2fleet.planning.host_archive import host_argv
 from k2fleet.deploy.operations import command
-from k2fleet.planning.preflight_checks import HostReport
+from k2fleet.planning.host_fact import HostReport
 from k2fleet.planning.units import gate_argv
 from k2fleet.planning.quoting import shell_line
 

@@ -26,7 +26,7 @@ from pyinfra.api import deploy
 
 from k2fleet.planning.desired import DEVICE_DOUBLES_CONF, ENGINE_SIDE_CHECK, IMAGE_CHECK, HostDesired
 from k2fleet.deploy.operations import command, synced_files
-from k2fleet.planning.preflight_checks import HostReport
+from k2fleet.planning.host_fact import HostReport
 from k2fleet.planning.quoting import shell_line
 from k2fleet.planning.units import image_pin_argv
 

@@ -14,7 +14,7 @@ from pyinfra.api import deploy
 
 from k2fleet.planning.desired import HEALTH_CHECK, HostDesired
 from k2fleet.deploy.operations import command
-from k2fleet.planning.preflight_checks import HostReport
+from k2fleet.planning.host_fact import HostReport
 
 
 @deploy("k2fleet: health gate")

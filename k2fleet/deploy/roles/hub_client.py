@@ -16,7 +16,7 @@ from pyinfra.api import deploy
 
 from k2fleet.planning.desired import HUB_CLIENT_CHECK, HUB_ENV, WHEEL_DIR, HostDesired
 from k2fleet.deploy.operations import command, synced_files
-from k2fleet.planning.preflight_checks import HostReport
+from k2fleet.planning.host_fact import HostReport
 from k2fleet.planning.quoting import shell_line, shell_word
 
 

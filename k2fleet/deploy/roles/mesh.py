@@ -11,7 +11,7 @@ from pyinfra.api import deploy
 from k2fleet.planning.desired import HostDesired
 from k2fleet.planning.mesh import UNIT
 from k2fleet.deploy.operations import command, synced_files, unit_running
-from k2fleet.planning.preflight_checks import HostReport
+from k2fleet.planning.host_fact import HostReport
 
 
 @deploy("k2fleet: SSH mesh")

@@ -12,7 +12,8 @@ from pyinfra.api import deploy
 from k2fleet.planning.host_bootstrap import bootstrap_problems
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.desired import CHECKPOINT_CHECK, HostDesired
-from k2fleet.planning.preflight_checks import HostReport, check_host
+from k2fleet.planning.host_fact import HostReport
+from k2fleet.planning.preflight_checks import check_host
 
 
 class PreflightError(Exception):
