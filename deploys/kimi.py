@@ -20,4 +20,4 @@ from k2fleet.deploy.pipeline import deploy_kimi
 
 run = fleet_run(state, inventory)
 deploy_kimi(run, run.desired[host.name], run.fact_of(host), reboots=run.reboots(inventory),
-            weights_wanted=run.weights_wanted(inventory))
+            weights_wanted=run.weights_wanted(inventory), unsettled=run.unsettled(inventory))

@@ -20,7 +20,7 @@ from k2sandbox.synthetic_checkpoint import make_checkpoint, make_gguf_files, man
 SANDBOX_MODEL = "k2fleet-test/Kimi-K2-Thinking-synthetic"
 SANDBOX_REVISION = "5a4db0c5e1f3f1d0d1b5e8f7a6c3b2a1908f7e6d"  # fixed: the generator is deterministic
 SHARDS, SHARD_BYTES = 62, 64 * 1024
-CHECKPOINTS = Path("/var/cache/k2sandbox/nspawn-checkpoints")
+CHECKPOINTS = Path("/var/cache/k2fleet/sandbox-checkpoints")
 REHEARSAL_CACHE = Path("/var/cache/k2fleet/rehearsal-checkpoints")  # `k2fleet rehearse`'s, per model and revision
 REHEARSAL_SHARD_BYTES = 16 * 1024
 GGUF_SPLITS = 3  # synthetic GGUF split files per repository

@@ -9,7 +9,7 @@ have no default route, so nothing else is reachable from them.
 
 Layout::
 
-    /var/cache/k2sandbox/nspawn-rootfs/<hash>/   shared lower root fs (cache)
+    /var/cache/k2fleet/sandbox-rootfs/<hash>/   shared lower root fs (cache)
     STATE/id_ed25519{,.pub}                      sandbox control key pair
     STATE/known_hosts                            host keys pinned by IP
     STATE/hosts.json                             inventory for the deploy
@@ -69,7 +69,7 @@ from k2fleet.control.aptroot import AptRootError, apt_mirror
 
 DEFAULT_STATE_DIR = Path(os.environ.get("K2FLEET_SANDBOX_DIR", "/var/lib/k2fleet-sandbox"))
 SHARED_MOUNT = "/mnt/k2shared"  # every host's view of STATE/shared (the sandbox's shared storage)
-ROOTFS_CACHE = Path(os.environ.get("K2FLEET_SANDBOX_CACHE", "/var/cache/k2sandbox/nspawn-rootfs"))
+ROOTFS_CACHE = Path(os.environ.get("K2FLEET_SANDBOX_CACHE", "/var/cache/k2fleet/sandbox-rootfs"))
 
 SUITE = "bookworm"
 HOST_OS = "debian-12"  # the k2_os of sandbox hosts (the bootstrap's package table)

@@ -26,7 +26,7 @@ from tests.test_bundle import apt_candidates, parse_stanzas, relation_groups
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TARGET_SUITE = "trixie"  # not the control machine's release (asserted below)
-CACHE = Path(os.environ.get("K2FLEET_APTROOT_CACHE", "/var/cache/k2fleet/control/aptroot"))
+CACHE = Path(os.environ.get("K2FLEET_APTROOT_CACHE", "/var/cache/k2fleet/aptroot"))
 DOUBLE_REPO = CACHE / "test-double-repo"
 DOUBLE_PACKAGE = "k2fleet-testdouble-fabricmanager"
 # dirs of the control machine's own apt state that no AptRoot may touch

@@ -41,6 +41,7 @@ from k2fleet.planning import relay_plan
 from k2fleet.cli import load_plan
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.desired import CHECKPOINT_CHECK, UNIT_GLOB, ControlArtifacts, HostDesired, desired_state
+from k2fleet.planning.host_actions import host_actions
 from k2fleet.planning.host_archive import host_argv
 from k2fleet.planning.processes import Plan
 from k2fleet.planning.host_fact import HostReport
@@ -184,8 +185,9 @@ class ControlCalls(list):
 
 
 def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], facts: dict[str, HostReport],
-              tmp_path: Path, control_calls: list[str]) -> Outcome:
-    """Plan the deploy's pipeline on one @fake host per inventory host, then execute."""
+              tmp_path: Path, control_calls: list[str], every_role: bool = False) -> Outcome:
+    """Plan the deploy's pipeline on one @fake host per inventory host, then execute.
+    ``every_role``: plan every role even on a settled fleet (how each role behaves on its own)."""
     run = FleetRun(dep=dep, plan=plan, artifacts=artifacts(dep), desired=desired, dry=False, state_dir=tmp_path)
     reboots = {name: why for name, d in desired.items()
                if d.bootstrap and (why := reboot_reason(d.bootstrap, facts[name].boot))}
@@ -194,6 +196,8 @@ def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], fact
         for ws in dep.weight_sets:
             if d.fanout and d.fanout.loads_weights and not facts[name].passed(ws.check):
                 weights_wanted.setdefault(ws.check, []).append(name)
+    unsettled = None if every_role else {name: a.describe() for name, d in desired.items()
+                                         if not (a := host_actions(d, facts[name])).settled}
     hosts = [(f"@fake/{name}", {"ssh_hostname": d.address, "fake_delay": 0, "fake_delay_jitter": 0})
              for name, d in desired.items()]
     state = State(Inventory((hosts, {})), Config())
@@ -207,7 +211,7 @@ def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], fact
         from pyinfra import host
 
         mine = run.desired[host.name.removeprefix("@fake/")]
-        deploy_kimi(run, mine, facts[mine.name], reboots=reboots, weights_wanted=weights_wanted)
+        deploy_kimi(run, mine, facts[mine.name], reboots=reboots, weights_wanted=weights_wanted, unsettled=unsettled)
 
     add_deploy(state, pipeline)
 
@@ -249,9 +253,32 @@ def _name(state: State, op_hash: str) -> str:
 # --------------------------------------------------------------------------- the tests
 
 
-def test_settled_fleet_changes_nothing(tmp_path: Path, control_calls: list[str]) -> None:
+def test_settled_fleet_plans_zero_operations(tmp_path: Path, control_calls: list[str]) -> None:
+    """The composition: every host holds its desired state, so no host gets an operation."""
     dep, plan, desired = planned(str(H200))
-    out = run_roles(dep, plan, desired, settled_fleet(dep, desired), tmp_path, control_calls)
+    facts = settled_fleet(dep, desired)
+    assert all(host_actions(d, facts[name]).settled for name, d in desired.items())
+    out = run_roles(dep, plan, desired, facts, tmp_path, control_calls)
+    assert out.ops == {"h200-0": {}, "h200-1": {}}
+    assert out.control_calls == []
+
+
+def test_one_unsettled_host_plans_the_fleet_and_the_settled_one_changes_nothing(tmp_path: Path,
+                                                                               control_calls: list[str]) -> None:
+    dep, plan, desired = planned(str(H200))
+    facts = settled_fleet(dep, desired)
+    facts["h200-1"] = dataclasses.replace(facts["h200-1"], units={**facts["h200-1"].units,
+                                                                  "k2-vllm.service": {"ActiveState": "failed"}})
+    assert host_actions(desired["h200-1"], facts["h200-1"]).describe() == "start: k2-vllm.service"
+    out = run_roles(dep, plan, desired, facts, tmp_path, control_calls)
+    assert [c for c in out.commands("h200-1") if c.startswith("systemctl enable --now k2-vllm.service")]
+    assert [n for n in out.changed("h200-0") if "health gate" not in n] == []  # its gate re-runs: the fleet changed
+    assert not [c for c in out.commands("h200-0") if c.startswith("systemctl")]
+
+
+def test_every_role_on_a_settled_fleet_changes_nothing(tmp_path: Path, control_calls: list[str]) -> None:
+    dep, plan, desired = planned(str(H200))
+    out = run_roles(dep, plan, desired, settled_fleet(dep, desired), tmp_path, control_calls, every_role=True)
     assert set(out.ops) == {"h200-0", "h200-1"}
     for host, ops in out.ops.items():
         # not vacuous: every role that plans operations planned them on this host
@@ -355,10 +382,11 @@ def test_failed_gate_receives_through_the_relay_from_its_peers(tmp_path: Path, c
 
 
 def test_settled_fleet_runs_no_relay(tmp_path: Path, control_calls: list[str]) -> None:
-    """Three hosts, every gate passed: no relay starts anywhere, nothing is asked of the control machine."""
+    """Three hosts, every gate passed: no relay starts anywhere, nothing is asked of the control
+    machine (the checkpoint role itself, planned even though the fleet is settled)."""
     inv = write_inventory(tmp_path / "inv", hosts=3, k2_tp=8)
     dep, plan, desired = planned(str(inv))
-    out = run_roles(dep, plan, desired, settled_fleet(dep, desired), tmp_path, control_calls)
+    out = run_roles(dep, plan, desired, settled_fleet(dep, desired), tmp_path, control_calls, every_role=True)
     for name in desired:
         assert not any(out.op(name, op).changed for op in RELAY_OPS)
     assert [desired[n].fanout.position for n in ("node-0", "node-1", "node-2")] == [0, 1, 2]

@@ -49,7 +49,7 @@ from k2fleet.hostprogs import locks
 from k2fleet.control import deb_bundles as bundle
 from k2fleet.control.deb_bundles import ResolvedPackage
 
-DEFAULT_CACHE_DIR = Path("/var/cache/k2fleet/control/aptroot")
+DEFAULT_CACHE_DIR = Path("/var/cache/k2fleet/aptroot")
 DEBIAN_KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
 ETC_APT = Path("/etc/apt")
 OS_RELEASE = Path("/etc/os-release")

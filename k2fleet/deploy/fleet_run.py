@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from k2fleet.control import artifacts as control
+from k2fleet.planning.host_actions import host_actions
 from k2fleet.planning.host_bootstrap import reboot_reason
 from k2fleet.control.checkpoint_copy import ControlRelay
 from k2fleet.deploy.facts import HostState
@@ -73,6 +74,16 @@ class FleetRun:
             for ws in self.dep.weight_sets:
                 if fan and fan.loads_weights and not self.fact_of(h).passed(ws.check):
                     out.setdefault(ws.check, []).append(h.name)
+        return out
+
+    def unsettled(self, inventory: Any) -> dict[str, str]:
+        """Host → what differs from its desired state (:func:`~k2fleet.planning.host_actions.host_actions`
+        over every host's fact); empty: the whole fleet is settled and the deploy plans nothing."""
+        out = {}
+        for h in inventory:
+            actions = host_actions(self.desired[h.name], self.fact_of(h))
+            if not actions.settled:
+                out[h.name] = actions.describe()
         return out
 
     def reboots(self, inventory: Any) -> dict[str, str]:

@@ -21,7 +21,7 @@ class RebootRefused(Exception):
 
 
 def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: dict[str, str],
-                weights_wanted: dict[str, list[str]]) -> None:
+                weights_wanted: dict[str, list[str]], unsettled: dict[str, str] | None = None) -> None:
     """Carry out one host's desired state: preflight → packages → bootstrap → SSH mesh →
     engine → Hub client → checkpoint → services → health gate.
 
@@ -33,6 +33,9 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
       the deploy before its first change; any reboot restarts the services in stage order
     + weights_wanted: weight set check → hosts whose copy fails it (every host's, from
       :meth:`~k2fleet.deploy.fleet_run.FleetRun.weights_wanted`): while any does, the fleet's relays run
+    + unsettled: host → what differs from its desired state (every host's, from
+      :meth:`~k2fleet.deploy.fleet_run.FleetRun.unsettled`); empty: the fleet is settled, the host is
+      checked (preflight, no operation) and nothing else is planned. None: not computed (plan every role)
 
     **Example:**
 
@@ -41,7 +44,7 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
         run = fleet_run(state, inventory)
         mine = run.desired[host.name]
         deploy_kimi(run, run.desired[host.name], run.fact_of(host), reboots=run.reboots(inventory),
-                    weights_wanted=run.weights_wanted(inventory))
+                    weights_wanted=run.weights_wanted(inventory), unsettled=run.unsettled(inventory))
     """
     dep = run.dep
     if reboots and dep.s.reboot == "never":
@@ -51,6 +54,8 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
     plan = desired.bootstrap
     pending = bool(plan and (boot.pending_packages(plan, fact.boot) or boot.obsolete_packages(plan, fact.boot)))
     preflight.check(dep, desired, fact)
+    if unsettled == {}:  # every host holds its desired state: no operation anywhere
+        return
     packages.install_packages(desired.packages, dep.s.package_source, installed=list(fact.packages),
                               bundle=run.artifacts.bundle_for(desired.bundle_request), bootstrap_pending=pending)
     if plan is not None:

@@ -44,7 +44,7 @@ from k2fleet.planning.render.ktransformers import SGLANG_KT_SINCE
 DOUBLES_DIR = "/opt/k2fleet/doubles"
 GPU_STACK_DOUBLES = "gpu_stack"  # the doubles' gpu_stack/: inside the TEST DOUBLE driver packages, not shipped
 HUB_ENV = "/opt/k2fleet/hubenv"
-WHEEL_DIR = "/var/cache/k2fleet/control/wheelhouse"
+WHEEL_DIR = "/var/cache/k2fleet/wheelhouse"
 ENGINE_WHEEL_DIR = "/var/cache/k2fleet/engine-wheelhouse"
 UNIT_GLOB = "/etc/systemd/system/k2-*.service"
 MESH_UNIT_PATH = f"/etc/systemd/system/{mesh.UNIT}"

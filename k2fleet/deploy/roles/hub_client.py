@@ -3,7 +3,7 @@
 Only that one host talks to the Hub (or the mirror ``k2_hub_endpoint``); nothing
 here runs on the others. The host gets no package index: the control machine's
 wheelhouse (:mod:`k2fleet.control.wheelhouse`, made by the control-machine step) is uploaded
-to ``/var/cache/k2fleet/control/wheelhouse`` and installed into ``/opt/k2fleet/hubenv`` with
+to ``/var/cache/k2fleet/wheelhouse`` and installed into ``/opt/k2fleet/hubenv`` with
 ``pip install --no-index``; k2fleet's downloader runs from the host archive with that venv's python.
 Uploads compare checksums and the install runs only when the venv's check fails or a
 wheel changed, so a no-op run changes nothing.

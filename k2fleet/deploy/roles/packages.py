@@ -111,7 +111,7 @@ def install_packages(packages: list[str], source: str = "bundle", installed: lis
 
     Bundle:
         The bundle (built or reused from ``/var/cache/k2fleet/bundles`` on the
-        control machine by the control-machine step) is uploaded to ``/var/cache/k2fleet/control/deb_bundles-<key>.tar``,
+        control machine by the control-machine step) is uploaded to ``/var/cache/k2fleet/bundle-<key>.tar``,
         extracted to ``/var/lib/k2fleet/apt-bundle/<key>/`` and listed in
         ``/etc/apt/sources.list.d/k2fleet-bundle.list``. A second run with
         everything in place executes no command.

@@ -1,0 +1,87 @@
+"""What one host needs this run, decided from (its desired state, its fact) alone (pure).
+
+:func:`host_actions` lists every difference between what the host must hold
+(:class:`~k2fleet.planning.desired.HostDesired`) and what the one HostState fact saw
+(:class:`~k2fleet.planning.host_fact.HostReport`): files to write, packages to install,
+the bootstrap's pending and obsolete packages and its reboot, stale units to remove,
+units to start, checks that fail (GPU gate, checkpoint, image pin, Hub client, engine-side
+wheels, health) and paths that must exist. A host with none is *settled*.
+
+The roles carry out the differences; when every host of the fleet is settled the deploy
+plans no operation at all (``deploys/kimi.py``), so a no-op re-run costs the fact and
+nothing else. The decision is conservative: anything the fact cannot prove (a control
+artifact not made yet, a unit not active, a check that did not pass) is a difference.
+
+>>> from k2fleet.planning.desired import FileSpec, HostDesired
+>>> from k2fleet.planning.host_fact import Gpus, HostReport
+>>> d = HostDesired("h", "10.0.0.1", files={"engine": {"/x": FileSpec(b"x", "644")}}, units=["k2-vllm.service"],
+...                 checks={"healthy": ["true"]})
+>>> seen = HostReport(Gpus(None, (), (), None), 0, 0, 0, {}, (), files={"/x": FileSpec(b"x", "644").sha256},
+...                   units={"k2-vllm.service": {"ActiveState": "active"}}, checks={"healthy": 0})
+>>> host_actions(d, seen).settled
+True
+>>> host_actions(d, HostReport(Gpus(None, (), (), None), 0, 0, 0, {}, ())).describe()
+'files: /x; start: k2-vllm.service; failing checks: healthy'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from k2fleet.planning import host_bootstrap as bootstrap
+from k2fleet.planning.desired import UNIT_GLOB, HostDesired
+from k2fleet.planning.host_fact import HostReport
+
+
+@dataclass(frozen=True)
+class HostActions:
+    """The differences one host has from its desired state (empty everywhere: settled)."""
+
+    files: tuple[str, ...] = ()  # paths whose content differs, is missing, or is not made yet
+    packages: tuple[str, ...] = ()  # host packages not installed
+    bootstrap_packages: tuple[str, ...] = ()  # driver/fabric/runtime packages pending or obsolete
+    reboot: str | None = None  # why the bootstrap reboots the host
+    stale_units: tuple[str, ...] = ()  # k2fleet units the plan no longer has
+    start: tuple[str, ...] = ()  # planned units not active
+    failing_checks: tuple[str, ...] = ()  # the fact's checks that did not pass
+    missing: tuple[str, ...] = ()  # paths that must exist and do not
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def settled(self) -> bool:
+        return not (self.files or self.packages or self.bootstrap_packages or self.reboot or self.stale_units
+                    or self.start or self.failing_checks or self.missing)
+
+    def describe(self) -> str:
+        """One line: what differs (empty when settled)."""
+        parts = [("files", self.files), ("packages", self.packages), ("bootstrap packages", self.bootstrap_packages),
+                 ("reboot", (self.reboot,) if self.reboot else ()), ("stale units", self.stale_units),
+                 ("start", self.start), ("failing checks", self.failing_checks), ("missing", self.missing)]
+        return "; ".join(f"{what}: {', '.join(items)}" for what, items in parts if items)
+
+
+def host_actions(desired: HostDesired, fact: HostReport) -> HostActions:
+    """Every difference between ``desired`` and what ``fact`` saw (see the module doc)."""
+    files = tuple(sorted(path for group in (*desired.files.values(), *desired.service_files.values())
+                         for path, spec in group.items()
+                         if spec.content is None or fact.files.get(path) != spec.sha256))
+    planned = set(desired.units)
+    stale = tuple(sorted(p.rsplit("/", 1)[1] for p in fact.globs.get(UNIT_GLOB, [])
+                         if p.rsplit("/", 1)[1] not in planned))
+    boot = desired.bootstrap
+    bootstrap_packages: tuple[str, ...] = ()
+    reboot = None
+    if boot is not None:
+        bootstrap_packages = tuple(sorted({p.name for p in bootstrap.pending_packages(boot, fact.boot)}
+                                          | set(bootstrap.obsolete_packages(boot, fact.boot))))
+        reboot = bootstrap.reboot_reason(boot, fact.boot)
+    return HostActions(
+        files=files,
+        packages=tuple(p for p in desired.packages if p not in fact.packages),
+        bootstrap_packages=bootstrap_packages,
+        reboot=reboot,
+        stale_units=stale,
+        start=tuple(u for u in desired.units if not fact.unit_active(u)),
+        failing_checks=tuple(sorted(name for name in desired.checks if not fact.passed(name))),
+        missing=tuple(p for p in desired.exists if not fact.exists.get(p)),
+    )
