@@ -32,8 +32,15 @@ ROOTFS = sandbox.ROOTFS_CACHE / sandbox.rootfs_key()
 SIMULATED = ["k2_simulated_gpus=true", "k2_engine_doubles=true"]
 TRT_REF = "nvcr.io/nvidia/tensorrt-llm/release:1.2.0"
 
-needs_rootfs = pytest.mark.skipif(not (ROOTFS / "etc/os-release").exists() or os.geteuid() != 0,
-                                  reason="needs root and the sandbox's root filesystem (k2fleet sandbox up 1)")
+@pytest.fixture(scope="module")
+def sandbox_rootfs() -> Path:
+    """The sandbox's root filesystem, built here when this machine has none yet (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (debootstrap, chroot)")
+    return sandbox.ensure_rootfs()
+
+
+needs_rootfs = pytest.mark.usefixtures("sandbox_rootfs")
 
 
 def members(data: bytes) -> dict[str, bytes]:

@@ -42,8 +42,14 @@ def test_dry_run_leaves_hosts_and_control_machine_byte_identical(fleet: SandboxF
     assert all(files.count("\n") > 10 for files, _ in hosts_before.values()), hosts_before
     assert any(name.endswith("id_ed25519") for name in control_before), control_before
 
+    assert all(pid > 0 for _, pid in hosts_before.values()), hosts_before  # the engines run: a restart would show
     dry = fleet.deploy({"k2_engine_args": {"max-num-seqs": 8}}, extra=("--dry",))
     assert dry.returncode == 0, dry.tail()
+    # not vacuous: the dry run saw the change on every host (pyinfra's --json plan), and made none
+    assert dry.payload is not None and dry.payload["results"] is None, dry.tail()
+    seen = {h for op in dry.payload["plan"] if "unit, env and config of k2-vllm" in op["name"]
+            for h in op["hosts_with_change"]}
+    assert seen == {h["name"] for h in fleet.hosts}, dry.payload["plan"]
     assert host_snapshot(fleet) == hosts_before
     assert control_snapshot(state) == control_before
 

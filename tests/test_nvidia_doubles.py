@@ -35,8 +35,17 @@ SANDBOX_DOCKER = True
 V580, V590 = nd.DRIVER_VERSIONS[580], nd.DRIVER_VERSIONS[590]
 H200 = nd.gpus_json("nvidia", "NVIDIA H200", 8, 143771, True)
 
-needs_dpkg = pytest.mark.skipif(shutil.which("dpkg-deb") is None or shutil.which("dpkg-scanpackages") is None,
-                                reason="needs dpkg-deb and dpkg-scanpackages (dpkg-dev)")
+@pytest.fixture(scope="module")
+def dpkg_tools() -> None:
+    """dpkg-deb and dpkg-scanpackages, installed here when missing (root only)."""
+    if shutil.which("dpkg-deb") is None or shutil.which("dpkg-scanpackages") is None:
+        if os.geteuid() != 0:
+            pytest.skip("needs dpkg-deb and dpkg-scanpackages (dpkg-dev), and root to install them")
+        bundle.ensure_tools()
+    assert shutil.which("dpkg-scanpackages"), "dpkg-dev did not install"
+
+
+needs_dpkg = pytest.mark.usefixtures("dpkg_tools")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (sandbox)")
 
 

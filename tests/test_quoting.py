@@ -320,6 +320,12 @@ def test_systemd_analyze_verify_accepts_hostile_unit(tmp_path: Path) -> None:
     proc = subprocess.run(["systemd-analyze", "verify", "--man=no", str(path)], capture_output=True, text=True, timeout=120)
     mine = [l for l in (proc.stdout + proc.stderr).splitlines() if "k2-test.service" in l]
     assert not [l for l in mine if re.search(r"Unknown|[Ii]nvalid|Unbalanced|[Ii]gnoring", l)], mine
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # verify itself accepts the unit
+    broken = tmp_path / "k2-broken.service"  # and the check can fail: a quoting error is seen
+    broken.write_text(text.replace(f"ExecStart={start}", 'ExecStart=/bin/true "unbalanced'))
+    bad = subprocess.run(["systemd-analyze", "verify", "--man=no", str(broken)], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 or re.search(r"[Ii]nvalid|Unbalanced|[Ii]gnoring", bad.stdout + bad.stderr), bad
     assert _directives(text) == ["[Unit]", "Description", "[Service]", "Type", "ExecStartPre", "ExecStart",
                                  "WorkingDirectory", "EnvironmentFile", "[Install]", "WantedBy"]
 
