@@ -222,8 +222,9 @@ def endpoints(plan: Plan) -> list[tuple[str, str, str, Any]]:
 
 
 def probe(base: str, health: Any, model: str) -> str | None:
-    """None if the endpoint answers a real chat completion (or, for a service whose gate
-    is /health only, 200 on it); else the reason."""
+    """None if the endpoint answers a real chat completion with a non-empty answer (its
+    ``content``, or a thinking model's ``reasoning`` / ``reasoning_content``), or, for a
+    service whose gate is /health only, 200 on it; else the reason."""
     root = base[: -len("/v1")]
     if health.chat:
         body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Say hello."}],
@@ -241,10 +242,15 @@ def probe(base: str, health: Any, model: str) -> str | None:
         return f"no answer: {exc}"
     if health.chat:
         try:
-            if not json.loads(raw).get("choices"):
-                return f"no choices in the answer: {raw[:200]!r}"
+            choices = json.loads(raw).get("choices")
         except (ValueError, AttributeError):
             return f"not JSON: {raw[:200]!r}"
+        if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
+            return f"no choices in the answer: {raw[:200]!r}"
+        message = choices[0].get("message") or {}
+        said = [message.get(k) for k in ("content", "reasoning", "reasoning_content") if isinstance(message, dict)]
+        if not any(isinstance(text, str) and text.strip() for text in said):
+            return f"an empty answer: {raw[:200]!r}"
     return None
 
 

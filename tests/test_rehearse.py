@@ -189,3 +189,76 @@ def test_rehearse_h200_trtllm_mpi_in_containers() -> None:
     assert last_line(proc) == f"rehearsal {inventory}: 1/1 endpoints healthy, re-run 0 changes"
     assert "ok   h200-0 k2-trtllm: http://10.213.0.11:8000/v1" in proc.stdout
     assert sandbox_is_down()
+
+
+# ---------------------------------------------------------------- the rehearsal's own probe, against loopback servers
+
+
+class _Endpoint:
+    """A loopback HTTP server answering every POST with ``status`` and ``body`` (or never)."""
+
+    def __init__(self, status: int, body: bytes, hang: bool = False) -> None:
+        import http.server
+        import threading
+
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if hang:
+                    outer.release.wait(30)
+                    return
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.release = threading.Event()
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.base = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("status, body, reason", [
+    (200, b'{"choices": [{"message": {"content": "Hello!"}}]}', None),
+    (200, b'{"choices": [{"message": {"content": null, "reasoning": "The user greets me."}}]}', None),
+    (200, b'{"choices": []}', "no choices"),
+    (200, b'{"choices": [{"message": {"content": "", "reasoning": null}}]}', "an empty answer"),
+    (200, b'{"choices": [{"message": {"content": "   "}}]}', "an empty answer"),
+    (200, b"<html>ok</html>", "not JSON"),
+    (500, b'{"error": "engine dead"}', "HTTP 500"),
+])
+def test_the_rehearsal_probe_fails_a_broken_endpoint(status: int, body: bytes, reason: str | None) -> None:
+    from k2fleet.planning.processes import Health
+    from k2sandbox.rehearse import probe
+
+    endpoint = _Endpoint(status, body)
+    try:
+        got = probe(endpoint.base, Health(8000), "m")
+    finally:
+        endpoint.close()
+    assert got is None if reason is None else (got is not None and got.startswith(reason)), got
+
+
+def test_the_rehearsal_probe_gives_up_on_an_endpoint_that_never_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from k2fleet.planning.processes import Health
+    from k2sandbox import rehearse as rehearse_module
+
+    monkeypatch.setattr(rehearse_module, "PROBE_TIMEOUT_S", 1)
+    endpoint = _Endpoint(200, b"", hang=True)
+    started = time.monotonic()
+    try:
+        got = rehearse_module.probe(endpoint.base, Health(8000), "m")
+    finally:
+        endpoint.close()
+    assert got is not None and got.startswith("no answer") and time.monotonic() - started < 10, got
