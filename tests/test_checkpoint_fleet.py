@@ -367,7 +367,7 @@ def test_damaged_files_are_the_only_ones_resent(hub_deployed: Fleet) -> None:
     _healthy(fleet)
     print(f"repair: control egress {egress} bytes; shard {(fleet.served / shard(33)).stat().st_size} bytes; "
           f"control relay sent {size[shard(33)]}")
-    assert egress < fleet.size / 4  # one shard and pyinfra's own traffic, not the checkpoint
+    assert size[shard(33)] <= egress < fleet.size / 4  # one shard (it did cross) and pyinfra's traffic, not the checkpoint
 
 
 @pytest.mark.sandbox
@@ -391,7 +391,7 @@ def test_control_egress_is_one_checkpoint_for_three_hosts(hub_deployed: Fleet) -
     from_control = sum(r["bytes_from"].get(CONTROL_RELAY, 0) for r in relays.values())
     assert relays[fleet.hosts[0]["address"]]["bytes_from"] == {CONTROL_RELAY: fleet.size}
     assert from_control == fleet.size  # hosts 2 and 3 got nothing from the control machine
-    assert ratio <= 1.05  # one copy leaves the control machine, not three
+    assert 1.0 <= ratio <= 1.05  # one copy leaves the control machine (the counter saw it), not three
 
 
 SHARED = "/mnt/k2shared/models"  # sandbox shared storage: one directory bound into every host
@@ -415,7 +415,7 @@ def test_shared_storage_is_fetched_and_verified_once_not_per_host(hubfleet: Flee
     n_hosts[h1["name"]] += 1  # its relay report; no other host received anything
     assert {h["name"]: len(fleet.host_log(h)) for h in fleet.hosts} == n_hosts
     print(f"shared storage: control egress {egress} bytes for a {fleet.size}-byte checkpoint, 3 hosts")
-    assert egress < 1.05 * fleet.size
+    assert fleet.size <= egress < 1.05 * fleet.size
     marker = [ssh(h, f"stat -c %i {SHARED}/*/*/.k2fleet/verified.json").stdout.strip() for h in fleet.hosts]
     assert len(set(marker)) == 1 and marker[0], marker  # the same marker file on every host
     for host in fleet.hosts:  # every engine serves from the shared path
