@@ -7,13 +7,16 @@ Hosts boot bare with the sandbox inventories' simulated GPUs (h200). Floor: ``py
 inventories/sandbox.py fact server.Hostname`` — connect to every host and gather one fact,
 through the same CLI. Measured side by side, alternating, after one full deploy:
 ``pyinfra -y inventories/sandbox.py deploys/kimi.py`` with nothing to do (which must report
-0 changes). Also printed: the first deploy's time. Last line:
+0 changes). Also printed: the first deploy's time per stage (from pyinfra's own log, each
+line timestamped as it arrives: start-up, connect, facts and planning up to "Beginning
+operation run", then each role's operations), so what grows with the fleet is visible. Last line:
 ``ratios: noop_rerun_vs_floor=…`` (goal ≤ 1.3 on 3 hosts, ≤ 1.5 on 16).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import subprocess
 import sys
@@ -40,6 +43,36 @@ def timed(argv: list[str]) -> tuple[float, DeployResult]:
     return elapsed, DeployResult(argv, out.returncode, out.stdout, out.stderr)
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+STARTING = re.compile(r"--> Starting (?:[\w ,]+ )?operation: (.+)$")
+PLANNED = "--> Beginning operation run"
+
+
+def staged(argv: list[str]) -> tuple[float, dict[str, float]]:
+    """Run ``argv`` (a pyinfra deploy) and time it by stage from its log as it arrives:
+    everything before the operation run, then each role (the deploy name before `` | ``)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    stages: dict[str, float] = {}
+    current, since = "start-up, connect, facts, planning", start
+    assert proc.stderr is not None
+    for raw in proc.stderr:
+        line = ANSI.sub("", raw).strip()
+        found = STARTING.search(line)
+        if found or PLANNED in line:
+            now = time.perf_counter()
+            stages[current] = stages.get(current, 0.0) + now - since
+            current = found.group(1).split(" | ", 1)[0] if found else "(operations)"
+            since = now
+    proc.wait()
+    end = time.perf_counter()
+    stages[current] = stages.get(current, 0.0) + end - since
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(argv)} failed (exit {proc.returncode})")
+    return end - start, stages
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hosts", type=int, default=3)
@@ -52,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         ensure_sandbox_checkpoint()
         deploy = [tool("pyinfra"), "-y", "--json", INVENTORY, DEPLOY_FILE]
         floor = [tool("pyinfra"), "-y", INVENTORY, "fact", "server.Hostname"]
-        first, _ = timed(deploy)
+        first, stages = staged(deploy)
         print(f"first deploy (or catch-up), {hosts} hosts: {first:.2f}s")
+        for stage, seconds in stages.items():
+            print(f"  {seconds:7.2f}s  {stage}")
         floors, noops = [], []
         for _ in range(rounds):
             floors.append(timed(floor)[0])

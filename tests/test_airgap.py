@@ -256,6 +256,13 @@ def test_offline_rehearsal_from_the_bundle_alone(h800_bundle: Path) -> None:
         unreachable = subprocess.run(["ip", "netns", "exec", sandbox.OFFLINE_NS, "ip", "route", "get", "151.101.0.223"],
                                      capture_output=True, text=True)  # PyPI's address: no route (nothing is sent)
         assert unreachable.returncode != 0 and "unreachable" in unreachable.stderr.lower()
+        links = subprocess.run(["ip", "-n", sandbox.OFFLINE_NS, "-o", "link", "show"], capture_output=True,
+                               text=True, check=True).stdout
+        names = sorted(line.split(":")[1].strip().split("@")[0] for line in links.splitlines())
+        assert names == sorted(["lo", sandbox.veth_names(0)[1]]), names  # loopback and the bridge's veth, nothing else
+        for host in sandbox.load_hosts():  # pyinfra ran inside it: every host saw the deploy's SSH from its address
+            seen = sandbox.ssh(host, "journalctl --no-pager -o cat -t sshd -t sshd-session | grep 'Accepted publickey'")
+            assert f" from {sandbox.OFFLINE_ADDRESS} " in seen.stdout, seen.stdout[-2000:] + seen.stderr
         lock = lock_of(h800_bundle)
         for host in sandbox.load_hosts():
             out = sandbox.ssh(host, "/opt/k2fleet/venv/bin/python -c 'from importlib.metadata import version as v; "
