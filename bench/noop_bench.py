@@ -52,7 +52,7 @@ def staged(argv: list[str]) -> tuple[float, dict[str, float]]:
     """Run ``argv`` (a pyinfra deploy) and time it by stage from its log as it arrives:
     everything before the operation run, then each role (the deploy name before `` | ``)."""
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             stdin=subprocess.DEVNULL)
     stages: dict[str, float] = {}
     current, since = "start-up, connect, facts, planning", start
