@@ -110,13 +110,13 @@ def cli_env(extra: Mapping[str, str] | None) -> dict[str, str]:
     return env
 
 
-
-
-def run_pyinfra(argv: list[str], env: Mapping[str, str] | None = None, timeout: float = 900) -> DeployResult:
-    """Run ``argv`` (a pyinfra command line) from the repository root, no stdin; never
-    raises on failure: a run past ``timeout`` seconds is exit status 124."""
+def run_pyinfra(argv: list[str], env: Mapping[str, str] | None = None, timeout: float = 900,
+                cwd: Path = ROOT) -> DeployResult:
+    """Run ``argv`` (a pyinfra command line) from ``cwd`` (the repository root: its
+    ``config.py`` gate applies; another directory for a plain pyinfra deploy), no stdin;
+    never raises on failure: a run past ``timeout`` seconds is exit status 124."""
     try:
-        out = subprocess.run(argv, cwd=ROOT, env=cli_env(env), capture_output=True, text=True,
+        out = subprocess.run(argv, cwd=cwd, env=cli_env(env), capture_output=True, text=True,
                              stdin=subprocess.DEVNULL, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""

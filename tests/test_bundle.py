@@ -7,11 +7,9 @@ asserts from pyinfra's ``--json`` results that no operation changed anything.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
-import sys
 import tarfile
 import time
 from pathlib import Path
@@ -22,6 +20,7 @@ from k2fleet.control import deb_bundles as bundle
 from k2sandbox import nspawn as sandbox
 from k2sandbox.nspawn import SandboxHost
 from k2sandbox.harness import SandboxFleet
+from k2sandbox.pyinfra_cli import run_pyinfra, tool
 from tests.inventory_factory import write_inventory
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -150,17 +149,15 @@ install_packages({SANDBOX_PACKAGES!r}, "bundle", bundle=str(ensure_bundle({SANDB
 """
 
 
-def run_pyinfra(inventory: Path, deploy: Path) -> tuple[dict, float]:
-    """Run the pyinfra CLI with ``--json`` (from the deploy's directory: a plain pyinfra
-    deploy, not k2fleet's); return its results and the wall time."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT),
-                                                                    os.environ.get("PYTHONPATH")])))
+def deploy_bundle(inventory: Path, deploy: Path) -> tuple[dict, float]:
+    """The harness's one way to run pyinfra and read its ``--json`` results
+    (:func:`k2sandbox.pyinfra_cli.run_pyinfra`), from the deploy's directory (a plain
+    pyinfra deploy, not k2fleet's); its results and the wall time."""
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pyinfra", "-y", "--json", str(inventory), str(deploy)],
-                          cwd=deploy.parent, capture_output=True, text=True, env=env, timeout=900)
+    result = run_pyinfra([tool("pyinfra"), "-y", "--json", str(inventory), str(deploy)], cwd=deploy.parent)
     elapsed = time.monotonic() - started
-    assert proc.returncode == 0, f"pyinfra failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(proc.stdout)["results"], elapsed
+    assert result.returncode == 0, result.tail()
+    return result.results, elapsed
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +177,7 @@ def deploy_runs(sandbox_hosts: list[SandboxHost], tmp_path_factory: pytest.TempP
     inventory = write_inventory(work, hosts=hosts, name="inventory")
     deploy = work / "deploy.py"
     deploy.write_text(DEPLOY)
-    runs = [run_pyinfra(inventory, deploy) for _ in range(2)]
+    runs = [deploy_bundle(inventory, deploy) for _ in range(2)]
     for i, (_, elapsed) in enumerate(runs, 1):
         print(f"\nbundle deploy run {i}: {elapsed:.1f}s")
     return runs

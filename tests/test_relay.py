@@ -23,6 +23,7 @@ import pytest
 from k2sandbox import nspawn as sandbox
 from k2fleet.hostprogs import swarm
 from k2sandbox.checkpoint_cache import ensure_synthetic_checkpoint
+from k2sandbox.harness import SandboxFleet
 from k2sandbox.relay_fleet import HOST_DIR, RELAY, RelayFleet, url
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox fleet needs root")
@@ -58,6 +59,11 @@ def status_of(port: int, path: str) -> int:
     resp = conn.getresponse()
     resp.read()
     return resp.status
+
+
+SANDBOX_HOSTS = 3  # the sandbox fixture's fleet (tests/conftest.py): bare hosts, no Docker, no simulated GPUs
+SANDBOX_DOCKER = False
+SANDBOX_GPUS = None
 
 
 @pytest.fixture(scope="module")
@@ -322,53 +328,52 @@ def test_a_shard_corrupted_in_flight_is_never_verified_served_or_passed_on(sourc
 
 @pytest.mark.sandbox
 @needs_root
-def test_a_crashed_host_mid_distribution_is_routed_around_and_the_rerun_repairs_it(tmp_path: Path) -> None:
+def test_a_crashed_host_mid_distribution_is_routed_around_and_the_rerun_repairs_it(tmp_path: Path,
+                                                                                   fleet: SandboxFleet) -> None:
     src = ensure_synthetic_checkpoint(tmp_path / "source", "t/Kimi-K2-Thinking", "d" * 40, num_shards=62,
                                       shard_bytes=2 << 20)
     files = json.loads((src / ".k2fleet/manifest.json").read_text())["files"]
-    fleet = None
-    with sandbox.hold_sandbox_lock():
-        try:
-            sandbox.down()
-            hosts = sandbox.up(3, docker=False)
-            fleet = RelayFleet(src, hosts)
-            fleet.start()
-            sandbox.shape("100mbit")  # 130 MB: ~10 s per link
-            h1, h2, h3 = hosts
-            lines = {h1.name: fleet.fetch_argv(h1, None, [url(sandbox.BRIDGE_ADDRESS)]),
-                     h2.name: fleet.fetch_argv(h2, None, [url(h1.address), url(sandbox.BRIDGE_ADDRESS)]),
-                     h3.name: fleet.fetch_argv(h3, None, [url(h2.address), url(h1.address),
-                                                          url(sandbox.BRIDGE_ADDRESS)], dead_after=3)}
-            procs = {h.name: subprocess.Popen(sandbox.ssh_command(h, lines[h.name]), stdout=subprocess.PIPE,
-                                              stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
-                     for h in hosts}
-            deadline, had = time.monotonic() + 60, 0
-            while time.monotonic() < deadline:  # crash h2 once it has passed shards on to h3
-                out = sandbox.ssh(h3, f"ls {HOST_DIR}/.k2fleet/relay 2>/dev/null | wc -l").stdout.strip()
-                had = int(out or 0)
-                if had >= 10:
-                    break
-                time.sleep(0.2)
-            assert 10 <= had < len(files), had
-            sandbox.crash_host(2)  # the fault drill: h2's container init, not only its nspawn
-            reports = {}
-            for h in (h1, h3):
-                out, err = procs[h.name].communicate(timeout=300)
-                assert procs[h.name].returncode == 0, (h.name, err[-2000:])
-                reports[h.name] = json.loads(out.strip().splitlines()[-1])
-                marks = sandbox.ssh(h, f"ls -A {HOST_DIR}/.k2fleet/relay | wc -l").stdout.strip()
-                assert int(marks) == len(files), (h.name, marks)
-            procs[h2.name].communicate(timeout=60)
-            assert procs[h2.name].returncode != 0  # its host is gone
-            assert reports[h3.name]["failovers"] > 0 and url(h1.address) in reports[h3.name]["sources"]
-            assert reports[h3.name]["bad_shards"] == []
-            h2 = sandbox.start_again(2)
-            fleet.restart_server(h2)
-            again = fleet.run_fetches({h2.name: fleet.fetch_argv(h2, None, [url(h1.address)])})[h2.name]
-            assert again["kept"] > 0 and again["kept"] + again["files"] == len(files), again
-            assert again["bad_shards"] == []
-        finally:
-            if fleet is not None:
-                fleet.stop()
-            sandbox.shape("off")
-            sandbox.down()
+    relays = None
+    hosts = fleet.sandbox_hosts  # the one sandbox fixture and lock (tests/conftest.py): 3 bare hosts, no Docker
+    try:
+        relays = RelayFleet(src, hosts)
+        relays.start()
+        sandbox.shape("100mbit")  # 130 MB: ~10 s per link
+        h1, h2, h3 = hosts
+        lines = {h1.name: relays.fetch_argv(h1, None, [url(sandbox.BRIDGE_ADDRESS)]),
+                 h2.name: relays.fetch_argv(h2, None, [url(h1.address), url(sandbox.BRIDGE_ADDRESS)]),
+                 h3.name: relays.fetch_argv(h3, None, [url(h2.address), url(h1.address),
+                                                      url(sandbox.BRIDGE_ADDRESS)], dead_after=3)}
+        procs = {h.name: subprocess.Popen(sandbox.ssh_command(h, lines[h.name]), stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+                 for h in hosts}
+        deadline, had = time.monotonic() + 60, 0
+        while time.monotonic() < deadline:  # crash h2 once it has passed shards on to h3
+            out = sandbox.ssh(h3, f"ls {HOST_DIR}/.k2fleet/relay 2>/dev/null | wc -l").stdout.strip()
+            had = int(out or 0)
+            if had >= 10:
+                break
+            time.sleep(0.2)
+        assert 10 <= had < len(files), had
+        sandbox.crash_host(2)  # the fault drill: h2's container init, not only its nspawn
+        reports = {}
+        for h in (h1, h3):
+            out, err = procs[h.name].communicate(timeout=300)
+            assert procs[h.name].returncode == 0, (h.name, err[-2000:])
+            reports[h.name] = json.loads(out.strip().splitlines()[-1])
+            marks = sandbox.ssh(h, f"ls -A {HOST_DIR}/.k2fleet/relay | wc -l").stdout.strip()
+            assert int(marks) == len(files), (h.name, marks)
+        procs[h2.name].communicate(timeout=60)
+        assert procs[h2.name].returncode != 0  # its host is gone
+        assert reports[h3.name]["failovers"] > 0 and url(h1.address) in reports[h3.name]["sources"]
+        assert reports[h3.name]["bad_shards"] == []
+        h2 = sandbox.start_again(2)
+        relays.restart_server(h2)
+        again = relays.run_fetches({h2.name: relays.fetch_argv(h2, None, [url(h1.address)])})[h2.name]
+        assert again["kept"] > 0 and again["kept"] + again["files"] == len(files), again
+        assert again["bad_shards"] == []
+    finally:
+        if relays is not None:
+            relays.stop()
+        sandbox.shape("off")
+        fleet.forget()  # a host was crashed and started again by hand
