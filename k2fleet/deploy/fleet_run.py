@@ -97,6 +97,17 @@ class FleetRun:
         return out
 
 
+def side_channel(data: Any, name: str) -> tuple[str, list[str]]:
+    """(``user@address``, ssh argv) of the control machine's own SSH to a host, from its
+    inventory data (the relay's transfers ride on it)."""
+    ssh = ["ssh", "-o", "BatchMode=yes", "-p", str(data.get("ssh_port") or 22)]
+    if data.get("ssh_key"):
+        ssh += ["-i", str(data.get("ssh_key")), "-o", "IdentitiesOnly=yes"]
+    if data.get("ssh_known_hosts_file"):
+        ssh += ["-o", f"UserKnownHostsFile={data.get('ssh_known_hosts_file')}", "-o", "StrictHostKeyChecking=yes"]
+    return f"{data.get('ssh_user') or 'root'}@{data.get('ssh_hostname') or name}", ssh
+
+
 def fleet_run(state: Any, inventory: Any, dry: bool | None = None) -> FleetRun:
     """The run's :class:`FleetRun`, made on first use and kept on ``state``."""
     with vars(state).setdefault(f"{STATE_ATTRIBUTE}_lock", threading.Lock()):

@@ -8,11 +8,13 @@ role tests call it with a fact they construct.
 
 from __future__ import annotations
 
+from pyinfra import host
+
 from k2fleet.planning import host_bootstrap as boot
 from k2fleet.planning.desired import HostDesired
 from k2fleet.planning.host_packages import bundle_apt_options
 from k2fleet.planning.host_fact import HostReport
-from k2fleet.deploy.fleet_run import FleetRun
+from k2fleet.deploy.fleet_run import FleetRun, side_channel
 from k2fleet.deploy.roles import bootstrap, checkpoint, engine, health, hub_client, mesh, packages, preflight, services
 
 
@@ -66,6 +68,7 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
     engine.install(desired, fact, run.tracked)
     hub_client.install(desired, fact, requirement=run.artifacts.hub_requirement)
     checkpoint.ensure(dep, desired, fact, run.tracked, log_file=str(run.state_dir / "checkpoint-transfers.jsonl"),
-                      control_relay=run.control_relay, fleet_wanted=weights_wanted, xet_disabled=run.xet_disabled)
+                      control_relay=run.control_relay, fleet_wanted=weights_wanted,
+                      side_channel=side_channel(host.data, host.name), xet_disabled=run.xet_disabled)
     services.start(desired, fact, run.tracked, restart_all=bool(reboots))
     health.gate(desired, fact, changed=run.fleet_changed)

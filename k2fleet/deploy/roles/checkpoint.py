@@ -60,16 +60,6 @@ def control_source(dep: Deployment, ws: WeightSet | None = None) -> tuple[str, b
     return ws.source.removeprefix("control:"), False
 
 
-def _ssh_command() -> list[str]:
-    data = host.data
-    ssh = ["ssh", "-o", "BatchMode=yes", "-p", str(data.get("ssh_port") or 22)]
-    if data.get("ssh_key"):
-        ssh += ["-i", str(data.get("ssh_key")), "-o", "IdentitiesOnly=yes"]
-    if data.get("ssh_known_hosts_file"):
-        ssh += ["-o", f"UserKnownHostsFile={data.get('ssh_known_hosts_file')}", "-o", "StrictHostKeyChecking=yes"]
-    return ssh
-
-
 def send_token(token_file: str | None) -> None:
     """Put the Hub token (env ``HF_TOKEN`` or ``token_file``, read now) on the current
     host as ``/run/k2fleet/hf_token``, root-only; nothing when there is no token."""
@@ -104,7 +94,8 @@ def host_download_command(dep: Deployment, xet_disabled: bool, ws: WeightSet | N
 
 @deploy("k2fleet: checkpoint")
 def ensure(dep: Deployment, desired: HostDesired, fact: HostReport, tracked: list, log_file: str,
-           control_relay: fanout.ControlRelay, fleet_wanted: dict[str, list[str]], xet_disabled: bool = False) -> None:
+           control_relay: fanout.ControlRelay, fleet_wanted: dict[str, list[str]], side_channel: tuple[str, list[str]],
+           xet_disabled: bool = False) -> None:
     """
     Bring this host's copy of the pinned checkpoint (and of the GGUF weights, for GGUF
     engines) to verified: the root from the control machine's copy or the Hub, every host
@@ -117,6 +108,8 @@ def ensure(dep: Deployment, desired: HostDesired, fact: HostReport, tracked: lis
     + log_file: control-machine JSON-lines log of checkpoint transfers
     + control_relay: the run's relay of the control machine's copies (started on first use)
     + fleet_wanted: weight set check → the hosts whose copy failed it (every host's fact)
+    + side_channel: (``user@address``, ssh argv) of the control machine's own SSH to this host,
+      for the relay's transfers (:func:`k2fleet.deploy.fleet_run.side_channel`)
     + xet_disabled: pass ``HF_HUB_DISABLE_XET=1`` to the fetcher host's download
 
     **Example:**
@@ -125,13 +118,14 @@ def ensure(dep: Deployment, desired: HostDesired, fact: HostReport, tracked: lis
 
         checkpoint.ensure(run.dep, run.desired[host.name], fact, run.tracked,
                           log_file="/root/.local/state/k2fleet/ID/checkpoint-transfers.jsonl",
-                          control_relay=run.control_relay, fleet_wanted=run.weights_wanted(inventory))
+                          control_relay=run.control_relay, fleet_wanted=run.weights_wanted(inventory),
+                          side_channel=side_channel(host.data, host.name))
     """
     fan = desired.fanout
     assert fan is not None
     for ws in dep.weight_sets:
         _ensure_weight_set(dep, ws, desired, fact, tracked, log_file, control_relay,
-                           fleet_wanted.get(ws.check, []), xet_disabled)
+                           fleet_wanted.get(ws.check, []), side_channel, xet_disabled)
     path = dep.checkpoint_path
     wanted = fan.loads_weights and not fact.passed(CHECKPOINT_CHECK)
 
@@ -145,7 +139,7 @@ def ensure(dep: Deployment, desired: HostDesired, fact: HostReport, tracked: lis
 
 def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fact: HostReport, tracked: list,
                        log_file: str, control_relay: fanout.ControlRelay, wanted_hosts: list[str],
-                       xet_disabled: bool) -> None:
+                       side_channel: tuple[str, list[str]], xet_disabled: bool) -> None:
     """The distribution of one weight set (same operation sequence on every host)."""
     fan = desired.fanout
     assert fan is not None
@@ -188,12 +182,12 @@ def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fac
     tunnel = [relay_plan.relay_url("127.0.0.1", dep.s.relay_port)] if control_copy else []
     fetch_argv = relay_plan.relay_fetch_argv(path, list(fan.relays), fan.position or 0, fan.relay_fanout, tunnel) \
         if receiving else ["true"]
-    user = host.data.get("ssh_user") or "root"
+    target, ssh = side_channel
     python.call(
         name=f"{what}: receive shard by shard, each verified before it is passed on",
         function=fanout.relay_to_host,
-        control=control_relay, source=control_copy, target=f"{user}@{host.data.get('ssh_hostname') or host.name}",
-        ssh=_ssh_command(), fetch_argv=fetch_argv, tunnel_port=dep.s.relay_port, log_file=log_file,
+        control=control_relay, source=control_copy, target=target,
+        ssh=ssh, fetch_argv=fetch_argv, tunnel_port=dep.s.relay_port, log_file=log_file,
         _if=lambda: receiving,
     )
     tracked.append(command(name=f"{what}: check every file (index, headers; hashed by the relay as it arrived)",
