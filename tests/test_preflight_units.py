@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from k2fleet.cli import load_plan
-from k2fleet.planning.mesh import authorized_keys, known_hosts, sshd_config
+from k2fleet.planning.mesh_config import authorized_keys, known_hosts, sshd_config
 from k2fleet.planning.host_fact import BootState, Gpus, HostReport
 from k2fleet.planning.preflight_checks import check_host
 from k2fleet.planning.units import env_file, unit_file

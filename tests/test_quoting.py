@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from k2fleet.planning import mesh, quoting, units
+from k2fleet.planning import mesh_config, quoting, units
 from k2fleet.planning.quoting import (
     authorized_keys_from,
     env_file_line,
@@ -578,7 +578,7 @@ def test_real_sshd_reads_exactly_the_allowed_users(sshd_setup: Path) -> None:
 @needs["ssh-keygen"]
 def test_real_sshd_on_rendered_mesh_config_with_hostile_dir(sshd_setup: Path) -> None:
     dep = _mesh_dep(config_dir=str(sshd_setup / "k2 #cfg; x"))
-    text = mesh.sshd_config(dep, dep.fleet.hosts[0])
+    text = mesh_config.sshd_config(dep, dep.fleet.hosts[0])
     text = re.sub(r"(?m)^ListenAddress .*$", "ListenAddress 127.0.0.1", text)
     text = re.sub(r"(?m)^HostKey .*$", f"HostKey {sshd_setup / 'hostkey'}", text)
     text = re.sub(r"(?m)^PidFile .*$", f"PidFile {sshd_setup / 'pid'}", text)
@@ -596,7 +596,7 @@ def test_real_sshd_on_rendered_mesh_config_with_hostile_dir(sshd_setup: Path) ->
 def test_real_ssh_reads_rendered_ssh_config(tmp_path: Path) -> None:
     dep = _mesh_dep(config_dir=str(tmp_path / "k2 #cfg 100%"))
     config = tmp_path / "ssh_config"
-    config.write_text(mesh.ssh_config(dep))
+    config.write_text(mesh_config.ssh_config(dep))
     ssh = shutil.which("ssh")
     if ssh is None:
         pytest.skip("Debian package openssh-client")
@@ -638,7 +638,7 @@ def test_yaml_document_round_trips_hostile_strings() -> None:
     assert list(yaml.safe_load(text)) == list(doc)
 
 
-# --------------------------------------------------------------------------- end to end: units.py, mesh.py
+# --------------------------------------------------------------------------- end to end: units.py, mesh_config.py
 
 
 def _with_settings(dep, **update):
@@ -711,27 +711,27 @@ def test_mesh_renders_refuse_injection() -> None:
                    {"config_dir": "/etc/k2\nAllowUsers *"}, {"address": "10.0.0.1 *"}, {"address": "*"}]:
         dep = _mesh_dep(**update)
         with pytest.raises(ValueError):
-            mesh.sshd_config(dep, dep.fleet.hosts[0])
+            mesh_config.sshd_config(dep, dep.fleet.hosts[0])
     dep = _mesh_dep(address='10.0.0.1",command="id')
     with pytest.raises(ValueError):
-        mesh.authorized_keys(dep, "ssh-ed25519 AAAA k")
+        mesh_config.authorized_keys(dep, "ssh-ed25519 AAAA k")
     with pytest.raises(ValueError):
-        mesh.known_hosts(dep, {h.name: "ssh-ed25519 AAAA" for h in dep.fleet.hosts})
+        mesh_config.known_hosts(dep, {h.name: "ssh-ed25519 AAAA" for h in dep.fleet.hosts})
     dep = _mesh_dep()
     with pytest.raises(ValueError):
-        mesh.authorized_keys(dep, "ssh-ed25519 AAAA k\nssh-ed25519 BBBB evil")
+        mesh_config.authorized_keys(dep, "ssh-ed25519 AAAA k\nssh-ed25519 BBBB evil")
     with pytest.raises(ValueError):
-        mesh.known_hosts(dep, {h.name: "ssh-ed25519 AAAA\n@revoked * ssh-ed25519 BBBB" for h in dep.fleet.hosts})
+        mesh_config.known_hosts(dep, {h.name: "ssh-ed25519 AAAA\n@revoked * ssh-ed25519 BBBB" for h in dep.fleet.hosts})
     with pytest.raises(ValueError):
-        mesh.ssh_config(_mesh_dep(mesh_user="root\n  ProxyCommand sh -c id"))
+        mesh_config.ssh_config(_mesh_dep(mesh_user="root\n  ProxyCommand sh -c id"))
     # in an argv a newline is just an escaped character: no second directive
-    assert _directives(mesh.unit_file(_mesh_dep(config_dir="/etc/k2\nExecStartPre=/bin/sh"))) == _directives(mesh.unit_file(dep))
+    assert _directives(mesh_config.unit_file(_mesh_dep(config_dir="/etc/k2\nExecStartPre=/bin/sh"))) == _directives(mesh_config.unit_file(dep))
 
 
 @needs["systemd"]
 def test_real_systemd_loads_mesh_unit(tmp_path: Path) -> None:
     dep = _mesh_dep(config_dir="/etc/k2 #fleet 100% $x")
-    dumps = _systemd_dump(tmp_path, {"k2q-mesh.service": mesh.unit_file(dep)})
+    dumps = _systemd_dump(tmp_path, {"k2q-mesh.service": mesh_config.unit_file(dep)})
     cfg = "/etc/k2 #fleet 100% $x/mesh/sshd_config"
     lines = dumps["k2q-mesh.service"]
     assert [[_env_expand(w) for w in c] for c in _dump_commands(lines, "ExecStartPre")] == [

@@ -15,7 +15,7 @@ from k2fleet.planning.desired import HostDesired
 from k2fleet.planning.host_packages import bundle_apt_options
 from k2fleet.planning.host_fact import HostReport
 from k2fleet.deploy.fleet_run import FleetRun, side_channel
-from k2fleet.deploy.roles import bootstrap, checkpoint, engine, health, hub_client, mesh, packages, preflight, services
+from k2fleet.deploy.roles import bootstrap, checkpoint, engine, health_gate, hub_client, mesh, packages, preflight, services
 
 
 class RebootRefused(Exception):
@@ -71,4 +71,4 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
                       control_relay=run.control_relay, fleet_wanted=weights_wanted,
                       side_channel=side_channel(host.data, host.name), xet_disabled=run.xet_disabled)
     services.start(desired, fact, run.tracked, restart_all=bool(reboots))
-    health.gate(desired, fact, changed=run.fleet_changed)
+    health_gate.gate(desired, fact, changed=run.fleet_changed)

@@ -26,7 +26,7 @@ from typing import Any
 
 from k2fleet.planning.host_archive import ARCHIVE as HOST_ARCHIVE, archive_bytes, host_argv
 from k2fleet.planning.engine_side import HOST_ARCH, engine_side_requirements as venv_side_requirements, host_python, requirement_version
-from k2fleet.planning import mesh
+from k2fleet.planning import mesh_config
 from k2fleet.planning import host_bootstrap as bootstrap
 from k2fleet.planning.host_bootstrap import BootstrapPlan, bootstrap_plan
 from k2fleet.planning.os_tables import OS_TABLES
@@ -47,7 +47,7 @@ HUB_ENV = "/opt/k2fleet/hubenv"
 WHEEL_DIR = "/var/cache/k2fleet/wheelhouse"
 ENGINE_WHEEL_DIR = "/var/cache/k2fleet/engine-wheelhouse"
 UNIT_GLOB = "/etc/systemd/system/k2-*.service"
-MESH_UNIT_PATH = f"/etc/systemd/system/{mesh.UNIT}"
+MESH_UNIT_PATH = f"/etc/systemd/system/{mesh_config.UNIT}"
 HEALTH_CHECK = "healthy"
 HUB_CLIENT_CHECK = "hub-client"
 IMAGE_CHECK = "image-pinned"
@@ -236,26 +236,26 @@ def mesh_files(dep: Deployment, art: ControlArtifacts) -> dict[str, dict[str, Fi
     is computed once for the fleet."""
     if not mesh_enabled(dep):
         return {h.name: {} for h in dep.fleet.hosts}
-    d = mesh.mesh_dir(dep)
+    d = mesh_config.mesh_dir(dep)
     shared = {
         f"{d}/id_ed25519": _key(art.mesh_client, 0, "600", "mesh-keys"),
         f"{d}/id_ed25519.pub": _key(art.mesh_client, 1, "644", "mesh-keys"),
-        f"{d}/ssh_config": FileSpec(mesh.ssh_config(dep).encode(), "644"),
-        MESH_UNIT_PATH: FileSpec(mesh.unit_file(dep).encode(), "644"),
+        f"{d}/ssh_config": FileSpec(mesh_config.ssh_config(dep).encode(), "644"),
+        MESH_UNIT_PATH: FileSpec(mesh_config.unit_file(dep).encode(), "644"),
     }
     if art.mesh_client is not None:
-        shared[f"{d}/authorized_keys"] = FileSpec(mesh.authorized_keys(dep, art.mesh_client[1].decode()).encode(), "644")
+        shared[f"{d}/authorized_keys"] = FileSpec(mesh_config.authorized_keys(dep, art.mesh_client[1].decode()).encode(), "644")
     else:
         shared[f"{d}/authorized_keys"] = FileSpec(None, "644", "mesh-keys")
     if all(h.name in art.mesh_hosts for h in dep.fleet.hosts):
         publics = {n: k[1].decode() for n, k in art.mesh_hosts.items()}
-        shared[f"{d}/known_hosts"] = FileSpec(mesh.known_hosts(dep, publics).encode(), "644")
+        shared[f"{d}/known_hosts"] = FileSpec(mesh_config.known_hosts(dep, publics).encode(), "644")
     else:
         shared[f"{d}/known_hosts"] = FileSpec(None, "644", "mesh-keys")
-    allow = mesh.allow_users(dep)
+    allow = mesh_config.allow_users(dep)
     return {h.name: {
         **shared,
-        f"{d}/sshd_config": FileSpec(mesh.sshd_config(dep, h, allow).encode(), "644"),
+        f"{d}/sshd_config": FileSpec(mesh_config.sshd_config(dep, h, allow).encode(), "644"),
         f"{d}/ssh_host_ed25519_key": _key(art.mesh_hosts.get(h.name), 0, "600", "mesh-keys"),
         f"{d}/ssh_host_ed25519_key.pub": _key(art.mesh_hosts.get(h.name), 1, "644", "mesh-keys"),
     } for h in dep.fleet.hosts}
@@ -573,8 +573,8 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         d.service_files = {svc.name: service_files(dep, svc, d.image if container_name(svc) else None)
                            for svc in hp.services}
         d.own_slots = sorted((svc.stage, svc.name) for svc in hp.services)
-        d.units = [mesh.UNIT] + [unit_name(s) for s in hp.services]
-        d.mesh_yields_to = [unit_name(s) for s in hp.services if mesh.UNIT in s.conflicts]
+        d.units = [mesh_config.UNIT] + [unit_name(s) for s in hp.services]
+        d.mesh_yields_to = [unit_name(s) for s in hp.services if mesh_config.UNIT in s.conflicts]
         d.packages = required_packages(dep, hp, mesh_enabled(dep))
         d.bundle_request = bundle_request(dep, hp, d.bootstrap)
         d.checks = {ws.check: marker_check_argv(ws.path) for ws in dep.weight_sets}

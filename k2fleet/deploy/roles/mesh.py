@@ -9,7 +9,7 @@ from __future__ import annotations
 from pyinfra.api import deploy
 
 from k2fleet.planning.desired import HostDesired
-from k2fleet.planning.mesh import UNIT
+from k2fleet.planning.mesh_config import UNIT
 from k2fleet.deploy.operations import command, synced_files, unit_running
 from k2fleet.planning.host_fact import HostReport
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pyinfra.api import deploy
 
 from k2fleet.planning.desired import UNIT_GLOB, HostDesired
-from k2fleet.planning.mesh import UNIT as MESH_UNIT
+from k2fleet.planning.mesh_config import UNIT as MESH_UNIT
 from k2fleet.deploy.operations import command, start_or_explain, synced_files, unit_running
 from k2fleet.planning.host_fact import HostReport
 from k2fleet.planning.quoting import shell_line

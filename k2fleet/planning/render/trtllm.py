@@ -15,8 +15,8 @@ from typing import Any
 import yaml
 
 from k2fleet.planning.deployment import Deployment, Pool
-from k2fleet.planning.mesh import UNIT as MESH_UNIT
-from k2fleet.planning.mesh import mesh_dir
+from k2fleet.planning.mesh_config import UNIT as MESH_UNIT
+from k2fleet.planning.mesh_config import mesh_dir
 from k2fleet.planning.processes import Health, Service
 from k2fleet.planning.render.common import container_argv, engine_env, extra_flags, venv_bin
 from k2fleet.inventory.spec import HostEntry
