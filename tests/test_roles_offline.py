@@ -377,7 +377,8 @@ def test_failed_gate_receives_through_the_relay_from_its_peers(tmp_path: Path, c
     call = control_calls.kwargs[1]
     assert call["target"].endswith(child.address) and call["source"] is not None
     assert call["fetch_argv"] == [*host_argv("relay"), "fetch", "--fleet", ",".join(relays),
-                                  "--position", "1", "--fanout", "1", "--log", relay_plan.HOST_LOG, "--source",
+                                  "--position", "1", "--fanout", "1", "--repo", dep.s.model, "--revision",
+                                  dep.s.revision, "--log", relay_plan.HOST_LOG, "--source",
                                   f"http://127.0.0.1:{dep.s.relay_port}", path]
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from typing import Any
 
+from k2fleet.hostprogs.verify import load_manifest, manifest_digest
 from k2fleet.planning.relay_plan import HOST_LOG, control_dir
 
 log = logging.getLogger(__name__)
@@ -86,10 +87,14 @@ def relay_to_host(control: ControlRelay, source: str | None, target: str, ssh: l
     machine; with a control copy ``source``, the connection also carries a reverse tunnel
     from the host's ``127.0.0.1:tunnel_port`` to the control machine's relay of it (given
     to the fetch as its last source). Returns the host's report (also one JSON line in
-    ``log_file``, step ``relay``); raises RuntimeError naming the host when it fails."""
+    ``log_file``, step ``relay``); raises RuntimeError naming the host when it fails.
+    With a control copy, its manifest's digest goes to the fetch (``--manifest-digest``):
+    the host takes no manifest but the one the control machine verified."""
     argv = [*ssh]
     if source is not None:
         argv += ["-o", "ExitOnForwardFailure=yes", "-R", f"127.0.0.1:{tunnel_port}:127.0.0.1:{control.port_for(source)}"]
+        digest = manifest_digest(load_manifest(os.path.join(source, ".k2fleet", "manifest.json")))
+        fetch_argv = [*fetch_argv[:-1], "--manifest-digest", digest, fetch_argv[-1]]
     result = subprocess.run([*argv, target, shlex.join(fetch_argv)], capture_output=True, text=True,
                             stdin=subprocess.DEVNULL)
     if result.returncode:

@@ -296,12 +296,14 @@ class Source:
         self._idle = []
         self._lock = threading.Lock()
 
-    def request(self, path, headers=None, timeout=30):
+    def request(self, path, headers=None, timeout=30, limit=None):
+        """(status, body); a body over ``limit`` bytes is cut there plus one byte (so a
+        caller can tell it was too large without reading it all)."""
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
             conn.request("GET", urllib.parse.quote(path), headers=headers or {})
             resp = conn.getresponse()
-            return resp.status, resp.read()
+            return resp.status, resp.read() if limit is None else resp.read(limit + 1)
         finally:
             conn.close()
 
@@ -588,21 +590,66 @@ def finish_file(landed, root, manifest, rel):
     return True
 
 
-def _manifest_from(sources, wait_s=600.0):
-    """The manifest from the first source that has one; sources that answer without one
-    yet (a peer still fetching it) are waited for, up to ``wait_s`` seconds."""
-    deadline, last = time.monotonic() + wait_s, None
+MANIFEST_MAX_BYTES = 64 << 20  # a 1 TB checkpoint's manifest is well under 1 MiB
+
+
+class Pin:
+    """What the control machine proved about the checkpoint: its repository, its pinned
+    revision and (when the control machine holds a verified copy) the digest of that
+    copy's manifest (:func:`verify.manifest_digest`). A manifest any peer serves is taken
+    only if it matches all three."""
+
+    def __init__(self, repo=None, revision=None, digest=None):
+        self.repo, self.revision, self.digest = repo, revision, digest
+
+    def problem(self, body):
+        """None when ``body`` is a usable manifest of the pinned checkpoint; else why not."""
+        if len(body) > MANIFEST_MAX_BYTES:
+            return f"manifest too large ({len(body)} bytes)"
+        try:
+            manifest = json.loads(body)
+        except ValueError:
+            return "manifest is not JSON"
+        problems = verify.manifest_problems(manifest)
+        if problems:
+            return "manifest: " + "; ".join(p.line() for p in problems[:3])
+        if self.repo is not None and manifest.get("repo_id") != self.repo:
+            return f"repo {manifest.get('repo_id')!r} is not the pinned {self.repo}"
+        if self.revision is not None and manifest["revision"] != self.revision:
+            return f"revision {manifest['revision']} is not the pinned {self.revision}"
+        if self.digest is not None and verify.manifest_digest(manifest) != self.digest:
+            return "manifest digest differs from the control machine's verified copy"
+        return None
+
+
+def _manifest_from(sources, wait_s=600.0, pin=None):
+    """The manifest from the first source whose manifest the ``pin`` takes; sources that
+    answer without one yet (a peer still fetching it) are waited for, up to ``wait_s``
+    seconds; a source whose manifest is refused is not asked again."""
+    pin = pin or Pin()
+    deadline, last, refused = time.monotonic() + wait_s, None, {}
     while time.monotonic() < deadline:
         for src in sources:
+            if src.url in refused:
+                continue
             try:
-                status, body = src.request("/manifest", timeout=10)
+                status, body = src.request("/manifest", timeout=10, limit=MANIFEST_MAX_BYTES)
                 if status == 200:
-                    return body
+                    why = pin.problem(body)
+                    if why is None:
+                        return body
+                    refused[src.url] = why
+                    sys.stderr.write(f"relay: refused the manifest of {src.url}: {why}\n")
+                    continue
                 last = f"{src.url} answered {status}"
             except OSError as exc:
                 last = exc
+        if len(refused) == len(sources):
+            break
         time.sleep(POLL_S)
-    raise SystemExit(f"no source answered with a manifest ({last})")
+    why = "; ".join(f"{url}: {reason}" for url, reason in refused.items())
+    raise SystemExit(f"no source answered with a manifest of the pinned checkpoint ({why or last}); "
+                     "refused manifests are never used")
 
 
 def fleet_plan(files, fleet, position, fanout, sources):
@@ -742,14 +789,16 @@ def _heartbeat(root, stop):
 
 
 def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_after=DEAD_AFTER_S, fleet=None,
-          position=None, fanout=1, give_up_after=GIVE_UP_S, verify_behind=VERIFY_BEHIND):
+          position=None, fanout=1, give_up_after=GIVE_UP_S, verify_behind=VERIFY_BEHIND, pin=None):
     """Fetch every file of the sources' manifest into ``root``, each from the first live
     source of its list, verifying each before it is marked (and so served onward).
     The lists: ``plan`` (file → URLs, parent first), or the fleet's per-shard plan
     (``fleet``: every host's relay URL in fleet order, this host at ``position``; the
     source is ``urls``), or ``urls`` for every file. Files are taken in ``fanout`` lanes
     at once (shard j in lane j mod fanout: one lane per tree of the plan, each fed by its
-    own parent), in order within a lane."""
+    own parent), in order within a lane. ``pin`` (:class:`Pin`): the only manifest taken is
+    one of the pinned repository and revision (and digest); names are checked before
+    anything is written (no absolute path, ``..`` or empty part)."""
     os.makedirs(os.path.join(root, ".k2fleet"), exist_ok=True)
     shutil.rmtree(os.path.join(root, PARTIAL), ignore_errors=True)  # a killed run's leftovers
     t0, started = time.monotonic(), time.time()
@@ -758,7 +807,7 @@ def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_af
     beat.start()
     try:
         ancestors = fleet[:position] if fleet else []
-        manifest_bytes = _manifest_from([Source(u) for u in [*reversed(ancestors), *urls]], give_up_after)
+        manifest_bytes = _manifest_from([Source(u) for u in [*reversed(ancestors), *urls]], give_up_after, pin)
         manifest = json.loads(manifest_bytes)
         if fleet:
             plan = fleet_plan(manifest["files"], fleet, position, fanout, urls)
@@ -837,6 +886,9 @@ def main(argv=None):
     f.add_argument("--verify-behind", type=int, default=VERIFY_BEHIND,
                    help="landed files of a lane still being hashed and checked while the next lands (0: none)")
     f.add_argument("--plan", help="JSON file: {file: [source URL, ...]} (parent first); default --source for all")
+    f.add_argument("--repo", help="the pinned repository: a manifest of another is refused")
+    f.add_argument("--revision", help="the pinned revision: a manifest of another is refused")
+    f.add_argument("--manifest-digest", help="the control machine's verified copy's manifest digest: any other is refused")
     a = p.parse_args(argv)
     if a.cmd == "mark":
         bad = mark(a.dir)
@@ -855,7 +907,7 @@ def main(argv=None):
     if not (a.source or plan or fleet):
         p.error("fetch needs --source, --plan or --fleet")
     fetch(a.dir, a.source, a.streams, a.chunk, a.log, plan, a.dead_after, fleet, a.position, a.fanout,
-          a.give_up_after, a.verify_behind)
+          a.give_up_after, a.verify_behind, Pin(a.repo, a.revision, a.manifest_digest))
     return 0
 
 

@@ -196,8 +196,16 @@ def _entry_problems(rel: str, entry: Any) -> list[Problem]:
 
 
 def _safe_relpath(rel: str) -> bool:
-    parts = rel.split("/")
-    return bool(rel) and not rel.startswith("/") and ".." not in parts and "" not in parts
+    """A plain relative name inside the checkpoint: no absolute path, no empty, ``.`` or
+    ``..`` part, not under k2fleet's own ``.k2fleet/`` (its manifest and markers), no
+    control character or backslash.
+
+    >>> [_safe_relpath(r) for r in ("a/b.json", "/etc/x", "a/../b", "./a", "a//b", ".k2fleet/verified.json", "a\\tb")]
+    [True, False, False, False, False, False, False]
+    """
+    parts = rel.split("/") if isinstance(rel, str) else [""]
+    return (bool(rel) and not rel.startswith("/") and all(p not in ("", ".", "..") for p in parts)
+            and parts[0] != ".k2fleet" and "\\" not in rel and not any(ord(c) < 32 or ord(c) == 127 for c in rel))
 
 
 def manifest_digest(manifest: dict[str, Any]) -> str:

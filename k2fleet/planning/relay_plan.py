@@ -122,16 +122,23 @@ def relay_stop_argv() -> list[str]:
 
 
 def relay_fetch_argv(path: str, fleet: list[str], position: int, fanout_k: int, sources: list[str],
-                     log_file: str = HOST_LOG) -> list[str]:
+                     log_file: str = HOST_LOG, pin: tuple[str, str] | None = None) -> list[str]:
     """argv (run on a host) receiving ``path`` shard by shard through the relay: from its
     place ``position`` in the fleet order ``fleet`` (relay URLs), falling back to the
-    parent's ancestors and last to ``sources``.
+    parent's ancestors and last to ``sources``. ``pin``: (repository, revision) — a
+    manifest of another is refused by the receiving relay (the control machine adds its
+    verified copy's digest when it runs the fetch: :func:`k2fleet.control.checkpoint_copy.relay_to_host`).
 
     >>> relay_fetch_argv("/m/k2", ["http://a:1", "http://b:1"], 1, 1, [])[4:10]
     ['--fleet', 'http://a:1,http://b:1', '--position', '1', '--fanout', '1']
+    >>> relay_fetch_argv("/m/k2", ["http://a:1"], 0, 1, [], pin=("m/k", "0" * 40))[-6:-1]
+    ['--repo', 'm/k', '--revision', '0000000000000000000000000000000000000000', '--log']
     """
     argv = [*host_argv("relay"), "fetch", "--fleet", ",".join(fleet), "--position", str(position),
-            "--fanout", str(fanout_k), "--log", log_file]
+            "--fanout", str(fanout_k)]
+    if pin is not None:
+        argv += ["--repo", pin[0], "--revision", pin[1]]
+    argv += ["--log", log_file]
     for url in sources:
         argv += ["--source", url]
     return argv + [path]

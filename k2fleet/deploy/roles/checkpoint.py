@@ -180,8 +180,8 @@ def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fac
             _if=lambda: serving)
     control_copy = None if on_host else source_dir
     tunnel = [relay_plan.relay_url("127.0.0.1", dep.s.relay_port)] if control_copy else []
-    fetch_argv = relay_plan.relay_fetch_argv(path, list(fan.relays), fan.position or 0, fan.relay_fanout, tunnel) \
-        if receiving else ["true"]
+    fetch_argv = relay_plan.relay_fetch_argv(path, list(fan.relays), fan.position or 0, fan.relay_fanout, tunnel,
+                                             pin=(ws.repo, ws.revision)) if receiving else ["true"]
     target, ssh = side_channel
     python.call(
         name=f"{what}: receive shard by shard, each verified before it is passed on",

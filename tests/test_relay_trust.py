@@ -1,0 +1,170 @@
+"""The relay trusts no peer beyond what the pin proves (exploit tests, real sockets, loopback).
+
+A hostile peer serves the relay's ``/manifest`` route with a manifest that names files
+outside the checkpoint (an absolute path, ``..``), another revision or repository, or a
+checkpoint of other bytes under the pinned revision; a receiving ``relay fetch`` must refuse
+that manifest, write nothing outside its directory (an existing file there keeps its bytes),
+mark nothing (so serve nothing onward) and fail when no honest source is left. A manifest
+too large to be one is refused unread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from k2fleet.hostprogs import verify
+from k2sandbox.checkpoint_cache import ensure_synthetic_checkpoint
+
+RELAY_ARGV = [sys.executable, "-m", "k2fleet.hostprogs.relay"]
+REPO, REV = "t/Kimi-K2-Thinking", "e" * 40
+
+
+class FakePeer:
+    """A loopback HTTP server answering ``/manifest`` with ``body`` and any file with ``payload``."""
+
+    def __init__(self, body: bytes, payload: bytes = b"pwned\n") -> None:
+        self.requests: list[str] = []
+        peer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                peer.requests.append(self.path)
+                data = body if self.path == "/manifest" else payload
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def fetch(root: Path, *sources: str, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    argv = [*RELAY_ARGV, "fetch", str(root), "--give-up-after", "3", "--dead-after", "1",
+            "--repo", REPO, "--revision", REV, *extra]
+    for url in sources:
+        argv += ["--source", url]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
+def manifest(files: dict[str, dict], revision: str = REV, repo: str = REPO) -> bytes:
+    return json.dumps({"repo_id": repo, "revision": revision, "files": files}).encode()
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> tuple[Path, Path]:
+    """(the checkpoint directory two levels down, a file outside it that must keep its bytes)."""
+    root = tmp_path / "models" / "ckpt"
+    root.mkdir(parents=True)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("original\n")
+    return root, victim
+
+
+def outside(tmp_path: Path, root: Path) -> set[Path]:
+    return {p for p in tmp_path.rglob("*") if p.is_file() and root not in p.parents}
+
+
+SHA = hashlib.sha256(b"pwned\n").hexdigest()
+
+
+@pytest.mark.parametrize("name", ["/ABS/victim.txt", "../../victim.txt", "../escaped.txt", "a/../../victim.txt",
+                                  "./x", ".k2fleet/manifest.json", ""])
+def test_a_manifest_naming_files_outside_the_checkpoint_is_refused(layout: tuple[Path, Path], tmp_path: Path,
+                                                                   name: str) -> None:
+    root, victim = layout
+    name = name.replace("/ABS/", f"{tmp_path}/")
+    peer = FakePeer(manifest({name: {"size": 6, "sha256": SHA}, "config.json": {"size": 6, "sha256": SHA}}))
+    before = outside(tmp_path, root)
+    try:
+        out = fetch(root, peer.url)
+    finally:
+        peer.close()
+    assert out.returncode != 0, out.stdout
+    assert "refused" in out.stderr and "manifest" in out.stderr, out.stderr
+    assert victim.read_text() == "original\n"
+    assert outside(tmp_path, root) == before  # nothing written outside (escaped.txt two levels up included)
+    assert not (root / ".k2fleet" / "relay").exists() or not any((root / ".k2fleet" / "relay").iterdir())
+    assert [r for r in peer.requests if r != "/manifest"] == []  # not one file asked for
+
+
+@pytest.mark.parametrize("body, reason", [
+    (manifest({}, revision="f" * 40), "revision"),
+    (manifest({}, repo="evil/Kimi-K2-Thinking"), "repo"),
+    (b"[1, 2]", "manifest"),
+    (b"{not json", "manifest"),
+    (json.dumps({"repo_id": REPO, "revision": REV, "files": {"x": {"size": -1, "sha256": SHA}}}).encode(), "manifest"),
+])
+def test_a_manifest_of_another_revision_or_malformed_is_refused(layout: tuple[Path, Path], body: bytes,
+                                                                reason: str) -> None:
+    root, _ = layout
+    peer = FakePeer(body)
+    try:
+        out = fetch(root, peer.url)
+    finally:
+        peer.close()
+    assert out.returncode != 0 and reason in out.stderr, out.stderr
+    assert not (root / ".k2fleet" / "manifest.json").exists()
+
+
+def test_a_manifest_too_large_to_be_one_is_refused(layout: tuple[Path, Path]) -> None:
+    root, _ = layout
+    peer = FakePeer(b"{" + b" " * (65 << 20) + b"}")
+    try:
+        out = fetch(root, peer.url)
+    finally:
+        peer.close()
+    assert out.returncode != 0 and "too large" in out.stderr, out.stderr[-500:]
+
+
+def test_a_peer_serving_other_bytes_under_the_pinned_revision_is_refused(tmp_path: Path) -> None:
+    """The pinned revision is not enough: another checkpoint with a consistent manifest of
+    its own (other sha256s) passes every per-file check; the control copy's manifest digest
+    handed to the fetch (``--manifest-digest``) is what refuses it."""
+    honest = ensure_synthetic_checkpoint(tmp_path / "honest", REPO, REV, num_shards=3, shard_bytes=4096)
+    forged = ensure_synthetic_checkpoint(tmp_path / "forged", REPO, REV, num_shards=3, shard_bytes=5000)
+    pinned = verify.manifest_digest(verify.load_manifest(str(honest / ".k2fleet" / "manifest.json")))
+    peer = FakePeer((forged / ".k2fleet" / "manifest.json").read_bytes())
+    root = tmp_path / "dest"
+    try:
+        out = fetch(root, peer.url, extra=("--manifest-digest", pinned))
+    finally:
+        peer.close()
+    assert out.returncode != 0 and "digest" in out.stderr, out.stderr
+    assert [r for r in peer.requests if r != "/manifest"] == []
+
+
+def test_a_refused_peer_is_skipped_for_an_honest_one(tmp_path: Path) -> None:
+    """A hostile first source cannot stop the fetch: the next source's manifest is taken."""
+    honest = ensure_synthetic_checkpoint(tmp_path / "honest", REPO, REV, num_shards=3, shard_bytes=4096)
+    assert subprocess.run([*RELAY_ARGV, "mark", str(honest)], capture_output=True).returncode == 0
+    server = subprocess.Popen([*RELAY_ARGV, "serve", str(honest), "--bind", "127.0.0.1", "--port", "0"],
+                              stdout=subprocess.PIPE, text=True)
+    port = json.loads(server.stdout.readline())["port"]  # type: ignore[union-attr]
+    evil = FakePeer(manifest({"../../escaped.txt": {"size": 6, "sha256": SHA}}))
+    pinned = verify.manifest_digest(verify.load_manifest(str(honest / ".k2fleet" / "manifest.json")))
+    try:
+        out = fetch(tmp_path / "dest", evil.url, f"http://127.0.0.1:{port}", extra=("--manifest-digest", pinned))
+    finally:
+        evil.close()
+        server.kill()
+        server.wait()
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["verified"] and report["bad_shards"] == [] and not (tmp_path / "escaped.txt").exists()
