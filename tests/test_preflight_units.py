@@ -77,7 +77,8 @@ def test_unit_gates_on_the_checkpoint_and_escapes_systemd_specials(tmp_path: Pat
     dep, _, plan = deployment(tmp_path, k2_env={"PCT": "100%"}, k2_engine_args={"chat-template": "$HOME/x%y"})
     svc = plan.hosts["node-0"].services[0]
     unit = unit_file(dep, svc)
-    assert f"ExecStartPre=/usr/bin/python3 /opt/k2fleet/lib/k2fleet-host.pyz verify {dep.checkpoint_path}" in unit
+    assert (f"ExecStartPre=/usr/bin/python3 /opt/k2fleet/lib/k2fleet-host.pyz verify --repo {dep.s.model} "
+            f"--revision {dep.s.revision} {dep.checkpoint_path}") in unit
     assert "$$HOME/x%%y" in unit and "EnvironmentFile=/etc/k2fleet/env/k2-vllm.env" in unit
     assert "Restart=on-failure" in unit and "LimitMEMLOCK=infinity" in unit
     assert 'PCT="100%"' in env_file(svc)

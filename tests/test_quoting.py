@@ -699,7 +699,7 @@ def test_real_systemd_loads_rendered_units_argv_exactly(tmp_path: Path) -> None:
     for name, svc in services.items():
         lines = dumps[name]
         assert [[_env_expand(w) for w in c] for c in _dump_commands(lines, "ExecStart")] == [svc.argv]
-        assert [[_env_expand(w) for w in c] for c in _dump_commands(lines, "ExecStartPre")] == [units.gate_argv(dep)]
+        assert [[_env_expand(w) for w in c] for c in _dump_commands(lines, "ExecStartPre")] == [units.gate_argv(dep.weight_sets[0])]
         assert _dump_field(lines, "EnvironmentFile") == [f"/etc/k2 fleet %i/env/{svc.name}.env"]
         assert _dump_field(lines, "Description") == [f"k2fleet: {svc.description or svc.name}"]
         if svc.workdir:

@@ -168,3 +168,21 @@ def test_a_refused_peer_is_skipped_for_an_honest_one(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["verified"] and report["bad_shards"] == [] and not (tmp_path / "escaped.txt").exists()
+
+
+def test_the_start_gate_refuses_a_verified_checkpoint_of_another_revision(tmp_path: Path) -> None:
+    """A copy whose manifest (and marker) say another revision is verified as itself, but
+    the units' start gate and the fact's check are pinned: they fail on it."""
+    other = ensure_synthetic_checkpoint(tmp_path / "other", REPO, "f" * 40, num_shards=2, shard_bytes=4096)
+    verify_argv = [*RELAY_ARGV[:2], "k2fleet.hostprogs.verify"]
+    assert subprocess.run([*verify_argv, str(other)], capture_output=True).returncode == 0  # verified as itself
+    for extra in ((), ("--marker-only",)):
+        pinned = subprocess.run([*verify_argv, *extra, "--repo", REPO, "--revision", REV, str(other)],
+                                capture_output=True, text=True)
+        assert pinned.returncode == 1, (extra, pinned.stdout)
+        same = subprocess.run([*verify_argv, *extra, "--repo", REPO, "--revision", "f" * 40, str(other)],
+                              capture_output=True, text=True)
+        assert same.returncode == 0, (extra, same.stdout)
+    moved = subprocess.run([*verify_argv, "--repo", "evil/x", "--revision", "f" * 40, str(other)], capture_output=True,
+                           text=True)
+    assert moved.returncode == 1 and "pinned evil/x" in moved.stdout

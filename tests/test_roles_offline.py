@@ -368,7 +368,7 @@ def test_failed_gate_receives_through_the_relay_from_its_peers(tmp_path: Path, c
     assert out.changed("h200-1") == [*RELAY_OPS, "health gate: /health 200 and a real chat completion"]
     serve = out.op("h200-1", RELAY_OPS[0]).commands
     assert len(serve) == 1 and f"k2fleet-host.pyz relay serve {path} --bind {child.address} --port {dep.s.relay_port}" in serve[0]
-    assert out.op("h200-1", RELAY_OPS[2]).commands == [shlex.join(host_argv("verify", path))]
+    assert out.op("h200-1", RELAY_OPS[2]).commands == [shlex.join(host_argv("verify", "--repo", dep.s.model, "--revision", dep.s.revision, path))]
     # the root's gate passed: it serves its verified copy and stops afterwards, receives nothing
     assert out.changed("h200-0") == ["fetch + verify the checkpoint on the control machine (once per fleet)",
                                      RELAY_OPS[0], RELAY_OPS[3], "checkpoint: stop the control machine's relay",

@@ -627,6 +627,23 @@ def _finish(
 # --------------------------------------------------------------------------- CLI
 
 
+def pin_problem(manifest: Any, repo: str | None, revision: str | None) -> str | None:
+    """Why ``manifest`` is not of the pinned ``repo`` and ``revision`` (None: it is, or nothing is pinned).
+
+    >>> pin_problem({"repo_id": "m/k", "revision": "a" * 40}, "m/k", "b" * 40)[:19]
+    'manifest revision a'
+    >>> pin_problem({"repo_id": "m/k", "revision": "a" * 40}, "m/k", "a" * 40) is None
+    True
+    """
+    if not isinstance(manifest, dict):
+        return "manifest is not a JSON object"
+    if repo is not None and manifest.get("repo_id") != repo:
+        return f"manifest repo {manifest.get('repo_id')!r} is not the pinned {repo}"
+    if revision is not None and manifest.get("revision") != revision:
+        return f"manifest revision {manifest.get('revision')} is not the pinned {revision}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit code (0 ok, 1 problems).
 
@@ -644,12 +661,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--marker-only", action="store_true",
                     help="read-only: exit 0 only if the verified marker matches the manifest and no file's "
                     "stat changed since; hashes nothing and never writes or removes the marker")
+    ap.add_argument("--repo", help="the pinned repository: a manifest of another fails (nothing is served from it)")
+    ap.add_argument("--revision", help="the pinned revision: a manifest of another fails")
     args = ap.parse_args(argv)
     root = os.path.abspath(args.dir)
     mpath = args.manifest or os.path.join(state_dir(root), MANIFEST_NAME)
     if args.marker_only:
         try:
-            return 0 if is_verified(root, load_manifest(mpath)) else 1
+            manifest = load_manifest(mpath)
+            return 0 if not pin_problem(manifest, args.repo, args.revision) and is_verified(root, manifest) else 1
         except (OSError, ValueError):
             return 1
     try:
@@ -658,7 +678,13 @@ def main(argv: list[str] | None = None) -> int:
         report = Report(dir=root, revision="?", problems=[Problem(mpath, BAD_MANIFEST, f"cannot load: {e}")])
         report = _finish(report, root, {}, {}, time.monotonic())
     else:
-        report = verify(root, manifest, full=args.full, workers=args.workers)
+        pinned = pin_problem(manifest, args.repo, args.revision)
+        if pinned:
+            report = Report(dir=root, revision=str(manifest.get("revision")),
+                            problems=[Problem(mpath, BAD_MANIFEST, pinned)])
+            report = _finish(report, root, {}, {}, time.monotonic())
+        else:
+            report = verify(root, manifest, full=args.full, workers=args.workers)
     if args.json:
         print(json.dumps(report.to_dict(), indent=1, sort_keys=True))
     else:

@@ -32,7 +32,7 @@ from k2fleet.planning.host_bootstrap import BootstrapPlan, bootstrap_plan
 from k2fleet.planning.os_tables import OS_TABLES
 from k2fleet.planning import relay_plan
 from k2fleet.hostprogs import swarm
-from k2fleet.planning.deployment import CHECKPOINT_CHECK, Deployment
+from k2fleet.planning.deployment import CHECKPOINT_CHECK, Deployment, WeightSet
 from k2fleet.planning.host_packages import required_packages
 from k2fleet.planning.processes import HostPlan, Plan, Service
 from k2fleet.planning.units import (container_name, env_file, env_path, image_pin_argv,
@@ -485,10 +485,11 @@ def health_argv(dep: Deployment, hp: HostPlan, timeout: int, pd: dict[str, list[
     return None
 
 
-def marker_check_argv(path: str) -> list[str]:
-    """Read-only check of one weight set (``path``) for the HostState fact: the verified
-    marker matches the manifest and no file's stat changed (never writes or removes the marker)."""
-    return host_argv("verify", "--marker-only", path)
+def marker_check_argv(ws: WeightSet) -> list[str]:
+    """Read-only check of one weight set for the HostState fact: its manifest is of the
+    pinned repository and revision, the verified marker matches it and no file's stat
+    changed (never writes or removes the marker)."""
+    return host_argv("verify", "--marker-only", "--repo", ws.repo, "--revision", ws.revision, ws.path)
 
 
 def hub_client_check(requirement: str) -> list[str]:
@@ -577,7 +578,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         d.mesh_yields_to = [unit_name(s) for s in hp.services if mesh_config.UNIT in s.conflicts]
         d.packages = required_packages(dep, hp, mesh_enabled(dep))
         d.bundle_request = bundle_request(dep, hp, d.bootstrap)
-        d.checks = {ws.check: marker_check_argv(ws.path) for ws in dep.weight_sets}
+        d.checks = {ws.check: marker_check_argv(ws) for ws in dep.weight_sets}
         d.checks.update(bootstrap.fact_checks(d.bootstrap))
         if d.bootstrap.vendor:
             d.gpu_gate = bootstrap.gate_argv(d.bootstrap)

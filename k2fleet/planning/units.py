@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from k2fleet.planning.deployment import Deployment
+from k2fleet.planning.deployment import Deployment, WeightSet
 from k2fleet.planning.host_archive import host_argv
 from k2fleet.planning.processes import Service
 from k2fleet.planning.render.common import DOCKER
@@ -28,10 +28,10 @@ def env_file(svc: Service) -> str:
     return "\n".join(env_file_line(key, svc.env[key]) for key in sorted(svc.env)) + "\n"
 
 
-def gate_argv(dep: Deployment, path: str | None = None) -> list[str]:
-    """The checkpoint gate of one weight set (default: the checkpoint): a stat-fast
-    re-verify against the verified marker."""
-    return host_argv("verify", path or dep.checkpoint_path)
+def gate_argv(ws: WeightSet) -> list[str]:
+    """The checkpoint gate of one weight set: a stat-fast re-verify against the verified
+    marker, of a manifest of the pinned repository and revision only."""
+    return host_argv("verify", "--repo", ws.repo, "--revision", ws.revision, ws.path)
 
 
 def container_name(svc: Service) -> str | None:
@@ -92,7 +92,7 @@ def unit_file(dep: Deployment, svc: Service, image_id: str | None = None) -> str
     if svc.oneshot:
         lines.append("RemainAfterExit=yes")
     if svc.needs_checkpoint:
-        lines += [f"ExecStartPre={systemd_exec(gate_argv(dep, ws.path))}" for ws in dep.weight_sets]
+        lines += [f"ExecStartPre={systemd_exec(gate_argv(ws))}" for ws in dep.weight_sets]
     lines += pre
     lines += [f"ExecStartPre={systemd_exec(argv)}" for argv in svc.pre_start]
     lines.append(f"ExecStart={systemd_exec(svc.argv)}")

@@ -191,7 +191,7 @@ def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fac
         _if=lambda: receiving,
     )
     tracked.append(command(name=f"{what}: check every file (index, headers; hashed by the relay as it arrived)",
-                           argv=host_argv("verify", path), _if=lambda: receiving or root_download))
+                           argv=gate_argv(ws), _if=lambda: receiving or root_download))
     command(name=f"{what}: stop this host's relay", argv=relay_plan.relay_stop_argv(),
             _if=lambda: serving)
     python.call(name=f"{what}: stop the control machine's relay", function=control_relay.stop,
@@ -199,4 +199,4 @@ def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fac
 
     # Shared storage: the root fetched into the shared path; the others only pass the gate.
     command(name=f"{what} gate on shared storage",
-            argv=gate_argv(dep, path), _if=lambda: fan.shared and wanted and not fan.is_root)
+            argv=gate_argv(ws), _if=lambda: fan.shared and wanted and not fan.is_root)
