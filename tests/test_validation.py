@@ -225,6 +225,10 @@ INJECTION = _injection_cases()
 IDENTITY = family("identity", [
     Case("address-not-ipv4", {"k2_address": "300.1.1.1"}, "k2_address", "not a valid IPv4"),
     Case("address-bad-dns-label", {"k2_address": "gpu_0.example.com"}, "k2_address", "DNS name"),
+    Case("address-unspecified", {"k2_address": "0.0.0.0"}, "k2_address", "unspecified"),
+    Case("address-unspecified-v6", {"k2_address": "::"}, "k2_address", "unspecified"),
+    Case("venv-is-usr", {"k2_venv": "/usr"}, "k2_venv", "system's own directory"),
+    Case("model-dir-in-etc", {"k2_model_dir": "/etc/models"}, "k2_model_dir", "system's own directory"),
     Case("ssh-hostname-not-ipv4", {}, "ssh_hostname", "not a valid IPv4", hosts=[("node-0", {"ssh_hostname": "300.1.1.1"})]),
     Case("duplicate-address", {"k2_tp": 16}, "k2_address", "node-0 and node-1 both have address 192.0.2.7",
          hosts=[("node-0", {"k2_address": "192.0.2.7"}), ("node-1", {"k2_address": "192.0.2.7"})]),
@@ -349,6 +353,13 @@ STRUCTURE = family("structure", [
     Case("engine-arg-nested-list", {"k2_engine_args": {"cuda-graph-sizes": [[1, 2]]}},
          "k2_engine_args.cuda-graph-sizes[0]", "flat"),
     Case("ib-hcas-string", {"k2_ib_hcas": "mlx5_0"}, "k2_ib_hcas", "valid list"),
+    # flag smuggling: a value (or list item) that is itself a flag would be a second argv flag
+    Case("engine-arg-list-smuggles-flag", {"k2_engine_args": {"max-num-seqs": [256, "--tensor-parallel-size", 4]}},
+         "k2_engine_args.max-num-seqs[1]", "looks like a flag"),
+    Case("engine-arg-value-smuggles-flag", {"k2_engine_args": {"chat-template": "-tp"}},
+         "k2_engine_args.chat-template", "looks like a flag"),
+    Case("engine-arg-value-100k", {"k2_engine_args": {"chat-template": "a" * 100_000}},
+         "k2_engine_args.chat-template", "at most 4096 characters"),
     # flag and option names against the pinned engine's tables (k2fleet.planning.engine_flags)
     Case("engine-flag-typo", {"k2_engine_args": {"tensor-paralel-size": 8}}, "k2_engine_args", "did you mean"),
     Case("trtllm-option-contradicts-key", B200 | {"k2_trtllm_config": {"tensor_parallel_size": 4}},
@@ -378,6 +389,8 @@ SECRETS = family("secrets", [
          "k2_hub_token_file", secret=GH_PAT),
     Case("credentials-in-endpoint", {"k2_hub_endpoint": "https://user:s3cretpass@hub.example"}, "k2_hub_endpoint",
          "k2_hub_token_file", secret="s3cretpass"),
+    Case("token-in-endpoint-query", {"k2_hub_endpoint": "https://hub.example/?access_token=qwertyuiop123"},
+         "k2_hub_endpoint", "query", secret="qwertyuiop123"),
     Case("token-via-data", {}, "k2_served_model_name", "k2_hub_token_file", secret=HF,
          cli_data=(f"k2_served_model_name={HF}",)),
 ])
@@ -655,6 +668,8 @@ TWINS: list[tuple[str, dict[str, Any], int | list]] = [
     ("structure-trtllm", B200 | {"k2_trtllm_config": {"max_batch_size": 128, "kv_cache_config": {"free_gpu_memory_fraction": 1},
                                                       "cuda_graph_config": None, "speculative_config": {"x": [1, "a"]}}}, 1),
     ("secrets", SECRETS_TWIN, 1),
+    ("structure-engine-arg-values", {"k2_engine_args": {"cudagraph-capture-sizes": [1, 2, 4], "seed": -1,
+                                                        "max-logprobs": "-1", "chat-template": "/srv/t/" + "a" * 4080}}, 1),
 ]
 
 

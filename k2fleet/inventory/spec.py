@@ -261,6 +261,8 @@ def http_url(value: str) -> str:
         raise ValueError(f"must not carry credentials (user:password@); {SECRET_HINT}")
     if not parts.hostname:
         raise ValueError("must name a host (http(s)://HOST[:PORT][/path])")
+    if parts.query or parts.fragment or "?" in value or "#" in value:
+        raise ValueError(f"must not carry a query or fragment (a token there would reach argv and logs); {SECRET_HINT}")
     address(parts.hostname)
     return value
 
@@ -357,6 +359,10 @@ def _check_config_tree(value: Any, path: tuple[Any, ...] = ()) -> None:
         _scalar(value, path, "must be a string, number, boolean, list or mapping")
 
 
+ENGINE_ARG_MAX_CHARS = 4096
+FLAG_LIKE_RE = re.compile(r"-+[A-Za-z_]")  # "-1" and "-0.5" are numbers, "-tp" and "--port" are flags
+
+
 def _engine_arg(value: Any, path: tuple[Any, ...]) -> None:
     if isinstance(value, list):
         for i, item in enumerate(value):
@@ -365,6 +371,12 @@ def _engine_arg(value: Any, path: tuple[Any, ...]) -> None:
             _engine_arg(item, path + (i,))
         return
     _scalar(value, path, "a flag value is a string, number, boolean or list of those")
+    if isinstance(value, str):
+        if FLAG_LIKE_RE.match(value):
+            raise _Nested(path, f"{show(value)} looks like a flag: a value would put a second flag in the engine's "
+                                "argv; give each flag its own key in k2_engine_args")
+        if len(value) > ENGINE_ARG_MAX_CHARS:
+            raise _Nested(path, f"must be at most {ENGINE_ARG_MAX_CHARS} characters (got {len(value)})")
 
 
 def engine_args(value: dict[str, Any]) -> dict[str, Any]:
@@ -434,7 +446,40 @@ VersionStr = Annotated[SafeStr, AfterValidator(_pattern(VERSION_RE, "a version l
 GpuName = Annotated[SafeStr, AfterValidator(_pattern(GPU_NAME_RE, "a GPU type name"))]
 ImageRef = Annotated[SafeStr, AfterValidator(docker_ref)]
 ImageId = Annotated[SafeStr, AfterValidator(_pattern(IMAGE_ID_RE, "an image ID sha256:<64 lowercase hex>, as `docker image inspect --format {{.Id}}` prints it"))]
-Address = Annotated[SafeStr, AfterValidator(address)]
+def reachable_address(value: str) -> str:
+    """:func:`address`, and not one peers cannot reach: the unspecified address (0.0.0.0,
+    ::, a bind-any, not an address) or a multicast one."""
+    address(value)
+    try:
+        ip = ipaddress.ip_address(value)
+    except ValueError:
+        return value
+    if ip.is_unspecified or ip.is_multicast:
+        raise ValueError(f"{value} is {'the unspecified (bind-any)' if ip.is_unspecified else 'a multicast'} address, "
+                         "not one peers can reach; give the host's own address on the fleet network")
+    return value
+
+
+Address = Annotated[SafeStr, AfterValidator(reachable_address)]
+SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/run", "/sbin", "/sys", "/usr")
+SYSTEM_DIRS = frozenset({"/home", "/mnt", "/opt", "/root", "/srv", "/tmp", "/var", "/var/lib", "/var/cache", "/var/tmp"})
+
+
+def own_dir(value: str) -> str:
+    """A directory k2fleet may fill (and empty): not inside the OS's own trees, not one of
+    the top directories other software shares (an engine venv at /usr would overwrite
+    the system's python).
+
+    >>> own_dir("/opt/k2fleet/venv")
+    '/opt/k2fleet/venv'
+    """
+    if value in SYSTEM_DIRS or any(value == t or value.startswith(t + "/") for t in SYSTEM_TREES):
+        raise ValueError(f"{value} is the system's own directory, not one k2fleet may fill; use a directory "
+                         "of its own such as /opt/k2fleet/venv or /srv/k2fleet/models")
+    return value
+
+
+OwnDir = Annotated[AbsPath, AfterValidator(own_dir)]
 HttpUrl = Annotated[SafeStr, AfterValidator(http_url)]
 Port = Annotated[int, Strict(), Field(ge=1, le=65535)]
 PosInt = Annotated[int, Strict(), Field(ge=1)]
@@ -664,7 +709,7 @@ class HostSettings(BaseModel):
         "host fetches and verifies the checkpoint, the others only pass the gate.",
         default=False,
     )
-    model_dir: AbsPath = _key(
+    model_dir: OwnDir = _key(
         FLEET, "Where checkpoints live on hosts: `DIR/<org>--<name>/<revision>`.", default="/srv/k2fleet/models"
     )
     # --- engine ----------------------------------------------------------------
@@ -690,7 +735,7 @@ class HostSettings(BaseModel):
         "unit refuses to start any other image under it. Sandbox: the engine test double image's own ID.",
         default=None,
     )
-    venv: AbsPath = _key(FLEET, "Python virtual environment of the engine (venv runtime).", default="/opt/k2fleet/venv")
+    venv: OwnDir = _key(FLEET, "Python virtual environment of the engine (venv runtime).", default="/opt/k2fleet/venv")
     platform: Literal["cuda", "rocm"] | None = _key(
         FLEET, "Engine build: `cuda` or `rocm`; default from the GPU vendor.", default=None
     )
