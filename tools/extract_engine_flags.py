@@ -3,7 +3,7 @@
 
 Nothing is imported from the engines: their source is read with :mod:`ast` straight out of
 the release wheel (``pip download --no-deps``) or a git tag, and the resulting tables are
-written to ``k2fleet/data/engine_flags/<engine>-<version>.json`` (sorted, deterministic).
+written to ``k2fleet/planning/data/engine_flags/<engine>-<version>.json`` (sorted, deterministic).
 
 Sources per engine:
 
@@ -43,7 +43,7 @@ import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-OUT = REPO / "k2fleet" / "data" / "engine_flags"
+OUT = REPO / "k2fleet" / "planning" / "data" / "engine_flags"
 
 VLLM_VERSIONS = ("0.33.0", "0.11.0", "0.10.0")
 SGLANG_VERSIONS = ("0.5.23", "0.5.4", "0.4.9")

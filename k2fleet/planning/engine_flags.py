@@ -1,6 +1,6 @@
 """Engine flags checked offline against tables extracted from each engine's source.
 
-The tables (``k2fleet/data/engine_flags/<engine>-<version>.json``) are written by
+The tables (``k2fleet/planning/data/engine_flags/<engine>-<version>.json``) are written by
 ``tools/extract_engine_flags.py``. A pin without a table (TensorRT-LLM today) is not
 checked for unknown flags; owned flags are refused everywhere.
 """
