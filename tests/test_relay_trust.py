@@ -186,3 +186,82 @@ def test_the_start_gate_refuses_a_verified_checkpoint_of_another_revision(tmp_pa
     moved = subprocess.run([*verify_argv, "--repo", "evil/x", "--revision", "f" * 40, str(other)], capture_output=True,
                            text=True)
     assert moved.returncode == 1 and "pinned evil/x" in moved.stdout
+
+
+# ---------------------------------------------------------------- the relay server: authenticated and bounded
+
+
+@pytest.fixture
+def served(tmp_path: Path):
+    """A relay serving a marked synthetic checkpoint on loopback with a secret file:
+    (port, the secret, the checkpoint)."""
+    root = ensure_synthetic_checkpoint(tmp_path / "served", REPO, REV, num_shards=3, shard_bytes=64 << 10)
+    assert subprocess.run([*RELAY_ARGV, "mark", str(root)], capture_output=True).returncode == 0
+    secret = tmp_path / "relay.secret"
+    fd = __import__("os").open(secret, __import__("os").O_WRONLY | __import__("os").O_CREAT, 0o600)
+    __import__("os").write(fd, b"s3cret-relay-token-0123456789abcdef\n")
+    __import__("os").close(fd)
+    server = subprocess.Popen([*RELAY_ARGV, "serve", str(root), "--bind", "127.0.0.1", "--port", "0",
+                               "--secret-file", str(secret)], stdout=subprocess.PIPE, text=True)
+    port = json.loads(server.stdout.readline())["port"]  # type: ignore[union-attr]
+    yield port, secret, root
+    server.kill()
+    server.wait()
+
+
+def _get(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", path, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def test_a_request_without_the_deployments_secret_is_refused(served) -> None:
+    port, secret, root = served
+    token = secret.read_text().strip()
+    shard = sorted(p.name for p in root.glob("*.safetensors"))[0]
+    for path in ("/manifest", f"/file/{shard}"):
+        assert _get(port, path)[0] == 403
+        assert _get(port, path, {"X-K2-Relay-Secret": "wrong"})[0] == 403
+        assert _get(port, path, {"X-K2-Relay-Secret": token[:-1]})[0] == 403
+        status, body = _get(port, path, {"X-K2-Relay-Secret": token})
+        assert status == 200 and body, path
+
+
+@pytest.mark.parametrize("rng", ["bytes=abc-", "bytes=5-2", "bytes=-", "bytes=99999999999-", "bytes=1-2,4-5", "items=0-1"])
+def test_a_malformed_range_gets_a_clean_4xx(served, rng: str) -> None:
+    port, secret, root = served
+    shard = sorted(p.name for p in root.glob("*.safetensors"))[0]
+    status, _ = _get(port, f"/file/{shard}", {"X-K2-Relay-Secret": secret.read_text().strip(), "Range": rng})
+    assert 400 <= status < 500, (rng, status)
+    assert _get(port, "/manifest", {"X-K2-Relay-Secret": secret.read_text().strip()})[0] == 200  # still serving
+
+
+def test_a_thousand_idle_connections_do_not_stop_a_real_fetch(served, tmp_path: Path) -> None:
+    import socket
+    import time
+
+    port, secret, root = served
+    idle = []
+    try:
+        for _ in range(1000):
+            try:
+                idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            except OSError:
+                break  # the server may refuse some at once: that is fine too
+        started = time.monotonic()
+        out = subprocess.run([*RELAY_ARGV, "fetch", str(tmp_path / "dest"), "--source", f"http://127.0.0.1:{port}",
+                              "--secret-file", str(secret), "--repo", REPO, "--revision", REV, "--give-up-after", "60"],
+                             capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - started
+    finally:
+        for s in idle:
+            s.close()
+    assert len(idle) >= 100  # the connections were really held open
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["verified"] and took < 60, took

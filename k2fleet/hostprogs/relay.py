@@ -54,11 +54,13 @@ which overlap —, files and bytes per source, failovers, bad shards, when it ``
 
 import argparse
 import fcntl
+import hmac
 import http.client
 import http.server
 import json
 import mmap
 import os
+import re
 import shutil
 import socket
 import socketserver
@@ -169,15 +171,42 @@ def is_fetching(root):
         return False
 
 
-def make_handler(root):
+SECRET_HEADER = "X-K2-Relay-Secret"
+IDLE_TIMEOUT_S = 20  # a connection that sends no complete request head for this long is closed
+MAX_CONNECTIONS = 256  # connections served at once; more are closed at once (threads are bounded)
+RANGE_RE = re.compile(r"bytes=([0-9]{1,15})-([0-9]{0,15})")
+
+
+def read_secret(path):
+    """The deployment's relay secret from a root-only file (None: no file given)."""
+    if path is None:
+        return None
+    with open(path, "rb") as fh:
+        secret = fh.read(4096).strip()
+    if len(secret) < 16:
+        raise SystemExit(f"relay: the secret in {path} is too short")
+    return secret.decode("ascii", "strict")
+
+
+def make_handler(root, secret=None):
+    """The request handler serving ``root``; with ``secret``, every request must carry it
+    in the ``X-K2-Relay-Secret`` header (403 otherwise)."""
     manifest_path = os.path.join(root, MANIFEST)
+    expected = secret.encode() if secret else None
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         disable_nagle_algorithm = True  # a head then a small body: no wait for a delayed ACK
+        timeout = IDLE_TIMEOUT_S  # reading a request head (and idling between kept-alive requests)
 
         def log_message(self, fmt, *args):  # quiet
             pass
+
+        def handle(self):
+            try:
+                super().handle()
+            except (TimeoutError, ConnectionError):
+                self.close_connection = True
 
         def _send(self, code, body=b"", headers=()):
             self.send_response(code)
@@ -188,7 +217,16 @@ def make_handler(root):
             if body and self.command != "HEAD":
                 self.wfile.write(body)
 
+        def _authorized(self):
+            if expected is None:
+                return True
+            got = (self.headers.get(SECRET_HEADER) or "").encode("latin-1", "replace")
+            return hmac.compare_digest(got, expected)
+
         def do_GET(self):
+            if not self._authorized():
+                self.close_connection = True
+                return self._send(403, b"the deployment's relay secret is required")
             path = urllib.parse.unquote(self.path.partition("?")[0])
             if path == "/manifest":
                 try:
@@ -214,9 +252,14 @@ def make_handler(root):
             size = entry["size"]
             start, end = 0, size - 1
             rng = self.headers.get("Range")
-            if rng and rng.startswith("bytes="):
-                a, _, b = rng[6:].partition("-")
-                start, end = int(a), min(int(b) if b else size - 1, size - 1)
+            if rng is not None:
+                found = RANGE_RE.fullmatch(rng.strip())
+                if not found:
+                    return self._send(400, b"one Range: bytes=START-[END] only")
+                start = int(found.group(1))
+                end = min(int(found.group(2)) if found.group(2) else size - 1, size - 1)
+                if start > end or start >= size:
+                    return self._send(416, b"", [("Content-Range", f"bytes */{size}")])
             length = max(0, end - start + 1)
             self.send_response(206 if rng else 200)
             self.send_header("Content-Length", str(length))
@@ -224,14 +267,18 @@ def make_handler(root):
                 self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
             self.end_headers()
             self.wfile.flush()
-            with open(os.path.join(root, rel), "rb") as fh:  # the kernel copies file to socket (sendfile)
-                offset, left = start, length
-                while left > 0:
-                    sent = os.sendfile(self.connection.fileno(), fh.fileno(), offset, min(left, SENDFILE_BLOCK))
-                    if sent == 0:
-                        break
-                    offset += sent
-                    left -= sent
+            self.connection.settimeout(None)  # sendfile wants a blocking socket (a timeout makes it non-blocking)
+            try:
+                with open(os.path.join(root, rel), "rb") as fh:  # the kernel copies file to socket (sendfile)
+                    offset, left = start, length
+                    while left > 0:
+                        sent = os.sendfile(self.connection.fileno(), fh.fileno(), offset, min(left, SENDFILE_BLOCK))
+                        if sent == 0:
+                            break
+                        offset += sent
+                        left -= sent
+            finally:
+                self.connection.settimeout(self.timeout)
 
         @staticmethod
         def _wait_seconds(value):
@@ -244,8 +291,29 @@ def make_handler(root):
 
 
 class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    """One thread per connection, at most :data:`MAX_CONNECTIONS` at once: a connection
+    over the bound is closed at once (a flood of idle connections holds no more threads
+    than that, each for at most :data:`IDLE_TIMEOUT_S` without a request)."""
+
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128
+
+    def __init__(self, *args, **kwargs):
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
     def handle_error(self, request, client_address):
         """A peer that hangs up mid-answer (it failed over, or was killed) is routine."""
@@ -253,11 +321,12 @@ class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
             super().handle_error(request, client_address)
 
 
-def serve(root, bind, port, exit_with_parent=False):
+def serve(root, bind, port, exit_with_parent=False, secret=None):
     """Serve ``root`` on ``bind:port`` (0: any free port) until killed; prints
     ``{"port": N}`` once listening. ``exit_with_parent``: stop when the process that
-    started this one is gone (the control machine's relay outlives no deploy)."""
-    server = Server((bind, port), make_handler(root))
+    started this one is gone (the control machine's relay outlives no deploy).
+    ``secret``: required of every request (:func:`make_handler`)."""
+    server = Server((bind, port), make_handler(root, secret))
     print(json.dumps({"port": server.server_address[1]}), flush=True)
     if exit_with_parent:
         parent = os.getppid()
@@ -288,7 +357,8 @@ class Source:
     without a file while no fetch runs there (``idle_since``). Shared by the lanes of one
     fetch."""
 
-    def __init__(self, url):
+    def __init__(self, url, secret=None):
+        self.secret = secret
         parsed = urllib.parse.urlsplit(url)
         self.url, self.host, self.port = url, parsed.hostname, parsed.port or 80
         self.dead_since = None
@@ -301,7 +371,10 @@ class Source:
         caller can tell it was too large without reading it all)."""
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
-            conn.request("GET", urllib.parse.quote(path), headers=headers or {})
+            sent = dict(headers or {})
+            if self.secret:
+                sent[SECRET_HEADER] = self.secret
+            conn.request("GET", urllib.parse.quote(path), headers=sent)
             resp = conn.getresponse()
             return resp.status, resp.read() if limit is None else resp.read(limit + 1)
         finally:
@@ -354,8 +427,9 @@ class Source:
         is missing (Python < 3.10)."""
         sock, ok = self._take(), False
         try:
+            auth = f"{SECRET_HEADER}: {self.secret}\r\n" if self.secret else ""
             sock.sendall((f"GET {urllib.parse.quote('/file/' + rel)} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-                          f"Range: bytes={start}-{end}\r\nX-K2-Wait: {wait}\r\n\r\n").encode())
+                          f"Range: bytes={start}-{end}\r\nX-K2-Wait: {wait}\r\n{auth}\r\n").encode())
             status, length, body, headers = read_head(sock)
             if status == 409:
                 raise NotReady(self.url, rel, headers.get("x-k2-fetching", "1") == "1")
@@ -662,8 +736,10 @@ def fleet_plan(files, fleet, position, fanout, sources):
 class _Fetch:
     """State the lanes of one fetch share (under ``lock``)."""
 
-    def __init__(self, root, manifest, urls, plan, streams, chunk, dead_after, give_up_after, t0, verify_behind):
+    def __init__(self, root, manifest, urls, plan, streams, chunk, dead_after, give_up_after, t0, verify_behind,
+                 secret=None):
         self.root, self.manifest, self.urls, self.plan = root, manifest, urls, plan or {}
+        self.secret = secret
         self.streams, self.chunk, self.dead_after, self.give_up_after = streams, chunk, dead_after, give_up_after
         self.verify_behind = max(0, verify_behind)
         self.lock = threading.Lock()
@@ -679,7 +755,7 @@ class _Fetch:
     def source(self, url):
         with self.lock:
             if url not in self.sources:
-                self.sources[url] = Source(url)
+                self.sources[url] = Source(url, self.secret)
             return self.sources[url]
 
     def pick(self, rel):
@@ -789,7 +865,7 @@ def _heartbeat(root, stop):
 
 
 def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_after=DEAD_AFTER_S, fleet=None,
-          position=None, fanout=1, give_up_after=GIVE_UP_S, verify_behind=VERIFY_BEHIND, pin=None):
+          position=None, fanout=1, give_up_after=GIVE_UP_S, verify_behind=VERIFY_BEHIND, pin=None, secret=None):
     """Fetch every file of the sources' manifest into ``root``, each from the first live
     source of its list, verifying each before it is marked (and so served onward).
     The lists: ``plan`` (file → URLs, parent first), or the fleet's per-shard plan
@@ -807,7 +883,7 @@ def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_af
     beat.start()
     try:
         ancestors = fleet[:position] if fleet else []
-        manifest_bytes = _manifest_from([Source(u) for u in [*reversed(ancestors), *urls]], give_up_after, pin)
+        manifest_bytes = _manifest_from([Source(u, secret) for u in [*reversed(ancestors), *urls]], give_up_after, pin)
         manifest = json.loads(manifest_bytes)
         if fleet:
             plan = fleet_plan(manifest["files"], fleet, position, fanout, urls)
@@ -821,7 +897,7 @@ def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_af
         with open(os.path.join(root, MANIFEST) + ".tmp", "wb") as fh:
             fh.write(manifest_bytes)
         os.replace(os.path.join(root, MANIFEST) + ".tmp", os.path.join(root, MANIFEST))
-        run = _Fetch(root, manifest, urls, plan, streams, chunk, dead_after, give_up_after, t0, verify_behind)
+        run = _Fetch(root, manifest, urls, plan, streams, chunk, dead_after, give_up_after, t0, verify_behind, secret)
         lanes = [[] for _ in range(max(1, fanout if fleet else 1))]
         todo = set(mark(root))  # resume/repair: what hashes right stays (and is served at once)
         run.report["kept"] = len(manifest["files"]) - len(todo)
@@ -870,6 +946,7 @@ def main(argv=None):
     s.add_argument("--bind", default="0.0.0.0")
     s.add_argument("--port", type=int, required=True, help="0: any free port (printed)")
     s.add_argument("--exit-with-parent", action="store_true")
+    s.add_argument("--secret-file", help="a root-only file holding the deployment's relay secret (required of every request)")
     f = sub.add_parser("fetch")
     f.add_argument("dir")
     f.add_argument("--source", action="append", default=[], help="http://HOST:PORT of the source's copy")
@@ -889,13 +966,14 @@ def main(argv=None):
     f.add_argument("--repo", help="the pinned repository: a manifest of another is refused")
     f.add_argument("--revision", help="the pinned revision: a manifest of another is refused")
     f.add_argument("--manifest-digest", help="the control machine's verified copy's manifest digest: any other is refused")
+    f.add_argument("--secret-file", help="a root-only file holding the deployment's relay secret (sent with every request)")
     a = p.parse_args(argv)
     if a.cmd == "mark":
         bad = mark(a.dir)
         print(json.dumps({"bad": bad}))
         return 1 if bad else 0
     if a.cmd == "serve":
-        serve(a.dir, a.bind, a.port, a.exit_with_parent)
+        serve(a.dir, a.bind, a.port, a.exit_with_parent, read_secret(a.secret_file))
         return 0
     plan = None
     if a.plan:
@@ -907,7 +985,7 @@ def main(argv=None):
     if not (a.source or plan or fleet):
         p.error("fetch needs --source, --plan or --fleet")
     fetch(a.dir, a.source, a.streams, a.chunk, a.log, plan, a.dead_after, fleet, a.position, a.fanout,
-          a.give_up_after, a.verify_behind, Pin(a.repo, a.revision, a.manifest_digest))
+          a.give_up_after, a.verify_behind, Pin(a.repo, a.revision, a.manifest_digest), read_secret(a.secret_file))
     return 0
 
 
