@@ -59,7 +59,8 @@ ENGINE_FLAG = 'k2_engine_args={"max-num-seqs": 64}'
 
 def artifacts(dep: Deployment) -> ControlArtifacts:
     return ControlArtifacts(mesh_client=(b"priv", b"ssh-ed25519 AAAA k"),
-                            mesh_hosts={h.name: (b"hp", b"ssh-ed25519 BBBB " + h.name.encode()) for h in dep.fleet.hosts})
+                            mesh_hosts={h.name: (b"hp", b"ssh-ed25519 BBBB " + h.name.encode()) for h in dep.fleet.hosts},
+                            relay_secret=b"0123456789abcdef" * 4 + b"\n")
 
 
 @lru_cache(maxsize=None)
@@ -378,7 +379,8 @@ def test_failed_gate_receives_through_the_relay_from_its_peers(tmp_path: Path, c
     assert call["target"].endswith(child.address) and call["source"] is not None
     assert call["fetch_argv"] == [*host_argv("relay"), "fetch", "--fleet", ",".join(relays),
                                   "--position", "1", "--fanout", "1", "--repo", dep.s.model, "--revision",
-                                  dep.s.revision, "--log", relay_plan.HOST_LOG, "--source",
+                                  dep.s.revision, "--secret-file", relay_plan.RELAY_SECRET, "--log", relay_plan.HOST_LOG,
+                                  "--source",
                                   f"http://127.0.0.1:{dep.s.relay_port}", path]
 
 
@@ -393,3 +395,29 @@ def test_settled_fleet_runs_no_relay(tmp_path: Path, control_calls: list[str]) -
     assert [desired[n].fanout.position for n in ("node-0", "node-1", "node-2")] == [0, 1, 2]
     assert out.control_calls == []
 
+
+
+def test_a_private_file_has_its_final_mode_before_any_byte_lands(tmp_path: Path, control_calls: list[str]) -> None:
+    """The relay secret (mode 600) on a host that lacks it: the file is created root-only
+    (umask 077, chmod 600) before the upload writes into it — never readable by others."""
+    dep, plan, desired = planned(str(H200))
+    facts = settled_fleet(dep, desired)
+    secret = relay_plan.RELAY_SECRET
+    facts["h200-0"] = dataclasses.replace(facts["h200-0"], files={**facts["h200-0"].files, secret: None})
+    commands = run_roles(dep, plan, desired, facts, tmp_path, control_calls).op("h200-0", "host programs").commands
+    prepared = next(i for i, c in enumerate(commands) if "umask 077" in c and secret in c)
+    uploaded = commands.index(f"<upload> {secret}")
+    assert prepared < uploaded and "chmod 600" in commands[prepared], commands
+    assert [c for c in commands if c.startswith("<upload>")] == [f"<upload> {secret}"]
+
+
+def test_the_control_machine_makes_the_relay_secret_once_with_its_final_mode(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from k2fleet.control import artifacts as control
+
+    monkeypatch.setenv("K2FLEET_STATE_DIR", str(tmp_path / "state"))
+    dep, _, _ = planned(str(H200))
+    path = control.relay_secret_path(dep)
+    first = control._make_secret(path)
+    assert len(first.strip()) == 64 and (path.stat().st_mode & 0o777) == 0o600
+    assert control._make_secret(path) == first  # made once

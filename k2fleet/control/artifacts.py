@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import subprocess
 import uuid
 from pathlib import Path
@@ -124,8 +125,33 @@ def _double_images(dep: Deployment, plan: Plan, build: bool) -> dict[str, tuple[
     return {dep.image: (str(made[0]), made[1])} if made else {}
 
 
+def relay_secret_path(dep: Deployment) -> Path:
+    """The deployment's relay secret on the control machine (its own relay reads it too)."""
+    return state_dir(dep) / "relay.secret"
+
+
+def _read_secret(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def _make_secret(path: Path) -> bytes:
+    """The secret at ``path``, made once: created with its final mode (0600, never readable
+    by others for a moment) and exclusively (first writer wins, so concurrent runs agree)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return path.read_bytes()
+    with os.fdopen(fd, "wb") as fh:
+        fh.write((secrets.token_hex(32) + "\n").encode())
+    return path.read_bytes()
+
+
 def _from_bundle(dep: Deployment, plan: Plan, client: tuple[bytes, bytes] | None,
-                 hosts: dict[str, tuple[bytes, bytes]]) -> ControlArtifacts:
+                 hosts: dict[str, tuple[bytes, bytes]], relay_secret: bytes | None) -> ControlArtifacts:
     """``k2_bundle``: packages, wheels and images from the bundle alone, each sha256-checked
     against its lock as it is read (:func:`k2fleet.control.airgap.read_bundle`); nothing is fetched."""
     assert dep.s.bundle is not None
@@ -135,7 +161,8 @@ def _from_bundle(dep: Deployment, plan: Plan, client: tuple[bytes, bytes] | None
         raise ControlError(f"k2_bundle: {exc}") from None
     return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, hub_requirement=_hub_requirement(dep),
                             wheels=found.hub_wheels, bundles=found.debs, images=found.images,
-                            engine_wheels=found.engine_wheels, engine_doubles=engine_doubles_for(dep))
+                            engine_wheels=found.engine_wheels, engine_doubles=engine_doubles_for(dep),
+                            relay_secret=relay_secret)
 
 
 def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
@@ -145,14 +172,16 @@ def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
         client_path, host_paths = _mesh_paths(dep)
         client = _read_pair(client_path)
         hosts = {name: pair for name, path in host_paths.items() if (pair := _read_pair(path)) is not None}
+    relay_secret = _read_secret(relay_secret_path(dep))
     if dep.s.bundle is not None:
-        return _from_bundle(dep, plan, client, hosts)
+        return _from_bundle(dep, plan, client, hosts, relay_secret)
     requirement = _hub_requirement(dep)
     cached = wheelhouse.cached_wheelhouse([requirement]) if requirement else None
     return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, hub_requirement=requirement,
                             wheels=wheelhouse.wheel_files(cached) if cached else None,
                             images=_double_images(dep, plan, build=False),
-                            engine_wheels=_engine_wheels(dep, plan, build=False), engine_doubles=engine_doubles_for(dep))
+                            engine_wheels=_engine_wheels(dep, plan, build=False), engine_doubles=engine_doubles_for(dep),
+                            relay_secret=relay_secret)
 
 
 def _keypair(path: Path, comment: str) -> tuple[bytes, bytes]:
@@ -184,8 +213,9 @@ def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     if mesh_enabled(dep):
         client = _keypair(client_path, f"k2fleet-mesh-{dep_id(dep)}")
         hosts = {name: _keypair(path, name) for name, path in host_paths.items()}
+    relay_secret = _make_secret(relay_secret_path(dep))
     if dep.s.bundle is not None:
-        return _from_bundle(dep, plan, client, hosts)
+        return _from_bundle(dep, plan, client, hosts, relay_secret)
     requirement = _hub_requirement(dep)
     wheels = wheelhouse.wheel_files(wheelhouse.ensure_wheelhouse([requirement])) if requirement else None
     bundles = {}
@@ -195,4 +225,5 @@ def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
                    for names in _package_sets(dep, plan) if names}
     return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, hub_requirement=requirement, wheels=wheels,
                             bundles=bundles, images=_double_images(dep, plan, build=True),
-                            engine_wheels=_engine_wheels(dep, plan, build=True), engine_doubles=engine_doubles_for(dep))
+                            engine_wheels=_engine_wheels(dep, plan, build=True), engine_doubles=engine_doubles_for(dep),
+                            relay_secret=relay_secret)

@@ -47,7 +47,8 @@ class ControlRelay:
     from the fleet). It stops with :meth:`stop`, or by itself when the deploy's process is
     gone. One per run (:class:`k2fleet.deploy.fleet_run.FleetRun`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, secret_file: str | os.PathLike[str] | None = None) -> None:
+        self.secret_file = secret_file  # the deployment's relay secret: required of every request
         self._servers: dict[str, tuple[subprocess.Popen, int]] = {}
         self._lock = threading.Lock()  # hosts' greenlets ask at once (pyinfra patches threading)
 
@@ -59,8 +60,9 @@ class ControlRelay:
     def _port_for(self, root: str) -> int:
         proc, port = self._servers.get(root, (None, 0))
         if proc is None or proc.poll() is not None:
+            secret = ["--secret-file", str(self.secret_file)] if self.secret_file else []
             proc = subprocess.Popen([sys.executable, "-m", "k2fleet.hostprogs.relay", "serve", root, "--bind", "127.0.0.1",
-                                     "--port", "0", "--exit-with-parent"], stdout=subprocess.PIPE,
+                                     "--port", "0", "--exit-with-parent", *secret], stdout=subprocess.PIPE,
                                     stdin=subprocess.DEVNULL, text=True, env=_with_this_checkout())
             line = proc.stdout.readline() if proc.stdout else ""
             try:

@@ -131,6 +131,7 @@ def _make_fleet_run(state: Any, inventory: Any, dry: bool | None) -> FleetRun:
         sys.stderr.flush()
         raise SystemExit(1) from None
     run = FleetRun(dep=dep, plan=plan, artifacts=artifacts, dry=dry, state_dir=control.state_dir(dep),
-                   desired=desired_state(dep, plan, artifacts), xet_disabled=bool(os.environ.get("HF_HUB_DISABLE_XET")))
+                   desired=desired_state(dep, plan, artifacts), xet_disabled=bool(os.environ.get("HF_HUB_DISABLE_XET")),
+                   control_relay=ControlRelay(control.relay_secret_path(dep)))
     setattr(state, STATE_ATTRIBUTE, run)
     return run

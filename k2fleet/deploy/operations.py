@@ -45,7 +45,11 @@ def synced_files(files: dict[str, FileSpec], current: dict[str, str | None]):
         if current.get(path) == spec.sha256:
             continue
         directory = posixpath.dirname(path)
-        yield StringCommand(f"mkdir -p {shell_word(directory)}")
+        if int(mode, 8) & 0o077 == 0:  # private (a key, a secret): the file has its final mode before any byte lands
+            yield StringCommand(f"mkdir -p -m 700 {shell_word(directory)} && ( umask 077 && touch {shell_word(path)} ) "
+                                f"&& chmod {mode} {shell_word(path)}")
+        else:
+            yield StringCommand(f"mkdir -p {shell_word(directory)}")
         yield FileUploadCommand(BytesIO(data), path, remote_temp_filename=host.get_temp_filename(path))
         yield StringCommand(f"chmod {mode} {shell_word(path)}")
 

@@ -111,6 +111,7 @@ class ControlArtifacts:
     images: dict[str, tuple[str, str]] = field(default_factory=dict)  # image ref → (archive path, image ID)
     engine_wheels: dict[tuple[str, ...], dict[str, bytes]] = field(default_factory=dict)
     engine_doubles: EngineDoubles | None = None  # k2_engine_doubles: the stand-ins (None: not read)
+    relay_secret: bytes | None = None  # the deployment's relay secret (None: not made yet, e.g. --dry)
 
     def bundle_for(self, packages: list[str]) -> str | None:
         """The bundle tar made for ``packages`` (None: none made, e.g. under ``--dry``)."""
@@ -552,6 +553,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
     relays = tuple(relay_plan.relay_url(address[name], dep.s.relay_port) for name in fan.order)
     bundled = dep.s.bundle is not None
     engine = {real: engine_files(dep, art.engine_doubles, real, from_wheel=bundled and dep.runtime == "venv")
+              | {relay_plan.RELAY_SECRET: FileSpec(art.relay_secret, "600", "relay-secret")}
               for real in (False, True)}
     meshes = mesh_files(dep, art)
     pd = pd_servers(plan)

@@ -19,6 +19,7 @@ from k2fleet.planning.host_archive import host_argv
 
 CONTROL = None  # a host's parent when it receives from the control machine
 RELAY_UNIT = "k2-relay"
+RELAY_SECRET = "/etc/k2fleet/relay/secret"  # the deployment's relay secret on every host (root-only, mode 600)
 RELAY_MAX_SECONDS = 6 * 3600  # a relay a failed deploy left behind stops by itself
 HOST_LOG = "/var/log/k2fleet/checkpoint-transfers.jsonl"
 
@@ -108,10 +109,10 @@ def relay_serve_argv(path: str, address: str, port: int) -> list[str]:
     read its cgroup back (the sandbox's hybrid hierarchy), and its name would be taken.
 
     >>> relay_serve_argv("/m/k2", "10.0.0.2", 29700)[2].split(" && ")[1]
-    'systemd-run --unit=k2-relay-$(date +%s%N) --collect --quiet --property=RuntimeMaxSec=21600 /usr/bin/python3 /opt/k2fleet/lib/k2fleet-host.pyz relay serve /m/k2 --bind 10.0.0.2 --port 29700'
+    'systemd-run --unit=k2-relay-$(date +%s%N) --collect --quiet --property=RuntimeMaxSec=21600 /usr/bin/python3 /opt/k2fleet/lib/k2fleet-host.pyz relay serve /m/k2 --bind 10.0.0.2 --port 29700 --secret-file /etc/k2fleet/relay/secret'
     """
     start = ["--collect", "--quiet", f"--property=RuntimeMaxSec={RELAY_MAX_SECONDS}", *host_argv("relay"),
-             "serve", path, "--bind", address, "--port", str(port)]
+             "serve", path, "--bind", address, "--port", str(port), "--secret-file", RELAY_SECRET]
     return ["sh", "-c", f"{shlex.join(relay_stop_argv())} 2>/dev/null; mkdir -p {shlex.quote(path)} && "
             f"systemd-run --unit={RELAY_UNIT}-$(date +%s%N) " + shlex.join(start)]
 
@@ -131,14 +132,14 @@ def relay_fetch_argv(path: str, fleet: list[str], position: int, fanout_k: int, 
 
     >>> relay_fetch_argv("/m/k2", ["http://a:1", "http://b:1"], 1, 1, [])[4:10]
     ['--fleet', 'http://a:1,http://b:1', '--position', '1', '--fanout', '1']
-    >>> relay_fetch_argv("/m/k2", ["http://a:1"], 0, 1, [], pin=("m/k", "0" * 40))[-6:-1]
-    ['--repo', 'm/k', '--revision', '0000000000000000000000000000000000000000', '--log']
+    >>> relay_fetch_argv("/m/k2", ["http://a:1"], 0, 1, [], pin=("m/k", "0" * 40))[-9:-4]
+    ['--repo', 'm/k', '--revision', '0000000000000000000000000000000000000000', '--secret-file']
     """
     argv = [*host_argv("relay"), "fetch", "--fleet", ",".join(fleet), "--position", str(position),
             "--fanout", str(fanout_k)]
     if pin is not None:
         argv += ["--repo", pin[0], "--revision", pin[1]]
-    argv += ["--log", log_file]
+    argv += ["--secret-file", RELAY_SECRET, "--log", log_file]
     for url in sources:
         argv += ["--source", url]
     return argv + [path]
