@@ -26,7 +26,7 @@ def test_unit_refuses_another_image_under_the_pinned_reference(fleet: SandboxFle
     fleet.ensure_deployed(DATA)
     host = fleet.hosts[0]
     ref = ssh(host, f"systemctl show -p ExecStartPre --value {UNIT}").stdout
-    ref = ref.split("image-pin.py ", 1)[1].split()[0]
+    ref = ref.split("k2fleet-host.pyz image_pin ", 1)[1].split()[0]
     pinned = image_id(host, ref)
     assert pinned.startswith("sha256:")
     assert ssh(host, "docker ps --filter name=^k2-vllm$ --format '{{.Image}}'").stdout.strip() == ref

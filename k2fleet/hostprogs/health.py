@@ -3,7 +3,7 @@
 (``/health``, or ``--ready-path``) answers 200 AND a real chat completion returns a
 non-empty answer, within a timeout.
 
-    k2fleet-health.py --base http://127.0.0.1:8000 --model NAME --unit k2-vllm.service --timeout 600
+    k2fleet-host.pyz health --base http://127.0.0.1:8000 --model NAME --unit k2-vllm.service --timeout 600
 
 On failure it exits 1 naming the host and unit, with the unit's last log lines.
 Standard library only (hosts have only python3).

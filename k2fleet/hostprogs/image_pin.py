@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""image-pin.py IMAGE_REF IMAGE_ID: exit 0 only if Docker's IMAGE_REF is image IMAGE_ID.
+"""k2fleet-host.pyz image_pin IMAGE_REF IMAGE_ID: exit 0 only if Docker's IMAGE_REF is image IMAGE_ID.
 
 Stdlib only (runs on hosts). A container unit runs it as ``ExecStartPre=``, so systemd
 refuses to start the container when the reference (a tag, which anyone with Docker
@@ -26,7 +26,7 @@ def image_id(ref: str) -> str | None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: image-pin.py IMAGE_REF IMAGE_ID", file=sys.stderr)
+        print("usage: k2fleet-host.pyz image_pin IMAGE_REF IMAGE_ID", file=sys.stderr)
         return 2
     ref, want = argv
     got = image_id(ref)

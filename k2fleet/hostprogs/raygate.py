@@ -3,7 +3,7 @@
 (``ExecStartPre`` of its unit): wait until the real Ray cluster reports every planned
 node alive with its planned GPUs, or fail naming the node that never joined.
 
-    k2fleet-ray-gate.py --address 10.0.0.1:6379 --unit k2-vllm.service --timeout 600 \\
+    k2fleet-host.pyz raygate --address 10.0.0.1:6379 --unit k2-vllm.service --timeout 600 \\
         --node h800-0=10.0.0.1:8 --node h800-1=10.0.0.2:8
 
 Run it with the engine venv's python (``k2_venv/bin/python3``): ``ray`` is imported from
