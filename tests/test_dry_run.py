@@ -60,3 +60,23 @@ def test_dry_run_on_a_fresh_control_machine_creates_no_state(fleet: SandboxFleet
     dry = fleet.deploy(env={"K2FLEET_STATE_DIR": str(fresh)}, extra=("--dry",))
     assert dry.returncode == 0, dry.tail()
     assert not fresh.exists(), sorted(os.listdir(fresh))
+
+
+def test_a_bad_value_with_pyinfra_started_outside_the_checkout_is_one_line_once(fleet: SandboxFleet,
+                                                                               tmp_path: Path) -> None:
+    """pyinfra run from another directory never reads k2fleet's config.py (no gate before
+    connecting): the deploy file refuses with the gate's one line, once, exit 2, no
+    traceback, and no host changes."""
+    from k2sandbox.harness import ROOT, pyinfra_argv
+    from k2sandbox.pyinfra_cli import run_pyinfra
+
+    fleet.ensure_deployed()
+    before = host_snapshot(fleet)
+    argv = pyinfra_argv(str(ROOT / "inventories" / "sandbox.py"), {"k2_tp": "eight"}, (),
+                        str(ROOT / "deploys" / "kimi.py"))
+    out = run_pyinfra(argv, fleet.env, cwd=tmp_path)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2, out.tail()
+    assert len(errors) == 1 and "k2_tp" in errors[0] and "--config" in errors[0], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr + out.stdout
+    assert host_snapshot(fleet) == before

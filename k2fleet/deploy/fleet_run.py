@@ -20,7 +20,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from k2fleet.control import artifacts as control
 from k2fleet.planning.host_actions import host_actions
@@ -30,7 +30,7 @@ from k2fleet.deploy.facts import HostState
 from k2fleet.planning.host_fact import HostReport
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.desired import ControlArtifacts, HostDesired, desired_state
-from k2fleet.deploy.gate import check_hosts, refuse
+from k2fleet.deploy.gate import check_hosts, refusal_line
 from k2fleet.inventory.loader import host_data
 from k2fleet.planning.processes import Plan
 from k2fleet.inventory.spec import SpecError
@@ -97,6 +97,17 @@ class FleetRun:
         return out
 
 
+def refuse_without_gate(exc: SpecError) -> NoReturn:
+    """The refusal when pyinfra ran without k2fleet's gate (another cwd, no ``--config``):
+    the same one line, naming how to get the gate, printed once; the process ends at once
+    (exit 2) so no other host's deploy adds a traceback. pyinfra has connected already, but
+    no operation has run: nothing was changed."""
+    sys.stderr.write(f"{refusal_line(exc)} (pyinfra ran without k2fleet's gate, so it connected first: run it from "
+                     "the k2fleet checkout, or pass --config /path/to/k2fleet/config.py)\n")
+    sys.stderr.flush()
+    os._exit(2)
+
+
 def side_channel(data: Any, name: str) -> tuple[str, list[str]]:
     """(``user@address``, ssh argv) of the control machine's own SSH to a host, from its
     inventory data (the relay's transfers ride on it)."""
@@ -116,11 +127,11 @@ def fleet_run(state: Any, inventory: Any, dry: bool | None = None) -> FleetRun:
 
 def _make_fleet_run(state: Any, inventory: Any, dry: bool | None) -> FleetRun:
     checked = getattr(state, "k2fleet_checked", None)  # the gate's (config.py) validated plan
-    if checked is None:  # not under the CLI's gate: validate here
+    if checked is None:  # not under the CLI's gate (pyinfra run outside the checkout): validate here
         try:
             checked = check_hosts("inventory", host_data(inventory))
         except SpecError as exc:
-            refuse(exc)
+            refuse_without_gate(exc)
     dep, plan = checked
     if dry is None:  # under the CLI, the gate (config.py) recorded --dry on the state
         dry = bool(getattr(state, "k2fleet_dry", False))
