@@ -265,3 +265,21 @@ def test_a_thousand_idle_connections_do_not_stop_a_real_fetch(served, tmp_path: 
     assert len(idle) >= 100  # the connections were really held open
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1])["verified"] and took < 60, took
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o1777])
+def test_a_control_cache_others_can_write_is_refused(tmp_path: Path, mode: int) -> None:
+    """Exploit: a world-writable cache (say under /tmp) lets another local user plant a
+    manifest the control machine would trust and hand to the whole fleet."""
+    from k2fleet.control.checkpoint_copy import ensure_control_copy, owned_cache
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cache.chmod(mode)
+    root = cache / "t--Kimi-K2-Thinking" / REV
+    with pytest.raises(RuntimeError, match="another user could plant a manifest"):
+        ensure_control_copy(REPO, REV, str(root), hub=True, endpoint="http://127.0.0.1:9")
+    assert not root.exists()  # nothing made inside it
+    cache.chmod(0o700)
+    owned_cache(root)  # a directory of its own: accepted, the rest made 0700
+    assert (root.stat().st_mode & 0o777) == 0o700 and (root.parent.stat().st_mode & 0o777) == 0o700

@@ -110,6 +110,25 @@ def relay_to_host(control: ControlRelay, source: str | None, target: str, ssh: l
 # --------------------------------------------------------------------------- control side
 
 
+def owned_cache(root: str | os.PathLike[str], levels: int = 3) -> None:
+    """The control cache ``CACHE/<org>--<name>/<revision>`` (``root``) and the two
+    directories above it are this user's and writable by no one else (the first made
+    0700 where missing): a manifest another local user could plant there would be trusted.
+    Raises RuntimeError naming the directory and the fix."""
+    path = Path(root)
+    chain = [path, *list(path.parents)[: levels - 1]]
+    for directory in reversed(chain):
+        if not directory.exists():
+            directory.mkdir(mode=0o700, parents=True)
+        st = directory.lstat()
+        if not directory.is_dir() or directory.is_symlink():
+            raise RuntimeError(f"the control cache {directory} is not a directory of its own (a symlink?)")
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise RuntimeError(f"the control cache {directory} is owned by uid {st.st_uid} with mode "
+                               f"{st.st_mode & 0o777:o}: another user could plant a manifest there; make it "
+                               f"yours and 0700 (chown; chmod 700) or set k2_checkpoint_cache to such a directory")
+
+
 def ensure_control_copy(
     repo_id: str,
     revision: str,
@@ -135,6 +154,8 @@ def ensure_control_copy(
     from k2fleet.hostprogs.verify import load_manifest, verify
 
     t0 = time.monotonic()
+    if hub:
+        owned_cache(root)
     mpath = manifest_path(root)
     manifest = None
     if mpath.is_file():
