@@ -40,6 +40,22 @@ ENTRIES = ("pyinfra", "validate", "plan")
 INSTRUCT = {"k2_model": "moonshotai/Kimi-K2-Instruct", "k2_revision": "fd1984e2b7a3350dbf7305fe73a4ede25c14de50"}
 NVFP4 = {"k2_model": "nvidia/Kimi-K2-Thinking-NVFP4", "k2_revision": "1" * 40}
 INJECT = "\nExecStartPre=/bin/sh -c id"
+
+
+def _token_file(mode: int, content: bytes = b"hf_token_for_validation_tests\n") -> str:
+    """A control-machine token file of ``mode`` (made once per test session, in a private temp dir)."""
+    import tempfile
+
+    directory = Path(tempfile.mkdtemp(prefix="k2token-"))
+    path = directory / f"token-{mode:o}-{len(content)}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, content)
+    os.close(fd)
+    os.chmod(path, mode)
+    return str(path)
+
+
+TOKEN_FILE = _token_file(0o600)  # a good one: the twins use it
 HF = "hf_" + "Q7xk2LmN9pR4sT6vW8yZ1aB3cD5eF7gH"  # token-shaped, not a real token
 GH = "ghp_" + "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
 GH_PAT = "github_pat_" + "11ABCDEFG0123456789_abcdefghijklmnop"
@@ -113,7 +129,7 @@ GOOD_STRINGS: dict[str, str] = {
     "gguf_source": "hub",
     "checkpoint_cache": "/var/cache/k2fleet/checkpoints",
     "hub_endpoint": "https://hub.internal.example:8443/mirror",
-    "hub_token_file": "/etc/k2fleet/hf-token",
+    "hub_token_file": TOKEN_FILE,
     "checkpoint_fetcher": "control",
     "model_dir": "/srv/k2fleet/models",
     "engine_version": "0.33.0",
@@ -391,10 +407,14 @@ SECRETS = family("secrets", [
          "k2_hub_token_file", secret="s3cretpass"),
     Case("token-in-endpoint-query", {"k2_hub_endpoint": "https://hub.example/?access_token=qwertyuiop123"},
          "k2_hub_endpoint", "query", secret="qwertyuiop123"),
+    Case("token-file-missing", {"k2_hub_token_file": "/nonexistent/k2fleet/hf-token"}, "k2_hub_token_file",
+         "does not exist"),
+    Case("token-file-world-readable", {"k2_hub_token_file": _token_file(0o644)}, "k2_hub_token_file", "chmod 600"),
+    Case("token-file-empty", {"k2_hub_token_file": _token_file(0o600, b"")}, "k2_hub_token_file", "empty"),
     Case("token-via-data", {}, "k2_served_model_name", "k2_hub_token_file", secret=HF,
          cli_data=(f"k2_served_model_name={HF}",)),
 ])
-SECRETS_TWIN = {"k2_hub_token_file": "/etc/k2fleet/hf-token", "k2_env": {"NCCL_DEBUG": "INFO", "HF_HUB_ENABLE_HF_TRANSFER": "1",
+SECRETS_TWIN = {"k2_hub_token_file": TOKEN_FILE, "k2_env": {"NCCL_DEBUG": "INFO", "HF_HUB_ENABLE_HF_TRANSFER": "1",
                                                                          "TOKENIZERS_PARALLELISM": "false"},
                 "k2_engine_args": {"chat-template": "/srv/templates/kimi.jinja"}}
 

@@ -14,6 +14,8 @@ connection, and a bad one ends the run.
 
 from __future__ import annotations
 
+import os
+import stat
 import sys
 from typing import Any, NoReturn
 
@@ -37,9 +39,37 @@ def refuse(exc: SpecError) -> NoReturn:
 
 
 def check_hosts(source: str, hosts: list[HostData]) -> tuple[Deployment, Plan]:
-    """Validate an inventory's hosts and plan them; raises SpecError on the first problem."""
+    """Validate an inventory's hosts and plan them, then the control machine's files the
+    inventory names; raises SpecError on the first problem."""
     dep = resolve(fleet_from_hosts(source, hosts))
-    return dep, make_plan(dep)
+    plan = make_plan(dep)
+    check_token_file(dep.s.hub_token_file, source)
+    return dep, plan
+
+
+def check_token_file(path: str | None, source: str) -> None:
+    """``k2_hub_token_file`` on the control machine: a regular file of this user's, not
+    empty, readable by no one else (0600 or stricter). Only its metadata and size are
+    read here; the token itself is read at execution time by the download alone."""
+    if path is None:
+        return
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        raise SpecError("k2_hub_token_file", f"{path} does not exist on this control machine; write the token "
+                        "there (install -m 600 /dev/stdin PATH) or unset the key", source) from None
+    except OSError as exc:
+        raise SpecError("k2_hub_token_file", f"{path} cannot be read: {exc.strerror}", source) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise SpecError("k2_hub_token_file", f"{path} is not a regular file (a symlink or a directory)", source)
+    if st.st_mode & 0o077:
+        raise SpecError("k2_hub_token_file", f"{path} is readable by others (mode {st.st_mode & 0o777:o}); "
+                        f"chmod 600 {path}", source)
+    if st.st_uid != os.geteuid():
+        raise SpecError("k2_hub_token_file", f"{path} belongs to uid {st.st_uid}, not to the user running k2fleet",
+                        source)
+    if st.st_size == 0:
+        raise SpecError("k2_hub_token_file", f"{path} is empty; write the Hub token into it", source)
 
 
 def _cli_params() -> dict[str, Any]:

@@ -691,7 +691,8 @@ class HostSettings(BaseModel):
     hub_token_file: AbsPath | None = _key(
         FLEET,
         "File on the control machine holding the Hub token; default: env `HF_TOKEN`. "
-        "The token is read at execution time, never put in argv, logs or the plan.",
+        "It must be the deploying user's, not empty and readable by no one else (0600), checked at validate; "
+        "the token is read at execution time, never put in argv, logs or the plan.",
         default=None,
     )
     checkpoint_fetcher: Fetcher = _key(
