@@ -283,3 +283,25 @@ def test_a_control_cache_others_can_write_is_refused(tmp_path: Path, mode: int) 
     cache.chmod(0o700)
     owned_cache(root)  # a directory of its own: accepted, the rest made 0700
     assert (root.stat().st_mode & 0o777) == 0o700 and (root.parent.stat().st_mode & 0o777) == 0o700
+
+
+def test_a_relay_nobody_asks_stops_by_itself(tmp_path: Path) -> None:
+    """A failed deploy leaves no relay serving for hours: ``--idle-exit`` ends it once no
+    request came for that long, and requests keep it up."""
+    import time
+
+    root = ensure_synthetic_checkpoint(tmp_path / "served", REPO, REV, num_shards=1, shard_bytes=4096)
+    server = subprocess.Popen([*RELAY_ARGV, "serve", str(root), "--bind", "127.0.0.1", "--port", "0",
+                               "--idle-exit", "2"], stdout=subprocess.PIPE, text=True)
+    port = json.loads(server.stdout.readline())["port"]  # type: ignore[union-attr]
+    try:
+        for _ in range(6):  # asked every 0.5 s for 3 s: still up
+            assert _get(port, "/manifest")[0] == 200
+            time.sleep(0.5)
+        assert server.poll() is None
+        started = time.monotonic()
+        server.wait(timeout=10)  # then nobody asks: gone within the idle time (+ a poll)
+        assert time.monotonic() - started < 5
+    finally:
+        server.kill()
+        server.wait()

@@ -224,6 +224,7 @@ def make_handler(root, secret=None):
             return hmac.compare_digest(got, expected)
 
         def do_GET(self):
+            self.server.last_request = time.monotonic()
             if not self._authorized():
                 self.close_connection = True
                 return self._send(403, b"the deployment's relay secret is required")
@@ -301,6 +302,7 @@ class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
 
     def __init__(self, *args, **kwargs):
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.last_request = time.monotonic()
         super().__init__(*args, **kwargs)
 
     def process_request(self, request, client_address):
@@ -321,13 +323,23 @@ class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
             super().handle_error(request, client_address)
 
 
-def serve(root, bind, port, exit_with_parent=False, secret=None):
+def serve(root, bind, port, exit_with_parent=False, secret=None, idle_exit=0.0):
     """Serve ``root`` on ``bind:port`` (0: any free port) until killed; prints
     ``{"port": N}`` once listening. ``exit_with_parent``: stop when the process that
     started this one is gone (the control machine's relay outlives no deploy).
-    ``secret``: required of every request (:func:`make_handler`)."""
+    ``secret``: required of every request (:func:`make_handler`). ``idle_exit``: stop
+    when no request came for that many seconds (a relay a failed deploy left behind ends
+    soon, not at its unit's RuntimeMaxSec; 0: never)."""
     server = Server((bind, port), make_handler(root, secret))
     print(json.dumps({"port": server.server_address[1]}), flush=True)
+    if idle_exit > 0:
+
+        def idle_watch():
+            while time.monotonic() - server.last_request < idle_exit:
+                time.sleep(min(1.0, idle_exit / 4))
+            os._exit(0)
+
+        threading.Thread(target=idle_watch, daemon=True).start()
     if exit_with_parent:
         parent = os.getppid()
 
@@ -947,6 +959,7 @@ def main(argv=None):
     s.add_argument("--port", type=int, required=True, help="0: any free port (printed)")
     s.add_argument("--exit-with-parent", action="store_true")
     s.add_argument("--secret-file", help="a root-only file holding the deployment's relay secret (required of every request)")
+    s.add_argument("--idle-exit", type=float, default=0.0, help="stop after this many seconds without a request (0: never)")
     f = sub.add_parser("fetch")
     f.add_argument("dir")
     f.add_argument("--source", action="append", default=[], help="http://HOST:PORT of the source's copy")
@@ -973,7 +986,7 @@ def main(argv=None):
         print(json.dumps({"bad": bad}))
         return 1 if bad else 0
     if a.cmd == "serve":
-        serve(a.dir, a.bind, a.port, a.exit_with_parent, read_secret(a.secret_file))
+        serve(a.dir, a.bind, a.port, a.exit_with_parent, read_secret(a.secret_file), a.idle_exit)
         return 0
     plan = None
     if a.plan:

@@ -20,7 +20,8 @@ from k2fleet.planning.host_archive import host_argv
 CONTROL = None  # a host's parent when it receives from the control machine
 RELAY_UNIT = "k2-relay"
 RELAY_SECRET = "/etc/k2fleet/relay/secret"  # the deployment's relay secret on every host (root-only, mode 600)
-RELAY_MAX_SECONDS = 6 * 3600  # a relay a failed deploy left behind stops by itself
+RELAY_MAX_SECONDS = 6 * 3600  # the hard cap of a relay unit's life
+RELAY_IDLE_EXIT_S = 600  # a relay nobody asked for 10 minutes (its deploy failed or ended) stops by itself
 HOST_LOG = "/var/log/k2fleet/checkpoint-transfers.jsonl"
 
 
@@ -109,10 +110,11 @@ def relay_serve_argv(path: str, address: str, port: int) -> list[str]:
     read its cgroup back (the sandbox's hybrid hierarchy), and its name would be taken.
 
     >>> relay_serve_argv("/m/k2", "10.0.0.2", 29700)[2].split(" && ")[1]
-    'systemd-run --unit=k2-relay-$(date +%s%N) --collect --quiet --property=RuntimeMaxSec=21600 /usr/bin/python3 /opt/k2fleet/lib/k2fleet-host.pyz relay serve /m/k2 --bind 10.0.0.2 --port 29700 --secret-file /etc/k2fleet/relay/secret'
+    'systemd-run --unit=k2-relay-$(date +%s%N) --collect --quiet --property=RuntimeMaxSec=21600 /usr/bin/python3 /opt/k2fleet/lib/k2fleet-host.pyz relay serve /m/k2 --bind 10.0.0.2 --port 29700 --secret-file /etc/k2fleet/relay/secret --idle-exit 600'
     """
     start = ["--collect", "--quiet", f"--property=RuntimeMaxSec={RELAY_MAX_SECONDS}", *host_argv("relay"),
-             "serve", path, "--bind", address, "--port", str(port), "--secret-file", RELAY_SECRET]
+             "serve", path, "--bind", address, "--port", str(port), "--secret-file", RELAY_SECRET,
+             "--idle-exit", str(RELAY_IDLE_EXIT_S)]
     return ["sh", "-c", f"{shlex.join(relay_stop_argv())} 2>/dev/null; mkdir -p {shlex.quote(path)} && "
             f"systemd-run --unit={RELAY_UNIT}-$(date +%s%N) " + shlex.join(start)]
 
