@@ -742,3 +742,15 @@ def test_every_string_key_has_an_injection_case() -> None:
     injected = {c.key for c in INJECTION if c.id.startswith("newline-in-k2_")}
     assert injected == {f"k2_{k}" for k in STRING_KEYS}
     assert len(STRING_KEYS) >= 20
+
+
+@pytest.mark.parametrize("entry", ["validate", "plan"])
+def test_a_group_data_file_that_raises_is_one_line_naming_it(tmp_path: Path, entry: str) -> None:
+    inv = write_inventory(tmp_path, hosts=1)
+    group_data = sorted((tmp_path / "group_data").glob("*.py"))[0]
+    group_data.write_text(group_data.read_text() + '\nraise RuntimeError("boom in group data")\n')
+    out = subprocess.run([sys.executable, "-m", "k2fleet.cli", entry, str(inv)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert f"{group_data} raised RuntimeError: boom in group data" in line

@@ -70,8 +70,24 @@ def inventory_host_data(path: str | Path, override_data: dict[str, Any] | None =
         try:
             inventory = make_inventory_from_files(str(path), override_data or None)
         except (SystemExit, Exception) as exc:  # user Python (may stop itself): report, don't trace
-            raise SpecError("inventory", f"could not be loaded: {exc}", str(path)) from None
+            raise SpecError("inventory", f"could not be loaded: {load_failure(exc)}", str(path)) from None
     return host_data(inventory)
+
+
+def load_failure(exc: BaseException) -> str:
+    """One line saying why an inventory or group-data file did not load: pyinfra wraps the
+    file's own exception (and its wrapper has no usable ``str``), so say which file raised what.
+
+    >>> load_failure(ValueError("bad"))
+    'ValueError: bad'
+    """
+    inner = getattr(exc, "exception", None)
+    where = getattr(exc, "filename", None)
+    if isinstance(inner, BaseException):
+        exc = inner
+    text = " ".join(str(arg) for arg in getattr(exc, "args", ())) or type(exc).__name__
+    line = f"{type(exc).__name__}: {text}" if text != type(exc).__name__ else text
+    return f"{where} raised {line}" if where else line
 
 
 def host_data(inventory: Iterable[Any]) -> list[HostData]:
