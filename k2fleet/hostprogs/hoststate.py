@@ -237,18 +237,45 @@ def packages(names: list) -> list:
     return sorted(package_versions(names))
 
 
-def checks(named: dict) -> dict:
-    """Run each named argv (when its program exists); return its exit code or None."""
-    result = {}
+CHECK_TIMEOUT_S = 60
+
+
+def start_checks(named: dict) -> dict:
+    """Start every named argv at once (when its program exists): name → process or None.
+    They run while the rest of the report is gathered (:func:`finish_checks`)."""
+    started = {}
     for name, argv in named.items():
         if not os.path.exists(argv[1] if argv[0].endswith("python3") else argv[0]):
+            started[name] = None
+            continue
+        try:
+            started[name] = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                             stderr=subprocess.DEVNULL)
+        except OSError:
+            started[name] = None
+    return started
+
+
+def finish_checks(started: dict) -> dict:
+    """Each started check's exit code (None: not run, or past :data:`CHECK_TIMEOUT_S` in all)."""
+    deadline = time.monotonic() + CHECK_TIMEOUT_S
+    result = {}
+    for name, proc in started.items():
+        if proc is None:
             result[name] = None
             continue
         try:
-            result[name] = subprocess.run(argv, capture_output=True, timeout=60).returncode
-        except (OSError, subprocess.SubprocessError):
+            result[name] = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
             result[name] = None
     return result
+
+
+def checks(named: dict) -> dict:
+    """Run each named argv (when its program exists), all at once; return its exit code or None."""
+    return finish_checks(start_checks(named))
 
 
 def _smi(args: list) -> tuple:
@@ -349,6 +376,7 @@ def main() -> None:
     if sys.argv[1:2] == ["--gate"]:
         sys.exit(gate(json.loads(sys.argv[2])))
     query = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    running = start_checks(query.get("checks", {}))  # they run while the rest is read
     report = {
         "gpus": gpus(),
         "disk_free": disk_free(query.get("disk_path", "/")),
@@ -361,7 +389,7 @@ def main() -> None:
         "globs": {g: sorted(glob.glob(g)) for g in query.get("globs", [])},
         "units": units(query.get("units", [])),
         "packages": packages(query.get("packages", [])),
-        "checks": checks(query.get("checks", {})),
+        "checks": finish_checks(running),
         "bootstrap": bootstrap_state(query),
     }
     print(json.dumps(report))
