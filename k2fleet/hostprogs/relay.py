@@ -699,10 +699,9 @@ class Pin:
         problems = verify.manifest_problems(manifest)
         if problems:
             return "manifest: " + "; ".join(p.line() for p in problems[:3])
-        if self.repo is not None and manifest.get("repo_id") != self.repo:
-            return f"repo {manifest.get('repo_id')!r} is not the pinned {self.repo}"
-        if self.revision is not None and manifest["revision"] != self.revision:
-            return f"revision {manifest['revision']} is not the pinned {self.revision}"
+        pinned = verify.pin_problem(manifest, self.repo, self.revision)
+        if pinned:
+            return pinned
         if self.digest is not None and verify.manifest_digest(manifest) != self.digest:
             return "manifest digest differs from the control machine's verified copy"
         return None
