@@ -46,7 +46,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from k2fleet.hostprogs import locks
-from k2fleet.control import deb_bundles as bundle
+from k2fleet.control import deb_bundles
 from k2fleet.control.deb_bundles import ResolvedPackage
 
 DEFAULT_CACHE_DIR = Path("/var/cache/k2fleet/aptroot")
@@ -66,7 +66,7 @@ __all__ = ["AptRoot", "AptRootError", "ResolvedPackage", "apt_mirror", "control_
            "debian_sources", "machine_sources"]
 
 
-class AptRootError(bundle.BundleError):
+class AptRootError(deb_bundles.BundleError):
     """Raised when a private apt configuration cannot be made or used (a BundleError,
     so a bundle build through an AptRoot fails the same way as one without)."""
 
@@ -336,7 +336,7 @@ class AptRoot:
         return (stamp.get("sources") == list(self.sources) and stamp.get("arch") == self.arch
                 and time.time() - float(stamp.get("time", 0)) < self.max_age_s
                 and stamp.get("local") == self._local_signature()
-                and bundle.apt_lists_present(self.lists_dir))
+                and deb_bundles.apt_lists_present(self.lists_dir))
 
     def update(self, force: bool = False) -> bool:
         """``apt-get update`` for this root unless its lists are fresh; True if it ran."""
@@ -348,10 +348,10 @@ class AptRoot:
             self._prepare()
             local = self._local_signature()
             try:  # --error-on=any: a source that cannot be fetched fails the update
-                bundle._run(["apt-get", "update", "-q", "--error-on=any"], env=self.env())
-            except bundle.BundleError as exc:
+                deb_bundles._run(["apt-get", "update", "-q", "--error-on=any"], env=self.env())
+            except deb_bundles.BundleError as exc:
                 raise AptRootError(f"apt-get update for {self.path} failed: {exc}") from exc
-            if not bundle.apt_lists_present(self.lists_dir):
+            if not deb_bundles.apt_lists_present(self.lists_dir):
                 raise AptRootError(f"apt-get update for {self.path} left no Packages list")
             stamp = {"sources": list(self.sources), "arch": self.arch, "time": time.time(), "local": local}
             self._write_if_changed(self.stamp_file, json.dumps(stamp, indent=1) + "\n")
@@ -365,12 +365,12 @@ class AptRoot:
         :func:`k2fleet.control.deb_bundles.resolve_closure`."""
         self.update()
         with self._locked():
-            return bundle.resolve_closure(packages, env=self.env())
+            return deb_bundles.resolve_closure(packages, env=self.env())
 
     def index_sha256(self, packages: Iterable[ResolvedPackage]) -> dict[ResolvedPackage, set[str]]:
         """The SHA256 sums the root's (signed or trusted) lists give for each package."""
         wanted = sorted(set(packages))
-        out = bundle._run(["apt-cache", "show", *(r.spec for r in wanted)], env=self.env()).stdout
+        out = deb_bundles._run(["apt-cache", "show", *(r.spec for r in wanted)], env=self.env()).stdout
         sums: dict[ResolvedPackage, set[str]] = {r: set() for r in wanted}
         for record in out.split("\n\n"):
             fields = dict(line.split(": ", 1) for line in record.splitlines() if ": " in line and line[0] != " ")
@@ -381,8 +381,8 @@ class AptRoot:
 
     def _pooled(self, pkg: ResolvedPackage, sums: set[str]) -> bool:
         """True if the pool holds ``pkg`` with one of the SHA256 sums the lists give."""
-        deb = self.debs_dir / bundle.pool_filename(pkg)
-        return deb.is_file() and bundle.sha256_file(deb) in sums
+        deb = self.debs_dir / deb_bundles.pool_filename(pkg)
+        return deb.is_file() and deb_bundles.sha256_file(deb) in sums
 
     def download(self, resolved: Iterable[ResolvedPackage], dest: Path) -> dict[ResolvedPackage, Path]:
         """Put the .deb of every package in ``dest`` (pool file names); map each to its file.
@@ -398,12 +398,12 @@ class AptRoot:
             missing = [r for r in wanted if not self._pooled(r, sums[r])]
             if missing:
                 with tempfile.TemporaryDirectory(prefix=".dl-", dir=self.debs_dir) as tmp:
-                    for deb in bundle.download(missing, Path(tmp), env=self.env()).values():
+                    for deb in deb_bundles.download(missing, Path(tmp), env=self.env()).values():
                         deb.replace(self.debs_dir / deb.name)
         dest.mkdir(parents=True, exist_ok=True)
         files: dict[ResolvedPackage, Path] = {}
         for pkg in wanted:
-            src, out = self.debs_dir / bundle.pool_filename(pkg), dest / bundle.pool_filename(pkg)
+            src, out = self.debs_dir / deb_bundles.pool_filename(pkg), dest / deb_bundles.pool_filename(pkg)
             out.unlink(missing_ok=True)
             try:
                 os.link(src, out)
@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="extra one-line source, e.g. 'deb [trusted=yes] file:/DIR ./'")
     parser.add_argument("--arch", default="amd64")
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE_DIR, help="where apt roots live")
-    parser.add_argument("--out", type=Path, default=bundle.DEFAULT_CACHE_DIR, help="bundle cache directory")
+    parser.add_argument("--out", type=Path, default=deb_bundles.DEFAULT_CACHE_DIR, help="bundle cache directory")
     args = parser.parse_args(argv)
     try:
         sources = debian_sources(args.suite, components=args.component or ["main"]) if args.suite else []
@@ -437,8 +437,8 @@ def main(argv: list[str] | None = None) -> int:
             for pkg in root.resolve(args.packages):
                 print(pkg.spec)
         else:
-            print(bundle.ensure_bundle(args.packages, args.out, apt_root=root))
-    except bundle.BundleError as exc:
+            print(deb_bundles.ensure_bundle(args.packages, args.out, apt_root=root))
+    except deb_bundles.BundleError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from k2fleet.control import artifacts as control
+from k2fleet.control import ControlError
+from k2fleet.control.artifacts import prepare_control_artifacts, read_control_artifacts, relay_secret_path, state_dir
 from k2fleet.planning.host_actions import host_actions
 from k2fleet.planning.host_bootstrap import reboot_reason
 from k2fleet.control.checkpoint_copy import ControlRelay
@@ -136,13 +137,13 @@ def _make_fleet_run(state: Any, inventory: Any, dry: bool | None) -> FleetRun:
     if dry is None:  # under the CLI, the gate (config.py) recorded --dry on the state
         dry = bool(getattr(state, "k2fleet_dry", False))
     try:
-        artifacts = control.read_control_artifacts(dep, plan) if dry else control.prepare_control_artifacts(dep, plan)
-    except control.ControlError as exc:  # one line naming what and the fix, no traceback
+        artifacts = read_control_artifacts(dep, plan) if dry else prepare_control_artifacts(dep, plan)
+    except ControlError as exc:  # one line naming what and the fix, no traceback
         sys.stderr.write(f"k2fleet: {exc}\n")
         sys.stderr.flush()
         raise SystemExit(1) from None
-    run = FleetRun(dep=dep, plan=plan, artifacts=artifacts, dry=dry, state_dir=control.state_dir(dep),
+    run = FleetRun(dep=dep, plan=plan, artifacts=artifacts, dry=dry, state_dir=state_dir(dep),
                    desired=desired_state(dep, plan, artifacts), xet_disabled=bool(os.environ.get("HF_HUB_DISABLE_XET")),
-                   control_relay=ControlRelay(control.relay_secret_path(dep)))
+                   control_relay=ControlRelay(relay_secret_path(dep)))
     setattr(state, STATE_ATTRIBUTE, run)
     return run

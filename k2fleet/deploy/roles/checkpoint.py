@@ -37,7 +37,7 @@ from pyinfra import host
 from pyinfra.api import deploy
 from pyinfra.operations import python
 
-from k2fleet.control import checkpoint_copy as fanout
+from k2fleet.control import checkpoint_copy
 from k2fleet.planning import relay_plan
 from k2fleet.hostprogs.manifest import read_token
 from k2fleet.planning.deployment import Deployment, WeightSet
@@ -94,7 +94,7 @@ def host_download_command(dep: Deployment, xet_disabled: bool, ws: WeightSet | N
 
 @deploy("k2fleet: checkpoint")
 def ensure(dep: Deployment, desired: HostDesired, fact: HostReport, tracked: list, log_file: str,
-           control_relay: fanout.ControlRelay, fleet_wanted: dict[str, list[str]], side_channel: tuple[str, list[str]],
+           control_relay: checkpoint_copy.ControlRelay, fleet_wanted: dict[str, list[str]], side_channel: tuple[str, list[str]],
            xet_disabled: bool = False) -> None:
     """
     Bring this host's copy of the pinned checkpoint (and of the GGUF weights, for GGUF
@@ -138,7 +138,7 @@ def ensure(dep: Deployment, desired: HostDesired, fact: HostReport, tracked: lis
 
 
 def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fact: HostReport, tracked: list,
-                       log_file: str, control_relay: fanout.ControlRelay, wanted_hosts: list[str],
+                       log_file: str, control_relay: checkpoint_copy.ControlRelay, wanted_hosts: list[str],
                        side_channel: tuple[str, list[str]], xet_disabled: bool) -> None:
     """The distribution of one weight set (same operation sequence on every host)."""
     fan = desired.fanout
@@ -158,7 +158,7 @@ def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fac
     # fleet: the root's source, and every host's last fallback.
     python.call(
         name=f"fetch + verify the {what} on the control machine (once per fleet)",
-        function=fanout.prepare_control_copy,
+        function=checkpoint_copy.prepare_control_copy,
         repo_id=ws.repo, revision=ws.revision, root=source_dir, hub=from_hub,
         endpoint=dep.s.hub_endpoint, token_file=dep.s.hub_token_file, log_file=log_file,
         patterns=list(ws.patterns) if ws.patterns else None,
@@ -185,7 +185,7 @@ def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fac
     target, ssh = side_channel
     python.call(
         name=f"{what}: receive shard by shard, each verified before it is passed on",
-        function=fanout.relay_to_host,
+        function=checkpoint_copy.relay_to_host,
         control=control_relay, source=control_copy, target=target,
         ssh=ssh, fetch_argv=fetch_argv, tunnel_port=dep.s.relay_port, log_file=log_file,
         _if=lambda: receiving,
