@@ -28,6 +28,7 @@ from k2fleet.cli import load_plan
 from k2fleet.control import ControlError
 from k2fleet.control.artifacts import prepare_control_artifacts, read_control_artifacts
 from k2fleet.control.stand_ins import engine_doubles_for
+from k2fleet.planning.relay_plan import RELAY_SECRET
 from k2fleet.planning.desired import ControlArtifacts, desired_state
 from k2fleet.deploy.gate import check_hosts
 from k2fleet.inventory.loader import inventory_host_data
@@ -220,7 +221,8 @@ def test_bundle_for_another_debian_release_than_the_control_machines(tmp_path: P
 
 def managed_files(inventory: str, bundle: Path) -> dict[str, dict[str, str]]:
     """Host → path → sha256 of every file the deploy put there, as read on the sandbox
-    hosts (mesh keys and known_hosts left out: secrets made per deployment, not bundled)."""
+    hosts (mesh keys, known_hosts and the relay secret left out: secrets made per deployment,
+    not bundled)."""
     hosts = inventory_host_data(ROOT / inventory, {})
     dep, _ = check_hosts(inventory, hosts)
     overlay = bundle_data(dep, bundle)
@@ -231,7 +233,8 @@ def managed_files(inventory: str, bundle: Path) -> dict[str, dict[str, str]]:
     found: dict[str, dict[str, str]] = {}
     for (name, _, _), sb in zip(hosts, sb_hosts):
         d = desired[name]
-        paths = sorted(p for group, files in d.files.items() if group != "mesh" for p in files if not p.endswith("/"))
+        paths = sorted(p for group, files in d.files.items() if group != "mesh" for p in files
+                       if not p.endswith("/") and p != RELAY_SECRET)
         paths += sorted(p for files in d.service_files.values() for p in files)
         out = sandbox.ssh(sb, "sha256sum " + " ".join(paths), timeout=60)
         assert out.returncode == 0, out.stderr
