@@ -556,7 +556,7 @@ def _is_our_supervisor(pid: int, name: str) -> bool:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except (FileNotFoundError, ProcessLookupError):
         return False
-    return (b"supervise" in argv and any(arg.endswith(b"sandbox.py") for arg in argv)
+    return (b"supervise" in argv and any(arg.endswith(b"/nspawn.py") for arg in argv)
             and f"--machine={name}".encode() in argv)
 
 

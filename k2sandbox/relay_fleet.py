@@ -97,7 +97,8 @@ class RelayFleet:
         all are done, and their reports in fleet order."""
         fleet = [url(h.address) for h in hosts]
         lines = {h.name: shlex.join(relay_plan.relay_fetch_argv(HOST_DIR, fleet, i, fanout_k, [url(sandbox.BRIDGE_ADDRESS)],
-                                                            log_file="/var/log/k2fleet/relay-bench.jsonl"))
+                                                            log_file="/var/log/k2fleet/relay-bench.jsonl",
+                                                            secret_file=None))
                  for i, h in enumerate(hosts)}
         t0 = time.monotonic()
         reports = self.run_fetches(lines)

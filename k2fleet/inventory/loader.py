@@ -86,7 +86,10 @@ def load_failure(exc: BaseException) -> str:
     if isinstance(inner, BaseException):
         exc = inner
     text = " ".join(str(arg) for arg in getattr(exc, "args", ())) or type(exc).__name__
-    line = f"{type(exc).__name__}: {text}" if text != type(exc).__name__ else text
+    if isinstance(exc, SystemExit):  # the file stopped itself with its own message
+        line = text
+    else:
+        line = f"{type(exc).__name__}: {text}" if text != type(exc).__name__ else text
     return f"{where} raised {line}" if where else line
 
 

@@ -125,7 +125,8 @@ def relay_stop_argv() -> list[str]:
 
 
 def relay_fetch_argv(path: str, fleet: list[str], position: int, fanout_k: int, sources: list[str],
-                     log_file: str = HOST_LOG, pin: tuple[str, str] | None = None) -> list[str]:
+                     log_file: str = HOST_LOG, pin: tuple[str, str] | None = None,
+                     secret_file: str | None = RELAY_SECRET) -> list[str]:
     """argv (run on a host) receiving ``path`` shard by shard through the relay: from its
     place ``position`` in the fleet order ``fleet`` (relay URLs), falling back to the
     parent's ancestors and last to ``sources``. ``pin``: (repository, revision) — a
@@ -141,7 +142,9 @@ def relay_fetch_argv(path: str, fleet: list[str], position: int, fanout_k: int, 
             "--fanout", str(fanout_k)]
     if pin is not None:
         argv += ["--repo", pin[0], "--revision", pin[1]]
-    argv += ["--secret-file", RELAY_SECRET, "--log", log_file]
+    if secret_file is not None:
+        argv += ["--secret-file", secret_file]
+    argv += ["--log", log_file]
     for url in sources:
         argv += ["--source", url]
     return argv + [path]
