@@ -273,10 +273,6 @@ def finish_checks(started: dict) -> dict:
     return result
 
 
-def checks(named: dict) -> dict:
-    """Run each named argv (when its program exists), all at once; return its exit code or None."""
-    return finish_checks(start_checks(named))
-
 
 def _smi(args: list) -> tuple:
     """(exit code, output) of nvidia-smi (127: not installed)."""

@@ -1,11 +1,13 @@
-"""Runs ON a host, or on the control machine (standard library only, with verify.py and
-swarm.py beside it): pipelined checkpoint distribution — each host passes a shard on as
-soon as it has verified it.
+"""Runs ON a host from the host archive, or on the control machine as
+``python -m k2fleet.hostprogs.relay`` (standard library only, with its siblings ``verify``
+and ``swarm``): pipelined checkpoint distribution — each host passes a shard on as soon as
+it has verified it.
 
-    python3 relay.py mark  DIR                       # hash every file against the manifest, mark the good ones
-    python3 relay.py serve DIR --bind ADDR --port P   # serve the verified files (HTTP, Range), until killed
-    python3 relay.py fetch DIR --fleet URL,URL,... --position I [--fanout K] [--source URL] [--log FILE]
-    python3 relay.py fetch DIR --source URL [--source URL ...] [--plan FILE]
+    python3 k2fleet-host.pyz relay mark  DIR                      # hash every file, mark the good ones
+    python3 k2fleet-host.pyz relay serve DIR --bind ADDR --port P [--secret-file F] [--idle-exit S]
+    python3 k2fleet-host.pyz relay fetch DIR --fleet URL,URL,... --position I [--fanout K] [--source URL]
+        [--repo R --revision V] [--manifest-digest D] [--secret-file F] [--log FILE]
+    python3 k2fleet-host.pyz relay fetch DIR --source URL [--source URL ...] [--plan FILE]
 
 The deploy (``k2fleet/deploy/roles/checkpoint.py``) starts ``serve`` on every host that loads weights and
 ``fetch --fleet`` on every host whose copy is not verified: per shard, the host at
