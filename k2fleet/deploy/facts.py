@@ -16,10 +16,21 @@ from typing import Any
 
 from pyinfra.api import FactBase
 
+from k2fleet.planning.host_archive import ARCHIVE, archive_sha256, host_argv
 from k2fleet.planning.host_fact import HostReport
-from k2fleet.planning.quoting import shell_word
+from k2fleet.planning.quoting import shell_line, shell_word
 
 PROBE = (Path(__file__).resolve().parents[1] / "hostprogs" / "hoststate.py").read_text()
+
+
+def probe_command(query: dict[str, Any]) -> str:
+    """The fact's shell command: the probe from the host's archive when that archive is
+    byte for byte the one this control machine ships (its sha256), otherwise the same
+    source piped to ``python3`` (a bare host, or an archive of another version)."""
+    arg = shell_word(json.dumps(query, sort_keys=True))
+    shipped = shell_line(host_argv("hoststate")) + " " + arg
+    check = f"echo {archive_sha256()}'  '{shell_word(ARCHIVE)} | sha256sum --check --status 2>/dev/null"
+    return f"if {check}; then {shipped}; else python3 - {arg} <<'K2FLEET_PROBE'\n{PROBE}\nK2FLEET_PROBE\nfi"
 
 
 class HostState(FactBase[HostReport]):
@@ -32,7 +43,7 @@ class HostState(FactBase[HostReport]):
     """
 
     def command(self, query: dict[str, Any]) -> str:  # type: ignore[override]
-        return f"python3 - {shell_word(json.dumps(query, sort_keys=True))} <<'K2FLEET_PROBE'\n{PROBE}\nK2FLEET_PROBE"
+        return probe_command(query)
 
     def process(self, output: list[str]) -> HostReport:  # type: ignore[override]
         return HostReport.from_json(json.loads("\n".join(output)))

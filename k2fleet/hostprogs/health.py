@@ -17,18 +17,76 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
+
+MAX_BODY = 8 << 20  # bytes of an answer read at most (a larger one is refused, not buffered)
+
+
+def request(url: str, body: bytes | None = None, timeout: float = 30) -> tuple[int, bytes]:
+    """(status, body) of one HTTP/1.1 request (POST with a JSON ``body``, else GET) on a
+    fresh connection, standard library sockets only: the fact's quick check runs on every
+    deploy and ``urllib.request`` alone costs ~90 ms of CPU to import. ``http://`` only
+    (the engines and routers listen on the fleet's own addresses); at most :data:`MAX_BODY`
+    bytes; chunked or length-delimited answers. Raises OSError or ValueError."""
+    if not url.startswith("http://"):
+        raise ValueError(f"not an http:// URL: {url!r}")
+    hostport, _, path = url[len("http://"):].partition("/")
+    host, port = hostport, 80
+    if hostport.startswith("["):  # [v6]:port
+        host, _, rest = hostport[1:].partition("]")
+        port = int(rest[1:]) if rest.startswith(":") else 80
+    elif ":" in hostport:
+        host, _, p = hostport.rpartition(":")
+        port = int(p)
+    head = [f"{'POST' if body is not None else 'GET'} /{path} HTTP/1.1", f"Host: {hostport}", "Connection: close",
+            "Accept: application/json", "User-Agent: k2fleet-health"]
+    if body is not None:
+        head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+    deadline = time.monotonic() + timeout
+    with socket.create_connection((host, port), timeout=timeout) as sock:
+        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + (body or b""))
+        data = b""
+        while True:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+            if len(data) > MAX_BODY + 65536:
+                raise ValueError(f"answer from {url} larger than {MAX_BODY} bytes")
+    header, sep, rest = data.partition(b"\r\n\r\n")
+    if not sep:
+        raise ValueError(f"no HTTP answer from {url}")
+    lines = header.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
+        raise ValueError(f"not an HTTP status line from {url}: {lines[0][:80]!r}")
+    fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    if fields.get("transfer-encoding", "").lower() == "chunked":
+        out = b""
+        while True:
+            size_line, _, rest = rest.partition(b"\r\n")
+            size = int(size_line.split(b";")[0] or b"0", 16)
+            if size == 0:
+                break
+            out, rest = out + rest[:size], rest[size + 2:]
+        rest = out
+    elif "content-length" in fields:
+        rest = rest[:int(fields["content-length"])]
+    return int(parts[1]), rest
 
 
 def get_status(url: str) -> int | None:
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
+        return request(url, timeout=5)[0]
     except (OSError, ValueError):
         return None
+
+
+def get_json(url: str, timeout: float = 30):
+    status, body = request(url, timeout=timeout)
+    if status != 200:
+        raise ValueError(f"{url} answered {status}")
+    return json.loads(body)
 
 
 def chat(base: str, model: str) -> str:
@@ -38,11 +96,13 @@ def chat(base: str, model: str) -> str:
         "max_tokens": 16,
         "temperature": 0,
     }).encode()
-    request = urllib.request.Request(f"{base}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        data = json.load(response)
-    message = data["choices"][0]["message"]
-    return (message.get("content") or message.get("reasoning_content") or "").strip()
+    status, answer = request(f"{base}/v1/chat/completions", body, timeout=120)
+    if status != 200:
+        raise ValueError(f"chat completion answered {status}: {answer[:200]!r}")
+    message = json.loads(answer)["choices"][0]["message"]
+    # a thinking model may spend its tokens thinking: vLLM returns that as ``reasoning``
+    # (``reasoning_content`` in older releases and in SGLang), with ``content`` null
+    return (message.get("content") or message.get("reasoning") or message.get("reasoning_content") or "").strip()
 
 
 class NotHealthy(Exception):
@@ -52,8 +112,7 @@ class NotHealthy(Exception):
 def world_mismatch(base: str, expected: dict) -> str | None:
     """Compare the topology the engine reports in ``/v1/models`` metadata (k2fleet's
     engine test doubles report their parallel sizes there) with the planned one."""
-    with urllib.request.urlopen(f"{base}/v1/models", timeout=30) as response:
-        data = json.load(response)
+    data = get_json(f"{base}/v1/models")
     reported = (data.get("data") or [{}])[0].get("metadata") or {}
     for key, want in sorted(expected.items()):
         if key not in reported:
@@ -71,8 +130,7 @@ def pd_mismatch(pools: dict) -> str | None:
     for pool, bases in sorted(pools.items()):
         rooms[pool] = set()
         for base in bases:
-            with urllib.request.urlopen(f"{base}/k2fleet/pd_requests", timeout=30) as response:
-                rooms[pool] |= {r.get("bootstrap_room") for r in json.load(response).get("requests", [])}
+            rooms[pool] |= {r.get("bootstrap_room") for r in get_json(f"{base}/k2fleet/pd_requests").get("requests", [])}
     common = set.intersection(*rooms.values()) if rooms else set()
     if not common:
         seen = ", ".join(f"{pool}: {len(r)} request(s)" for pool, r in sorted(rooms.items()))
@@ -117,8 +175,8 @@ def wait_healthy(base: str, model: str, timeout: float, expected: dict | None = 
     raise NotHealthy(f"not healthy after {timeout:.0f}s: {last}")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="health")
     ap.add_argument("--base", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--unit", required=True)
@@ -129,7 +187,7 @@ def main() -> int:
                     help="JSON {key: value} the engine must report in /v1/models metadata (the planned topology)")
     ap.add_argument("--expect-pd", type=json.loads, default=None,
                     help='JSON {"prefill": [URL], "decode": [URL]}: the completion must reach both pools')
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     try:
         answer = wait_healthy(args.base, args.model, args.timeout, args.expect_world, args.ready_path,
                               args.expect_pd)

@@ -41,9 +41,12 @@ def _run(argv: list[str]) -> str | None:
         return None
 
 
-def gpus() -> dict:
-    out = _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"])
-    if out:
+SMI_QUERY = ["--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"]
+
+
+def gpus(smi=None) -> dict:
+    code, out = (smi or _smi)(SMI_QUERY)
+    if code == 0 and out:
         rows = [[c.strip() for c in line.split(",")] for line in out.strip().splitlines() if line.strip()]
         return {
             "vendor": "nvidia",
@@ -141,7 +144,9 @@ def package_versions(patterns: list) -> dict:
 
 
 def holds() -> list:
-    return sorted((_run(["apt-mark", "showhold"]) or "").split())
+    """Packages on hold (dpkg's selection ``hold``, what ``apt-mark showhold`` lists)."""
+    out = _run(["dpkg-query", "-W", "-f", "${db:Status-Abbrev} ${Package}\n"]) or ""
+    return sorted(r[1] for r in (line.split() for line in out.splitlines()) if len(r) == 2 and r[0][:1] == "h")
 
 
 def reboot_required() -> list:
@@ -161,7 +166,7 @@ def bootstrap_state(query: dict) -> dict:
         "modules": {m: module_version(m, hw["simulated"]) for m in ("nvidia", "amdgpu")},
         "nouveau": os.path.isdir("/sys/module/nouveau"),
         "package_versions": package_versions(query.get("package_versions", [])),
-        "holds": holds() if shutil.which("apt-mark") else [],
+        "holds": holds() if shutil.which("dpkg-query") else [],
         "reboot_required": reboot_required(),
     }
 
@@ -238,14 +243,72 @@ def packages(names: list) -> list:
 
 
 CHECK_TIMEOUT_S = 60
+ARCHIVE_SUFFIX = "/k2fleet-host.pyz"  # k2fleet.planning.host_archive.ARCHIVE's name
+IN_PROCESS = ("health", "hoststate", "image_pin", "verify")  # read-only programs run as threads here
 
 
-def start_checks(named: dict) -> dict:
-    """Start every named argv at once (when its program exists): name → process or None.
-    They run while the rest of the report is gathered (:func:`finish_checks`)."""
+def _archive_program(argv: list) -> tuple | None:
+    """(archive, program) when ``argv`` runs a read-only program of the shipped archive
+    (``python3 ARCHIVE PROGRAM ARGS``): the probe imports it from that archive and calls
+    its ``main(ARGS)`` in a thread instead of starting another interpreter."""
+    if len(argv) >= 3 and argv[0].endswith("python3") and argv[1].endswith(ARCHIVE_SUFFIX) \
+            and argv[2] in IN_PROCESS and os.path.isfile(argv[1]):
+        return argv[1], argv[2]
+    return None
+
+
+class _Check:
+    """One check run in a thread of this process: ``code`` is its exit code once done. The
+    GPU gate (``hoststate --gate``) is this module's own :func:`gate`, sharing the probe's
+    nvidia-smi answers (``smi``)."""
+
+    def __init__(self, archive: str, program: str, args: list, smi=None):
+        import threading
+        if archive not in sys.path:
+            sys.path.insert(0, archive)  # the archive's own modules, never the host's
+        self.code, self.smi = None, smi
+        self.thread = threading.Thread(target=self._run, args=(program, args), daemon=True)
+        self.thread.start()
+
+    def _run(self, program: str, args: list) -> None:
+        import importlib
+        try:
+            if program == "hoststate" and args[:1] == ["--gate"] and len(args) == 2:
+                code = gate(json.loads(args[1]), self.smi)
+            else:
+                code = importlib.import_module("k2fleet.hostprogs." + program).main(list(args))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except Exception:  # noqa: BLE001 - a check that breaks has failed
+            code = 1
+        self.code = 0 if code is None else int(code)
+
+    def wait(self, timeout: float):
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise subprocess.TimeoutExpired("check", timeout)
+        return self.code
+
+    def kill(self) -> None:  # a thread cannot be killed: it is a daemon and dies with the probe
+        pass
+
+
+def start_checks(named: dict, smi=None) -> dict:
+    """Start every named argv at once (when its program exists): name → running check or
+    None. The archive's read-only programs run as threads of this process (their output
+    discarded: stdout and stderr point at /dev/null until :func:`finish_checks`), other
+    argv as processes. They run while the rest of the report is gathered."""
     started = {}
+    quiet = None
     for name, argv in named.items():
-        if not os.path.exists(argv[1] if argv[0].endswith("python3") else argv[0]):
+        inside = _archive_program(argv)
+        if inside:
+            if quiet is None:
+                quiet = open(os.devnull, "w")
+                sys.stdout, sys.stderr = quiet, quiet
+            started[name] = _Check(inside[0], inside[1], argv[3:], smi)
+            continue
+        if not os.path.exists(argv[1] if argv[0].endswith("python3") and len(argv) > 1 else argv[0]):
             started[name] = None
             continue
         try:
@@ -257,7 +320,8 @@ def start_checks(named: dict) -> dict:
 
 
 def finish_checks(started: dict) -> dict:
-    """Each started check's exit code (None: not run, or past :data:`CHECK_TIMEOUT_S` in all)."""
+    """Each started check's exit code (None: not run, or past :data:`CHECK_TIMEOUT_S` in all);
+    the probe's own stdout and stderr are back when it returns."""
     deadline = time.monotonic() + CHECK_TIMEOUT_S
     result = {}
     for name, proc in started.items():
@@ -268,10 +332,11 @@ def finish_checks(started: dict) -> dict:
             result[name] = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
+            if isinstance(proc, subprocess.Popen):
+                proc.wait()
             result[name] = None
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     return result
-
 
 
 def _smi(args: list) -> tuple:
@@ -282,7 +347,25 @@ def _smi(args: list) -> tuple:
         proc = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError) as exc:
         return 1, str(exc)
-    return proc.returncode, (proc.stdout + proc.stderr).strip()
+    return proc.returncode, (proc.stdout if proc.returncode == 0 else proc.stdout + proc.stderr).strip()
+
+
+class Memo:
+    """``_smi`` remembered for one probe: the report and the GPU gate check ask nvidia-smi
+    the same questions once (one lock per question: different ones run at once)."""
+
+    def __init__(self, smi=None):
+        import threading
+        self.smi, self.lock, self.locks, self.seen = smi or _smi, threading.Lock(), {}, {}
+
+    def __call__(self, args: list) -> tuple:
+        key = tuple(args)
+        with self.lock:
+            mine = self.locks.setdefault(key, __import__("threading").Lock())
+        with mine:
+            if key not in self.seen:
+                self.seen[key] = self.smi(args)
+            return self.seen[key]
 
 
 def fabric_states(text: str) -> list:
@@ -306,8 +389,9 @@ def fabric_states(text: str) -> list:
     return [(b.get("State"), b.get("Status")) for b in out]
 
 
-def nvidia_problems(want: dict) -> list:
-    code, out = _smi(["--query-gpu=name,driver_version", "--format=csv,noheader"])
+def nvidia_problems(want: dict, smi=None) -> list:
+    smi = smi or _smi
+    code, out = smi(SMI_QUERY)
     if code != 0:
         return [f"nvidia-smi failed ({code}): {out.splitlines()[0] if out else ''}"]
     rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
@@ -317,7 +401,7 @@ def nvidia_problems(want: dict) -> list:
     wrong = sorted({r[0] for r in rows if want["name"].upper() not in r[0].upper()})
     if wrong:
         problems.append(f"GPU type {', '.join(wrong)}, the plan is for {want['name']}")
-    driver = rows[0][1] if rows else ""
+    driver = rows[0][2] if rows and len(rows[0]) > 2 else ""
     major = int(driver.split(".")[0]) if driver[:3].isdigit() else 0
     if major != want["branch"]:
         problems.append(f"driver {driver} is not of branch {want['branch']}")
@@ -330,7 +414,7 @@ def nvidia_problems(want: dict) -> list:
     if installed.split(":")[-1].split("-")[0] != loaded:
         problems.append(f"loaded kernel module {loaded} differs from the installed driver {installed} (reboot)")
     if want.get("fabric"):
-        code, out = _smi(["-q"])
+        code, out = smi(["-q"])
         states = fabric_states(out) if code == 0 else []
         bad = [s for s in states if s != ("Completed", "Success")]
         if not states or bad:
@@ -350,12 +434,12 @@ def amd_problems(want: dict) -> list:
     return problems
 
 
-def gate(want: dict) -> int:
+def gate(want: dict, smi=None) -> int:
     """Compare the host with ``want`` until it matches or ``want['timeout']`` passes;
     print every mismatch of the last look (see the module doc)."""
     deadline = time.monotonic() + float(want.get("timeout", 0))
     while True:
-        problems = nvidia_problems(want) if want["vendor"] == "nvidia" else amd_problems(want)
+        problems = nvidia_problems(want, smi) if want["vendor"] == "nvidia" else amd_problems(want)
         for unit in want.get("services", []):
             state = (_run(["systemctl", "is-active", unit]) or "").strip()
             if state != "active":
@@ -368,13 +452,15 @@ def gate(want: dict) -> int:
     return 1 if problems else 0
 
 
-def main() -> None:
-    if sys.argv[1:2] == ["--gate"]:
-        sys.exit(gate(json.loads(sys.argv[2])))
-    query = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
-    running = start_checks(query.get("checks", {}))  # they run while the rest is read
+def main(argv: list | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--gate"]:
+        return gate(json.loads(argv[1]))
+    query = json.loads(argv[0]) if argv else {}
+    smi = Memo()
+    running = start_checks(query.get("checks", {}), smi)  # they run while the rest is read
     report = {
-        "gpus": gpus(),
+        "gpus": gpus(smi),
         "disk_free": disk_free(query.get("disk_path", "/")),
         "mem_total": mem_total(),
         "shm_size": shm_size(),
@@ -388,8 +474,12 @@ def main() -> None:
         "checks": finish_checks(running),
         "bootstrap": bootstrap_state(query),
     }
-    print(json.dumps(report))
+    sys.stdout.write(json.dumps(report) + "\n")
+    sys.stdout.flush()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # a check still running past its deadline is a daemon thread: do not wait for it

@@ -80,13 +80,13 @@ def wait_for_cluster(address: str, planned: list[tuple[str, str, int]], timeout:
     return problems
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="raygate")
     ap.add_argument("--address", required=True, help="HEAD:PORT of the Ray cluster's GCS")
     ap.add_argument("--unit", required=True, help="the unit this gate guards (named in failures)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--node", type=planned_node, action="append", required=True, help="NAME=ADDRESS:GPUS, planned")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     problems = wait_for_cluster(args.address, args.node, args.timeout)
     me = socket.gethostname()
     if problems:

@@ -17,6 +17,7 @@ True
 
 from __future__ import annotations
 
+import hashlib
 import io
 import zipfile
 from functools import lru_cache
@@ -44,6 +45,12 @@ def host_argv(program: str, *args: str, python: str = "/usr/bin/python3") -> lis
     if program not in PROGRAMS:
         raise ValueError(f"no host program {program!r}")
     return [python, ARCHIVE, program, *args]
+
+
+@lru_cache(maxsize=1)
+def archive_sha256() -> str:
+    """sha256 of :func:`archive_bytes` (the desired state's and the fact's pin of the archive)."""
+    return hashlib.sha256(archive_bytes()).hexdigest()
 
 
 @lru_cache(maxsize=1)
