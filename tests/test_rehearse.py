@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
+import urllib.request
 
 import pytest
 
@@ -38,6 +40,39 @@ def last_line(proc: subprocess.CompletedProcess) -> str:
 def sandbox_is_down() -> bool:
     with sandbox.hold_sandbox_lock():
         return not sandbox.status() and not sandbox._sandbox_netns()
+
+
+def rehearse_kept(inventory: str, endpoints: int, *args: str) -> subprocess.CompletedProcess:
+    """``k2fleet rehearse INVENTORY --keep``; then the TEST calls the fleet itself, from the
+    control machine, rather than taking "healthy" from the command's own last line: every
+    endpoint the rehearsal reported ``ok`` answers ``GET /v1/models`` with the served model,
+    and the main endpoint answers a real chat completion with a non-empty message. The
+    sandbox is brought down afterwards (``k2fleet sandbox down``) and must be down."""
+    proc, seconds = rehearse(inventory, "--keep", *args)
+    print(f"rehearse {inventory}: {seconds:.0f}s")
+    try:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert last_line(proc) == f"rehearsal {inventory}: {endpoints}/{endpoints} endpoints healthy, re-run 0 changes"
+        ok = re.findall(r"^  ok   \S+ \S+: (http://\S+/v1)$", proc.stdout, re.M)
+        assert len(ok) == endpoints, proc.stdout
+        main = re.search(r"^endpoint: (http://\S+/v1)$", proc.stdout, re.M)
+        model = re.search(r"^try: curl .* -d '(\{.*\})'$", proc.stdout, re.M)
+        assert main and model, proc.stdout
+        name = json.loads(model.group(1))["model"]
+        for base in ok:
+            with urllib.request.urlopen(f"{base}/models", timeout=30) as answer:
+                served = [m["id"] for m in json.load(answer)["data"]]
+            assert served, f"{base}/models lists no model"
+        body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 32}).encode()
+        request = urllib.request.Request(f"{main.group(1)}/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            message = json.load(answer)["choices"][0]["message"]
+        assert (message.get("content") or message.get("reasoning") or message.get("reasoning_content") or "").strip()
+    finally:
+        subprocess.run([tool("k2fleet"), "sandbox", "down"], cwd=ROOT, capture_output=True, timeout=300)
+    assert sandbox_is_down()
+    return proc
 
 
 # ---------------------------------------------------------------- offline
@@ -110,25 +145,17 @@ def test_bad_inventory_is_refused_before_anything_boots() -> None:
 @pytest.mark.sandbox
 @needs_root
 def test_rehearse_h200() -> None:
-    proc, seconds = rehearse("inventories/h200.py")
-    print(f"rehearse inventories/h200.py: {seconds:.0f}s")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert last_line(proc) == "rehearsal inventories/h200.py: 2/2 endpoints healthy, re-run 0 changes"
+    proc = rehearse_kept("inventories/h200.py", 2)
     curls = [line for line in proc.stdout.splitlines() if "curl " in line]
     assert len(curls) == 1 and "/v1/chat/completions" in curls[0] and "moonshotai/Kimi-K2-Thinking" in curls[0]
     assert "http://10.213.0.11:8000/v1" in proc.stdout and "http://10.213.0.12:8000/v1" in proc.stdout
-    assert sandbox_is_down()
 
 
 @pytest.mark.sandbox
 @needs_root
 def test_rehearse_h200_dp_ep() -> None:
-    proc, seconds = rehearse("inventories/h200-dp-ep.py")
-    print(f"rehearse inventories/h200-dp-ep.py: {seconds:.0f}s")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert last_line(proc) == "rehearsal inventories/h200-dp-ep.py: 1/1 endpoints healthy, re-run 0 changes"
+    proc = rehearse_kept("inventories/h200-dp-ep.py", 1)
     assert '"model": "kimi-k2"' in proc.stdout  # k2_served_model_name, what clients send
-    assert sandbox_is_down()
 
 
 @pytest.mark.sandbox
@@ -136,11 +163,7 @@ def test_rehearse_h200_dp_ep() -> None:
 @pytest.mark.parametrize("inventory, endpoints", [("inventories/h200-dcp.py", 2), ("inventories/h200-sglang-tp16.py", 1),
                                                   ("inventories/h200-sglang-pd.py", 3)])
 def test_rehearse_scenario_as_written(inventory: str, endpoints: int) -> None:
-    proc, seconds = rehearse(inventory)
-    print(f"rehearse {inventory}: {seconds:.0f}s")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert last_line(proc) == f"rehearsal {inventory}: {endpoints}/{endpoints} endpoints healthy, re-run 0 changes"
-    assert sandbox_is_down()
+    rehearse_kept(inventory, endpoints)
 
 
 @pytest.mark.sandbox
@@ -168,11 +191,7 @@ def test_rehearse_gb200_slurm() -> None:
 def test_rehearse_container_scenario(inventory: str, image: str) -> None:
     """Docker from the offline bundle, the double image docker-loaded under the
     inventory's own reference, the planned ``docker run`` under systemd."""
-    proc, seconds = rehearse(inventory)
-    print(f"rehearse {inventory}: {seconds:.0f}s")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert last_line(proc) == f"rehearsal {inventory}: 1/1 endpoints healthy, re-run 0 changes"
-    assert sandbox_is_down()
+    rehearse_kept(inventory, 1)
 
 
 @pytest.mark.sandbox
@@ -182,13 +201,8 @@ def test_rehearse_h200_trtllm_mpi_in_containers() -> None:
     sshd on 2233 (the host's mesh sshd yields the port to it); the head ``docker exec``s the
     real OpenMPI ``mpirun`` into its container, which starts ``orted`` in the other host's
     container over SSH; 16 ranks meet with mpi4py, the gate sees TP16 = world 16."""
-    inventory = "inventories/h200-trtllm-mpi.py"
-    proc, seconds = rehearse(inventory)
-    print(f"rehearse {inventory}: {seconds:.0f}s")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert last_line(proc) == f"rehearsal {inventory}: 1/1 endpoints healthy, re-run 0 changes"
+    proc = rehearse_kept("inventories/h200-trtllm-mpi.py", 1)
     assert "ok   h200-0 k2-trtllm: http://10.213.0.11:8000/v1" in proc.stdout
-    assert sandbox_is_down()
 
 
 # ---------------------------------------------------------------- the rehearsal's own probe, against loopback servers

@@ -16,6 +16,7 @@ The same group mechanism adds CLI commands (group ``k2fleet.commands``: the sand
 
 from __future__ import annotations
 
+from functools import cache
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Protocol
@@ -64,8 +65,10 @@ class StandIns(Protocol):
         manifest, made once and cached; their directory."""
 
 
+@cache
 def stand_ins() -> StandIns:
-    """The installed provider (the first of the group by name)."""
+    """The installed provider (the first of the group by name; looked up once per process:
+    scanning the installed distributions' entry points costs ~20 ms)."""
     found = sorted(entry_points(group=GROUP), key=lambda ep: ep.name)
     if not found:
         raise StandInsMissing("k2_simulated_gpus / k2_engine_doubles need the sandbox's stand-ins "

@@ -54,6 +54,16 @@ class FleetRun:
     fact_locks: dict[str, threading.Lock] = field(default_factory=dict)
     control_relay: ControlRelay = field(default_factory=ControlRelay)  # the control copy, served to the fleet
     xet_disabled: bool = False  # HF_HUB_DISABLE_XET on the control machine: its Hub downloads skip hf-xet
+    views: dict[str, Any] = field(default_factory=dict)  # fleet-wide views of every host's fact, made once
+    view_locks: dict[str, threading.Lock] = field(default_factory=dict)
+
+    def _fleet_view(self, name: str, compute: Any) -> Any:
+        """``compute()`` once per run (each host's deploy asks for the same fleet-wide view;
+        without this, N hosts would each recompute it over N facts)."""
+        with self.view_locks.setdefault(name, threading.Lock()):
+            if name not in self.views:
+                self.views[name] = compute()
+        return self.views[name]
 
     def fleet_changed(self) -> bool:
         """Did any tracked operation on any host change something (execution time)?"""
@@ -69,6 +79,9 @@ class FleetRun:
 
     def weights_wanted(self, inventory: Any) -> dict[str, list[str]]:
         """Weight set check → the hosts that load weights and fail it (every host's fact)."""
+        return self._fleet_view("weights_wanted", lambda: self._weights_wanted(inventory))
+
+    def _weights_wanted(self, inventory: Any) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
         for h in inventory:
             fan = self.desired[h.name].fanout
@@ -80,6 +93,9 @@ class FleetRun:
     def unsettled(self, inventory: Any) -> dict[str, str]:
         """Host → what differs from its desired state (:func:`~k2fleet.planning.host_actions.host_actions`
         over every host's fact); empty: the whole fleet is settled and the deploy plans nothing."""
+        return self._fleet_view("unsettled", lambda: self._unsettled(inventory))
+
+    def _unsettled(self, inventory: Any) -> dict[str, str]:
         out = {}
         for h in inventory:
             actions = host_actions(self.desired[h.name], self.fact_of(h))
@@ -89,6 +105,9 @@ class FleetRun:
 
     def reboots(self, inventory: Any) -> dict[str, str]:
         """Host → why it reboots in this run's bootstrap (planning time; every host's fact)."""
+        return self._fleet_view("reboots", lambda: self._reboots(inventory))
+
+    def _reboots(self, inventory: Any) -> dict[str, str]:
         out = {}
         for h in inventory:
             boot = self.desired[h.name].bootstrap
