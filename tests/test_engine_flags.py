@@ -106,3 +106,41 @@ def test_tables_have_source():
         assert data["source"]["date"] and data["source"]["files"], f
         assert data["flags"] == sorted(set(data["flags"])), f
     assert set(OWNED_FLAGS) == {"vllm", "sglang", "ktransformers", "trtllm"}
+
+
+def test_trtllm_table_refuses_misspelt_options_and_keys():
+    # trtllm-serve serve options (k2_engine_args, dashes or underscores) and their click aliases
+    check_engine_args("trtllm", "1.2.0", {"kv_cache_free_gpu_memory_fraction": 0.9, "max-num-tokens": 4096,
+                                          "backend": "pytorch", "trust_remote_code": True})
+    with pytest.raises(SpecError, match=r"--max_batch_sise is not a flag of trtllm 1\.2\.0; did you mean --max_batch_size\?"):
+        check_engine_args("trtllm", "1.2.0", {"max_batch_sise": 128})
+    with pytest.raises(SpecError, match=r"--tensor_parallel_size is set by k2fleet from k2_tp \(as --tp_size\)"):
+        check_engine_args("trtllm", "1.2.0", {"tensor_parallel_size": 8})  # the same click option as --tp_size
+    with pytest.raises(SpecError, match=r"--extra_llm_api_options is set by k2fleet from k2_trtllm_config"):
+        check_engine_args("trtllm", "1.2.0", {"extra_llm_api_options": "/tmp/x.yml"})
+    # LLM API keys: top level, nested sections, the speculative_config variants and dict-typed sub-models
+    check_llm_api_config("1.2.0", {"speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 3},
+                                   "moe_config": {"backend": "WIDEEP", "load_balancer": {"num_slots": 416}},
+                                   "scheduler_config": {"dynamic_batch_config": {"enable_batch_size_tuning": True}}})
+    refused = [
+        ({"max_batch_sizes": 8}, r"max_batch_sizes is not an LLM API option of trtllm 1\.2\.0; did you mean max_batch_size\?"),
+        ({"kv_cache_config": {"free_gpu_memory_fracton": 0.8}},
+         r"kv_cache_config\.free_gpu_memory_fracton is not .*; did you mean free_gpu_memory_fraction\?"),
+        ({"moe_config": {"load_balancer": {"num_slot": 416}}},
+         r"moe_config\.load_balancer\.num_slot is not .*; did you mean num_slots\?"),
+        ({"speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layer": 3}},
+         r"speculative_config\.num_nextn_predict_layer is not .*; did you mean num_nextn_predict_layers\?"),
+    ]
+    for config, message in refused:
+        with pytest.raises(SpecError, match=message):
+            check_llm_api_config("1.2.0", config)
+
+
+def test_trtllm_table_provenance():
+    data = json.loads((DATA / "trtllm-1.2.0.json").read_text())
+    assert data["source"]["repo"] == "github.com/NVIDIA/TensorRT-LLM"
+    assert data["source"]["commit"] == "7e873e54c296912df55b4c961e67079963ae4d34"
+    assert data["source"]["files"] == ["1.2.0/_modules/tensorrt_llm/llmapi/llm_args.html",
+                                       "1.2.0/commands/trtllm-serve/trtllm-serve.html"]
+    assert data["llm_api"]["model"] == "TorchLlmArgs" and data["llm_api"]["extra"] == "forbid"
+    assert ["--config", "--extra_llm_api_options"] in data["aliases"]

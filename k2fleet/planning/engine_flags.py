@@ -1,8 +1,10 @@
 """Engine flags checked offline against tables extracted from each engine's source.
 
 The tables (``k2fleet/planning/data/engine_flags/<engine>-<version>.json``) are written by
-``tools/extract_engine_flags.py``. A pin without a table (TensorRT-LLM today) is not
-checked for unknown flags; owned flags are refused everywhere.
+``tools/extract_engine_flags.py`` (vLLM, SGLang, KTransformers, from their wheels or tags) and
+``tools/extract_trtllm_docs.py`` (TensorRT-LLM 1.2.0, from its documentation build: the
+``trtllm-serve serve`` options, their aliases, and the LLM API model tree under ``llm_api``).
+A pin without a table is not checked for unknown flags; owned flags are refused everywhere.
 """
 
 from __future__ import annotations
@@ -60,6 +62,19 @@ def known_flags(engine: str, version: str) -> frozenset[str]:
     return frozenset(table["flags"])
 
 
+def _same_option(engine: str, version: str, flag: str) -> list[str]:
+    """``flag`` and the other names of the same option (TensorRT-LLM's click aliases).
+
+    >>> _same_option("trtllm", "1.2.0", "--tensor_parallel_size")
+    ['--tensor_parallel_size', '--tp_size']
+    """
+    table = _table(engine, version) or {}
+    for names in table.get("aliases", ()):
+        if flag in names:
+            return [flag] + [n for n in names if n != flag]
+    return [flag]
+
+
 def _translated(engine: str, version: str, name: str, value: Any) -> list[str] | None:
     """The words ``render.common.flag_words`` emits when ``name`` is a known rename."""
     bare = name.lstrip("-")
@@ -77,6 +92,15 @@ def check_engine_args(engine: str, version: str, args: dict[str, Any], key: str 
     Traceback (most recent call last):
     ...
     k2fleet.inventory.spec.SpecError: k2_engine_args: --tensor-paralel-size is not a flag of vllm 0.33.0; did you mean --tensor-parallel-size?
+    >>> check_engine_args("trtllm", "1.2.0", {"kv_cache_free_gpu_memory_fraction": 0.9})
+    >>> check_engine_args("trtllm", "1.2.0", {"max-num-token": 4096})
+    Traceback (most recent call last):
+    ...
+    k2fleet.inventory.spec.SpecError: k2_engine_args: --max_num_token is not a flag of trtllm 1.2.0; did you mean --max_num_tokens?
+    >>> check_engine_args("trtllm", "1.2.0", {"tensor_parallel_size": 8})
+    Traceback (most recent call last):
+    ...
+    k2fleet.inventory.spec.SpecError: k2_engine_args: --tensor_parallel_size is set by k2fleet from k2_tp (as --tp_size); remove it from k2_engine_args
     """
     owners = _OWNER_KEYS.get(engine, {})
     for name, value in args.items():
@@ -88,9 +112,11 @@ def check_engine_args(engine: str, version: str, args: dict[str, Any], key: str 
         candidates = words if words is not None else [flag]
         for word in candidates:
             for form in (word, word.replace("_", "-") if engine == "vllm" else word):
-                if form in owners:
-                    where = f" from {owners[form]}" if owners[form] else ""
-                    raise SpecError(key, f"{form} is set by k2fleet{where}; remove it from {key}")
+                for same in _same_option(engine, version, form):
+                    if same in owners:
+                        where = f" from {owners[same]}" if owners[same] else ""
+                        alias = f" (as {same})" if same != form else ""
+                        raise SpecError(key, f"{form} is set by k2fleet{where}{alias}; remove it from {key}")
             if not has_table(engine, version):
                 continue
             flags = known_flags(engine, version)
@@ -123,6 +149,10 @@ def check_llm_api_config(
     Traceback (most recent call last):
     ...
     k2fleet.inventory.spec.SpecError: k2_trtllm_config: cuda_graph_config.enable_padingg is not an LLM API option of trtllm 1.2.0; did you mean enable_padding?
+    >>> check_llm_api_config("1.2.0", {"kv_cache_config": {"free_gpu_memory_fracton": 0.8}})
+    Traceback (most recent call last):
+    ...
+    k2fleet.inventory.spec.SpecError: k2_trtllm_config: kv_cache_config.free_gpu_memory_fracton is not an LLM API option of trtllm 1.2.0; did you mean free_gpu_memory_fraction?
     """
     if schema is None and not path:
         table = _table("trtllm", version)
