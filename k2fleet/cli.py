@@ -33,7 +33,7 @@ def load_plan(inventory: str | Path, data: list[str] | tuple[str, ...] = ()) -> 
     return check_hosts(str(inventory), hosts)
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: Plan, api_key_file: str | None = None) -> str:
     out = [
         f"# {plan.source}: {plan.engine} {plan.engine_version} ({plan.runtime}"
         + (f", {plan.image}" if plan.image else "")
@@ -43,6 +43,9 @@ def format_plan(plan: Plan) -> str:
     endpoint = plan.endpoint()
     if endpoint:
         out.append(f"# endpoint: http://{endpoint[0]}:{endpoint[1]}/v1")
+        if api_key_file:  # the key is read from its file when the line runs, never printed
+            out.append(f"# try: curl -s http://{endpoint[0]}:{endpoint[1]}/v1/models "
+                       f"-H \"Authorization: Bearer $(cat {shell_line([api_key_file])})\"")
     for host in plan.hosts.values():
         out.append(f"\n== {host.name} ({host.address}) role={host.role}")
         for svc in host.services:
@@ -86,7 +89,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(plan_document(dep, plan)))  # one line: the C encoder (indent is pure Python: 2.4 s of 1,024 hosts)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(format_plan(plan))
+        sys.stdout.write(format_plan(plan, dep.s.api_key_file))
     return 0
 
 

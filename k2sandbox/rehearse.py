@@ -221,16 +221,19 @@ def endpoints(plan: Plan) -> list[tuple[str, str, str, Any]]:
             for host, svc in plan.services() if svc.health]
 
 
-def probe(base: str, health: Any, model: str) -> str | None:
+def probe(base: str, health: Any, model: str, key_file: str | None = None) -> str | None:
     """None if the endpoint answers a real chat completion with a non-empty answer (its
     ``content``, or a thinking model's ``reasoning`` / ``reasoning_content``), or, for a
-    service whose gate is /health only, 200 on it; else the reason."""
+    service whose gate is /health only, 200 on it; else the reason. ``key_file``: the
+    inventory's ``k2_api_key_file``, whose key is sent as ``Authorization: Bearer``."""
     root = base[: -len("/v1")]
     if health.chat:
         body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Say hello."}],
                            "max_tokens": 16}).encode()
-        req = urllib.request.Request(f"{base}/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if key_file:
+            headers["Authorization"] = "Bearer " + Path(key_file).read_text().strip()
+        req = urllib.request.Request(f"{base}/chat/completions", data=body, headers=headers)
     else:
         req = urllib.request.Request(f"{root}{health.path}")
     try:
@@ -254,9 +257,12 @@ def probe(base: str, health: Any, model: str) -> str | None:
     return None
 
 
-def curl_line(base: str, model: str) -> str:
+def curl_line(base: str, model: str, key_file: str | None = None) -> str:
+    """A ``curl`` line to paste; with ``key_file`` it reads the key from that file when
+    run (``$(cat FILE)``): the key itself is never printed."""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 64})
-    return f"curl -s {base}/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}"
+    auth = f" -H \"Authorization: Bearer $(cat {shlex.quote(key_file)})\"" if key_file else ""
+    return f"curl -s {base}/chat/completions -H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}"
 
 
 def _tail(log: str, lines: int = 40) -> str:
@@ -461,7 +467,7 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
             found = endpoints(sb_plan)
         healthy = 0
         for host_name, unit, base, health in found:
-            reason = probe(base, health, model)
+            reason = probe(base, health, model, dep.s.api_key_file)
             say(f"  {'ok  ' if reason is None else 'FAIL'} {host_name} {unit}: {base}" + (f" ({reason})" if reason else ""))
             if reason is None:
                 healthy += 1
@@ -471,7 +477,7 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         main_base = found[0][2] if job is not None else f"http://{main[0]}:{main[1]}/v1" if main else None
         if main_base:
             say(f"endpoint: {main_base}")
-            say(f"try: {curl_line(main_base, model)}")
+            say(f"try: {curl_line(main_base, model, dep.s.api_key_file)}")
         if keep:
             say("--keep: sandbox hosts left up (k2fleet sandbox status; k2fleet sandbox down); deploy again with:")
             say(f"  cd {ROOT} && K2FLEET_STATE_DIR={shlex.quote(env['K2FLEET_STATE_DIR'])} "

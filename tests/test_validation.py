@@ -130,6 +130,7 @@ GOOD_STRINGS: dict[str, str] = {
     "checkpoint_cache": "/var/cache/k2fleet/checkpoints",
     "hub_endpoint": "https://hub.internal.example:8443/mirror",
     "hub_token_file": TOKEN_FILE,
+    "api_key_file": TOKEN_FILE,
     "checkpoint_fetcher": "control",
     "model_dir": "/srv/k2fleet/models",
     "engine_version": "0.33.0",
@@ -413,8 +414,23 @@ SECRETS = family("secrets", [
     Case("token-file-empty", {"k2_hub_token_file": _token_file(0o600, b"")}, "k2_hub_token_file", "empty"),
     Case("token-via-data", {}, "k2_served_model_name", "k2_hub_token_file", secret=HF,
          cli_data=(f"k2_served_model_name={HF}",)),
+    Case("api-key-flag", {"k2_engine_args": {"api-key": "sk-abcdefghijkl"}}, "k2_engine_args.api-key",
+         "k2_api_key_file", secret="sk-abcdefghijkl"),
+    Case("api-key-env", {"k2_env": {"VLLM_API_KEY": "sk-abcdefghijkl"}}, "k2_env.VLLM_API_KEY",
+         "k2_api_key_file", secret="sk-abcdefghijkl"),
+    Case("api-key-file-missing", {"k2_api_key_file": "/nonexistent/k2fleet/api-key"}, "k2_api_key_file",
+         "does not exist"),
+    Case("api-key-file-world-readable", {"k2_api_key_file": _token_file(0o644)}, "k2_api_key_file", "chmod 600"),
+    Case("api-key-file-empty", {"k2_api_key_file": _token_file(0o600, b"")}, "k2_api_key_file", "empty"),
+    Case("api-key-file-two-words", {"k2_api_key_file": _token_file(0o600, b"two words\n")}, "k2_api_key_file",
+         "visible ASCII", secret="two words"),
+    Case("api-key-file-sglang", {"k2_engine": "sglang", "k2_tp": 8, "k2_api_key_file": TOKEN_FILE},
+         "k2_api_key_file", "logs every server argument"),
+    Case("api-key-file-trtllm", NVFP4 | {"k2_engine": "trtllm", "k2_gpu": "b200", "k2_api_key_file": TOKEN_FILE},
+         "k2_api_key_file", "no API key option"),
 ])
-SECRETS_TWIN = {"k2_hub_token_file": TOKEN_FILE, "k2_env": {"NCCL_DEBUG": "INFO", "HF_HUB_ENABLE_HF_TRANSFER": "1",
+
+SECRETS_TWIN = {"k2_hub_token_file": TOKEN_FILE, "k2_api_key_file": TOKEN_FILE, "k2_env": {"NCCL_DEBUG": "INFO", "HF_HUB_ENABLE_HF_TRANSFER": "1",
                                                                          "TOKENIZERS_PARALLELISM": "false"},
                 "k2_engine_args": {"chat-template": "/srv/templates/kimi.jinja"}}
 

@@ -130,6 +130,14 @@ def relay_secret_path(dep: Deployment) -> Path:
     return state_dir(dep) / "relay.secret"
 
 
+def read_api_key(dep: Deployment) -> bytes | None:
+    """``k2_api_key_file``'s key (its one line, without the newline), or None without one.
+    The gate checked the file (this user's, 0600, one line of visible ASCII) before."""
+    if dep.s.api_key_file is None:
+        return None
+    return Path(dep.s.api_key_file).read_bytes().strip()
+
+
 def _read_secret(path: Path) -> bytes | None:
     try:
         return path.read_bytes()
@@ -162,7 +170,7 @@ def _from_bundle(dep: Deployment, plan: Plan, client: tuple[bytes, bytes] | None
     return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, hub_requirement=_hub_requirement(dep),
                             wheels=found.hub_wheels, bundles=found.debs, images=found.images,
                             engine_wheels=found.engine_wheels, engine_doubles=engine_doubles_for(dep),
-                            relay_secret=relay_secret)
+                            relay_secret=relay_secret, api_key=read_api_key(dep))
 
 
 def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
@@ -181,7 +189,7 @@ def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
                             wheels=wheelhouse.wheel_files(cached) if cached else None,
                             images=_double_images(dep, plan, build=False),
                             engine_wheels=_engine_wheels(dep, plan, build=False), engine_doubles=engine_doubles_for(dep),
-                            relay_secret=relay_secret)
+                            relay_secret=relay_secret, api_key=read_api_key(dep))
 
 
 def _keypair(path: Path, comment: str) -> tuple[bytes, bytes]:
@@ -226,4 +234,4 @@ def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, hub_requirement=requirement, wheels=wheels,
                             bundles=bundles, images=_double_images(dep, plan, build=True),
                             engine_wheels=_engine_wheels(dep, plan, build=True), engine_doubles=engine_doubles_for(dep),
-                            relay_secret=relay_secret)
+                            relay_secret=relay_secret, api_key=read_api_key(dep))

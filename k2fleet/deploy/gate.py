@@ -44,32 +44,41 @@ def check_hosts(source: str, hosts: list[HostData]) -> tuple[Deployment, Plan]:
     dep = resolve(fleet_from_hosts(source, hosts))
     plan = make_plan(dep)
     check_token_file(dep.s.hub_token_file, source)
+    check_token_file(dep.s.api_key_file, source, key="k2_api_key_file", what="the endpoints' API key")
     return dep, plan
 
 
-def check_token_file(path: str | None, source: str) -> None:
-    """``k2_hub_token_file`` on the control machine: a regular file of this user's, not
-    empty, readable by no one else (0600 or stricter). Only its metadata and size are
-    read here; the token itself is read at execution time by the download alone."""
+def check_token_file(path: str | None, source: str, key: str = "k2_hub_token_file", what: str = "the Hub token") -> None:
+    """A secret file on the control machine (``k2_hub_token_file``, ``k2_api_key_file``):
+    a regular file of this user's, not empty, readable by no one else (0600 or stricter).
+    Only its metadata and size are read here; the secret itself is read when it is used
+    (the Hub download; the API key's root-only files for hosts)."""
     if path is None:
         return
     try:
         st = os.stat(path, follow_symlinks=False)
     except FileNotFoundError:
-        raise SpecError("k2_hub_token_file", f"{path} does not exist on this control machine; write the token "
+        raise SpecError(key, f"{path} does not exist on this control machine; write {what} "
                         "there (install -m 600 /dev/stdin PATH) or unset the key", source) from None
     except OSError as exc:
-        raise SpecError("k2_hub_token_file", f"{path} cannot be read: {exc.strerror}", source) from None
+        raise SpecError(key, f"{path} cannot be read: {exc.strerror}", source) from None
     if not stat.S_ISREG(st.st_mode):
-        raise SpecError("k2_hub_token_file", f"{path} is not a regular file (a symlink or a directory)", source)
+        raise SpecError(key, f"{path} is not a regular file (a symlink or a directory)", source)
     if st.st_mode & 0o077:
-        raise SpecError("k2_hub_token_file", f"{path} is readable by others (mode {st.st_mode & 0o777:o}); "
-                        f"chmod 600 {path}", source)
+        raise SpecError(key, f"{path} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 {path}", source)
     if st.st_uid != os.geteuid():
-        raise SpecError("k2_hub_token_file", f"{path} belongs to uid {st.st_uid}, not to the user running k2fleet",
-                        source)
+        raise SpecError(key, f"{path} belongs to uid {st.st_uid}, not to the user running k2fleet", source)
     if st.st_size == 0:
-        raise SpecError("k2_hub_token_file", f"{path} is empty; write the Hub token into it", source)
+        raise SpecError(key, f"{path} is empty; write {what} into it", source)
+    if key == "k2_api_key_file":  # it reaches an env file and an HTTP header: one line of visible ASCII
+        with open(path, "rb") as fh:
+            text = fh.read(API_KEY_MAX + 2).strip()
+        if not text or len(text) > API_KEY_MAX or any(b < 0x21 or b > 0x7E for b in text):
+            raise SpecError(key, f"{path} must hold one key of 1-{API_KEY_MAX} visible ASCII characters "
+                            "(no spaces or control characters), e.g. openssl rand -hex 32", source)
+
+
+API_KEY_MAX = 4096
 
 
 def _cli_params() -> dict[str, Any]:

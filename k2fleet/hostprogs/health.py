@@ -3,7 +3,11 @@
 (``/health``, or ``--ready-path``) answers 200 AND a real chat completion returns a
 non-empty answer, within a timeout.
 
-    k2fleet-host.pyz health --base http://127.0.0.1:8000 --model NAME --unit k2-vllm.service --timeout 600
+    k2fleet-host.pyz health --base http://127.0.0.1:8000 --model NAME --unit k2-vllm.service --timeout 600 \
+        [--api-key-file /etc/k2fleet/api-key]
+
+With ``--api-key-file`` every request carries ``Authorization: Bearer KEY``, the key read
+from that root-only file (never from argv, never printed).
 
 On failure it exits 1 naming the host and unit, with the unit's last log lines.
 Standard library only (hosts have only python3).
@@ -21,12 +25,13 @@ import time
 MAX_BODY = 8 << 20  # bytes of an answer read at most (a larger one is refused, not buffered)
 
 
-def request(url: str, body: bytes | None = None, timeout: float = 30) -> tuple[int, bytes]:
+def request(url: str, body: bytes | None = None, timeout: float = 30, key: str | None = None) -> tuple[int, bytes]:
     """(status, body) of one HTTP/1.1 request (POST with a JSON ``body``, else GET) on a
     fresh connection, standard library sockets only: the fact's quick check runs on every
     deploy and ``urllib.request`` alone costs ~90 ms of CPU to import. ``http://`` only
     (the engines and routers listen on the fleet's own addresses); at most :data:`MAX_BODY`
-    bytes; chunked or length-delimited answers. Raises OSError or ValueError."""
+    bytes; chunked or length-delimited answers; ``key``: sent as ``Authorization: Bearer KEY``.
+    Raises OSError or ValueError."""
     if not url.startswith("http://"):
         raise ValueError(f"not an http:// URL: {url!r}")
     hostport, _, path = url[len("http://"):].partition("/")
@@ -39,6 +44,8 @@ def request(url: str, body: bytes | None = None, timeout: float = 30) -> tuple[i
         port = int(p)
     head = [f"{'POST' if body is not None else 'GET'} /{path} HTTP/1.1", f"Host: {hostport}", "Connection: close",
             "Accept: application/json", "User-Agent: k2fleet-health"]
+    if key is not None:
+        head.append(f"Authorization: Bearer {key}")
     if body is not None:
         head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
     deadline = time.monotonic() + timeout
@@ -82,21 +89,21 @@ def get_status(url: str) -> int | None:
         return None
 
 
-def get_json(url: str, timeout: float = 30):
-    status, body = request(url, timeout=timeout)
+def get_json(url: str, timeout: float = 30, key: str | None = None):
+    status, body = request(url, timeout=timeout, key=key)
     if status != 200:
         raise ValueError(f"{url} answered {status}")
     return json.loads(body)
 
 
-def chat(base: str, model: str) -> str:
+def chat(base: str, model: str, key: str | None = None) -> str:
     body = json.dumps({
         "model": model,
         "messages": [{"role": "user", "content": "Reply with one word: ready?"}],
         "max_tokens": 16,
         "temperature": 0,
     }).encode()
-    status, answer = request(f"{base}/v1/chat/completions", body, timeout=120)
+    status, answer = request(f"{base}/v1/chat/completions", body, timeout=120, key=key)
     if status != 200:
         raise ValueError(f"chat completion answered {status}: {answer[:200]!r}")
     message = json.loads(answer)["choices"][0]["message"]
@@ -109,10 +116,10 @@ class NotHealthy(Exception):
     """The service did not prove it serves the planned topology."""
 
 
-def world_mismatch(base: str, expected: dict) -> str | None:
+def world_mismatch(base: str, expected: dict, key: str | None = None) -> str | None:
     """Compare the topology the engine reports in ``/v1/models`` metadata (k2fleet's
     engine test doubles report their parallel sizes there) with the planned one."""
-    data = get_json(f"{base}/v1/models")
+    data = get_json(f"{base}/v1/models", key=key)
     reported = (data.get("data") or [{}])[0].get("metadata") or {}
     for key, want in sorted(expected.items()):
         if key not in reported:
@@ -147,17 +154,26 @@ def journal_tail(unit: str, lines: int = 30) -> str:
         return f"(no journal: {exc})"
 
 
+def read_key(path: str) -> str:
+    """The API key in ``path`` (its one line): visible ASCII only, so it cannot break the header."""
+    with open(path, encoding="ascii") as fh:
+        key = fh.read(4098).strip()
+    if not key or any(not ("!" <= ch <= "~") for ch in key):
+        raise ValueError(f"{path}: not one key of visible ASCII characters")
+    return key
+
+
 def wait_healthy(base: str, model: str, timeout: float, expected: dict | None = None,
-                 ready_path: str = "/health", pd: dict | None = None) -> str:
+                 ready_path: str = "/health", pd: dict | None = None, key: str | None = None) -> str:
     deadline = time.monotonic() + timeout
     last = "no answer"
     while time.monotonic() < deadline:
         status = get_status(f"{base}{ready_path}")
         if status == 200:
             try:
-                answer = chat(base, model)
+                answer = chat(base, model, key)
                 if answer and expected:
-                    problem = world_mismatch(base, expected)
+                    problem = world_mismatch(base, expected, key)
                     if problem:
                         raise NotHealthy(problem)  # the topology that formed is not the plan's
                 if answer and pd:
@@ -187,10 +203,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="JSON {key: value} the engine must report in /v1/models metadata (the planned topology)")
     ap.add_argument("--expect-pd", type=json.loads, default=None,
                     help='JSON {"prefill": [URL], "decode": [URL]}: the completion must reach both pools')
+    ap.add_argument("--api-key-file", default=None,
+                    help="root-only file holding the API key to send as Authorization: Bearer (never the key itself)")
     args = ap.parse_args(argv)
     try:
+        key = read_key(args.api_key_file) if args.api_key_file else None
         answer = wait_healthy(args.base, args.model, args.timeout, args.expect_world, args.ready_path,
-                              args.expect_pd)
+                              args.expect_pd, key)
+    except (OSError, ValueError) as exc:  # the key file itself
+        print(f"{socket.gethostname()}: {args.unit}: API key: {exc}", file=sys.stderr)
+        return 1
     except NotHealthy as exc:
         print(f"{socket.gethostname()}: {args.unit}: {exc}", file=sys.stderr)
         print(f"--- last log lines of {args.unit} ---", file=sys.stderr)

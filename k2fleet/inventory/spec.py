@@ -81,7 +81,12 @@ SECRET_VALUE_RES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"), "a private key"),
 )
 SECRET_ENV_RE = re.compile(r"(?i)(?:^|_)(?:TOKEN|SECRET|PASSWORD|PASSWD|KEY)$|^HUGGING_FACE_HUB_TOKEN$")
-SECRET_FLAGS = frozenset({"hf_token", "token", "api_key", "hf_api_token"})
+SECRET_FLAGS = frozenset({"hf_token", "token", "api_key", "hf_api_token", "admin_api_key"})
+API_KEY_NAMES = frozenset({"api_key", "admin_api_key", "vllm_api_key"})  # an endpoint's key: k2_api_key_file
+API_KEY_HINT = (
+    "an endpoint API key never goes in inventory values or argv; put it in a root-only file on the "
+    "control machine and set k2_api_key_file (hosts get it in a root-only EnvironmentFile=)"
+)
 SECRET_HINT = (
     "secrets never go in inventory values (they would land in unit files, env files and "
     "the plan); put the Hub token in a root-only file on the control machine and set "
@@ -162,10 +167,11 @@ def scan_secrets(value: Any, path: tuple[Any, ...] = (), env_names: bool = False
                 what = looks_secret(k)
                 if what:
                     raise _Nested(path, f"a key looks like {what} ({mask(k)}); {SECRET_HINT}")
+                hint = API_KEY_HINT if k.lstrip("-").replace("-", "_").lower() in API_KEY_NAMES else SECRET_HINT
                 if env_names and SECRET_ENV_RE.search(k) and v not in (None, ""):
-                    raise _Nested(path + (k,), f"{k} would carry a secret in the environment; {SECRET_HINT}")
+                    raise _Nested(path + (k,), f"{k} would carry a secret in the environment; {hint}")
                 if flag_names and k.lstrip("-").replace("-", "_").lower() in SECRET_FLAGS and v not in (None, False, ""):
-                    raise _Nested(path + (k,), f"--{k.lstrip('-')} would put a secret in argv; {SECRET_HINT}")
+                    raise _Nested(path + (k,), f"--{k.lstrip('-')} would put a secret in argv; {hint}")
             scan_secrets(v, path + (k,))
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
@@ -809,6 +815,15 @@ class HostSettings(BaseModel):
     max_model_len: PosInt | None = _key(FLEET, "Context length cap (`--max-model-len`, `--context-length`).", default=None)
     # --- ports -------------------------------------------------------------------
     port: Port = _key(FLEET, "OpenAI API port of each serving process.", default=8000)
+    api_key_file: AbsPath | None = _key(
+        FLEET,
+        "File on the control machine holding the API key clients must send (`Authorization: Bearer KEY`); "
+        "default: endpoints are open. Like `k2_hub_token_file` it must be the deploying user's, not empty and "
+        "0600, checked at validate; hosts get it in a root-only env file the unit reads (`EnvironmentFile=`), "
+        "never in argv, logs or the plan. vLLM only (it reads `VLLM_API_KEY`); refused for engines that take "
+        "a key only in argv or not at all.",
+        default=None,
+    )
     router_port: Port = _key(FLEET, "PD router's API port (router host).", default=8000)
     master_port: Port = _key(FLEET, "vLLM `--master-port` (multi-node without Ray).", default=29501)
     dp_rpc_port: Port = _key(FLEET, "vLLM `--data-parallel-rpc-port`.", default=13345)

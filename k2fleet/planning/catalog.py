@@ -95,3 +95,21 @@ def version_tuple(version: str) -> tuple[int, ...]:
             break
         parts.append(int(digits))
     return tuple(parts)
+
+
+# How each engine takes the endpoint API key of ``k2_api_key_file`` without argv: the
+# environment variable its server reads (hosts hold it in a root-only EnvironmentFile=).
+# Read at the pins (README "Protected endpoints"): vLLM 0.33.0
+# vllm/entrypoints/serve/middleware/register.py reads ``args.api_key or envs.VLLM_API_KEY``
+# (the same variable since 0.2.x, so the older pins too).
+API_KEY_ENV: dict[str, str] = {"vllm": "VLLM_API_KEY"}
+# Engines that cannot take it without argv, logs or a weaker check: why, in one line.
+API_KEY_REFUSED: dict[str, str] = {
+    "sglang": "SGLang takes its API key only as --api-key (or in its --config YAML) and logs every server "
+              "argument, the key included, at start (server_args=...); its PD router (sglang-router 0.3.2) "
+              "has --api-key in argv only",
+    "trtllm": "trtllm-serve 1.2.0 has no API key option at all",
+    "ktransformers": "KTransformers takes its API key only as --api-key (0.7.2, sglang-kt, which logs it at start) "
+                     "or --api_key / ~/.ktransformers/config.yaml (0.3.2, checked by an assert on "
+                     "/v1/chat/completions alone)",
+}

@@ -349,6 +349,14 @@ def _check_fetcher(fleet: Fleet) -> None:
                     "name a host that loads weights", fleet)
 
 
+def _check_api_key(fleet: Fleet) -> None:
+    """``k2_api_key_file`` only for engines that take the key without argv or logs (catalog.API_KEY_ENV)."""
+    s = fleet.settings
+    if s.api_key_file is not None and s.engine not in catalog.API_KEY_ENV:
+        raise _fail("k2_api_key_file", f"not supported for {s.engine}: {catalog.API_KEY_REFUSED[s.engine]}; "
+                    "k2fleet never puts the key in argv or a log (unset the key, or use vllm)", fleet)
+
+
 def _check_venv_python(fleet: Fleet, engine: str, version: str, runtime: str) -> None:
     """A venv engine is installed with the host OS's venv interpreter (its OS table's): it
     must be one the engine's release installs on (its Requires-Python)."""
@@ -444,6 +452,7 @@ def resolve(fleet: Fleet) -> Deployment:
     _check_roles(fleet, s.engine)
     _check_fetcher(fleet)
     _check_bundle(fleet)
+    _check_api_key(fleet)
     _check_venv_python(fleet, s.engine, version, runtime)
     pools = {}
     for role, hosts in fleet.pools.items():

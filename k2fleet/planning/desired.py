@@ -35,9 +35,10 @@ from k2fleet.hostprogs import swarm
 from k2fleet.planning.deployment import CHECKPOINT_CHECK, Deployment, WeightSet
 from k2fleet.planning.host_packages import required_packages
 from k2fleet.planning.processes import HostPlan, Plan, Service
-from k2fleet.planning.units import (container_name, env_file, env_path, image_pin_argv,
+from k2fleet.planning.units import (api_key_paths, container_name, env_file, env_path, holds_api_key, image_pin_argv,
                            unit_file, unit_name, unit_path)
-from k2fleet.planning.quoting import shell_line, shell_word
+from k2fleet.planning.catalog import API_KEY_ENV
+from k2fleet.planning.quoting import env_file_line, shell_line, shell_word
 from k2fleet.planning.render.common import DOCKER
 from k2fleet.planning.render.ktransformers import SGLANG_KT_SINCE
 
@@ -67,12 +68,15 @@ class FileSpec:
     content: bytes | None
     mode: str
     origin: str = "plan"
+    secret: bool = False  # a user's secret (the API key): the plan shows "(secret)", not its digest or size
 
     @property
     def sha256(self) -> str | None:
         return None if self.content is None else hashlib.sha256(self.content).hexdigest()
 
     def to_json(self) -> dict[str, Any]:
+        if self.secret:
+            return {"mode": self.mode, "sha256": "(secret)", "bytes": None, "origin": self.origin}
         return {"mode": self.mode, "sha256": self.sha256,
                 "bytes": None if self.content is None else len(self.content), "origin": self.origin}
 
@@ -112,6 +116,7 @@ class ControlArtifacts:
     engine_wheels: dict[tuple[str, ...], dict[str, bytes]] = field(default_factory=dict)
     engine_doubles: EngineDoubles | None = None  # k2_engine_doubles: the stand-ins (None: not read)
     relay_secret: bytes | None = None  # the deployment's relay secret (None: not made yet, e.g. --dry)
+    api_key: bytes | None = None  # k2_api_key_file's key, read on the control machine (None: no key file)
 
     def bundle_for(self, packages: list[str]) -> str | None:
         """The bundle tar made for ``packages`` (None: none made, e.g. under ``--dry``)."""
@@ -178,6 +183,7 @@ class HostDesired:
     bootstrap: BootstrapPlan | None = None  # driver, fabric, container runtime (k2fleet.planning.host_bootstrap)
     image: ImagePin | None = None
     device_doubles: tuple[str, ...] = ()
+    api_key_services: list[str] = field(default_factory=list)  # services that read the API key (restart with it)
 
     def all_paths(self) -> list[str]:
         paths = {p for files in self.files.values() for p in files}
@@ -418,6 +424,19 @@ def device_double_files(dep: Deployment) -> tuple[tuple[str, ...], dict[str, Fil
     return nodes, {DEVICE_DOUBLES_CONF: FileSpec(("\n".join(lines) + "\n").encode(), "644", "k2fleet")}
 
 
+def api_key_files(dep: Deployment, hp: HostPlan, art: ControlArtifacts) -> dict[str, FileSpec]:
+    """``k2_api_key_file`` on a host that serves the API: the key alone (the health gate
+    reads it) and the env file its units read (``VLLM_API_KEY=...``), both 0600 and
+    created with that mode before a byte lands; shown in the plan as ``(secret)``."""
+    if dep.s.api_key_file is None or not any(holds_api_key(dep, svc) for svc in hp.services):
+        return {}
+    key_path, env_path_ = api_key_paths(dep)
+    key = None if art.api_key is None else art.api_key.decode()
+    line = None if key is None else (env_file_line(API_KEY_ENV[dep.engine], key) + "\n").encode()
+    return {key_path: FileSpec(None if key is None else (key + "\n").encode(), "600", "api-key", secret=True),
+            env_path_: FileSpec(line, "600", "api-key", secret=True)}
+
+
 def service_files(dep: Deployment, svc: Service, pin: ImagePin | None = None) -> dict[str, FileSpec]:
     unit = None if pin is not None and pin.image_id is None else unit_file(dep, svc, pin.image_id if pin else None)
     files = {
@@ -476,6 +495,8 @@ def health_argv(dep: Deployment, hp: HostPlan, timeout: int, pd: dict[str, list[
         if svc.health and svc.health.chat:
             argv = [*host_argv("health"), "--base", f"http://127.0.0.1:{svc.health.port}",
                     "--model", dep.api_model_name, "--unit", unit_name(svc), "--timeout", str(timeout)]
+            if holds_api_key(dep, svc):  # the path of the key, never the key
+                argv += ["--api-key-file", api_key_paths(dep)[0]]
             if svc.health.path != "/health":
                 argv += ["--ready-path", svc.health.path]
             world = expected_world(dep, svc, hp.name)
@@ -575,6 +596,8 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         d.files["engine"].update(devices)
         d.service_files = {svc.name: service_files(dep, svc, d.image if container_name(svc) else None)
                            for svc in hp.services}
+        d.files["api_key"] = api_key_files(dep, hp, art)
+        d.api_key_services = [svc.name for svc in hp.services if holds_api_key(dep, svc)]
         d.own_slots = sorted((svc.stage, svc.name) for svc in hp.services)
         d.units = [mesh_config.UNIT] + [unit_name(s) for s in hp.services]
         d.mesh_yields_to = [unit_name(s) for s in hp.services if mesh_config.UNIT in s.conflicts]

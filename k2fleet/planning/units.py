@@ -24,6 +24,18 @@ def env_path(dep: Deployment, svc: Service) -> str:
     return f"{dep.s.config_dir}/env/{svc.name}.env"
 
 
+def api_key_paths(dep: Deployment) -> tuple[str, str]:
+    """(the key alone, for the health gate's ``--api-key-file``; the env file the unit reads)
+    of ``k2_api_key_file`` on hosts: both root-only (0600), written by the services role."""
+    return f"{dep.s.config_dir}/api-key", f"{dep.s.config_dir}/env/api-key.env"
+
+
+def holds_api_key(dep: Deployment, svc: Service) -> bool:
+    """``svc`` serves the API and so reads the key (``EnvironmentFile=``); ranks, Ray and
+    sshd nodes do not get it."""
+    return dep.s.api_key_file is not None and svc.health is not None
+
+
 def env_file(svc: Service) -> str:
     return "\n".join(env_file_line(key, svc.env[key]) for key in sorted(svc.env)) + "\n"
 
@@ -89,6 +101,8 @@ def unit_file(dep: Deployment, svc: Service, image_id: str | None = None) -> str
         f"Type={'oneshot' if svc.oneshot else 'simple'}",
         f"EnvironmentFile={systemd_value(env_path(dep, svc), path=True)}",
     ]
+    if holds_api_key(dep, svc):  # the key's own root-only file: never in the plan's env, argv or this unit
+        lines.append(f"EnvironmentFile={systemd_value(api_key_paths(dep)[1], path=True)}")
     if svc.oneshot:
         lines.append("RemainAfterExit=yes")
     if svc.needs_checkpoint:

@@ -47,6 +47,9 @@ def start(desired: HostDesired, fact: HostReport, tracked: list, restart_all: bo
     tracked.append(removed)
     tracked.append(synced_files(name="config files of ranks this host serves",
                                 files=desired.files.get("host", {}), current=fact.files))
+    keyed = synced_files(name="the endpoints' API key (root-only files its units read)",
+                         files=desired.files.get("api_key", {}), current=fact.files)
+    tracked.append(keyed)
     written = {}
     for name in dict.fromkeys(name for _, name in desired.slots):
         written[name] = synced_files(name=f"unit, env and config of {name}",
@@ -58,7 +61,8 @@ def start(desired: HostDesired, fact: HostReport, tracked: list, restart_all: bo
         """Execute-time test: this host's (stage, name) was running and its files changed
         (or hosts rebooted)."""
         was = fact.unit_active(f"{name}.service") and (stage, name) in desired.own_slots
-        return lambda op=written[name]: was and (restart_all or op.did_change())
+        reads_key = name in desired.api_key_services
+        return lambda op=written[name]: was and (restart_all or op.did_change() or (reads_key and keyed.did_change()))
 
     # An instance whose files changed restarts as it starts: stop in reverse stage order
     # (members/launchers before the head or the nodes they joined), start stage by stage.

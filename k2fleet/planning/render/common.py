@@ -93,8 +93,11 @@ def container_argv(
     env: dict[str, str],
     mounts: Iterable[str] = (),
     entrypoint: str | None = None,
+    secret_env: Iterable[str] = (),
 ) -> list[str]:
-    """``docker run`` in the foreground (systemd supervises it), host network and IPC."""
+    """``docker run`` in the foreground (systemd supervises it), host network and IPC.
+    ``secret_env``: variables passed by name only from the unit's root-only
+    ``EnvironmentFile=`` (the API key), never in the plan's env."""
     assert dep.image is not None
     argv = [DOCKER, "run", "--rm", "--name", name, "--network", "host", "--ipc", "host"]
     argv += ["--ulimit", MEMLOCK[dep.s.simulated_gpus], "--ulimit", "stack=67108864"]
@@ -106,7 +109,7 @@ def container_argv(
     paths = sorted({dep.serve_path, dep.checkpoint_path, *mounts})
     for path in paths:
         argv += ["-v", f"{path}:{path}:ro"]
-    for key in sorted(env):
+    for key in sorted({*env, *secret_env}):
         argv += ["-e", key]  # value comes from the unit's Environment=, not argv
     if entrypoint:
         argv += ["--entrypoint", entrypoint]

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 from k2fleet.planning.deployment import Deployment, Pool
 from k2fleet.planning.processes import Health, Service
+from k2fleet.planning.catalog import API_KEY_ENV
 from k2fleet.planning.render.common import container_argv, engine_env, extra_flags, venv_bin
 from k2fleet.inventory.spec import HostEntry
 from k2fleet.planning.host_archive import host_argv
@@ -33,6 +34,7 @@ OWNED_FLAGS = {
     "--master-port": "k2_master_port", "--distributed-executor-backend": "k2_multinode_backend",
     "--port": "k2_port", "--host": "", "--model": "k2_model",
     "--served-model-name": "k2_served_model_name",
+    "--api-key": "k2_api_key_file",  # a secret: never in argv (VLLM_API_KEY from a root-only env file)
 }
 RAY_GATE_MAX_S = 600  # a worker that has not joined in 10 minutes will not (its unit restarts every 5 s)
 
@@ -81,7 +83,8 @@ def _platform_env(dep: Deployment) -> dict[str, str]:
 
 def _command(dep: Deployment, words: list[str], env: dict[str, str], name: str) -> list[str]:
     if dep.runtime == "container":
-        return container_argv(dep, name, ["serve", *words], env, entrypoint="vllm")
+        secret = [API_KEY_ENV[dep.engine]] if dep.s.api_key_file else []
+        return container_argv(dep, name, ["serve", *words], env, entrypoint="vllm", secret_env=secret)
     return [venv_bin(dep, "vllm"), "serve", *words]
 
 

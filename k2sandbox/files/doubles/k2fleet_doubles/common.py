@@ -17,6 +17,7 @@ k2fleet's sandbox fleet, named ``k2fleet-test-double`` everywhere.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import re
@@ -490,6 +491,7 @@ class EngineApp:
     tools: str = "ignore"  # "auto": call tools, "ignore": answer text, "reject": 400
     tools_error: str = ""
     api_key: Optional[str] = None
+    guarded: tuple[str, ...] = ("/v1",)  # path prefixes the key guards (/health and the rest stay open)
     metadata: JsonDict = field(default_factory=dict)
     extra_get: dict[str, Callable[[], tuple[int, Any]]] = field(default_factory=dict)
     rendezvous: list = field(default_factory=list)  # RendezvousServers this head runs
@@ -737,10 +739,13 @@ class EngineHandler(JsonHandler):
         return self.server.app
 
     def _authorized(self) -> bool:
+        """As vLLM's AuthenticationMiddleware: with a key, a guarded path needs
+        ``Authorization: Bearer KEY`` (scheme in any case, constant-time compare), else 401."""
         key = self.app.api_key
-        if not key or not self.path.startswith("/v1"):
+        if not key or self.command == "OPTIONS" or not self.path.startswith(self.app.guarded):
             return True
-        if self.headers.get("Authorization", "") == f"Bearer {key}":
+        scheme, _, given = self.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), key.encode()):
             return True
         self.send_json(401, {"error": "Unauthorized"})
         return False

@@ -20,6 +20,10 @@ the way vLLM does, and refuses anything else (exit 2).  Topologies:
   reports what it joined as ``ray_nodes`` / ``ray_gpus`` in ``/v1/models``
   metadata.
 
+With an API key (``--api-key``, else env ``VLLM_API_KEY``, as vLLM) every
+``/v1``, ``/v2``, ``/inference`` and ``/cohere`` request needs ``Authorization:
+Bearer KEY`` (401 otherwise); ``/health`` stays open, as in vLLM.
+
 Headless nodes never serve HTTP; they rejoin the head if it restarts.  A DP
 member that dies after joining ends the head (exit 1), as vLLM's API server
 shuts down on engine death unless ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1``.
@@ -264,7 +268,10 @@ def make_app(a: argparse.Namespace, readiness: Readiness, ray_world: dict[str, i
         tools="auto" if a.enable_auto_tool_choice else "reject",
         tools_error='"auto" tool choice requires --enable-auto-tool-choice and '
                     '--tool-call-parser to be set',
-        api_key=a.api_key,
+        # vLLM 0.33 (entrypoints/serve/middleware/register.py): ``--api-key`` wins over env
+        # VLLM_API_KEY; authenticate.py guards these prefixes, /health and /metrics stay open
+        api_key=a.api_key or os.environ.get("VLLM_API_KEY") or None,
+        guarded=("/v1", "/v2", "/inference", "/cohere"),
         metadata={"version": VERSION, "max_model_len": a.max_model_len,
                   "tensor_parallel_size": a.tensor_parallel_size,
                   "pipeline_parallel_size": a.pipeline_parallel_size,
