@@ -45,13 +45,19 @@ def synced_files(files: dict[str, FileSpec], current: dict[str, str | None]):
         if current.get(path) == spec.sha256:
             continue
         directory = posixpath.dirname(path)
+        temp = host.get_temp_filename()  # a random name: nobody can plant a link at it beforehand
         if int(mode, 8) & 0o077 == 0:  # private (a key, a secret): the file has its final mode before any byte lands
             yield StringCommand(f"mkdir -p -m 700 {shell_word(directory)} && ( umask 077 && touch {shell_word(path)} ) "
                                 f"&& chmod {mode} {shell_word(path)}")
+            # Over sudo, pyinfra uploads as the SSH user to ``temp`` and then ``sudo cp``s it: that
+            # copy too exists only as 0600, created exclusively (no link followed) and handed to
+            # the SSH user ($SUDO_USER); as root over SSH the upload goes straight to ``path``.
+            yield StringCommand(f"( umask 077 && set -C && : > {shell_word(temp)} ) && "
+                                f"{{ [ -z \"${{SUDO_USER:-}}\" ] || chown \"$SUDO_USER\" {shell_word(temp)}; }}")
         else:
             yield StringCommand(f"mkdir -p {shell_word(directory)}")
-        yield FileUploadCommand(BytesIO(data), path, remote_temp_filename=host.get_temp_filename(path))
-        yield StringCommand(f"chmod {mode} {shell_word(path)}")
+        yield FileUploadCommand(BytesIO(data), path, remote_temp_filename=temp)
+        yield StringCommand(f"chmod {mode} {shell_word(path)} && rm -f {shell_word(temp)}")
 
 
 @operation(is_idempotent=False)
