@@ -22,6 +22,7 @@ from k2fleet.deploy.gate import check_hosts, refuse
 from k2fleet.inventory.loader import inventory_host_data, parse_data_overrides
 from k2fleet.inventory.spec import SpecError, keys_markdown
 from k2fleet.planning.deployment import Deployment
+from k2fleet.planning.firewall import format_firewall
 from k2fleet.planning.processes import Plan
 from k2fleet.planning.quoting import shell_line
 
@@ -90,6 +91,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         sys.stdout.write(format_plan(plan, dep.s.api_key_file))
+        sys.stdout.write(format_firewall(dep, plan))  # every port with who may reach it
     return 0
 
 

@@ -660,6 +660,8 @@ def nspawn_command(index: int, hostdir: Path, docker: bool, shared: Path) -> lis
     if docker:
         cmd += ["--capability=all", f"--bind={hostdir / 'docker'}:/var/lib/docker",
                 "--bind=/sys/fs/cgroup", "--system-call-filter=@keyring bpf"]
+    else:  # nft in the host's own network namespace (k2fleet's firewall table); nspawn keeps it only with a private network
+        cmd += ["--capability=CAP_NET_ADMIN"]
     return cmd
 
 

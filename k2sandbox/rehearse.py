@@ -62,6 +62,8 @@ across hosts.
 from __future__ import annotations
 
 import ast
+import contextlib
+import ctypes
 import fnmatch
 import hashlib
 import json
@@ -82,6 +84,7 @@ from k2fleet.planning.deployment import Deployment
 from k2fleet.deploy.gate import check_hosts
 from k2fleet.inventory.loader import _import_pyinfra_cli_inventory, inventory_host_data, parse_data_overrides
 from k2fleet.planning.processes import Plan
+from k2fleet.planning.firewall import ANYONE, host_firewall
 from k2fleet.inventory.loader import data_args
 from k2sandbox.pyinfra_cli import DEPLOY_FILE, ROOT, run_pyinfra, tool
 from k2fleet.inventory.spec import SpecError
@@ -255,6 +258,36 @@ def probe(base: str, health: Any, model: str, key_file: str | None = None) -> st
         if not any(isinstance(text, str) and text.strip() for text in said):
             return f"an empty answer: {raw[:200]!r}"
     return None
+
+
+CLONE_NEWNET = 0x40000000
+
+
+@contextlib.contextmanager
+def inside_netns(name: str):
+    """This thread's sockets open from inside the network namespace ``/run/netns/NAME`` (a
+    sandbox host's: a fleet address) for the block, then from the control machine's again."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open("/proc/thread-self/ns/net", "rb") as home, open(f"/run/netns/{name}", "rb") as there:
+        if libc.setns(there.fileno(), CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {name}")
+        try:
+            yield
+        finally:
+            if libc.setns(home.fileno(), CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns back into the control machine's network namespace")
+
+
+def probe_place(dep: Deployment, plan: Plan, host_name: str, base: str, inside: str):
+    """Where an endpoint is probed from: the control machine, or inside the fleet (the sandbox
+    host netns ``inside``) when k2fleet's firewall opens its port only to the fleet (a PD
+    backend) or to ``k2_api_clients``, as it does on a real fleet."""
+    hp = plan.hosts.get(host_name)
+    fw = host_firewall(dep, hp) if hp is not None else None
+    port = int(base.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+    if fw is None or any(o.who == ANYONE and o.first <= port <= o.last for o in fw.openings):
+        return contextlib.nullcontext()
+    return inside_netns(inside)
 
 
 def curl_line(base: str, model: str, key_file: str | None = None) -> str:
@@ -467,7 +500,8 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
             found = endpoints(sb_plan)
         healthy = 0
         for host_name, unit, base, health in found:
-            reason = probe(base, health, model, dep.s.api_key_file)
+            with probe_place(dep, sb_plan, host_name, base, sb_hosts[0].name):
+                reason = probe(base, health, model, dep.s.api_key_file)
             say(f"  {'ok  ' if reason is None else 'FAIL'} {host_name} {unit}: {base}" + (f" ({reason})" if reason else ""))
             if reason is None:
                 healthy += 1

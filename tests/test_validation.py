@@ -252,6 +252,12 @@ IDENTITY = family("identity", [
     Case("duplicate-ssh-hostname", {"k2_tp": 16}, "ssh_hostname", "node-0 and node-1 both have address",
          hosts=[("node-0", {"k2_address": None}), ("node-1", {"k2_address": None})]),
     Case("host-name-with-space", {}, "inventory", "host name", hosts=[("node 0", {})]),
+    Case("firewall-needs-ip-addresses", {"k2_address": "gpu-0.fleet.example"}, "k2_address",
+         "k2_firewall needs the fleet's IP addresses"),
+    Case("api-clients-host-bits", {"k2_api_clients": ["10.0.0.1/8"]}, "k2_api_clients[0]", "host bits"),
+    Case("api-clients-dns-name", {"k2_api_clients": ["clients.example"]}, "k2_api_clients[0]", "IPv4/IPv6 address or network"),
+    Case("api-clients-empty", {"k2_api_clients": []}, "k2_api_clients", "let no one reach the API"),
+    Case("api-clients-not-a-list", {"k2_api_clients": "10.0.0.0/8"}, "k2_api_clients", "valid list"),
     Case("ssh-user-newline", {}, "ssh_user", "control character", hosts=[("node-0", {"ssh_user": "root\nAllowUsers *"})]),
     Case("ssh-user-shell", {}, "ssh_user", "POSIX user", hosts=[("node-0", {"ssh_user": "root;id"})]),
     Case("ssh-key-with-space", {}, "ssh_key", "", hosts=[("node-0", {"ssh_key": "/root/.ssh/id ed25519"})]),
@@ -281,7 +287,9 @@ IDENTITY_TWIN_HOSTS = [("node-0", {"k2_address": "gpu-0.fleet.example"}), ("node
 IDENTITY_TWIN = {"k2_tp": 16, "k2_mesh_user": "k2svc", "k2_nic": "bond0.100", "k2_ib_hcas": ["mlx5_0", "mlx5_1:1"],
                  "k2_served_model_name": "moonshotai/kimi-k2:thinking", "k2_runtime": "container",
                  "k2_image": "nvcr.io/nvidia/vllm:25.10-py3@sha256:" + "a" * 64, "k2_hub_endpoint": "http://10.0.0.5:8080",
-                 "k2_env": {"_PRIVATE_FLAG": "1"}, "k2_engine_args": {"--max-num-seqs": 8}}
+                 "k2_env": {"_PRIVATE_FLAG": "1"}, "k2_engine_args": {"--max-num-seqs": 8},
+                 "k2_firewall": False,  # a DNS-name address is valid with k2fleet's firewall off (its rules need IPs)
+                 "k2_api_clients": ["10.0.0.0/8", "192.0.2.9", "2001:db8:1::/48"]}
 
 # --- (d) topology (cross-key rules) ----------------------------------------------------------------
 TOPOLOGY = family("topology", [

@@ -15,7 +15,9 @@ from k2fleet.planning.desired import HostDesired
 from k2fleet.planning.host_packages import bundle_apt_options
 from k2fleet.planning.host_fact import HostReport
 from k2fleet.deploy.fleet_run import FleetRun, side_channel
-from k2fleet.deploy.roles import bootstrap, checkpoint, engine, health_gate, hub_client, mesh, packages, preflight, services
+from k2fleet.deploy.roles import (bootstrap, checkpoint, engine, firewall, health_gate, hub_client, mesh, packages,
+                                  preflight, services)
+from k2fleet.planning.firewall import rules_path
 
 
 class RebootRefused(Exception):
@@ -24,7 +26,7 @@ class RebootRefused(Exception):
 
 def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: dict[str, str],
                 weights_wanted: dict[str, list[str]], unsettled: dict[str, str] | None = None) -> None:
-    """Carry out one host's desired state: preflight → packages → bootstrap → SSH mesh →
+    """Carry out one host's desired state: preflight → packages → bootstrap → firewall → SSH mesh →
     engine → Hub client → checkpoint → services → health gate.
 
     + run: the run's :class:`~k2fleet.deploy.fleet_run.FleetRun` (deployment, artifacts, tracked operations)
@@ -64,6 +66,7 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
         bootstrap.bring_up(plan, fact, desired.files.get("bootstrap", {}), desired.gpu_gate or [],
                            bundle_apt_options() if dep.s.package_source == "bundle" else "",
                            reboots.get(desired.name), run.tracked)
+    firewall.configure(desired, fact, run.tracked, rules_path=rules_path(dep))
     mesh.configure(desired, fact, run.tracked)
     engine.install(desired, fact, run.tracked)
     hub_client.install(desired, fact, requirement=run.artifacts.hub_requirement)

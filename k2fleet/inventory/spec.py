@@ -486,6 +486,28 @@ def own_dir(value: str) -> str:
 
 
 OwnDir = Annotated[AbsPath, AfterValidator(own_dir)]
+
+def cidr(value: str) -> str:
+    """An IPv4/IPv6 network (``10.0.0.0/8``) or one address, host bits clear.
+
+    >>> cidr("10.1.0.0/16"), cidr("2001:db8::1")
+    ('10.1.0.0/16', '2001:db8::1')
+    """
+    try:
+        ipaddress.ip_network(value, strict=True)
+    except ValueError as exc:
+        raise ValueError(f"must be an IPv4/IPv6 address or network like 10.0.0.0/8 with its host bits clear "
+                         f"({exc}; got {show(value)})") from None
+    return value
+
+
+def cidr_list(value: list[str]) -> list[str]:
+    if not value:
+        raise ValueError("an empty list would let no one reach the API; leave the key unset to let anyone reach it")
+    return value
+
+
+Cidr = Annotated[SafeStr, AfterValidator(cidr)]
 HttpUrl = Annotated[SafeStr, AfterValidator(http_url)]
 Port = Annotated[int, Strict(), Field(ge=1, le=65535)]
 PosInt = Annotated[int, Strict(), Field(ge=1)]
@@ -838,6 +860,21 @@ class HostSettings(BaseModel):
         "127.0.0.1 at this port through the deploy's SSH connection.",
         default=29700,
     )
+    firewall: bool = _key(
+        FLEET,
+        "k2fleet's nftables table (`table inet k2fleet`, its own unit `k2-firewall.service`) on every host: "
+        "rendezvous and control ports (Ray, torch store, DP RPC, dist-init, mesh sshd, relay, PD backends, "
+        "the engines' ephemeral ports) only from the fleet's addresses, the API port from `k2_api_clients`, "
+        "the SSH port pyinfra uses always open, nothing else touched. Needs IP addresses (`k2_address` or "
+        "`ssh_hostname`). `False` removes the table and its unit.",
+        default=True,
+    )
+    api_clients: Annotated[list[Cidr], AfterValidator(cidr_list)] | None = _key(
+        FLEET,
+        "Who may reach the API port (`k2_port`, the PD router's `k2_router_port`) when `k2_firewall` is on: "
+        "IPv4/IPv6 addresses or networks, e.g. `['10.0.0.0/8']` (the fleet always may). Default: anyone.",
+        default=None,
+    )
     mesh_user: PosixUser = _key(FLEET, "User mpirun connects as over the mesh.", default="root")
     health_timeout: PosInt = _key(FLEET, "Seconds to wait for a real completion before failing.", default=3600)
     # --- topology ------------------------------------------------------------------
@@ -913,6 +950,7 @@ class HostEntry:
     settings: HostSettings
     ssh_hostname: str | None = None
     groups: tuple[str, ...] = ()
+    ssh_port: int | None = None  # pyinfra's port (None: 22); the firewall never closes it
 
     @property
     def address(self) -> str:
@@ -1017,7 +1055,8 @@ def parse_host(name: str, data: dict[str, Any], where: str = "", groups: tuple[s
         else:
             msg = f"{_pydantic_message(err)} on host {name}"
         raise SpecError(loc_key, msg, where) from None
-    return HostEntry(name=name, settings=settings, ssh_hostname=data.get("ssh_hostname"), groups=groups)
+    return HostEntry(name=name, settings=settings, ssh_hostname=data.get("ssh_hostname"), groups=groups,
+                     ssh_port=data.get("ssh_port"))
 
 
 def build_fleet(source: str, entries: list[HostEntry]) -> Fleet:

@@ -8,6 +8,7 @@ key and the fix for the first one broken. Port clashes are checked on the plan
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import posixpath
@@ -372,6 +373,22 @@ def _check_venv_python(fleet: Fleet, engine: str, version: str, runtime: str) ->
                             f"k2_engine_version", fleet.source)
 
 
+def _check_firewall(fleet: Fleet) -> None:
+    """``k2_firewall`` names the fleet by IP address: every host needs one (an nftables
+    set cannot hold a DNS name, and resolving it at boot would depend on the network the
+    table comes before)."""
+    if not fleet.settings.firewall:
+        return
+    for h in fleet.hosts:
+        try:
+            ipaddress.ip_address(h.address)
+        except ValueError:
+            key = "k2_address" if h.settings.address else "ssh_hostname" if h.ssh_hostname else "inventory"
+            raise _fail(key, f"host {h.name}'s address {h.address} is not an IP address; k2_firewall needs the "
+                        "fleet's IP addresses for its rules: set k2_address to the host's IP, or k2_firewall: False",
+                        fleet) from None
+
+
 def _check_bundle(fleet: Fleet) -> None:
     """``k2_bundle``: the deploy takes its packages from it, and it was made (its lock exists)."""
     s = fleet.settings
@@ -452,6 +469,7 @@ def resolve(fleet: Fleet) -> Deployment:
     _check_roles(fleet, s.engine)
     _check_fetcher(fleet)
     _check_bundle(fleet)
+    _check_firewall(fleet)
     _check_api_key(fleet)
     _check_venv_python(fleet, s.engine, version, runtime)
     pools = {}

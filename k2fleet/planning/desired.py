@@ -31,6 +31,7 @@ from k2fleet.planning import host_bootstrap as bootstrap
 from k2fleet.planning.host_bootstrap import BootstrapPlan, bootstrap_plan
 from k2fleet.planning.os_tables import OS_TABLES
 from k2fleet.planning import relay_plan
+from k2fleet.planning import firewall as fleet_firewall
 from k2fleet.hostprogs import swarm
 from k2fleet.planning.deployment import CHECKPOINT_CHECK, Deployment, WeightSet
 from k2fleet.planning.host_packages import required_packages
@@ -183,6 +184,7 @@ class HostDesired:
     bootstrap: BootstrapPlan | None = None  # driver, fabric, container runtime (k2fleet.planning.host_bootstrap)
     image: ImagePin | None = None
     device_doubles: tuple[str, ...] = ()
+    firewall: fleet_firewall.HostFirewall | None = None  # k2fleet's nftables table (None: none on this host)
     api_key_services: list[str] = field(default_factory=list)  # services that read the API key (restart with it)
 
     def all_paths(self) -> list[str]:
@@ -210,6 +212,7 @@ class HostDesired:
                 "from": _source_label(fan), "position": fan.position,
                 "relay": None if fan.shared else fan.relays[fan.position], "relay_fanout": fan.relay_fanout},
             "bootstrap": None if self.bootstrap is None else self.bootstrap.to_json(),
+            "firewall": None if self.firewall is None else self.firewall.to_json(),
         }
 
 
@@ -626,6 +629,12 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
             d.exists.append(f"{dep.serve_path}/config.json")
         if dep.runtime == "venv" and not dep.s.engine_doubles and not bundled:
             d.venv_install = venv_install_argv(dep, d.python)
+        d.firewall = fleet_firewall.host_firewall(dep, hp)
+        if d.firewall is not None:  # the rules, their unit, and the check that the kernel holds them
+            d.files["firewall"] = {fleet_firewall.rules_path(dep): FileSpec(d.firewall.rules().encode(), "644"),
+                                   fleet_firewall.UNIT_PATH: FileSpec(fleet_firewall.unit_file(dep, d.firewall).encode(), "644")}
+            d.units.append(fleet_firewall.UNIT)
+            d.checks[fleet_firewall.CHECK] = fleet_firewall.check_argv(d.firewall)
         d.fanout = FanoutPlace(loads_weights=loads_weights(hp), is_root=h.name == fan.root, shared=fan.shared,
                                position=fan.order.index(h.name) if h.name in fan.order else None,
                                relays=relays, relay_fanout=swarm.fanout_for(len(relays)))

@@ -1,0 +1,313 @@
+"""A closed fleet: each host's nftables rules, computed from the plan (pure).
+
+:func:`host_firewall` lists every port k2fleet's processes listen on, on one host, with who
+may reach it, and renders k2fleet's own table ``inet k2fleet`` from that list:
+
+- the SSH port pyinfra reaches the host on (``ssh_port``, default 22; 22 too): anyone,
+  never closed;
+- the API port (``k2_port``; the PD router's ``k2_router_port``): ``k2_api_clients``
+  (and the fleet), or anyone when the key is unset. Metrics are served on the API
+  port (vLLM and SGLang ``/metrics``); k2fleet plans no separate metrics port, so a
+  scraper is an API client;
+- every rendezvous and control port, only from the fleet's own addresses: Ray's GCS
+  (``k2_ray_port``), its client server and worker ports (``ray start`` defaults
+  10001 and 10002–19999) and dashboard (8265); torch's store (``k2_master_port``); vLLM's
+  DP RPC (``k2_dp_rpc_port``); SGLang's dist-init port and the ZMQ ports SGLang derives from
+  it (dist-init + 1 … + 8 + DP size), its NCCL store port (chosen at random in API + 100 …
+  API + 1100); the PD bootstrap port and the PD backends' API ports (the router reaches
+  them); the mesh sshd (``k2_mesh_port``); the checkpoint relay (``k2_relay_port``); and, on
+  hosts that run engine ranks, the kernel's ephemeral range 32768–60999, where NCCL, Gloo,
+  ZMQ, Ray's node processes and MPI bind the ports nobody names.
+
+The fleet's addresses (every host's ``k2_address`` and IP ``ssh_hostname``) may reach any
+port of any fleet host: ranks meet on ports chosen at run time. The table's input chain
+has policy accept and only rejects new TCP connections to the ports above from
+elsewhere: traffic to other ports, and other tables' rules, are left as they are (a packet
+still has to pass every other table). It is loaded atomically (``nft -f``: create, delete,
+define, in one transaction) by ``k2-firewall.service``, a oneshot ordered before the
+network and before every k2fleet unit, so it holds from boot on.
+
+>>> Opening(2233, 2233, FLEET, "k2_mesh_port").ports
+'2233'
+>>> Opening(32768, 60999, FLEET, "ephemeral").ports
+'32768-60999'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+from dataclasses import dataclass
+from typing import Any
+
+from k2fleet.planning.deployment import Deployment
+from k2fleet.planning.mesh_config import UNIT as MESH_UNIT
+from k2fleet.planning.processes import HostPlan, Plan
+from k2fleet.planning.quoting import shell_word, systemd_exec, systemd_value
+
+UNIT = "k2-firewall.service"
+UNIT_PATH = f"/etc/systemd/system/{UNIT}"
+TABLE = "inet k2fleet"
+NFT = "/usr/sbin/nft"
+CHECK = "firewall"  # the HostState check: the loaded table is the rules file's
+PACKAGE = "nftables"
+
+ANYONE, FLEET, CLIENTS = "anyone", "fleet", "api-clients"
+EPHEMERAL = (32768, 60999)  # Linux's default net.ipv4.ip_local_port_range
+RAY_CLIENT_AND_WORKERS = (10001, 19999)  # ray start: --ray-client-server-port 10001, --min/--max-worker-port 10002-19999
+RAY_DASHBOARD = 8265
+SGLANG_NCCL_WINDOW = (100, 1100)  # SGLang picks its NCCL/torch store port at API + randint(100, 1000), stepping by 42
+API_KEYS = ("k2_port", "k2_router_port")
+PORT_WHAT = {
+    "k2_ray_port": "Ray GCS",
+    "k2_master_port": "torch distributed store (--master-port)",
+    "k2_dp_rpc_port": "vLLM DP RPC",
+    "k2_dist_init_port": "SGLang --dist-init-addr store",
+    "k2_bootstrap_port": "SGLang PD bootstrap",
+}
+
+
+def rules_path(dep: Deployment) -> str:
+    return f"{dep.s.config_dir}/firewall.nft"
+
+
+@dataclass(frozen=True)
+class Opening:
+    """Ports ``first``-``last`` (TCP) and who may open connections to them."""
+
+    first: int
+    last: int
+    who: str  # ANYONE, FLEET or CLIENTS
+    what: str
+
+    @property
+    def ports(self) -> str:
+        return str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ports": self.ports, "proto": "tcp", "who": self.who, "what": self.what}
+
+
+@dataclass(frozen=True)
+class HostFirewall:
+    """One host's openings and the fleet/client addresses they name."""
+
+    host: str
+    openings: tuple[Opening, ...]
+    fleet: tuple[str, ...]  # IP addresses
+    clients: tuple[str, ...] | None  # networks; None: anyone
+    before: tuple[str, ...] = ()  # the host's k2fleet units (the table is loaded before them)
+
+    def closed(self) -> list[Opening]:
+        return [o for o in self.openings if o.who != ANYONE]
+
+    def rules(self) -> str:
+        """The nftables file: ``nft -f`` loads it in one transaction (the table is created
+        if missing, deleted and defined again, so a reload never leaves the ports open)."""
+        body = _table_body(self)
+        digest = hashlib.sha256(body.encode()).hexdigest()[:32]
+        return ("#!/usr/sbin/nft -f\n"
+                f"# k2fleet: {self.host}'s table, rendered from the fleet plan; edits are overwritten.\n"
+                f"# Only table {TABLE} is k2fleet's; no other table or chain is read or changed.\n"
+                f"table {TABLE}\ndelete table {TABLE}\ntable {TABLE} {{\n"
+                f"\tcomment {_q(marker(digest))}\n{body}}}\n")
+
+    def marker(self) -> str:
+        return marker(hashlib.sha256(_table_body(self).encode()).hexdigest()[:32])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"table": TABLE, "unit": UNIT, "fleet": list(self.fleet),
+                "api_clients": None if self.clients is None else list(self.clients),
+                "ports": [o.to_json() for o in self.openings]}
+
+
+def marker(digest: str) -> str:
+    return f"k2fleet rules {digest}"
+
+
+def _q(text: str) -> str:
+    assert '"' not in text and "\\" not in text
+    return f'"{text}"'
+
+
+def _family(addresses: tuple[str, ...] | list[str], version: int) -> list[str]:
+    return [a for a in addresses if ipaddress.ip_network(a, strict=False).version == version]
+
+
+def _set(name: str, kind: str, elements: list[str], interval: bool) -> str:
+    lines = [f"\tset {name} {{", f"\t\ttype {kind}"]
+    if interval:
+        lines.append("\t\tflags interval")
+    if elements:
+        lines.append(f"\t\telements = {{ {', '.join(elements)} }}")
+    return "\n".join(lines + ["\t}"]) + "\n"
+
+
+def _ports(openings: list[Opening]) -> str:
+    """An nft set of the openings' ports, overlapping and adjacent ranges merged (nft
+    refuses overlapping intervals).
+
+    >>> _ports([Opening(50000, 50000, FLEET, ""), Opening(32768, 60999, FLEET, ""), Opening(22, 22, ANYONE, "")])
+    '{ 22, 32768-60999 }'
+    """
+    merged: list[list[int]] = []
+    for first, last in sorted((o.first, o.last) for o in openings):
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], last)
+        else:
+            merged.append([first, last])
+    return "{ " + ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in merged) + " }"
+
+
+def _table_body(fw: HostFirewall) -> str:
+    out = _set("fleet4", "ipv4_addr", _family(fw.fleet, 4), False) + _set("fleet6", "ipv6_addr", _family(fw.fleet, 6), False)
+    api = [o for o in fw.openings if o.who == CLIENTS]
+    if api:
+        out += _set("api_clients4", "ipv4_addr", _family(fw.clients, 4), True)
+        out += _set("api_clients6", "ipv6_addr", _family(fw.clients, 6), True)
+    rules = ['iif "lo" accept', "ct state established,related accept"]
+    ssh = [o for o in fw.openings if o.who == ANYONE and o.what.startswith("ssh")]
+    rules.append(f'tcp dport {_ports(ssh)} accept comment "ssh_port: pyinfra reaches the host"')
+    rules += ['ip saddr @fleet4 accept comment "the fleet: rendezvous, NCCL/Gloo/ZMQ/Ray/MPI ports"',
+              "ip6 saddr @fleet6 accept"]
+    open_api = [o for o in fw.openings if o.who == ANYONE and not o.what.startswith("ssh")]
+    if open_api:  # before the rejects: an API port inside a closed range stays open
+        rules.append(f'tcp dport {_ports(open_api)} accept comment "API: anyone (k2_api_clients unset)"')
+    if api:
+        rules += [f"tcp dport {_ports(api)} ip saddr @api_clients4 accept",
+                  f"tcp dport {_ports(api)} ip6 saddr @api_clients6 accept",
+                  f'tcp dport {_ports(api)} reject with tcp reset comment "API: k2_api_clients only"']
+    fleet_only = [o for o in fw.openings if o.who == FLEET]
+    if fleet_only:
+        rules.append(f'tcp dport {_ports(fleet_only)} reject with tcp reset comment "rendezvous and control: the fleet only"')
+    out += "\tchain input {\n\t\ttype filter hook input priority filter; policy accept;\n"
+    out += "".join(f"\t\t{rule}\n" for rule in rules)
+    return out + "\t}\n"
+
+
+def unit_file(dep: Deployment, fw: HostFirewall) -> str:
+    """``k2-firewall.service``: a oneshot that loads the table at boot before the network
+    and every k2fleet unit of the host, reloads it atomically, and deletes it when stopped
+    (``systemctl disable --now``). It is not stopped at shutdown (no default dependencies)."""
+    path = rules_path(dep)
+    before = " ".join(["network-pre.target", *fw.before])
+    return "\n".join([
+        "# Rendered by k2fleet from the fleet plan; edits are overwritten.",
+        "[Unit]",
+        f"Description={systemd_value(f'k2fleet: nftables table {TABLE} (the closed fleet)')}",
+        "DefaultDependencies=no",
+        "After=local-fs.target nftables.service",
+        f"Before={before}",
+        "Wants=network-pre.target",
+        "",
+        "[Service]",
+        "Type=oneshot",
+        "RemainAfterExit=yes",
+        f"ExecStart={systemd_exec([NFT, '-f', path])}",
+        f"ExecReload={systemd_exec([NFT, '-f', path])}",
+        f"ExecStop=-{systemd_exec([NFT, 'delete', 'table', *TABLE.split()])}",
+        "",
+        "[Install]",
+        "WantedBy=multi-user.target",
+        "",
+    ])
+
+
+def check_argv(fw: HostFirewall) -> list[str]:
+    """Exit 0 only when the kernel holds k2fleet's table as the rules file defines it
+    (its comment carries the digest of the rules; an ``nft flush ruleset`` or an older
+    table fails it, so the next deploy loads it again)."""
+    return ["/bin/sh", "-c", f"{NFT} list table {TABLE} 2>/dev/null | grep -qF {shell_word(_q(fw.marker()))}"]
+
+
+def _ip_literals(*values: str | None) -> list[str]:
+    out = []
+    for value in values:
+        try:
+            out.append(str(ipaddress.ip_address(value or "")))
+        except ValueError:
+            pass
+    return out
+
+
+def fleet_addresses(dep: Deployment) -> tuple[str, ...]:
+    """Every host's ``k2_address`` and IP ``ssh_hostname``, each once, in inventory order."""
+    seen: dict[str, None] = {}
+    for h in dep.fleet.hosts:
+        for a in _ip_literals(h.address, h.ssh_hostname):
+            seen.setdefault(a)
+    return tuple(seen)
+
+
+def runs_engine_ranks(hp: HostPlan) -> bool:
+    """A host whose processes bind unnamed ports (every GPU host: mpirun ranks too; as
+    :func:`k2fleet.planning.desired.loads_weights`)."""
+    return hp.role not in ("router", "slurm-submit") or any(s.needs_checkpoint for s in hp.services)
+
+
+def host_firewall(dep: Deployment, hp: HostPlan) -> HostFirewall | None:
+    """The openings of host ``hp`` (None: ``k2_firewall`` is off, or the host runs nothing
+    that listens, e.g. a Slurm login host: no table, no unit, no package)."""
+    if not dep.s.firewall:
+        return None
+    name = hp.name
+    entry = next(h for h in dep.fleet.hosts if h.name == name)
+    api_who = ANYONE if dep.s.api_clients is None else CLIENTS
+    found: list[Opening] = [Opening(p, p, ANYONE, "ssh_port: pyinfra (never closed)")
+                            for p in sorted({22, entry.ssh_port or 22})]
+    for svc in hp.services:
+        for key, port in sorted(svc.ports.items()):
+            if key in API_KEYS and svc.role in ("prefill", "decode"):
+                found.append(Opening(port, port, FLEET, f"{key}: PD backend the router reaches ({svc.name})"))
+            elif key in API_KEYS:
+                found.append(Opening(port, port, api_who, f"{key}: the OpenAI API, metrics ({svc.name})"))
+            else:
+                found.append(Opening(port, port, FLEET, f"{key}: {PORT_WHAT.get(key, key)} ({svc.name})"))
+            if key == "k2_dist_init_port":
+                pool = dep.pools.get(svc.role)
+                dp = pool.settings.dp if pool else 1
+                found.append(Opening(port + 1, min(65535, port + 8 + dp), FLEET,
+                                     f"SGLang ZMQ ports derived from k2_dist_init_port ({svc.name})"))
+        if "ray" in {w.rsplit("/", 1)[-1] for w in svc.argv[:1]} and "start" in svc.argv:
+            found.append(Opening(*RAY_CLIENT_AND_WORKERS, FLEET, f"Ray client server and worker ports ({svc.name})"))
+            found.append(Opening(RAY_DASHBOARD, RAY_DASHBOARD, FLEET, f"Ray dashboard ({svc.name})"))
+        if dep.engine in ("sglang", "ktransformers") and svc.needs_checkpoint and svc.argv:
+            lo, hi = SGLANG_NCCL_WINDOW
+            found.append(Opening(min(65535, dep.s.port + lo), min(65535, dep.s.port + hi), FLEET,
+                                 f"SGLang NCCL/torch store port, random in k2_port+{lo}..+{hi} ({svc.name})"))
+    if len(dep.fleet.hosts) > 1:
+        found.append(Opening(dep.s.mesh_port, dep.s.mesh_port, FLEET, "k2_mesh_port: the SSH mesh sshd"))
+    if runs_engine_ranks(hp):
+        found.append(Opening(dep.s.relay_port, dep.s.relay_port, FLEET, "k2_relay_port: the checkpoint relay"))
+        found.append(Opening(*EPHEMERAL, FLEET, "ephemeral ports: NCCL, Gloo, ZMQ, Ray, MPI"))
+    openings = tuple(dict.fromkeys(found))
+    if all(o.who == ANYONE for o in openings):
+        return None
+    units = [MESH_UNIT] if len(dep.fleet.hosts) > 1 else []
+    units += [f"{s.name}.service" for s in hp.services]
+    return HostFirewall(host=name, openings=openings, fleet=fleet_addresses(dep),
+                        clients=None if dep.s.api_clients is None else tuple(dep.s.api_clients),
+                        before=tuple(dict.fromkeys(units)))
+
+
+def format_firewall(dep: Deployment, plan: Plan) -> str:
+    """``k2fleet plan``'s firewall section: every host's ports and who may reach them."""
+    if not dep.s.firewall:
+        return ("\n== firewall: off (k2_firewall: False): k2fleet's table inet k2fleet and "
+                f"{UNIT} are removed; every port is as the hosts' own rules leave it\n")
+    clients = "anyone (k2_api_clients unset)" if dep.s.api_clients is None else \
+        "k2_api_clients " + ", ".join(dep.s.api_clients) + " and the fleet"
+    who = {ANYONE: "anyone", FLEET: "the fleet only", CLIENTS: clients}
+    out = [f"\n== firewall (k2_firewall: True): nftables table {TABLE}, loaded by {UNIT}",
+           f"  the fleet: {', '.join(fleet_addresses(dep))} (may reach every port of every fleet host)",
+           "  any other port: untouched (policy accept)"]
+    for name, hp in plan.hosts.items():
+        fw = host_firewall(dep, hp)
+        if fw is None:
+            out.append(f"  {name}: runs nothing that listens: no table")
+            continue
+        out.append(f"  {name}:")
+        for o in fw.openings:
+            reach = "anyone (never closed)" if o.what.startswith("ssh_port") else who[o.who]
+            out.append(f"    {o.ports + '/tcp':<18} {reach:<22} {o.what}")
+    return "\n".join(out) + "\n"
