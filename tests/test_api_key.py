@@ -33,7 +33,7 @@ def key_file(directory: Path, key: str, mode: int = 0o600) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("inventory", ["inventories/sandbox.py", "inventories/mi300x.py", "inventories/h200-dp-ep.py"])
+@pytest.mark.parametrize("inventory", ["inventories/h200.py", "inventories/mi300x.py", "inventories/h200-dp-ep.py"])
 def test_the_key_is_in_no_argv_plan_or_unit_only_in_two_private_files(tmp_path: Path, inventory: str) -> None:
     key = "k2-" + secrets.token_hex(20)
     path = key_file(tmp_path, key)
@@ -73,7 +73,7 @@ def test_the_key_is_in_no_argv_plan_or_unit_only_in_two_private_files(tmp_path: 
 
 
 def test_without_the_key_nothing_changes(tmp_path: Path) -> None:
-    dep, plan = load_plan("inventories/sandbox.py")
+    dep, plan = load_plan("inventories/h200.py")
     d = next(iter(desired_state(dep, plan, read_control_artifacts(dep, plan)).values()))
     assert d.files["api_key"] == {} and "--api-key-file" not in d.health_argv
     assert "api-key" not in unit_file(dep, plan.hosts[d.name].services[0])

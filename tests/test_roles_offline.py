@@ -48,17 +48,19 @@ from k2fleet.planning.host_fact import HostReport
 from k2fleet.deploy.fleet_run import FleetRun
 from k2fleet.deploy.roles import checkpoint
 from k2fleet.deploy.pipeline import deploy_kimi
+from k2fleet.planning import mesh_config
 from tests.inventory_factory import write_inventory
 
 REPO = Path(__file__).resolve().parents[1]
 H200 = REPO / "inventories" / "h200.py"
+TRTLLM_MPI = REPO / "inventories" / "h200-trtllm-mpi.py"
 ENGINE_FLAG = 'k2_engine_args={"max-num-seqs": 64}'
 
 # --------------------------------------------------------------------------- desired state + fact
 
 
-def artifacts(dep: Deployment) -> ControlArtifacts:
-    return ControlArtifacts(mesh_client=(b"priv", b"ssh-ed25519 AAAA k"),
+def artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
+    return ControlArtifacts(mesh_clients={n: (b"priv", b"ssh-ed25519 AAAA k") for n in mesh_config.mesh_links(plan)},
                             mesh_hosts={h.name: (b"hp", b"ssh-ed25519 BBBB " + h.name.encode()) for h in dep.fleet.hosts},
                             relay_secret=b"0123456789abcdef" * 4 + b"\n")
 
@@ -66,7 +68,7 @@ def artifacts(dep: Deployment) -> ControlArtifacts:
 @lru_cache(maxsize=None)
 def planned(inventory: str, data: tuple[str, ...] = ()) -> tuple[Deployment, Plan, dict[str, HostDesired]]:
     dep, plan = load_plan(inventory, data=list(data))
-    return dep, plan, desired_state(dep, plan, artifacts(dep))
+    return dep, plan, desired_state(dep, plan, artifacts(dep, plan))
 
 
 def digests(d: HostDesired) -> dict[str, str | None]:
@@ -189,7 +191,7 @@ def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], fact
               tmp_path: Path, control_calls: list[str], every_role: bool = False) -> Outcome:
     """Plan the deploy's pipeline on one @fake host per inventory host, then execute.
     ``every_role``: plan every role even on a settled fleet (how each role behaves on its own)."""
-    run = FleetRun(dep=dep, plan=plan, artifacts=artifacts(dep), desired=desired, dry=False, state_dir=tmp_path)
+    run = FleetRun(dep=dep, plan=plan, artifacts=artifacts(dep, plan), desired=desired, dry=False, state_dir=tmp_path)
     reboots = {name: why for name, d in desired.items()
                if d.bootstrap and (why := reboot_reason(d.bootstrap, facts[name].boot))}
     weights_wanted: dict[str, list[str]] = {}
@@ -295,8 +297,9 @@ def test_every_role_on_a_settled_fleet_changes_nothing(tmp_path: Path, control_c
 
 
 def test_harness_sees_one_stale_digest(tmp_path: Path, control_calls: list[str]) -> None:
-    """Control for the settled case: one wrong mesh digest on one host is seen and acted on."""
-    dep, plan, desired = planned(str(H200))
+    """Control for the settled case: one wrong mesh digest on one host is seen and acted on
+    (the TRT-LLM mpirun fleet: the only kind with a mesh)."""
+    dep, plan, desired = planned(str(TRTLLM_MPI))
     facts = settled_fleet(dep, desired)
     path = "/etc/k2fleet/mesh/sshd_config"
     assert path in facts["h200-1"].files
@@ -421,3 +424,42 @@ def test_the_control_machine_makes_the_relay_secret_once_with_its_final_mode(tmp
     first = control._make_secret(path)
     assert len(first.strip()) == 64 and (path.stat().st_mode & 0o777) == 0o600
     assert control._make_secret(path) == first  # made once
+
+
+def test_the_mesh_exists_only_where_mpirun_logs_in_with_a_key_on_its_head_alone() -> None:
+    """#21: vLLM's two hosts (Ray/torch rendezvous, no SSH) get no mesh at all; on the
+    TRT-LLM mpirun fleet only the head holds a client key (its own), and the rank host's
+    mesh sshd takes that key only from the head's address; the head's sshd lets nobody in."""
+    _, _, vllm = planned(str(H200))
+    for d in vllm.values():
+        assert not d.files["mesh"] and "openssh-server" not in d.packages and "k2-mesh-sshd.service" not in " ".join(
+            p for files in d.files.values() for p in files)
+    dep, plan, desired = planned(str(TRTLLM_MPI))
+    head, rank = desired["h200-0"].files["mesh"], desired["h200-1"].files["mesh"]
+    key = "/etc/k2fleet/mesh/id_ed25519"
+    assert head[key].mode == "600" and key not in rank and f"{key}.pub" not in rank
+    authorized = rank["/etc/k2fleet/mesh/authorized_keys"].content.decode().splitlines()
+    assert len(authorized) == 1 and authorized[0].startswith('from="192.0.2.70",no-agent-forwarding')
+    assert head["/etc/k2fleet/mesh/authorized_keys"].content == b""
+    assert f"AllowUsers {dep.s.mesh_user}@192.0.2.70\n" in rank["/etc/k2fleet/mesh/sshd_config"].content.decode()
+    assert "DenyUsers *\n" in head["/etc/k2fleet/mesh/sshd_config"].content.decode()
+    mpirun = next(s.argv for h in plan.hosts.values() for s in h.services if "mpirun" in s.argv)
+    assert mpirun[mpirun.index("plm_rsh_no_tree_spawn") + 1] == "1"  # ranks never log into each other
+    assert mesh_config.mesh_links(plan) == {"h200-0": ("h200-1",)}
+
+
+def test_mesh_after_deploy_stop_leaves_no_listener_and_a_settled_fleet_untouched(tmp_path: Path,
+                                                                                   control_calls: list[str]) -> None:
+    """``k2_mesh_after_deploy: stop``: a deploy that runs the roles starts the mesh for its
+    duration and stops it after the health gates; with the mesh stopped the fleet is still
+    settled (zero operations), and the stopped unit is kept, not removed as stale."""
+    dep, plan, desired = planned(str(TRTLLM_MPI), ("k2_mesh_after_deploy=stop",))
+    assert not desired["h200-1"].mesh_between_deploys and "k2-mesh-sshd.service" not in desired["h200-1"].units
+    assert "k2-mesh-sshd.service" in desired["h200-1"].kept_units()
+    facts = settled_fleet(dep, desired)
+    out = run_roles(dep, plan, desired, facts, tmp_path, control_calls)
+    assert all(not out.changed(h) for h in desired), {h: out.changed(h) for h in desired}
+    stale = dataclasses.replace(facts["h200-1"], files={**facts["h200-1"].files, "/etc/k2fleet/mesh/sshd_config": "0" * 64})
+    out = run_roles(dep, plan, desired, {**facts, "h200-1": stale}, tmp_path, control_calls)
+    assert out.op("h200-1", "stop the mesh sshd until the next deploy").commands == ["systemctl stop k2-mesh-sshd.service"]
+    assert "stop and remove k2fleet units the plan no longer has" not in out.changed("h200-1")

@@ -158,7 +158,7 @@ def bundle_needs(dep: Deployment, plan: Plan) -> Needs:
     for h in dep.fleet.hosts:
         hp = plan.hosts[h.name]
         boot = host_bootstrap(dep, hp, h)
-        names = package_set(bundle_request(dep, hp, boot))
+        names = package_set(bundle_request(dep, plan, hp, boot))
         if names:
             debs.add(DebSet(boot.os, DEB_ARCH[host_arch(dep)], names, tuple(boot.repos), dep.s.simulated_gpus))
         reqs = engine_requirements(dep, hp, True, doubles)

@@ -1,8 +1,8 @@
 """Control-machine effects, in one explicit step: :func:`prepare_control_artifacts`.
 
 A deployment needs a few things made on the control machine before any host can be
-told what to hold: the mesh key pairs (one client key for the fleet, one host key per
-host, so known_hosts is pinned before a host is contacted), the Hub-client wheelhouse
+told what to hold: the mesh key pairs (a client key per mesh head — mpirun's host —, a host
+key per mesh member, so known_hosts is pinned before a host is contacted; none without a mesh), the Hub-client wheelhouse
 for a ``k2_checkpoint_fetcher`` host, the engine-side wheelhouses (e.g. Ray for the
 hosts of vLLM's Ray backend), the offline .deb bundles for
 ``k2_package_source: bundle`` and, for a sandbox container scenario, the engine TEST
@@ -34,8 +34,9 @@ from k2fleet.planning.engine_side import host_python
 from k2fleet.control import ControlError, airgap, aptroot, deb_bundles as bundle, wheelhouse
 from k2fleet.control.stand_ins import engine_doubles_for, stand_ins
 from k2fleet.planning.deployment import Deployment
+from k2fleet.planning import mesh_config
 from k2fleet.planning.desired import (ControlArtifacts, bundle_request, engine_side_requirements, host_arch, host_bootstrap,
-                             mesh_enabled, needs_double_image, package_set)
+                             needs_double_image, package_set)
 from k2fleet.planning.processes import Plan
 
 
@@ -54,9 +55,12 @@ def state_dir(dep: Deployment) -> Path:
     return base / dep_id(dep)
 
 
-def _mesh_paths(dep: Deployment) -> tuple[Path, dict[str, Path]]:
+def _mesh_paths(dep: Deployment, plan: Plan) -> tuple[dict[str, Path], dict[str, Path]]:
+    """(head → its client key, member → its host key) on the control machine, for the mesh's
+    heads and members only (:mod:`k2fleet.planning.mesh_config`)."""
     base = state_dir(dep) / "mesh"
-    return base / "id_ed25519", {h.name: base / "hosts" / h.name / "ssh_host_ed25519_key" for h in dep.fleet.hosts}
+    return ({name: base / "clients" / name / "id_ed25519" for name in mesh_config.mesh_links(plan)},
+            {name: base / "hosts" / name / "ssh_host_ed25519_key" for name in mesh_config.mesh_members(plan)})
 
 
 def _read_pair(path: Path) -> tuple[bytes, bytes] | None:
@@ -68,7 +72,7 @@ def _read_pair(path: Path) -> tuple[bytes, bytes] | None:
 
 def _package_sets(dep: Deployment, plan: Plan) -> set[tuple[str, ...]]:
     """Each host's offline bundle request: its packages and its bootstrap's."""
-    return {package_set(bundle_request(dep, plan.hosts[h.name], host_bootstrap(dep, plan.hosts[h.name], h)))
+    return {package_set(bundle_request(dep, plan, plan.hosts[h.name], host_bootstrap(dep, plan.hosts[h.name], h)))
             for h in dep.fleet.hosts}
 
 
@@ -158,7 +162,7 @@ def _make_secret(path: Path) -> bytes:
     return path.read_bytes()
 
 
-def _from_bundle(dep: Deployment, plan: Plan, client: tuple[bytes, bytes] | None,
+def _from_bundle(dep: Deployment, plan: Plan, clients: dict[str, tuple[bytes, bytes]],
                  hosts: dict[str, tuple[bytes, bytes]], relay_secret: bytes | None) -> ControlArtifacts:
     """``k2_bundle``: packages, wheels and images from the bundle alone, each sha256-checked
     against its lock as it is read (:func:`k2fleet.control.airgap.read_bundle`); nothing is fetched."""
@@ -167,7 +171,7 @@ def _from_bundle(dep: Deployment, plan: Plan, client: tuple[bytes, bytes] | None
         found = airgap.read_bundle(dep, plan, dep.s.bundle)
     except airgap.AirgapError as exc:
         raise ControlError(f"k2_bundle: {exc}") from None
-    return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, hub_requirement=_hub_requirement(dep),
+    return ControlArtifacts(mesh_clients=clients, mesh_hosts=hosts, hub_requirement=_hub_requirement(dep),
                             wheels=found.hub_wheels, bundles=found.debs, images=found.images,
                             engine_wheels=found.engine_wheels, engine_doubles=engine_doubles_for(dep),
                             relay_secret=relay_secret, api_key=read_api_key(dep))
@@ -175,17 +179,15 @@ def _from_bundle(dep: Deployment, plan: Plan, client: tuple[bytes, bytes] | None
 
 def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     """What exists already (read only; missing pieces stay None/absent)."""
-    client, hosts = None, {}
-    if mesh_enabled(dep):
-        client_path, host_paths = _mesh_paths(dep)
-        client = _read_pair(client_path)
-        hosts = {name: pair for name, path in host_paths.items() if (pair := _read_pair(path)) is not None}
+    client_paths, host_paths = _mesh_paths(dep, plan)
+    clients = {name: pair for name, path in client_paths.items() if (pair := _read_pair(path)) is not None}
+    hosts = {name: pair for name, path in host_paths.items() if (pair := _read_pair(path)) is not None}
     relay_secret = _read_secret(relay_secret_path(dep))
     if dep.s.bundle is not None:
-        return _from_bundle(dep, plan, client, hosts, relay_secret)
+        return _from_bundle(dep, plan, clients, hosts, relay_secret)
     requirement = _hub_requirement(dep)
     cached = wheelhouse.cached_wheelhouse([requirement]) if requirement else None
-    return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, hub_requirement=requirement,
+    return ControlArtifacts(mesh_clients=clients, mesh_hosts=hosts, hub_requirement=requirement,
                             wheels=wheelhouse.wheel_files(cached) if cached else None,
                             images=_double_images(dep, plan, build=False),
                             engine_wheels=_engine_wheels(dep, plan, build=False), engine_doubles=engine_doubles_for(dep),
@@ -215,15 +217,13 @@ def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     """THE control-machine step: make the mesh keys, the Hub-client wheelhouse, the
     engine-side wheelhouses, package bundles and (sandbox container scenarios) the engine
     TEST DOUBLE image archive this deployment needs (each only once; cached), then return them."""
-    client_path, host_paths = _mesh_paths(dep)
-    client, hosts = None, {}
+    client_paths, host_paths = _mesh_paths(dep, plan)
     state_dir(dep).mkdir(parents=True, exist_ok=True, mode=0o700)
-    if mesh_enabled(dep):
-        client = _keypair(client_path, f"k2fleet-mesh-{dep_id(dep)}")
-        hosts = {name: _keypair(path, name) for name, path in host_paths.items()}
+    clients = {name: _keypair(path, f"k2fleet-mesh-{dep_id(dep)}-{name}") for name, path in client_paths.items()}
+    hosts = {name: _keypair(path, name) for name, path in host_paths.items()}
     relay_secret = _make_secret(relay_secret_path(dep))
     if dep.s.bundle is not None:
-        return _from_bundle(dep, plan, client, hosts, relay_secret)
+        return _from_bundle(dep, plan, clients, hosts, relay_secret)
     requirement = _hub_requirement(dep)
     wheels = wheelhouse.wheel_files(wheelhouse.ensure_wheelhouse([requirement])) if requirement else None
     bundles = {}
@@ -231,7 +231,7 @@ def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
         sources = _bundle_sources(dep, plan)
         bundles = {names: str(bundle.ensure_bundle(list(names), apt_root=sources))
                    for names in _package_sets(dep, plan) if names}
-    return ControlArtifacts(mesh_client=client, mesh_hosts=hosts, hub_requirement=requirement, wheels=wheels,
+    return ControlArtifacts(mesh_clients=clients, mesh_hosts=hosts, hub_requirement=requirement, wheels=wheels,
                             bundles=bundles, images=_double_images(dep, plan, build=True),
                             engine_wheels=_engine_wheels(dep, plan, build=True), engine_doubles=engine_doubles_for(dep),
                             relay_secret=relay_secret, api_key=read_api_key(dep))

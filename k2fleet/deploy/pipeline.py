@@ -27,7 +27,8 @@ class RebootRefused(Exception):
 def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: dict[str, str],
                 weights_wanted: dict[str, list[str]], unsettled: dict[str, str] | None = None) -> None:
     """Carry out one host's desired state: preflight → packages → bootstrap → firewall → SSH mesh →
-    engine → Hub client → checkpoint → services → health gate.
+    engine → Hub client → checkpoint → services → health gate (→ the mesh stopped, under
+    ``k2_mesh_after_deploy: stop``).
 
     + run: the run's :class:`~k2fleet.deploy.fleet_run.FleetRun` (deployment, artifacts, tracked operations)
     + desired: this host's desired state (``run.desired[host.name]``)
@@ -61,7 +62,8 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
     if unsettled == {}:  # every host holds its desired state: no operation anywhere
         return
     packages.install_packages(desired.packages, dep.s.package_source, installed=list(fact.packages),
-                              bundle=run.artifacts.bundle_for(desired.bundle_request), bootstrap_pending=pending)
+                              bundle=run.artifacts.bundle_for(desired.bundle_request), bootstrap_pending=pending,
+                              have_repo=bool(desired.bundle_repo and fact.exists.get(desired.bundle_repo)))
     if plan is not None:
         bootstrap.bring_up(plan, fact, desired.files.get("bootstrap", {}), desired.gpu_gate or [],
                            bundle_apt_options() if dep.s.package_source == "bundle" else "",
@@ -75,3 +77,4 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
                       side_channel=side_channel(host.data, host.name), xet_disabled=run.xet_disabled)
     services.start(desired, fact, run.tracked, restart_all=bool(reboots))
     health_gate.gate(desired, fact, changed=run.fleet_changed)
+    mesh.rest(desired, fact)

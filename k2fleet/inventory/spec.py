@@ -876,6 +876,14 @@ class HostSettings(BaseModel):
         default=None,
     )
     mesh_user: PosixUser = _key(FLEET, "User mpirun connects as over the mesh.", default="root")
+    mesh_after_deploy: Literal["keep", "stop"] = _key(
+        FLEET,
+        "The SSH mesh's sshd (only on the hosts mpirun logs into) after a healthy deploy: `keep` "
+        "(default: a crashed mpirun service can restart by itself) or `stop` (no listener between "
+        "deploys; the running job keeps its sessions; a restart of the mpirun service then needs a "
+        "deploy, which starts the mesh for its duration).",
+        default="keep",
+    )
     health_timeout: PosInt = _key(FLEET, "Seconds to wait for a real completion before failing.", default=3600)
     # --- topology ------------------------------------------------------------------
     role: Role = _key(

@@ -34,7 +34,7 @@ from k2fleet.planning import relay_plan
 from k2fleet.planning import firewall as fleet_firewall
 from k2fleet.hostprogs import swarm
 from k2fleet.planning.deployment import CHECKPOINT_CHECK, Deployment, WeightSet
-from k2fleet.planning.host_packages import required_packages
+from k2fleet.planning.host_packages import bundle_repo_dir, required_packages
 from k2fleet.planning.processes import HostPlan, Plan, Service
 from k2fleet.planning.units import (api_key_paths, container_name, env_file, env_path, holds_api_key, image_pin_argv,
                            unit_file, unit_name, unit_path)
@@ -99,8 +99,8 @@ ENGINE_DOUBLES_UNREAD = "k2fleet-engine-doubles"  # the requirement's stand-in b
 class ControlArtifacts:
     """What the control machine generated for this deployment (read-only view).
 
-    ``mesh_client``: (private, public) key of the fleet's mesh user; ``mesh_hosts``:
-    host name → (private, public) mesh host key; ``hub_requirement``: the Hub client the
+    ``mesh_clients``: mesh head (:func:`~k2fleet.planning.mesh_config.mesh_links`) → its
+    (private, public) client key; ``mesh_hosts``: mesh member → (private, public) mesh host key; ``hub_requirement``: the Hub client the
     fetcher host gets (``huggingface_hub==VERSION``; None: no fetcher host); ``wheels``:
     its wheel name → bytes (None: not built); ``bundles``: package set
     (:func:`package_set`) → offline bundle tar path; ``engine_wheels``: engine-side
@@ -108,7 +108,7 @@ class ControlArtifacts:
     for the hosts' interpreter (absent: not built).
     """
 
-    mesh_client: tuple[bytes, bytes] | None = None
+    mesh_clients: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)
     mesh_hosts: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)
     hub_requirement: str | None = None
     wheels: dict[str, bytes] | None = None
@@ -173,6 +173,8 @@ class HostDesired:
     bundle_request: list[str] = field(default_factory=list)  # the offline bundle's packages (host + bootstrap)
     gpu_gate: list[str] | None = None  # the bootstrap's GPU gate (k2fleet-host.pyz hoststate --gate)
     mesh_yields_to: list[str] = field(default_factory=list)  # units that take the mesh port while they run
+    mesh_between_deploys: bool = False  # the mesh sshd runs between deploys (k2_mesh_after_deploy: keep)
+    bundle_repo: str | None = None  # where this host's offline bundle is extracted (reported by the fact, not a goal)
     checks: dict[str, list[str]] = field(default_factory=dict)
     exists: list[str] = field(default_factory=list)
     fanout: FanoutPlace | None = None
@@ -192,12 +194,19 @@ class HostDesired:
         paths |= {p for files in self.service_files.values() for p in files}
         return sorted(paths)
 
+    def kept_units(self) -> set[str]:
+        """Names of the units k2fleet keeps on this host: the ones it runs and the ones whose
+        unit file is in the desired state (e.g. the mesh sshd under ``k2_mesh_after_deploy:
+        stop``); any other ``k2-*.service`` there is stale."""
+        return set(self.units) | {p.rsplit("/", 1)[1] for files in self.files.values() for p in files
+                                  if p.startswith("/etc/systemd/system/") and p.endswith(".service")}
+
     def fact_query(self, disk_path: str) -> dict[str, Any]:
         """The HostState query for this host: one round trip answers every decision."""
         boot = self.bootstrap
         units = self.units + [f"{s}.service" for s in (boot.services if boot else ())]
         return {"disk_path": disk_path, "files": self.all_paths(), "units": units, "checks": self.checks,
-                "exists": self.exists, "globs": [UNIT_GLOB], "packages": self.packages,
+                "exists": self.exists + ([self.bundle_repo] if self.bundle_repo else []), "globs": [UNIT_GLOB], "packages": self.packages,
                 "package_versions": bootstrap.fact_patterns(boot) if boot else []}
 
     def to_json(self) -> dict[str, Any]:
@@ -232,43 +241,53 @@ def loads_weights(hp: HostPlan) -> bool:
     return hp.role not in ("router", "slurm-submit") or any(s.needs_checkpoint for s in hp.services)
 
 
-def mesh_enabled(dep: Deployment) -> bool:
-    """The mesh exists on fleets of more than one host (mpirun; host-to-host SSH)."""
-    return len(dep.fleet.hosts) > 1
-
-
 def _key(pair: tuple[bytes, bytes] | None, index: int, mode: str, origin: str) -> FileSpec:
     return FileSpec(None if pair is None else pair[index], mode, origin)
 
 
-def mesh_files(dep: Deployment, art: ControlArtifacts) -> dict[str, dict[str, FileSpec]]:
-    """Every host's SSH mesh files (none without a mesh); what is the same on every host
-    is computed once for the fleet."""
-    if not mesh_enabled(dep):
-        return {h.name: {} for h in dep.fleet.hosts}
+def mesh_files(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[str, dict[str, FileSpec]]:
+    """Every host's SSH mesh files: none off the mesh (:func:`~k2fleet.planning.mesh_config.mesh_members`);
+    on it, the sshd (accepting only the heads that log into this host, from their
+    addresses), every member's pinned host key, and on a head its own client key."""
+    members = mesh_config.mesh_members(plan)
+    out: dict[str, dict[str, FileSpec]] = {h.name: {} for h in dep.fleet.hosts}
+    if not members:
+        return out
     d = mesh_config.mesh_dir(dep)
+    address = {h.name: h.address for h in dep.fleet.hosts}
     shared = {
-        f"{d}/id_ed25519": _key(art.mesh_client, 0, "600", "mesh-keys"),
-        f"{d}/id_ed25519.pub": _key(art.mesh_client, 1, "644", "mesh-keys"),
         f"{d}/ssh_config": FileSpec(mesh_config.ssh_config(dep).encode(), "644"),
         MESH_UNIT_PATH: FileSpec(mesh_config.unit_file(dep).encode(), "644"),
     }
-    if art.mesh_client is not None:
-        shared[f"{d}/authorized_keys"] = FileSpec(mesh_config.authorized_keys(dep, art.mesh_client[1].decode()).encode(), "644")
-    else:
-        shared[f"{d}/authorized_keys"] = FileSpec(None, "644", "mesh-keys")
-    if all(h.name in art.mesh_hosts for h in dep.fleet.hosts):
-        publics = {n: k[1].decode() for n, k in art.mesh_hosts.items()}
+    if all(name in art.mesh_hosts for name in members):
+        publics = {n: art.mesh_hosts[n][1].decode() for n in members}
         shared[f"{d}/known_hosts"] = FileSpec(mesh_config.known_hosts(dep, publics).encode(), "644")
     else:
         shared[f"{d}/known_hosts"] = FileSpec(None, "644", "mesh-keys")
-    allow = mesh_config.allow_users(dep)
-    return {h.name: {
-        **shared,
-        f"{d}/sshd_config": FileSpec(mesh_config.sshd_config(dep, h, allow).encode(), "644"),
-        f"{d}/ssh_host_ed25519_key": _key(art.mesh_hosts.get(h.name), 0, "600", "mesh-keys"),
-        f"{d}/ssh_host_ed25519_key.pub": _key(art.mesh_hosts.get(h.name), 1, "644", "mesh-keys"),
-    } for h in dep.fleet.hosts}
+    links = mesh_config.mesh_links(plan)
+    for h in dep.fleet.hosts:
+        if h.name not in members:
+            continue
+        heads = mesh_config.logins_into(plan, h.name)
+        if all(head in art.mesh_clients for head in heads):
+            keys = "".join(mesh_config.authorized_keys(dep, art.mesh_clients[head][1].decode(), [address[head]])
+                           for head in heads)
+            authorized = FileSpec(keys.encode(), "644")
+        else:
+            authorized = FileSpec(None, "644", "mesh-keys")
+        allow = mesh_config.allow_users(dep, [address[head] for head in heads])
+        files = {
+            **shared,
+            f"{d}/authorized_keys": authorized,
+            f"{d}/sshd_config": FileSpec(mesh_config.sshd_config(dep, h, allow).encode(), "644"),
+            f"{d}/ssh_host_ed25519_key": _key(art.mesh_hosts.get(h.name), 0, "600", "mesh-keys"),
+            f"{d}/ssh_host_ed25519_key.pub": _key(art.mesh_hosts.get(h.name), 1, "644", "mesh-keys"),
+        }
+        if h.name in links:
+            files[f"{d}/id_ed25519"] = _key(art.mesh_clients.get(h.name), 0, "600", "mesh-keys")
+            files[f"{d}/id_ed25519.pub"] = _key(art.mesh_clients.get(h.name), 1, "644", "mesh-keys")
+        out[h.name] = files
+    return out
 
 
 def host_arch(dep: Deployment) -> str:
@@ -555,9 +574,14 @@ def host_archive_files() -> dict[str, FileSpec]:
     return {HOST_ARCHIVE: FileSpec(archive_bytes(), "644", "k2fleet")}
 
 
-def bundle_request(dep: Deployment, hp: HostPlan, plan: BootstrapPlan) -> list[str]:
+def bundle_request(dep: Deployment, fleet_plan: Plan, hp: HostPlan, plan: BootstrapPlan) -> list[str]:
     """What the host's offline bundle holds: its packages and its bootstrap's, pinned."""
-    return sorted(set(required_packages(dep, hp, mesh_enabled(dep))) | set(plan.specs()))
+    return sorted(set(required_packages(dep, hp, on_mesh(fleet_plan, hp.name))) | set(plan.specs()))
+
+
+def on_mesh(plan: Plan, name: str) -> bool:
+    """Does host ``name`` take part in the SSH mesh (it needs sshd)?"""
+    return name in mesh_config.mesh_members(plan)
 
 
 # --------------------------------------------------------------------------- the whole fleet
@@ -579,7 +603,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
     engine = {real: engine_files(dep, art.engine_doubles, real, from_wheel=bundled and dep.runtime == "venv")
               | {relay_plan.RELAY_SECRET: FileSpec(art.relay_secret, "600", "relay-secret")}
               for real in (False, True)}
-    meshes = mesh_files(dep, art)
+    meshes = mesh_files(dep, plan, art)
     pd = pd_servers(plan)
     out: dict[str, HostDesired] = {}
     for h in dep.fleet.hosts:
@@ -602,10 +626,13 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         d.files["api_key"] = api_key_files(dep, hp, art)
         d.api_key_services = [svc.name for svc in hp.services if holds_api_key(dep, svc)]
         d.own_slots = sorted((svc.stage, svc.name) for svc in hp.services)
-        d.units = [mesh_config.UNIT] + [unit_name(s) for s in hp.services]
+        d.mesh_between_deploys = on_mesh(plan, h.name) and dep.s.mesh_after_deploy == "keep"
+        d.units = [mesh_config.UNIT] * d.mesh_between_deploys + [unit_name(s) for s in hp.services]
         d.mesh_yields_to = [unit_name(s) for s in hp.services if mesh_config.UNIT in s.conflicts]
-        d.packages = required_packages(dep, hp, mesh_enabled(dep))
-        d.bundle_request = bundle_request(dep, hp, d.bootstrap)
+        d.packages = required_packages(dep, hp, on_mesh(plan, h.name))
+        d.bundle_request = bundle_request(dep, plan, hp, d.bootstrap)
+        if dep.s.package_source == "bundle" and (tar := art.bundle_for(d.bundle_request)):
+            d.bundle_repo = bundle_repo_dir(tar)
         d.checks = {ws.check: marker_check_argv(ws) for ws in dep.weight_sets}
         d.checks.update(bootstrap.fact_checks(d.bootstrap))
         if d.bootstrap.vendor:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from k2fleet.planning import host_bootstrap as bootstrap
 from k2fleet.planning.desired import UNIT_GLOB, HostDesired
 from k2fleet.planning.host_fact import HostReport
+from k2fleet.planning.mesh_config import UNIT as MESH_UNIT
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,9 @@ def host_actions(desired: HostDesired, fact: HostReport) -> HostActions:
     files = tuple(sorted(path for group in (*desired.files.values(), *desired.service_files.values())
                          for path, spec in group.items()
                          if spec.content is None or fact.files.get(path) != spec.sha256))
-    planned = set(desired.units)
+    planned = desired.kept_units()
+    # the mesh sshd is stopped while a unit that takes its port runs (the TRT-LLM node container)
+    yielded = {MESH_UNIT} if any(fact.unit_active(u) for u in desired.mesh_yields_to) else set()
     stale = tuple(sorted(p.rsplit("/", 1)[1] for p in fact.globs.get(UNIT_GLOB, [])
                          if p.rsplit("/", 1)[1] not in planned))
     boot = desired.bootstrap
@@ -81,7 +84,7 @@ def host_actions(desired: HostDesired, fact: HostReport) -> HostActions:
         bootstrap_packages=bootstrap_packages,
         reboot=reboot,
         stale_units=stale,
-        start=tuple(u for u in desired.units if not fact.unit_active(u)),
+        start=tuple(u for u in desired.units if not fact.unit_active(u) and u not in yielded),
         failing_checks=tuple(sorted(name for name in desired.checks if not fact.passed(name))),
         missing=tuple(p for p in desired.exists if not fact.exists.get(p)),
     )

@@ -36,6 +36,18 @@ def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool) -> list[
 
 
 BUNDLE_LIST = "/etc/apt/sources.list.d/k2fleet-bundle.list"
+REMOTE_TAR_DIR = "/var/cache/k2fleet"  # where a host keeps the offline bundle tar it was sent
+REMOTE_REPO_ROOT = "/var/lib/k2fleet/apt-bundle"  # where it is extracted, one directory per bundle
+
+
+def bundle_repo_dir(tar_name: str) -> str:
+    """The host directory of the extracted bundle ``tar_name`` (``bundle-KEY.tar`` → ``.../KEY``).
+
+    >>> bundle_repo_dir("bundle-3f1c.tar")
+    '/var/lib/k2fleet/apt-bundle/3f1c'
+    """
+    stem = tar_name.rsplit("/", 1)[-1].removesuffix(".tar")
+    return f"{REMOTE_REPO_ROOT}/{stem.removeprefix('bundle-')}"
 
 
 def bundle_apt_options(list_path: str = BUNDLE_LIST) -> str:

@@ -1,14 +1,16 @@
 """The SSH mesh between fleet hosts (pure rendering).
 
-A dedicated key pair per deployment (never the operator's key), a separate sshd on
-``k2_mesh_port`` that accepts only that key, only for ``k2_mesh_user``, only from
-fleet addresses, and a known_hosts file pinning every host's mesh host key — so mpirun
-(and any host-to-host SSH an operator runs with it) never prompts.
+Only where a process logs into other hosts (``Service.ssh_to``: mpirun's head → its rank
+hosts; :func:`mesh_links`): a fleet without one has no mesh at all. Each such head has its
+own key pair (never the operator's key); on every host it reaches, a separate sshd on
+``k2_mesh_port`` accepts only those heads' keys, only for ``k2_mesh_user``, only from those
+heads' addresses; a known_hosts file pins every mesh host's key, so mpirun never prompts.
 """
 
 from __future__ import annotations
 
 from k2fleet.planning.deployment import Deployment
+from k2fleet.planning.processes import Plan
 from k2fleet.planning.quoting import (
     authorized_keys_from,
     known_hosts_host,
@@ -32,14 +34,34 @@ def fleet_addresses(dep: Deployment) -> list[str]:
     return [h.address for h in dep.fleet.hosts]
 
 
-def allow_users(dep: Deployment) -> str:
-    """sshd's ``AllowUsers`` words: the mesh user from every fleet address (one line for the fleet)."""
-    return " ".join(sshd_allow_user(dep.s.mesh_user, a) for a in fleet_addresses(dep))
+def mesh_links(plan: Plan) -> dict[str, tuple[str, ...]]:
+    """Host that logs into others over the mesh (mpirun's head) → the hosts it logs into;
+    empty: the fleet needs no mesh."""
+    return {h.name: tuple(t for s in h.services for t in s.ssh_to)
+            for h in plan.hosts.values() if any(s.ssh_to for s in h.services)}
+
+
+def mesh_members(plan: Plan) -> list[str]:
+    """The hosts that take part in the mesh (heads and the hosts they reach), in plan order."""
+    links = mesh_links(plan)
+    involved = set(links) | {t for targets in links.values() for t in targets}
+    return [name for name in plan.hosts if name in involved]
+
+
+def logins_into(plan: Plan, name: str) -> list[str]:
+    """The heads that log into host ``name`` over the mesh."""
+    return [head for head, targets in mesh_links(plan).items() if name in targets]
+
+
+def allow_users(dep: Deployment, sources: list[str] | None = None) -> str:
+    """sshd's ``AllowUsers`` words: the mesh user from each of ``sources`` (addresses;
+    default every fleet address)."""
+    return " ".join(sshd_allow_user(dep.s.mesh_user, a) for a in (fleet_addresses(dep) if sources is None else sources))
 
 
 def sshd_config(dep: Deployment, entry: HostEntry, allow: str | None = None) -> str:
-    """The mesh sshd's config on ``entry``; ``allow``: :func:`allow_users` when the caller
-    has it already (it is the same on every host)."""
+    """The mesh sshd's config on ``entry``; ``allow``: its :func:`allow_users` words (default
+    every fleet address; empty: nobody may log in, ``DenyUsers *``)."""
     d = mesh_dir(dep)
     allow = allow_users(dep) if allow is None else allow
     return "\n".join([
@@ -53,7 +75,7 @@ def sshd_config(dep: Deployment, entry: HostEntry, allow: str | None = None) -> 
         "PasswordAuthentication no",
         "KbdInteractiveAuthentication no",
         "PermitRootLogin prohibit-password",
-        f"AllowUsers {allow}",
+        f"AllowUsers {allow}" if allow else "DenyUsers *",
         "X11Forwarding no",
         "AllowTcpForwarding no",
         "UseDNS no",
@@ -61,15 +83,19 @@ def sshd_config(dep: Deployment, entry: HostEntry, allow: str | None = None) -> 
     ])
 
 
-def authorized_keys(dep: Deployment, public_key: str) -> str:
-    sources = authorized_keys_from(fleet_addresses(dep))
-    return f"{sources},no-agent-forwarding,no-port-forwarding,no-X11-forwarding {ssh_public_key(public_key)}\n"
+def authorized_keys(dep: Deployment, public_key: str, sources: list[str] | None = None) -> str:
+    """One ``authorized_keys`` line: ``public_key`` only from ``sources`` (addresses; default
+    every fleet address), no forwarding."""
+    allowed = authorized_keys_from(fleet_addresses(dep) if sources is None else sources)
+    return f"{allowed},no-agent-forwarding,no-port-forwarding,no-X11-forwarding {ssh_public_key(public_key)}\n"
 
 
 def known_hosts(dep: Deployment, host_keys: dict[str, str]) -> str:
-    """``[address]:port key`` for every host; ``host_keys`` maps host name → public key line."""
+    """``[address]:port key`` for every host of ``host_keys`` (host name → public key line)."""
     lines = []
     for h in dep.fleet.hosts:
+        if h.name not in host_keys:
+            continue
         key_type, key = ssh_public_key(host_keys[h.name]).split(" ")[:2]
         lines.append(f"{known_hosts_host(h.address, dep.s.mesh_port)} {key_type} {key}")
     return "\n".join(lines) + "\n"
@@ -106,6 +132,7 @@ def unit_file(dep: Deployment) -> str:
         f"ExecStartPre={systemd_exec(['/usr/sbin/sshd', '-t', '-f', cfg])}",
         f"ExecStart={systemd_exec(['/usr/sbin/sshd', '-D', '-e', '-f', cfg])}",
         "Restart=on-failure",
+        "KillMode=process",  # stopping the listener leaves running sessions (mpirun's orted) alone, as ssh.service does
         "",
         "[Install]",
         "WantedBy=multi-user.target",

@@ -31,6 +31,8 @@ class Service:
     after the checkpoint gate), e.g. the Ray gate before vLLM drives the cluster.
     ``conflicts``: units this service stops while it runs (``Conflicts=``), e.g. the TRT-LLM
     node container whose sshd takes the mesh port from the host's mesh sshd.
+    ``ssh_to``: the hosts this service's process logs into over the SSH mesh (mpirun's rank
+    hosts); the mesh exists only for such services, with a key on this host alone.
     """
 
     name: str
@@ -48,6 +50,7 @@ class Service:
     description: str = ""
     pre_start: list[list[str]] = field(default_factory=list)
     conflicts: tuple[str, ...] = ()
+    ssh_to: tuple[str, ...] = ()
 
 
 @dataclass

@@ -41,3 +41,24 @@ def configure(desired: HostDesired, fact: HostReport, tracked: list) -> None:
     unit_running(name="start the mesh sshd", unit=UNIT, active=was_active or not files or yielded)
     command(name="restart the mesh sshd (config changed)", argv=["systemctl", "restart", UNIT],
             _if=lambda: bool(files) and was_active and written.did_change())
+
+
+@deploy("k2fleet: SSH mesh after the deploy")
+def rest(desired: HostDesired, fact: HostReport) -> None:
+    """
+    ``k2_mesh_after_deploy: stop``: stop the mesh sshd once every health gate has passed (its
+    unit has ``KillMode=process``: the running job's sessions stay); the next deploy that
+    runs the roles starts it again for its duration. Nothing under ``keep`` or off the mesh.
+
+    + desired: this host's desired state (``mesh_between_deploys``, the mesh's files)
+    + fact: this host's HostState
+
+    **Example:**
+
+    .. code:: python
+
+        mesh.rest(run.desired[host.name], fact)
+    """
+    if desired.files.get("mesh") and not desired.mesh_between_deploys:
+        command(name="stop the mesh sshd until the next deploy (k2_mesh_after_deploy: stop)",
+                argv=["systemctl", "stop", UNIT])

@@ -16,19 +16,14 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from pyinfra import host
 from pyinfra.api import deploy
-from pyinfra.facts.deb import DebPackages
-from pyinfra.facts.files import Directory
 from pyinfra.operations import apt, files, server
 
 from k2fleet.control.deb_bundles import key_of
-from k2fleet.planning.host_packages import BUNDLE_LIST, bundle_apt_options
+from k2fleet.planning.host_packages import BUNDLE_LIST, REMOTE_TAR_DIR, bundle_apt_options, bundle_repo_dir
 from k2fleet.deploy.operations import command
 
 SOURCES = ("apt", "bundle")
-REMOTE_TAR_DIR = "/var/cache/k2fleet"
-REMOTE_REPO_ROOT = "/var/lib/k2fleet/apt-bundle"
 def bundle_source_line(repo_dir: str) -> str:
     """The one-line apt source for an extracted bundle in ``repo_dir``."""
     return f"deb [trusted=yes] file:{repo_dir} ./\n"
@@ -46,17 +41,14 @@ def _base_name(spec: str) -> str:
     return spec.split("=", 1)[0].split(":", 1)[0]
 
 
-def _install_from_bundle(packages: list[str], bundle: str, refresh: bool = False) -> None:
-    """Ship, index and install the offline bundle ``bundle`` for ``packages``."""
+def _install_from_bundle(packages: list[str], bundle: str, refresh: bool, have_repo: bool, installed: list[str]) -> None:
+    """Ship, index and install the offline bundle ``bundle`` for ``packages`` (what is
+    missing, and whether the bundle is extracted already, from the HostState fact)."""
     tar = Path(bundle)
     key = key_of(tar)
     remote_tar = f"{REMOTE_TAR_DIR}/{tar.name}"
-    repo_dir = f"{REMOTE_REPO_ROOT}/{key}"
+    repo_dir = bundle_repo_dir(tar.name)
     apt_options = bundle_apt_options()
-
-    # Two facts at planning time decide the "something is missing" gates.
-    have_repo = bool(host.get_fact(Directory, path=repo_dir))
-    installed = host.get_fact(DebPackages) or {}
     missing = [p for p in packages if _base_name(p) not in installed]
 
     upload = files.put(
@@ -93,7 +85,7 @@ def _install_from_bundle(packages: list[str], bundle: str, refresh: bool = False
 
 @deploy("k2fleet: host packages")
 def install_packages(packages: list[str], source: str = "bundle", installed: list[str] | None = None,
-                     bundle: str | None = None, bootstrap_pending: bool = False) -> None:
+                     bundle: str | None = None, bootstrap_pending: bool = False, have_repo: bool = False) -> None:
     """
     Install Debian packages on the hosts, online or from an offline bundle.
 
@@ -106,6 +98,8 @@ def install_packages(packages: list[str], source: str = "bundle", installed: lis
       settled host costs no extra round trip
     + bundle: path of the bundle tar on the control machine (source ``bundle``),
       made by the control-machine step; None under ``--dry`` before it exists
+    + have_repo: the HostState fact saw this bundle extracted on the host already
+      (``HostDesired.bundle_repo``)
     + bootstrap_pending: the bootstrap will install packages from the bundle, so it is
       shipped and indexed even when ``packages`` are all installed
 
@@ -145,4 +139,4 @@ def install_packages(packages: list[str], source: str = "bundle", installed: lis
         command(name="install packages from the offline bundle (built by the control-machine step)",
                 argv=["true"])
         return
-    _install_from_bundle([] if settled else packages, bundle, refresh=bootstrap_pending)
+    _install_from_bundle([] if settled else packages, bundle, bootstrap_pending, have_repo, list(installed or []))

@@ -12,7 +12,6 @@ from __future__ import annotations
 from pyinfra.api import deploy
 
 from k2fleet.planning.desired import UNIT_GLOB, HostDesired
-from k2fleet.planning.mesh_config import UNIT as MESH_UNIT
 from k2fleet.planning.firewall import UNIT as FIREWALL_UNIT
 from k2fleet.deploy.operations import command, start_or_explain, synced_files, unit_running
 from k2fleet.planning.host_fact import HostReport
@@ -39,7 +38,7 @@ def start(desired: HostDesired, fact: HostReport, tracked: list, restart_all: bo
 
         services.start(run.desired[host.name], fact, run.tracked)
     """
-    planned = set(desired.units) | {MESH_UNIT, FIREWALL_UNIT}  # the firewall role removes its own unit
+    planned = desired.kept_units() | {FIREWALL_UNIT}  # the firewall role removes its own unit
     stale = sorted(p for p in fact.globs.get(UNIT_GLOB, []) if p.rsplit("/", 1)[1] not in planned)
     stale_units = [p.rsplit("/", 1)[1] for p in stale]
     remove = f"systemctl disable --now {shell_line(stale_units)}; rm -f {shell_line(stale)}" if stale else "true"

@@ -108,7 +108,8 @@ def mpirun_words(dep: Deployment, nodes: tuple[HostEntry, ...], env: dict[str, s
     )
     words = ["mpirun", "--allow-run-as-root", "-np", str(per * len(nodes))]
     words += ["-H", ",".join(f"{h.address}:{per}" for h in nodes)]
-    words += ["-mca", "plm_rsh_args", rsh, "-mca", "plm_rsh_agent", "ssh"]
+    # no tree spawn: only the head logs into the rank hosts (only it holds a mesh key)
+    words += ["-mca", "plm_rsh_args", rsh, "-mca", "plm_rsh_agent", "ssh", "-mca", "plm_rsh_no_tree_spawn", "1"]
     if nodes[0].settings.nic:
         words += ["-mca", "btl_tcp_if_include", nodes[0].settings.nic, "-mca", "oob_tcp_if_include", nodes[0].settings.nic]
     for key in sorted(env):
@@ -144,7 +145,7 @@ def _multi_node(dep: Deployment, pool: Pool, nodes: tuple[HostEntry, ...], confi
             yield host.name, files
     yield head.name, Service(
         name="k2-trtllm", argv=argv, env=env, files=files, ports={"k2_port": dep.s.port},
-        stage=1, role=pool.role, health=Health(dep.s.port),
+        stage=1, role=pool.role, health=Health(dep.s.port), ssh_to=tuple(h.name for h in nodes[1:]),
         description=f"mpirun of trtllm-serve over {len(nodes)} nodes (TP{pool.tp} EP{pool.settings.ep})",
     )
 
