@@ -169,3 +169,9 @@ def test_mpirun_mesh_works_only_with_the_right_port_key_and_known_hosts(trtllm_f
     for what, rsh in bad.items():
         result = run(rsh)
         assert result.returncode != 0, f"mpirun succeeded with {what}: {result.stdout}{result.stderr}"
+    # only the head holds a mesh key, and nobody logs into the head's mesh sshd (DenyUsers *)
+    assert ssh(worker, "test -e /etc/k2fleet/mesh/id_ed25519 && echo yes || echo no").stdout.strip() == "no"
+    ssh(worker, "test -f /tmp/worker_key || ssh-keygen -q -t ed25519 -N '' -f /tmp/worker_key")
+    into_head = ssh(worker, f"ssh -p 2233 -i /tmp/worker_key -o BatchMode=yes -o StrictHostKeyChecking=no "
+                            f"-o UserKnownHostsFile=/dev/null root@{head['address']} true", check=False)
+    assert into_head.returncode != 0, into_head.stdout + into_head.stderr
