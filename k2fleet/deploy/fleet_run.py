@@ -128,15 +128,29 @@ def refuse_without_gate(exc: SpecError) -> NoReturn:
     os._exit(2)
 
 
-def side_channel(data: Any, name: str) -> tuple[str, list[str]]:
-    """(``user@address``, ssh argv) of the control machine's own SSH to a host, from its
-    inventory data (the relay's transfers ride on it)."""
+def side_channel(data: Any, name: str) -> tuple[str, list[str], list[str]]:
+    """(``user@address``, ssh argv, become prefix) of the control machine's own SSH to a
+    host, with the inventory's connection settings pyinfra also uses (user, port, key,
+    known_hosts, ``ssh_config_file`` — a ProxyJump there is honoured —, strict host key
+    checking); the become prefix (``sudo -n -H [-u USER] --``) when the host's data sets
+    ``_sudo``, for commands that must run as root (the relay's transfers ride on it).
+
+    >>> side_channel({"ssh_user": "ops", "ssh_port": 2222, "_sudo": True, "ssh_config_file": "/c"}, "n1")
+    ('ops@n1', ['ssh', '-o', 'BatchMode=yes', '-p', '2222', '-F', '/c'], ['sudo', '-n', '-H', '--'])
+    """
     ssh = ["ssh", "-o", "BatchMode=yes", "-p", str(data.get("ssh_port") or 22)]
+    if data.get("ssh_config_file"):
+        ssh += ["-F", str(data.get("ssh_config_file"))]
     if data.get("ssh_key"):
         ssh += ["-i", str(data.get("ssh_key")), "-o", "IdentitiesOnly=yes"]
     if data.get("ssh_known_hosts_file"):
         ssh += ["-o", f"UserKnownHostsFile={data.get('ssh_known_hosts_file')}", "-o", "StrictHostKeyChecking=yes"]
-    return f"{data.get('ssh_user') or 'root'}@{data.get('ssh_hostname') or name}", ssh
+    elif data.get("ssh_strict_host_key_checking"):
+        ssh += ["-o", f"StrictHostKeyChecking={data.get('ssh_strict_host_key_checking')}"]
+    become: list[str] = []
+    if data.get("_sudo"):
+        become = ["sudo", "-n", "-H", *(["-u", str(data.get("_sudo_user"))] if data.get("_sudo_user") else []), "--"]
+    return f"{data.get('ssh_user') or 'root'}@{data.get('ssh_hostname') or name}", ssh, become
 
 
 def fleet_run(state: Any, inventory: Any, dry: bool | None = None) -> FleetRun:

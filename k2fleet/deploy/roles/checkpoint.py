@@ -94,7 +94,7 @@ def host_download_command(dep: Deployment, xet_disabled: bool, ws: WeightSet | N
 
 @deploy("k2fleet: checkpoint")
 def ensure(dep: Deployment, desired: HostDesired, fact: HostReport, tracked: list, log_file: str,
-           control_relay: checkpoint_copy.ControlRelay, fleet_wanted: dict[str, list[str]], side_channel: tuple[str, list[str]],
+           control_relay: checkpoint_copy.ControlRelay, fleet_wanted: dict[str, list[str]], side_channel: tuple[str, list[str], list[str]],
            xet_disabled: bool = False) -> None:
     """
     Bring this host's copy of the pinned checkpoint (and of the GGUF weights, for GGUF
@@ -108,8 +108,8 @@ def ensure(dep: Deployment, desired: HostDesired, fact: HostReport, tracked: lis
     + log_file: control-machine JSON-lines log of checkpoint transfers
     + control_relay: the run's relay of the control machine's copies (started on first use)
     + fleet_wanted: weight set check → the hosts whose copy failed it (every host's fact)
-    + side_channel: (``user@address``, ssh argv) of the control machine's own SSH to this host,
-      for the relay's transfers (:func:`k2fleet.deploy.fleet_run.side_channel`)
+    + side_channel: (``user@address``, ssh argv, become prefix) of the control machine's own SSH
+      to this host, for the relay's transfers (:func:`k2fleet.deploy.fleet_run.side_channel`)
     + xet_disabled: pass ``HF_HUB_DISABLE_XET=1`` to the fetcher host's download
 
     **Example:**
@@ -139,7 +139,7 @@ def ensure(dep: Deployment, desired: HostDesired, fact: HostReport, tracked: lis
 
 def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fact: HostReport, tracked: list,
                        log_file: str, control_relay: checkpoint_copy.ControlRelay, wanted_hosts: list[str],
-                       side_channel: tuple[str, list[str]], xet_disabled: bool) -> None:
+                       side_channel: tuple[str, list[str], list[str]], xet_disabled: bool) -> None:
     """The distribution of one weight set (same operation sequence on every host)."""
     fan = desired.fanout
     assert fan is not None
@@ -182,12 +182,12 @@ def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fac
     tunnel = [relay_plan.relay_url("127.0.0.1", dep.s.relay_port)] if control_copy else []
     fetch_argv = relay_plan.relay_fetch_argv(path, list(fan.relays), fan.position or 0, fan.relay_fanout, tunnel,
                                              pin=(ws.repo, ws.revision)) if receiving else ["true"]
-    target, ssh = side_channel
+    target, ssh, become = side_channel
     python.call(
         name=f"{what}: receive shard by shard, each verified before it is passed on",
         function=checkpoint_copy.relay_to_host,
         control=control_relay, source=control_copy, target=target,
-        ssh=ssh, fetch_argv=fetch_argv, tunnel_port=dep.s.relay_port, log_file=log_file,
+        ssh=ssh, fetch_argv=[*become, *fetch_argv], tunnel_port=dep.s.relay_port, log_file=log_file,
         _if=lambda: receiving,
     )
     tracked.append(command(name=f"{what}: check every file (index, headers; hashed by the relay as it arrived)",

@@ -1,0 +1,46 @@
+"""A fleet reached as a non-root user with sudo, root SSH login refused (issue #22's first
+part, on the real sandbox: sshd, sudo, systemd): the deploy from bare hosts — facts,
+uploads (private files too), packages, the checkpoint's relay transfers over the control
+machine's own SSH, units, health gates — goes through ``ops`` + ``sudo`` alone, the
+endpoint serves, and a re-run changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from k2sandbox.harness import SandboxFleet, http_json, ssh
+
+pytestmark = pytest.mark.sandbox
+SANDBOX_HOSTS = 2
+SANDBOX_DOCKER = False
+OPS = {"ssh_user": "ops", "_sudo": True}
+
+
+def make_ops_only(host: dict) -> None:
+    """``ops`` with passwordless sudo and root's authorized key; root's SSH login refused."""
+    ssh(host, "id ops >/dev/null 2>&1 || useradd --create-home --shell /bin/bash ops; usermod -p '*' ops; "
+              "install -d -m 700 -o ops -g ops ~ops/.ssh && install -m 600 -o ops -g ops /root/.ssh/authorized_keys "
+              "~ops/.ssh/authorized_keys && echo 'ops ALL=(ALL) NOPASSWD:ALL' > /etc/sudoers.d/ops && "
+              "chmod 440 /etc/sudoers.d/ops && install -d /etc/ssh/sshd_config.d && "
+              "echo 'DenyUsers root' > /etc/ssh/sshd_config.d/k2-no-root.conf && "
+              "grep -q '^Include /etc/ssh/sshd_config.d' /etc/ssh/sshd_config || "
+              "sed -i '1i Include /etc/ssh/sshd_config.d/*.conf' /etc/ssh/sshd_config; "
+              "systemctl reload ssh")
+
+
+def test_a_sudo_user_deploys_the_fleet_without_root_ssh(sandbox_fleet: SandboxFleet) -> None:
+    fleet = sandbox_fleet
+    for host in fleet.hosts:
+        make_ops_only(host)
+        refused = ssh(host, "true", check=False)
+        assert refused.returncode != 0, f"{host['name']}: root SSH login still works"
+    first = fleet.deploy(OPS)
+    assert first.returncode == 0, first.tail()
+    head = fleet.hosts[0]
+    status, models = http_json(f"http://{head['address']}:8000/v1/models")
+    assert status == 200, models
+    body = {"model": models["data"][0]["id"], "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16}
+    status, answer = http_json(f"http://{head['address']}:8000/v1/chat/completions", body)
+    assert status == 200 and answer["choices"][0]["message"]["content"].strip(), answer
+    again = fleet.deploy(OPS)
+    assert again.returncode == 0 and again.changed == 0, again.changed_operations or again.tail()
