@@ -4,9 +4,12 @@ with exit code 2, exactly one ``error: SOURCE: KEY: message`` line naming the ke
 traceback, and zero TCP connections to the listener standing in for the hosts' sshd.
 
 Families: (a) types and ranges, (b) injection (a newline in every string key, generated
-from HostSettings, plus nested values; shell metacharacters in paths), (c) identities and
-addresses, (d) topology, (e) structure (wrong nested types), (f) secrets. Each family has
-a good twin that must pass, so no rule refuses valid input.
+from HostSettings, plus nested values; shell metacharacters in paths; zero-width, bidi and
+other invisible characters), (c) identities and addresses, (d) topology (model shape and
+environment variables that contradict keys included), (e) structure (wrong nested types,
+flag smuggling, group-data files), (f) secrets (credentials in URLs included), (g) resource
+(length, size, depth and alias-bomb caps). Each family has a good twin that must pass, so
+no rule refuses valid input.
 
 All subprocesses of all cases run once, concurrently (module fixture ``outcomes``); each
 parametrized test then checks its own case's three results.
@@ -71,6 +74,7 @@ class Case:
     hosts: int | list[tuple[str, dict[str, Any]]] = 1
     cli_data: tuple[str, ...] = ()  # --data KEY=VALUE, given to every entry
     secret: str = ""  # must not appear in any output
+    group_py: str = ""  # Python appended to the group-data file (shared references, raising, ...)
     family: str = field(default="", compare=False)
 
 
@@ -219,6 +223,26 @@ def _injection_cases() -> list[Case]:
         ("kt-optimize-rules", _with(KT_FLEET, ("k2_kt", "optimize_rules"), "rules.yaml" + INJECT), "k2_kt.optimize_rules"),
     ]
     cases += [Case(f"newline-in-{cid}", data, key, "control character") for cid, data, key in nested]
+    invisible = [  # zero-width, word joiner, BOM, bidi embeddings/overrides/isolates, soft hyphen, Arabic letter mark
+        ("zero-width-space-env", {"k2_env": {"NCCL_DEBUG": "IN\u200bFO"}}, "k2_env.NCCL_DEBUG"),
+        ("word-joiner-env", {"k2_env": {"NCCL_DEBUG": "IN\u2060FO"}}, "k2_env.NCCL_DEBUG"),
+        ("bom-engine-arg", {"k2_engine_args": {"chat-template": "\ufeff/srv/t.jinja"}}, "k2_engine_args.chat-template"),
+        ("word-joiner-engine-arg", {"k2_engine_args": {"chat-template": "/srv/t\u2060.jinja"}},
+         "k2_engine_args.chat-template"),
+        ("bidi-override-slurm", _with(SLURM_FLEET, ("k2_slurm", "slurm", "partition"), "gpu\u202e"),
+         "k2_slurm.slurm.partition"),
+        ("bidi-isolate-list-item", {"k2_engine_args": {"middleware": ["a\u2066b"]}}, "k2_engine_args.middleware[0]"),
+        ("soft-hyphen-env", {"k2_env": {"NCCL_DEBUG": "IN\u00adFO"}}, "k2_env.NCCL_DEBUG"),
+        ("arabic-letter-mark-env", {"k2_env": {"NCCL_DEBUG": "IN\u061cFO"}}, "k2_env.NCCL_DEBUG"),
+        ("zero-width-joiner-ssh-hostname", {}, "ssh_hostname"),
+    ]
+    for cid, data, key in invisible:
+        hosts: Any = [("node-0", {"ssh_hostname": "gpu\u200d0.example"})] if key == "ssh_hostname" else 1
+        cases.append(Case(f"invisible-{cid}", data, key, "control character", hosts=hosts))
+    cases += [
+        Case("zero-width-in-host-name", {}, "inventory", "host name", hosts=[("node\u200b0", {})]),
+        Case("bidi-in-model-dir", {"k2_model_dir": "/srv/k2\u202emodels"}, "k2_model_dir", "control character"),
+    ]
     meta = [
         ("semicolon-in-model-dir", {"k2_model_dir": "/srv/models;rm -rf /"}, "k2_model_dir", "may only use"),
         ("space-in-venv", {"k2_venv": "/opt/k2 venv"}, "k2_venv", "may only use"),
@@ -252,6 +276,7 @@ IDENTITY = family("identity", [
     Case("duplicate-ssh-hostname", {"k2_tp": 16}, "ssh_hostname", "node-0 and node-1 both have address",
          hosts=[("node-0", {"k2_address": None}), ("node-1", {"k2_address": None})]),
     Case("host-name-with-space", {}, "inventory", "host name", hosts=[("node 0", {})]),
+    Case("host-name-listed-twice", {}, "inventory", "node-0 is listed twice", hosts=[("node-0", {}), ("node-0", {})]),
     Case("firewall-needs-ip-addresses", {"k2_address": "gpu-0.fleet.example"}, "k2_address",
          "k2_firewall needs the fleet's IP addresses"),
     Case("api-clients-host-bits", {"k2_api_clients": ["10.0.0.1/8"]}, "k2_api_clients[0]", "host bits"),
@@ -342,7 +367,40 @@ TOPOLOGY = family("topology", [
          "/srv/no-such-bundle/k2fleet.lock does not exist; make the bundle with `k2fleet bundle INVENTORY"),
     Case("slurm-gpus-differ", _with(SLURM_FLEET, ("k2_slurm", "hardware", "gpus_per_node"), 8),
          "k2_slurm.hardware.gpus_per_node", "differs from k2_gpus_per_node 4"),
+    # model shape (catalog: Kimi K2 has 64 attention heads and 384 routed experts)
+    Case("tp-not-dividing-heads", {"k2_gpus_per_node": 6, "k2_tp": 6}, "k2_tp", "64 attention heads"),
+    Case("tp-24-over-three-hosts", {"k2_tp": 24}, "k2_tp", "64 attention heads", hosts=3),
+    Case("ep-not-dividing-experts", {"k2_engine": "sglang", "k2_tp": 8, "k2_ep": 5}, "k2_ep", "384 routed experts"),
+    Case("sglang-ep-not-dividing-tp", {"k2_engine": "sglang", "k2_tp": 8, "k2_ep": 3}, "k2_ep",
+         "does not divide the tensor parallel size 8"),
+    Case("trtllm-ep-not-dividing-tp", B200 | {"k2_ep": 3}, "k2_ep", "does not divide the tensor parallel size 8"),
+    Case("disagg-ep-not-dividing-tp", _with(SLURM_FLEET, ("k2_disagg", "gen", "moe_expert_parallel_size"), 3),
+         "k2_disagg.gen.moe_expert_parallel_size", "does not divide the tensor parallel size 8"),
+    Case("disagg-tp-not-dividing-heads", _with(_with(SLURM_FLEET, ("k2_disagg", "ctx", "tensor_parallel_size"), 12),
+                                                ("k2_disagg", "ctx", "moe_expert_parallel_size"), 12),
+         "k2_disagg.ctx.tensor_parallel_size", "64 attention heads"),
+    Case("kt-instance-over-two-hosts", KT_FLEET | {"k2_tp": 2}, "k2_tp", "KTransformers runs on one host", hosts=2),
+    # environment variables that contradict the keys k2fleet derives them from
+    Case("env-nccl-ifname-not-nic", {"k2_nic": "eth0", "k2_env": {"NCCL_SOCKET_IFNAME": "eth1"}},
+         "k2_env.NCCL_SOCKET_IFNAME", "contradicts k2_nic eth0"),
+    Case("env-gloo-ifname-not-nic", {"k2_nic": "eth0", "k2_env": {"GLOO_SOCKET_IFNAME": "^lo"}},
+         "k2_env.GLOO_SOCKET_IFNAME", "contradicts k2_nic eth0"),
+    Case("env-ib-hca-not-hcas", {"k2_ib_hcas": ["mlx5_0"], "k2_env": {"NCCL_IB_HCA": "mlx5_1"}},
+         "k2_env.NCCL_IB_HCA", "contradicts k2_ib_hcas"),
+    Case("env-cuda-visible-devices-count", {"k2_env": {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}},
+         "k2_env.CUDA_VISIBLE_DEVICES", "planned on 8"),
+    Case("env-cuda-visible-devices-repeated", {"k2_env": {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,6"}},
+         "k2_env.CUDA_VISIBLE_DEVICES", "lists 7 distinct GPUs"),
 ])
+TOPOLOGY_TWINS = [
+    ("topology-shape-sglang-ep", {"k2_engine": "sglang", "k2_tp": 8, "k2_ep": 8}, 1),
+    ("topology-shape-trtllm-ep", B200 | {"k2_ep": 4}, 1),
+    ("topology-shape-vllm-dp-ep", {"k2_tp": 8, "k2_dp": 2, "k2_ep": 16}, 2),
+    ("topology-kt-replicas", KT_FLEET, 2),
+    ("topology-env-agrees", {"k2_nic": "eth0", "k2_ib_hcas": ["mlx5_0", "mlx5_1"],
+                             "k2_env": {"NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "=eth0",
+                                        "NCCL_IB_HCA": "mlx5_0,mlx5_1", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}}, 1),
+]
 
 # --- (e) structure (wrong nested types) ------------------------------------------------------------------
 STRUCTURE = family("structure", [
@@ -385,6 +443,23 @@ STRUCTURE = family("structure", [
          "k2_engine_args.chat-template", "looks like a flag"),
     Case("engine-arg-value-100k", {"k2_engine_args": {"chat-template": "a" * 100_000}},
          "k2_engine_args.chat-template", "at most 4096 characters"),
+    Case("engine-arg-value-double-dash", {"k2_engine_args": {"chat-template": "--"}},
+         "k2_engine_args.chat-template", "looks like a flag"),
+    Case("sglang-list-smuggles-flag", {"k2_engine": "sglang", "k2_tp": 8,
+                                       "k2_engine_args": {"max-running-requests": [1, "--tp-size", 4]}},
+         "k2_engine_args.max-running-requests[1]", "looks like a flag"),
+    Case("trtllm-list-smuggles-flag", B200 | {"k2_engine_args": {"max_batch_size": [1, "--tp_size", 4]}},
+         "k2_engine_args.max_batch_size[1]", "looks like a flag"),
+    Case("kt-list-smuggles-flag", KT_FLEET | {"k2_engine_args": {"cache_lens": [1, "-tp", 4]}},
+         "k2_engine_args.cache_lens[1]", "looks like a flag"),
+    Case("smuggled-flag-via-data", {}, "k2_engine_args.max-num-seqs[1]", "looks like a flag",
+         cli_data=('k2_engine_args={"max-num-seqs": [256, "--tensor-parallel-size", 4]}',)),
+    # group-data files: one line naming the file, on every entry
+    Case("group-data-raises", {}, "inventory", "raised RuntimeError: boom in group data",
+         group_py='raise RuntimeError("boom in group data")\n'),
+    Case("group-data-bare-list", {}, "inventory", "holds a bare list", group_py="['k2_port', 9000]\n"),
+    Case("group-data-all-not-a-list", {}, "inventory", "__all__ must be a list", group_py="__all__ = 5\n"),
+    Case("group-data-all-names-nothing", {}, "inventory", "__all__ names k2_nope", group_py="__all__ = ['k2_nope']\n"),
     # flag and option names against the pinned engine's tables (k2fleet.planning.engine_flags)
     Case("engine-flag-typo", {"k2_engine_args": {"tensor-paralel-size": 8}}, "k2_engine_args", "did you mean"),
     Case("trtllm-option-contradicts-key", B200 | {"k2_trtllm_config": {"tensor_parallel_size": 4}},
@@ -416,6 +491,20 @@ SECRETS = family("secrets", [
          "k2_hub_token_file", secret="s3cretpass"),
     Case("token-in-endpoint-query", {"k2_hub_endpoint": "https://hub.example/?access_token=qwertyuiop123"},
          "k2_hub_endpoint", "query", secret="qwertyuiop123"),
+    Case("proxy-password-in-env", {"k2_env": {"HTTPS_PROXY": "http://svc:s3cretproxy@proxy.example:3128"}},
+         "k2_env.HTTPS_PROXY", "user:password@", secret="s3cretproxy"),
+    Case("token-in-mirror-query", {"k2_env": {"PIP_INDEX_URL": "https://pypi.example/simple?sig=abcdef123456xyz"}},
+         "k2_env.PIP_INDEX_URL", "query", secret="abcdef123456xyz"),
+    Case("access-token-in-env-url", {"k2_env": {"HF_ENDPOINT": "https://m.example/x?a=1&access_token=zxcvbnm98765"}},
+         "k2_env.HF_ENDPOINT", "query", secret="zxcvbnm98765"),
+    Case("credentials-in-engine-arg-url", {"k2_engine_args": {"chat-template": "https://u:tplsecret99@h.example/t.jinja"}},
+         "k2_engine_args.chat-template", "user:password@", secret="tplsecret99"),
+    Case("token-over-http", {"k2_hub_endpoint": "http://hub.example:8080", "k2_hub_token_file": TOKEN_FILE},
+         "k2_hub_endpoint", "use https://"),
+    Case("secret-word-inside-env-name", {"k2_env": {"MY_TOKEN_VALUE": "abcdef123456"}}, "k2_env.MY_TOKEN_VALUE",
+         "k2_hub_token_file", secret="abcdef123456"),
+    Case("secret-word-first-in-env-name", {"k2_env": {"PASSWORD_X": "hunter2hunter2"}}, "k2_env.PASSWORD_X",
+         "k2_hub_token_file", secret="hunter2hunter2"),
     Case("token-file-missing", {"k2_hub_token_file": "/nonexistent/k2fleet/hf-token"}, "k2_hub_token_file",
          "does not exist"),
     Case("token-file-world-readable", {"k2_hub_token_file": _token_file(0o644)}, "k2_hub_token_file", "chmod 600"),
@@ -437,13 +526,41 @@ SECRETS = family("secrets", [
     Case("api-key-file-trtllm", NVFP4 | {"k2_engine": "trtllm", "k2_gpu": "b200", "k2_api_key_file": TOKEN_FILE},
          "k2_api_key_file", "no API key option"),
 ])
-
 SECRETS_TWIN = {"k2_hub_token_file": TOKEN_FILE, "k2_api_key_file": TOKEN_FILE, "k2_env": {"NCCL_DEBUG": "INFO", "HF_HUB_ENABLE_HF_TRANSFER": "1",
                                                                          "TOKENIZERS_PARALLELISM": "false"},
                 "k2_engine_args": {"chat-template": "/srv/templates/kimi.jinja"}}
 
+# --- (g) resource (length, size, depth, alias bombs) ----------------------------------------------------------
+DEEP_TRTLLM = "_d = 1\nfor _i in range(2000):\n    _d = {'a': _d}\nk2_trtllm_config = {'kv_cache_config': _d}\n"
+DEEP_LIST = "_d = 1\nfor _i in range(2000):\n    _d = [_d]\nk2_engine_args = {'cudagraph-capture-sizes': _d}\n"
+# 10**9 strings from nine shared lists of ten: tiny in memory, endless to walk
+ALIAS_BOMB = "_a = ['x' * 16] * 10\nfor _i in range(8):\n    _a = [_a] * 10\nk2_trtllm_config = {'kv_cache_config': {'x': _a}}\n"
+RESOURCE = family("resource", [
+    Case("env-value-200k", {"k2_env": {"NCCL_DEBUG": "a" * 200_000}}, "k2_env.NCCL_DEBUG", "at most 4096 characters"),
+    Case("env-name-100k", {"k2_env": {"A" * 100_000: "1"}}, "k2_env", "keys are at most 4096 characters"),
+    Case("trtllm-value-100k", B200 | {"k2_trtllm_config": {"kv_cache_config": {"dtype": "a" * 100_000}}},
+         "k2_trtllm_config.kv_cache_config.dtype", "at most 4096 characters"),
+    Case("model-dir-100k", {"k2_model_dir": "/srv/" + "a" * 100_000}, "k2_model_dir", "at most 4096 characters"),
+    Case("env-too-many-entries", {"k2_env": {f"V{i}": "1" for i in range(1025)}}, "k2_env", "at most 1024"),
+    Case("engine-arg-list-too-long", {"k2_engine_args": {"cudagraph-capture-sizes": list(range(1, 2001))}},
+         "k2_engine_args.cudagraph-capture-sizes", "at most 1024"),
+    Case("trtllm-config-2000-deep", B200, "k2_trtllm_config.kv_cache_config" + ".a" * 14, "more than 16 deep",
+         group_py=DEEP_TRTLLM),
+    Case("engine-arg-2000-deep", {}, "k2_engine_args.cudagraph-capture-sizes" + "[0]" * 14, "more than 16 deep",
+         group_py=DEEP_LIST),
+    Case("trtllm-config-alias-bomb", B200, "k2_trtllm_config", "more than 65536 values", group_py=ALIAS_BOMB),
+    Case("integer-beyond-64-bits", {}, "k2_health_timeout", "beyond 64 bits", group_py="k2_health_timeout = 10**5000\n"),
+    Case("not-plain-data", {}, "k2_env.NCCL_DEBUG", "plain data", group_py="k2_env = {'NCCL_DEBUG': b'INFO'}\n"),
+])
+RESOURCE_TWINS = [
+    ("resource-at-the-caps", {"k2_env": {f"V{i}": "a" * 1000 for i in range(1024)},
+                              "k2_engine_args": {"chat-template": "/srv/t/" + "a" * 4089}}, 1),
+    ("resource-deep-slurm", _with(SLURM_FLEET, ("k2_slurm", "benchmark", "extra"),
+                                  {"a": {"b": {"c": {"d": {"e": {"f": {"g": {"h": {"i": {"j": {"k": {"l": [1]}}}}}}}}}}}}), 1),
+]
+
 FAMILIES = {"types": TYPES, "injection": INJECTION, "identity": IDENTITY, "topology": TOPOLOGY,
-            "structure": STRUCTURE, "secrets": SECRETS}
+            "structure": STRUCTURE, "secrets": SECRETS, "resource": RESOURCE}
 EVERY = [c for cases in FAMILIES.values() for c in cases]
 assert len({c.id for c in EVERY}) == len(EVERY), "case ids must be unique"
 ALL = EVERY
@@ -479,8 +596,9 @@ class Listener:
         self.sock.close()
 
 
-def inventory(directory: Path, case_hosts: int | list, data: dict[str, Any], port: int) -> Path:
-    """The case's inventory: hosts at 127.0.0.1:port (the listener), each its own k2_address."""
+def inventory(directory: Path, case_hosts: int | list, data: dict[str, Any], port: int, group_py: str = "") -> Path:
+    """The case's inventory: hosts at 127.0.0.1:port (the listener), each its own k2_address;
+    ``group_py`` appended to its group-data file."""
     if isinstance(case_hosts, int):
         case_hosts = [(f"node-{i}", {}) for i in range(case_hosts)]
     hosts = []
@@ -490,7 +608,11 @@ def inventory(directory: Path, case_hosts: int | list, data: dict[str, Any], por
             base["k2_address"] = f"192.0.2.{10 + i}"
         merged = {k: v for k, v in (base | extra).items() if v is not None}
         hosts.append((name, merged))
-    return write_inventory(directory, hosts=hosts, **data)
+    inv = write_inventory(directory, hosts=hosts, **data)
+    if group_py:
+        group_data = directory / "group_data" / inv.name
+        group_data.write_text(group_data.read_text() + group_py)
+    return inv
 
 
 def entry_argv(entry: str, inv: Path, cli_data: tuple[str, ...]) -> list[str]:
@@ -623,7 +745,7 @@ def outcomes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         if case.id not in selected:
             continue
         listener = Listener()
-        inv = inventory(tmp_path_factory.mktemp(case.id[:40]), case.hosts, case.data, listener.port)
+        inv = inventory(tmp_path_factory.mktemp(case.id[:40]), case.hosts, case.data, listener.port, case.group_py)
         out[case.id] = Outcome(inv, listener, {})
         jobs += [(case.id, entry, entry_argv(entry, inv, case.cli_data)) for entry in ENTRIES]
     workers = (os.cpu_count() or 2) + 1
@@ -678,7 +800,7 @@ def test_the_fork_server_is_faithful(tmp_path: Path, outcomes, case: Case) -> No
     refusal as through the fork server, and still no connection."""
     listener = Listener()
     try:
-        inv = inventory(tmp_path, case.hosts, case.data, listener.port)
+        inv = inventory(tmp_path, case.hosts, case.data, listener.port, case.group_py)
         results = {entry: run(entry_argv(entry, inv, case.cli_data)) for entry in ENTRIES}
     finally:
         listener.close()
@@ -693,8 +815,8 @@ def test_the_fork_server_is_faithful(tmp_path: Path, outcomes, case: Case) -> No
 
 
 # --- good twins: the rules do not refuse valid input ------------------------------------------------
-def _valid(tmp_path: Path, data: dict[str, Any], hosts: int | list = 1, name: str = "fleet") -> None:
-    inv = inventory(tmp_path / name, hosts, data, 22)
+def _valid(tmp_path: Path, data: dict[str, Any], hosts: int | list = 1, name: str = "fleet", group_py: str = "") -> None:
+    inv = inventory(tmp_path / name, hosts, data, 22, group_py)
     load_plan(inv)  # raises SpecError when refused
 
 
@@ -719,11 +841,27 @@ TWINS: list[tuple[str, dict[str, Any], int | list]] = [
 ]
 
 
+GROUP_DATA_TWIN = (  # a group-data file that is a module of values: docstring, import, a call, __all__
+    '"""Kimi fleet."""\nimport os\nprint(end="")\n_extra = {"NCCL_DEBUG": "INFO"}\nk2_env = dict(_extra)\n'
+    '__all__ = ["k2_model", "k2_revision", "k2_engine", "k2_gpu", "k2_env", "os"]\n'
+)
+TWINS += [
+    *TOPOLOGY_TWINS,
+    *RESOURCE_TWINS,
+    ("injection-invisible-free-unicode", {"k2_env": {"SITE": "Zürich – ü ✓"}, "k2_engine_args": {"chat-template": "/srv/t/ü.jinja"}}, 1),
+    ("secrets-urls", {"k2_env": {"HTTPS_PROXY": "http://proxy.internal:3128", "NO_PROXY": "localhost,10.0.0.0/8",
+                                 "PIP_INDEX_URL": "https://pypi.internal/simple?page=2",
+                                 "HF_TOKEN_PATH": "/etc/k2fleet/hf-token", "TOKENIZERS_PARALLELISM": "false"},
+                      "k2_hub_endpoint": "http://127.0.0.1:8080", "k2_hub_token_file": TOKEN_FILE}, 1),
+    ("structure-group-data", {}, 1),
+]
+
+
 @pytest.mark.parametrize("twin", TWINS, ids=[t[0] for t in TWINS])
 def test_the_good_twin_of_each_family_passes(tmp_path: Path, twin) -> None:
     name, data, hosts = twin
     try:
-        _valid(tmp_path, data, hosts)
+        _valid(tmp_path, data, hosts, group_py=GROUP_DATA_TWIN if name == "structure-group-data" else "")
     except SpecError as exc:
         pytest.fail(f"valid twin {name} refused: {exc}")
 
@@ -746,8 +884,8 @@ def test_a_valid_twin_reaches_the_listener_through_pyinfra(tmp_path: Path) -> No
 
 
 def test_duplicate_host_names_are_refused() -> None:
-    """Not expressible in a pyinfra inventory (pyinfra merges a host listed twice); the
-    fleet builder refuses it for any other caller."""
+    """The fleet builder refuses a name twice for any caller (a pyinfra inventory that lists
+    one twice is caught by the repeated group, identity:host-name-listed-twice)."""
     data = {"k2_model": "moonshotai/Kimi-K2-Thinking", "k2_revision": THINKING_SHA, "k2_engine": "vllm", "k2_gpu": "h200"}
     a = parse_host("node-0", data | {"k2_address": "192.0.2.1"}, "inv")
     b = parse_host("node-0", data | {"k2_address": "192.0.2.2"}, "inv")
@@ -758,8 +896,11 @@ def test_duplicate_host_names_are_refused() -> None:
         build_fleet("inv", [c])
 
 
-def test_a_host_listed_twice_is_one_host_for_pyinfra(tmp_path: Path) -> None:
-    inv = inventory(tmp_path, [("node-0", {}), ("node-0", {})], {}, 22)
+def test_a_host_in_two_groups_is_one_host_not_a_duplicate(tmp_path: Path) -> None:
+    """Listed twice in one group is refused (identity:host-name-listed-twice); named in two
+    groups is pyinfra's group membership and stays one host."""
+    inv = inventory(tmp_path, [("node-0", {})], {}, 22)
+    inv.write_text(inv.read_text() + "heads = ['node-0']\n")
     dep, _ = load_plan(inv)
     assert [h.name for h in dep.fleet.hosts] == ["node-0"]
 

@@ -20,7 +20,7 @@ import sys
 from typing import Any, NoReturn
 
 from k2fleet.planning.deployment import Deployment, resolve
-from k2fleet.inventory.loader import HostData, fleet_from_hosts, host_data
+from k2fleet.inventory.loader import HostData, check_group_data, fleet_from_hosts, host_data, load_failure
 from k2fleet.planning.processes import Plan
 from k2fleet.planning.planner import make_plan
 from k2fleet.inventory.spec import SpecError
@@ -113,3 +113,28 @@ def install_pyinfra_gate(state: Any) -> None:
 
     state.init = gated_init
     state._k2fleet_gate = True
+    _gate_inventory_load(state)
+
+
+def _gate_inventory_load(state: Any) -> None:
+    """pyinfra's CLI loads the inventory (executing its Python and the group-data files)
+    before ``State.init``: check the group-data files first and turn a file that raises
+    into the same one line naming it (pyinfra printed a traceback, exit 1)."""
+    cli = sys.modules.get("pyinfra_cli.cli")
+    if cli is None or getattr(cli.make_inventory, "_k2fleet_gate", False):
+        return
+    original = cli.make_inventory
+
+    def gated_make_inventory(inventory: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            if os.path.isfile(str(inventory)):
+                check_group_data(str(inventory), kwargs.get("cwd") or state.cwd)
+            return original(inventory, *args, **kwargs)
+        except SpecError as exc:
+            problem = exc
+        except Exception as exc:  # noqa: BLE001 - user Python in the inventory: report, don't trace
+            problem = SpecError("inventory", f"could not be loaded: {load_failure(exc)}", str(inventory))
+        refuse(problem)
+
+    gated_make_inventory._k2fleet_gate = True  # type: ignore[attr-defined]
+    cli.make_inventory = gated_make_inventory

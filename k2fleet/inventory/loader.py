@@ -7,6 +7,7 @@ they will during ``pyinfra INVENTORY deploys/kimi.py``.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import sys
@@ -66,12 +67,61 @@ def inventory_host_data(path: str | Path, override_data: dict[str, Any] | None =
     path = Path(path)
     if not path.is_file():
         raise SpecError("inventory", f"no inventory file at {path}", str(path))
+    check_group_data(path)
     with ctx_state.use(State()):
         try:
             inventory = make_inventory_from_files(str(path), override_data or None)
         except (SystemExit, Exception) as exc:  # user Python (may stop itself): report, don't trace
             raise SpecError("inventory", f"could not be loaded: {load_failure(exc)}", str(path)) from None
     return host_data(inventory)
+
+
+def group_data_files(inventory: str | Path, cwd: str | Path | None = None) -> list[Path]:
+    """The ``group_data/*.py`` files pyinfra executes for ``inventory`` (next to it, and in
+    ``cwd`` when pyinfra runs with one), in pyinfra's order."""
+    folders = [Path(cwd) / "group_data"] if cwd else []
+    here = Path(inventory).parent.resolve() / "group_data"
+    if here not in [f.resolve() for f in folders]:
+        folders.append(here)
+    return [f for folder in folders if folder.is_dir() for f in sorted(folder.iterdir()) if f.suffix == ".py"]
+
+
+def check_group_data(inventory: str | Path, cwd: str | Path | None = None) -> None:
+    """Each group-data file is a module of values (``k2_port = 9000`` statements): one that
+    holds a bare list or mapping (its values would be silently dropped), does not parse,
+    or has an ``__all__`` that is not a list of the names it defines is refused naming the
+    file, before pyinfra executes it."""
+    for file in group_data_files(inventory, cwd):
+        try:
+            tree = ast.parse(file.read_text(encoding="utf-8"), filename=str(file))
+        except (SyntaxError, ValueError, UnicodeDecodeError) as exc:
+            line = getattr(exc, "lineno", None)
+            raise SpecError("inventory", f"group data file {file} does not parse"
+                            f"{f' (line {line})' if line else ''}: {type(exc).__name__}", str(inventory)) from None
+        for node in tree.body:
+            if isinstance(node, ast.Expr) and not isinstance(node.value, (ast.Call, ast.Await)):
+                if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+                    continue  # a docstring
+                what = type(node.value).__name__.lower()
+                raise SpecError("inventory", f"group data file {file} holds a bare {what} (line {node.lineno}), not "
+                                "values: pyinfra would drop it silently; write each key as `k2_port = 9000`",
+                                str(inventory))
+        defined = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        defined |= {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        defined |= {(a.asname or a.name).split(".")[0] for n in ast.walk(tree)
+                    if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+                value = node.value
+                names = [e.value for e in getattr(value, "elts", []) if isinstance(e, ast.Constant)]
+                if not isinstance(value, (ast.List, ast.Tuple)) or not all(isinstance(n, str) for n in names) \
+                        or len(names) != len(value.elts):
+                    raise SpecError("inventory", f"group data file {file}: __all__ must be a list of the names "
+                                    "it exports", str(inventory))
+                missing = [n for n in names if n not in defined]
+                if missing:
+                    raise SpecError("inventory", f"group data file {file}: __all__ names {', '.join(missing)[:80]}, "
+                                    "which the file does not define", str(inventory))
 
 
 def load_failure(exc: BaseException) -> str:

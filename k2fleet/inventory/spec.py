@@ -18,6 +18,7 @@ import ipaddress
 import math
 import posixpath
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -39,8 +40,11 @@ IMAGE_ID_RE = re.compile(r"sha256:[0-9a-f]{64}")
 # control character.
 # ======================================================================================
 
-# C0/C1 controls, DEL, Unicode line/paragraph separators, zero-width and bidi controls.
-CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2066-\u2069\ufeff]")
+# C0/C1 controls, DEL, Unicode line/paragraph separators, zero-width and bidi controls;
+# beyond ASCII, every character of the categories below (format characters such as U+2060
+# WORD JOINER, U+00AD SOFT HYPHEN, U+061C ARABIC LETTER MARK, tag characters; surrogates).
+CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]")
+INVISIBLE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 PATH_CHARS_RE = re.compile(r"[A-Za-z0-9._/+-]+")
 HOST_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 POSIX_USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
@@ -78,9 +82,16 @@ SECRET_VALUE_RES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"), "an AWS access key"),
     (re.compile(r"\bgh[pousr]_[A-Za-z0-9]{20,}"), "a GitHub token"),
     (re.compile(r"\bgithub_pat_[A-Za-z0-9_]{20,}"), "a GitHub token"),
+    # credentials in any URL, wherever it appears (k2_hub_endpoint, a proxy or mirror in k2_env, ...)
+    (re.compile(r"(?i)\b(?:https?|socks[45]h?|ftps?|wss?)://[^\s/?#@]+@|\b[a-z][a-z0-9+.-]*://[^\s/?#@:]*:[^\s/?#@]*@"),
+     "credentials in a URL (user:password@)"),
+    (re.compile(r"(?i)[?&;][a-z0-9_.-]*(?:token|key|sig|signature|secret|passw|pwd|auth|credential|session)"
+                r"[a-z0-9_.-]*=[^&#\s]"), "a credential in a URL's query (token=, key=, sig=, ...)"),
     (re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"), "a private key"),
 )
-SECRET_ENV_RE = re.compile(r"(?i)(?:^|_)(?:TOKEN|SECRET|PASSWORD|PASSWD|KEY)$|^HUGGING_FACE_HUB_TOKEN$")
+# a secret word as a component anywhere in the name (MY_TOKEN_VALUE, PASSWORD_X, AWS_SECRET_ACCESS_KEY),
+# unless the name points to a file (..._FILE, ..._PATH, ..._DIR); TOKENIZERS_PARALLELISM has no such component
+SECRET_ENV_RE = re.compile(r"(?i)^(?!.*_(?:FILE|PATH|DIR)$).*(?:^|_)(?:TOKEN|SECRET|PASSWORD|PASSWD|KEY|APIKEY|CREDENTIALS?)(?:_|$)")
 SECRET_FLAGS = frozenset({"hf_token", "token", "api_key", "hf_api_token", "admin_api_key"})
 API_KEY_NAMES = frozenset({"api_key", "admin_api_key", "vllm_api_key"})  # an endpoint's key: k2_api_key_file
 API_KEY_HINT = (
@@ -178,14 +189,80 @@ def scan_secrets(value: Any, path: tuple[Any, ...] = (), env_names: bool = False
             scan_secrets(item, path + (i,))
 
 
+# --- resource bounds ---------------------------------------------------------------------
+MAX_STRING_CHARS = 4096  # any string: a value, a dict key, a list item
+MAX_ITEMS = 1024  # entries of any one list or dict
+MAX_DEPTH = 16  # nesting of lists and dicts inside one key
+MAX_NODES = 65_536  # values (and keys) in all k2_* keys of one host, shared references counted each time
+MAX_TOTAL_CHARS = 1_048_576  # characters in all of them
+MAX_INT = 2**63 - 1
+PLAIN_TYPES = (str, bool, int, float, type(None), list, tuple, dict)
+
+
+def check_bounds(values: dict[str, Any]) -> None:
+    """Raise :class:`_Nested` (path from the k2_ key, without prefix) where ``values`` break a
+    size limit: string length, list/dict size, nesting depth, total values and characters
+    (a structure built from shared references, an alias bomb, is counted as expanded and
+    stopped at the budget), integer range, or a type that is not plain data. Iterative and
+    run before any other check, so no later check recurses deep or walks long.
+
+    >>> check_bounds({"env": {"A": "x" * 10}})
+    >>> try:
+    ...     check_bounds({"env": {"A": "x" * 5000}})
+    ... except _Nested as exc:
+    ...     print(exc.path, exc.message)
+    ('env', 'A') is 5000 characters; values are at most 4096 characters
+    """
+    nodes = chars = 0
+    stack: list[tuple[tuple[Any, ...], Any]] = [((k,), v) for k, v in reversed(values.items())]
+    while stack:
+        path, value = stack.pop()
+        nodes += 1
+        if nodes > MAX_NODES:
+            raise _Nested(path[:1], f"holds more than {MAX_NODES} values in all (shared references counted each "
+                                    "time they appear); inventory values are settings, not data")
+        if not isinstance(value, PLAIN_TYPES):
+            raise _Nested(path, f"must be plain data (string, number, boolean, list or mapping), "
+                                f"not {type(value).__name__}")
+        if isinstance(value, str):
+            chars += len(value)
+            if len(value) > MAX_STRING_CHARS:
+                raise _Nested(path, f"is {len(value)} characters; values are at most {MAX_STRING_CHARS} characters")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > MAX_INT:
+                raise _Nested(path, "is an integer beyond 64 bits; no setting is that large")
+        elif isinstance(value, (list, tuple, dict)):
+            if len(path) > MAX_DEPTH:
+                raise _Nested(path[:MAX_DEPTH], f"nests lists and mappings more than {MAX_DEPTH} deep")
+            if len(value) > MAX_ITEMS:
+                raise _Nested(path, f"has {len(value)} entries; a list or mapping holds at most {MAX_ITEMS}")
+            if isinstance(value, dict):
+                for k, v in reversed(value.items()):
+                    if not isinstance(k, (str, bool, int, float, type(None))):
+                        raise _Nested(path, f"has a key of type {type(k).__name__}; keys are strings")
+                    if isinstance(k, str) and len(k) > MAX_STRING_CHARS:
+                        raise _Nested(path, f"has a key of {len(k)} characters; keys are at most "
+                                            f"{MAX_STRING_CHARS} characters")
+                    chars += len(k) if isinstance(k, str) else 0
+                    stack.append((path + (k,), v))
+            else:
+                stack.extend((path + (i,), v) for i, v in reversed(list(enumerate(value))))
+        if chars > MAX_TOTAL_CHARS:
+            raise _Nested(path[:1], f"holds more than {MAX_TOTAL_CHARS} characters in all (shared references "
+                                    "counted each time they appear); inventory values are settings, not data")
+
+
 # --- check functions (one owner per rule) -----------------------------------------------
 def no_control(value: str) -> str:
     """No control character anywhere (newline, CR, NUL, ESC, DEL, bidi/zero-width...)."""
     found = CONTROL_RE.search(value)
-    if found:
+    at = found.start() if found else None
+    if at is None and not value.isascii():
+        at = next((i for i, ch in enumerate(value) if unicodedata.category(ch) in INVISIBLE_CATEGORIES), None)
+    if at is not None:
         raise ValueError(
-            f"contains a control character (U+{ord(found.group()):04X} at position {found.start()}); "
-            "values end up in systemd units, env files and shell lines"
+            f"contains a control character (U+{ord(value[at]):04X} at position {at}: a control, zero-width, "
+            "bidi or other invisible character); values end up in systemd units, env files and shell lines"
         )
     return value
 
@@ -365,8 +442,7 @@ def _check_config_tree(value: Any, path: tuple[Any, ...] = ()) -> None:
         _scalar(value, path, "must be a string, number, boolean, list or mapping")
 
 
-ENGINE_ARG_MAX_CHARS = 4096
-FLAG_LIKE_RE = re.compile(r"-+[A-Za-z_]")  # "-1" and "-0.5" are numbers, "-tp" and "--port" are flags
+FLAG_LIKE_RE = re.compile(r"-+[A-Za-z_]|--$")  # "-1" and "-0.5" are numbers; "-tp", "--port" and "--" are flags
 
 
 def _engine_arg(value: Any, path: tuple[Any, ...]) -> None:
@@ -381,8 +457,6 @@ def _engine_arg(value: Any, path: tuple[Any, ...]) -> None:
         if FLAG_LIKE_RE.match(value):
             raise _Nested(path, f"{show(value)} looks like a flag: a value would put a second flag in the engine's "
                                 "argv; give each flag its own key in k2_engine_args")
-        if len(value) > ENGINE_ARG_MAX_CHARS:
-            raise _Nested(path, f"must be at most {ENGINE_ARG_MAX_CHARS} characters (got {len(value)})")
 
 
 def engine_args(value: dict[str, Any]) -> dict[str, Any]:
@@ -1045,6 +1119,10 @@ def parse_host(name: str, data: dict[str, Any], where: str = "", groups: tuple[s
             close = difflib.get_close_matches(key, HostSettings.model_fields, n=1)
             hint = f"did you mean {PREFIX}{close[0]}?" if close else "see `k2fleet keys` for the list"
             raise SpecError(PREFIX + _path_text([key]), f"unknown key on host {name}; {hint}", where)
+    try:  # bounds first: every later check may recurse into and walk a value
+        check_bounds(keys)
+    except _Nested as exc:
+        raise SpecError(PREFIX + _path_text(exc.path), f"{exc.message} (on host {name})", where) from None
     check_host_identity(name, data.get("ssh_hostname"), where)
     check_connection_keys(name, data, where)
     for key, value in keys.items():  # secrets first: their message never echoes the value
@@ -1076,8 +1154,11 @@ def build_fleet(source: str, entries: list[HostEntry]) -> Fleet:
     seen_addresses: dict[str, HostEntry] = {}
     for entry in entries:
         check_host_identity(entry.name, entry.ssh_hostname, source)
-        if entry.name in seen_names:
-            raise SpecError("inventory", f"host name {entry.name} is listed twice; host names must be unique", source)
+        twice = sorted({g for g in entry.groups if entry.groups.count(g) > 1})
+        if entry.name in seen_names or twice:
+            where_twice = f" in group {', '.join(twice)}" if twice else ""
+            raise SpecError("inventory", f"host name {entry.name} is listed twice{where_twice}; host names must be "
+                            "unique (pyinfra would merge the two into one host)", source)
         seen_names[entry.name] = entry
         addr = entry.address
         key = "k2_address" if entry.settings.address else "ssh_hostname" if entry.ssh_hostname else "inventory"

@@ -44,8 +44,11 @@ GPUS: dict[str, GpuType] = {
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint k2fleet knows: size on disk, weight format, reasoning or not, and its
-    maximum context (``max_position_embeddings`` of its config.json)."""
+    """A checkpoint k2fleet knows: size on disk, weight format, reasoning or not, its
+    maximum context (``max_position_embeddings`` of its config.json) and its shape:
+    attention heads (``num_attention_heads``; tensor parallel splits them) and routed
+    experts (``n_routed_experts``; expert parallel splits them). Every Kimi K2 release
+    has 64 heads and 384 routed experts (config.json of each repository)."""
 
     repo_id: str
     bytes: int
@@ -53,6 +56,8 @@ class Checkpoint:
     reasoning: bool
     max_context: int | None = None
     model_type: str = "kimi_k2"
+    heads: int = 64
+    experts: int = 384
 
 
 CHECKPOINTS: dict[str, Checkpoint] = {

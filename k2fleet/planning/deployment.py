@@ -14,6 +14,7 @@ import os
 import posixpath
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from k2fleet.planning.engine_side import engine_min_python, host_python
 from k2fleet.planning import catalog
@@ -444,11 +445,89 @@ def _check_slurm(fleet: Fleet, gpu: catalog.GpuType, per_node: int, size: int) -
         ep = int(worker.get("moe_expert_parallel_size", 1))
         if tp % per_node and per_node % tp:
             raise _fail("k2_disagg", f"{side}.tensor_parallel_size {tp} does not fit {per_node}-GPU nodes", fleet)
-        if ep > tp:
-            raise _fail("k2_disagg", f"{side}.moe_expert_parallel_size {ep} exceeds tensor_parallel_size {tp}", fleet)
+        _check_shape(fleet, "trtllm", tp, ep, f"k2_disagg.{side}.tensor_parallel_size",
+                     f"k2_disagg.{side}.moe_expert_parallel_size")
         per_gpu = size / (ep if ep > 1 else tp) / catalog.GIB
         if per_gpu + KV_RESERVE_GIB > gpu.memory_gib * 0.95:
             raise _fail("k2_disagg", f"{side}: {per_gpu:.0f} GiB of weights per GPU does not fit {gpu.name}", fleet)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _check_shape(fleet: Fleet, engine: str, tp: int, ep: int, tp_key: str = "k2_tp", ep_key: str = "k2_ep") -> None:
+    """Parallel sizes against the model's shape (catalog): tensor parallel splits the
+    attention heads, expert parallel the routed experts; in SGLang and TRT-LLM the EP ranks
+    subdivide the TP group (MoE tp × ep = tp), so EP must divide TP there."""
+    known = catalog.CHECKPOINTS.get(fleet.settings.model)
+    if known is None or tp == 0:
+        return
+    if known.heads % tp:
+        raise _fail(tp_key, f"{tp} does not divide the {known.heads} attention heads of {known.repo_id}; "
+                    f"use one of {_divisors(known.heads)} (with more pipeline or data parallel for more GPUs)", fleet)
+    if ep > 1 and known.experts % ep:
+        raise _fail(ep_key, f"{ep} does not divide the {known.experts} routed experts of {known.repo_id}; "
+                    f"use one of {_divisors(known.experts)}", fleet)
+    if ep > 1 and engine in ("sglang", "trtllm") and tp % ep:
+        raise _fail(ep_key, f"{ep} does not divide the tensor parallel size {tp}: {engine} splits each TP group "
+                    f"into MoE tp × ep ranks; use one of {_divisors(tp)}", fleet)
+
+
+def _check_ktransformers(fleet: Fleet, pool: Pool) -> None:
+    """KTransformers has no multi-node mode: one instance lives on one host."""
+    if pool.nodes_per_instance > 1:
+        raise _fail("k2_tp", f"{pool.role} pool: KTransformers runs on one host, but tp×pp = {pool.instance_gpus} "
+                    f"GPUs spans {pool.nodes_per_instance} hosts of {pool.instance_gpus // pool.nodes_per_instance}; "
+                    "set k2_tp×k2_pp to at most k2_gpus_per_node (more hosts serve as separate replicas)", fleet)
+
+
+GPU_LIST_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+
+
+def _check_env(fleet: Fleet, per_node: int) -> None:
+    """``k2_env`` must not contradict the keys k2fleet derives the same variables from:
+    the socket interface (``k2_nic``), the HCAs (``k2_ib_hcas``) and the GPUs each host's
+    engine is planned on (``k2_gpus_per_node``)."""
+    for h in fleet.hosts:
+        env, nic, hcas = h.settings.env, h.settings.nic, h.settings.ib_hcas
+        if h.settings.role in ("router", "slurm-submit"):
+            continue
+        for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+            value = env.get(name)
+            if nic and value is not None and value.removeprefix("=") != nic:
+                raise _fail(f"k2_env.{name}", f"{value[:40]!r} contradicts k2_nic {nic} of host {h.name} (k2fleet "
+                            f"sets {name} from k2_nic); remove it from k2_env", fleet)
+        value = env.get("NCCL_IB_HCA")
+        if hcas and value is not None and value.removeprefix("=") != ",".join(hcas):
+            raise _fail("k2_env.NCCL_IB_HCA", f"{value[:40]!r} contradicts k2_ib_hcas {','.join(hcas)} of host "
+                        f"{h.name} (k2fleet sets NCCL_IB_HCA from it); remove it from k2_env", fleet)
+        for name in GPU_LIST_ENV:
+            value = env.get(name)
+            if value is None:
+                continue
+            ids = [part.strip() for part in value.split(",") if part.strip()]
+            if len(ids) != per_node or len(set(ids)) != len(ids):
+                raise _fail(f"k2_env.{name}", f"lists {len(set(ids))} distinct GPUs ({value[:40]!r}) but host {h.name}'s "
+                            f"engine is planned on {per_node} (k2_gpus_per_node); remove it from k2_env or set "
+                            "k2_gpus_per_node to the GPUs the engine may use", fleet)
+
+
+def _check_hub_transport(fleet: Fleet) -> None:
+    """A Hub token (``k2_hub_token_file``) is sent only over https, or http to loopback."""
+    s = fleet.settings
+    if not s.hub_token_file or not s.hub_endpoint:
+        return
+    parts = urlsplit(s.hub_endpoint)
+    host = parts.hostname or ""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if parts.scheme != "https" and not loopback:
+        raise _fail("k2_hub_endpoint", f"{parts.scheme}:// with k2_hub_token_file set would send the Hub token in "
+                    "clear text; use https:// (plain http only to a loopback address) or unset k2_hub_token_file",
+                    fleet)
 
 
 def resolve(fleet: Fleet) -> Deployment:
@@ -466,6 +545,7 @@ def resolve(fleet: Fleet) -> Deployment:
     version, runtime, image = _check_engine(fleet, platform)
     if s.engine == "ktransformers" and not s.gguf_repo:
         raise _fail("k2_gguf_repo", "KTransformers serves GGUF weights; set k2_gguf_repo, k2_gguf_revision and k2_gguf_pattern", fleet)
+    _check_hub_transport(fleet)
     _check_roles(fleet, s.engine)
     _check_fetcher(fleet)
     _check_bundle(fleet)
@@ -475,10 +555,14 @@ def resolve(fleet: Fleet) -> Deployment:
     pools = {}
     for role, hosts in fleet.pools.items():
         pools[role] = _check_pool(fleet, role, hosts, s.engine, per_node)
+        _check_shape(fleet, s.engine, pools[role].tp, pools[role].settings.ep)
+        if s.engine == "ktransformers":
+            _check_ktransformers(fleet, pools[role])
         if gpu is not None:
             _check_fit(fleet, pools[role], gpu, size, quant, s.engine)
     if "slurm-submit" in pools and gpu is not None:
         _check_slurm(fleet, gpu, per_node, size)
+    _check_env(fleet, per_node)
     driver = choose_driver(fleet, gpu, s.engine, version) if gpu is not None else None
     reasoning_parser = s.reasoning_parser or ("kimi_k2" if reasoning else None)
     return Deployment(
