@@ -561,6 +561,7 @@ def own_dir(value: str) -> str:
 
 OwnDir = Annotated[AbsPath, AfterValidator(own_dir)]
 
+
 def cidr(value: str) -> str:
     """An IPv4/IPv6 network (``10.0.0.0/8``) or one address, host bits clear.
 

@@ -549,8 +549,8 @@ def resolve(fleet: Fleet) -> Deployment:
     _check_roles(fleet, s.engine)
     _check_fetcher(fleet)
     _check_bundle(fleet)
-    _check_firewall(fleet)
     _check_api_key(fleet)
+    _check_firewall(fleet)
     _check_venv_python(fleet, s.engine, version, runtime)
     pools = {}
     for role, hosts in fleet.pools.items():
