@@ -463,3 +463,20 @@ def test_mesh_after_deploy_stop_leaves_no_listener_and_a_settled_fleet_untouched
     out = run_roles(dep, plan, desired, {**facts, "h200-1": stale}, tmp_path, control_calls)
     assert out.op("h200-1", "stop the mesh sshd until the next deploy").commands == ["systemctl stop k2-mesh-sshd.service"]
     assert "stop and remove k2fleet units the plan no longer has" not in out.changed("h200-1")
+
+
+def test_a_mesh_key_the_host_no_longer_holds_is_removed(tmp_path: Path, control_calls: list[str]) -> None:
+    """A rank host still holding the fleet's old shared client key (as every host did before
+    the mesh became mpirun's head's alone), or a vLLM host holding any mesh key, is not
+    settled, and the mesh role removes exactly those keys."""
+    dep, plan, desired = planned(str(TRTLLM_MPI))
+    assert "/etc/k2fleet/mesh/id_ed25519" in desired["h200-1"].absent
+    assert "/etc/k2fleet/mesh/id_ed25519" not in desired["h200-0"].absent
+    facts = settled_fleet(dep, desired)
+    stale = dataclasses.replace(facts["h200-1"], exists={**facts["h200-1"].exists, "/etc/k2fleet/mesh/id_ed25519": True})
+    assert host_actions(desired["h200-1"], stale).remove == ("/etc/k2fleet/mesh/id_ed25519",)
+    out = run_roles(dep, plan, desired, {**facts, "h200-1": stale}, tmp_path, control_calls)
+    assert out.op("h200-1", "remove the SSH keys of the mesh this host no longer holds").commands == ["rm -f -- /etc/k2fleet/mesh/id_ed25519"]
+    assert not out.op("h200-0", "remove the SSH keys of the mesh this host no longer holds").changed
+    _, _, vllm = planned(str(H200))
+    assert "/etc/k2fleet/mesh/ssh_host_ed25519_key" in vllm["h200-1"].absent

@@ -175,6 +175,7 @@ class HostDesired:
     mesh_yields_to: list[str] = field(default_factory=list)  # units that take the mesh port while they run
     mesh_between_deploys: bool = False  # the mesh sshd runs between deploys (k2_mesh_after_deploy: keep)
     bundle_repo: str | None = None  # where this host's offline bundle is extracted (reported by the fact, not a goal)
+    absent: list[str] = field(default_factory=list)  # paths that must not exist (keys this host no longer holds)
     checks: dict[str, list[str]] = field(default_factory=dict)
     exists: list[str] = field(default_factory=list)
     fanout: FanoutPlace | None = None
@@ -206,7 +207,7 @@ class HostDesired:
         boot = self.bootstrap
         units = self.units + [f"{s}.service" for s in (boot.services if boot else ())]
         return {"disk_path": disk_path, "files": self.all_paths(), "units": units, "checks": self.checks,
-                "exists": self.exists + ([self.bundle_repo] if self.bundle_repo else []), "globs": [UNIT_GLOB], "packages": self.packages,
+                "exists": self.exists + self.absent + ([self.bundle_repo] if self.bundle_repo else []), "globs": [UNIT_GLOB], "packages": self.packages,
                 "package_versions": bootstrap.fact_patterns(boot) if boot else []}
 
     def to_json(self) -> dict[str, Any]:
@@ -611,6 +612,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         d = HostDesired(name=h.name, address=h.address, slots=slots, bootstrap=host_bootstrap(dep, hp, h))
         d.files["bootstrap"] = bootstrap_files(d.bootstrap)
         d.files["mesh"] = meshes[h.name]
+        d.absent = mesh_config.keys_not_held(dep, d.files["mesh"])
         engine_side = engine_requirements(dep, hp, bundled, art.engine_doubles)
         python = host_python(d.bootstrap.os)
         d.python = OS_TABLES[d.bootstrap.os].python

@@ -46,18 +46,20 @@ class HostActions:
     start: tuple[str, ...] = ()  # planned units not active
     failing_checks: tuple[str, ...] = ()  # the fact's checks that did not pass
     missing: tuple[str, ...] = ()  # paths that must exist and do not
+    remove: tuple[str, ...] = ()  # paths that must not exist and do (e.g. a mesh key this host no longer holds)
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def settled(self) -> bool:
         return not (self.files or self.packages or self.bootstrap_packages or self.reboot or self.stale_units
-                    or self.start or self.failing_checks or self.missing)
+                    or self.start or self.failing_checks or self.missing or self.remove)
 
     def describe(self) -> str:
         """One line: what differs (empty when settled)."""
         parts = [("files", self.files), ("packages", self.packages), ("bootstrap packages", self.bootstrap_packages),
                  ("reboot", (self.reboot,) if self.reboot else ()), ("stale units", self.stale_units),
-                 ("start", self.start), ("failing checks", self.failing_checks), ("missing", self.missing)]
+                 ("start", self.start), ("failing checks", self.failing_checks), ("missing", self.missing),
+                 ("remove", self.remove)]
         return "; ".join(f"{what}: {', '.join(items)}" for what, items in parts if items)
 
 
@@ -87,4 +89,5 @@ def host_actions(desired: HostDesired, fact: HostReport) -> HostActions:
         start=tuple(u for u in desired.units if not fact.unit_active(u) and u not in yielded),
         failing_checks=tuple(sorted(name for name in desired.checks if not fact.passed(name))),
         missing=tuple(p for p in desired.exists if not fact.exists.get(p)),
+        remove=tuple(p for p in desired.absent if fact.exists.get(p)),
     )

@@ -53,6 +53,15 @@ def logins_into(plan: Plan, name: str) -> list[str]:
     return [head for head, targets in mesh_links(plan).items() if name in targets]
 
 
+def keys_not_held(dep: Deployment, files: dict[str, object]) -> list[str]:
+    """The mesh's private keys (and their public halves) a host must not hold: every one not
+    among its mesh ``files`` (a rank host once given the fleet's shared client key, a host
+    that left the mesh)."""
+    d = mesh_dir(dep)
+    keys = [f"{d}/id_ed25519", f"{d}/id_ed25519.pub", f"{d}/ssh_host_ed25519_key", f"{d}/ssh_host_ed25519_key.pub"]
+    return [k for k in keys if k not in files]
+
+
 def allow_users(dep: Deployment, sources: list[str] | None = None) -> str:
     """sshd's ``AllowUsers`` words: the mesh user from each of ``sources`` (addresses;
     default every fleet address)."""

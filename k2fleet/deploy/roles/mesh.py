@@ -17,7 +17,8 @@ from k2fleet.planning.host_fact import HostReport
 @deploy("k2fleet: SSH mesh")
 def configure(desired: HostDesired, fact: HostReport, tracked: list) -> None:
     """
-    Write the mesh files and run the mesh sshd; restart it only when its files changed.
+    Remove mesh keys the host must no longer hold (``desired.absent``), write the mesh files
+    and run the mesh sshd; restart it only when its files changed.
     While a unit that takes the mesh port runs (``desired.mesh_yields_to``: the TRT-LLM
     node container, whose sshd serves the mesh), the host's mesh sshd is left stopped.
 
@@ -32,6 +33,9 @@ def configure(desired: HostDesired, fact: HostReport, tracked: list) -> None:
         mesh.configure(run.desired[host.name], fact, run.tracked)
     """
     files = desired.files.get("mesh", {})
+    held = [path for path in desired.absent if fact.exists.get(path)]
+    command(name="remove the SSH keys of the mesh this host no longer holds", argv=["rm", "-f", "--", *held] if held else ["true"],
+            _if=lambda: bool(held))
     written = synced_files(name="mesh keys, known_hosts and sshd config", files=files, current=fact.files)
     tracked.append(written)
     was_active = fact.unit_active(UNIT)
