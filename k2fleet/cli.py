@@ -34,7 +34,19 @@ def load_plan(inventory: str | Path, data: list[str] | tuple[str, ...] = ()) -> 
     return check_hosts(str(inventory), hosts)
 
 
-def format_plan(plan: Plan, api_key_file: str | None = None) -> str:
+def curl_line(base: str, model: str, api_key_file: str | None = None) -> str:
+    """A chat completion to paste; with ``api_key_file`` the key is read from that file when
+    the line runs (never printed).
+
+    >>> print(curl_line("http://10.0.0.1:8000/v1", "moonshotai/Kimi-K2-Thinking"))
+    curl -s http://10.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{"model": "moonshotai/Kimi-K2-Thinking", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 256}'
+    """
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 256})
+    auth = f" -H \"Authorization: Bearer $(cat {shell_line([api_key_file])})\"" if api_key_file else ""
+    return f"curl -s {base}/chat/completions -H 'Content-Type: application/json'{auth} -d {shell_line([body])}"
+
+
+def format_plan(plan: Plan, api_key_file: str | None = None, model: str | None = None) -> str:
     out = [
         f"# {plan.source}: {plan.engine} {plan.engine_version} ({plan.runtime}"
         + (f", {plan.image}" if plan.image else "")
@@ -44,9 +56,8 @@ def format_plan(plan: Plan, api_key_file: str | None = None) -> str:
     endpoint = plan.endpoint()
     if endpoint:
         out.append(f"# endpoint: http://{endpoint[0]}:{endpoint[1]}/v1")
-        if api_key_file:  # the key is read from its file when the line runs, never printed
-            out.append(f"# try: curl -s http://{endpoint[0]}:{endpoint[1]}/v1/models "
-                       f"-H \"Authorization: Bearer $(cat {shell_line([api_key_file])})\"")
+        if model:  # with a key file, the key is read from it when the line runs, never printed
+            out.append(f"# try: {curl_line(f'http://{endpoint[0]}:{endpoint[1]}/v1', model, api_key_file)}")
     for host in plan.hosts.values():
         out.append(f"\n== {host.name} ({host.address}) role={host.role}")
         for svc in host.services:
@@ -90,7 +101,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(plan_document(dep, plan)))  # one line: the C encoder (indent is pure Python: 2.4 s of 1,024 hosts)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(format_plan(plan, dep.s.api_key_file))
+        sys.stdout.write(format_plan(plan, dep.s.api_key_file, dep.api_model_name))
         sys.stdout.write(format_firewall(dep, plan))  # every port with who may reach it
     return 0
 

@@ -80,6 +80,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from k2sandbox import nspawn as sandbox, slurm_site as sandbox_slurm
+from k2fleet.cli import curl_line
 from k2fleet.planning.deployment import Deployment
 from k2fleet.deploy.gate import check_hosts
 from k2fleet.inventory.loader import _import_pyinfra_cli_inventory, inventory_host_data, parse_data_overrides
@@ -288,14 +289,6 @@ def probe_place(dep: Deployment, plan: Plan, host_name: str, base: str, inside: 
     if fw is None or any(o.who == ANYONE and o.first <= port <= o.last for o in fw.openings):
         return contextlib.nullcontext()
     return inside_netns(inside)
-
-
-def curl_line(base: str, model: str, key_file: str | None = None) -> str:
-    """A ``curl`` line to paste; with ``key_file`` it reads the key from that file when
-    run (``$(cat FILE)``): the key itself is never printed."""
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 64})
-    auth = f" -H \"Authorization: Bearer $(cat {shlex.quote(key_file)})\"" if key_file else ""
-    return f"curl -s {base}/chat/completions -H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}"
 
 
 def _tail(log: str, lines: int = 40) -> str:

@@ -38,7 +38,7 @@ def test_the_key_is_in_no_argv_plan_or_unit_only_in_two_private_files(tmp_path: 
     key = "k2-" + secrets.token_hex(20)
     path = key_file(tmp_path, key)
     dep, plan = load_plan(inventory, [f"k2_api_key_file={path}"])
-    shown = format_plan(plan, dep.s.api_key_file) + json.dumps(plan_document(dep, plan))
+    shown = format_plan(plan, dep.s.api_key_file, dep.api_model_name) + json.dumps(plan_document(dep, plan))
     assert key not in shown and key[3:15] not in shown
     assert f'-H "Authorization: Bearer $(cat {path})"' in shown  # the printed curl line reads the file
     key_path, env_path = api_key_paths(dep)
