@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from k2fleet.control.addresses import Resolver
 from k2fleet.control.stand_ins import command_plugins
 from k2fleet.deploy.gate import check_hosts, refuse
 from k2fleet.inventory.loader import inventory_host_data, parse_data_overrides
@@ -27,11 +28,19 @@ from k2fleet.planning.processes import Plan
 from k2fleet.planning.quoting import shell_line
 
 
-def load_plan(inventory: str | Path, data: list[str] | tuple[str, ...] = ()) -> tuple[Deployment, Plan]:
+def load_plan(inventory: str | Path, data: list[str] | tuple[str, ...] = (),
+              resolver: Resolver | None = None) -> tuple[Deployment, Plan]:
     """Inventory file (+ pyinfra-style ``--data KEY=VALUE`` overrides) → validated
-    deployment and its plan (no host is contacted)."""
+    deployment and its plan (no host is contacted; DNS-name addresses are resolved to IPs
+    on this machine, or by ``resolver``: :mod:`k2fleet.control.addresses`)."""
     hosts = inventory_host_data(inventory, parse_data_overrides(data))
-    return check_hosts(str(inventory), hosts)
+    return check_hosts(str(inventory), hosts, resolver)
+
+
+def address_origins(dep: Deployment) -> dict[str, str]:
+    """Host → where its fleet address came from: the inventory key, and ``resolved`` when
+    the control machine resolved a DNS name to it (the plan holds only the IP)."""
+    return {h.name: h.address_key + (" (resolved)" if h.ip else "") for h in dep.fleet.hosts}
 
 
 def curl_line(base: str, model: str, api_key_file: str | None = None) -> str:
@@ -46,7 +55,8 @@ def curl_line(base: str, model: str, api_key_file: str | None = None) -> str:
     return f"curl -s {base}/chat/completions -H 'Content-Type: application/json'{auth} -d {shell_line([body])}"
 
 
-def format_plan(plan: Plan, api_key_file: str | None = None, model: str | None = None) -> str:
+def format_plan(plan: Plan, api_key_file: str | None = None, model: str | None = None,
+                resolved: dict[str, str] | None = None) -> str:
     out = [
         f"# {plan.source}: {plan.engine} {plan.engine_version} ({plan.runtime}"
         + (f", {plan.image}" if plan.image else "")
@@ -59,7 +69,8 @@ def format_plan(plan: Plan, api_key_file: str | None = None, model: str | None =
         if model:  # with a key file, the key is read from it when the line runs, never printed
             out.append(f"# try: {curl_line(f'http://{endpoint[0]}:{endpoint[1]}/v1', model, api_key_file)}")
     for host in plan.hosts.values():
-        out.append(f"\n== {host.name} ({host.address}) role={host.role}")
+        origin = (resolved or {}).get(host.name)  # e.g. "resolved from ssh_hostname gpu-0.dc.example"
+        out.append(f"\n== {host.name} ({host.address}{f', {origin}' if origin else ''}) role={host.role}")
         for svc in host.services:
             out.append(f"  [stage {svc.stage}] {svc.name}: {svc.description}")
             for key, value in sorted(svc.env.items()):
@@ -92,7 +103,11 @@ def plan_document(dep: Deployment, plan: Plan) -> dict:
     doc = plan.to_json()
     for name, host in doc["hosts"].items():
         host["desired"] = desired[name].to_json()
+    entries = {h.name: h for h in dep.fleet.hosts}
+    origins = address_origins(dep)
     return doc
+        host["address_from"] = origins[name]  # "address" is the IP every engine, mesh and firewall value uses
+        host["ssh_hostname"] = entries[name].ssh_hostname  # what pyinfra connects to (None: the host name)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -101,7 +116,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(plan_document(dep, plan)))  # one line: the C encoder (indent is pure Python: 2.4 s of 1,024 hosts)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(format_plan(plan, dep.s.api_key_file, dep.api_model_name))
+        resolved = {h.name: f"resolved from {'the host name' if h.address_key == 'inventory' else h.address_key} "
+                    f"{h.configured_address}" for h in dep.fleet.hosts if h.ip}
+        sys.stdout.write(format_plan(plan, dep.s.api_key_file, dep.api_model_name, resolved))
         sys.stdout.write(format_firewall(dep, plan))  # every port with who may reach it
     return 0
 

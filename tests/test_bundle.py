@@ -142,10 +142,19 @@ def test_second_build_reuses_cache(rsync_bundle: Path, monkeypatch: pytest.Monke
 
 
 DEPLOY = f"""\
+from pyinfra import host
+from pyinfra.facts.deb import DebPackages
+from pyinfra.facts.files import Directory
+
 from k2fleet.control.deb_bundles import ensure_bundle
 from k2fleet.deploy.roles.packages import install_packages
+from k2fleet.planning.host_packages import bundle_repo_dir
 
-install_packages({SANDBOX_PACKAGES!r}, "bundle", bundle=str(ensure_bundle({SANDBOX_PACKAGES!r})))
+# the role takes what is installed and whether the bundle is extracted from its caller
+# (k2fleet's deploy passes its HostState fact; this plain deploy asks pyinfra's facts)
+tar = ensure_bundle({SANDBOX_PACKAGES!r})
+install_packages({SANDBOX_PACKAGES!r}, "bundle", bundle=str(tar), installed=sorted(host.get_fact(DebPackages) or {{}}),
+                 have_repo=bool(host.get_fact(Directory, path=bundle_repo_dir(tar.name))))
 """
 
 

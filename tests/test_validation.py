@@ -277,8 +277,16 @@ IDENTITY = family("identity", [
          hosts=[("node-0", {"k2_address": None}), ("node-1", {"k2_address": None})]),
     Case("host-name-with-space", {}, "inventory", "host name", hosts=[("node 0", {})]),
     Case("host-name-listed-twice", {}, "inventory", "node-0 is listed twice", hosts=[("node-0", {}), ("node-0", {})]),
-    Case("firewall-needs-ip-addresses", {"k2_address": "gpu-0.fleet.example"}, "k2_address",
-         "k2_firewall needs the fleet's IP addresses"),
+    # DNS names resolve once, on the control machine, before planning (k2fleet.control.addresses);
+    # `.invalid` never resolves (RFC 6761): one line naming the host and the key, offline too
+    Case("address-does-not-resolve", {"k2_address": "gpu-0.fleet.invalid"}, "k2_address",
+         "node-0's k2_address gpu-0.fleet.invalid does not resolve on this control machine"),
+    Case("ssh-hostname-does-not-resolve", {}, "ssh_hostname", "node-0's ssh_hostname gpu-0.fleet.invalid does not resolve",
+         hosts=[("node-0", {"ssh_hostname": "gpu-0.fleet.invalid"})]),
+    Case("host-name-does-not-resolve", {}, "inventory", "gpu-0.fleet.invalid's name gpu-0.fleet.invalid does not resolve",
+         hosts=[("gpu-0.fleet.invalid", {"ssh_hostname": None})]),
+    Case("second-host-does-not-resolve", {"k2_tp": 16}, "ssh_hostname", "node-1's ssh_hostname gpu-1.fleet.invalid",
+         hosts=[("node-0", {"k2_address": None}), ("node-1", {"k2_address": None, "ssh_hostname": "gpu-1.fleet.invalid"})]),
     Case("api-clients-host-bits", {"k2_api_clients": ["10.0.0.1/8"]}, "k2_api_clients[0]", "host bits"),
     Case("api-clients-dns-name", {"k2_api_clients": ["clients.example"]}, "k2_api_clients[0]", "IPv4/IPv6 address or network"),
     Case("api-clients-empty", {"k2_api_clients": []}, "k2_api_clients", "let no one reach the API"),
@@ -309,11 +317,21 @@ IDENTITY = family("identity", [
     Case("hub-endpoint-no-host", {"k2_hub_endpoint": "https:///path"}, "k2_hub_endpoint", "name a host"),
 ])
 IDENTITY_TWIN_HOSTS = [("node-0", {"k2_address": "gpu-0.fleet.example"}), ("node-1", {"k2_address": "2001:db8::1"})]
+# The twins' DNS names, resolved through the gate's resolver seam (names no real resolver knows)
+TWIN_NAMES = {"gpu-0.fleet.example": ["192.0.2.20"], "gpu-1.fleet.example": ["2001:db8::21"],
+              "gpu-2.fleet.example": ["192.0.2.22"]}
+
+
+def twin_resolver(name: str) -> list[str]:
+    if name not in TWIN_NAMES:
+        raise OSError(f"{name}: not a twin's name")
+    return TWIN_NAMES[name]
+
+
 IDENTITY_TWIN = {"k2_tp": 16, "k2_mesh_user": "k2svc", "k2_nic": "bond0.100", "k2_ib_hcas": ["mlx5_0", "mlx5_1:1"],
                  "k2_served_model_name": "moonshotai/kimi-k2:thinking", "k2_runtime": "container",
                  "k2_image": "nvcr.io/nvidia/vllm:25.10-py3@sha256:" + "a" * 64, "k2_hub_endpoint": "http://10.0.0.5:8080",
                  "k2_env": {"_PRIVATE_FLAG": "1"}, "k2_engine_args": {"--max-num-seqs": 8},
-                 "k2_firewall": False,  # a DNS-name address is valid with k2fleet's firewall off (its rules need IPs)
                  "k2_api_clients": ["10.0.0.0/8", "192.0.2.9", "2001:db8:1::/48"]}
 
 # --- (d) topology (cross-key rules) ----------------------------------------------------------------
@@ -817,7 +835,7 @@ def test_the_fork_server_is_faithful(tmp_path: Path, outcomes, case: Case) -> No
 # --- good twins: the rules do not refuse valid input ------------------------------------------------
 def _valid(tmp_path: Path, data: dict[str, Any], hosts: int | list = 1, name: str = "fleet", group_py: str = "") -> None:
     inv = inventory(tmp_path / name, hosts, data, 22, group_py)
-    load_plan(inv)  # raises SpecError when refused
+    load_plan(inv, resolver=twin_resolver)  # raises SpecError when refused
 
 
 TWINS: list[tuple[str, dict[str, Any], int | list]] = [
@@ -835,6 +853,11 @@ TWINS: list[tuple[str, dict[str, Any], int | list]] = [
                                                       "cuda_graph_config": None,
                                                       "speculative_config": {"decoding_type": "Eagle", "max_draft_len": 3,
                                                                              "eagle3_layers_to_capture": [1, 2, -1]}}}, 1),
+    ("identity-dns-names", {"k2_tp": 16, "k2_dp": 2, "k2_ep": 32},  # firewall on: its rules get the resolved IPs
+     [("gpu-0", {"k2_address": None, "ssh_hostname": "gpu-0.fleet.example"}),  # by ssh_hostname
+      ("gpu-1.fleet.example", {"k2_address": None, "ssh_hostname": None}),  # by the host name itself
+      ("node-2", {"k2_address": "gpu-2.fleet.example", "ssh_hostname": "bastion-side.example"}),  # k2_address wins
+      ("node-3", {"k2_address": "192.0.2.23"})]),
     ("secrets", SECRETS_TWIN, 1),
     ("structure-engine-arg-values", {"k2_engine_args": {"cudagraph-capture-sizes": [1, 2, 4], "seed": -1,
                                                         "max-logprobs": "-1", "chat-template": "/srv/t/" + "a" * 4080}}, 1),

@@ -6,7 +6,8 @@ pyinfra's CLI runs ``config.py`` (repository root), loads the inventory (host da
 group data, ``--data``), calls ``State.init`` and only then ``connect_all``. The
 repository's ``config.py`` calls :func:`install_pyinfra_gate`, which wraps that one
 ``State.init`` call: the loaded inventory is checked there, before the first TCP
-connection, and a bad one ends the run.
+connection, and a bad one ends the run. Host names are resolved to the fleet's IPs there,
+once per run (:mod:`k2fleet.control.addresses`), so planning receives IPs.
 
 >>> refusal_line(SpecError("k2_port", "not a port", "inventories/x.py"))
 'error: inventories/x.py: k2_port: not a port'
@@ -19,6 +20,7 @@ import stat
 import sys
 from typing import Any, NoReturn
 
+from k2fleet.control.addresses import Resolver, resolve_addresses
 from k2fleet.planning.deployment import Deployment, resolve
 from k2fleet.inventory.loader import HostData, check_group_data, fleet_from_hosts, host_data, load_failure
 from k2fleet.planning.processes import Plan
@@ -38,10 +40,12 @@ def refuse(exc: SpecError) -> NoReturn:
     raise SystemExit(2)
 
 
-def check_hosts(source: str, hosts: list[HostData]) -> tuple[Deployment, Plan]:
-    """Validate an inventory's hosts and plan them, then the control machine's files the
-    inventory names; raises SpecError on the first problem."""
-    dep = resolve(fleet_from_hosts(source, hosts))
+def check_hosts(source: str, hosts: list[HostData], resolver: Resolver | None = None) -> tuple[Deployment, Plan]:
+    """Validate an inventory's hosts, resolve their DNS-name addresses to IPs on this control
+    machine (once; ``resolver``: the tests' seam, default ``socket.getaddrinfo``), and plan
+    them (pure, on IPs), then the control machine's files the inventory names; raises
+    SpecError on the first problem."""
+    dep = resolve(resolve_addresses(fleet_from_hosts(source, hosts), resolver))
     plan = make_plan(dep)
     check_token_file(dep.s.hub_token_file, source)
     check_token_file(dep.s.api_key_file, source, key="k2_api_key_file", what="the endpoints' API key")

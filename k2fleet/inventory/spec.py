@@ -940,8 +940,8 @@ class HostSettings(BaseModel):
         "k2fleet's nftables table (`table inet k2fleet`, its own unit `k2-firewall.service`) on every host: "
         "rendezvous and control ports (Ray, torch store, DP RPC, dist-init, mesh sshd, relay, PD backends, "
         "the engines' ephemeral ports) only from the fleet's addresses, the API port from `k2_api_clients`, "
-        "the SSH port pyinfra uses always open, nothing else touched. Needs IP addresses (`k2_address` or "
-        "`ssh_hostname`). `False` removes the table and its unit.",
+        "the SSH port pyinfra uses always open, nothing else touched. Its rules hold the fleet's IPs (DNS "
+        "names resolved on the control machine). `False` removes the table and its unit.",
         default=True,
     )
     api_clients: Annotated[list[Cidr], AfterValidator(cidr_list)] | None = _key(
@@ -1002,7 +1002,11 @@ class HostSettings(BaseModel):
         default_factory=dict,
     )
     # --- per host --------------------------------------------------------------------
-    address: Address | None = _key(HOST, "Fleet-internal address; default `ssh_hostname`, else the host name.", default=None)
+    address: Address | None = _key(
+        HOST, "Fleet-internal address (IP or DNS name); default `ssh_hostname`, else the host name. A name is "
+        "resolved once per run on the control machine to one IP, which every engine, mesh and firewall value "
+        "uses; set an IP here when the name has several addresses or resolves only inside the fleet.",
+        default=None)
     nic: IfName | None = _key(HOST, "Interface for NCCL/Gloo sockets (`NCCL_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME`).", default=None)
     ib_hcas: list[IbHca] = _key(HOST, "InfiniBand HCAs (`NCCL_IB_HCA`, SGLang `--disaggregation-ib-device`).", default_factory=list)
 
@@ -1036,7 +1040,9 @@ class HostEntry:
     ssh_port: int | None = None  # pyinfra's port (None: 22); the firewall never closes it
 
     @property
-    def address(self) -> str:
+    def configured_address(self) -> str:
+        """The fleet address as the inventory gives it: ``k2_address``, else ``ssh_hostname``,
+        else the host name (an IP literal or a DNS name)."""
         return self.settings.address or self.ssh_hostname or self.name
 
 
@@ -1048,10 +1054,24 @@ class Fleet:
     hosts: list[HostEntry]
     pools: dict[str, list[HostEntry]] = field(default_factory=dict)
 
+    ip: str | None = None  # the IP the control machine resolved a DNS-name address to (k2fleet.control.addresses)
     @property
     def settings(self) -> HostSettings:
         """Fleet-scope settings (identical on every host by construction)."""
         return self.hosts[0].settings
+
+    @property
+    def address_key(self) -> str:
+        """The inventory key :attr:`configured_address` comes from (``inventory``: the host name)."""
+        return "k2_address" if self.settings.address else "ssh_hostname" if self.ssh_hostname else "inventory"
+
+    @property
+    def address(self) -> str:
+        """The host's fleet address: what engines, the mesh and the firewall use. Planning
+        receives fleets whose names were resolved to IPs once per run by the gate
+        (:func:`k2fleet.control.addresses.resolve_addresses`); ``ssh_hostname`` stays what
+        pyinfra connects to."""
+        return self.ip or self.configured_address
 
 
 def _loc_key(loc: tuple[Any, ...], err: Any) -> str:
@@ -1162,7 +1182,7 @@ def build_fleet(source: str, entries: list[HostEntry]) -> Fleet:
                             "unique (pyinfra would merge the two into one host)", source)
         seen_names[entry.name] = entry
         addr = entry.address
-        key = "k2_address" if entry.settings.address else "ssh_hostname" if entry.ssh_hostname else "inventory"
+        key = entry.address_key
         try:
             address(addr)
         except ValueError as exc:

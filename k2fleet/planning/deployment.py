@@ -374,20 +374,20 @@ def _check_venv_python(fleet: Fleet, engine: str, version: str, runtime: str) ->
                             f"k2_engine_version", fleet.source)
 
 
-def _check_firewall(fleet: Fleet) -> None:
-    """``k2_firewall`` names the fleet by IP address: every host needs one (an nftables
-    set cannot hold a DNS name, and resolving it at boot would depend on the network the
-    table comes before)."""
-    if not fleet.settings.firewall:
-        return
+def _check_ip_addresses(fleet: Fleet) -> None:
+    """Planning takes IP addresses only: engines (``VLLM_HOST_IP``, rendezvous addresses),
+    the mesh (``AllowUsers``, ``from=``) and the firewall's sets never see a DNS name. The
+    gate resolves names once per run on the control machine
+    (:func:`k2fleet.control.addresses.resolve_addresses`) before planning; a fleet that
+    reaches here with a name was planned without it, and no IP can be had."""
     for h in fleet.hosts:
         try:
             ipaddress.ip_address(h.address)
         except ValueError:
-            key = "k2_address" if h.settings.address else "ssh_hostname" if h.ssh_hostname else "inventory"
-            raise _fail(key, f"host {h.name}'s address {h.address} is not an IP address; k2_firewall needs the "
-                        "fleet's IP addresses for its rules: set k2_address to the host's IP, or k2_firewall: False",
-                        fleet) from None
+            raise _fail(h.address_key, f"host {h.name}'s address {h.address} is not an IP address and was not "
+                        "resolved to one; plan through k2fleet's gate (k2fleet validate/plan, pyinfra with "
+                        "config.py), which resolves names on the control machine, or set k2_address to the "
+                        "host's IP", fleet) from None
 
 
 def _check_bundle(fleet: Fleet) -> None:
@@ -550,7 +550,7 @@ def resolve(fleet: Fleet) -> Deployment:
     _check_fetcher(fleet)
     _check_bundle(fleet)
     _check_api_key(fleet)
-    _check_firewall(fleet)
+    _check_ip_addresses(fleet)
     _check_venv_python(fleet, s.engine, version, runtime)
     pools = {}
     for role, hosts in fleet.pools.items():

@@ -19,7 +19,8 @@ may reach it, and renders k2fleet's own table ``inet k2fleet`` from that list:
   hosts that run engine ranks, the kernel's ephemeral range 32768–60999, where NCCL, Gloo,
   ZMQ, Ray's node processes and MPI bind the ports nobody names.
 
-The fleet's addresses (every host's ``k2_address`` and IP ``ssh_hostname``) may reach any
+The fleet's addresses (every host's fleet IP — ``k2_address``, else ``ssh_hostname``, a DNS
+name resolved once on the control machine by the gate — and IP ``ssh_hostname``) may reach any
 port of any fleet host: ranks meet on ports chosen at run time. The table's input chain
 has policy accept and only rejects new TCP connections to the ports above from
 elsewhere: traffic to other ports, and other tables' rules, are left as they are (a packet
@@ -231,7 +232,8 @@ def _ip_literals(*values: str | None) -> list[str]:
 
 
 def fleet_addresses(dep: Deployment) -> tuple[str, ...]:
-    """Every host's ``k2_address`` and IP ``ssh_hostname``, each once, in inventory order."""
+    """Every host's fleet IP (names were resolved before planning) and IP ``ssh_hostname``,
+    each once, in inventory order."""
     seen: dict[str, None] = {}
     for h in dep.fleet.hosts:
         for a in _ip_literals(h.address, h.ssh_hostname):
