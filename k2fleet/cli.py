@@ -63,6 +63,8 @@ def format_plan(plan: Plan, api_key_file: str | None = None, model: str | None =
         + ")",
         f"# checkpoint: {plan.checkpoint_path}",
     ]
+    for role, cap in plan.capacity.items():
+        out.append(f"# KV cache ({role}): {cap.summary()}")
     endpoint = plan.endpoint()
     if endpoint:
         out.append(f"# endpoint: http://{endpoint[0]}:{endpoint[1]}/v1")
@@ -101,13 +103,13 @@ def plan_document(dep: Deployment, plan: Plan) -> dict:
 
     desired = desired_state(dep, plan, read_control_artifacts(dep, plan))
     doc = plan.to_json()
-    for name, host in doc["hosts"].items():
-        host["desired"] = desired[name].to_json()
     entries = {h.name: h for h in dep.fleet.hosts}
     origins = address_origins(dep)
-    return doc
+    for name, host in doc["hosts"].items():
         host["address_from"] = origins[name]  # "address" is the IP every engine, mesh and firewall value uses
         host["ssh_hostname"] = entries[name].ssh_hostname  # what pyinfra connects to (None: the host name)
+        host["desired"] = desired[name].to_json()
+    return doc
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -141,7 +143,9 @@ def _cmd_bundle(args: argparse.Namespace) -> int:
             sys.stderr.write(f"k2fleet bundle: --locked {args.locked}: {exc}\n")
             return 2
     rehearsal = args.rehearsal or bool(locked and locked.rehearsal)
-    dep, plan = load_plan(args.inventory, [*data_args(airgap.bundle_overlay(rehearsal))[1::2], *args.data])
+    # The bundle is being made: the inventory's own k2_bundle (where the fleet will take it
+    # from) names it, so it is not required to exist yet (it used to be refused: a loop).
+    dep, plan = load_plan(args.inventory, [*data_args(airgap.bundle_overlay(rehearsal))[1::2], *args.data, "k2_bundle=null"])
 
     def say(line: str) -> None:
         print(line, flush=True)
