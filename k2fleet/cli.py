@@ -63,8 +63,6 @@ def format_plan(plan: Plan, api_key_file: str | None = None, model: str | None =
         + ")",
         f"# checkpoint: {plan.checkpoint_path}",
     ]
-    for role, cap in plan.capacity.items():
-        out.append(f"# KV cache ({role}): {cap.summary()}")
     endpoint = plan.endpoint()
     if endpoint:
         out.append(f"# endpoint: http://{endpoint[0]}:{endpoint[1]}/v1")
@@ -143,9 +141,7 @@ def _cmd_bundle(args: argparse.Namespace) -> int:
             sys.stderr.write(f"k2fleet bundle: --locked {args.locked}: {exc}\n")
             return 2
     rehearsal = args.rehearsal or bool(locked and locked.rehearsal)
-    # The bundle is being made: the inventory's own k2_bundle (where the fleet will take it
-    # from) names it, so it is not required to exist yet (it used to be refused: a loop).
-    dep, plan = load_plan(args.inventory, [*data_args(airgap.bundle_overlay(rehearsal))[1::2], *args.data, "k2_bundle=null"])
+    dep, plan = load_plan(args.inventory, [*data_args(airgap.bundle_overlay(rehearsal))[1::2], *args.data])
 
     def say(line: str) -> None:
         print(line, flush=True)
