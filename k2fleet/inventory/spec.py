@@ -1038,27 +1038,13 @@ class HostEntry:
     ssh_hostname: str | None = None
     groups: tuple[str, ...] = ()
     ssh_port: int | None = None  # pyinfra's port (None: 22); the firewall never closes it
+    ip: str | None = None  # the IP the control machine resolved a DNS-name address to (k2fleet.control.addresses)
 
     @property
     def configured_address(self) -> str:
         """The fleet address as the inventory gives it: ``k2_address``, else ``ssh_hostname``,
         else the host name (an IP literal or a DNS name)."""
         return self.settings.address or self.ssh_hostname or self.name
-
-
-@dataclass
-class Fleet:
-    """A validated inventory: hosts in inventory order, grouped into role pools."""
-
-    source: str
-    hosts: list[HostEntry]
-    pools: dict[str, list[HostEntry]] = field(default_factory=dict)
-
-    ip: str | None = None  # the IP the control machine resolved a DNS-name address to (k2fleet.control.addresses)
-    @property
-    def settings(self) -> HostSettings:
-        """Fleet-scope settings (identical on every host by construction)."""
-        return self.hosts[0].settings
 
     @property
     def address_key(self) -> str:
@@ -1072,6 +1058,20 @@ class Fleet:
         (:func:`k2fleet.control.addresses.resolve_addresses`); ``ssh_hostname`` stays what
         pyinfra connects to."""
         return self.ip or self.configured_address
+
+
+@dataclass
+class Fleet:
+    """A validated inventory: hosts in inventory order, grouped into role pools."""
+
+    source: str
+    hosts: list[HostEntry]
+    pools: dict[str, list[HostEntry]] = field(default_factory=dict)
+
+    @property
+    def settings(self) -> HostSettings:
+        """Fleet-scope settings (identical on every host by construction)."""
+        return self.hosts[0].settings
 
 
 def _loc_key(loc: tuple[Any, ...], err: Any) -> str:
