@@ -141,7 +141,9 @@ def _cmd_bundle(args: argparse.Namespace) -> int:
             sys.stderr.write(f"k2fleet bundle: --locked {args.locked}: {exc}\n")
             return 2
     rehearsal = args.rehearsal or bool(locked and locked.rehearsal)
-    dep, plan = load_plan(args.inventory, [*data_args(airgap.bundle_overlay(rehearsal))[1::2], *args.data])
+    # The bundle is being made: the inventory's own k2_bundle (where the fleet will take it
+    # from) names it, so it is not required to exist yet (it used to be refused: a loop).
+    dep, plan = load_plan(args.inventory, [*data_args(airgap.bundle_overlay(rehearsal))[1::2], *args.data, "k2_bundle=null"])
 
     def say(line: str) -> None:
         print(line, flush=True)

@@ -75,7 +75,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -186,14 +186,75 @@ def generated_inventory(source: str, groups: dict[str, Any], overlay: dict[str, 
     return "\n".join(lines) + "\n"
 
 
-def connection_overlay(names: Sequence[str], hosts: Sequence[sandbox.SandboxHost]) -> dict[str, dict[str, Any]]:
-    """Host name → the i-th sandbox host's connection data, address and NIC."""
-    return {
-        name: {"ssh_hostname": h.address, "ssh_user": h.ssh_user, "ssh_key": h.ssh_key,
-               "ssh_known_hosts_file": h.ssh_known_hosts_file, "ssh_strict_host_key_checking": "yes",
-               "k2_address": h.address, "k2_nic": sandbox.HOST_NIC}
-        for name, h in zip(names, hosts)
-    }
+def kept_connection(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The inventory's own way into a host that a rehearsal keeps: its SSH user, port and
+    sudo (only the address, key and known_hosts become the sandbox host's).
+
+    >>> kept_connection({"ssh_user": "ops", "ssh_port": 2222, "_sudo": True})
+    {'user': 'ops', 'port': 2222, 'sudo': True}
+    >>> kept_connection({})
+    {'user': 'root', 'port': 22, 'sudo': False}
+    """
+    return {"user": str(data.get("ssh_user") or "root"), "port": int(data.get("ssh_port") or 22),
+            "sudo": bool(data.get("_sudo"))}
+
+
+def connection_overlay(names: Sequence[str], hosts: Sequence[sandbox.SandboxHost],
+                       kept: Mapping[str, Mapping[str, Any]] | None = None,
+                       known_hosts: str | None = None) -> dict[str, dict[str, Any]]:
+    """Host name → the i-th sandbox host's address, key, known_hosts and NIC; the user and
+    port the inventory gives (``kept``: :func:`kept_connection`) stay, so a rehearsal goes
+    in as the inventory does (root on port 22 when it says nothing)."""
+    out = {}
+    for name, h in zip(names, hosts):
+        mine = (kept or {}).get(name, {})
+        out[name] = {"ssh_hostname": h.address, "ssh_user": mine.get("user", h.ssh_user), "ssh_key": h.ssh_key,
+                     "ssh_known_hosts_file": known_hosts or h.ssh_known_hosts_file,
+                     "ssh_strict_host_key_checking": "yes", "k2_address": h.address, "k2_nic": sandbox.HOST_NIC}
+        if mine.get("port", 22) != 22:
+            out[name]["ssh_port"] = mine["port"]
+    return out
+
+
+def prepare_connections(names: Sequence[str], hosts: Sequence[sandbox.SandboxHost],
+                        kept: Mapping[str, Mapping[str, Any]], work: Path) -> str | None:
+    """Make each sandbox host take the inventory's way in: its user (with the sandbox's key,
+    and passwordless sudo when the inventory uses ``_sudo``) and its SSH port (beside 22,
+    which the sandbox's own tools keep). Returns a known_hosts file pinning the hosts' keys
+    on those ports too (None: every host is root on 22, nothing to do)."""
+    if all(kept[n] == {"user": "root", "port": 22, "sudo": False} for n in names):
+        return None
+    pinned = Path(hosts[0].ssh_known_hosts_file).read_text().splitlines()
+    lines = []
+    for name, h in zip(names, hosts):
+        mine, steps = kept[name], []
+        user = shlex.quote(mine["user"])
+        if mine["user"] != "root":
+            steps.append(f"id {user} >/dev/null 2>&1 || useradd --create-home --shell /bin/bash {user}; "
+                         f"usermod -p '*' {user} && install -d -m 700 -o {user} -g {user} ~{mine['user']}/.ssh && "
+                         f"install -m 600 -o {user} -g {user} /root/.ssh/authorized_keys ~{mine['user']}/.ssh/authorized_keys")
+            if mine["sudo"]:
+                steps.append(f"echo {shlex.quote(mine['user'] + ' ALL=(ALL) NOPASSWD:ALL')} > /etc/sudoers.d/k2-rehearse "
+                             "&& chmod 440 /etc/sudoers.d/k2-rehearse")
+        if mine["port"] != 22:
+            steps.append(f"install -d /etc/ssh/sshd_config.d && printf 'Port 22\\nPort %d\\n' {int(mine['port'])} "
+                         "> /etc/ssh/sshd_config.d/k2-rehearse.conf && { grep -q '^Include /etc/ssh/sshd_config.d' "
+                         "/etc/ssh/sshd_config || sed -i '1i Include /etc/ssh/sshd_config.d/*.conf' /etc/ssh/sshd_config; } "
+                         "&& systemctl reload ssh")
+        if steps:
+            done = sandbox.ssh(h, " && ".join(f"{{ {step}; }}" for step in steps), timeout=60)
+            if done.returncode:
+                raise RehearsalError(f"{name}: could not give {h.name} the inventory's way in",
+                                     f"{h.name}: {done.stderr.strip()[-1000:]}")
+        for line in pinned:
+            host, _, key = line.partition(" ")
+            if host == h.address:
+                lines.append(line)
+                if mine["port"] != 22:
+                    lines.append(f"[{h.address}]:{int(mine['port'])} {key}")
+    path = work / "known_hosts"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
 
 
 def sandbox_data(dep: Deployment, checkpoint: Path, size: int, gguf: Path | None = None) -> dict[str, Any]:
@@ -454,7 +515,10 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
                 say(f"  k2_slurm {key}: {old!r} -> {new!r} (the sandbox cluster's)")
         generated = work / "inventory" / inv_path.name
         generated.parent.mkdir()
-        generated.write_text(generated_inventory(str(inventory), groups, connection_overlay(names, sb_hosts)))
+        kept = {name: kept_connection(host_data) for name, host_data, _ in hosts}
+        known_hosts = prepare_connections(names, sb_hosts, kept, work)
+        conn = connection_overlay(names, sb_hosts, kept, known_hosts)
+        generated.write_text(generated_inventory(str(inventory), groups, conn))
         overlay = {**fleet_data, **slurm_overlay}
         netns = sandbox.offline_control_netns() if offline else []
         if offline:
@@ -479,7 +543,6 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
                                  f"re-run failed (exit {second.returncode}); its output ends:\n{_tail(second.log)}")
         rerun = second.changed
         # Re-read the plan the deploy ran: endpoint addresses are the sandbox hosts'.
-        conn = connection_overlay(names, sb_hosts)
         _, sb_plan = check_hosts(str(inventory), [(n, {**d, **conn[n], **overlay, **overrides}, g) for n, d, g in hosts])
         model = dep.api_model_name
         failures = []

@@ -151,6 +151,17 @@ def test_rebuilding_an_unchanged_bundle_copies_nothing(h800_bundle: Path) -> Non
     assert (h800_bundle / LOCK_NAME).read_text() == before
 
 
+def test_an_inventory_that_names_its_bundle_can_be_bundled(h800_bundle: Path) -> None:
+    """#22: an inventory that already says ``k2_bundle: DIR`` (how the air-gapped fleet will
+    take it) is bundled like any other — the same artifacts, the same lock — instead of
+    being refused because DIR has no lock yet."""
+    proc = k2fleet("bundle", "inventories/h800-pp.py", "--rehearsal", "--out", str(h800_bundle),
+                   "--data", f"k2_bundle={h800_bundle / 'not-made-yet'}", "--data", "k2_package_source=bundle",
+                   "--locked", str(h800_bundle / "k2fleet.lock"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "identical to" in proc.stdout
+
+
 def test_an_altered_wheel_or_deb_is_refused_by_name(h800_bundle: Path, tmp_path: Path) -> None:
     copy = tmp_path / "bundle"
     shutil.copytree(h800_bundle, copy)

@@ -42,7 +42,7 @@ def sandbox_is_down() -> bool:
         return not sandbox.status() and not sandbox._sandbox_netns()
 
 
-def rehearse_kept(inventory: str, endpoints: int, *args: str) -> subprocess.CompletedProcess:
+def rehearse_kept(inventory: str, endpoints: int, *args: str, check=None) -> subprocess.CompletedProcess:
     """``k2fleet rehearse INVENTORY --keep``; then the TEST calls the fleet itself, from the
     control machine, rather than taking "healthy" from the command's own last line: every
     endpoint the rehearsal reported ``ok`` answers ``GET /v1/models`` with the served model,
@@ -69,6 +69,8 @@ def rehearse_kept(inventory: str, endpoints: int, *args: str) -> subprocess.Comp
         with urllib.request.urlopen(request, timeout=120) as answer:
             message = json.load(answer)["choices"][0]["message"]
         assert (message.get("content") or message.get("reasoning") or message.get("reasoning_content") or "").strip()
+        if check is not None:
+            check(proc)
     finally:
         subprocess.run([tool("k2fleet"), "sandbox", "down"], cwd=ROOT, capture_output=True, timeout=300)
     assert sandbox_is_down()
@@ -149,6 +151,23 @@ def test_rehearse_h200() -> None:
     curls = [line for line in proc.stdout.splitlines() if "curl " in line]
     assert len(curls) == 1 and "/v1/chat/completions" in curls[0] and "moonshotai/Kimi-K2-Thinking" in curls[0]
     assert "http://10.213.0.11:8000/v1" in proc.stdout and "http://10.213.0.12:8000/v1" in proc.stdout
+
+
+@pytest.mark.sandbox
+@needs_root
+def test_rehearse_keeps_the_inventorys_user_port_and_sudo() -> None:
+    """#22: the rehearsal goes in the way the inventory says — here a user with sudo on
+    port 2222 (only the address and key are the sandbox's) — and the sandbox hosts' sshd
+    logs show that user's logins (the deploy and its re-run) and a listener on that port."""
+    def went_in_as_ops(proc: subprocess.CompletedProcess) -> None:
+        for host in sandbox.load_hosts():
+            log = sandbox.ssh(host, "journalctl -u ssh --no-pager -o cat").stdout
+            ops = [line for line in log.splitlines() if line.startswith("Accepted publickey for ops ")]
+            assert len(ops) >= 2, log[-2000:]  # the deploy and its re-run went in as ops
+            assert "Server listening on 0.0.0.0 port 2222." in log, log[-2000:]
+
+    rehearse_kept("inventories/h200.py", 2, "--data", "ssh_user=ops", "--data", "_sudo=true", "--data", "ssh_port=2222",
+                  check=went_in_as_ops)
 
 
 @pytest.mark.sandbox

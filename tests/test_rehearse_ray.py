@@ -76,6 +76,26 @@ def test_ray_gate_runs_before_vllm_serve_and_names_every_planned_node() -> None:
     assert "--address 192.0.2.20:6379" in gate and "/opt/k2fleet/venv/bin/python3" in gate
 
 
+def test_every_ray_process_authenticates_with_the_deployments_token() -> None:
+    """#21: Ray's token authentication (ray 2.60, RAY_AUTH_MODE=token) on every process that
+    talks to the cluster — both ``ray start`` units and the vLLM driver (its Ray gate runs in
+    its unit) — with the token in a root-only file, never in argv or the environment."""
+    from k2fleet.planning.desired import ControlArtifacts
+    from k2fleet.planning.render.vllm import RAY_TOKEN
+
+    dep, plan = sandbox_plan()
+    token = b"f" * 64 + b"\n"
+    desired = desired_state(dep, plan, ControlArtifacts(relay_secret=b"s\n", ray_token=token))
+    for host in plan.hosts.values():
+        ray = [svc for svc in host.services if svc.name == "k2-ray" or "ray" in svc.argv]
+        assert ray, host.name
+        for svc in ray:
+            assert svc.env["RAY_AUTH_MODE"] == "token" and svc.env["RAY_AUTH_TOKEN_PATH"] == RAY_TOKEN, svc.name
+            assert not any(token.strip().decode() in w for w in [*svc.argv, *svc.env.values()])
+        spec = desired[host.name].files["host"][RAY_TOKEN]
+        assert spec.mode == "600" and spec.content == token
+
+
 def test_every_ray_host_gets_the_engine_side_wheels_and_their_check() -> None:
     dep, plan = sandbox_plan()
     desired = desired_state(dep, plan, read_control_artifacts(dep, plan))
@@ -113,11 +133,25 @@ def test_engine_side_check_names_what_differs(monkeypatch: pytest.MonkeyPatch) -
 @pytest.mark.sandbox
 @needs_root
 def test_rehearse_h800_pp_on_a_real_ray_cluster() -> None:
-    rc, lines, stderr, seconds = run_rehearsal(INVENTORY)
-    out = "\n".join(lines)
-    assert rc == 0, out + stderr
-    assert lines[-1] == f"rehearsal {INVENTORY}: 1/1 endpoints healthy, re-run 0 changes", out
-    print(f"rehearsal of {INVENTORY}: {seconds:.0f}s")
+    """Healthy on a real Ray cluster with Ray's token authentication on (#21): a client on a
+    fleet host without the deployment's token is refused by the head's GCS, with it joins."""
+    rc, lines, stderr, seconds = run_rehearsal(INVENTORY, "--keep")
+    try:
+        out = "\n".join(lines)
+        assert rc == 0, out + stderr
+        assert lines[-1] == f"rehearsal {INVENTORY}: 1/1 endpoints healthy, re-run 0 changes", out
+        print(f"rehearsal of {INVENTORY}: {seconds:.0f}s")
+        head, worker = sandbox.load_hosts()[:2]
+        probe = (f"/opt/k2fleet/venv/bin/python -c \"import ray; ray.init(address='{head.address}:6379'); "
+                 "print('nodes', len(ray.nodes()))\"")
+        without = sandbox.ssh(worker, f"RAY_AUTH_MODE=disabled timeout 60 {probe}", timeout=90)
+        assert without.returncode != 0 and "nodes" not in without.stdout, without.stdout + without.stderr
+        token = "RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=/etc/k2fleet/ray/auth_token"
+        joined = sandbox.ssh(worker, f"{token} timeout 60 {probe}", timeout=90)
+        assert joined.returncode == 0 and "nodes 2" in joined.stdout, joined.stdout + joined.stderr
+        assert sandbox.ssh(worker, "stat -c %a /etc/k2fleet/ray/auth_token").stdout.strip() == "600"
+    finally:
+        subprocess.run([tool("k2fleet"), "sandbox", "down"], cwd=ROOT, capture_output=True, timeout=300)
 
 
 @pytest.mark.sandbox

@@ -134,6 +134,12 @@ def relay_secret_path(dep: Deployment) -> Path:
     return state_dir(dep) / "relay.secret"
 
 
+def ray_token_path(dep: Deployment) -> Path:
+    """The deployment's Ray authentication token on the control machine (hosts that run
+    Ray get it as a root-only file: :data:`k2fleet.planning.render.vllm.RAY_TOKEN`)."""
+    return state_dir(dep) / "ray.token"
+
+
 def read_api_key(dep: Deployment) -> bytes | None:
     """``k2_api_key_file``'s key (its one line, without the newline), or None without one.
     The gate checked the file (this user's, 0600, one line of visible ASCII) before."""
@@ -163,7 +169,8 @@ def _make_secret(path: Path) -> bytes:
 
 
 def _from_bundle(dep: Deployment, plan: Plan, clients: dict[str, tuple[bytes, bytes]],
-                 hosts: dict[str, tuple[bytes, bytes]], relay_secret: bytes | None) -> ControlArtifacts:
+                 hosts: dict[str, tuple[bytes, bytes]], relay_secret: bytes | None,
+                 ray_token: bytes | None) -> ControlArtifacts:
     """``k2_bundle``: packages, wheels and images from the bundle alone, each sha256-checked
     against its lock as it is read (:func:`k2fleet.control.airgap.read_bundle`); nothing is fetched."""
     assert dep.s.bundle is not None
@@ -174,7 +181,7 @@ def _from_bundle(dep: Deployment, plan: Plan, clients: dict[str, tuple[bytes, by
     return ControlArtifacts(mesh_clients=clients, mesh_hosts=hosts, hub_requirement=_hub_requirement(dep),
                             wheels=found.hub_wheels, bundles=found.debs, images=found.images,
                             engine_wheels=found.engine_wheels, engine_doubles=engine_doubles_for(dep),
-                            relay_secret=relay_secret, api_key=read_api_key(dep))
+                            relay_secret=relay_secret, api_key=read_api_key(dep), ray_token=ray_token)
 
 
 def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
@@ -183,15 +190,16 @@ def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     clients = {name: pair for name, path in client_paths.items() if (pair := _read_pair(path)) is not None}
     hosts = {name: pair for name, path in host_paths.items() if (pair := _read_pair(path)) is not None}
     relay_secret = _read_secret(relay_secret_path(dep))
+    ray_token = _read_secret(ray_token_path(dep))
     if dep.s.bundle is not None:
-        return _from_bundle(dep, plan, clients, hosts, relay_secret)
+        return _from_bundle(dep, plan, clients, hosts, relay_secret, ray_token)
     requirement = _hub_requirement(dep)
     cached = wheelhouse.cached_wheelhouse([requirement]) if requirement else None
     return ControlArtifacts(mesh_clients=clients, mesh_hosts=hosts, hub_requirement=requirement,
                             wheels=wheelhouse.wheel_files(cached) if cached else None,
                             images=_double_images(dep, plan, build=False),
                             engine_wheels=_engine_wheels(dep, plan, build=False), engine_doubles=engine_doubles_for(dep),
-                            relay_secret=relay_secret, api_key=read_api_key(dep))
+                            relay_secret=relay_secret, api_key=read_api_key(dep), ray_token=ray_token)
 
 
 def _keypair(path: Path, comment: str) -> tuple[bytes, bytes]:
@@ -222,8 +230,9 @@ def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     clients = {name: _keypair(path, f"k2fleet-mesh-{dep_id(dep)}-{name}") for name, path in client_paths.items()}
     hosts = {name: _keypair(path, name) for name, path in host_paths.items()}
     relay_secret = _make_secret(relay_secret_path(dep))
+    ray_token = _make_secret(ray_token_path(dep))
     if dep.s.bundle is not None:
-        return _from_bundle(dep, plan, clients, hosts, relay_secret)
+        return _from_bundle(dep, plan, clients, hosts, relay_secret, ray_token)
     requirement = _hub_requirement(dep)
     wheels = wheelhouse.wheel_files(wheelhouse.ensure_wheelhouse([requirement])) if requirement else None
     bundles = {}
@@ -234,4 +243,4 @@ def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     return ControlArtifacts(mesh_clients=clients, mesh_hosts=hosts, hub_requirement=requirement, wheels=wheels,
                             bundles=bundles, images=_double_images(dep, plan, build=True),
                             engine_wheels=_engine_wheels(dep, plan, build=True), engine_doubles=engine_doubles_for(dep),
-                            relay_secret=relay_secret, api_key=read_api_key(dep))
+                            relay_secret=relay_secret, api_key=read_api_key(dep), ray_token=ray_token)

@@ -34,6 +34,7 @@ from k2fleet.planning import relay_plan
 from k2fleet.planning import firewall as fleet_firewall
 from k2fleet.hostprogs import swarm
 from k2fleet.planning.deployment import CHECKPOINT_CHECK, Deployment, WeightSet
+from k2fleet.planning.render.vllm import RAY_TOKEN
 from k2fleet.planning.host_packages import bundle_repo_dir, required_packages
 from k2fleet.planning.processes import HostPlan, Plan, Service
 from k2fleet.planning.units import (api_key_paths, container_name, env_file, env_path, holds_api_key, image_pin_argv,
@@ -117,6 +118,7 @@ class ControlArtifacts:
     engine_wheels: dict[tuple[str, ...], dict[str, bytes]] = field(default_factory=dict)
     engine_doubles: EngineDoubles | None = None  # k2_engine_doubles: the stand-ins (None: not read)
     relay_secret: bytes | None = None  # the deployment's relay secret (None: not made yet, e.g. --dry)
+    ray_token: bytes | None = None  # the deployment's Ray authentication token (None: not made yet)
     api_key: bytes | None = None  # k2_api_key_file's key, read on the control machine (None: no key file)
 
     def bundle_for(self, packages: list[str]) -> str | None:
@@ -516,7 +518,8 @@ def health_argv(dep: Deployment, hp: HostPlan, timeout: int, pd: dict[str, list[
     router's completion reached both PD pools: ``pd``, from :func:`pd_servers`)."""
     for svc in hp.services:
         if svc.health and svc.health.chat:
-            argv = [*host_argv("health"), "--base", f"http://127.0.0.1:{svc.health.port}",
+            where = f"[{svc.health.host}]" if ":" in svc.health.host else svc.health.host  # an IPv6 literal in a URL
+            argv = [*host_argv("health"), "--base", f"http://{where}:{svc.health.port}",
                     "--model", dep.api_model_name, "--unit", unit_name(svc), "--timeout", str(timeout)]
             if holds_api_key(dep, svc):  # the path of the key, never the key
                 argv += ["--api-key-file", api_key_paths(dep)[0]]
@@ -620,6 +623,8 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         d.files["engine_side"] = engine_side_files(engine_side, art)
         d.files["hub_client"] = hub_client_files(dep, h.name, art)
         d.files["host"] = {p: FileSpec(c.encode(), "644") for p, c in hp.files.items()}
+        if any(svc.env.get("RAY_AUTH_TOKEN_PATH") for svc in hp.services):  # Ray with token authentication
+            d.files["host"][RAY_TOKEN] = FileSpec(art.ray_token, "600", "ray-token")
         d.image, d.files["image"] = image_files(dep, hp, art)
         d.device_doubles, devices = device_double_files(dep)
         d.files["engine"].update(devices)

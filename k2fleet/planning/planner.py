@@ -32,6 +32,18 @@ def _check_ports(plan: Plan, host_ports: dict[str, int]) -> None:
             seen[port] = key
 
 
+def _bind_to_fleet_address(plan: Plan) -> None:
+    """``k2_bind_address: fleet``: every listener the renderers put on all interfaces
+    (``--host 0.0.0.0``) listens on its host's fleet address instead, and its health gate
+    calls that address (the one owner of this rule; renderers keep emitting 0.0.0.0)."""
+    for host in plan.hosts.values():
+        for svc in host.services:
+            svc.argv = [host.address if word == "0.0.0.0" and i and svc.argv[i - 1] == "--host" else word
+                        for i, word in enumerate(svc.argv)]
+            if svc.health is not None:
+                svc.health.host = host.address
+
+
 def make_plan(dep: Deployment) -> Plan:
     """Check ``k2_engine_args`` and the LLM API options against the engine's flag tables,
     then render every host's services for ``dep``; raises SpecError (a flag, a port clash)."""
@@ -54,5 +66,7 @@ def make_plan(dep: Deployment) -> Plan:
         hosts=hosts,
     )
     reserved = reserved_ports(dep.gpu.name) if dep.gpu else {}
+    if dep.s.bind_address == "fleet":
+        _bind_to_fleet_address(plan)
     _check_ports(plan, {"k2_mesh_port": dep.s.mesh_port, "k2_relay_port": dep.s.relay_port} | reserved)
     return plan

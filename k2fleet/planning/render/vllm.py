@@ -99,11 +99,23 @@ def _service(dep: Deployment, pool: Pool, host: HostEntry, rank: int, words: lis
     )
 
 
+RAY_TOKEN = "/etc/k2fleet/ray/auth_token"  # the deployment's Ray token (root-only; made by the control step)
+# Ray's token authentication (ray 2.60: ray/_private/authentication/authentication_token_setup.py,
+# RAY_AUTH_MODE=token; the token from RAY_AUTH_TOKEN_PATH): every GCS/raylet/dashboard call
+# needs it, so a peer that reaches Ray's ports cannot join the cluster or submit work.
+RAY_AUTH_ENV = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": RAY_TOKEN}
+
+
+def _ray_auth(dep: Deployment) -> dict[str, str]:
+    """Ray's token authentication for the venv runtime (a container would need the token mounted: not yet)."""
+    return RAY_AUTH_ENV if dep.runtime == "venv" else {}
+
+
 def _ray_services(dep: Deployment, pool: Pool, nodes: tuple[HostEntry, ...]) -> Iterator[tuple[str, Service]]:
     head = nodes[0]
     ray = venv_bin(dep, "ray")
     for rank, host in enumerate(nodes):
-        env = engine_env(dep, host, pool.settings.env) | {"VLLM_HOST_IP": host.address}
+        env = engine_env(dep, host, pool.settings.env) | {"VLLM_HOST_IP": host.address} | _ray_auth(dep)
         common = ["--node-ip-address", host.address, "--num-gpus", str(dep.gpus_per_node), "--block"]
         if rank == 0:
             argv = [ray, "start", "--head", "--port", str(dep.s.ray_port), *common]
@@ -120,7 +132,7 @@ def _ray_services(dep: Deployment, pool: Pool, nodes: tuple[HostEntry, ...]) -> 
             needs_checkpoint=False,
             description=f"Ray {'head' if rank == 0 else 'worker'} for vLLM TP×PP across nodes",
         )
-    env = engine_env(dep, head, pool.settings.env) | {"VLLM_HOST_IP": head.address} | _platform_env(dep)
+    env = engine_env(dep, head, pool.settings.env) | {"VLLM_HOST_IP": head.address} | _platform_env(dep) | _ray_auth(dep)
     words = _serve_words(dep, pool) + ["--distributed-executor-backend", "ray"]
     yield head.name, _service(
         dep, pool, head, 0, words, env,
