@@ -250,12 +250,15 @@ def test_refusals(tmp_path: Path, data: dict[str, Any], key: str, words: str) ->
     assert err.value.key == key and words in err.value.message
 
 
-def test_imex_needs_ip_addresses(tmp_path: Path) -> None:
+def test_imex_lists_ip_addresses(tmp_path: Path) -> None:
+    """IMEX's nodes_config.cfg takes IP addresses: a host known only by a name that does not
+    resolve is refused before planning (naming k2_address); with its address (and here its
+    own k2_imex_address on the NVLink domain) the file lists IPs in inventory order."""
     named = [("gb200-0", {"ssh_hostname": "gb200-0.rack1.example"}), ("gb200-1", {"ssh_hostname": "10.0.0.2"})]
     with pytest.raises(SpecError) as err:
         plans(tmp_path / "a", named, **GPU_FLEETS["gb200"])
-    assert err.value.key == "k2_imex_address" and "gb200-0" in err.value.message
-    named[0][1]["k2_imex_address"] = "10.9.0.1"
+    assert err.value.key == "ssh_hostname" and "gb200-0" in err.value.message and "k2_address" in err.value.message
+    named[0][1].update(k2_address="10.0.0.1", k2_imex_address="10.9.0.1")
     fleet = plans(tmp_path / "b", named, **GPU_FLEETS["gb200"])
     assert fleet["gb200-1"].files[IMEX_NODES] == "10.9.0.1\n10.0.0.2\n"
 
