@@ -63,6 +63,8 @@ def format_plan(plan: Plan, api_key_file: str | None = None, model: str | None =
         + ")",
         f"# checkpoint: {plan.checkpoint_path}",
     ]
+    for role, cap in plan.capacity.items():
+        out.append(f"# KV cache ({role}): {cap.summary()}")
     endpoint = plan.endpoint()
     if endpoint:
         out.append(f"# endpoint: http://{endpoint[0]}:{endpoint[1]}/v1")

@@ -993,6 +993,13 @@ class HostSettings(BaseModel):
     gpu_memory_utilization: Fraction | None = _key(
         POOL, "Fraction of GPU memory the engine may use (default 0.9).", default=None
     )
+    expected_concurrency: PosInt = _key(
+        POOL,
+        "Requests of the full context length (`k2_max_model_len`, default the model's) each serving instance "
+        "must hold in its KV cache at once; validate refuses a context length the predicted KV cache cannot "
+        "hold this many times (`k2fleet plan` shows the prediction). Default 1: what the engine needs to start.",
+        default=1,
+    )
     trtllm_config: TrtllmConfig = _key(
         POOL, "TRT-LLM extra LLM API options YAML (`--config`), merged over k2fleet's parallel keys.", default_factory=dict
     )

@@ -14,7 +14,12 @@ GIB = 1024**3
 
 @dataclass(frozen=True)
 class GpuType:
-    """One accelerator model: vendor, usable memory and architecture family."""
+    """One accelerator model: vendor, memory and architecture family.
+
+    ``memory_gib``: the memory the vendor quotes; ``reported_gib``: the total CUDA/HIP
+    reports for the device (``torch.cuda.mem_get_info``), which the engines multiply by their
+    memory utilisation — where known (PyTorch's out-of-memory message "GPU 0 has a total
+    capacity of X GiB" on that device), else ``memory_gib``."""
 
     name: str
     vendor: str  # "nvidia" | "amd"
@@ -22,23 +27,119 @@ class GpuType:
     arch: str  # "hopper" | "blackwell" | "cdna3" | "cdna4"
     default_per_node: int = 8
     max_per_node: int = 8  # what one node of this type ships (HGX/OAM boards: 8, GB200/GB300 trays: 4)
+    reported_gib: float | None = None
+
+    @property
+    def total_gib(self) -> float:
+        """What the engine sees as the device's total memory (``reported_gib`` or ``memory_gib``)."""
+        return self.reported_gib or self.memory_gib
 
 
 GPUS: dict[str, GpuType] = {
     g.name: g
     for g in (
-        GpuType("h100", "nvidia", 80, "hopper"),
+        # reported_gib: PyTorch's OOM message on the device (H100 SXM 79.18, H200 139.81,
+        # B200 178.35, MI300X 191.69 GiB: "GPU 0 has a total capacity of ... GiB")
+        GpuType("h100", "nvidia", 80, "hopper", reported_gib=79.18),
         GpuType("h800", "nvidia", 80, "hopper"),
         GpuType("h20", "nvidia", 96, "hopper"),
-        GpuType("h200", "nvidia", 141, "hopper"),
-        GpuType("b200", "nvidia", 180, "blackwell"),
+        GpuType("h200", "nvidia", 141, "hopper", reported_gib=139.81),
+        GpuType("b200", "nvidia", 180, "blackwell", reported_gib=178.35),
         GpuType("b300", "nvidia", 268, "blackwell"),
         GpuType("gb200", "nvidia", 186, "blackwell", default_per_node=4, max_per_node=4),
         GpuType("gb300", "nvidia", 279, "blackwell", default_per_node=4, max_per_node=4),
-        GpuType("mi300x", "amd", 192, "cdna3"),
+        GpuType("mi300x", "amd", 192, "cdna3", reported_gib=191.69),
         GpuType("mi325x", "amd", 256, "cdna3"),
         GpuType("mi355x", "amd", 288, "cdna4"),
     )
+}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The shape of a Kimi K2 checkpoint, from its ``config.json`` (``DeepseekV3ForCausalLM``,
+    ``model_type: kimi_k2``; the same values in moonshotai/Kimi-K2-Instruct, -Instruct-0905,
+    -Thinking and nvidia/Kimi-K2-Thinking-NVFP4, and in K2.5's ``text_config``): MLA attention
+    with a LoRA-compressed query and a 512-wide latent KV, one dense layer
+    (``first_k_dense_replace``), then MoE layers of 384 routed experts + 1 shared expert, an
+    untied 163,840-token embedding and LM head (``tie_word_embeddings: false``). No MTP layer
+    (``num_nextn_predict_layers: 0``)."""
+
+    layers: int = 61  # num_hidden_layers
+    dense_layers: int = 1  # first_k_dense_replace (the rest are MoE layers: moe_layer_freq 1)
+    hidden: int = 7168  # hidden_size
+    intermediate: int = 18432  # intermediate_size: the dense layers' MLP
+    moe_intermediate: int = 2048  # moe_intermediate_size: each routed and shared expert
+    experts: int = 384  # n_routed_experts
+    shared_experts: int = 1  # n_shared_experts
+    heads: int = 64  # num_attention_heads
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    vocab: int = 163_840  # vocab_size
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers
+
+    def params(self) -> dict[str, int]:
+        """Parameter counts by how the engines shard them (1,026.4 B in all for Kimi K2):
+
+        - ``replicated``: on every rank whatever the TP size — the query and KV down-projections
+          (``q_a_proj``, ``kv_a_proj_with_mqa``: vLLM's replicated ``fused_qkv_a_proj``), norms,
+          the MoE router (``gate``, 384 × hidden per MoE layer);
+        - ``attention``: ``q_b_proj``, ``kv_b_proj``, ``o_proj`` (split by heads: TP);
+        - ``dense``: the dense layers' MLP and the shared experts (TP-split);
+        - ``embedding``: ``embed_tokens`` + ``lm_head`` (vocab-parallel: TP-split);
+        - ``experts``: the routed experts (split over the MoE ranks: TP, or EP × MoE-TP).
+        Under attention data parallel (vLLM DP ranks at TP1, SGLang DP attention, TRT-LLM
+        attention DP) the TP group of attention/dense/embedding is smaller, down to 1: every
+        rank then holds all of them.
+        """
+        h, L = self.hidden, self.layers
+        q_a = h * self.q_lora_rank + self.q_lora_rank
+        kv_a = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        q_b = self.q_lora_rank * self.heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+        kv_b = self.kv_lora_rank * self.heads * (self.qk_nope_head_dim + self.v_head_dim)
+        o = self.heads * self.v_head_dim * h
+        expert = 3 * h * self.moe_intermediate  # gate_proj, up_proj, down_proj
+        return {
+            "replicated": (q_a + kv_a + 2 * h) * L + (h * self.experts + self.experts) * self.moe_layers + h,
+            "attention": (q_b + kv_b + o) * L,
+            "dense_mlp": 3 * h * self.intermediate * self.dense_layers,
+            "shared_experts": expert * self.shared_experts * self.moe_layers,
+            "embedding": 2 * self.vocab * h,
+            "experts": expert * self.experts * self.moe_layers,
+        }
+
+    def mla_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """KV cache of one token: MLA caches the compressed latent and the RoPE key,
+        ``kv_lora_rank + qk_rope_head_dim`` values per layer (the same on every TP rank:
+        MLA's KV is not split by heads). Kimi K2 in bf16: (512 + 64) × 61 × 2 = 70,272 bytes."""
+        return (self.kv_lora_rank + self.qk_rope_head_dim) * self.layers * dtype_bytes
+
+
+KIMI_K2 = Architecture()
+
+# Bytes per parameter of each part, by weight format (scales included):
+# - int4: compressed-tensors pack-quantized int4, group 32, a bf16 scale per group
+#   (0.5 + 2/32 bytes); its ``ignore`` list keeps ``lm_head``, every ``self_attn`` and the
+#   ``shared_experts`` in bf16, so the quantized Linears are the routed experts and the dense
+#   layer's MLP (Kimi-K2-Thinking config.json); embedding and router are not Linears (bf16).
+# - nvfp4: NVFP4 (4-bit, an FP8 scale per 16: 0.5 + 1/16) on the routed experts; the rest bf16.
+# - fp8: block FP8 (128 × 128 blocks, an fp32 scale per block: ~1 byte) on every Linear of the
+#   decoder (Kimi-K2-Instruct, as DeepSeek-V3); embedding, LM head and router in bf16.
+# - bf16: 2 bytes everywhere. The catalog's checkpoint size (or k2_checkpoint_bytes) scales
+#   the result: 593.6 GB computed for Kimi-K2-Thinking against its 594 GB of shards.
+_I4 = 0.5 + 2 / 32
+_FP4 = 0.5 + 1 / 16
+WEIGHT_BYTES: dict[str, dict[str, float]] = {
+    "int4": {"replicated": 2, "attention": 2, "dense_mlp": _I4, "shared_experts": 2, "embedding": 2, "experts": _I4},
+    "nvfp4": {"replicated": 2, "attention": 2, "dense_mlp": 2, "shared_experts": 2, "embedding": 2, "experts": _FP4},
+    "fp8": {"replicated": 1, "attention": 1, "dense_mlp": 1, "shared_experts": 1, "embedding": 2, "experts": 1},
+    "bf16": {part: 2 for part in ("replicated", "attention", "dense_mlp", "shared_experts", "embedding", "experts")},
 }
 
 
@@ -58,6 +159,7 @@ class Checkpoint:
     model_type: str = "kimi_k2"
     heads: int = 64
     experts: int = 384
+    arch: Architecture = KIMI_K2
 
 
 CHECKPOINTS: dict[str, Checkpoint] = {

@@ -12,18 +12,16 @@ import ipaddress
 import math
 import os
 import posixpath
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
 from k2fleet.planning.engine_side import engine_min_python, host_python
-from k2fleet.planning import catalog
+from k2fleet.planning import capacity, catalog
 from k2fleet.planning.os_tables import DriverChoice, choose_driver, host_os
 from k2fleet.inventory.spec import SHA_RE, Fleet, HostEntry, HostSettings, SpecError
 
-KV_RESERVE_GIB = 4.0  # the least KV cache per GPU worth serving with...
-KV_RESERVE_FRACTION = 0.08  # ...or this share of the GPU, whichever is more
-DEFAULT_GPU_UTIL = 0.9
+DEFAULT_GPU_UTIL = capacity.DEFAULT_GPU_UTIL
 PD_ROLES = ("prefill", "decode", "router")
 
 
@@ -85,6 +83,7 @@ class Deployment:
     served_model_name: str
     pools: dict[str, Pool]
     driver: DriverChoice | None = None  # NVIDIA driver the bootstrap installs (None: AMD)
+    capacity: dict[str, capacity.Capacity] = field(default_factory=dict)  # per role (or disagg side): the KV prediction
 
     @property
     def s(self) -> HostSettings:
@@ -301,34 +300,164 @@ def _check_pool(fleet: Fleet, role: str, hosts: list[HostEntry], engine: str, pe
     return Pool(role, tuple(hosts), s, tp=tp, instance_gpus=gpus, nodes_per_instance=nodes)
 
 
-def _check_fit(fleet: Fleet, pool: Pool, gpu: catalog.GpuType, size: int, quant: str, engine: str) -> None:
-    if engine == "ktransformers" or pool.instance_gpus == 0:
-        return  # KTransformers keeps experts in host RAM; preflight checks RAM instead
+def _arg(args: dict[str, Any], *names: str) -> Any:
+    """The value of an engine flag in ``k2_engine_args`` or an LLM API option, however spelt
+    (``--max-model-len``, ``max_model_len``); None when absent."""
+    wanted = {n.replace("_", "-") for n in names}
+    for key, value in args.items():
+        if key.lstrip("-").replace("_", "-") in wanted:
+            return value
+    return None
+
+
+def _length(value: Any) -> int | None:
+    """A context length as the engines parse it: ``262144``, ``"128k"`` (128,000), ``"128K"``
+    (131,072); None for what k2fleet cannot read (``auto``, ``-1``: the engine decides)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value > 0 else None
+    if isinstance(value, str):
+        text = value.strip()
+        scale = {"k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}.get(text[-1:], 1)
+        digits = text[:-1] if scale != 1 else text
+        try:
+            number = float(digits)
+        except ValueError:
+            return None
+        return int(number * scale) if number > 0 else None
+    return None
+
+
+def _context(fleet: Fleet, s: HostSettings, engine: str) -> tuple[int | None, str]:
+    """The context length an instance must hold and the key it comes from: ``k2_max_model_len``,
+    else the engine's own flag in ``k2_engine_args`` (or TRT-LLM's ``max_seq_len``), else the
+    model's context (catalog)."""
+    if fleet.settings.max_model_len:
+        return fleet.settings.max_model_len, "k2_max_model_len"
+    flag = {"vllm": "max-model-len", "sglang": "context-length", "trtllm": "max_seq_len",
+            "ktransformers": "context-length"}[engine]
+    value = _arg(s.engine_args, flag)
+    if value is not None:
+        return _length(value), f"k2_engine_args.{next(k for k in s.engine_args if k.lstrip('-').replace('_', '-') == flag.replace('_', '-'))}"
+    if engine == "trtllm" and s.trtllm_config.get("max_seq_len") is not None:
+        return _length(s.trtllm_config["max_seq_len"]), "k2_trtllm_config.max_seq_len"
+    known = catalog.CHECKPOINTS.get(fleet.settings.model)
+    return (known.max_context if known else None), "k2_max_model_len"
+
+
+def _kv_dtype_bytes(value: Any) -> int:
+    """``fp8``, ``fp8_e4m3``, ``fp8_e5m2``: one byte per value; anything else (``auto``: the
+    model's bf16) two."""
+    return 1 if isinstance(value, str) and value.lower().startswith("fp8") else 2
+
+
+def _layout(fleet: Fleet, pool: Pool, engine: str) -> capacity.Layout:
+    """How ``pool``'s instances use GPU memory, from its keys and engine flags."""
     s = pool.settings
-    shards = pool.instance_gpus if s.ep > 1 else pool.tp * s.pp
-    per_gpu_gib = size / shards / catalog.GIB
-    util = s.gpu_memory_utilization or DEFAULT_GPU_UTIL
-    budget = gpu.memory_gib * util
-    reserve = max(KV_RESERVE_GIB, KV_RESERVE_FRACTION * gpu.memory_gib)
-    if budget <= reserve:
-        least = math.ceil((reserve / gpu.memory_gib) * 100 + 1) / 100
+    args = s.engine_args
+    max_len, _ = _context(fleet, s, engine)
+    if engine == "trtllm":
+        kv_config = s.trtllm_config.get("kv_cache_config") or {}
+        fraction = kv_config.get("free_gpu_memory_fraction")
+        if fraction is None:
+            fraction = _arg(args, "kv_cache_free_gpu_memory_fraction")
+        kv_dtype = kv_config.get("dtype")
+    else:  # the engine flag is rendered after k2_gpu_memory_utilization: it wins
+        fraction = _arg(args, "gpu-memory-utilization" if engine == "vllm" else "mem-fraction-static")
+        if fraction is None:
+            fraction = s.gpu_memory_utilization
+        kv_dtype = _arg(args, "kv-cache-dtype")
+    dense_tp = _arg(args, "moe-dense-tp-size") if engine == "sglang" else None
+    return capacity.Layout(
+        engine=engine, tp=pool.tp, pp=s.pp, dp=s.dp, ep=s.ep, dcp=s.dcp if engine == "vllm" else 1,
+        attn_dp=s.attn_dp, dense_tp=dense_tp if isinstance(dense_tp, int) and dense_tp > 0 else None,
+        fraction=float(fraction) if isinstance(fraction, (int, float)) and not isinstance(fraction, bool) else None,
+        kv_dtype_bytes=_kv_dtype_bytes(kv_dtype), max_len=max_len, concurrency=s.expected_concurrency,
+    )
+
+
+def _fits(cap: capacity.Capacity) -> bool:
+    if cap.kv_gib <= 0 or cap.tokens == 0:
+        return False
+    return cap.fits is None or cap.fits >= cap.concurrency
+
+
+def _least_gpus(gpu: catalog.GpuType, arch: catalog.Architecture, quant: str, size: int,
+                layout: capacity.Layout, gpus: int) -> int | None:
+    """The fewest GPUs per instance (whole multiples of this instance) whose weights leave a KV
+    cache that holds the context: more data-parallel MoE ranks for vLLM DP, more TP otherwise."""
+    for k in range(2, 65):
+        wider = replace(layout, dp=layout.dp * k) if layout.engine == "vllm" and layout.dp > 1 else replace(layout, tp=layout.tp * k)
+        if _fits(capacity.predict(gpu, arch, quant, size, wider)):
+            return gpus * k
+    return None
+
+
+def _check_fit(fleet: Fleet, pool: Pool, gpu: catalog.GpuType, size: int, quant: str,
+               engine: str) -> capacity.Capacity | None:
+    """The memory-fit rule (one owner, :func:`k2fleet.planning.capacity.predict`): weights per
+    GPU must leave a KV cache that holds ``k2_expected_concurrency`` requests of the context
+    length. Returns the prediction ``k2fleet plan`` shows."""
+    if engine == "ktransformers" or pool.instance_gpus == 0:
+        return None  # KTransformers keeps experts in host RAM; preflight checks RAM instead
+    s = pool.settings
+    known = catalog.CHECKPOINTS.get(fleet.settings.model)
+    arch = known.arch if known else catalog.KIMI_K2  # k2fleet serves Kimi K2 checkpoints: their shape
+    layout = _layout(fleet, pool, engine)
+    cap = capacity.predict(gpu, arch, quant, size, layout)
+    if _fits(cap):
+        return cap
+    _, len_key = _context(fleet, s, engine)
+    where = f"{pool.role} pool ({pool.instance_gpus} × {gpu.name}, TP{pool.tp}" + (f" PP{s.pp}" if s.pp > 1 else "") + (
+        f" DP{s.dp}" if s.dp > 1 else "") + (f" EP{s.ep}" if s.ep > 1 else "") + (f" DCP{layout.dcp}" if layout.dcp > 1 else "") + ")"
+    weights = (f"{cap.weights_gib:.1f} GiB of {quant} weights per GPU ({cap.non_expert_gib:.1f} attention/dense/embedding "
+               f"+ {cap.experts_gib:.1f} routed experts over {layout.moe_ranks * layout.pp} GPUs)")
+    least = None  # the least utilisation (up to 0.95) that would fit, for vLLM and SGLang
+    if engine in ("vllm", "sglang"):
+        least = next((h / 100 for h in range(math.floor(cap.fraction * 100) + 1, 96)
+                      if _fits(capacity.predict(gpu, arch, quant, size, replace(layout, fraction=h / 100)))), None)
+    if cap.kv_gib <= 0 and least is not None:
         raise _fail(
             "k2_gpu_memory_utilization",
-            f"{pool.role} pool: {util:.2f} of {gpu.name}'s {gpu.memory_gib:.0f} GiB is {budget:.1f} GiB, "
-            f"no more than the {reserve:.1f} GiB KV reserve: the utilisation leaves no room for weights; "
-            f"set well above {least:.2f} (default {DEFAULT_GPU_UTIL})",
+            f"{where}: {cap.fraction:.2f} of {gpu.name}'s {cap.gpu_total_gib:.2f} GiB with {weights}"
+            + (f" and {cap.overhead_gib:.0f} GiB runtime" if cap.overhead_gib else "")
+            + f" leaves no room for weights and a KV cache of {_need(cap)}; set at least {least:.2f} "
+            f"(default {DEFAULT_GPU_UTIL})",
             fleet,
         )
-    if per_gpu_gib + reserve > budget:
-        need = math.ceil(size / catalog.GIB / (budget - reserve) / 8) * 8
+    if cap.kv_gib <= 0:
+        need = _least_gpus(gpu, arch, quant, size, layout, pool.instance_gpus)
         raise _fail(
             "k2_tp",
-            f"{pool.role} pool: {size / 1e9:.0f} GB of {quant} weights over {shards} GPUs is "
-            f"{per_gpu_gib:.1f} GiB per GPU + {reserve:.1f} GiB KV reserve > {budget:.1f} GiB "
-            f"usable on {gpu.name} (at {util:.2f} utilisation); spread the weights over at least "
-            f"{need} GPUs (more nodes, larger tp/pp or expert parallel)",
+            f"{where}: {weights}" + (f" + {cap.overhead_gib:.0f} GiB runtime" if cap.overhead_gib else "")
+            + f" leave no KV cache in {cap.gpu_total_gib:.2f} GiB × {cap.fraction:.2f} on {gpu.name}; spread the weights "
+            + (f"over at least {need} GPUs" if need else "over more GPUs") + " (more nodes, larger tp/pp or expert parallel)",
             fleet,
         )
+    assert cap.max_len is not None
+    groups = cap.kv_groups
+    longest = cap.tokens_per_kv_group // -(-cap.concurrency // groups)
+    raise _fail(
+        len_key,
+        f"{where}: {cap.max_len:,} tokens × {cap.concurrency} request{'s' if cap.concurrency > 1 else ''} "
+        + ("(the model's context; k2_max_model_len unset) " if len_key == "k2_max_model_len" and not fleet.settings.max_model_len else "")
+        + f"do not fit the predicted KV cache: {cap.kv_gib:.2f} GiB per GPU ({cap.arithmetic()}) / "
+        f"{cap.kv_bytes_per_token:,} B/token" + (f" × DCP{layout.dcp}" if layout.dcp > 1 else "")
+        + f" = {cap.tokens_per_kv_group:,} tokens"
+        + (f" per cache × {groups}" if groups > 1 else "")
+        + f"; lower {len_key} to at most {longest:,}"
+        + (" or k2_expected_concurrency" if cap.concurrency > 1 else "")
+        + ", raise k2_tp" + ("/k2_dcp" if engine == "vllm" else "") + ", or use more GPUs"
+        + (f" (or k2_gpu_memory_utilization {least:.2f})" if least is not None else ""),
+        fleet,
+    )
+
+
+def _need(cap: capacity.Capacity) -> str:
+    if cap.max_len is None:
+        return "any size"
+    return f"{cap.max_len:,} tokens × {cap.concurrency}"
 
 
 def _check_fetcher(fleet: Fleet) -> None:
@@ -429,7 +558,7 @@ def _check_roles(fleet: Fleet, engine: str) -> None:
             raise _fail("k2_disagg", "a slurm-submit host needs k2_slurm and k2_disagg with ctx and gen worker configs", fleet)
 
 
-def _check_slurm(fleet: Fleet, gpu: catalog.GpuType, per_node: int, size: int) -> None:
+def _check_slurm(fleet: Fleet, gpu: catalog.GpuType, per_node: int, size: int, quant: str) -> dict[str, capacity.Capacity]:
     s = fleet.pools["slurm-submit"][0].settings
     assert s.slurm is not None and s.disagg is not None
     hardware = s.slurm.get("hardware", {})
@@ -439,6 +568,7 @@ def _check_slurm(fleet: Fleet, gpu: catalog.GpuType, per_node: int, size: int) -
             f"{hardware['gpus_per_node']} differs from k2_gpus_per_node {per_node}; set both to the same",
             fleet,
         )
+    caps: dict[str, capacity.Capacity] = {}
     for side in ("ctx", "gen"):
         worker = s.disagg[side]
         tp = int(worker.get("tensor_parallel_size", 1))
@@ -447,9 +577,35 @@ def _check_slurm(fleet: Fleet, gpu: catalog.GpuType, per_node: int, size: int) -
             raise _fail("k2_disagg", f"{side}.tensor_parallel_size {tp} does not fit {per_node}-GPU nodes", fleet)
         _check_shape(fleet, "trtllm", tp, ep, f"k2_disagg.{side}.tensor_parallel_size",
                      f"k2_disagg.{side}.moe_expert_parallel_size")
-        per_gpu = size / (ep if ep > 1 else tp) / catalog.GIB
-        if per_gpu + KV_RESERVE_GIB > gpu.memory_gib * 0.95:
-            raise _fail("k2_disagg", f"{side}: {per_gpu:.0f} GiB of weights per GPU does not fit {gpu.name}", fleet)
+        caps[side] = _check_side_fit(fleet, gpu, size, quant, side, worker, tp, ep)
+    return caps
+
+
+def _check_side_fit(fleet: Fleet, gpu: catalog.GpuType, size: int, quant: str, side: str, worker: dict[str, Any],
+                    tp: int, ep: int) -> capacity.Capacity:
+    """The memory-fit rule for one TRT-LLM disaggregated side (its LLM API options)."""
+    known = catalog.CHECKPOINTS.get(fleet.settings.model)
+    arch = known.arch if known else catalog.KIMI_K2
+    kv_config = worker.get("kv_cache_config") or {}
+    fraction = kv_config.get("free_gpu_memory_fraction")
+    max_len = _length(worker.get("max_seq_len")) or (known.max_context if known else None)
+    layout = capacity.Layout(
+        engine="trtllm", tp=tp, pp=int(worker.get("pipeline_parallel_size") or 1), ep=ep,
+        attn_dp=bool(worker.get("enable_attention_dp")),
+        fraction=float(fraction) if isinstance(fraction, (int, float)) and not isinstance(fraction, bool) else None,
+        kv_dtype_bytes=_kv_dtype_bytes(kv_config.get("dtype")), max_len=max_len,
+    )
+    cap = capacity.predict(gpu, arch, quant, size, layout)
+    if cap.kv_gib <= 0 or cap.tokens == 0:
+        raise _fail("k2_disagg", f"{side}: {cap.weights_gib:.1f} GiB of weights per GPU ({cap.non_expert_gib:.1f} "
+                    f"attention/dense/embedding + {cap.experts_gib:.1f} routed experts over {layout.moe_ranks} GPUs) + "
+                    f"{cap.overhead_gib:.0f} GiB runtime leave no KV cache on {gpu.name} ({cap.gpu_total_gib:.2f} GiB); "
+                    "raise its tensor_parallel_size/moe_expert_parallel_size", fleet)
+    if cap.fits is not None and cap.fits < 1:
+        raise _fail("k2_disagg", f"{side}: max_seq_len {cap.max_len:,} does not fit the predicted KV cache of "
+                    f"{cap.tokens_per_kv_group:,} tokens ({cap.kv_gib:.2f} GiB per GPU / {cap.kv_bytes_per_token:,} B/token); "
+                    f"lower {side}.max_seq_len or raise its tensor_parallel_size", fleet)
+    return cap
 
 
 def _divisors(n: int) -> str:
@@ -553,15 +709,18 @@ def resolve(fleet: Fleet) -> Deployment:
     _check_ip_addresses(fleet)
     _check_venv_python(fleet, s.engine, version, runtime)
     pools = {}
+    capacities: dict[str, capacity.Capacity] = {}
     for role, hosts in fleet.pools.items():
         pools[role] = _check_pool(fleet, role, hosts, s.engine, per_node)
         _check_shape(fleet, s.engine, pools[role].tp, pools[role].settings.ep)
         if s.engine == "ktransformers":
             _check_ktransformers(fleet, pools[role])
         if gpu is not None:
-            _check_fit(fleet, pools[role], gpu, size, quant, s.engine)
+            cap = _check_fit(fleet, pools[role], gpu, size, quant, s.engine)
+            if cap is not None:
+                capacities[role] = cap
     if "slurm-submit" in pools and gpu is not None:
-        _check_slurm(fleet, gpu, per_node, size)
+        capacities |= {f"disagg.{side}": cap for side, cap in _check_slurm(fleet, gpu, per_node, size, quant).items()}
     _check_env(fleet, per_node)
     driver = choose_driver(fleet, gpu, s.engine, version) if gpu is not None else None
     reasoning_parser = s.reasoning_parser or ("kimi_k2" if reasoning else None)
@@ -580,4 +739,5 @@ def resolve(fleet: Fleet) -> Deployment:
         served_model_name=s.served_model_name or s.model,
         pools=pools,
         driver=driver,
+        capacity=capacities,
     )

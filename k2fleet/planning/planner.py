@@ -64,6 +64,7 @@ def make_plan(dep: Deployment) -> Plan:
         image=dep.image,
         checkpoint_path=dep.serve_path,
         hosts=hosts,
+        capacity=dict(dep.capacity),
     )
     reserved = reserved_ports(dep.gpu.name) if dep.gpu else {}
     if dep.s.bind_address == "fleet":

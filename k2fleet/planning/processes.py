@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from k2fleet.planning.capacity import Capacity
+
 
 
 @dataclass
@@ -68,7 +70,9 @@ class HostPlan:
 
 @dataclass
 class Plan:
-    """Hosts in inventory order; ``to_json()`` is the ``k2fleet plan --json`` document."""
+    """Hosts in inventory order; ``to_json()`` is the ``k2fleet plan --json`` document.
+    ``capacity``: per role (``disagg.ctx``/``disagg.gen`` for TRT-LLM SLURM sides) the KV cache
+    prediction of one serving instance (:mod:`k2fleet.planning.capacity`)."""
 
     source: str
     engine: str
@@ -77,6 +81,7 @@ class Plan:
     image: str | None
     checkpoint_path: str
     hosts: dict[str, HostPlan]
+    capacity: dict[str, Capacity] = field(default_factory=dict)
 
     def services(self) -> list[tuple[HostPlan, Service]]:
         return [(h, s) for h in self.hosts.values() for s in h.services]
@@ -102,6 +107,7 @@ class Plan:
             "runtime": self.runtime,
             "image": self.image,
             "checkpoint_path": self.checkpoint_path,
+            "capacity": {role: cap.to_json() for role, cap in self.capacity.items()},
             "hosts": {
                 name: {"address": h.address, "role": h.role, "files": h.files, "services": [asdict(s) for s in h.services]}
                 for name, h in self.hosts.items()
