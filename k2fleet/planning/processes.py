@@ -12,7 +12,6 @@ from typing import Any
 from k2fleet.planning.capacity import Capacity
 
 
-
 @dataclass
 class Health:
     """How the health gate proves a service serves: /health 200 and a real completion."""
