@@ -19,8 +19,8 @@ class Health:
     port: int
     path: str = "/health"
     chat: bool = True
-
     host: str = "127.0.0.1"  # where the gate calls it (the address it listens on under k2_bind_address: fleet)
+
 
 @dataclass
 class Service:
