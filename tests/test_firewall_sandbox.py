@@ -15,7 +15,7 @@ pytestmark = pytest.mark.sandbox
 
 SANDBOX_HOSTS = 2
 SANDBOX_DOCKER = False
-MESH_PORT, EPHEMERAL_PORT, OTHER_PORT = 2233, 40123, 9123
+MESH_PORT, EPHEMERAL_PORT, OTHER_PORT = 2233, 40123, 9123  # a vLLM fleet runs no mesh sshd: a stand-in listens there
 
 
 def from_control(address: str, port: int) -> str:
@@ -54,8 +54,8 @@ def test_rendezvous_ports_are_the_fleets_the_api_and_ssh_everyones(fleet: Sandbo
     table = ssh(one, "nft list table inet k2fleet").stdout
     assert "k2fleet rules" in table and "policy accept" in table
     assert ssh(one, "systemctl is-enabled k2-firewall.service").stdout.strip() == "enabled"
-    listen(one, EPHEMERAL_PORT)
-    listen(one, OTHER_PORT)
+    for port in (MESH_PORT, EPHEMERAL_PORT, OTHER_PORT):
+        listen(one, port)
     try:
         addr = one["address"]
         # outside the fleet: the mesh sshd and an ephemeral-range port are closed (TCP reset) ...
@@ -70,7 +70,7 @@ def test_rendezvous_ports_are_the_fleets_the_api_and_ssh_everyones(fleet: Sandbo
         status, models = http_json(f"http://{addr}:8000/v1/models")
         assert status == 200, models
     finally:
-        for port in (EPHEMERAL_PORT, OTHER_PORT):
+        for port in (MESH_PORT, EPHEMERAL_PORT, OTHER_PORT):
             ssh(one, f"systemctl stop k2fw-probe-{port}", check=False)
     again = fleet.deploy()
     assert again.returncode == 0 and again.changed == 0, again.changed_operations or again.tail()
@@ -79,6 +79,7 @@ def test_rendezvous_ports_are_the_fleets_the_api_and_ssh_everyones(fleet: Sandbo
 def test_a_flushed_table_comes_back_and_off_removes_it(fleet: SandboxFleet) -> None:
     fleet.ensure_deployed()
     one = fleet.hosts[0]
+    listen(one, MESH_PORT)  # the stand-in listener on the mesh port (a vLLM fleet has no mesh)
     ssh(one, "nft flush ruleset")
     assert from_control(one["address"], MESH_PORT) == "open"  # someone else's flush: nothing rejects
     back = fleet.deploy()
@@ -91,3 +92,4 @@ def test_a_flushed_table_comes_back_and_off_removes_it(fleet: SandboxFleet) -> N
         assert ssh(host, "nft list table inet k2fleet", check=False).returncode != 0
         assert ssh(host, "ls /etc/systemd/system/k2-firewall.service /etc/k2fleet/firewall.nft", check=False).returncode != 0
     assert from_control(one["address"], MESH_PORT) == "open"
+    ssh(one, f"systemctl stop k2fw-probe-{MESH_PORT}", check=False)

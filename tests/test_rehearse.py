@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import time
 import urllib.request
@@ -42,6 +43,20 @@ def sandbox_is_down() -> bool:
         return not sandbox.status() and not sandbox._sandbox_netns()
 
 
+def served_model(base: str) -> str:
+    """The first model ``base``/models lists, asked from the control machine, or — for an
+    endpoint k2fleet's firewall opens only to the fleet (a PD backend) — from inside the
+    first sandbox host, where the fleet's own clients are."""
+    try:
+        with urllib.request.urlopen(f"{base}/models", timeout=10) as answer:
+            return json.load(answer)["data"][0]["id"]
+    except OSError:
+        code = f"import json, urllib.request; print(json.load(urllib.request.urlopen({base + '/models'!r}, timeout=30))['data'][0]['id'])"
+        inside = sandbox.ssh(sandbox.load_hosts()[0], f"python3 -c {shlex.quote(code)}", timeout=60)
+        assert inside.returncode == 0, inside.stderr
+        return inside.stdout.strip()
+
+
 def rehearse_kept(inventory: str, endpoints: int, *args: str, check=None) -> subprocess.CompletedProcess:
     """``k2fleet rehearse INVENTORY --keep``; then the TEST calls the fleet itself, from the
     control machine, rather than taking "healthy" from the command's own last line: every
@@ -60,9 +75,7 @@ def rehearse_kept(inventory: str, endpoints: int, *args: str, check=None) -> sub
         assert main and model, proc.stdout
         name = json.loads(model.group(1))["model"]
         for base in ok:
-            with urllib.request.urlopen(f"{base}/models", timeout=30) as answer:
-                served = [m["id"] for m in json.load(answer)["data"]]
-            assert served, f"{base}/models lists no model"
+            assert served_model(base), f"{base}/models lists no model"
         body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 32}).encode()
         request = urllib.request.Request(f"{main.group(1)}/chat/completions", data=body,
                                          headers={"Content-Type": "application/json"})
