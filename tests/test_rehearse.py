@@ -160,18 +160,9 @@ def test_bad_inventory_is_refused_before_anything_boots() -> None:
 @pytest.mark.sandbox
 @needs_root
 def test_rehearse_h200() -> None:
-    proc = rehearse_kept("inventories/h200.py", 2)
-    curls = [line for line in proc.stdout.splitlines() if "curl " in line]
-    assert len(curls) == 1 and "/v1/chat/completions" in curls[0] and "moonshotai/Kimi-K2-Thinking" in curls[0]
-    assert "http://10.213.0.11:8000/v1" in proc.stdout and "http://10.213.0.12:8000/v1" in proc.stdout
-
-
-@pytest.mark.sandbox
-@needs_root
-def test_rehearse_keeps_the_inventorys_user_port_and_sudo() -> None:
-    """#22: the rehearsal goes in the way the inventory says — here a user with sudo on
-    port 2222 (only the address and key are the sandbox's) — and the sandbox hosts' sshd
-    logs show that user's logins (the deploy and its re-run) and a listener on that port."""
+    """As written, and (#22) the way the inventory goes in — here a user with sudo on port
+    2222 (only the address and key are the sandbox's): the sandbox hosts' sshd logs show that
+    user's logins (the deploy and its re-run) and a listener on that port."""
     def went_in_as_ops(proc: subprocess.CompletedProcess) -> None:
         for host in sandbox.load_hosts():
             log = sandbox.ssh(host, "journalctl -u ssh --no-pager -o cat").stdout
@@ -179,8 +170,11 @@ def test_rehearse_keeps_the_inventorys_user_port_and_sudo() -> None:
             assert len(ops) >= 2, log[-2000:]  # the deploy and its re-run went in as ops
             assert "Server listening on 0.0.0.0 port 2222." in log, log[-2000:]
 
-    rehearse_kept("inventories/h200.py", 2, "--data", "ssh_user=ops", "--data", "_sudo=true", "--data", "ssh_port=2222",
-                  check=went_in_as_ops)
+    proc = rehearse_kept("inventories/h200.py", 2, "--data", "ssh_user=ops", "--data", "_sudo=true",
+                         "--data", "ssh_port=2222", check=went_in_as_ops)
+    curls = [line for line in proc.stdout.splitlines() if "curl " in line]
+    assert len(curls) == 1 and "/v1/chat/completions" in curls[0] and "moonshotai/Kimi-K2-Thinking" in curls[0]
+    assert "http://10.213.0.11:8000/v1" in proc.stdout and "http://10.213.0.12:8000/v1" in proc.stdout
 
 
 @pytest.mark.sandbox
