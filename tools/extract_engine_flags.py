@@ -331,6 +331,20 @@ def extract_trtllm_serve(src: Source, path: str = "tensorrt_llm/commands/serve.p
     return flags
 
 
+def forbids_extra(index: "ClassIndex", name: str) -> bool:
+    """Does pydantic model ``name`` (or a base) refuse unknown keys: a StrictBaseModel, or
+    ``model_config`` with ``extra="forbid"``?"""
+    if index.inherits(name, "StrictBaseModel"):
+        return True
+    for cname in [name, *index.bases(name)]:
+        cls = index.classes.get(cname)
+        for stmt in (cls.body if cls else []):
+            if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "model_config" for t in stmt.targets):
+                if "forbid" in ast.unparse(stmt.value):
+                    return True
+    return False
+
+
 def extract_llm_api(src: Source, path: str = "tensorrt_llm/llmapi/llm_args.py", root: str = "TorchLlmArgs") -> dict:
     """Field tree of ``root``: each field is ``None`` or the nested tree of a model class it
     is typed with (first model class named in its annotation)."""
@@ -338,15 +352,7 @@ def extract_llm_api(src: Source, path: str = "tensorrt_llm/llmapi/llm_args.py", 
     index.add_module(ast.parse(src.read(path)))
 
     def forbids(name: str) -> bool:
-        if index.inherits(name, "StrictBaseModel"):
-            return True
-        for cname in [name, *index.bases(name)]:
-            cls = index.classes.get(cname)
-            for stmt in (cls.body if cls else []):
-                if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "model_config" for t in stmt.targets):
-                    if "forbid" in ast.unparse(stmt.value):
-                        return True
-        return False
+        return forbids_extra(index, name)
 
     def is_model(name: str) -> bool:
         return name in index.classes and (index.inherits(name, "BaseModel") or index.inherits(name, "StrictBaseModel")) and bool(index.fields(name))

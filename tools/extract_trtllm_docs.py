@@ -116,15 +116,7 @@ def llm_api_tree(source: str, root: str = "TorchLlmArgs") -> dict:
     aliases |= {t.id: n.value for n in tree_ast.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
 
     def forbids(name: str) -> bool:
-        if index.inherits(name, "StrictBaseModel"):
-            return True
-        for cname in [name, *index.bases(name)]:
-            cls = index.classes.get(cname)
-            for stmt in (cls.body if cls else []):
-                if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "model_config" for t in stmt.targets):
-                    if "forbid" in ast.unparse(stmt.value):
-                        return True
-        return False
+        return base.forbids_extra(index, name)
 
     def is_model(name: str) -> bool:
         return name in index.classes and index.inherits(name, "BaseModel") and bool(index.fields(name))
