@@ -134,19 +134,42 @@ def secure_boot() -> bool | None:
     return None
 
 
-def package_versions(patterns: list) -> dict:
-    """Installed version of every installed package matching ``patterns`` (dpkg globs)."""
+class Dpkg:
+    """dpkg's database, read once per probe (one ``dpkg-query`` for every question: the
+    report's package versions, the holds and the GPU gate's installed driver). Each row:
+    (status abbreviation, package, version); ``rows()`` is None without dpkg."""
+
+    def __init__(self):
+        import threading
+        self.lock, self.seen = threading.Lock(), None
+
+    def rows(self):
+        with self.lock:
+            if self.seen is None:
+                out = _run(["dpkg-query", "-W", "-f", "${db:Status-Abbrev}\t${Package}\t${Version}\n"])
+                self.seen = None if out is None else [r for r in (line.split("\t") for line in out.splitlines())
+                                                       if len(r) == 3]
+            return self.seen
+
+
+def package_versions(patterns: list, dpkg=None) -> dict:
+    """Installed version of every installed package matching ``patterns`` (dpkg globs).
+
+    >>> class Db: rows = lambda self: [["ii ", "nvidia-open", "580.95.05-1"], ["rc ", "nvidia-old", "1"],
+    ...                                 ["hi ", "nvidia-fabricmanager", "580.95.05-1"], ["ii ", "rsync", "3"]]
+    >>> package_versions(["nvidia-*"], Db())
+    {'nvidia-open': '580.95.05-1', 'nvidia-fabricmanager': '580.95.05-1'}
+    """
     if not patterns:
         return {}
-    out = _run(["dpkg-query", "-W", "-f", "${Package} ${Version} ${db:Status-Abbrev}\n", *patterns]) or ""
-    rows = (line.split() for line in out.splitlines())
-    return {r[0]: r[1] for r in rows if len(r) >= 3 and r[2][1:2] == "i"}  # ii, hi (held): installed
+    import fnmatch
+    rows = (dpkg or Dpkg()).rows() or []
+    return {r[1]: r[2] for r in rows if r[0][1:2] == "i" and any(fnmatch.fnmatchcase(r[1], p) for p in patterns)}
 
 
-def holds() -> list:
+def holds(dpkg=None) -> list:
     """Packages on hold (dpkg's selection ``hold``, what ``apt-mark showhold`` lists)."""
-    out = _run(["dpkg-query", "-W", "-f", "${db:Status-Abbrev} ${Package}\n"]) or ""
-    return sorted(r[1] for r in (line.split() for line in out.splitlines()) if len(r) == 2 and r[0][:1] == "h")
+    return sorted(r[1] for r in (dpkg or Dpkg()).rows() or [] if r[0][:1] == "h")
 
 
 def reboot_required() -> list:
@@ -156,8 +179,9 @@ def reboot_required() -> list:
     return sorted(set((_read("/run/reboot-required.pkgs") or "").split())) or ["(unnamed)"]
 
 
-def bootstrap_state(query: dict) -> dict:
+def bootstrap_state(query: dict, dpkg=None) -> dict:
     hw = hardware()
+    dpkg = dpkg or Dpkg()
     return {
         "os": os_release(),
         "kernel": os.uname().release,
@@ -165,8 +189,8 @@ def bootstrap_state(query: dict) -> dict:
         "hardware": hw,
         "modules": {m: module_version(m, hw["simulated"]) for m in ("nvidia", "amdgpu")},
         "nouveau": os.path.isdir("/sys/module/nouveau"),
-        "package_versions": package_versions(query.get("package_versions", [])),
-        "holds": holds() if shutil.which("dpkg-query") else [],
+        "package_versions": package_versions(query.get("package_versions", []), dpkg),
+        "holds": holds(dpkg),
         "reboot_required": reboot_required(),
     }
 
@@ -237,9 +261,9 @@ def units(names: list) -> dict:
     return result
 
 
-def packages(names: list) -> list:
+def packages(names: list, dpkg=None) -> list:
     """The installed ones of ``names``."""
-    return sorted(package_versions(names))
+    return sorted(package_versions(names, dpkg))
 
 
 CHECK_TIMEOUT_S = 60
@@ -260,13 +284,13 @@ def _archive_program(argv: list) -> tuple | None:
 class _Check:
     """One check run in a thread of this process: ``code`` is its exit code once done. The
     GPU gate (``hoststate --gate``) is this module's own :func:`gate`, sharing the probe's
-    nvidia-smi answers (``smi``)."""
+    nvidia-smi answers (``smi``) and its one read of dpkg's database (``dpkg``)."""
 
-    def __init__(self, archive: str, program: str, args: list, smi=None):
+    def __init__(self, archive: str, program: str, args: list, smi=None, dpkg=None):
         import threading
         if archive not in sys.path:
             sys.path.insert(0, archive)  # the archive's own modules, never the host's
-        self.code, self.smi = None, smi
+        self.code, self.smi, self.dpkg = None, smi, dpkg
         self.thread = threading.Thread(target=self._run, args=(program, args), daemon=True)
         self.thread.start()
 
@@ -274,7 +298,7 @@ class _Check:
         import importlib
         try:
             if program == "hoststate" and args[:1] == ["--gate"] and len(args) == 2:
-                code = gate(json.loads(args[1]), self.smi)
+                code = gate(json.loads(args[1]), self.smi, self.dpkg)
             else:
                 code = importlib.import_module("k2fleet.hostprogs." + program).main(list(args))
         except SystemExit as exc:
@@ -293,7 +317,7 @@ class _Check:
         pass
 
 
-def start_checks(named: dict, smi=None) -> dict:
+def start_checks(named: dict, smi=None, dpkg=None) -> dict:
     """Start every named argv at once (when its program exists): name → running check or
     None. The archive's read-only programs run as threads of this process (their output
     discarded: stdout and stderr point at /dev/null until :func:`finish_checks`), other
@@ -306,7 +330,7 @@ def start_checks(named: dict, smi=None) -> dict:
             if quiet is None:
                 quiet = open(os.devnull, "w")
                 sys.stdout, sys.stderr = quiet, quiet
-            started[name] = _Check(inside[0], inside[1], argv[3:], smi)
+            started[name] = _Check(inside[0], inside[1], argv[3:], smi, dpkg)
             continue
         if not os.path.exists(argv[1] if argv[0].endswith("python3") and len(argv) > 1 else argv[0]):
             started[name] = None
@@ -389,7 +413,7 @@ def fabric_states(text: str) -> list:
     return [(b.get("State"), b.get("Status")) for b in out]
 
 
-def nvidia_problems(want: dict, smi=None) -> list:
+def nvidia_problems(want: dict, smi=None, dpkg=None) -> list:
     smi = smi or _smi
     code, out = smi(SMI_QUERY)
     if code != 0:
@@ -409,7 +433,7 @@ def nvidia_problems(want: dict, smi=None) -> list:
         problems.append(f"driver {driver} is older than the minimum branch {want['minimum']}")
     if want.get("version") and driver != want["version"]:
         problems.append(f"driver {driver}, the plan pins {want['version']}")
-    installed = package_versions([want["driver_package"]]).get(want["driver_package"], "")
+    installed = package_versions([want["driver_package"]], dpkg).get(want["driver_package"], "")
     loaded = module_version("nvidia", hardware()["simulated"])
     if installed.split(":")[-1].split("-")[0] != loaded:
         problems.append(f"loaded kernel module {loaded} differs from the installed driver {installed} (reboot)")
@@ -434,14 +458,24 @@ def amd_problems(want: dict) -> list:
     return problems
 
 
-def gate(want: dict, smi=None) -> int:
+def unit_states(names: list) -> list:
+    """``systemctl is-active`` of every unit in ``names``, in one call (one state a line)."""
+    if not names:
+        return []
+    states = (_run(["systemctl", "is-active", *names]) or "").split()
+    return states + ["unknown"] * (len(names) - len(states))
+
+
+def gate(want: dict, smi=None, dpkg=None) -> int:
     """Compare the host with ``want`` until it matches or ``want['timeout']`` passes;
-    print every mismatch of the last look (see the module doc)."""
+    print every mismatch of the last look (see the module doc). ``smi`` and ``dpkg``: the
+    probe's memos (its one nvidia-smi answer per question, its one read of dpkg's
+    database); standalone, each look asks anew."""
     deadline = time.monotonic() + float(want.get("timeout", 0))
     while True:
-        problems = nvidia_problems(want, smi) if want["vendor"] == "nvidia" else amd_problems(want)
-        for unit in want.get("services", []):
-            state = (_run(["systemctl", "is-active", unit]) or "").strip()
+        problems = nvidia_problems(want, smi, dpkg) if want["vendor"] == "nvidia" else amd_problems(want)
+        services = want.get("services", [])
+        for unit, state in zip(services, unit_states(services)):
             if state != "active":
                 problems.append(f"{unit} is {state or 'unknown'}")
         if not problems or time.monotonic() >= deadline:
@@ -457,8 +491,8 @@ def main(argv: list | None = None) -> int:
     if argv[:1] == ["--gate"]:
         return gate(json.loads(argv[1]))
     query = json.loads(argv[0]) if argv else {}
-    smi = Memo()
-    running = start_checks(query.get("checks", {}), smi)  # they run while the rest is read
+    smi, dpkg = Memo(), Dpkg()
+    running = start_checks(query.get("checks", {}), smi, dpkg)  # they run while the rest is read
     report = {
         "gpus": gpus(smi),
         "disk_free": disk_free(query.get("disk_path", "/")),
@@ -470,9 +504,9 @@ def main(argv: list | None = None) -> int:
         "exists": {p: os.path.exists(p) for p in query.get("exists", [])},
         "globs": {g: sorted(glob.glob(g)) for g in query.get("globs", [])},
         "units": units(query.get("units", [])),
-        "packages": packages(query.get("packages", [])),
+        "packages": packages(query.get("packages", []), dpkg),
         "checks": finish_checks(running),
-        "bootstrap": bootstrap_state(query),
+        "bootstrap": bootstrap_state(query, dpkg),
     }
     sys.stdout.write(json.dumps(report) + "\n")
     sys.stdout.flush()
