@@ -12,6 +12,7 @@ installs it) with k2fleet's config before a stdlib stand-in of an OpenAI endpoin
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import http.server
 import json
@@ -35,6 +36,7 @@ from k2fleet.planning.firewall import ANYONE, FLEET, host_firewall
 from k2fleet.planning.units import api_key_paths, unit_file
 from tests.test_api_key import key_file
 from tests.test_doubles import LOCAL, free_port
+from tests.test_roles_offline import control_calls  # noqa: F401 (fixture)
 
 # inventory, extra --data, the API port's inventory key, the fronted engine service
 ENGINES = [
@@ -395,3 +397,36 @@ def test_a_new_key_takes_effect_on_reload(front) -> None:
         assert time.monotonic() < deadline, "the reloaded front does not take the new key"
         time.sleep(0.2)
     assert _get(port, "/v1/models", f"Bearer {key}")[0] == 401
+
+
+# --------------------------------------------------------------------------- the roles carry it out (@fake hosts)
+
+
+def test_a_changed_key_rewrites_the_pattern_file_privately_and_restarts_only_the_front(tmp_path: Path,
+                                                                                       control_calls) -> None:  # noqa: F811
+    """The services role (tests/test_roles_offline.py's @fake harness) on a fleet that holds
+    the front with key A, deployed with key B: the pattern file and the gate's key file are
+    created 0600 before the upload, the front restarts, the engine keeps running."""
+    from tests.test_roles_offline import artifacts, run_roles, settled_fleet
+
+    def desired_for(key: str, where: Path):
+        where.mkdir()
+        dep, plan = load_plan("inventories/h200-sglang-tp16.py", [f"k2_api_key_file={key_file(where, key)}"])
+        art = dataclasses.replace(artifacts(dep, plan), api_key=key.encode())
+        return dep, plan, desired_state(dep, plan, art)
+
+    dep_a, _, desired_a = desired_for("sk-" + secrets.token_hex(16), tmp_path / "a")
+    dep, plan, desired = desired_for("sk-" + secrets.token_hex(16), tmp_path / "b")
+    facts = settled_fleet(dep_a, desired_a)
+    head = next(name for name, hp in plan.hosts.items() if api_front.has_front(hp))
+    out = run_roles(dep, plan, desired, facts, tmp_path, control_calls)
+    keyed = out.op(head, "the endpoints' API key (root-only files its units read)")
+    assert keyed.changed
+    for path in (api_front.keys_path(dep), api_key_paths(dep)[0]):
+        prepared = next(i for i, c in enumerate(keyed.commands) if "umask 077" in c and path in c)
+        assert "chmod 600" in keyed.commands[prepared] and prepared < keyed.commands.index(f"<upload> {path}")
+    restarts = [c.split(" || ")[0] for c in out.commands(head) if c.startswith(("systemctl stop", "systemctl start"))]
+    assert restarts == [f"systemctl stop {api_front.UNIT}", f"systemctl start {api_front.UNIT}"]
+    for name in out.ops:
+        if name != head:
+            assert not [c for c in out.commands(name) if c.startswith("systemctl")], name
