@@ -96,7 +96,8 @@ SECRET_FLAGS = frozenset({"hf_token", "token", "api_key", "hf_api_token", "admin
 API_KEY_NAMES = frozenset({"api_key", "admin_api_key", "vllm_api_key"})  # an endpoint's key: k2_api_key_file
 API_KEY_HINT = (
     "an endpoint API key never goes in inventory values or argv; put it in a root-only file on the "
-    "control machine and set k2_api_key_file (hosts get it in a root-only EnvironmentFile=)"
+    "control machine and set k2_api_key_file (hosts get it in root-only files: vLLM's EnvironmentFile=, "
+    "or the pattern file of k2fleet's API front for the other engines)"
 )
 SECRET_HINT = (
     "secrets never go in inventory values (they would land in unit files, env files and "
