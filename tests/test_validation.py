@@ -544,10 +544,10 @@ SECRETS = family("secrets", [
     Case("api-key-file-empty", {"k2_api_key_file": _token_file(0o600, b"")}, "k2_api_key_file", "empty"),
     Case("api-key-file-two-words", {"k2_api_key_file": _token_file(0o600, b"two words\n")}, "k2_api_key_file",
          "visible ASCII", secret="two words"),
-    Case("api-key-file-sglang", {"k2_engine": "sglang", "k2_tp": 8, "k2_api_key_file": TOKEN_FILE},
-         "k2_api_key_file", "logs every server argument"),
-    Case("api-key-file-trtllm", NVFP4 | {"k2_engine": "trtllm", "k2_gpu": "b200", "k2_api_key_file": TOKEN_FILE},
-         "k2_api_key_file", "no API key option"),
+    # SGLang, TRT-LLM and KTransformers get the API front (good twins below); only a Slurm
+    # submit host, which serves nothing, has nowhere to put it
+    Case("api-key-file-slurm-submit", SLURM_FLEET | {"k2_api_key_file": TOKEN_FILE},
+         "k2_api_key_file", "slurm-submit"),
 ])
 SECRETS_TWIN = {"k2_hub_token_file": TOKEN_FILE, "k2_api_key_file": TOKEN_FILE, "k2_env": {"NCCL_DEBUG": "INFO", "HF_HUB_ENABLE_HF_TRANSFER": "1",
                                                                          "TOKENIZERS_PARALLELISM": "false"},
@@ -864,6 +864,9 @@ TWINS: list[tuple[str, dict[str, Any], int | list]] = [
       ("node-2", {"k2_address": "gpu-2.fleet.example", "ssh_hostname": "bastion-side.example"}),  # k2_address wins
       ("node-3", {"k2_address": "192.0.2.23"})]),
     ("secrets", SECRETS_TWIN, 1),
+    ("secrets-api-key-sglang", {"k2_engine": "sglang", "k2_tp": 8, "k2_api_key_file": TOKEN_FILE}, 1),  # the API front
+    ("secrets-api-key-trtllm", NVFP4 | {"k2_engine": "trtllm", "k2_gpu": "b200", "k2_api_key_file": TOKEN_FILE}, 1),
+    ("secrets-api-key-kt", KT_FLEET | {"k2_api_key_file": TOKEN_FILE}, 1),
     ("structure-engine-arg-values", {"k2_engine_args": {"cudagraph-capture-sizes": [1, 2, 4], "seed": -1,
                                                         "max-logprobs": "-1", "chat-template": "/srv/t/" + "a" * 4080}}, 1),
 ]

@@ -96,7 +96,8 @@ SECRET_FLAGS = frozenset({"hf_token", "token", "api_key", "hf_api_token", "admin
 API_KEY_NAMES = frozenset({"api_key", "admin_api_key", "vllm_api_key"})  # an endpoint's key: k2_api_key_file
 API_KEY_HINT = (
     "an endpoint API key never goes in inventory values or argv; put it in a root-only file on the "
-    "control machine and set k2_api_key_file (hosts get it in a root-only EnvironmentFile=)"
+    "control machine and set k2_api_key_file (hosts get it in root-only files: vLLM's EnvironmentFile=, "
+    "or the pattern file of k2fleet's API front for the other engines)"
 )
 SECRET_HINT = (
     "secrets never go in inventory values (they would land in unit files, env files and "
@@ -916,10 +917,19 @@ class HostSettings(BaseModel):
         FLEET,
         "File on the control machine holding the API key clients must send (`Authorization: Bearer KEY`); "
         "default: endpoints are open. Like `k2_hub_token_file` it must be the deploying user's, not empty and "
-        "0600, checked at validate; hosts get it in a root-only env file the unit reads (`EnvironmentFile=`), "
-        "never in argv, logs or the plan. vLLM only (it reads `VLLM_API_KEY`); refused for engines that take "
-        "a key only in argv or not at all.",
+        "0600, checked at validate; hosts get it in root-only files (vLLM: an env file the unit reads, "
+        "`EnvironmentFile=`; the others: the front's pattern file), never in argv, logs or the plan. vLLM reads "
+        "it itself (`VLLM_API_KEY`); SGLang (its PD router), TRT-LLM and KTransformers get k2fleet's "
+        "authenticating front (`k2-api-front.service`, HAProxy on `k2_port`/`k2_router_port`, the engine on "
+        "127.0.0.1:`k2_api_backend_port`).",
         default=None,
+    )
+    api_backend_port: Port = _key(
+        FLEET,
+        "With `k2_api_key_file` and an engine that cannot take the key itself (SGLang, its PD router, "
+        "TRT-LLM, KTransformers): the port the engine (or router) listens on, on 127.0.0.1 only, behind "
+        "the API front that took its place on `k2_port` (`k2_router_port`).",
+        default=8001,
     )
     router_port: Port = _key(FLEET, "PD router's API port (router host).", default=8000)
     master_port: Port = _key(FLEET, "vLLM `--master-port` (multi-node without Ray).", default=29501)

@@ -210,8 +210,10 @@ def version_tuple(version: str) -> tuple[int, ...]:
 # vllm/entrypoints/serve/middleware/register.py reads ``args.api_key or envs.VLLM_API_KEY``
 # (the same variable since 0.2.x, so the older pins too).
 API_KEY_ENV: dict[str, str] = {"vllm": "VLLM_API_KEY"}
-# Engines that cannot take it without argv, logs or a weaker check: why, in one line.
-API_KEY_REFUSED: dict[str, str] = {
+# Engines that cannot take it without argv, logs or a weaker check: why, in one line. Their
+# endpoints get k2fleet's authenticating front instead (k2fleet.planning.api_front: HAProxy on
+# the API port, the engine on 127.0.0.1), and the engine is never given the key.
+API_KEY_FRONTED: dict[str, str] = {
     "sglang": "SGLang takes its API key only as --api-key (or in its --config YAML) and logs every server "
               "argument, the key included, at start (server_args=...); its PD router (sglang-router 0.3.2) "
               "has --api-key in argv only",

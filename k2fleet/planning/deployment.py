@@ -481,11 +481,15 @@ def _check_fetcher(fleet: Fleet) -> None:
 
 
 def _check_api_key(fleet: Fleet) -> None:
-    """``k2_api_key_file`` only for engines that take the key without argv or logs (catalog.API_KEY_ENV)."""
+    """``k2_api_key_file``: vLLM takes the key itself (catalog.API_KEY_ENV), the other engines'
+    endpoints get the API front (k2fleet.planning.api_front, catalog.API_KEY_FRONTED); only
+    a fleet with no endpoint on its hosts (TRT-LLM's Slurm submit host: the servers run in
+    Slurm jobs k2fleet does not place) has nowhere to put the front."""
     s = fleet.settings
-    if s.api_key_file is not None and s.engine not in catalog.API_KEY_ENV:
-        raise _fail("k2_api_key_file", f"not supported for {s.engine}: {catalog.API_KEY_REFUSED[s.engine]}; "
-                    "k2fleet never puts the key in argv or a log (unset the key, or use vllm)", fleet)
+    if s.api_key_file is not None and "slurm-submit" in fleet.pools:
+        raise _fail("k2_api_key_file", "not supported with k2_role: slurm-submit: the TRT-LLM servers run in "
+                    "SLURM jobs on nodes k2fleet does not configure, so no host of this inventory serves the API "
+                    f"to put the authenticating front before ({catalog.API_KEY_FRONTED['trtllm']})", fleet)
 
 
 def _check_venv_python(fleet: Fleet, engine: str, version: str, runtime: str) -> None:

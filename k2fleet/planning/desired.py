@@ -26,7 +26,7 @@ from typing import Any
 
 from k2fleet.planning.host_archive import ARCHIVE as HOST_ARCHIVE, archive_bytes, host_argv
 from k2fleet.planning.engine_side import HOST_ARCH, engine_side_requirements as venv_side_requirements, host_python, requirement_version
-from k2fleet.planning import mesh_config
+from k2fleet.planning import api_front, mesh_config
 from k2fleet.planning import host_bootstrap as bootstrap
 from k2fleet.planning.host_bootstrap import BootstrapPlan, bootstrap_plan
 from k2fleet.planning.os_tables import OS_TABLES
@@ -38,7 +38,7 @@ from k2fleet.planning.render.vllm import RAY_TOKEN
 from k2fleet.planning.host_packages import bundle_repo_dir, required_packages
 from k2fleet.planning.processes import HostPlan, Plan, Service
 from k2fleet.planning.units import (api_key_paths, container_name, env_file, env_path, holds_api_key, image_pin_argv,
-                           unit_file, unit_name, unit_path)
+                           sends_api_key, unit_file, unit_name, unit_path)
 from k2fleet.planning.catalog import API_KEY_ENV
 from k2fleet.planning.quoting import env_file_line, shell_line, shell_word
 from k2fleet.planning.render.common import DOCKER
@@ -451,15 +451,21 @@ def device_double_files(dep: Deployment) -> tuple[tuple[str, ...], dict[str, Fil
 
 def api_key_files(dep: Deployment, hp: HostPlan, art: ControlArtifacts) -> dict[str, FileSpec]:
     """``k2_api_key_file`` on a host that serves the API: the key alone (the health gate
-    reads it) and the env file its units read (``VLLM_API_KEY=...``), both 0600 and
-    created with that mode before a byte lands; shown in the plan as ``(secret)``."""
+    reads it) and what reads it there: under vLLM the env file its units read
+    (``VLLM_API_KEY=...``), under the other engines the API front's pattern file (``Bearer
+    KEY``, :mod:`k2fleet.planning.api_front`); all 0600 and created with that mode before a
+    byte lands; shown in the plan as ``(secret)``."""
     if dep.s.api_key_file is None or not any(holds_api_key(dep, svc) for svc in hp.services):
         return {}
     key_path, env_path_ = api_key_paths(dep)
     key = None if art.api_key is None else art.api_key.decode()
-    line = None if key is None else (env_file_line(API_KEY_ENV[dep.engine], key) + "\n").encode()
+    if api_front.fronted(dep):
+        reader, content = api_front.keys_path(dep), None if key is None else api_front.keys_file(key)
+    else:
+        reader = env_path_
+        content = None if key is None else (env_file_line(API_KEY_ENV[dep.engine], key) + "\n").encode()
     return {key_path: FileSpec(None if key is None else (key + "\n").encode(), "600", "api-key", secret=True),
-            env_path_: FileSpec(line, "600", "api-key", secret=True)}
+            reader: FileSpec(content, "600", "api-key", secret=True)}
 
 
 def service_files(dep: Deployment, svc: Service, pin: ImagePin | None = None) -> dict[str, FileSpec]:
@@ -521,7 +527,7 @@ def health_argv(dep: Deployment, hp: HostPlan, timeout: int, pd: dict[str, list[
             where = f"[{svc.health.host}]" if ":" in svc.health.host else svc.health.host  # an IPv6 literal in a URL
             argv = [*host_argv("health"), "--base", f"http://{where}:{svc.health.port}",
                     "--model", dep.api_model_name, "--unit", unit_name(svc), "--timeout", str(timeout)]
-            if holds_api_key(dep, svc):  # the path of the key, never the key
+            if sends_api_key(dep, svc):  # the path of the key, never the key (through the API front too)
                 argv += ["--api-key-file", api_key_paths(dep)[0]]
             if svc.health.path != "/health":
                 argv += ["--ready-path", svc.health.path]

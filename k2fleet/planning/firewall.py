@@ -6,7 +6,9 @@ may reach it, and renders k2fleet's own table ``inet k2fleet`` from that list:
 - the SSH port pyinfra reaches the host on (``ssh_port``, default 22; 22 too): anyone,
   never closed;
 - the API port (``k2_port``; the PD router's ``k2_router_port``): ``k2_api_clients``
-  (and the fleet), or anyone when the key is unset. Metrics are served on the API
+  (and the fleet), or anyone when the key is unset. Behind the API front
+  (:mod:`k2fleet.planning.api_front`) it is HAProxy's; the engine's own
+  ``k2_api_backend_port`` listens on 127.0.0.1 only and is closed to all but the fleet too. Metrics are served on the API
   port (vLLM and SGLang ``/metrics``); k2fleet plans no separate metrics port, so a
   scraper is an API client;
 - every rendezvous and control port, only from the fleet's own addresses: Ray's GCS
@@ -41,6 +43,7 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
+from k2fleet.planning.api_front import BACKEND_KEY
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.mesh_config import UNIT as MESH_UNIT
 from k2fleet.planning.processes import HostPlan, Plan
@@ -65,6 +68,7 @@ PORT_WHAT = {
     "k2_dp_rpc_port": "vLLM DP RPC",
     "k2_dist_init_port": "SGLang --dist-init-addr store",
     "k2_bootstrap_port": "SGLang PD bootstrap",
+    "k2_api_backend_port": "the engine behind the API front (listens on 127.0.0.1 only)",
 }
 
 
@@ -275,8 +279,10 @@ def host_firewall(dep: Deployment, hp: HostPlan) -> HostFirewall | None:
             found.append(Opening(RAY_DASHBOARD, RAY_DASHBOARD, FLEET, f"Ray dashboard ({svc.name})"))
         if dep.engine in ("sglang", "ktransformers") and svc.needs_checkpoint and svc.argv:
             lo, hi = SGLANG_NCCL_WINDOW
-            found.append(Opening(min(65535, dep.s.port + lo), min(65535, dep.s.port + hi), FLEET,
-                                 f"SGLang NCCL/torch store port, random in k2_port+{lo}..+{hi} ({svc.name})"))
+            # relative to the engine's own --port: behind the API front, k2_api_backend_port
+            port, key = (svc.ports[BACKEND_KEY], BACKEND_KEY) if BACKEND_KEY in svc.ports else (dep.s.port, "k2_port")
+            found.append(Opening(min(65535, port + lo), min(65535, port + hi), FLEET,
+                                 f"SGLang NCCL/torch store port, random in {key}+{lo}..+{hi} ({svc.name})"))
     if len(dep.fleet.hosts) > 1:
         found.append(Opening(dep.s.mesh_port, dep.s.mesh_port, FLEET, "k2_mesh_port: the SSH mesh sshd"))
     if runs_engine_ranks(hp):

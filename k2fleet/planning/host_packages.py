@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from k2fleet.planning.engine_side import engine_side_requirements as venv_side_requirements
 from k2fleet.planning.os_tables import OS_TABLES, host_os
+from k2fleet.planning.api_front import has_front
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.firewall import PACKAGE as FIREWALL_PACKAGE, host_firewall
 from k2fleet.planning.processes import HostPlan
@@ -15,7 +16,8 @@ def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool) -> list[
     the OS table's venv interpreter packages (``python3-venv``; ubuntu-22.04
     ``python3.11-venv``) for engine venvs (the engine test doubles' too, installed as a
     wheel from a bundle or beside engine-side wheels such as Ray) and for the Hub client of
-    ``k2_checkpoint_fetcher``; nftables where k2fleet's firewall table goes. (Docker is the bootstrap's: :mod:`k2fleet.planning.host_bootstrap`.)"""
+    ``k2_checkpoint_fetcher``; nftables where k2fleet's firewall table goes; HAProxy where
+    k2fleet's API front runs. (Docker is the bootstrap's: :mod:`k2fleet.planning.host_bootstrap`.)"""
     needed = {"rsync"}
     if mesh:
         needed |= {"openssh-server", "openssh-client"}
@@ -30,6 +32,9 @@ def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool) -> list[
     if dep.runtime == "venv" or dep.s.checkpoint_fetcher == host_plan.name or engine_side:
         entry = next(h for h in dep.fleet.hosts if h.name == host_plan.name)
         needed |= set(OS_TABLES[host_os(entry)].venv_packages)
+    if has_front(host_plan):  # HAProxy runs k2fleet's API front (k2fleet.planning.api_front)
+        entry = next(h for h in dep.fleet.hosts if h.name == host_plan.name)
+        needed.add(OS_TABLES[host_os(entry)].haproxy)
     if host_firewall(dep, host_plan) is not None:
         needed.add(FIREWALL_PACKAGE)  # nft loads k2fleet's table (k2fleet.planning.firewall)
     return sorted(needed)

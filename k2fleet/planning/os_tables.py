@@ -215,12 +215,18 @@ class OsTable:
     python: str = "python3"
     python_version: str = ""
     venv_packages: tuple[str, ...] = ("python3-venv",)
+    # the package of the HAProxy that runs k2fleet's API front (k2fleet.planning.api_front;
+    # binary /usr/sbin/haproxy, config features of 2.2+: `http-request return`); the
+    # release's version in the comment of each table, with where it was read
+    haproxy: str = "haproxy"
 
 
 UBUNTU_2204 = OsTable(
     name="ubuntu-22.04", manager="apt", cuda_repo="ubuntu2204", cuda_arches=("x86_64", "sbsa"), codename="jammy",
     # python3 is 3.10, below vLLM 0.32+'s Requires-Python (>=3.11): jammy's universe python3.11
     python="python3.11", python_version="3.11", venv_packages=("python3.11", "python3.11-venv"),
+    # haproxy 2.4.x in jammy main (packages.ubuntu.com/jammy/haproxy; not fetched here)
+    haproxy="haproxy",
     kernel_holds={"x86_64": ("linux-generic", "linux-image-generic", "linux-headers-generic"),
                   "sbsa": ("linux-generic", "linux-image-generic", "linux-headers-generic")},
     kernel_headers="linux-headers-{kernel}",
@@ -231,6 +237,7 @@ UBUNTU_2204 = OsTable(
 UBUNTU_2404 = OsTable(
     name="ubuntu-24.04", manager="apt", cuda_repo="ubuntu2404", cuda_arches=("x86_64", "sbsa"), codename="noble",
     python_version="3.12",
+    haproxy="haproxy",  # 2.8.x in noble main (packages.ubuntu.com/noble/haproxy; not fetched here)
     kernel_holds=UBUNTU_2204.kernel_holds,
     kernel_headers="linux-headers-{kernel}",
     docker=("docker.io",),
@@ -242,6 +249,9 @@ DEBIAN_12 = OsTable(
     # third-party repository configurations (not read from NVIDIA's own page)
     name="debian-12", manager="apt", cuda_repo="debian12", cuda_arches=("x86_64", "sbsa"), codename="bookworm",
     python_version="3.11",
+    # 2.6.12-1+deb12u4 from bookworm main: installed from deb.debian.org on the control machine
+    # (`apt-get install haproxy`, /usr/sbin/haproxy; tests/test_api_front.py runs it)
+    haproxy="haproxy",
     components="main contrib",
     kernel_holds={"x86_64": ("linux-image-amd64", "linux-headers-amd64"),
                   "sbsa": ("linux-image-arm64", "linux-headers-arm64")},
@@ -256,6 +266,7 @@ DEBIAN_13 = OsTable(
     # Debian 13 are the Ubuntu 24.04 (noble) ones (neither verified here)
     name="debian-13", manager="apt", cuda_repo="debian13", cuda_arches=("x86_64", "sbsa"), codename="trixie",
     python_version="3.13",
+    haproxy="haproxy",  # 3.0.x in trixie main (packages.debian.org/trixie/haproxy; not fetched here)
     components="main contrib",
     kernel_holds=DEBIAN_12.kernel_holds,
     kernel_headers="linux-headers-{kernel}",
@@ -267,6 +278,9 @@ RHEL_9 = OsTable(
     name="rhel-9", manager="dnf", cuda_repo="rhel9", cuda_arches=("x86_64", "sbsa"),
     # python3 is 3.9; AppStream's python3.12 (RHEL 9.4+) carries venv itself
     python="python3.12", python_version="3.12", venv_packages=("python3.12",),
+    # haproxy 2.4.x in the AppStream repository (RHEL 9 "Configuring and managing networking"/
+    # load balancer docs name the package `haproxy`; not fetched here)
+    haproxy="haproxy",
     kernel_holds={"x86_64": ("kernel", "kernel-core", "kernel-modules", "kernel-devel"),
                   "sbsa": ("kernel", "kernel-core", "kernel-modules", "kernel-devel")},
     kernel_headers="kernel-devel-{kernel}",

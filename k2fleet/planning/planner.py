@@ -11,7 +11,7 @@ from __future__ import annotations
 from k2fleet.planning.os_tables import reserved_ports
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.processes import HostPlan, Plan, Service
-from k2fleet.planning import engine_flags
+from k2fleet.planning import api_front, engine_flags
 from k2fleet.planning.render import ktransformers, sglang, trtllm, vllm
 from k2fleet.inventory.spec import SpecError
 
@@ -69,5 +69,6 @@ def make_plan(dep: Deployment) -> Plan:
     reserved = reserved_ports(dep.gpu.name) if dep.gpu else {}
     if dep.s.bind_address == "fleet":
         _bind_to_fleet_address(plan)
+    api_front.add_fronts(dep, plan)  # after the bind address: the front takes the endpoint's address
     _check_ports(plan, {"k2_mesh_port": dep.s.mesh_port, "k2_relay_port": dep.s.relay_port} | reserved)
     return plan

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from k2fleet.planning import api_front
+from k2fleet.planning.catalog import API_KEY_ENV
 from k2fleet.planning.deployment import Deployment, WeightSet
 from k2fleet.planning.host_archive import host_argv
 from k2fleet.planning.processes import Service
@@ -31,8 +33,19 @@ def api_key_paths(dep: Deployment) -> tuple[str, str]:
 
 
 def holds_api_key(dep: Deployment, svc: Service) -> bool:
-    """``svc`` serves the API and so reads the key (``EnvironmentFile=``); ranks, Ray and
-    sshd nodes do not get it."""
+    """``svc`` reads the key (and restarts when it changes): under vLLM a service that serves
+    the API (``EnvironmentFile=``), under the other engines the API front
+    (:mod:`k2fleet.planning.api_front`, its pattern file); ranks, Ray, sshd nodes and the
+    fronted engines themselves do not get it."""
+    if dep.s.api_key_file is None:
+        return False
+    if api_front.fronted(dep):
+        return svc.name == api_front.FRONT
+    return svc.health is not None
+
+
+def sends_api_key(dep: Deployment, svc: Service) -> bool:
+    """The health gate of ``svc`` sends the key (it calls the engine, or its front)."""
     return dep.s.api_key_file is not None and svc.health is not None
 
 
@@ -82,6 +95,8 @@ def container_lines(svc: Service, image: str | None, image_id: str | None) -> tu
 def unit_file(dep: Deployment, svc: Service, image_id: str | None = None) -> str:
     """The unit of ``svc``; ``image_id``: the image ID a container service's image
     reference is pinned to (the unit refuses to start any other)."""
+    if svc.name == api_front.FRONT:
+        return api_front.unit_file(dep, svc, env_path(dep, svc))
     after = ["network-online.target"]
     if dep.engine == "trtllm":
         after.append("k2-mesh-sshd.service")
@@ -101,7 +116,7 @@ def unit_file(dep: Deployment, svc: Service, image_id: str | None = None) -> str
         f"Type={'oneshot' if svc.oneshot else 'simple'}",
         f"EnvironmentFile={systemd_value(env_path(dep, svc), path=True)}",
     ]
-    if holds_api_key(dep, svc):  # the key's own root-only file: never in the plan's env, argv or this unit
+    if holds_api_key(dep, svc) and dep.engine in API_KEY_ENV:  # the key's own root-only file: never in the plan's env, argv or this unit
         lines.append(f"EnvironmentFile={systemd_value(api_key_paths(dep)[1], path=True)}")
     if svc.oneshot:
         lines.append("RemainAfterExit=yes")

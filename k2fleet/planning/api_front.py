@@ -1,0 +1,194 @@
+"""The authenticating API front: HAProxy before an engine that cannot take the key safely (pure).
+
+``k2_api_key_file`` with an engine that takes its API key only in argv, logs it at start or
+has no key option (SGLang and its PD router, TRT-LLM's ``trtllm-serve``, KTransformers;
+:data:`k2fleet.planning.catalog.API_KEY_REFUSED` says why for each) is carried out by a
+front: on every host that serves the OpenAI API (a serving instance's HTTP server, or the
+SGLang PD router) :func:`add_fronts` moves the engine's listener to ``127.0.0.1`` on
+``k2_api_backend_port`` and plans ``k2-api-front.service``, k2fleet's own unit running the
+OS package's HAProxy (``haproxy -Ws -f /etc/k2fleet/api-front.cfg``, not the package's own
+``haproxy.service``) where the endpoint was: the host's bind address and ``k2_port``
+(``k2_router_port`` for the router). vLLM keeps its native ``VLLM_API_KEY`` path.
+
+HAProxy answers 401 (``{"error": "Unauthorized"}``, as vLLM does) to every request whose
+``Authorization`` header is not exactly ``Bearer KEY``, except ``GET``/``HEAD`` of
+``/health`` and ``/metrics`` (open in vLLM too). The key is matched against a pattern file
+(``/etc/k2fleet/api-front.keys``: the one line ``Bearer KEY``, root-only 0600, written like
+the other key files) and so is in no config text, argv or log; HAProxy logs no request
+(no ``log`` line). Timeouts suit LLM streaming: a response may run (and its first token
+wait) for up to :data:`TIMEOUTS` ``server``; connecting to the engine and receiving a
+client's request headers are bounded.
+
+>>> print(keys_file("sk-123").decode(), end="")
+Bearer sk-123
+"""
+
+from __future__ import annotations
+
+from k2fleet.planning.catalog import API_KEY_ENV
+from k2fleet.planning.deployment import Deployment
+from k2fleet.planning.processes import HostPlan, Plan, Service
+from k2fleet.planning.quoting import systemd_exec, systemd_value
+
+FRONT = "k2-api-front"
+UNIT = f"{FRONT}.service"
+HAPROXY = "/usr/sbin/haproxy"  # Debian, Ubuntu and RHEL's haproxy package (k2fleet.planning.os_tables)
+BACKEND_KEY = "k2_api_backend_port"
+LOOPBACK = "127.0.0.1"
+OPEN_PATHS = ("/health", "/metrics")  # what vLLM leaves open too (GET/HEAD only)
+MAXCONN = 4096
+UNAUTHORIZED = '{"error": "Unauthorized"}'
+# HAProxy 2.6 timeouts. ``server`` is the engine's inactivity: a streamed (SSE) answer resets
+# it with every chunk, but a long prompt may wait minutes in the engine's queue before its
+# first byte (and a non-streamed answer sends nothing until it is done), so an hour.
+# ``client`` is armed only while the client must send or read (not while it waits for the
+# engine: tested with the real HAProxy, tests/test_api_front.py): a client that stops
+# reading a stream is dropped after 5 minutes. The request's headers, the connection to the
+# engine, an idle keep-alive and HAProxy's own queue are bounded tightly.
+TIMEOUTS = {
+    "http-request": "30s",
+    "connect": "5s",
+    "client": "5m",
+    "server": "1h",
+    "http-keep-alive": "60s",
+    "queue": "30s",
+    "client-fin": "30s",
+    "server-fin": "30s",
+}
+
+
+def fronted(dep: Deployment) -> bool:
+    """Does this deployment put the API front before its endpoints?"""
+    return dep.s.api_key_file is not None and dep.engine not in API_KEY_ENV
+
+
+def config_path(dep: Deployment) -> str:
+    return f"{dep.s.config_dir}/api-front.cfg"
+
+
+def keys_path(dep: Deployment) -> str:
+    """The pattern file HAProxy matches ``Authorization`` against (0600, root)."""
+    return f"{dep.s.config_dir}/api-front.keys"
+
+
+def keys_file(key: str) -> bytes:
+    """The pattern file's content: the header value a client must send, one line."""
+    return f"Bearer {key}\n".encode()
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def config(bind_host: str, port: int, backend_port: int, keys: str, engine: str = "the engine") -> str:
+    """HAProxy's config: listen on ``bind_host:port``, forward authenticated requests (and
+    the open paths) to ``127.0.0.1:backend_port``, answer 401 to the rest. ``keys``: the
+    pattern file's path (the key is never in this text)."""
+    assert "\n" not in keys and " " not in keys
+    timeouts = "".join(f"    timeout {name} {value}\n" for name, value in TIMEOUTS.items())
+    open_paths = " ".join(OPEN_PATHS)
+    return (
+        "# Rendered by k2fleet from the fleet plan; edits are overwritten.\n"
+        f"# The API front of {engine}: Authorization: Bearer KEY, matched against the root-only\n"
+        f"# pattern file {keys} (the key is not in this file). No log line: no request is logged.\n"
+        "global\n"
+        f"    maxconn {MAXCONN}\n"
+        "\n"
+        "defaults\n"
+        "    mode http\n"
+        "    option http-server-close\n"
+        "    option forwardfor\n"
+        f"{timeouts}"
+        "\n"
+        "frontend k2-api\n"
+        f"    bind {_address(bind_host, port)}\n"
+        f"    maxconn {MAXCONN}\n"
+        f"    acl open_path path {open_paths}\n"
+        "    acl open_method method GET HEAD\n"
+        f"    acl has_key req.hdr(authorization) -m str -f {keys}\n"
+        f"    http-request return status 401 content-type application/json string '{UNAUTHORIZED}' "
+        "hdr WWW-Authenticate Bearer unless has_key || open_path open_method\n"
+        "    default_backend engine\n"
+        "\n"
+        "backend engine\n"
+        f"    server engine {_address(LOOPBACK, backend_port)}\n"
+    )
+
+
+def unit_file(dep: Deployment, svc: Service, env_file: str) -> str:
+    """``k2-api-front.service``: HAProxy in master-worker mode under systemd (``-Ws``,
+    ``Type=notify``, as the package's own unit), its config checked before start and
+    reload (``systemctl reload``: new workers, streams in flight finish on the old ones)."""
+    path = config_path(dep)
+    check = [HAPROXY, "-c", "-q", "-f", path]
+    return "\n".join([
+        "# Rendered by k2fleet from the fleet plan; edits are overwritten.",
+        "[Unit]",
+        f"Description={systemd_value(f'k2fleet: {svc.description or svc.name}')}",
+        "After=network-online.target",
+        "Wants=network-online.target",
+        "",
+        "[Service]",
+        "Type=notify",
+        f"EnvironmentFile={systemd_value(env_file, path=True)}",
+        f"ExecStartPre={systemd_exec(check)}",
+        f"ExecStart={systemd_exec(svc.argv)}",
+        f"ExecReload={systemd_exec(check)}",
+        "ExecReload=/bin/kill -USR2 $MAINPID",
+        "KillMode=mixed",
+        "SuccessExitStatus=143",
+        "Restart=on-failure",
+        "RestartSec=5",
+        f"LimitNOFILE={MAXCONN * 4}",
+        "",
+        "[Install]",
+        "WantedBy=multi-user.target",
+        "",
+    ])
+
+
+def fronts(svc: Service) -> bool:
+    """Is ``svc`` an endpoint clients call (a chat-serving instance's HTTP server or the PD
+    router)? PD prefill/decode servers are the router's backends, closed to the fleet."""
+    return svc.health is not None and svc.health.chat and svc.role not in ("prefill", "decode")
+
+
+def has_front(hp: HostPlan) -> bool:
+    return any(svc.name == FRONT for svc in hp.services)
+
+
+def _value_after(argv: list[str], flag: str) -> int:
+    at = [i for i, word in enumerate(argv[:-1]) if word == flag]
+    assert len(at) == 1, f"{flag} once in {argv}"
+    return at[0] + 1
+
+
+def add_fronts(dep: Deployment, plan: Plan) -> None:
+    """Under :func:`fronted`: each endpoint's engine listens on ``127.0.0.1:k2_api_backend_port``
+    and a front service takes its address and port. The engine's Health keeps the API port:
+    the health gate calls through the front (with the key)."""
+    if not fronted(dep):
+        return
+    backend = dep.s.api_backend_port
+    for host in plan.hosts.values():
+        for svc in [s for s in host.services if fronts(s)]:
+            assert svc.health is not None
+            key = "k2_router_port" if "k2_router_port" in svc.ports else "k2_port"
+            port = svc.ports.pop(key)
+            h, p = _value_after(svc.argv, "--host"), _value_after(svc.argv, "--port")
+            assert svc.argv[p] == str(port), (svc.argv, port)
+            bind = svc.argv[h]
+            svc.argv[h], svc.argv[p] = LOOPBACK, str(backend)
+            svc.ports[BACKEND_KEY] = backend
+            what = f"{svc.name} on {_address(LOOPBACK, backend)}"
+            host.services.append(Service(
+                name=FRONT,
+                argv=[HAPROXY, "-Ws", "-f", config_path(dep)],
+                files={config_path(dep): config(bind, port, backend, keys_path(dep), svc.name)},
+                ports={key: port},
+                stage=svc.stage,
+                role=svc.role,
+                needs_checkpoint=False,
+                description=f"HAProxy API front on {_address(bind, port)} (Authorization: Bearer, "
+                            f"key in {keys_path(dep)}) for {what}",
+            ))
