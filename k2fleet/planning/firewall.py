@@ -131,8 +131,16 @@ def _q(text: str) -> str:
     return f'"{text}"'
 
 
-def _family(addresses: tuple[str, ...] | list[str], version: int) -> list[str]:
-    return [a for a in addresses if ipaddress.ip_network(a, strict=False).version == version]
+def _family(addresses: tuple[str, ...] | list[str] | None, version: int) -> list[str]:
+    """The ``version`` addresses (or networks) of ``addresses``, each once, in address order:
+    a set's elements, so the rules (and their digest) do not depend on the order the
+    inventory lists hosts or clients in (a group moved in the file is not a firewall change).
+
+    >>> _family(["10.0.0.12", "10.0.0.9", "fd00::1", "10.0.0.9", "10.0.0.0/8"], 4)
+    ['10.0.0.0/8', '10.0.0.9', '10.0.0.12']
+    """
+    found = {a: ipaddress.ip_network(a, strict=False) for a in addresses or ()}
+    return sorted((a for a, net in found.items() if net.version == version), key=lambda a: (found[a], a))
 
 
 def _set(name: str, kind: str, elements: list[str], interval: bool) -> str:
