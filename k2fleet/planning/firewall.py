@@ -255,6 +255,25 @@ def runs_engine_ranks(hp: HostPlan) -> bool:
     return hp.role not in ("router", "slurm-submit") or any(s.needs_checkpoint for s in hp.services)
 
 
+def _runs_ray_start(argv: list[str]) -> bool:
+    """``ray start`` (a Ray head or worker), from a venv or as a container's entrypoint.
+
+    >>> _runs_ray_start(["/opt/v/bin/ray", "start", "--head"])
+    True
+    >>> _runs_ray_start(["/usr/bin/docker", "run", "--entrypoint", "ray", "img", "start", "--block"])
+    True
+    >>> _runs_ray_start(["/usr/bin/docker", "run", "--entrypoint", "vllm", "img", "serve", "/m"])
+    False
+    """
+    if not argv:
+        return False
+    if argv[0].rsplit("/", 1)[-1] == "ray":
+        return "start" in argv
+    if "--entrypoint" in argv[:-1] and argv[argv.index("--entrypoint") + 1] == "ray":
+        return "start" in argv[argv.index("--entrypoint") + 2:]
+    return False
+
+
 def host_firewall(dep: Deployment, hp: HostPlan) -> HostFirewall | None:
     """The openings of host ``hp`` (None: ``k2_firewall`` is off, or the host runs nothing
     that listens, e.g. a Slurm login host: no table, no unit, no package)."""
@@ -278,7 +297,7 @@ def host_firewall(dep: Deployment, hp: HostPlan) -> HostFirewall | None:
                 dp = pool.settings.dp if pool else 1
                 found.append(Opening(port + 1, min(65535, port + 8 + dp), FLEET,
                                      f"SGLang ZMQ ports derived from k2_dist_init_port ({svc.name})"))
-        if "ray" in {w.rsplit("/", 1)[-1] for w in svc.argv[:1]} and "start" in svc.argv:
+        if _runs_ray_start(svc.argv):
             found.append(Opening(*RAY_CLIENT_AND_WORKERS, FLEET, f"Ray client server and worker ports ({svc.name})"))
             found.append(Opening(RAY_DASHBOARD, RAY_DASHBOARD, FLEET, f"Ray dashboard ({svc.name})"))
         if dep.engine in ("sglang", "ktransformers") and svc.needs_checkpoint and svc.argv:
