@@ -65,9 +65,9 @@ def test_dry_run_on_a_fresh_control_machine_creates_no_state(fleet: SandboxFleet
 
 def test_a_bad_value_with_pyinfra_started_outside_the_checkout_is_one_line_once(fleet: SandboxFleet,
                                                                                tmp_path: Path) -> None:
-    """pyinfra run from another directory never reads k2fleet's config.py (no gate before
-    connecting): the deploy file refuses with the gate's one line, once, exit 2, no
-    traceback, and no host changes."""
+    """pyinfra run from another directory never reads k2fleet's config.py: the gate comes
+    in through k2fleet's pyinfra entry point when it is registered, else the deploy file
+    refuses; either way the gate's one line, once, exit 2, no traceback, no host changes."""
     from k2sandbox.harness import ROOT, pyinfra_argv
     from k2sandbox.pyinfra_cli import run_pyinfra
 
@@ -78,6 +78,11 @@ def test_a_bad_value_with_pyinfra_started_outside_the_checkout_is_one_line_once(
     out = run_pyinfra(argv, fleet.env, cwd=tmp_path)
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert out.returncode == 2, out.tail()
-    assert len(errors) == 1 and "k2_tp" in errors[0] and "--config" in errors[0], out.stderr[-3000:]
+    # with k2fleet's pyinfra.connectors entry point registered, the gate refuses before connecting
+    # (tests/test_gate_outside_checkout.py); without it, the deploy file does, naming how to get the gate
+    from importlib.metadata import entry_points
+
+    gated = any(ep.name == "k2fleet" for ep in entry_points(group="pyinfra.connectors"))
+    assert len(errors) == 1 and "k2_tp" in errors[0] and (gated or "--config" in errors[0]), out.stderr[-3000:]
     assert "Traceback" not in out.stderr + out.stdout
     assert host_snapshot(fleet) == before

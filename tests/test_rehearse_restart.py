@@ -7,7 +7,8 @@ input and deploys again with the command the rehearsal printed:
 
 - a changed flag restarts exactly the instance it touches, head before members (the
   hosts share one kernel, so systemd's monotonic start stamps compare across hosts),
-  every other unit keeps its invocation; the deploy after that has 0 changes;
+  every other unit keeps its invocation — the firewall's oneshot too, which is not even
+  reloaded (its ExecReload never ran); the deploy after that has 0 changes;
 - a killed vLLM DP rank is seen by the head (vLLM's API server exits on engine death),
   systemd restarts both and the instance forms again with its full DP world.
 """
@@ -71,7 +72,7 @@ class Kept:
 
     def unit(self, host: str, unit: str) -> dict[str, str]:
         out = ssh(self.hosts[host], f"systemctl show -p InvocationID -p ActiveEnterTimestampMonotonic "
-                                    f"-p NRestarts -p ActiveState -p MainPID {unit}").stdout
+                                    f"-p NRestarts -p ActiveState -p MainPID -p ExecReload {unit}").stdout
         return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
     def units(self) -> dict[tuple[str, str], dict[str, str]]:
@@ -80,11 +81,25 @@ class Kept:
             names = ssh(self.hosts[host], "systemctl list-units --plain --no-legend 'k2-*.service' | awk '{print $1}'"
                         ).stdout.split()
             for unit in names:
-                # infrastructure units, not serving ones: the mesh sshd, and the firewall's oneshot
-                # (seen re-invoked by a deploy that changes an engine flag: to be looked into)
-                if unit not in ("k2-mesh-sshd.service", "k2-firewall.service"):
+                if unit != "k2-mesh-sshd.service":  # the mesh sshd is stopped while a TRT-LLM node runs
                     found[(host, unit)] = self.unit(host, unit)
         return found
+
+
+FIREWALL = "k2-firewall.service"
+
+
+def serving(units: dict) -> set[tuple[str, str]]:
+    """The serving units among ``units`` (every k2 unit but the firewall's oneshot), which must
+    be there: the firewall's units are compared too (not vacuously)."""
+    assert any(unit == FIREWALL for _, unit in units), sorted(units)
+    return {key for key in units if key[1] != FIREWALL}
+
+
+def reloaded(before: dict, after: dict) -> list[tuple[str, str]]:
+    """(host, unit) whose ExecReload ran between the two looks (its start_time changed): the
+    firewall's ``nft -f`` reload (tests/test_unit_restarts_offline.py: a flag change does not)."""
+    return sorted(key for key in after if before.get(key, {}).get("ExecReload") != after[key].get("ExecReload"))
 
 
 def get(url: str) -> tuple[int, object]:
@@ -116,12 +131,13 @@ def edit_group_engine_args(inventory: Path, group: str, key: str, value) -> None
 def test_dp_ep_flag_change_restarts_head_then_ranks_and_a_killed_rank_restarts_the_instance(lock) -> None:
     kept = Kept(lock, "inventories/h200-dp-ep.py")
     before = kept.units()
-    assert set(before) == {("h200-0", "k2-vllm.service"), ("h200-1", "k2-vllm.service")}
+    assert serving(before) == {("h200-0", "k2-vllm.service"), ("h200-1", "k2-vllm.service")}
 
     changed = kept.deploy("k2_gpu_memory_utilization=0.8")
     assert changed.returncode == 0, changed.log[-3000:]
     after = kept.units()
     assert restarted(before, after) == [("h200-0", "k2-vllm.service"), ("h200-1", "k2-vllm.service")]
+    assert reloaded(before, after) == [], (before, after)
     again = kept.deploy("k2_gpu_memory_utilization=0.8")
     assert again.returncode == 0 and again.changed == 0, again.changed_operations
 
@@ -134,7 +150,7 @@ def test_dp_ep_flag_change_restarts_head_then_ranks_and_a_killed_rank_restarts_t
     while time.monotonic() < deadline:
         now = kept.units()
         status, models = get(f"http://{head['address']}:8000/v1/models")
-        if status == 200 and all(int(now[k]["NRestarts"]) > int(after[k]["NRestarts"]) for k in now) \
+        if status == 200 and all(int(now[k]["NRestarts"]) > int(after[k]["NRestarts"]) for k in serving(now)) \
                 and now[("h200-0", "k2-vllm.service")]["ActiveState"] == "active" \
                 and get(f"http://{head['address']}:8000/health")[0] == 200:
             break
@@ -155,8 +171,10 @@ def test_sglang_pd_decode_flag_change_restarts_only_the_decode_instance_in_order
     changed = kept.deploy()
     assert changed.returncode == 0, changed.log[-3000:]
     after = kept.units()
+    serving(before)
     assert restarted(before, after) == [("decode-0", "k2-sglang-decode.service"),
                                         ("decode-1", "k2-sglang-decode.service")], (before, after)
+    assert reloaded(before, after) == [], (before, after)  # the decode group's line moved: the rules did not
     again = kept.deploy()
     assert again.returncode == 0 and again.changed == 0, again.changed_operations
 
@@ -164,12 +182,13 @@ def test_sglang_pd_decode_flag_change_restarts_only_the_decode_instance_in_order
 def test_sglang_tp16_flag_change_restarts_node0_then_node1(lock) -> None:
     kept = Kept(lock, "inventories/h200-sglang-tp16.py")
     before = kept.units()
-    assert len(before) == 2
+    assert len(serving(before)) == 2
     changed = kept.deploy("k2_gpu_memory_utilization=0.8")
     assert changed.returncode == 0, changed.log[-3000:]
     after = kept.units()
     order = restarted(before, after)
-    assert [host for host, _ in order] == list(kept.hosts), (before, after)
+    assert [host for host, _ in order] == list(kept.hosts) and FIREWALL not in {u for _, u in order}, (before, after)
+    assert reloaded(before, after) == [], (before, after)
     again = kept.deploy("k2_gpu_memory_utilization=0.8")
     assert again.returncode == 0 and again.changed == 0, again.changed_operations
 
@@ -177,11 +196,12 @@ def test_sglang_tp16_flag_change_restarts_node0_then_node1(lock) -> None:
 def test_h800_pp_vllm_flag_change_restarts_only_the_api_server_not_the_ray_cluster(lock) -> None:
     kept = Kept(lock, "inventories/h800-pp.py")
     before = kept.units()
-    assert set(before) == {("h800-0", "k2-ray.service"), ("h800-0", "k2-vllm.service"), ("h800-1", "k2-ray.service")}
+    assert serving(before) == {("h800-0", "k2-ray.service"), ("h800-0", "k2-vllm.service"), ("h800-1", "k2-ray.service")}
     changed = kept.deploy("k2_max_model_len=1024")
     assert changed.returncode == 0, changed.log[-3000:]
     after = kept.units()
     assert restarted(before, after) == [("h800-0", "k2-vllm.service")], (before, after)
+    assert reloaded(before, after) == [], (before, after)
     again = kept.deploy("k2_max_model_len=1024")
     assert again.returncode == 0 and again.changed == 0, again.changed_operations
 
@@ -189,13 +209,14 @@ def test_h800_pp_vllm_flag_change_restarts_only_the_api_server_not_the_ray_clust
 def test_trtllm_mpi_containers_config_change_restarts_nodes_then_the_mpirun_launcher(lock) -> None:
     kept = Kept(lock, "inventories/h200-trtllm-mpi.py")
     before = kept.units()
-    assert set(before) == {("h200-0", "k2-trtllm-node.service"), ("h200-1", "k2-trtllm-node.service"),
-                           ("h200-0", "k2-trtllm.service")}
+    assert serving(before) == {("h200-0", "k2-trtllm-node.service"), ("h200-1", "k2-trtllm-node.service"),
+                               ("h200-0", "k2-trtllm.service")}
     changed = kept.deploy("k2_max_model_len=4096")  # the extra LLM API options YAML on both hosts
     assert changed.returncode == 0, changed.log[-3000:]
     after = kept.units()
     order = restarted(before, after)
     assert set(order[:2]) == {("h200-0", "k2-trtllm-node.service"), ("h200-1", "k2-trtllm-node.service")}, order
     assert order[2:] == [("h200-0", "k2-trtllm.service")], order
+    assert reloaded(before, after) == [], (before, after)
     again = kept.deploy("k2_max_model_len=4096")
     assert again.returncode == 0 and again.changed == 0, again.changed_operations

@@ -118,12 +118,14 @@ class FleetRun:
 
 
 def refuse_without_gate(exc: SpecError) -> NoReturn:
-    """The refusal when pyinfra ran without k2fleet's gate (another cwd, no ``--config``):
+    """The refusal when pyinfra ran without k2fleet's gate (another cwd, no ``--config``, and
+    k2fleet's ``pyinfra.connectors`` entry point not registered: :mod:`k2fleet.deploy.pyinfra_entry`):
     the same one line, naming how to get the gate, printed once; the process ends at once
     (exit 2) so no other host's deploy adds a traceback. pyinfra has connected already, but
     no operation has run: nothing was changed."""
     sys.stderr.write(f"{refusal_line(exc)} (pyinfra ran without k2fleet's gate, so it connected first: run it from "
-                     "the k2fleet checkout, or pass --config /path/to/k2fleet/config.py)\n")
+                     "the k2fleet checkout, pass --config /path/to/k2fleet/config.py, or install k2fleet (pip install -e .) "
+                     "so pyinfra loads its gate's entry point)\n")
     sys.stderr.flush()
     os._exit(2)
 

@@ -120,6 +120,34 @@ def install_pyinfra_gate(state: Any) -> None:
     _gate_inventory_load(state)
 
 
+def install_at_inventory_load(state: Any, inventory: str) -> None:
+    """The gate when pyinfra runs outside the checkout (no ``config.py`` of k2fleet's):
+    called by :mod:`k2fleet.deploy.pyinfra_entry` while pyinfra loads ``inventory``, after
+    it executed the inventory file and before the group-data files. Those are checked now
+    (as :func:`_gate_inventory_load` does), one that raises when pyinfra executes it is the
+    same one line naming it, and :func:`install_pyinfra_gate` checks the whole inventory
+    in ``State.init`` before any connection."""
+    if os.path.isfile(inventory):
+        try:
+            check_group_data(inventory, state.cwd)
+        except SpecError as exc:
+            refuse(exc)
+    loader = sys.modules.get("pyinfra_cli.inventory")
+    if loader is not None and not getattr(loader._get_group_data, "_k2fleet_gate", False):
+        original = loader._get_group_data
+
+        def gated_get_group_data(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - user Python in group data: report, don't trace
+                problem = SpecError("inventory", f"could not be loaded: {load_failure(exc)}", inventory)
+            refuse(problem)
+
+        gated_get_group_data._k2fleet_gate = True  # type: ignore[attr-defined]
+        loader._get_group_data = gated_get_group_data
+    install_pyinfra_gate(state)
+
+
 def _gate_inventory_load(state: Any) -> None:
     """pyinfra's CLI loads the inventory (executing its Python and the group-data files)
     before ``State.init``: check the group-data files first and turn a file that raises

@@ -135,8 +135,16 @@ def _q(text: str) -> str:
     return f'"{text}"'
 
 
-def _family(addresses: tuple[str, ...] | list[str], version: int) -> list[str]:
-    return [a for a in addresses if ipaddress.ip_network(a, strict=False).version == version]
+def _family(addresses: tuple[str, ...] | list[str] | None, version: int) -> list[str]:
+    """The ``version`` addresses (or networks) of ``addresses``, each once, in address order:
+    a set's elements, so the rules (and their digest) do not depend on the order the
+    inventory lists hosts or clients in (a group moved in the file is not a firewall change).
+
+    >>> _family(["10.0.0.12", "10.0.0.9", "fd00::1", "10.0.0.9", "10.0.0.0/8"], 4)
+    ['10.0.0.0/8', '10.0.0.9', '10.0.0.12']
+    """
+    found = {a: ipaddress.ip_network(a, strict=False) for a in addresses or ()}
+    return sorted((a for a, net in found.items() if net.version == version), key=lambda a: (found[a], a))
 
 
 def _set(name: str, kind: str, elements: list[str], interval: bool) -> str:
@@ -251,6 +259,25 @@ def runs_engine_ranks(hp: HostPlan) -> bool:
     return hp.role not in ("router", "slurm-submit") or any(s.needs_checkpoint for s in hp.services)
 
 
+def _runs_ray_start(argv: list[str]) -> bool:
+    """``ray start`` (a Ray head or worker), from a venv or as a container's entrypoint.
+
+    >>> _runs_ray_start(["/opt/v/bin/ray", "start", "--head"])
+    True
+    >>> _runs_ray_start(["/usr/bin/docker", "run", "--entrypoint", "ray", "img", "start", "--block"])
+    True
+    >>> _runs_ray_start(["/usr/bin/docker", "run", "--entrypoint", "vllm", "img", "serve", "/m"])
+    False
+    """
+    if not argv:
+        return False
+    if argv[0].rsplit("/", 1)[-1] == "ray":
+        return "start" in argv
+    if "--entrypoint" in argv[:-1] and argv[argv.index("--entrypoint") + 1] == "ray":
+        return "start" in argv[argv.index("--entrypoint") + 2:]
+    return False
+
+
 def host_firewall(dep: Deployment, hp: HostPlan) -> HostFirewall | None:
     """The openings of host ``hp`` (None: ``k2_firewall`` is off, or the host runs nothing
     that listens, e.g. a Slurm login host: no table, no unit, no package)."""
@@ -274,7 +301,7 @@ def host_firewall(dep: Deployment, hp: HostPlan) -> HostFirewall | None:
                 dp = pool.settings.dp if pool else 1
                 found.append(Opening(port + 1, min(65535, port + 8 + dp), FLEET,
                                      f"SGLang ZMQ ports derived from k2_dist_init_port ({svc.name})"))
-        if "ray" in {w.rsplit("/", 1)[-1] for w in svc.argv[:1]} and "start" in svc.argv:
+        if _runs_ray_start(svc.argv):
             found.append(Opening(*RAY_CLIENT_AND_WORKERS, FLEET, f"Ray client server and worker ports ({svc.name})"))
             found.append(Opening(RAY_DASHBOARD, RAY_DASHBOARD, FLEET, f"Ray dashboard ({svc.name})"))
         if dep.engine in ("sglang", "ktransformers") and svc.needs_checkpoint and svc.argv:

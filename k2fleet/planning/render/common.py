@@ -94,9 +94,13 @@ def container_argv(
     mounts: Iterable[str] = (),
     entrypoint: str | None = None,
     secret_env: Iterable[str] = (),
+    shared: Iterable[str] = (),
 ) -> list[str]:
     """``docker run`` in the foreground (systemd supervises it), host network and IPC.
-    ``secret_env``: variables passed by name only from the unit's root-only
+    ``mounts``: host paths bound read-only at the same path (a secret file among them is
+    read there by name: its content never reaches argv); ``shared``: host directories bound
+    read-write at the same path (state containers of one host share, e.g. Ray's session
+    directory); ``secret_env``: variables passed by name only from the unit's root-only
     ``EnvironmentFile=`` (the API key), never in the plan's env."""
     assert dep.image is not None
     argv = [DOCKER, "run", "--rm", "--name", name, "--network", "host", "--ipc", "host"]
@@ -109,6 +113,8 @@ def container_argv(
     paths = sorted({dep.serve_path, dep.checkpoint_path, *mounts})
     for path in paths:
         argv += ["-v", f"{path}:{path}:ro"]
+    for path in sorted(set(shared)):
+        argv += ["-v", f"{path}:{path}"]
     for key in sorted({*env, *secret_env}):
         argv += ["-e", key]  # value comes from the unit's Environment=, not argv
     if entrypoint:

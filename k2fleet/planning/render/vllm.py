@@ -84,7 +84,8 @@ def _platform_env(dep: Deployment) -> dict[str, str]:
 def _command(dep: Deployment, words: list[str], env: dict[str, str], name: str) -> list[str]:
     if dep.runtime == "container":
         secret = [API_KEY_ENV[dep.engine]] if dep.s.api_key_file else []
-        return container_argv(dep, name, ["serve", *words], env, entrypoint="vllm", secret_env=secret)
+        return container_argv(dep, name, ["serve", *words], env, entrypoint="vllm", secret_env=secret,
+                              **_ray_container_files(env))
     return [venv_bin(dep, "vllm"), "serve", *words]
 
 
@@ -106,21 +107,40 @@ RAY_TOKEN = "/etc/k2fleet/ray/auth_token"  # the deployment's Ray token (root-on
 RAY_AUTH_ENV = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": RAY_TOKEN}
 
 
+# Ray's session directory (its sockets: raylet, object store, the current cluster's address).
+# In the container runtime the Ray head/worker and the vLLM driver are separate containers of
+# one host: they share it from the host, as processes of a venv host share /tmp/ray.
+RAY_SESSION_DIR = "/tmp/ray"
+
+
 def _ray_auth(dep: Deployment) -> dict[str, str]:
-    """Ray's token authentication for the venv runtime (a container would need the token mounted: not yet)."""
-    return RAY_AUTH_ENV if dep.runtime == "venv" else {}
+    """Ray's token authentication, venv and container runtimes alike: names and the token
+    file's path only (a container gets the file bound read-only, :func:`_ray_container_files`)."""
+    return dict(RAY_AUTH_ENV)
+
+
+def _ray_container_files(env: dict[str, str]) -> dict[str, list[str]]:
+    """A Ray process's container (head, worker, or the vLLM driver of a Ray cluster): the
+    token file bound read-only at its path and Ray's session directory shared; nothing for
+    a container that does not use Ray (no ``RAY_AUTH_TOKEN_PATH`` in its env)."""
+    if "RAY_AUTH_TOKEN_PATH" not in env:
+        return {}
+    return {"mounts": [env["RAY_AUTH_TOKEN_PATH"]], "shared": [RAY_SESSION_DIR]}
 
 
 def _ray_services(dep: Deployment, pool: Pool, nodes: tuple[HostEntry, ...]) -> Iterator[tuple[str, Service]]:
     head = nodes[0]
-    ray = venv_bin(dep, "ray")
     for rank, host in enumerate(nodes):
         env = engine_env(dep, host, pool.settings.env) | {"VLLM_HOST_IP": host.address} | _ray_auth(dep)
         common = ["--node-ip-address", host.address, "--num-gpus", str(dep.gpus_per_node), "--block"]
         if rank == 0:
-            argv = [ray, "start", "--head", "--port", str(dep.s.ray_port), *common]
+            words = ["start", "--head", "--port", str(dep.s.ray_port), *common]
         else:
-            argv = [ray, "start", "--address", f"{head.address}:{dep.s.ray_port}", *common]
+            words = ["start", "--address", f"{head.address}:{dep.s.ray_port}", *common]
+        if dep.runtime == "container":  # the engine image's Ray, in the foreground under systemd
+            argv = container_argv(dep, "k2-ray", words, env, entrypoint="ray", **_ray_container_files(env))
+        else:
+            argv = [venv_bin(dep, "ray"), *words]
         yield host.name, Service(
             name="k2-ray",
             argv=argv,
