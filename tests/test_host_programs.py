@@ -36,8 +36,8 @@ def test_the_archive_holds_every_host_program_and_nothing_else() -> None:
     with zipfile.ZipFile(__import__("io").BytesIO(archive_bytes())) as zf:
         names = zf.namelist()
         assert names == sorted(names)
-        assert set(names) == {"__main__.py", "k2fleet/__init__.py",
-                              *(f"k2fleet/hostprogs/{p.name}" for p in SOURCES.glob("*.py"))}
+        sources = {"__main__.py", "k2fleet/__init__.py", *(f"k2fleet/hostprogs/{p.name}" for p in SOURCES.glob("*.py"))}
+        assert set(names) == sources | {name + "c" for name in sources}  # each source and its bytecode
         assert zf.read("k2fleet/__init__.py") == b""  # not the product's package: nothing of it but the programs
         assert {info.date_time for info in zf.infolist()} == {(1980, 1, 1, 0, 0, 0)}
 
@@ -53,7 +53,40 @@ def test_each_program_loads_from_the_archive_with_the_standard_library_only(arch
     out = subprocess.run([*ISOLATED, "-c", f"import sys; sys.path.insert(0, {str(archive)!r}); "
                           f"import k2fleet.hostprogs.{program} as m; print(m.__file__)"],
                          capture_output=True, text=True, cwd=archive.parent, timeout=60)
-    assert out.returncode == 0 and out.stdout.strip() == f"{archive}/k2fleet/hostprogs/{program}.py", out.stderr
+    # this interpreter compiled the archive's bytecode, so it loads the pyc, not the source
+    assert out.returncode == 0 and out.stdout.strip() == f"{archive}/k2fleet/hostprogs/{program}.pyc", out.stderr
+
+
+def _rezip(archive: Path, out: Path, change: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(archive) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info, change.get(info.filename, src.read(info.filename)))
+    return out
+
+
+def test_bytecode_of_another_python_is_skipped_for_the_source(archive: Path, tmp_path: Path) -> None:
+    """A host whose Python has another bytecode version (another magic number) compiles the
+    source instead: the pyc is an optimisation, never a requirement."""
+    name = "k2fleet/hostprogs/health.py"
+    with zipfile.ZipFile(archive) as zf:
+        pyc = zf.read(name + "c")
+    other = _rezip(archive, tmp_path / "other.pyz", {name + "c": b"\x00\x00\r\n" + pyc[4:]})
+    out = subprocess.run([*ISOLATED, "-c", f"import sys; sys.path.insert(0, {str(other)!r}); "
+                          "import k2fleet.hostprogs.health as m; print(m.__file__)"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == f"{other}/{name}", out.stderr
+
+
+def test_bytecode_of_another_source_is_never_run(archive: Path, tmp_path: Path) -> None:
+    """Bytecode whose source hash does not match the source beside it (a pyc left from an
+    edit) is not run: the source is. (Bytes planted in the archive itself are the archive
+    pin's matter: the fact runs the archive only when its sha256 is the plan's.)"""
+    name = "k2fleet/hostprogs/image_pin.py"
+    from k2fleet.planning.host_archive import checked_pyc
+    stale = _rezip(archive, tmp_path / "stale.pyz", {name + "c": checked_pyc(b"PLANTED = True\n", f"{ARCHIVE}/{name}")})
+    out = subprocess.run([*ISOLATED, "-c", f"import sys; sys.path.insert(0, {str(stale)!r}); "
+                          "import k2fleet.hostprogs.image_pin as m; print(hasattr(m, 'PLANTED'), m.__file__)"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split() == ["False", f"{stale}/{name}"], (out.stdout, out.stderr)
 
 
 @pytest.mark.parametrize("program", ["relay", "verify", "health", "overlay", "raygate"])

@@ -261,6 +261,36 @@ def units(names: list) -> dict:
     return result
 
 
+class Systemd:
+    """``systemctl show`` of the probe's units, asked once (the report and the GPU gate
+    check both read it).
+
+    >>> sd = Systemd(["k2-vllm.service", "nvidia-fabricmanager.service"])
+    >>> sd.seen = {"nvidia-fabricmanager.service": {"ActiveState": "failed"}}
+    >>> sd.states(["nvidia-fabricmanager", "k2-vllm.service"]), sd.states(["nvidia-persistenced"])
+    (['failed', 'unknown'], None)
+    """
+
+    def __init__(self, names: list):
+        import threading
+        self.names, self.lock, self.seen = list(names), threading.Lock(), None
+
+    def show(self) -> dict:
+        with self.lock:
+            if self.seen is None:
+                self.seen = units(self.names)
+            return self.seen
+
+    def states(self, names: list) -> list | None:
+        """ActiveState of each of ``names`` (``X`` or ``X.service``), or None when one of
+        them is not among the probe's units (then ask systemctl)."""
+        full = [n if "." in n else n + ".service" for n in names]
+        if not all(n in self.names for n in full):
+            return None
+        shown = self.show()
+        return [shown.get(n, {}).get("ActiveState") or "unknown" for n in full]
+
+
 def packages(names: list, dpkg=None) -> list:
     """The installed ones of ``names``."""
     return sorted(package_versions(names, dpkg))
@@ -284,13 +314,14 @@ def _archive_program(argv: list) -> tuple | None:
 class _Check:
     """One check run in a thread of this process: ``code`` is its exit code once done. The
     GPU gate (``hoststate --gate``) is this module's own :func:`gate`, sharing the probe's
-    nvidia-smi answers (``smi``) and its one read of dpkg's database (``dpkg``)."""
+    nvidia-smi answers (``smi``), its one read of dpkg's database (``dpkg``) and its
+    ``systemctl show`` (``systemd``)."""
 
-    def __init__(self, archive: str, program: str, args: list, smi=None, dpkg=None):
+    def __init__(self, archive: str, program: str, args: list, smi=None, dpkg=None, systemd=None):
         import threading
         if archive not in sys.path:
             sys.path.insert(0, archive)  # the archive's own modules, never the host's
-        self.code, self.smi, self.dpkg = None, smi, dpkg
+        self.code, self.smi, self.dpkg, self.systemd = None, smi, dpkg, systemd
         self.thread = threading.Thread(target=self._run, args=(program, args), daemon=True)
         self.thread.start()
 
@@ -298,7 +329,7 @@ class _Check:
         import importlib
         try:
             if program == "hoststate" and args[:1] == ["--gate"] and len(args) == 2:
-                code = gate(json.loads(args[1]), self.smi, self.dpkg)
+                code = gate(json.loads(args[1]), self.smi, self.dpkg, self.systemd)
             else:
                 code = importlib.import_module("k2fleet.hostprogs." + program).main(list(args))
         except SystemExit as exc:
@@ -317,7 +348,7 @@ class _Check:
         pass
 
 
-def start_checks(named: dict, smi=None, dpkg=None) -> dict:
+def start_checks(named: dict, smi=None, dpkg=None, systemd=None) -> dict:
     """Start every named argv at once (when its program exists): name → running check or
     None. The archive's read-only programs run as threads of this process (their output
     discarded: stdout and stderr point at /dev/null until :func:`finish_checks`), other
@@ -330,7 +361,7 @@ def start_checks(named: dict, smi=None, dpkg=None) -> dict:
             if quiet is None:
                 quiet = open(os.devnull, "w")
                 sys.stdout, sys.stderr = quiet, quiet
-            started[name] = _Check(inside[0], inside[1], argv[3:], smi, dpkg)
+            started[name] = _Check(inside[0], inside[1], argv[3:], smi, dpkg, systemd)
             continue
         if not os.path.exists(argv[1] if argv[0].endswith("python3") and len(argv) > 1 else argv[0]):
             started[name] = None
@@ -466,16 +497,17 @@ def unit_states(names: list) -> list:
     return states + ["unknown"] * (len(names) - len(states))
 
 
-def gate(want: dict, smi=None, dpkg=None) -> int:
+def gate(want: dict, smi=None, dpkg=None, systemd=None) -> int:
     """Compare the host with ``want`` until it matches or ``want['timeout']`` passes;
-    print every mismatch of the last look (see the module doc). ``smi`` and ``dpkg``: the
-    probe's memos (its one nvidia-smi answer per question, its one read of dpkg's
-    database); standalone, each look asks anew."""
+    print every mismatch of the last look (see the module doc). ``smi``, ``dpkg`` and
+    ``systemd``: the probe's memos (its one nvidia-smi answer per question, its one read of
+    dpkg's database, its one ``systemctl show``); standalone, each look asks anew."""
     deadline = time.monotonic() + float(want.get("timeout", 0))
     while True:
         problems = nvidia_problems(want, smi, dpkg) if want["vendor"] == "nvidia" else amd_problems(want)
         services = want.get("services", [])
-        for unit, state in zip(services, unit_states(services)):
+        states = systemd.states(services) if systemd is not None else None
+        for unit, state in zip(services, unit_states(services) if states is None else states):
             if state != "active":
                 problems.append(f"{unit} is {state or 'unknown'}")
         if not problems or time.monotonic() >= deadline:
@@ -491,8 +523,8 @@ def main(argv: list | None = None) -> int:
     if argv[:1] == ["--gate"]:
         return gate(json.loads(argv[1]))
     query = json.loads(argv[0]) if argv else {}
-    smi, dpkg = Memo(), Dpkg()
-    running = start_checks(query.get("checks", {}), smi, dpkg)  # they run while the rest is read
+    smi, dpkg, systemd = Memo(), Dpkg(), Systemd(query.get("units", []))
+    running = start_checks(query.get("checks", {}), smi, dpkg, systemd)  # they run while the rest is read
     report = {
         "gpus": gpus(smi),
         "disk_free": disk_free(query.get("disk_path", "/")),
@@ -503,7 +535,7 @@ def main(argv: list | None = None) -> int:
         "files": {p: sha256_of(p) for p in query.get("files", [])},
         "exists": {p: os.path.exists(p) for p in query.get("exists", [])},
         "globs": {g: sorted(glob.glob(g)) for g in query.get("globs", [])},
-        "units": units(query.get("units", [])),
+        "units": systemd.show(),
         "packages": packages(query.get("packages", []), dpkg),
         "checks": finish_checks(running),
         "bootstrap": bootstrap_state(query, dpkg),

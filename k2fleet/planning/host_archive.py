@@ -5,9 +5,18 @@ Every program in :mod:`k2fleet.hostprogs` runs on a host from one archive,
 with the engine venv's python, the Hub downloader with the Hub client's); the archive is a
 file of the desired state, so its sha256 is in ``k2fleet plan --json`` and a host whose copy
 differs gets it again. The bytes depend on the programs' sources alone (entries sorted,
-fixed timestamps and modes), so every control machine with the same checkout ships the
-same archive. Inside, the programs import one another as ``k2fleet.hostprogs.NAME`` only:
-nothing on a host's own ``sys.path`` can stand in for one of them.
+fixed timestamps and modes), so every control machine with the same checkout and the same
+Python minor version ships the same archive. Inside, the programs import one another as
+``k2fleet.hostprogs.NAME`` only: nothing on a host's own ``sys.path`` can stand in for one of
+them.
+
+Each module is there twice: its source and its bytecode (``NAME.pyc`` beside ``NAME.py``,
+a hash-checked pyc of PEP 552, compiled by the control machine's interpreter). Python's
+zip importer never writes bytecode, so without it every run of a program — the state probe
+at every deploy, on every host — would compile its modules again. A host whose Python has
+another bytecode version skips the pyc (its magic number differs) and compiles the
+source, as before; a pyc is used only while the source beside it has the hash it was
+compiled from.
 
 >>> host_argv("verify", "--marker-only", "/m/k2")
 ['/usr/bin/python3', '/opt/k2fleet/lib/k2fleet-host.pyz', 'verify', '--marker-only', '/m/k2']
@@ -18,7 +27,9 @@ True
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import io
+import marshal
 import zipfile
 from functools import lru_cache
 from pathlib import Path
@@ -53,13 +64,31 @@ def archive_sha256() -> str:
     return hashlib.sha256(archive_bytes()).hexdigest()
 
 
+def checked_pyc(source: bytes, filename: str) -> bytes:
+    """``source`` compiled by this interpreter as a hash-checked pyc (PEP 552: magic number,
+    flags 0b11, the source's hash, the marshalled code), ``filename`` being where the host
+    imports it from (what its tracebacks name).
+
+    >>> pyc = checked_pyc(b"x = 1\\n", "/opt/k2fleet/lib/k2fleet-host.pyz/m.py")
+    >>> pyc[:4] == importlib.util.MAGIC_NUMBER and pyc[4:8] == b"\\x03\\0\\0\\0"
+    True
+    """
+    code = compile(source, filename, "exec", dont_inherit=True, optimize=0)
+    return (importlib.util.MAGIC_NUMBER + (0b11).to_bytes(4, "little") + importlib.util.source_hash(source)
+            + marshal.dumps(code))
+
+
 @lru_cache(maxsize=1)
 def archive_bytes() -> bytes:
     """The zipapp: ``__main__.py``, ``k2fleet/__init__.py`` (empty) and every module of
-    :mod:`k2fleet.hostprogs` (reproducible: the same sources give the same bytes)."""
-    entries = {"__main__.py": MAIN.format(programs=PROGRAMS).encode(), "k2fleet/__init__.py": b""}
+    :mod:`k2fleet.hostprogs`, each with its bytecode (:func:`checked_pyc`); reproducible: the
+    same sources and interpreter give the same bytes."""
+    sources = {"__main__.py": MAIN.format(programs=PROGRAMS).encode(), "k2fleet/__init__.py": b""}
     for path in sorted(SOURCES.glob("*.py")):
-        entries[f"k2fleet/hostprogs/{path.name}"] = path.read_bytes()
+        sources[f"k2fleet/hostprogs/{path.name}"] = path.read_bytes()
+    entries = dict(sources)
+    for name, source in sources.items():
+        entries[name + "c"] = checked_pyc(source, f"{ARCHIVE}/{name}")
     buf = io.BytesIO()
     buf.write(b"#!/usr/bin/python3\n")
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
