@@ -237,3 +237,24 @@ def test_a_bad_inventory_is_refused_before_any_connection(seam: dict[str, Any], 
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and "k2_port" in err
     assert seam["calls"] == []
+
+
+def test_gather_facts_through_pyinfra_on_loopback(tmp_path: Path) -> None:
+    """The real seam, through pyinfra's API: ``@local`` (this machine, the probe only reads)
+    answers a HostReport; a host whose probe gives nothing is named, not raised. In a
+    subprocess: the gathering patches the socket module for gevent, as pyinfra's CLI does."""
+    import subprocess
+    import sys
+
+    inventory = tmp_path / "local.py"
+    inventory.write_text('hosts = ["@local", "@fake/silent"]\n')
+    code = ("import json, sys\nfrom k2fleet.deploy.status import gather_facts\n"
+            f"out = gather_facts({str(inventory)!r}, [], {{'@local': {{'disk_path': '/', 'files': ['/etc/hostname']}},"
+            " '@fake/silent': {'disk_path': '/'}})\n"
+            "print(json.dumps({k: v if isinstance(v, str) else sorted(v.files) for k, v in out.items()}))\n")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root,
+                         env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1]) == {"@local": ["/etc/hostname"],
+                                                        "@fake/silent": "the HostState probe gave no report"}
