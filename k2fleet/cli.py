@@ -1,9 +1,11 @@
-"""``k2fleet`` command line: validate and plan inventories offline, gather an air-gapped bundle;
+"""``k2fleet`` command line: validate and plan inventories offline, report a fleet's status and
+drift (read-only), gather an air-gapped bundle;
 with the sandbox package installed, also rehearse an inventory and run the sandbox fleet
 (commands it adds through the entry-point group ``k2fleet.commands``).
 
     k2fleet validate inventories/h200.py [--data KEY=VALUE ...]
     k2fleet plan inventories/h200.py [--json] [--data KEY=VALUE ...]
+    k2fleet status inventories/h200.py [--json] [--completion]   # read-only: drift and health, exit 1 on either
     k2fleet keys                      # every inventory key, as Markdown
     k2fleet rehearse inventories/h200.py [--keep] [--bundle DIR --offline] [--data KEY=VALUE ...]
     k2fleet bundle inventories/h200.py --out DIR [--rehearsal] [--locked LOCK] [--only PART]
@@ -125,6 +127,102 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def status_document(dep: Deployment, plan: Plan, facts: dict, completion: tuple[bool, str] | None = None) -> dict:
+    """The ``k2fleet status --json`` document: per host its :class:`~k2fleet.planning.host_status.HostStatus`
+    (``facts``: host → HostState report, or why it could not be gathered); ``ok``: every host
+    settled and healthy (and the endpoint's completion answered, when asked)."""
+    from k2fleet.control.artifacts import read_control_artifacts
+    from k2fleet.planning.desired import desired_state
+    from k2fleet.planning.host_status import host_status, unreachable
+
+    desired = desired_state(dep, plan, read_control_artifacts(dep, plan))
+    engine = {"engine": dep.engine, "planned_version": plan.engine_version, "runtime": plan.runtime}
+    checks = tuple(ws.check for ws in dep.weight_sets)
+    hosts = {}
+    for h in dep.fleet.hosts:
+        seen = facts.get(h.name, "no fact gathered")
+        hosts[h.name] = (unreachable(h.name, seen) if isinstance(seen, str)
+                         else host_status(desired[h.name], seen, engine, checks)).to_json()
+        hosts[h.name]["address"] = h.address
+    endpoint = plan.endpoint()
+    ok = all(s["ok"] for s in hosts.values()) and (completion is None or completion[0])
+    return {"source": plan.source, "ok": ok, **engine,
+            "endpoint": f"http://{endpoint[0]}:{endpoint[1]}/v1" if endpoint else None,
+            "completion": None if completion is None else {"ok": completion[0], "detail": completion[1]},
+            "hosts": hosts}
+
+
+def format_status(doc: dict) -> str:
+    """``k2fleet status`` as text: a table (one row a host), then each host's units, engine,
+    driver, checkpoint, checks and drift."""
+    rows = [("HOST", "STATE", "UNITS", "CHECKPOINT", "HEALTH", "DRIFT")]
+    for name, s in doc["hosts"].items():
+        units = "-" if s["error"] else f"{sum(v.startswith('active') for v in s['units'].values())}/{len(s['units'])} active"
+        marks = set(s["checkpoint"].values())
+        rows.append((name, "ok" if s["ok"] else ("unreachable" if s["error"] else "DRIFT"), units,
+                     "-" if not marks else ("verified" if marks == {"verified"} else "NOT VERIFIED"),
+                     s["checks"].get("healthy", "-"), str(len(s["drift"]))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = [f"# {doc['source']}: {doc['engine']} {doc['planned_version']} ({doc['runtime']})"
+           + (f", endpoint {doc['endpoint']}" if doc["endpoint"] else "")]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    for name, s in doc["hosts"].items():
+        out.append(f"\n== {name} ({s['address']}): {'ok' if s['ok'] else 'drift' if not s['error'] else 'not reached'}")
+        if s["error"]:
+            out.append(f"  drift: host {name}: not reached: {s['error']}")
+            continue
+        out.append("  units: " + (", ".join(f"{u} {v}" for u, v in s["units"].items()) or "none"))
+        e = s["engine"]
+        pin = (f"image {e['image']}" if "image" in e else f"venv {e['venv']}" if "venv" in e else "")
+        out.append(f"  engine: {e.get('engine')} {e.get('planned_version')} planned, running "
+                   f"{e.get('running_version') or 'unknown'}" + (f"; {pin} (pin {e.get('pin')})" if pin else ""))
+        d = s["driver"]
+        line = f"  driver: {d.get('gpus')}x {d.get('gpu') or 'no GPU'}, driver {d.get('driver') or 'none'}"
+        if "module" in d:
+            line += f" (module {d['module'] or 'not loaded'}, planned branch {d.get('planned_branch')})"
+            line += f", fabric {d.get('fabric') or 'none'}"
+            line += "".join(f", {u} {v}" for u, v in d.get("fabric_services", {}).items())
+            line += f"; gate {d['gate']}" if "gate" in d else ""
+        out.append(line)
+        if s["checkpoint"]:
+            out.append("  checkpoint: " + ", ".join(f"{c} {v}" for c, v in s["checkpoint"].items()))
+        out.append("  checks: " + (", ".join(f"{c} {v}" for c, v in s["checks"].items()) or "none"))
+        out += [f"  drift: {d['kind']} {d['subject']}: {d['detail']}" for d in s["drift"]] or ["  drift: none"]
+    if doc["completion"] is not None:
+        c = doc["completion"]
+        out.append(f"\nendpoint {doc['endpoint']}: {'ok' if c['ok'] else 'FAILING'}: {c['detail']}")
+    bad = [n for n, s in doc["hosts"].items() if not s["ok"]]
+    out.append(f"\nstatus: {len(doc['hosts'])} hosts, " + ("all settled and healthy" if not bad else
+               f"{len(bad)} with drift or ill health: {', '.join(bad)}")
+               + ("" if doc["completion"] is None or doc["completion"]["ok"] else "; the endpoint's completion failed"))
+    return "\n".join(out) + "\n"
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    dep, plan = load_plan(args.inventory, args.data)  # a bad inventory: one line, exit 2, before any connection
+    from k2fleet.control.artifacts import read_control_artifacts
+    from k2fleet.deploy import status as gathering
+    from k2fleet.planning.desired import desired_state
+
+    desired = desired_state(dep, plan, read_control_artifacts(dep, plan))  # read only: nothing is made
+    facts = gathering.gather_facts(str(args.inventory), args.data,
+                                   {name: d.fact_query(dep.s.model_dir) for name, d in desired.items()})
+    completion = None
+    if args.completion:
+        from k2fleet.control.artifacts import read_api_key
+        from k2fleet.control.endpoint import endpoint_completion
+
+        endpoint = plan.endpoint()
+        completion = (endpoint_completion(f"http://{endpoint[0]}:{endpoint[1]}", dep.api_model_name, read_api_key(dep))
+                      if endpoint else (False, "the plan has no endpoint"))
+    doc = status_document(dep, plan, facts, completion)
+    if args.json:
+        sys.stdout.write(json.dumps(doc) + "\n")
+    else:
+        sys.stdout.write(format_status(doc))
+    return 0 if doc["ok"] else 1
+
+
 def _cmd_keys(args: argparse.Namespace) -> int:
     sys.stdout.write(keys_markdown())
     return 0
@@ -183,6 +281,13 @@ def parser() -> argparse.ArgumentParser:
     _inventory_arguments(pl)
     pl.add_argument("--json", action="store_true", help="machine-readable plan")
     pl.set_defaults(func=_cmd_plan)
+    st = sub.add_parser("status", help="each host's units, engine, driver, checkpoint, health and drift from the "
+                        "plan (read-only, one round trip a host); exit 1 on drift or ill health")
+    _inventory_arguments(st)
+    st.add_argument("--json", action="store_true", help="machine-readable status")
+    st.add_argument("--completion", action="store_true",
+                    help="also send one real chat completion through the fleet's endpoint from this machine")
+    st.set_defaults(func=_cmd_status)
     k = sub.add_parser("keys", help="print the inventory key reference (Markdown)")
     k.set_defaults(func=_cmd_keys)
     bu = sub.add_parser("bundle", help="gather everything an air-gapped fleet needs into DIR, with k2fleet.lock")

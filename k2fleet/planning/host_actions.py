@@ -4,7 +4,7 @@
 (:class:`~k2fleet.planning.desired.HostDesired`) and what the one HostState fact saw
 (:class:`~k2fleet.planning.host_fact.HostReport`): files to write, packages to install,
 the bootstrap's pending and obsolete packages and its reboot, stale units to remove,
-units to start, checks that fail (GPU gate, checkpoint, image pin, Hub client, engine-side
+units to start or enable, packages to hold, checks that fail (GPU gate, checkpoint, image pin, Hub client, engine-side
 wheels, health) and paths that must exist. A host with none is *settled*.
 
 The roles carry out the differences; when every host of the fleet is settled the deploy
@@ -44,6 +44,8 @@ class HostActions:
     reboot: str | None = None  # why the bootstrap reboots the host
     stale_units: tuple[str, ...] = ()  # k2fleet units the plan no longer has
     start: tuple[str, ...] = ()  # planned units not active
+    enable: tuple[str, ...] = ()  # planned units active but disabled (or masked): they would not start at boot
+    holds: tuple[str, ...] = ()  # packages the bootstrap holds that are not held (or that this run changes)
     failing_checks: tuple[str, ...] = ()  # the fact's checks that did not pass
     missing: tuple[str, ...] = ()  # paths that must exist and do not
     remove: tuple[str, ...] = ()  # paths that must not exist and do (e.g. a mesh key this host no longer holds)
@@ -52,13 +54,13 @@ class HostActions:
     @property
     def settled(self) -> bool:
         return not (self.files or self.packages or self.bootstrap_packages or self.reboot or self.stale_units
-                    or self.start or self.failing_checks or self.missing or self.remove)
+                    or self.start or self.enable or self.holds or self.failing_checks or self.missing or self.remove)
 
     def describe(self) -> str:
         """One line: what differs (empty when settled)."""
         parts = [("files", self.files), ("packages", self.packages), ("bootstrap packages", self.bootstrap_packages),
                  ("reboot", (self.reboot,) if self.reboot else ()), ("stale units", self.stale_units),
-                 ("start", self.start), ("failing checks", self.failing_checks), ("missing", self.missing),
+                 ("start", self.start), ("enable", self.enable), ("hold", self.holds), ("failing checks", self.failing_checks), ("missing", self.missing),
                  ("remove", self.remove)]
         return "; ".join(f"{what}: {', '.join(items)}" for what, items in parts if items)
 
@@ -75,18 +77,23 @@ def host_actions(desired: HostDesired, fact: HostReport) -> HostActions:
                          if p.rsplit("/", 1)[1] not in planned))
     boot = desired.bootstrap
     bootstrap_packages: tuple[str, ...] = ()
+    holds: tuple[str, ...] = ()
     reboot = None
     if boot is not None:
         bootstrap_packages = tuple(sorted({p.name for p in bootstrap.pending_packages(boot, fact.boot)}
                                           | set(bootstrap.obsolete_packages(boot, fact.boot))))
+        holds = tuple(bootstrap.missing_holds(boot, fact.boot))
         reboot = bootstrap.reboot_reason(boot, fact.boot)
+    start = tuple(u for u in desired.units if not fact.unit_active(u) and u not in yielded)
     return HostActions(
         files=files,
         packages=tuple(p for p in desired.packages if p not in fact.packages),
         bootstrap_packages=bootstrap_packages,
         reboot=reboot,
         stale_units=stale,
-        start=tuple(u for u in desired.units if not fact.unit_active(u) and u not in yielded),
+        start=start,
+        enable=tuple(u for u in desired.units if u not in start and u not in yielded and not fact.unit_enabled(u)),
+        holds=holds,
         failing_checks=tuple(sorted(name for name in desired.checks if not fact.passed(name))),
         missing=tuple(p for p in desired.exists if not fact.exists.get(p)),
         remove=tuple(p for p in desired.absent if fact.exists.get(p)),

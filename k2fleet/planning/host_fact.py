@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+NOT_ENABLED = ("disabled", "masked", "masked-runtime")  # UnitFileState of a unit that does not start at boot
+
+
 @dataclass(frozen=True)
 class Gpus:
     vendor: str | None
@@ -90,3 +93,8 @@ class HostReport:
 
     def unit_active(self, unit: str) -> bool:
         return self.units.get(unit, {}).get("ActiveState") == "active"
+
+    def unit_enabled(self, unit: str) -> bool:
+        """Does ``unit`` start at boot? False only when systemd reported it ``disabled`` or
+        masked (a fact without ``UnitFileState``, or a static unit, counts as enabled)."""
+        return self.units.get(unit, {}).get("UnitFileState") not in NOT_ENABLED

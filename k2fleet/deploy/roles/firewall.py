@@ -50,6 +50,7 @@ def configure(desired: HostDesired, fact: HostReport, tracked: list, rules_path:
     active = fact.unit_active(unit)
     loaded = fact.passed(plan_firewall.CHECK)
     command(name="reload systemd for the firewall unit", argv=["systemctl", "daemon-reload"], _if=written.did_change)
-    unit_running(name="load k2fleet's nftables table (k2-firewall.service)", unit=unit, active=active)
+    unit_running(name="load k2fleet's nftables table (k2-firewall.service)", unit=unit,
+                 active=active and fact.unit_enabled(unit))
     command(name="reload k2fleet's nftables table (rules changed or not loaded)",
             argv=start_or_explain(unit, "reload"), _if=lambda: active and (written.did_change() or not loaded))

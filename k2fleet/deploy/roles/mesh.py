@@ -42,7 +42,8 @@ def configure(desired: HostDesired, fact: HostReport, tracked: list) -> None:
     yielded = any(fact.unit_active(unit) for unit in desired.mesh_yields_to)
     command(name="reload systemd for the mesh unit", argv=["systemctl", "daemon-reload"],
             _if=lambda: bool(files) and written.did_change())
-    unit_running(name="start the mesh sshd", unit=UNIT, active=was_active or not files or yielded)
+    unit_running(name="start the mesh sshd", unit=UNIT,
+                 active=(was_active and fact.unit_enabled(UNIT)) or not files or yielded)
     command(name="restart the mesh sshd (config changed)", argv=["systemctl", "restart", UNIT],
             _if=lambda: bool(files) and was_active and written.did_change())
 

@@ -73,6 +73,6 @@ def start(desired: HostDesired, fact: HostReport, tracked: list, restart_all: bo
         mine = (stage, name) in desired.own_slots  # a name can start at one stage on the head, a later one on members
         unit = f"{name}.service"
         tracked.append(unit_running(name=f"stage {stage}: start {name}", unit=unit,
-                                    active=fact.unit_active(unit) or not mine))
+                                    active=(fact.unit_active(unit) and fact.unit_enabled(unit)) or not mine))
         tracked.append(command(name=f"stage {stage}: bring {name} back up (its files changed or hosts rebooted)",
                                argv=start_or_explain(unit), _if=changed(stage, name)))

@@ -1,0 +1,19 @@
+"""One real chat completion from the control machine through the fleet's endpoint (what a
+client sees: the router or API front when there is one), for ``k2fleet status --completion``.
+The API key (``k2_api_key_file``) is sent as ``Authorization: Bearer``, never printed."""
+
+from __future__ import annotations
+
+from k2fleet.hostprogs import health
+
+
+def endpoint_completion(base: str, model: str, key: bytes | None = None) -> tuple[bool, str]:
+    """(answered, one line): a chat completion to ``base`` (``http://ADDRESS:PORT``) and
+    what came back (the first words of the answer, or why there was none)."""
+    try:
+        answer = health.chat(base, model, None if key is None else key.decode("ascii").strip())
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        return False, " ".join(f"chat completion failed: {exc}".split())[:200]
+    if not answer:
+        return False, "chat completion returned an empty answer"
+    return True, f"completion: {answer[:60]!r}"
