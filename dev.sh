@@ -17,6 +17,9 @@ setup() {
     python3 -m venv "$VENV"
   fi
   "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[test]'
+  # the checkout's bytecode, as pip writes it for an installed package (an editable install
+  # gets none, and with PYTHONDONTWRITEBYTECODE set every pyinfra run would compile k2fleet again)
+  "$VENV/bin/python" -m compileall -q k2fleet k2sandbox >/dev/null
   export PATH="$PWD/$VENV/bin:$PATH"
 }
 

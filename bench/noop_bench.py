@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--short", action="store_true", help="2 hosts, 1 round (the test suite's run)")
     args = ap.parse_args(argv)
     hosts, rounds = (2, 1) if args.short else (args.hosts, args.rounds)
+    # both sides run with their bytecode: pyinfra's (pip compiled it) and k2fleet's (an editable
+    # checkout gets none from pip; ./dev.sh compiles it, and so does this, in case)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "k2fleet", "k2sandbox"], cwd=ROOT, check=True,
+                   stdout=subprocess.DEVNULL)
     with nspawn.hold_sandbox_lock():
         nspawn.up(hosts, hardware=nspawn.parse_gpus(GPUS))
         ensure_sandbox_checkpoint()
