@@ -407,13 +407,23 @@ def _smi(args: list) -> tuple:
 
 class Memo:
     """``_smi`` remembered for one probe: the report and the GPU gate check ask nvidia-smi
-    the same questions once (one lock per question: different ones run at once)."""
+    the same questions once (one lock per question: different ones run at once). With
+    ``full_first`` (the probe will read ``nvidia-smi -q`` anyway: the gate checks the NVLink
+    fabric), the CSV question is answered from that one ``-q`` (:func:`csv_from_full`): one
+    nvidia-smi, so one NVML start, per probe; it is asked itself only when ``-q`` cannot
+    answer it."""
 
-    def __init__(self, smi=None):
+    def __init__(self, smi=None, full_first: bool = False):
         import threading
         self.smi, self.lock, self.locks, self.seen = smi or _smi, threading.Lock(), {}, {}
+        self.full_first = full_first
 
     def __call__(self, args: list) -> tuple:
+        if self.full_first and list(args) == SMI_QUERY:
+            code, out = self(["-q"])
+            rows = csv_from_full(out) if code == 0 else None
+            if rows:
+                return 0, rows
         key = tuple(args)
         with self.lock:
             mine = self.locks.setdefault(key, __import__("threading").Lock())
@@ -421,6 +431,51 @@ class Memo:
             if key not in self.seen:
                 self.seen[key] = self.smi(args)
             return self.seen[key]
+
+
+def csv_from_full(text: str) -> str | None:
+    """The :data:`SMI_QUERY` answer (``name, memory.total MiB, driver_version`` a GPU) read
+    from ``nvidia-smi -q`` output, or None when a GPU lacks one of them.
+
+    >>> q = "Driver Version : 580.95.05\\nAttached GPUs : 1\\nGPU 00000000:18:00.0\\n"
+    >>> q += "    Product Name : NVIDIA H200\\n    FB Memory Usage\\n        Total : 143771 MiB\\n        Used : 0 MiB\\n"
+    >>> csv_from_full(q)
+    'NVIDIA H200, 143771, 580.95.05'
+    >>> csv_from_full("Driver Version : 580.95.05\\nGPU 00000000:18:00.0\\n    Product Name : NVIDIA H200\\n") is None
+    True
+    """
+    driver, gpus, current, in_fb = None, [], None, False
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        name, value, depth = key.strip(), value.strip(), len(line) - len(line.lstrip())
+        if line.startswith("GPU "):
+            current, in_fb = {}, False
+            gpus.append(current)
+        elif sep and depth == 0 and name == "Driver Version":
+            driver = value
+        elif current is None:
+            continue
+        elif not sep and depth == 4:
+            in_fb = name == "FB Memory Usage"
+        elif sep and depth == 4 and name == "Product Name":
+            current["name"] = value
+        elif sep and in_fb and depth == 8 and name == "Total" and value.endswith(" MiB"):
+            current["memory"] = value[:-4].strip()
+    if not driver or not gpus or not all("name" in g and "memory" in g for g in gpus):
+        return None
+    return "\n".join(f"{g['name']}, {g['memory']}, {driver}" for g in gpus)
+
+
+def _wants_fabric(checks: dict) -> bool:
+    """Does one of the probe's checks run the GPU gate with the NVLink fabric expected?"""
+    for argv in checks.values():
+        inside = _archive_program(argv)
+        if inside and inside[1] == "hoststate" and argv[3:4] == ["--gate"] and len(argv) == 5:
+            try:
+                return bool(json.loads(argv[4]).get("fabric"))
+            except ValueError:
+                return False
+    return False
 
 
 def fabric_states(text: str) -> list:
@@ -523,8 +578,9 @@ def main(argv: list | None = None) -> int:
     if argv[:1] == ["--gate"]:
         return gate(json.loads(argv[1]))
     query = json.loads(argv[0]) if argv else {}
-    smi, dpkg, systemd = Memo(), Dpkg(), Systemd(query.get("units", []))
-    running = start_checks(query.get("checks", {}), smi, dpkg, systemd)  # they run while the rest is read
+    checks = query.get("checks", {})
+    smi, dpkg, systemd = Memo(full_first=_wants_fabric(checks)), Dpkg(), Systemd(query.get("units", []))
+    running = start_checks(checks, smi, dpkg, systemd)  # they run while the rest is read
     report = {
         "gpus": gpus(smi),
         "disk_free": disk_free(query.get("disk_path", "/")),
