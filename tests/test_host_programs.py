@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from k2fleet.deploy.facts import PROBE
+from k2fleet.hostprogs.hoststate import IN_PROCESS
 from k2fleet.planning.host_archive import ARCHIVE, PROGRAMS, SOURCES, archive_bytes, host_argv
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,7 +38,8 @@ def test_the_archive_holds_every_host_program_and_nothing_else() -> None:
         names = zf.namelist()
         assert names == sorted(names)
         sources = {"__main__.py", "k2fleet/__init__.py", *(f"k2fleet/hostprogs/{p.name}" for p in SOURCES.glob("*.py"))}
-        assert set(names) == sources | {name + "c" for name in sources}  # each source and its bytecode
+        probe = {f"k2fleet/hostprogs/{p}.pyc" for p in IN_PROCESS}  # the probe's programs with their bytecode
+        assert set(names) == sources | probe and len(probe) == 4
         assert zf.read("k2fleet/__init__.py") == b""  # not the product's package: nothing of it but the programs
         assert {info.date_time for info in zf.infolist()} == {(1980, 1, 1, 0, 0, 0)}
 
@@ -53,8 +55,9 @@ def test_each_program_loads_from_the_archive_with_the_standard_library_only(arch
     out = subprocess.run([*ISOLATED, "-c", f"import sys; sys.path.insert(0, {str(archive)!r}); "
                           f"import k2fleet.hostprogs.{program} as m; print(m.__file__)"],
                          capture_output=True, text=True, cwd=archive.parent, timeout=60)
-    # this interpreter compiled the archive's bytecode, so it loads the pyc, not the source
-    assert out.returncode == 0 and out.stdout.strip() == f"{archive}/k2fleet/hostprogs/{program}.pyc", out.stderr
+    # this interpreter compiled the archive's bytecode of the probe's programs, so it loads their pyc
+    suffix = ".pyc" if program in IN_PROCESS else ".py"
+    assert out.returncode == 0 and out.stdout.strip() == f"{archive}/k2fleet/hostprogs/{program}{suffix}", out.stderr
 
 
 def _rezip(archive: Path, out: Path, change: dict[str, bytes]) -> Path:

@@ -10,10 +10,12 @@ Python minor version ships the same archive. Inside, the programs import one ano
 ``k2fleet.hostprogs.NAME`` only: nothing on a host's own ``sys.path`` can stand in for one of
 them.
 
-Each module is there twice: its source and its bytecode (``NAME.pyc`` beside ``NAME.py``,
-a hash-checked pyc of PEP 552, compiled by the control machine's interpreter). Python's
-zip importer never writes bytecode, so without it every run of a program — the state probe
-at every deploy, on every host — would compile its modules again. A host whose Python has
+The programs the state probe runs at every deploy, on every host (hoststate's
+``IN_PROCESS``: the probe itself and its read-only checks) are there twice: their source and
+their bytecode (``NAME.pyc`` beside ``NAME.py``, a hash-checked pyc of PEP 552, compiled by
+the control machine's interpreter). Python's zip importer never writes bytecode, so without
+it every probe would compile them again; the others (the relay, the downloader, ...) run
+once per transfer, where a compile does not count, and are shipped as source alone. A host whose Python has
 another bytecode version skips the pyc (its magic number differs) and compiles the
 source, as before; a pyc is used only while the source beside it has the hash it was
 compiled from.
@@ -33,6 +35,8 @@ import marshal
 import zipfile
 from functools import lru_cache
 from pathlib import Path
+
+from k2fleet.hostprogs.hoststate import IN_PROCESS
 
 ARCHIVE = "/opt/k2fleet/lib/k2fleet-host.pyz"
 SOURCES = Path(__file__).resolve().parents[1] / "hostprogs"
@@ -81,14 +85,15 @@ def checked_pyc(source: bytes, filename: str) -> bytes:
 @lru_cache(maxsize=1)
 def archive_bytes() -> bytes:
     """The zipapp: ``__main__.py``, ``k2fleet/__init__.py`` (empty) and every module of
-    :mod:`k2fleet.hostprogs`, each with its bytecode (:func:`checked_pyc`); reproducible: the
-    same sources and interpreter give the same bytes."""
+    :mod:`k2fleet.hostprogs`, the probe's programs with their bytecode (:func:`checked_pyc`);
+    reproducible: the same sources and interpreter give the same bytes."""
     sources = {"__main__.py": MAIN.format(programs=PROGRAMS).encode(), "k2fleet/__init__.py": b""}
     for path in sorted(SOURCES.glob("*.py")):
         sources[f"k2fleet/hostprogs/{path.name}"] = path.read_bytes()
     entries = dict(sources)
-    for name, source in sources.items():
-        entries[name + "c"] = checked_pyc(source, f"{ARCHIVE}/{name}")
+    for program in IN_PROCESS:
+        name = f"k2fleet/hostprogs/{program}.py"
+        entries[name + "c"] = checked_pyc(sources[name], f"{ARCHIVE}/{name}")
     buf = io.BytesIO()
     buf.write(b"#!/usr/bin/python3\n")
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
