@@ -148,6 +148,13 @@ def read_api_key(dep: Deployment) -> bytes | None:
     return Path(dep.s.api_key_file).read_bytes().strip()
 
 
+def read_keyrings(dep: Deployment) -> dict[str, bytes]:
+    """The mirrors' keyrings (``k2_os_mirror_keyring``, ``k2_nvidia_repo_keyring``): control path →
+    bytes (the gate checked them: regular files, OpenPGP key material, at most 1 MiB)."""
+    paths = [p for p in (dep.s.os_mirror_keyring, dep.s.nvidia_repo_keyring) if p]
+    return {p: Path(p).read_bytes() for p in paths}
+
+
 def _read_secret(path: Path) -> bytes | None:
     try:
         return path.read_bytes()
@@ -181,7 +188,8 @@ def _from_bundle(dep: Deployment, plan: Plan, clients: dict[str, tuple[bytes, by
     return ControlArtifacts(mesh_clients=clients, mesh_hosts=hosts, hub_requirement=_hub_requirement(dep),
                             wheels=found.hub_wheels, bundles=found.debs, images=found.images,
                             engine_wheels=found.engine_wheels, engine_doubles=engine_doubles_for(dep),
-                            relay_secret=relay_secret, api_key=read_api_key(dep), ray_token=ray_token)
+                            relay_secret=relay_secret, api_key=read_api_key(dep), ray_token=ray_token,
+                            keyrings=read_keyrings(dep))
 
 
 def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
@@ -199,7 +207,8 @@ def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
                             wheels=wheelhouse.wheel_files(cached) if cached else None,
                             images=_double_images(dep, plan, build=False),
                             engine_wheels=_engine_wheels(dep, plan, build=False), engine_doubles=engine_doubles_for(dep),
-                            relay_secret=relay_secret, api_key=read_api_key(dep), ray_token=ray_token)
+                            relay_secret=relay_secret, api_key=read_api_key(dep), ray_token=ray_token,
+                            keyrings=read_keyrings(dep))
 
 
 def _keypair(path: Path, comment: str) -> tuple[bytes, bytes]:
@@ -243,4 +252,5 @@ def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     return ControlArtifacts(mesh_clients=clients, mesh_hosts=hosts, hub_requirement=requirement, wheels=wheels,
                             bundles=bundles, images=_double_images(dep, plan, build=True),
                             engine_wheels=_engine_wheels(dep, plan, build=True), engine_doubles=engine_doubles_for(dep),
-                            relay_secret=relay_secret, api_key=read_api_key(dep), ray_token=ray_token)
+                            relay_secret=relay_secret, api_key=read_api_key(dep), ray_token=ray_token,
+                            keyrings=read_keyrings(dep))
