@@ -109,7 +109,7 @@ def _engine_side_sets(dep: Deployment, plan: Plan) -> dict[tuple[str, ...], str]
 def _engine_wheelhouse(dep: Deployment, requirements: tuple[str, ...], python: str, build: bool) -> Path | None:
     where = dict(pythons=(python,), archs=(host_arch(dep),))
     if build:
-        return wheelhouse.ensure_wheelhouse(list(requirements), **where)
+        return wheelhouse.ensure_wheelhouse(list(requirements), index=dep.s.pypi_index, **where)
     return wheelhouse.cached_wheelhouse(list(requirements), **where)
 
 
@@ -243,7 +243,8 @@ def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     if dep.s.bundle is not None:
         return _from_bundle(dep, plan, clients, hosts, relay_secret, ray_token)
     requirement = _hub_requirement(dep)
-    wheels = wheelhouse.wheel_files(wheelhouse.ensure_wheelhouse([requirement])) if requirement else None
+    wheels = (wheelhouse.wheel_files(wheelhouse.ensure_wheelhouse([requirement], index=dep.s.pypi_index))
+              if requirement else None)
     bundles = {}
     if dep.s.package_source == "bundle":
         sources = _bundle_sources(dep, plan)

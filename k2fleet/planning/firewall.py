@@ -99,12 +99,10 @@ def egress_names(dep: Deployment) -> list[str]:
         for h in dep.fleet.hosts:
             plan = host_bootstrap.bootstrap_plan(dep, h, docker=dep.runtime == "container")
             for repo in plan.repos:
-                if repo.kind in ("apt", "apt-keyring-deb", "dnf-repo", "dnf-baseurl"):
+                if repo.kind in ("apt", "apt-keyring-deb", "dnf-repo", "dnf-baseurl", "k2fleet-file"):
                     names.add(mirrors.url_host(repo.source))
                 if repo.key and "://" in repo.key:
                     names.add(mirrors.url_host(repo.key))
-        if any(host_bootstrap.nvidia_repo_used(dep, h) for h in dep.fleet.hosts) and s.nvidia_repo:
-            names.add(mirrors.url_host(s.nvidia_repo))
     if dep.runtime == "venv" and s.bundle is None and not s.engine_doubles:
         names |= {mirrors.url_host(s.pypi_index)} if s.pypi_index else {mirrors.DEFAULT_PYPI_HOST, mirrors.PYPI_FILES_HOST}
     if s.checkpoint_fetcher != "control" and s.hub_endpoint:

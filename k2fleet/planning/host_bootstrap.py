@@ -103,7 +103,7 @@ class Repo:
 
     name: str
     kind: str  # "apt" (sources line) | "apt-keyring-deb" | "dnf-repo" (.repo URL) | "dnf-baseurl" | "dnf-module"
-    # | "k2fleet-file" (k2fleet's own source file for a mirror, k2fleet.planning.mirrors: written already)
+    # | "k2fleet-file" (a mirror in k2fleet's own source file, k2fleet.planning.mirrors, written before: source = its URL)
     source: str
     key: str | None = None
 
@@ -238,10 +238,9 @@ def cuda_repo(table: t.OsTable, arch: str, settings: Any = None) -> Repo:
     """NVIDIA's CUDA repository: NVIDIA's ``cuda-keyring`` package / ``.repo`` file, or, with
     ``k2_nvidia_repo``, k2fleet's own source file for the mirror (:mod:`k2fleet.planning.mirrors`,
     written with its keyring before any package is installed)."""
-    if settings is not None and settings.nvidia_repo:
-        name = "nvidia"
-        path = (mirrors.APT_SOURCES if table.manager == "apt" else mirrors.DNF_REPO).format(name=name)
-        return Repo("cuda", "k2fleet-file", path, mirrors.keyring_path(table.manager, name, settings.nvidia_repo_keyring or ""))
+    if settings is not None and settings.nvidia_repo:  # source: the repository's URL at the mirror; key: the host keyring
+        return Repo("cuda", "k2fleet-file", mirrors.nvidia_repo_url(settings, table, arch),
+                    mirrors.keyring_path(table.manager, mirrors.NVIDIA, settings.nvidia_repo_keyring or ""))
     url = CUDA_REPO_URL.format(os=table.cuda_repo, arch=arch)
     if table.manager == "dnf":
         return Repo("cuda", "dnf-repo", url + f"cuda-{table.cuda_repo}.repo")
@@ -296,11 +295,6 @@ def amd_gates(dep: Deployment, marketing: str) -> list[Gate]:
 
 
 # --------------------------------------------------------------------------- the plan
-
-
-def nvidia_repo_used(dep: Deployment, host: HostEntry) -> bool:
-    """Does ``host`` get NVIDIA's CUDA repository (NVIDIA GPUs, real ones)?"""
-    return bool(dep.gpu and dep.gpu.vendor == "nvidia" and host_needs_gpu_stack(host) and not dep.s.simulated_gpus)
 
 
 def host_needs_gpu_stack(host: HostEntry) -> bool:
