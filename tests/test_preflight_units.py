@@ -93,3 +93,14 @@ def test_mesh_sshd_accepts_only_the_fleet(tmp_path: Path) -> None:
     assert authorized_keys(dep, "ssh-ed25519 AAAA k").startswith('from="192.0.2.10,192.0.2.11",')
     kh = known_hosts(dep, {"node-0": "ssh-ed25519 AAA0 c", "node-1": "ssh-ed25519 AAA1 c"})
     assert kh == "[192.0.2.10]:2233 ssh-ed25519 AAA0\n[192.0.2.11]:2233 ssh-ed25519 AAA1\n"
+
+
+def test_a_fleet_address_on_another_nic_than_k2_nic_is_refused_naming_both(tmp_path: Path) -> None:
+    dep, entry, _ = deployment(tmp_path, k2_nic="ens10f0np0", k2_ib_hcas=["mlx5_0"])
+    nics = {"lo": ["127.0.0.1"], "ens10f0np0": ["10.9.0.5", "fe80::1"], "bond0": ["192.0.2.10"]}
+    (line,) = check_host(dep, entry, report(nics=nics), checkpoint_present=False)
+    assert line == ("fleet address 192.0.2.10 is on bond0, not on k2_nic ens10f0np0 (ens10f0np0 has 10.9.0.5, fe80::1); "
+                    "set k2_nic: bond0, or k2_address to ens10f0np0's address")
+    # without k2_nic any interface carrying the address is fine; an IPv6 address is compared canonically
+    dep, entry, _ = deployment(tmp_path / "no-nic", k2_ib_hcas=["mlx5_0"])
+    assert check_host(dep, entry, report(nics=nics), checkpoint_present=False) == []

@@ -59,6 +59,7 @@ def _token_file(mode: int, content: bytes = b"hf_token_for_validation_tests\n") 
 
 
 TOKEN_FILE = _token_file(0o600)  # a good one: the twins use it
+KEYRING_FILE = _token_file(0o644, b"\x99\x01\x0d" + b"k" * 64)  # a binary OpenPGP key (a public key: any mode)
 HF = "hf_" + "Q7xk2LmN9pR4sT6vW8yZ1aB3cD5eF7gH"  # token-shaped, not a real token
 GH = "ghp_" + "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
 GH_PAT = "github_pat_" + "11ABCDEFG0123456789_abcdefghijklmnop"
@@ -134,6 +135,11 @@ GOOD_STRINGS: dict[str, str] = {
     "checkpoint_cache": "/var/cache/k2fleet/checkpoints",
     "hub_endpoint": "https://hub.internal.example:8443/mirror",
     "hub_token_file": TOKEN_FILE,
+    "os_mirror": "https://mirror.internal.example/ubuntu",
+    "os_mirror_keyring": KEYRING_FILE,
+    "nvidia_repo": "https://mirror.internal.example/cuda-repos",
+    "nvidia_repo_keyring": KEYRING_FILE,
+    "pypi_index": "http://127.0.0.1:3141/simple",
     "api_key_file": TOKEN_FILE,
     "checkpoint_fetcher": "control",
     "model_dir": "/srv/k2fleet/models",
@@ -528,6 +534,23 @@ SECRETS = family("secrets", [
          "k2_hub_token_file", secret="abcdef123456"),
     Case("secret-word-first-in-env-name", {"k2_env": {"PASSWORD_X": "hunter2hunter2"}}, "k2_env.PASSWORD_X",
          "k2_hub_token_file", secret="hunter2hunter2"),
+    Case("credentials-in-os-mirror", {"k2_os_mirror": "https://u:mirrorpw123@m.example/ubuntu"}, "k2_os_mirror",
+         "k2_hub_token_file", secret="mirrorpw123"),
+    Case("token-in-pypi-index-query", {"k2_pypi_index": "https://pypi.example/simple?token=qwertyuiop123"},
+         "k2_pypi_index", "query", secret="qwertyuiop123"),
+    Case("nvidia-repo-over-http", {"k2_nvidia_repo": "http://m.example/cuda", "k2_nvidia_repo_keyring": KEYRING_FILE},
+         "k2_nvidia_repo", "https"),
+    Case("nvidia-repo-without-keyring", {"k2_nvidia_repo": "https://m.example/cuda"}, "k2_nvidia_repo",
+         "k2_nvidia_repo_keyring"),
+    Case("keyring-missing", {"k2_os_mirror": "https://m.example/ubuntu", "k2_os_mirror_keyring": "/nonexistent/k.gpg"},
+         "k2_os_mirror_keyring", "does not exist"),
+    Case("keyring-empty", {"k2_os_mirror": "https://m.example/ubuntu", "k2_os_mirror_keyring": _token_file(0o644, b"")},
+         "k2_os_mirror_keyring", "empty"),
+    Case("keyring-not-a-key", {"k2_os_mirror": "https://m.example/ubuntu",
+                               "k2_os_mirror_keyring": _token_file(0o644, b"just text\n")}, "k2_os_mirror_keyring",
+         "OpenPGP"),
+    Case("egress-without-firewall", {"k2_egress": "mirrors-only", "k2_firewall": False}, "k2_egress", "k2_firewall"),
+    Case("egress-without-os-mirror", {"k2_egress": "mirrors-only"}, "k2_egress", "k2_os_mirror"),
     Case("token-file-missing", {"k2_hub_token_file": "/nonexistent/k2fleet/hf-token"}, "k2_hub_token_file",
          "does not exist"),
     Case("token-file-world-readable", {"k2_hub_token_file": _token_file(0o644)}, "k2_hub_token_file", "chmod 600"),

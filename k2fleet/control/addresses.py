@@ -148,3 +148,29 @@ def resolve_addresses(fleet: Fleet, resolver: Resolver | None = None, timeout: f
     by_name = {h.name: h for h in hosts}
     pools = {role: [by_name[h.name] for h in members] for role, members in fleet.pools.items()}
     return Fleet(source=fleet.source, hosts=hosts, pools=pools)
+
+
+def resolve_egress(fleet: Fleet, names: Sequence[str], resolver: Resolver | None = None,
+                   timeout: float = RESOLVE_TIMEOUT) -> Fleet:
+    """``fleet`` with :attr:`Fleet.egress_ips`: each of ``names`` (the hosts the plan fetches from,
+    :func:`k2fleet.planning.firewall.egress_names`) → every usable address it resolves to on this
+    control machine (a mirror may have several: all are allowed). A name that does not resolve is
+    refused with one line naming it; an IP literal is taken as it is."""
+    lookup = [n for n in names if not is_ip(n)]
+    answers = lookup_all(lookup, resolver or system_resolver, timeout) if lookup else {}
+    out: dict[str, tuple[str, ...]] = {}
+    for name in names:
+        if is_ip(name):
+            out[name] = (str(ipaddress.ip_address(name)),)
+            continue
+        answer = answers.get(name)
+        why = ("no answer within " + f"{timeout:g} s") if answer is None else \
+            _why(answer) if isinstance(answer, BaseException) else None
+        usable = () if why else tuple(dict.fromkeys(u for u in map(_usable, answer) if u is not None))  # type: ignore[arg-type]
+        if why or not usable:
+            raise SpecError("k2_egress", f"mirrors-only: {name} (a repository, mirror or index the hosts fetch from) "
+                            f"does not resolve on this control machine ({why or 'no usable address'}); the firewall "
+                            "allows IP addresses: make it resolvable here, or declare a mirror that is "
+                            "(k2_os_mirror, k2_nvidia_repo, k2_pypi_index, k2_hub_endpoint)", fleet.source)
+        out[name] = usable
+    return dataclasses.replace(fleet, egress_ips=out)

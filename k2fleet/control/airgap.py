@@ -54,7 +54,7 @@ from k2fleet.planning.engine_side import host_python
 from k2fleet.control import aptroot, deb_bundles as bundle, wheelhouse
 from k2fleet.planning.host_bootstrap import Repo
 from k2fleet.control.deb_bundles import sha256_file
-from k2fleet.planning.os_tables import OS_TABLES
+from k2fleet.planning.os_tables import MIRROR_LAYOUTS, OS_TABLES
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.desired import (bundle_request, engine_requirements, host_arch, host_bootstrap,
                              package_set)
@@ -135,6 +135,9 @@ class DebSet:
     packages: tuple[str, ...]
     repos: tuple[Repo, ...]
     simulated: bool
+    os_mirror: str | None = None  # k2_os_mirror: the distribution's archive is read there
+    os_keyring: str | None = None  # k2_os_mirror_keyring (None: the distribution's own key)
+    nvidia_keyring: str | None = None  # k2_nvidia_repo_keyring (k2_nvidia_repo's key)
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,8 @@ def bundle_needs(dep: Deployment, plan: Plan) -> Needs:
         boot = host_bootstrap(dep, hp, h)
         names = package_set(bundle_request(dep, plan, hp, boot))
         if names:
-            debs.add(DebSet(boot.os, DEB_ARCH[host_arch(dep)], names, tuple(boot.repos), dep.s.simulated_gpus))
+            debs.add(DebSet(boot.os, DEB_ARCH[host_arch(dep)], names, tuple(boot.repos), dep.s.simulated_gpus,
+                            dep.s.os_mirror, dep.s.os_mirror_keyring, dep.s.nvidia_repo_keyring))
         reqs = engine_requirements(dep, hp, True, doubles)
         if reqs:
             wheels.add(WheelSet("engine", tuple(reqs), (host_python(boot.os),), (host_arch(dep),)))
@@ -184,13 +188,19 @@ def checkpoint_rel(repo: str, revision: str) -> str:
 # ----------------------------------------------------------------------------- building (control-machine effects)
 
 
-def _os_sources(os_name: str, arch: str) -> tuple[list[str], list[Path]]:
-    """Archive sources and keyrings of a target OS release."""
+def _os_sources(os_name: str, arch: str, mirror: str | None = None, keyring: str | None = None) -> tuple[list[str], list[Path]]:
+    """Archive sources and keyrings of a target OS release: at ``mirror`` (``k2_os_mirror``, its
+    suites and components from the OS table's mirror layout, checked with ``keyring`` or the
+    distribution's own key), else the distribution's own archive."""
     table = OS_TABLES[os_name]
     if table.manager != "apt":
         raise AirgapError(f"k2_os {os_name}: `k2fleet bundle` makes apt repositories; {os_name} (dnf) bundles "
                           "are not supported yet (use k2_package_source: apt with a local mirror)")
     components = table.components.split()
+    if mirror:
+        layout = MIRROR_LAYOUTS[os_name]
+        key = Path(keyring) if keyring else (aptroot.DEBIAN_KEYRING if os_name.startswith("debian") else UBUNTU_KEYRING)
+        return [f"deb {mirror.rstrip('/')} {suite} {layout.components}" for suite in layout.suites], [key]
     if os_name.startswith("debian"):
         return aptroot.debian_sources(table.codename, components=components), [aptroot.DEBIAN_KEYRING]
     if not UBUNTU_KEYRING.is_file():
@@ -215,11 +225,16 @@ def _fetch(url: str, dest: Path) -> Path:
     return dest
 
 
-def _vendor_sources(repos: Iterable[Repo], arch: str, caches: Caches) -> tuple[list[str], list[Path]]:
-    """apt sources + keyrings for NVIDIA's / AMD's repositories of a real fleet."""
+def _vendor_sources(repos: Iterable[Repo], arch: str, caches: Caches,
+                    nvidia_keyring: str | None = None) -> tuple[list[str], list[Path]]:
+    """apt sources + keyrings for NVIDIA's / AMD's repositories of a real fleet (NVIDIA's at
+    ``k2_nvidia_repo`` with ``k2_nvidia_repo_keyring``: a ``k2fleet-file`` repository)."""
     sources, keyrings = [], []
     for repo in repos:
-        if repo.kind == "apt-keyring-deb":  # NVIDIA's CUDA repository: its keyring ships as a .deb beside it
+        if repo.kind == "k2fleet-file" and nvidia_keyring:  # k2_nvidia_repo: a flat repository at the mirror
+            sources.append(f"deb {repo.source} /")
+            keyrings.append(Path(nvidia_keyring))
+        elif repo.kind == "apt-keyring-deb":  # NVIDIA's CUDA repository: its keyring ships as a .deb beside it
             deb = _fetch(repo.source, caches.keyrings / Path(repo.source).name)
             out = caches.keyrings / f"{repo.name}-{sha256_file(deb)[:12]}"
             if not out.is_dir():
@@ -240,14 +255,14 @@ def _vendor_sources(repos: Iterable[Repo], arch: str, caches: Caches) -> tuple[l
 
 
 def _apt_root(deb: DebSet, caches: Caches) -> aptroot.AptRoot:
-    sources, keyrings = _os_sources(deb.os, deb.arch)
+    sources, keyrings = _os_sources(deb.os, deb.arch, deb.os_mirror, deb.os_keyring)
     if deb.simulated:
         if any(r.kind != "test-double" for r in deb.repos):
             raise AirgapError("simulated GPUs take their driver stack from the TEST DOUBLE repository only")
         if deb.repos:
             sources.append(f"deb [trusted=yes] file:{stand_ins().driver_repo(caches.doubles)} ./")
     else:
-        more, keys = _vendor_sources(deb.repos, deb.arch, caches)
+        more, keys = _vendor_sources(deb.repos, deb.arch, caches, deb.nvidia_keyring)
         sources, keyrings = sources + more, keyrings + keys
     return aptroot.AptRoot(sources, arch=deb.arch, cache_dir=caches.apt, keyrings=keyrings)
 
@@ -282,8 +297,9 @@ def _size(n: int) -> str:
 class _Builder:
     """One ``k2fleet bundle`` run: places artifacts in ``out`` and records them."""
 
-    def __init__(self, out: Path, caches: Caches, say: Say) -> None:
+    def __init__(self, out: Path, caches: Caches, say: Say, index: str | None = None) -> None:
         self.out, self.caches, self.say = out, caches, say
+        self.index = index  # k2_pypi_index (None: pip's own configuration)
         self.artifacts: list[Artifact] = []
         self.parts: dict[str, list[dict[str, Any]]] = {"debs": [], "wheels": [], "images": [], "checkpoints": []}
         self.copied = self.kept = 0
@@ -320,8 +336,8 @@ class _Builder:
         rel_dir = f"wheels/{ws.key}"
         if fetched:
             house = wheelhouse.ensure_wheelhouse(fetched, self.caches.wheels, ws.pythons, ws.archs,
-                                                 constraints=constraints, progress=self.say)
-            origin = f"pypi:{' '.join(fetched)} (pip download, {wheelhouse.index_url()})"
+                                                 constraints=constraints, progress=self.say, index=self.index)
+            origin = f"pypi:{' '.join(fetched)} (pip download, {wheelhouse.index_url(self.index)})"
             for whl in sorted(house.glob("*.whl")):
                 name, version = wheelhouse.wheel_name_version(whl.name)
                 self.add(f"{rel_dir}/{whl.name}", whl, "wheel", name, version, origin)
@@ -437,7 +453,7 @@ def make_bundle(dep: Deployment, plan: Plan, out: Path, *, inventory: str, rehea
     needs = bundle_needs(dep, plan)
     wanted = set(only) or set(PART_KINDS)
     out.mkdir(parents=True, exist_ok=True)
-    b = _Builder(out, caches, say)
+    b = _Builder(out, caches, say, index=dep.s.pypi_index)
     t0 = time.monotonic()
     constraints = sorted({f"{a.name}=={a.version}" for a in (locked.artifacts if locked else ())
                           if a.kind == "wheel" and a.origin.startswith("pypi:")})

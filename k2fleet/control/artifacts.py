@@ -109,7 +109,7 @@ def _engine_side_sets(dep: Deployment, plan: Plan) -> dict[tuple[str, ...], str]
 def _engine_wheelhouse(dep: Deployment, requirements: tuple[str, ...], python: str, build: bool) -> Path | None:
     where = dict(pythons=(python,), archs=(host_arch(dep),))
     if build:
-        return wheelhouse.ensure_wheelhouse(list(requirements), **where)
+        return wheelhouse.ensure_wheelhouse(list(requirements), index=dep.s.pypi_index, **where)
     return wheelhouse.cached_wheelhouse(list(requirements), **where)
 
 
@@ -148,6 +148,13 @@ def read_api_key(dep: Deployment) -> bytes | None:
     return Path(dep.s.api_key_file).read_bytes().strip()
 
 
+def read_keyrings(dep: Deployment) -> dict[str, bytes]:
+    """The mirrors' keyrings (``k2_os_mirror_keyring``, ``k2_nvidia_repo_keyring``): control path →
+    bytes (the gate checked them: regular files, OpenPGP key material, at most 1 MiB)."""
+    paths = [p for p in (dep.s.os_mirror_keyring, dep.s.nvidia_repo_keyring) if p]
+    return {p: Path(p).read_bytes() for p in paths}
+
+
 def _read_secret(path: Path) -> bytes | None:
     try:
         return path.read_bytes()
@@ -181,7 +188,8 @@ def _from_bundle(dep: Deployment, plan: Plan, clients: dict[str, tuple[bytes, by
     return ControlArtifacts(mesh_clients=clients, mesh_hosts=hosts, hub_requirement=_hub_requirement(dep),
                             wheels=found.hub_wheels, bundles=found.debs, images=found.images,
                             engine_wheels=found.engine_wheels, engine_doubles=engine_doubles_for(dep),
-                            relay_secret=relay_secret, api_key=read_api_key(dep), ray_token=ray_token)
+                            relay_secret=relay_secret, api_key=read_api_key(dep), ray_token=ray_token,
+                            keyrings=read_keyrings(dep))
 
 
 def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
@@ -199,7 +207,8 @@ def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
                             wheels=wheelhouse.wheel_files(cached) if cached else None,
                             images=_double_images(dep, plan, build=False),
                             engine_wheels=_engine_wheels(dep, plan, build=False), engine_doubles=engine_doubles_for(dep),
-                            relay_secret=relay_secret, api_key=read_api_key(dep), ray_token=ray_token)
+                            relay_secret=relay_secret, api_key=read_api_key(dep), ray_token=ray_token,
+                            keyrings=read_keyrings(dep))
 
 
 def _keypair(path: Path, comment: str) -> tuple[bytes, bytes]:
@@ -234,7 +243,8 @@ def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     if dep.s.bundle is not None:
         return _from_bundle(dep, plan, clients, hosts, relay_secret, ray_token)
     requirement = _hub_requirement(dep)
-    wheels = wheelhouse.wheel_files(wheelhouse.ensure_wheelhouse([requirement])) if requirement else None
+    wheels = (wheelhouse.wheel_files(wheelhouse.ensure_wheelhouse([requirement], index=dep.s.pypi_index))
+              if requirement else None)
     bundles = {}
     if dep.s.package_source == "bundle":
         sources = _bundle_sources(dep, plan)
@@ -243,4 +253,5 @@ def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     return ControlArtifacts(mesh_clients=clients, mesh_hosts=hosts, hub_requirement=requirement, wheels=wheels,
                             bundles=bundles, images=_double_images(dep, plan, build=True),
                             engine_wheels=_engine_wheels(dep, plan, build=True), engine_doubles=engine_doubles_for(dep),
-                            relay_secret=relay_secret, api_key=read_api_key(dep), ray_token=ray_token)
+                            relay_secret=relay_secret, api_key=read_api_key(dep), ray_token=ray_token,
+                            keyrings=read_keyrings(dep))

@@ -53,8 +53,11 @@ def wheel_name_version(filename: str) -> tuple[str, str]:
     return name, version
 
 
-def index_url() -> str:
-    """The package index pip downloads from (env ``PIP_INDEX_URL``, pip's config, or PyPI)."""
+def index_url(index: str | None = None) -> str:
+    """The package index pip downloads from: ``index`` (``k2_pypi_index``), else env
+    ``PIP_INDEX_URL``, pip's config, or PyPI."""
+    if index:
+        return index
     if os.environ.get("PIP_INDEX_URL"):
         return os.environ["PIP_INDEX_URL"]
     out = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"],
@@ -80,16 +83,22 @@ def wheelhouse_key(requirements: list[str], pythons: tuple[str, ...] = PYTHONS,
 
 
 def pip_download_argv(requirements: list[str], dest: Path, python: str, platforms: tuple[str, ...],
-                      constraints_file: Path | None = None) -> list[str]:
-    """``pip download`` of binary wheels for one interpreter version and one architecture.
+                      constraints_file: Path | None = None, index: str | None = None) -> list[str]:
+    """``pip download`` of binary wheels for one interpreter version and one architecture,
+    from ``index`` (``k2_pypi_index``; None: pip's own configuration).
 
     Example:
         >>> argv = pip_download_argv(["huggingface_hub==2.4.0"], Path("/w"), "3.11", PLATFORMS["x86_64"])
-        >>> argv[argv.index("--python-version") + 1], "--only-binary=:all:" in argv
-        ('3.11', True)
+        >>> argv[argv.index("--python-version") + 1], "--only-binary=:all:" in argv, "--index-url" in argv
+        ('3.11', True, False)
+        >>> argv = pip_download_argv(["x==1"], Path("/w"), "3.11", PLATFORMS["x86_64"], index="https://pypi.corp/simple")
+        >>> argv[argv.index("--index-url") + 1]
+        'https://pypi.corp/simple'
     """
     argv = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
             "--only-binary=:all:", "--python-version", python, "--implementation", "cp", "-d", str(dest)]
+    if index:
+        argv += ["--index-url", index]
     for platform in platforms:
         argv += ["--platform", platform]
     if constraints_file is not None:
@@ -107,12 +116,15 @@ def cached_wheelhouse(requirements: list[str], cache_dir: Path = DEFAULT_CACHE_D
 
 def ensure_wheelhouse(requirements: list[str] | None = None, cache_dir: Path = DEFAULT_CACHE_DIR,
                       pythons: tuple[str, ...] = PYTHONS, archs: tuple[str, ...] = tuple(PLATFORMS),
-                      constraints: Sequence[str] = (), progress: Callable[[str], None] | None = None) -> Path:
+                      constraints: Sequence[str] = (), progress: Callable[[str], None] | None = None,
+                      index: str | None = None) -> Path:
     """The cached wheelhouse directory for ``requirements`` (default: the Hub client) for
     CPython ``pythons`` on ``archs``, downloaded with ``pip download`` the first time
     (needs a package index then). ``constraints``: ``name==version`` lines every
     dependency must keep (``k2fleet bundle --locked`` passes the lock's); ``progress``
-    gets pip's Collecting/Downloading lines as they come."""
+    gets pip's Collecting/Downloading lines as they come; ``index``: the package index
+    (``k2_pypi_index``; None: pip's configuration). The index is not part of the cache key: the
+    same pins from a mirror are the same wheels."""
     requirements = requirements or [hub_client_requirement()]
     cached = cached_wheelhouse(requirements, cache_dir, pythons, archs, constraints)
     if cached is not None:
@@ -131,7 +143,7 @@ def ensure_wheelhouse(requirements: list[str] | None = None, cache_dir: Path = D
             pinned.write_text("".join(f"{c}\n" for c in sorted(constraints)))
         for python in pythons:
             for platforms in (PLATFORMS[arch] for arch in archs):
-                argv = pip_download_argv(requirements, tmp, python, platforms, pinned)
+                argv = pip_download_argv(requirements, tmp, python, platforms, pinned, index)
                 if progress is not None:
                     argv.remove("--quiet")  # pip's own "Downloading X (N MB)" lines, forwarded as they come
                 proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

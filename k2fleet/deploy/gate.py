@@ -15,12 +15,15 @@ once per run (:mod:`k2fleet.control.addresses`), so planning receives IPs.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 import sys
 from typing import Any, NoReturn
 
-from k2fleet.control.addresses import Resolver, resolve_addresses
+from k2fleet.control.addresses import Resolver, resolve_addresses, resolve_egress
+from k2fleet.planning.firewall import egress_names
+from k2fleet.planning.os_tables import OS_TABLES, host_os
 from k2fleet.planning.deployment import Deployment, resolve
 from k2fleet.inventory.loader import HostData, check_group_data, fleet_from_hosts, host_data, load_failure
 from k2fleet.planning.processes import Plan
@@ -46,10 +49,53 @@ def check_hosts(source: str, hosts: list[HostData], resolver: Resolver | None = 
     them (pure, on IPs), then the control machine's files the inventory names; raises
     SpecError on the first problem."""
     dep = resolve(resolve_addresses(fleet_from_hosts(source, hosts), resolver))
+    if dep.s.egress == "mirrors-only":  # the mirrors' names → IPs, once, for the firewall's egress sets
+        dep = dataclasses.replace(dep, fleet=resolve_egress(dep.fleet, egress_names(dep), resolver))
     plan = make_plan(dep)
     check_token_file(dep.s.hub_token_file, source)
     check_token_file(dep.s.api_key_file, source, key="k2_api_key_file", what="the endpoints' API key")
+    for key in ("k2_os_mirror_keyring", "k2_nvidia_repo_keyring"):
+        check_keyring_file(getattr(dep.s, key[3:]), source, key, armored=any(
+            OS_TABLES[host_os(h)].manager == "dnf" for h in dep.fleet.hosts))
     return dep, plan
+
+
+KEYRING_MAX = 1 << 20
+ARMOR = b"-----BEGIN PGP PUBLIC KEY BLOCK-----"
+
+
+def check_keyring_file(path: str | None, source: str, key: str, armored: bool = False) -> None:
+    """A mirror's keyring on the control machine (``k2_os_mirror_keyring``,
+    ``k2_nvidia_repo_keyring``): a regular file (not a symlink), readable, not empty, at most
+    1 MiB, holding OpenPGP key material (binary, or armored; dnf hosts: armored). Public keys:
+    any mode is fine; the hosts get it 0644."""
+    if path is None:
+        return
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        raise SpecError(key, f"{path} does not exist on this control machine; put the mirror's signing key there "
+                        "or unset the key", source) from None
+    except OSError as exc:
+        raise SpecError(key, f"{path} cannot be read: {exc.strerror}", source) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise SpecError(key, f"{path} is not a regular file (a symlink or a directory)", source)
+    if st.st_size == 0 or st.st_size > KEYRING_MAX:
+        raise SpecError(key, f"{path} is {'empty' if st.st_size == 0 else 'larger than 1 MiB'}; it must hold the "
+                        "mirror's OpenPGP public key", source)
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(64)
+    except OSError as exc:
+        raise SpecError(key, f"{path} cannot be read: {exc.strerror}", source) from None
+    is_armored = head.lstrip().startswith(ARMOR)
+    # a binary OpenPGP packet has its top bit set (RFC 4880 4.2); a public key packet is tag 6
+    if not is_armored and not (head[0] & 0x80):
+        raise SpecError(key, f"{path} is neither an armored OpenPGP key ({ARMOR.decode()}) nor a binary keyring "
+                        "(gpg --export); export the mirror's public key into it", source)
+    if armored and not is_armored:
+        raise SpecError(key, f"{path} is a binary keyring but dnf (RHEL hosts) imports armored keys; "
+                        f"gpg --armor --export > {path}.asc and name that file", source)
 
 
 def check_token_file(path: str | None, source: str, key: str = "k2_hub_token_file", what: str = "the Hub token") -> None:

@@ -61,6 +61,7 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
     preflight.check(dep, desired, fact)
     if unsettled == {}:  # every host holds its desired state: no operation anywhere
         return
+    packages.package_sources(desired.files.get("package_sources", {}), fact.files)
     packages.install_packages(desired.packages, dep.s.package_source, installed=list(fact.packages),
                               bundle=run.artifacts.bundle_for(desired.bundle_request), bootstrap_pending=pending,
                               have_repo=bool(desired.bundle_repo and fact.exists.get(desired.bundle_repo)))

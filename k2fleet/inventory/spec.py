@@ -351,6 +351,29 @@ def http_url(value: str) -> str:
     return value
 
 
+def mirror_url(value: str) -> str:
+    """:func:`http_url` for a package mirror or index hosts and the control machine fetch from:
+    https, or plain http only to a loopback address (a test's local mirror)."""
+    http_url(value)
+    parts = urlsplit(value)
+    if parts.scheme != "https" and not is_loopback(parts.hostname or ""):
+        raise ValueError(f"must be an https:// URL (plain http only to a loopback address, got {show(value)}): "
+                         "packages and wheels must not travel in clear text")
+    return value
+
+
+def is_loopback(host: str) -> bool:
+    """A loopback IP literal or ``localhost``.
+
+    >>> is_loopback("127.0.0.1"), is_loopback("::1"), is_loopback("localhost"), is_loopback("10.0.0.1")
+    (True, True, True, False)
+    """
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def docker_ref(value: str) -> str:
     """A Docker image reference ``[registry[:port]/]name[:tag][@digest]``."""
     match = DOCKER_REF_RE.fullmatch(value)
@@ -526,6 +549,7 @@ FlagName = Annotated[SafeStr, AfterValidator(_pattern(FLAG_NAME_RE, "a flag name
 VersionStr = Annotated[SafeStr, AfterValidator(_pattern(VERSION_RE, "a version like 0.33.0"))]
 GpuName = Annotated[SafeStr, AfterValidator(_pattern(GPU_NAME_RE, "a GPU type name"))]
 ImageRef = Annotated[SafeStr, AfterValidator(docker_ref)]
+MirrorUrl = Annotated[SafeStr, AfterValidator(mirror_url)]
 ImageId = Annotated[SafeStr, AfterValidator(_pattern(IMAGE_ID_RE, "an image ID sha256:<64 lowercase hex>, as `docker image inspect --format {{.Id}}` prints it"))]
 def reachable_address(value: str) -> str:
     """:func:`address`, and not one peers cannot reach: the unspecified address (0.0.0.0,
@@ -857,6 +881,48 @@ class HostSettings(BaseModel):
         "the lock; needs `k2_package_source: bundle`.",
         default=None,
     )
+    os_mirror: MirrorUrl | None = _key(
+        FLEET,
+        "Mirror of the hosts' distribution (`k2_package_source: apt`): its base URL, e.g. "
+        "`https://mirror.corp/ubuntu` (apt: suites and components from the OS table; dnf: "
+        "`BaseOS/<arch>/os` and `AppStream/<arch>/os` under it). k2fleet writes it as its own apt "
+        "`.sources` / dnf `.repo` file; `k2fleet bundle` resolves against it too. https (http only to "
+        "loopback), no credentials. Default: the hosts' own sources.",
+        default=None,
+    )
+    os_mirror_keyring: AbsPath | None = _key(
+        FLEET,
+        "Control-machine file with the OpenPGP key(s) `k2_os_mirror` is signed with (binary `.gpg` or "
+        "armored `.asc`; dnf: armored), uploaded to the hosts and named in the source's `Signed-By`/`gpgkey`. "
+        "Default: the distribution's own archive key (a mirror of the signed archive).",
+        default=None,
+    )
+    nvidia_repo: MirrorUrl | None = _key(
+        FLEET,
+        "Mirror of NVIDIA's CUDA repository tree (`https://developer.download.nvidia.com/compute/cuda/repos`, "
+        "the default): k2fleet appends `/<os>/<arch>/` from the OS table. Needs `k2_nvidia_repo_keyring`.",
+        default=None,
+    )
+    nvidia_repo_keyring: AbsPath | None = _key(
+        FLEET,
+        "Control-machine file with NVIDIA's repository key (e.g. `cuda-archive-keyring.gpg` from "
+        "`cuda-keyring`, or the armored `.pub` the repository serves) for `k2_nvidia_repo`.",
+        default=None,
+    )
+    pypi_index: MirrorUrl | None = _key(
+        FLEET,
+        "PyPI simple index (`pip --index-url`) for the control machine's wheelhouse builds (`k2fleet bundle` "
+        "too) and the hosts' engine venv installs. Default: pip's own configuration (PyPI).",
+        default=None,
+    )
+    egress: Literal["open", "mirrors-only"] = _key(
+        FLEET,
+        "Outbound traffic of the hosts when `k2_firewall` is on: `open` (default: untouched) or `mirrors-only` "
+        "(k2fleet's table lets a host open connections only to the fleet, the hosts of the repositories, mirrors "
+        "and indexes its plan uses, resolved to IPs on the control machine, DNS, NTP and DHCP; everything else is "
+        "rejected).",
+        default="open",
+    )
     config_dir: AbsPath = _key(FLEET, "Where rendered config files go on hosts.", default="/etc/k2fleet")
     # --- hardware --------------------------------------------------------------
     gpu: GpuName = _key(FLEET, "GPU type: h100, h800, h20, h200, b200, b300, gb200, gb300, mi300x, mi325x, mi355x.")
@@ -1091,6 +1157,9 @@ class Fleet:
     source: str
     hosts: list[HostEntry]
     pools: dict[str, list[HostEntry]] = field(default_factory=dict)
+    # `k2_egress: mirrors-only`: each repository/mirror/index host name the plan reaches → its IPs,
+    # resolved once per run on the control machine (k2fleet.control.addresses.resolve_egress)
+    egress_ips: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def settings(self) -> HostSettings:

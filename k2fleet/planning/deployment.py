@@ -690,6 +690,51 @@ def _check_hub_transport(fleet: Fleet) -> None:
                     fleet)
 
 
+def image_registry(image: str) -> str | None:
+    """The registry host of an image reference (None: Docker Hub).
+
+    >>> image_registry("nvcr.io/nvidia/vllm:25.10-py3"), image_registry("vllm/vllm-openai:v0.33.0")
+    ('nvcr.io', None)
+    """
+    first, slash, _ = image.partition("/")
+    registry = bool(slash) and ("." in first or ":" in first or first == "localhost")
+    if not registry or first in ("docker.io", "index.docker.io", "registry-1.docker.io"):
+        return None
+    return first.rsplit(":", 1)[0] if not first.startswith("[") else first
+
+
+def _check_mirrors(fleet: Fleet, runtime: str, image: str | None) -> None:
+    """Mirror keys come with what they need (:mod:`k2fleet.planning.mirrors`), and
+    ``k2_egress: mirrors-only`` only with what k2fleet can name the hosts' destinations for."""
+    s = fleet.settings
+    for mirror, keyring in (("os_mirror", "os_mirror_keyring"), ("nvidia_repo", "nvidia_repo_keyring")):
+        if getattr(s, keyring) and not getattr(s, mirror):
+            raise _fail(f"k2_{keyring}", f"is the key of k2_{mirror}, which is not set; set k2_{mirror} or remove it",
+                        fleet)
+    if s.nvidia_repo and not s.nvidia_repo_keyring:
+        raise _fail("k2_nvidia_repo", "needs k2_nvidia_repo_keyring: a file on this control machine with NVIDIA's "
+                    "repository key (cuda-archive-keyring.gpg from the cuda-keyring package, or the .pub key the "
+                    "repository serves), which apt/dnf check the mirror's packages with", fleet)
+    if s.egress != "mirrors-only":
+        return
+    if not s.firewall:
+        raise _fail("k2_egress", "mirrors-only is enforced by k2fleet's nftables table; set k2_firewall: True "
+                    "(or k2_egress: open)", fleet)
+    if s.package_source == "apt" and not s.os_mirror:
+        raise _fail("k2_egress", "mirrors-only with k2_package_source: apt needs k2_os_mirror: k2fleet does not know "
+                    "which hosts the hosts' own apt/dnf sources name; set k2_os_mirror (or use k2_package_source: "
+                    "bundle)", fleet)
+    if s.checkpoint_fetcher != "control" and not s.hub_endpoint:
+        raise _fail("k2_egress", f"mirrors-only with k2_checkpoint_fetcher: {s.checkpoint_fetcher} needs "
+                    "k2_hub_endpoint: huggingface.co serves its files from CDN hosts k2fleet cannot list; set "
+                    "k2_hub_endpoint to your Hub mirror (or k2_checkpoint_fetcher: control)", fleet)
+    if runtime == "container" and s.bundle is None and not s.engine_doubles:
+        if image_registry(image or "") is None:
+            raise _fail("k2_egress", "mirrors-only with the container runtime pulls the image from Docker Hub, whose "
+                        "layers come from CDN hosts k2fleet cannot list; set k2_image to an image on your own "
+                        "registry (registry.corp:5000/...) or ship images in k2_bundle", fleet)
+
+
 def resolve(fleet: Fleet) -> Deployment:
     """Check the cross-key rules and resolve defaults; raises SpecError on the first problem."""
     s = fleet.settings
@@ -706,6 +751,7 @@ def resolve(fleet: Fleet) -> Deployment:
     if s.engine == "ktransformers" and not s.gguf_repo:
         raise _fail("k2_gguf_repo", "KTransformers serves GGUF weights; set k2_gguf_repo, k2_gguf_revision and k2_gguf_pattern", fleet)
     _check_hub_transport(fleet)
+    _check_mirrors(fleet, runtime, image)
     _check_roles(fleet, s.engine)
     _check_fetcher(fleet)
     _check_bundle(fleet)

@@ -30,7 +30,7 @@ from k2fleet.planning import api_front, mesh_config
 from k2fleet.planning import host_bootstrap as bootstrap
 from k2fleet.planning.host_bootstrap import BootstrapPlan, bootstrap_plan
 from k2fleet.planning.os_tables import OS_TABLES
-from k2fleet.planning import relay_plan
+from k2fleet.planning import mirrors, relay_plan
 from k2fleet.planning import firewall as fleet_firewall
 from k2fleet.hostprogs import swarm
 from k2fleet.planning.deployment import CHECKPOINT_CHECK, Deployment, WeightSet
@@ -120,6 +120,7 @@ class ControlArtifacts:
     relay_secret: bytes | None = None  # the deployment's relay secret (None: not made yet, e.g. --dry)
     ray_token: bytes | None = None  # the deployment's Ray authentication token (None: not made yet)
     api_key: bytes | None = None  # k2_api_key_file's key, read on the control machine (None: no key file)
+    keyrings: dict[str, bytes] = field(default_factory=dict)  # mirror keyring control path → its bytes (absent: not read)
 
     def bundle_for(self, packages: list[str]) -> str | None:
         """The bundle tar made for ``packages`` (None: none made, e.g. under ``--dry``)."""
@@ -225,6 +226,7 @@ class HostDesired:
                 "relay": None if fan.shared else fan.relays[fan.position], "relay_fanout": fan.relay_fanout},
             "bootstrap": None if self.bootstrap is None else self.bootstrap.to_json(),
             "firewall": None if self.firewall is None else self.firewall.to_json(),
+            "venv_install": self.venv_install,
         }
 
 
@@ -552,11 +554,27 @@ def hub_client_check(requirement: str) -> list[str]:
 
 
 def venv_install_argv(dep: Deployment, interpreter: str) -> list[str]:
-    """``INTERPRETER -m venv`` (the OS table's) + pip install of the pinned engine (offline wheelhouse first)."""
+    """``INTERPRETER -m venv`` (the OS table's) + pip install of the pinned engine (offline wheelhouse
+    first, then the package index: ``k2_pypi_index``, else pip's own configuration)."""
     venv = dep.s.venv
     pip = shell_line([f"{venv}/bin/pip", "install", engine_pin(dep, None)])
     wheelhouse = shell_word(f"{venv}/wheelhouse")
-    return ["sh", "-c", f"{shell_word(interpreter)} -m venv {shell_word(venv)} && {pip} --no-index --find-links {wheelhouse} || {pip}"]
+    index = shell_line(["pip", "install", *mirrors.pip_index_args(dep.s)])[len("pip install"):]
+    return ["sh", "-c", f"{shell_word(interpreter)} -m venv {shell_word(venv)} && {pip} --no-index --find-links {wheelhouse} "
+                        f"|| {pip}{index}"]
+
+
+def package_source_files(dep: Deployment, plan: BootstrapPlan, art: ControlArtifacts) -> dict[str, FileSpec]:
+    """k2fleet's source files for the mirrors (``k2_os_mirror``, ``k2_nvidia_repo``) and their
+    keyrings (``k2_package_source: apt``; a bundle carries its own packages): written before
+    any package is installed (:mod:`k2fleet.planning.mirrors`)."""
+    if dep.s.package_source != "apt":
+        return {}
+    nvidia = plan.vendor == "nvidia" and not plan.simulated
+    files = {p: FileSpec(text.encode(), "644") for p, text in mirrors.mirror_files(dep.s, plan.os, plan.arch, nvidia).items()}
+    for path, (key, control) in mirrors.keyring_files(dep.s, plan.manager, nvidia).items():
+        files[path] = FileSpec(art.keyrings.get(control), "644", f"{key} {control}")
+    return files
 
 
 # --------------------------------------------------------------------------- bootstrap
@@ -620,6 +638,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         hp = plan.hosts[h.name]
         d = HostDesired(name=h.name, address=h.address, slots=slots, bootstrap=host_bootstrap(dep, hp, h))
         d.files["bootstrap"] = bootstrap_files(d.bootstrap)
+        d.files["package_sources"] = package_source_files(dep, d.bootstrap, art)
         d.files["mesh"] = meshes[h.name]
         d.absent = mesh_config.keys_not_held(dep, d.files["mesh"])
         engine_side = engine_requirements(dep, hp, bundled, art.engine_doubles)

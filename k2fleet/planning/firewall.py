@@ -72,6 +72,48 @@ PORT_WHAT = {
 }
 
 
+EGRESS_ALWAYS = (  # what k2_egress: mirrors-only lets every host send besides the fleet and the mirrors
+    ('udp dport 53 accept', "DNS (the hosts' resolvers)"),
+    ('tcp dport 53 accept', "DNS over TCP"),
+    ('udp dport 123 accept', "NTP"),
+    ('udp dport { 67, 547 } accept', "DHCP/DHCPv6 renewals"),
+    ('meta l4proto { icmp, ipv6-icmp } accept', "ICMP: IPv6 neighbour discovery, path MTU"),
+)
+
+
+def egress_names(dep: Deployment) -> list[str]:
+    """Every host name the hosts' plans fetch from (sorted): the repositories of each host's
+    bootstrap (``k2_package_source: apt``; NVIDIA's or ``k2_nvidia_repo``, the container
+    toolkit's, Docker's, AMD's) and their keys' URLs, ``k2_os_mirror``, the pip index of a host
+    venv install (``k2_pypi_index``, else PyPI), the Hub endpoint of a fetcher host and the
+    image registry of the container runtime. ``k2_egress: mirrors-only`` allows exactly these
+    (resolved to IPs on the control machine, :func:`k2fleet.control.addresses.resolve_egress`)."""
+    from k2fleet.planning import host_bootstrap, mirrors
+    from k2fleet.planning.deployment import image_registry
+
+    s = dep.s
+    names: set[str] = set()
+    if s.package_source == "apt":
+        if s.os_mirror:
+            names.add(mirrors.url_host(s.os_mirror))
+        for h in dep.fleet.hosts:
+            plan = host_bootstrap.bootstrap_plan(dep, h, docker=dep.runtime == "container")
+            for repo in plan.repos:
+                if repo.kind in ("apt", "apt-keyring-deb", "dnf-repo", "dnf-baseurl", "k2fleet-file"):
+                    names.add(mirrors.url_host(repo.source))
+                if repo.key and "://" in repo.key:
+                    names.add(mirrors.url_host(repo.key))
+    if dep.runtime == "venv" and s.bundle is None and not s.engine_doubles:
+        names |= {mirrors.url_host(s.pypi_index)} if s.pypi_index else {mirrors.DEFAULT_PYPI_HOST, mirrors.PYPI_FILES_HOST}
+    if s.checkpoint_fetcher != "control" and s.hub_endpoint:
+        names.add(mirrors.url_host(s.hub_endpoint))
+    if dep.runtime == "container" and s.bundle is None and not s.engine_doubles and dep.image:
+        registry = image_registry(dep.image)
+        if registry:
+            names.add(registry.strip("[]").lower())
+    return sorted(n for n in names if n)
+
+
 def rules_path(dep: Deployment) -> str:
     return f"{dep.s.config_dir}/firewall.nft"
 
@@ -102,6 +144,8 @@ class HostFirewall:
     fleet: tuple[str, ...]  # IP addresses
     clients: tuple[str, ...] | None  # networks; None: anyone
     before: tuple[str, ...] = ()  # the host's k2fleet units (the table is loaded before them)
+    egress: tuple[str, ...] | None = None  # k2_egress: mirrors-only: the mirrors' IPs (None: outbound untouched)
+    egress_names: tuple[str, ...] = ()  # the names those IPs were resolved from
 
     def closed(self) -> list[Opening]:
         return [o for o in self.openings if o.who != ANYONE]
@@ -123,7 +167,9 @@ class HostFirewall:
     def to_json(self) -> dict[str, Any]:
         return {"table": TABLE, "unit": UNIT, "fleet": list(self.fleet),
                 "api_clients": None if self.clients is None else list(self.clients),
-                "ports": [o.to_json() for o in self.openings]}
+                "ports": [o.to_json() for o in self.openings],
+                "egress": None if self.egress is None else {"names": list(self.egress_names), "addresses": list(self.egress),
+                                                            "also": [what for _, what in EGRESS_ALWAYS]}}
 
 
 def marker(digest: str) -> str:
@@ -194,6 +240,25 @@ def _table_body(fw: HostFirewall) -> str:
     if fleet_only:
         rules.append(f'tcp dport {_ports(fleet_only)} reject with tcp reset comment "rendezvous and control: the fleet only"')
     out += "\tchain input {\n\t\ttype filter hook input priority filter; policy accept;\n"
+    out += "".join(f"\t\t{rule}\n" for rule in rules)
+    out += "\t}\n"
+    if fw.egress is not None:
+        out += _egress_chain(fw)
+    return out
+
+
+def _egress_chain(fw: HostFirewall) -> str:
+    """``k2_egress: mirrors-only``: new outbound connections only to the fleet, the mirrors'
+    addresses and :data:`EGRESS_ALWAYS`; answers to inbound connections (SSH, the API) pass as
+    established traffic; anything else is rejected (a TCP reset: apt and pip fail at once)."""
+    out = _set("egress4", "ipv4_addr", _family(fw.egress, 4), False) + _set("egress6", "ipv6_addr", _family(fw.egress, 6), False)
+    rules = ['oif "lo" accept', "ct state established,related accept",
+             'ip daddr @fleet4 accept comment "the fleet"', "ip6 daddr @fleet6 accept",
+             'ip daddr @egress4 accept comment "the declared mirrors, repositories and indexes"', "ip6 daddr @egress6 accept"]
+    rules += [f'{rule} comment "{what}"' for rule, what in EGRESS_ALWAYS]
+    rules += ['meta l4proto tcp reject with tcp reset comment "k2_egress: mirrors-only"',
+              'reject comment "k2_egress: mirrors-only"']
+    out += "\tchain output {\n\t\ttype filter hook output priority filter; policy accept;\n"
     out += "".join(f"\t\t{rule}\n" for rule in rules)
     return out + "\t}\n"
 
@@ -316,13 +381,17 @@ def host_firewall(dep: Deployment, hp: HostPlan) -> HostFirewall | None:
         found.append(Opening(dep.s.relay_port, dep.s.relay_port, FLEET, "k2_relay_port: the checkpoint relay"))
         found.append(Opening(*EPHEMERAL, FLEET, "ephemeral ports: NCCL, Gloo, ZMQ, Ray, MPI"))
     openings = tuple(dict.fromkeys(found))
-    if all(o.who == ANYONE for o in openings):
+    egress = egress_names_ = None
+    if dep.s.egress == "mirrors-only":
+        egress_names_ = tuple(egress_names(dep))
+        egress = tuple(dict.fromkeys(ip for n in egress_names_ for ip in dep.fleet.egress_ips.get(n, ())))
+    if all(o.who == ANYONE for o in openings) and egress is None:
         return None
     units = [MESH_UNIT] if len(dep.fleet.hosts) > 1 else []
     units += [f"{s.name}.service" for s in hp.services]
     return HostFirewall(host=name, openings=openings, fleet=fleet_addresses(dep),
                         clients=None if dep.s.api_clients is None else tuple(dep.s.api_clients),
-                        before=tuple(dict.fromkeys(units)))
+                        before=tuple(dict.fromkeys(units)), egress=egress, egress_names=egress_names_ or ())
 
 
 def format_firewall(dep: Deployment, plan: Plan) -> str:
@@ -336,6 +405,11 @@ def format_firewall(dep: Deployment, plan: Plan) -> str:
     out = [f"\n== firewall (k2_firewall: True): nftables table {TABLE}, loaded by {UNIT}",
            f"  the fleet: {', '.join(fleet_addresses(dep))} (may reach every port of every fleet host)",
            "  any other port: untouched (policy accept)"]
+    if dep.s.egress == "mirrors-only":
+        names = egress_names(dep)
+        out.append("  outbound (k2_egress: mirrors-only): the fleet, " + (", ".join(
+            f"{n} ({', '.join(dep.fleet.egress_ips.get(n, ())) or 'not resolved'})" for n in names) or "no mirror")
+            + "; " + ", ".join(what for _, what in EGRESS_ALWAYS) + "; anything else is rejected")
     for name, hp in plan.hosts.items():
         fw = host_firewall(dep, hp)
         if fw is None:

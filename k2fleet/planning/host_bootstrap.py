@@ -38,12 +38,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k2fleet.planning.host_archive import host_argv
+from k2fleet.planning import mirrors
 from k2fleet.planning import os_tables as t
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.host_fact import BootState
 from k2fleet.inventory.spec import HostEntry
 
-CUDA_REPO_URL = "https://developer.download.nvidia.com/compute/cuda/repos/{os}/{arch}/"
+CUDA_REPO_URL = t.NVIDIA_REPO_BASE + "/{os}/{arch}/"
 CUDA_KEYRING = CUDA_REPO_URL + "cuda-keyring_1.1-1_all.deb"
 CTK_APT = ("deb [signed-by=/usr/share/keyrings/nvidia-container-toolkit-keyring.gpg] "
            "https://nvidia.github.io/libnvidia-container/stable/deb/$(ARCH) /")
@@ -102,6 +103,7 @@ class Repo:
 
     name: str
     kind: str  # "apt" (sources line) | "apt-keyring-deb" | "dnf-repo" (.repo URL) | "dnf-baseurl" | "dnf-module"
+    # | "k2fleet-file" (a mirror in k2fleet's own source file, k2fleet.planning.mirrors, written before: source = its URL)
     source: str
     key: str | None = None
 
@@ -232,7 +234,13 @@ def fabric_packages(fabric: str | None, d: t.DriverChoice, arch: str) -> tuple[l
     return pkgs, modules, ["nvidia-fabricmanager"]
 
 
-def cuda_repo(table: t.OsTable, arch: str) -> Repo:
+def cuda_repo(table: t.OsTable, arch: str, settings: Any = None) -> Repo:
+    """NVIDIA's CUDA repository: NVIDIA's ``cuda-keyring`` package / ``.repo`` file, or, with
+    ``k2_nvidia_repo``, k2fleet's own source file for the mirror (:mod:`k2fleet.planning.mirrors`,
+    written with its keyring before any package is installed)."""
+    if settings is not None and settings.nvidia_repo:  # source: the repository's URL at the mirror; key: the host keyring
+        return Repo("cuda", "k2fleet-file", mirrors.nvidia_repo_url(settings, table, arch),
+                    mirrors.keyring_path(table.manager, mirrors.NVIDIA, settings.nvidia_repo_keyring or ""))
     url = CUDA_REPO_URL.format(os=table.cuda_repo, arch=arch)
     if table.manager == "dnf":
         return Repo("cuda", "dnf-repo", url + f"cuda-{table.cuda_repo}.repo")
@@ -330,7 +338,7 @@ def bootstrap_plan(dep: Deployment, host: HostEntry, host_os: str | None = None,
         d = dep.driver
         assert d is not None and needs is not None
         fabric = needs.fabric if needs.fabric != t.NVSWITCH or dep.gpus_per_node == t.HGX_GPUS else None
-        repos.append(cuda_repo(table, arch))
+        repos.append(cuda_repo(table, arch, dep.s))
         driver_repos, driver_pkgs = nvidia_driver_packages(manager, d)
         repos += driver_repos
         packages += driver_pkgs

@@ -303,6 +303,52 @@ OS_RELEASE_IDS: dict[tuple[str, str], str] = {
 }
 
 
+# ======================================================================================
+# Distribution mirrors (k2_os_mirror): what k2fleet's own source file lists under the
+# mirror's base URL, and the key a mirror of the distribution's own signed archive is
+# checked with when no k2_os_mirror_keyring is given.
+# ======================================================================================
+
+
+@dataclass(frozen=True)
+class MirrorLayout:
+    """apt: ``suites`` × ``components`` under the base URL (deb822 ``.sources``); dnf:
+    ``repos`` (id, path under the base URL with {arch}) in one ``.repo`` file."""
+
+    archive_key: str  # the distribution's archive key on a stock install
+    suites: tuple[str, ...] = ()
+    components: str = ""
+    repos: tuple[tuple[str, str], ...] = ()
+
+
+# Ubuntu: the archive's suites (sources.list(5) of a stock jammy/noble install: release,
+# -updates, -security, all four components; ubuntu-keyring's /usr/share/keyrings/
+# ubuntu-archive-keyring.gpg). arm64 (sbsa) hosts need a mirror of ports.ubuntu.com.
+# Debian: the main archive's release and -updates (debian-archive-keyring); security
+# updates live in the separate debian-security archive, which k2_os_mirror does not cover.
+# RHEL 9 family: the Rocky/Alma release-tree layout (BaseOS/<arch>/os, AppStream/<arch>/os;
+# a reposync'd RHEL mirror must be laid out the same), keys from redhat-release /
+# rocky-release under /etc/pki/rpm-gpg. None of these were fetched here.
+MIRROR_LAYOUTS: dict[str, MirrorLayout] = {
+    "ubuntu-22.04": MirrorLayout("/usr/share/keyrings/ubuntu-archive-keyring.gpg",
+                                 ("jammy", "jammy-updates", "jammy-security"), "main restricted universe multiverse"),
+    "ubuntu-24.04": MirrorLayout("/usr/share/keyrings/ubuntu-archive-keyring.gpg",
+                                 ("noble", "noble-updates", "noble-security"), "main restricted universe multiverse"),
+    "debian-12": MirrorLayout("/usr/share/keyrings/debian-archive-keyring.gpg",
+                              ("bookworm", "bookworm-updates"), "main contrib"),
+    "debian-13": MirrorLayout("/usr/share/keyrings/debian-archive-keyring.gpg",
+                              ("trixie", "trixie-updates"), "main contrib"),
+    "rhel-9": MirrorLayout("/etc/pki/rpm-gpg/RPM-GPG-KEY-redhat-release",
+                           repos=(("baseos", "BaseOS/{arch}/os/"), ("appstream", "AppStream/{arch}/os/"))),
+    "rocky-9": MirrorLayout("/etc/pki/rpm-gpg/RPM-GPG-KEY-Rocky-9",
+                            repos=(("baseos", "BaseOS/{arch}/os/"), ("appstream", "AppStream/{arch}/os/"))),
+}
+# NVIDIA's CUDA repository tree ([cuda-repo]); k2_nvidia_repo replaces this base URL
+NVIDIA_REPO_BASE = "https://developer.download.nvidia.com/compute/cuda/repos"
+# dnf's name of an architecture directory (NVIDIA's tree calls arm64 servers sbsa)
+DNF_ARCH = {"x86_64": "x86_64", "sbsa": "aarch64"}
+
+
 @dataclass(frozen=True)
 class PackageManager:
     """How one package manager installs a pinned version and holds it."""

@@ -7,6 +7,8 @@ host and the reason.
 
 from __future__ import annotations
 
+import ipaddress
+
 from k2fleet.inventory.spec import HostEntry
 from k2fleet.planning import catalog
 from k2fleet.planning.deployment import Deployment
@@ -78,7 +80,40 @@ def check_host(dep: Deployment, entry: HostEntry, report: HostReport, checkpoint
     missing = [h for h in entry.settings.ib_hcas if h not in report.ib_hcas]
     if missing:
         problems.append(f"IB HCAs {', '.join(missing)} not present (found: {', '.join(report.ib_hcas) or 'none'})")
-    addresses = {a for addrs in report.nics.values() for a in addrs}
-    if report.nics and entry.address not in addresses and entry.address[0].isdigit():
-        problems.append(f"fleet address {entry.address} is not on any interface; set k2_address to this host's address")
+    problems += check_fleet_address(entry, report.nics)
     return problems
+
+
+def _canonical(address: str) -> str | None:
+    try:
+        return str(ipaddress.ip_address(address.split("%", 1)[0]))
+    except ValueError:
+        return None
+
+
+def check_fleet_address(entry: HostEntry, nics: dict[str, list[str]]) -> list[str]:
+    """The host's fleet address (an IP: names were resolved by the gate) is on one of its
+    interfaces, and, with ``k2_nic``, on that one: NCCL/Gloo bind ``k2_nic`` while the engines,
+    the mesh and the firewall use the fleet address, so the two must be one network.
+
+    >>> from k2fleet.inventory.spec import parse_host
+    >>> base = {"k2_model": "m/x", "k2_revision": "0" * 40, "k2_engine": "vllm", "k2_gpu": "h200"}
+    >>> h = parse_host("n1", base | {"k2_address": "10.0.0.1", "k2_nic": "eth0"})
+    >>> check_fleet_address(h, {"eth0": ["10.0.0.1"], "lo": ["127.0.0.1"]})
+    []
+    >>> print(*check_fleet_address(h, {"eth0": ["192.168.1.5"], "eth1": ["10.0.0.1"]}))
+    fleet address 10.0.0.1 is on eth1, not on k2_nic eth0 (eth0 has 192.168.1.5); set k2_nic: eth1, or k2_address to eth0's address
+    """
+    want = _canonical(entry.address)
+    if not nics or want is None:
+        return []
+    on = sorted(name for name, addrs in nics.items() if want in {_canonical(a) for a in addrs})
+    nic = entry.settings.nic
+    if not on:
+        return [f"fleet address {entry.address} is not on any interface ({', '.join(sorted(nics))}); set k2_address "
+                "to this host's address on the fleet network"]
+    if nic and nic in nics and nic not in on:
+        has = ", ".join(nics[nic]) or "no address"
+        return [f"fleet address {entry.address} is on {', '.join(on)}, not on k2_nic {nic} ({nic} has {has}); "
+                f"set k2_nic: {on[0]}, or k2_address to {nic}'s address"]
+    return []

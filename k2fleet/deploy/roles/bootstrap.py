@@ -169,6 +169,8 @@ def _repo_line(repo: b.Repo) -> str:
             line = f"deb [signed-by={keyring}] {line}"
         return (f"{{ test -e {shell_word(keyring)} || curl -fsSL {shell_word(repo.key or '')} | gpg --dearmor -o "
                 f"{shell_word(keyring)}; echo \"{line}\" > /etc/apt/sources.list.d/{repo.name}.list; }}")
+    if repo.kind == "k2fleet-file":  # a mirror's source file and keyring: synced with the package mirrors
+        return "true"
     if repo.kind == "dnf-repo":
         return f"dnf config-manager --add-repo {shell_word(repo.source)}"
     if repo.kind == "dnf-module":

@@ -21,7 +21,7 @@ from pyinfra.operations import apt, files, server
 
 from k2fleet.control.deb_bundles import key_of
 from k2fleet.planning.host_packages import BUNDLE_LIST, REMOTE_TAR_DIR, bundle_apt_options, bundle_repo_dir
-from k2fleet.deploy.operations import command
+from k2fleet.deploy.operations import command, synced_files
 
 SOURCES = ("apt", "bundle")
 def bundle_source_line(repo_dir: str) -> str:
@@ -81,6 +81,25 @@ def _install_from_bundle(packages: list[str], bundle: str, refresh: bool, have_r
         no_recommends=True,
         extra_install_args=apt_options,
     )
+
+
+@deploy("k2fleet: package sources")
+def package_sources(files: dict, current: dict) -> None:
+    """
+    Write k2fleet's source files for the declared mirrors and their keyrings
+    (``desired.files["package_sources"]``, :mod:`k2fleet.planning.mirrors`) before any
+    package is installed; apt/dnf read them at the next index refresh.
+
+    + files: path → :class:`~k2fleet.planning.desired.FileSpec`
+    + current: sha256 per path as the HostState fact saw it
+
+    **Example:**
+
+    .. code:: python
+
+        package_sources(mine.files["package_sources"], fact.files)
+    """
+    synced_files(name="package sources: the declared mirrors and their keyrings", files=files, current=current)
 
 
 @deploy("k2fleet: host packages")

@@ -1,0 +1,141 @@
+"""Mirrors as keys: the hosts' package sources and pip index, rendered from the inventory (pure).
+
+- ``k2_os_mirror`` (+ ``k2_os_mirror_keyring``): the distribution's mirror as k2fleet's own
+  source file, apt deb822 ``/etc/apt/sources.list.d/k2fleet-os.sources`` (suites and components
+  from :data:`~k2fleet.planning.os_tables.MIRROR_LAYOUTS`) or dnf ``/etc/yum.repos.d/k2fleet-os.repo``,
+  signed by the uploaded keyring or the distribution's own archive key;
+- ``k2_nvidia_repo`` (+ ``k2_nvidia_repo_keyring``): NVIDIA's CUDA repository at the mirror,
+  ``<base>/<os>/<arch>/``, as ``k2fleet-nvidia.sources`` / ``k2fleet-nvidia.repo`` instead of
+  NVIDIA's ``cuda-keyring`` package (which would point apt at NVIDIA's own URL);
+- ``k2_pypi_index``: ``--index-url`` of the hosts' venv installs and of the control machine's
+  ``pip download`` (:mod:`k2fleet.control.wheelhouse`);
+- :func:`egress_names`: every host name a host's plan fetches from, for ``k2_egress: mirrors-only``.
+
+Keyrings are files on the control machine; their bytes are read by the control step
+(:mod:`k2fleet.control.artifacts`), the host paths are decided here.
+
+>>> print(apt_sources("https://m.example/ubuntu", ("jammy", "jammy-updates"), "main universe", "/k.gpg"), end="")
+# k2fleet: rendered from the inventory; edits are overwritten.
+Types: deb
+URIs: https://m.example/ubuntu
+Suites: jammy jammy-updates
+Components: main universe
+Signed-By: /k.gpg
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from k2fleet.inventory.spec import HostSettings
+from k2fleet.planning import os_tables as t
+
+HEADER = "# k2fleet: rendered from the inventory; edits are overwritten.\n"
+APT_SOURCES = "/etc/apt/sources.list.d/k2fleet-{name}.sources"
+APT_KEYRING = "/etc/apt/keyrings/k2fleet-{name}{suffix}"
+DNF_REPO = "/etc/yum.repos.d/k2fleet-{name}.repo"
+DNF_KEY = "/etc/pki/rpm-gpg/RPM-GPG-KEY-k2fleet-{name}"
+OS, NVIDIA = "os", "nvidia"
+KEYRING_KEYS = {OS: "k2_os_mirror_keyring", NVIDIA: "k2_nvidia_repo_keyring"}
+DEFAULT_PYPI_HOST = "pypi.org"  # and files.pythonhosted.org, where PyPI serves the files
+PYPI_FILES_HOST = "files.pythonhosted.org"
+HUB_HOST = "huggingface.co"
+
+
+def keyring_path(manager: str, name: str, control_path: str) -> str:
+    """Where the keyring of mirror ``name`` (``os``/``nvidia``) lands on a host: apt takes
+    binary ``.gpg`` or armored ``.asc`` by the suffix (the control file's), dnf an armored key.
+
+    >>> keyring_path("apt", "os", "/srv/keys/corp.asc"), keyring_path("apt", "nvidia", "/srv/k/cuda.gpg")
+    ('/etc/apt/keyrings/k2fleet-os.asc', '/etc/apt/keyrings/k2fleet-nvidia.gpg')
+    >>> keyring_path("dnf", "os", "/srv/keys/corp.asc")
+    '/etc/pki/rpm-gpg/RPM-GPG-KEY-k2fleet-os'
+    """
+    if manager == "dnf":
+        return DNF_KEY.format(name=name)
+    return APT_KEYRING.format(name=name, suffix=".asc" if control_path.endswith((".asc", ".pub")) else ".gpg")
+
+
+def apt_sources(uri: str, suites: tuple[str, ...], components: str, signed_by: str) -> str:
+    """One deb822 stanza (sources.list(5)); a flat repository has suite ``/`` and no components."""
+    lines = ["Types: deb", f"URIs: {uri}", f"Suites: {' '.join(suites)}"]
+    if components:
+        lines.append(f"Components: {components}")
+    lines.append(f"Signed-By: {signed_by}")
+    return HEADER + "\n".join(lines) + "\n"
+
+
+def dnf_repo(repos: list[tuple[str, str, str]], gpgkey: str) -> str:
+    """A dnf ``.repo`` file: (id, name, baseurl) sections, each gpg-checked with ``gpgkey``."""
+    out = HEADER
+    for rid, name, url in repos:
+        out += (f"[{rid}]\nname={name}\nbaseurl={url}\nenabled=1\ngpgcheck=1\nrepo_gpgcheck=0\n"
+                f"gpgkey=file://{gpgkey}\n\n")
+    return out.rstrip("\n") + "\n"
+
+
+def nvidia_repo_url(s: HostSettings, table: t.OsTable, arch: str) -> str:
+    """NVIDIA's CUDA repository for one OS and arch: at ``k2_nvidia_repo``, else NVIDIA's own.
+
+    >>> from k2fleet.inventory.spec import HostSettings
+    >>> s = HostSettings(model="m/x", revision="0" * 40, engine="vllm", gpu="h200",
+    ...                  nvidia_repo="https://m.example/cuda/")
+    >>> nvidia_repo_url(s, t.UBUNTU_2204, "x86_64")
+    'https://m.example/cuda/ubuntu2204/x86_64/'
+    """
+    base = (s.nvidia_repo or t.NVIDIA_REPO_BASE).rstrip("/")
+    return f"{base}/{table.cuda_repo}/{arch}/"
+
+
+def mirror_files(s: HostSettings, os_name: str, arch: str, nvidia: bool) -> dict[str, str]:
+    """path → text of k2fleet's source files for one host (``nvidia``: it gets NVIDIA's
+    CUDA repository); empty without mirror keys."""
+    table = t.OS_TABLES[os_name]
+    layout = t.MIRROR_LAYOUTS[os_name]
+    files: dict[str, str] = {}
+    if s.os_mirror:
+        base = s.os_mirror.rstrip("/")
+        key = keyring_path(table.manager, OS, s.os_mirror_keyring) if s.os_mirror_keyring else layout.archive_key
+        if table.manager == "apt":
+            files[APT_SOURCES.format(name=OS)] = apt_sources(base, layout.suites, layout.components, key)
+        else:
+            dnf_arch = t.DNF_ARCH[arch]
+            files[DNF_REPO.format(name=OS)] = dnf_repo(
+                [(f"k2fleet-os-{rid}", f"{os_name} {rid} (k2_os_mirror)", f"{base}/{path.format(arch=dnf_arch)}")
+                 for rid, path in layout.repos], key)
+    if s.nvidia_repo and nvidia:
+        assert s.nvidia_repo_keyring is not None  # k2fleet.planning.deployment refuses one without the other
+        url = nvidia_repo_url(s, table, arch)
+        key = keyring_path(table.manager, NVIDIA, s.nvidia_repo_keyring)
+        if table.manager == "apt":
+            files[APT_SOURCES.format(name=NVIDIA)] = apt_sources(url, ("/",), "", key)
+        else:
+            files[DNF_REPO.format(name=NVIDIA)] = dnf_repo([("k2fleet-cuda", f"CUDA {table.cuda_repo} (k2_nvidia_repo)", url)], key)
+    return files
+
+
+def keyring_files(s: HostSettings, manager: str, nvidia: bool) -> dict[str, tuple[str, str]]:
+    """host path → (inventory key, control-machine path) of the keyrings a host gets."""
+    out = {}
+    if s.os_mirror and s.os_mirror_keyring:
+        out[keyring_path(manager, OS, s.os_mirror_keyring)] = (KEYRING_KEYS[OS], s.os_mirror_keyring)
+    if s.nvidia_repo and s.nvidia_repo_keyring and nvidia:
+        out[keyring_path(manager, NVIDIA, s.nvidia_repo_keyring)] = (KEYRING_KEYS[NVIDIA], s.nvidia_repo_keyring)
+    return out
+
+
+def pip_index_args(s: HostSettings) -> list[str]:
+    """``--index-url URL`` of ``k2_pypi_index`` (empty: pip's own configuration).
+
+    >>> from k2fleet.inventory.spec import HostSettings
+    >>> pip_index_args(HostSettings(model="m/x", revision="0" * 40, engine="vllm", gpu="h200",
+    ...                             pypi_index="https://pypi.corp/simple"))
+    ['--index-url', 'https://pypi.corp/simple']
+    """
+    return ["--index-url", s.pypi_index] if s.pypi_index else []
+
+
+def url_host(url: str) -> str:
+    """The host name of a URL or of an apt line's URL (``deb [..] https://h/x /``)."""
+    word = next((w for w in url.split() if "://" in w), url)
+    return (urlsplit(word).hostname or "").lower()
