@@ -78,8 +78,12 @@ def checked_pyc(source: bytes, filename: str) -> bytes:
     True
     """
     code = compile(source, filename, "exec", dont_inherit=True, optimize=0)
+    # marshal format 2: no back-references. Formats 3+ mark an object as shared when its
+    # reference count says so, and an interned name's count depends on what else this
+    # process has loaded: the same source then marshals to other bytes (seen: the archive's
+    # sha256 changed after a test module imported the health program)
     return (importlib.util.MAGIC_NUMBER + (0b11).to_bytes(4, "little") + importlib.util.source_hash(source)
-            + marshal.dumps(code))
+            + marshal.dumps(code, 2))
 
 
 @lru_cache(maxsize=1)
