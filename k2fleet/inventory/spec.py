@@ -977,6 +977,14 @@ class HostSettings(BaseModel):
     )
     auto_tool_choice: bool = _key(FLEET, "vLLM `--enable-auto-tool-choice`.", default=True)
     max_model_len: PosInt | None = _key(FLEET, "Context length cap (`--max-model-len`, `--context-length`).", default=None)
+    profile: Literal["default", "latency", "throughput", "long-context"] = _key(
+        FLEET,
+        "Tuning profile from the seeds, rendered per engine and pinned version (README \"Tuning profiles\"): "
+        "`default` (the engine's defaults), `latency`, `throughput` or `long-context` (batch, chunked-prefill "
+        "and CUDA-graph sizes; TRT-LLM LLM API options). `k2_engine_args` / `k2_trtllm_config` win over it; "
+        "it never changes the context length (`k2_max_model_len`).",
+        default="default",
+    )
     # --- ports -------------------------------------------------------------------
     port: Port = _key(FLEET, "OpenAI API port of each serving process.", default=8000)
     api_key_file: AbsPath | None = _key(
