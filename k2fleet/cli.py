@@ -283,6 +283,23 @@ def _cmd_bundle(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_metrics(args: argparse.Namespace) -> int:
+    """Offline: the plan's scrape targets as Prometheus file_sd files, prometheus.yml and dashboards in DIR."""
+    from k2fleet.planning.metrics import metrics_files, scrape_targets
+
+    dep, plan = load_plan(args.inventory, args.data)
+    for rel, text in metrics_files(dep, plan).items():
+        path = args.out / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    targets = scrape_targets(dep, plan)
+    print(f"k2fleet metrics: {len(targets)} targets ({', '.join(sorted({t.job for t in targets})) or 'none'}) in {args.out}/; "
+          f"run: prometheus --config.file={args.out}/prometheus.yml")
+    if not dep.s.metrics:
+        print("note: k2_metrics is off: SGLang serves no /metrics, no exporter target or port is planned")
+    return 0
+
+
 def _inventory_arguments(p: argparse.ArgumentParser) -> None:
     """INVENTORY and ``--data KEY=VALUE`` (pyinfra's own override syntax)."""
     p.add_argument("inventory")
@@ -309,6 +326,11 @@ def parser() -> argparse.ArgumentParser:
     st.set_defaults(func=_cmd_status)
     k = sub.add_parser("keys", help="print the inventory key reference (Markdown)")
     k.set_defaults(func=_cmd_keys)
+    me = sub.add_parser("metrics", help="write DIR/prometheus.yml, DIR/targets/*.json (file_sd) and DIR/dashboards/ "
+                        "from the plan; no host is contacted")
+    _inventory_arguments(me)
+    me.add_argument("--out", type=Path, required=True, help="output directory")
+    me.set_defaults(func=_cmd_metrics)
     bu = sub.add_parser("bundle", help="gather everything an air-gapped fleet needs into DIR, with k2fleet.lock")
     _inventory_arguments(bu)
     bu.add_argument("--out", type=Path, required=True, help="bundle directory (made, or brought up to date)")

@@ -482,6 +482,21 @@ def _check_fetcher(fleet: Fleet) -> None:
                     "name a host that loads weights", fleet)
 
 
+def _check_metrics(fleet: Fleet) -> None:
+    """``k2_node_exporter`` needs the OS table's package; the metrics keys need ``k2_metrics``."""
+    s = fleet.settings
+    if (s.metrics_scrapers or s.node_exporter) and not s.metrics:
+        key = "k2_metrics_scrapers" if s.metrics_scrapers else "k2_node_exporter"
+        raise _fail(key, "is a metrics setting; set k2_metrics: True too", fleet)
+    if s.node_exporter:
+        from k2fleet.planning.os_tables import OS_TABLES, host_os
+
+        for h in fleet.hosts:
+            if OS_TABLES[host_os(h)].node_exporter is None:
+                raise _fail("k2_node_exporter", f"{host_os(h)} (host {h.name}) has no Prometheus node exporter package "
+                            "in its base repositories; set k2_node_exporter: False (or run one yourself on port 9100)", fleet)
+
+
 def _check_api_key(fleet: Fleet) -> None:
     """``k2_api_key_file``: vLLM takes the key itself (catalog.API_KEY_ENV), the other engines'
     endpoints get the API front (k2fleet.planning.api_front, catalog.API_KEY_FRONTED); only
@@ -761,6 +776,7 @@ def resolve(fleet: Fleet) -> Deployment:
     _check_fetcher(fleet)
     _check_bundle(fleet)
     _check_api_key(fleet)
+    _check_metrics(fleet)
     _check_ip_addresses(fleet)
     _check_venv_python(fleet, s.engine, version, runtime)
     pools = {}

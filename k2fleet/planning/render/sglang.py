@@ -30,6 +30,7 @@ OWNED_FLAGS = {
     "--disaggregation-mode": "k2_role", "--disaggregation-bootstrap-port": "k2_bootstrap_port",
     "--port": "k2_port", "--host": "", "--model-path": "k2_model", "--model": "k2_model",
     "--served-model-name": "k2_served_model_name",
+    "--enable-metrics": "k2_metrics",
 }
 A2A_BACKEND_SINCE = (0, 5, 0)
 
@@ -68,6 +69,8 @@ def feature_words(dep: Deployment) -> list[str]:
         words += ["--reasoning-parser", dep.reasoning_parser]
     if dep.s.max_model_len:
         words += ["--context-length", str(dep.s.max_model_len)]
+    if dep.s.metrics:  # /metrics on the API port (SGLang's server_args: off unless --enable-metrics)
+        words += ["--enable-metrics"]
     return words
 
 
