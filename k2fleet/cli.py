@@ -25,6 +25,7 @@ from k2fleet.deploy.gate import check_hosts, refuse
 from k2fleet.inventory.loader import inventory_host_data, parse_data_overrides
 from k2fleet.inventory.spec import SpecError, keys_markdown
 from k2fleet.planning.deployment import Deployment
+from k2fleet.planning import profiles
 from k2fleet.planning.firewall import format_firewall
 from k2fleet.planning.processes import Plan
 from k2fleet.planning.quoting import shell_line
@@ -89,6 +90,20 @@ def format_plan(plan: Plan, api_key_file: str | None = None, model: str | None =
     return "\n".join(out) + "\n"
 
 
+def format_profile(dep: Deployment) -> str:
+    """``k2fleet plan``'s profile section: what ``k2_profile`` set, from which seed, and what the inventory overrode."""
+    out = [f"\n== profile (k2_profile: {dep.s.profile})"]
+    for role, pool in dep.pools.items():
+        if role in ("router", "slurm-submit"):
+            continue
+        doc = profiles.describe(dep.engine, dep.version, dep.s.profile, pool.settings.engine_args, pool.settings.trtllm_config)
+        for row in doc["settings"]:
+            mine = " (overridden by the inventory)" if row["name"] in doc["overridden"] else ""
+            out.append(f"  {role}: {row['name']} = {json.dumps(row['value'])}{mine}  <- {row['source']}")
+        out += [f"  {role}: {name} overridden by the inventory" for name in doc["overridden"] if "." in name]
+    return "\n".join(out) + "\n"
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
     dep, plan = load_plan(args.inventory, args.data)
     n = sum(len(h.services) for h in plan.hosts.values())
@@ -105,6 +120,9 @@ def plan_document(dep: Deployment, plan: Plan) -> dict:
 
     desired = desired_state(dep, plan, read_control_artifacts(dep, plan))
     doc = plan.to_json()
+    doc["profile"] = {role: profiles.describe(dep.engine, dep.version, dep.s.profile, pool.settings.engine_args,
+                                              pool.settings.trtllm_config)
+                      for role, pool in dep.pools.items() if role not in ("router", "slurm-submit")}
     entries = {h.name: h for h in dep.fleet.hosts}
     origins = address_origins(dep)
     for name, host in doc["hosts"].items():
@@ -123,6 +141,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         resolved = {h.name: f"resolved from {'the host name' if h.address_key == 'inventory' else h.address_key} "
                     f"{h.configured_address}" for h in dep.fleet.hosts if h.ip}
         sys.stdout.write(format_plan(plan, dep.s.api_key_file, dep.api_model_name, resolved))
+        sys.stdout.write(format_profile(dep))
         sys.stdout.write(format_firewall(dep, plan))  # every port with who may reach it
     return 0
 
@@ -264,6 +283,23 @@ def _cmd_bundle(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_metrics(args: argparse.Namespace) -> int:
+    """Offline: the plan's scrape targets as Prometheus file_sd files, prometheus.yml and dashboards in DIR."""
+    from k2fleet.planning.metrics import metrics_files, scrape_targets
+
+    dep, plan = load_plan(args.inventory, args.data)
+    for rel, text in metrics_files(dep, plan).items():
+        path = args.out / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    targets = scrape_targets(dep, plan)
+    print(f"k2fleet metrics: {len(targets)} targets ({', '.join(sorted({t.job for t in targets})) or 'none'}) in {args.out}/; "
+          f"run: prometheus --config.file={args.out}/prometheus.yml")
+    if not dep.s.metrics:
+        print("note: k2_metrics is off: SGLang serves no /metrics, no exporter target or port is planned")
+    return 0
+
+
 def _inventory_arguments(p: argparse.ArgumentParser) -> None:
     """INVENTORY and ``--data KEY=VALUE`` (pyinfra's own override syntax)."""
     p.add_argument("inventory")
@@ -290,6 +326,11 @@ def parser() -> argparse.ArgumentParser:
     st.set_defaults(func=_cmd_status)
     k = sub.add_parser("keys", help="print the inventory key reference (Markdown)")
     k.set_defaults(func=_cmd_keys)
+    me = sub.add_parser("metrics", help="write DIR/prometheus.yml, DIR/targets/*.json (file_sd) and DIR/dashboards/ "
+                        "from the plan; no host is contacted")
+    _inventory_arguments(me)
+    me.add_argument("--out", type=Path, required=True, help="output directory")
+    me.set_defaults(func=_cmd_metrics)
     bu = sub.add_parser("bundle", help="gather everything an air-gapped fleet needs into DIR, with k2fleet.lock")
     _inventory_arguments(bu)
     bu.add_argument("--out", type=Path, required=True, help="bundle directory (made, or brought up to date)")

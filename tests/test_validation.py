@@ -86,6 +86,14 @@ def family(name: str, cases: list[Case]) -> list[Case]:
 # --- (a) types and ranges --------------------------------------------------------------
 TYPES = family("types", [
     Case("port-bool", {"k2_port": True}, "k2_port", "valid integer"),
+    Case("metrics-scrapers-not-a-network", {"k2_metrics": True, "k2_metrics_scrapers": ["prometheus.corp"]},
+         "k2_metrics_scrapers[0]", "IPv4/IPv6 address or network"),
+    Case("metrics-scrapers-without-metrics", {"k2_metrics_scrapers": ["10.9.0.5"]}, "k2_metrics_scrapers", "k2_metrics"),
+    Case("node-exporter-string", {"k2_metrics": True, "k2_node_exporter": "yes"}, "k2_node_exporter", "valid boolean"),
+    Case("node-exporter-on-rhel", {"k2_metrics": True, "k2_node_exporter": True, "k2_os": "rhel-9"},
+         "k2_node_exporter", "no Prometheus node exporter"),
+    Case("profile-unknown", {"k2_profile": "fast"}, "k2_profile", "long-context"),
+    Case("profile-bool", {"k2_profile": True}, "k2_profile", "latency"),
     Case("port-numeric-string", {"k2_port": "9000"}, "k2_port", "valid integer"),
     Case("port-float", {"k2_port": 9000.0}, "k2_port", "valid integer"),
     Case("port-zero", {"k2_port": 0}, "k2_port", "greater than or equal to 1"),
@@ -433,6 +441,7 @@ TOPOLOGY_TWINS = [
 
 # --- (e) structure (wrong nested types) ------------------------------------------------------------------
 STRUCTURE = family("structure", [
+    Case("profile-legacy-kt", KT_FLEET | {"k2_profile": "latency"}, "k2_profile", "legacy server"),
     Case("kt-cpuinfer-string", _with(KT_FLEET, ("k2_kt", "cpuinfer"), "many"), "k2_kt.cpuinfer", "valid integer"),
     Case("kt-unknown-option", _with(KT_FLEET, ("k2_kt", "cpu_infer"), 64), "k2_kt.cpu_infer", "not a known option"),
     Case("kt-method-unknown", _with(KT_FLEET, ("k2_kt", "method"), "AVX2"), "k2_kt.method", "LLAMAFILE"),
@@ -869,6 +878,10 @@ def _valid(tmp_path: Path, data: dict[str, Any], hosts: int | list = 1, name: st
 TWINS: list[tuple[str, dict[str, Any], int | list]] = [
     ("types", TYPES_TWIN, 1),
     ("types-instruct-context", INSTRUCT | {"k2_tp": 16, "k2_max_model_len": 131072}, 2),
+    ("types-metrics", {"k2_metrics": True, "k2_node_exporter": True, "k2_metrics_scrapers": ["10.9.0.5", "fd00:9::/64"],
+                       "k2_api_clients": ["10.0.0.0/8"]}, 1),
+    ("types-profile-trtllm", B200 | {"k2_profile": "throughput"}, 1),
+    ("types-profile-sglang", {"k2_engine": "sglang", "k2_tp": 8, "k2_profile": "latency"}, 1),
     ("types-gb200", NVFP4 | {"k2_engine": "trtllm", "k2_gpu": "gb200", "k2_gpus_per_node": 4, "k2_tp": 4}, 1),
     ("injection", {**{f"k2_{k}": v for k, v in GOOD_STRINGS.items() if k != "bundle"}, "k2_checkpoint_fetcher": "node-0",
                    "k2_runtime": "container", "k2_tp": 8}, 1),

@@ -977,6 +977,14 @@ class HostSettings(BaseModel):
     )
     auto_tool_choice: bool = _key(FLEET, "vLLM `--enable-auto-tool-choice`.", default=True)
     max_model_len: PosInt | None = _key(FLEET, "Context length cap (`--max-model-len`, `--context-length`).", default=None)
+    profile: Literal["default", "latency", "throughput", "long-context"] = _key(
+        FLEET,
+        "Tuning profile from the seeds, rendered per engine and pinned version (README \"Tuning profiles\"): "
+        "`default` (the engine's defaults), `latency`, `throughput` or `long-context` (batch, chunked-prefill "
+        "and CUDA-graph sizes; TRT-LLM LLM API options). `k2_engine_args` / `k2_trtllm_config` win over it; "
+        "it never changes the context length (`k2_max_model_len`).",
+        default="default",
+    )
     # --- ports -------------------------------------------------------------------
     port: Port = _key(FLEET, "OpenAI API port of each serving process.", default=8000)
     api_key_file: AbsPath | None = _key(
@@ -1025,6 +1033,27 @@ class HostSettings(BaseModel):
         "Who may reach the API port (`k2_port`, the PD router's `k2_router_port`) when `k2_firewall` is on: "
         "IPv4/IPv6 addresses or networks, e.g. `['10.0.0.0/8']` (the fleet always may). Default: anyone.",
         default=None,
+    )
+    metrics: bool = _key(
+        FLEET,
+        "Metrics on (README \"Metrics\"): SGLang (and sglang-kt) get `--enable-metrics` (vLLM and TRT-LLM serve "
+        "`/metrics` on the API port anyway), GPU hosts' dcgm-exporter port 9400 and, with `k2_node_exporter`, "
+        "port 9100 are opened to `k2_metrics_scrapers` and the fleet; `k2fleet metrics` writes the scrape "
+        "configuration.",
+        default=False,
+    )
+    metrics_scrapers: Annotated[list[Cidr], AfterValidator(cidr_list)] | None = _key(
+        FLEET,
+        "With `k2_metrics`: who may scrape when `k2_firewall` is on: IPv4/IPv6 addresses or networks of the "
+        "Prometheus servers, e.g. `['10.0.9.5']`. They reach the exporter ports and the API port's `/metrics` "
+        "(added to `k2_api_clients` when that is set). Default: the fleet only.",
+        default=None,
+    )
+    node_exporter: bool = _key(
+        FLEET,
+        "Install the OS's Prometheus node exporter (Debian/Ubuntu `prometheus-node-exporter`, its own unit, "
+        "port 9100) on every host; RHEL 9 has no such package in its base repositories: refused there.",
+        default=False,
     )
     mesh_user: PosixUser = _key(FLEET, "User mpirun connects as over the mesh.", default="root")
     bind_address: Literal["all", "fleet"] = _key(

@@ -17,7 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from k2fleet.planning.engine_side import engine_min_python, host_python
-from k2fleet.planning import capacity, catalog
+from k2fleet.planning import capacity, catalog, profiles
 from k2fleet.planning.os_tables import DriverChoice, choose_driver, host_os
 from k2fleet.inventory.spec import SHA_RE, Fleet, HostEntry, HostSettings, SpecError
 
@@ -352,13 +352,15 @@ def _kv_dtype_bytes(value: Any) -> int:
     return 1 if isinstance(value, str) and value.lower().startswith("fp8") else 2
 
 
-def _layout(fleet: Fleet, pool: Pool, engine: str) -> capacity.Layout:
-    """How ``pool``'s instances use GPU memory, from its keys and engine flags."""
+def _layout(fleet: Fleet, pool: Pool, engine: str, version: str) -> capacity.Layout:
+    """How ``pool``'s instances use GPU memory, from its keys and engine flags (``k2_profile``'s
+    under ``k2_engine_args`` / ``k2_trtllm_config``, as the renderers merge them)."""
     s = pool.settings
-    args = s.engine_args
+    profile = fleet.settings.profile
+    args = profiles.merged_args(engine, version, profile, s.engine_args)
     max_len, _ = _context(fleet, s, engine)
     if engine == "trtllm":
-        kv_config = s.trtllm_config.get("kv_cache_config") or {}
+        kv_config = profiles.merged_llm_api(version, profile, s.trtllm_config).get("kv_cache_config") or {}
         fraction = kv_config.get("free_gpu_memory_fraction")
         if fraction is None:
             fraction = _arg(args, "kv_cache_free_gpu_memory_fraction")
@@ -395,7 +397,7 @@ def _least_gpus(gpu: catalog.GpuType, arch: catalog.Architecture, quant: str, si
 
 
 def _check_fit(fleet: Fleet, pool: Pool, gpu: catalog.GpuType, size: int, quant: str,
-               engine: str) -> capacity.Capacity | None:
+               engine: str, version: str) -> capacity.Capacity | None:
     """The memory-fit rule (one owner, :func:`k2fleet.planning.capacity.predict`): weights per
     GPU must leave a KV cache that holds ``k2_expected_concurrency`` requests of the context
     length. Returns the prediction ``k2fleet plan`` shows."""
@@ -404,7 +406,7 @@ def _check_fit(fleet: Fleet, pool: Pool, gpu: catalog.GpuType, size: int, quant:
     s = pool.settings
     known = catalog.CHECKPOINTS.get(fleet.settings.model)
     arch = known.arch if known else catalog.KIMI_K2  # k2fleet serves Kimi K2 checkpoints: their shape
-    layout = _layout(fleet, pool, engine)
+    layout = _layout(fleet, pool, engine, version)
     cap = capacity.predict(gpu, arch, quant, size, layout)
     if _fits(cap):
         return cap
@@ -478,6 +480,21 @@ def _check_fetcher(fleet: Fleet) -> None:
     if role in ("router", "slurm-submit"):
         raise _fail("k2_checkpoint_fetcher", f"{fetcher} is a {role} host and holds no checkpoint; "
                     "name a host that loads weights", fleet)
+
+
+def _check_metrics(fleet: Fleet) -> None:
+    """``k2_node_exporter`` needs the OS table's package; the metrics keys need ``k2_metrics``."""
+    s = fleet.settings
+    if (s.metrics_scrapers or s.node_exporter) and not s.metrics:
+        key = "k2_metrics_scrapers" if s.metrics_scrapers else "k2_node_exporter"
+        raise _fail(key, "is a metrics setting; set k2_metrics: True too", fleet)
+    if s.node_exporter:
+        from k2fleet.planning.os_tables import OS_TABLES, host_os
+
+        for h in fleet.hosts:
+            if OS_TABLES[host_os(h)].node_exporter is None:
+                raise _fail("k2_node_exporter", f"{host_os(h)} (host {h.name}) has no Prometheus node exporter package "
+                            "in its base repositories; set k2_node_exporter: False (or run one yourself on port 9100)", fleet)
 
 
 def _check_api_key(fleet: Fleet) -> None:
@@ -748,6 +765,9 @@ def resolve(fleet: Fleet) -> Deployment:
             fleet,
         )
     version, runtime, image = _check_engine(fleet, platform)
+    why = profiles.refusal(s.engine, version, s.profile)
+    if why:
+        raise _fail(profiles.KEY, why, fleet)
     if s.engine == "ktransformers" and not s.gguf_repo:
         raise _fail("k2_gguf_repo", "KTransformers serves GGUF weights; set k2_gguf_repo, k2_gguf_revision and k2_gguf_pattern", fleet)
     _check_hub_transport(fleet)
@@ -756,6 +776,7 @@ def resolve(fleet: Fleet) -> Deployment:
     _check_fetcher(fleet)
     _check_bundle(fleet)
     _check_api_key(fleet)
+    _check_metrics(fleet)
     _check_ip_addresses(fleet)
     _check_venv_python(fleet, s.engine, version, runtime)
     pools = {}
@@ -766,7 +787,7 @@ def resolve(fleet: Fleet) -> Deployment:
         if s.engine == "ktransformers":
             _check_ktransformers(fleet, pools[role])
         if gpu is not None:
-            cap = _check_fit(fleet, pools[role], gpu, size, quant, s.engine)
+            cap = _check_fit(fleet, pools[role], gpu, size, quant, s.engine, version)
             if cap is not None:
                 capacities[role] = cap
     if "slurm-submit" in pools and gpu is not None:

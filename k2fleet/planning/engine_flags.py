@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from k2fleet.inventory.spec import SpecError
+from k2fleet.planning import profiles
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.render import ktransformers, sglang, trtllm, vllm
 from k2fleet.planning.render.common import RENAMED_FLAGS, flag_words
@@ -183,6 +184,11 @@ def check_deployment(dep: Deployment) -> None:
     (``k2_trtllm_config``, both ``k2_disagg`` sides) against the pinned version's tables;
     raises SpecError naming the key (the planner's first step)."""
     try:
+        if dep.engine == "trtllm":
+            check_llm_api_config(dep.version, profiles.llm_api(dep.version, dep.s.profile), key=profiles.KEY)
+        else:
+            check_engine_args(dep.engine, dep.version, profiles.flags(dep.engine, dep.version, dep.s.profile),
+                              key=profiles.KEY)
         for pool in dep.pools.values():
             s = pool.settings
             check_engine_args(dep.engine, dep.version, s.engine_args, key="k2_engine_args")

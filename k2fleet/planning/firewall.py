@@ -46,6 +46,7 @@ from typing import Any
 from k2fleet.planning.api_front import BACKEND_KEY
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.mesh_config import UNIT as MESH_UNIT
+from k2fleet.planning.metrics import exporter_ports
 from k2fleet.planning.processes import HostPlan, Plan
 from k2fleet.planning.quoting import shell_word, systemd_exec, systemd_value
 
@@ -56,7 +57,7 @@ NFT = "/usr/sbin/nft"
 CHECK = "firewall"  # the HostState check: the loaded table is the rules file's
 PACKAGE = "nftables"
 
-ANYONE, FLEET, CLIENTS = "anyone", "fleet", "api-clients"
+ANYONE, FLEET, CLIENTS, SCRAPERS = "anyone", "fleet", "api-clients", "metrics-scrapers"
 EPHEMERAL = (32768, 60999)  # Linux's default net.ipv4.ip_local_port_range
 RAY_CLIENT_AND_WORKERS = (10001, 19999)  # ray start: --ray-client-server-port 10001, --min/--max-worker-port 10002-19999
 RAY_DASHBOARD = 8265
@@ -124,7 +125,7 @@ class Opening:
 
     first: int
     last: int
-    who: str  # ANYONE, FLEET or CLIENTS
+    who: str  # ANYONE, FLEET, CLIENTS or SCRAPERS
     what: str
 
     @property
@@ -146,6 +147,7 @@ class HostFirewall:
     before: tuple[str, ...] = ()  # the host's k2fleet units (the table is loaded before them)
     egress: tuple[str, ...] | None = None  # k2_egress: mirrors-only: the mirrors' IPs (None: outbound untouched)
     egress_names: tuple[str, ...] = ()  # the names those IPs were resolved from
+    scrapers: tuple[str, ...] = ()  # k2_metrics_scrapers (k2_metrics): the exporter ports' and /metrics' clients
 
     def closed(self) -> list[Opening]:
         return [o for o in self.openings if o.who != ANYONE]
@@ -167,6 +169,7 @@ class HostFirewall:
     def to_json(self) -> dict[str, Any]:
         return {"table": TABLE, "unit": UNIT, "fleet": list(self.fleet),
                 "api_clients": None if self.clients is None else list(self.clients),
+                **({"metrics_scrapers": list(self.scrapers)} if self.scrapers else {}),
                 "ports": [o.to_json() for o in self.openings],
                 "egress": None if self.egress is None else {"names": list(self.egress_names), "addresses": list(self.egress),
                                                             "also": [what for _, what in EGRESS_ALWAYS]}}
@@ -221,9 +224,13 @@ def _ports(openings: list[Opening]) -> str:
 def _table_body(fw: HostFirewall) -> str:
     out = _set("fleet4", "ipv4_addr", _family(fw.fleet, 4), False) + _set("fleet6", "ipv6_addr", _family(fw.fleet, 6), False)
     api = [o for o in fw.openings if o.who == CLIENTS]
+    scraped = [o for o in fw.openings if o.who == SCRAPERS]
     if api:
         out += _set("api_clients4", "ipv4_addr", _family(fw.clients, 4), True)
         out += _set("api_clients6", "ipv6_addr", _family(fw.clients, 6), True)
+    if scraped or (api and fw.scrapers):
+        out += _set("scrapers4", "ipv4_addr", _family(fw.scrapers, 4), True)
+        out += _set("scrapers6", "ipv6_addr", _family(fw.scrapers, 6), True)
     rules = ['iif "lo" accept', "ct state established,related accept"]
     ssh = [o for o in fw.openings if o.who == ANYONE and o.what.startswith("ssh")]
     rules.append(f'tcp dport {_ports(ssh)} accept comment "ssh_port: pyinfra reaches the host"')
@@ -232,6 +239,13 @@ def _table_body(fw: HostFirewall) -> str:
     open_api = [o for o in fw.openings if o.who == ANYONE and not o.what.startswith("ssh")]
     if open_api:  # before the rejects: an API port inside a closed range stays open
         rules.append(f'tcp dport {_ports(open_api)} accept comment "API: anyone (k2_api_clients unset)"')
+    if api and fw.scrapers:  # /metrics is served on the API port
+        rules += [f'tcp dport {_ports(api)} ip saddr @scrapers4 accept comment "k2_metrics_scrapers: /metrics"',
+                  f"tcp dport {_ports(api)} ip6 saddr @scrapers6 accept"]
+    if scraped:
+        rules += [f'tcp dport {_ports(scraped)} ip saddr @scrapers4 accept comment "exporters: k2_metrics_scrapers"',
+                  f"tcp dport {_ports(scraped)} ip6 saddr @scrapers6 accept",
+                  f'tcp dport {_ports(scraped)} reject with tcp reset comment "exporters: k2_metrics_scrapers and the fleet only"']
     if api:
         rules += [f"tcp dport {_ports(api)} ip saddr @api_clients4 accept",
                   f"tcp dport {_ports(api)} ip6 saddr @api_clients6 accept",
@@ -375,6 +389,8 @@ def host_firewall(dep: Deployment, hp: HostPlan) -> HostFirewall | None:
             port, key = (svc.ports[BACKEND_KEY], BACKEND_KEY) if BACKEND_KEY in svc.ports else (dep.s.port, "k2_port")
             found.append(Opening(min(65535, port + lo), min(65535, port + hi), FLEET,
                                  f"SGLang NCCL/torch store port, random in {key}+{lo}..+{hi} ({svc.name})"))
+    for port, what in exporter_ports(dep, hp.role):
+        found.append(Opening(port, port, SCRAPERS, f"{what}: k2_metrics_scrapers and the fleet"))
     if len(dep.fleet.hosts) > 1:
         found.append(Opening(dep.s.mesh_port, dep.s.mesh_port, FLEET, "k2_mesh_port: the SSH mesh sshd"))
     if runs_engine_ranks(hp):
@@ -391,7 +407,8 @@ def host_firewall(dep: Deployment, hp: HostPlan) -> HostFirewall | None:
     units += [f"{s.name}.service" for s in hp.services]
     return HostFirewall(host=name, openings=openings, fleet=fleet_addresses(dep),
                         clients=None if dep.s.api_clients is None else tuple(dep.s.api_clients),
-                        before=tuple(dict.fromkeys(units)), egress=egress, egress_names=egress_names_ or ())
+                        before=tuple(dict.fromkeys(units)), egress=egress, egress_names=egress_names_ or (),
+                        scrapers=tuple(dep.s.metrics_scrapers or ()) if dep.s.metrics else ())
 
 
 def format_firewall(dep: Deployment, plan: Plan) -> str:
@@ -401,7 +418,9 @@ def format_firewall(dep: Deployment, plan: Plan) -> str:
                 f"{UNIT} are removed; every port is as the hosts' own rules leave it\n")
     clients = "anyone (k2_api_clients unset)" if dep.s.api_clients is None else \
         "k2_api_clients " + ", ".join(dep.s.api_clients) + " and the fleet"
-    who = {ANYONE: "anyone", FLEET: "the fleet only", CLIENTS: clients}
+    scrapers = "k2_metrics_scrapers " + ", ".join(dep.s.metrics_scrapers) + " and the fleet" if dep.s.metrics_scrapers \
+        else "the fleet only (k2_metrics_scrapers unset)"
+    who = {ANYONE: "anyone", FLEET: "the fleet only", CLIENTS: clients, SCRAPERS: scrapers}
     out = [f"\n== firewall (k2_firewall: True): nftables table {TABLE}, loaded by {UNIT}",
            f"  the fleet: {', '.join(fleet_addresses(dep))} (may reach every port of every fleet host)",
            "  any other port: untouched (policy accept)"]

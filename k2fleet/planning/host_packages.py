@@ -35,6 +35,11 @@ def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool) -> list[
     if has_front(host_plan):  # HAProxy runs k2fleet's API front (k2fleet.planning.api_front)
         entry = next(h for h in dep.fleet.hosts if h.name == host_plan.name)
         needed.add(OS_TABLES[host_os(entry)].haproxy)
+    if dep.s.metrics and dep.s.node_exporter:  # the OS's exporter and its own unit (validate refused OSes without it)
+        entry = next(h for h in dep.fleet.hosts if h.name == host_plan.name)
+        package = OS_TABLES[host_os(entry)].node_exporter
+        if package:
+            needed.add(package)
     if host_firewall(dep, host_plan) is not None:
         needed.add(FIREWALL_PACKAGE)  # nft loads k2fleet's table (k2fleet.planning.firewall)
     return sorted(needed)

@@ -219,6 +219,9 @@ class OsTable:
     # binary /usr/sbin/haproxy, config features of 2.2+: `http-request return`); the
     # release's version in the comment of each table, with where it was read
     haproxy: str = "haproxy"
+    # k2_node_exporter: the release's Prometheus node exporter package (its own unit, port
+    # 9100), None where the base repositories have none (k2fleet refuses the key there)
+    node_exporter: str | None = "prometheus-node-exporter"
 
 
 UBUNTU_2204 = OsTable(
@@ -227,6 +230,8 @@ UBUNTU_2204 = OsTable(
     python="python3.11", python_version="3.11", venv_packages=("python3.11", "python3.11-venv"),
     # haproxy 2.4.x in jammy main (packages.ubuntu.com/jammy/haproxy; not fetched here)
     haproxy="haproxy",
+    # prometheus-node-exporter 1.3.x in jammy universe (packages.ubuntu.com/jammy/prometheus-node-exporter; not fetched here)
+    node_exporter="prometheus-node-exporter",
     kernel_holds={"x86_64": ("linux-generic", "linux-image-generic", "linux-headers-generic"),
                   "sbsa": ("linux-generic", "linux-image-generic", "linux-headers-generic")},
     kernel_headers="linux-headers-{kernel}",
@@ -238,6 +243,7 @@ UBUNTU_2404 = OsTable(
     name="ubuntu-24.04", manager="apt", cuda_repo="ubuntu2404", cuda_arches=("x86_64", "sbsa"), codename="noble",
     python_version="3.12",
     haproxy="haproxy",  # 2.8.x in noble main (packages.ubuntu.com/noble/haproxy; not fetched here)
+    node_exporter="prometheus-node-exporter",  # 1.7.x in noble universe (packages.ubuntu.com/noble; not fetched here)
     kernel_holds=UBUNTU_2204.kernel_holds,
     kernel_headers="linux-headers-{kernel}",
     docker=("docker.io",),
@@ -252,6 +258,9 @@ DEBIAN_12 = OsTable(
     # 2.6.12-1+deb12u4 from bookworm main: installed from deb.debian.org on the control machine
     # (`apt-get install haproxy`, /usr/sbin/haproxy; tests/test_api_front.py runs it)
     haproxy="haproxy",
+    # 1.5.0-1+b* from bookworm main (apt-cache policy prometheus-node-exporter on the control machine,
+    # deb.debian.org bookworm; /usr/bin/prometheus-node-exporter, unit prometheus-node-exporter.service)
+    node_exporter="prometheus-node-exporter",
     components="main contrib",
     kernel_holds={"x86_64": ("linux-image-amd64", "linux-headers-amd64"),
                   "sbsa": ("linux-image-arm64", "linux-headers-arm64")},
@@ -267,6 +276,7 @@ DEBIAN_13 = OsTable(
     name="debian-13", manager="apt", cuda_repo="debian13", cuda_arches=("x86_64", "sbsa"), codename="trixie",
     python_version="3.13",
     haproxy="haproxy",  # 3.0.x in trixie main (packages.debian.org/trixie/haproxy; not fetched here)
+    node_exporter="prometheus-node-exporter",  # 1.9.x in trixie main (packages.debian.org/trixie; not fetched here)
     components="main contrib",
     kernel_holds=DEBIAN_12.kernel_holds,
     kernel_headers="linux-headers-{kernel}",
@@ -281,6 +291,9 @@ RHEL_9 = OsTable(
     # haproxy 2.4.x in the AppStream repository (RHEL 9 "Configuring and managing networking"/
     # load balancer docs name the package `haproxy`; not fetched here)
     haproxy="haproxy",
+    # no node exporter in RHEL 9's BaseOS/AppStream (Red Hat ships it only inside its own
+    # products' monitoring stacks): k2_node_exporter is refused on RHEL-family hosts
+    node_exporter=None,
     kernel_holds={"x86_64": ("kernel", "kernel-core", "kernel-modules", "kernel-devel"),
                   "sbsa": ("kernel", "kernel-core", "kernel-modules", "kernel-devel")},
     kernel_headers="kernel-devel-{kernel}",

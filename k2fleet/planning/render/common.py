@@ -7,6 +7,7 @@ from typing import Any
 
 from k2fleet.planning.catalog import version_tuple
 from k2fleet.planning.deployment import Deployment
+from k2fleet.planning.profiles import merged_args
 from k2fleet.inventory.spec import HostEntry
 
 # (engine, old flag, first version where it is gone, replacement flags or None = drop)
@@ -59,6 +60,11 @@ def extra_flags(dep: Deployment, engine_args: dict[str, Any], dash: str = "-") -
     for name, value in engine_args.items():
         words += flag_words(dep.engine, dep.version, name, value, dash)
     return words
+
+
+def pool_engine_args(dep: Deployment, settings: Any) -> dict[str, Any]:
+    """A pool's engine flags: ``k2_profile``'s table under its ``k2_engine_args`` (which win)."""
+    return merged_args(dep.engine, dep.version, dep.s.profile, settings.engine_args)
 
 
 def engine_env(dep: Deployment, host: HostEntry, pool_env: dict[str, str]) -> dict[str, str]:

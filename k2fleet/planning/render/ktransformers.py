@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from k2fleet.planning.catalog import version_tuple
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.processes import Health, Service
-from k2fleet.planning.render.common import engine_env, extra_flags, venv_bin
+from k2fleet.planning.render.common import engine_env, extra_flags, pool_engine_args, venv_bin
 from k2fleet.planning.render.sglang import OWNED_FLAGS as SGLANG_OWNED_FLAGS, feature_words
 
 LEGACY_AMX_RULES = "ktransformers/optimize/optimize_rules/DeepSeek-V3-Chat-fp8-linear-ggml-experts-serve-amx.yaml"
@@ -65,7 +65,7 @@ def render(dep: Deployment) -> Iterator[tuple[str, Service]]:
             env = engine_env(dep, host, s.env)
             health = Health(dep.s.port)
             if version_tuple(dep.version) >= SGLANG_KT_SINCE:
-                words = _kt_words(dep, s.kt, pool.tp) + extra_flags(dep, s.engine_args)
+                words = _kt_words(dep, s.kt, pool.tp) + extra_flags(dep, pool_engine_args(dep, s))
                 argv = [venv_bin(dep, "python"), "-m", "sglang.launch_server", *words]
                 what = f"KTransformers {dep.version} (sglang-kt, kt-method {s.kt.get('method', 'LLAMAFILE')})"
             else:

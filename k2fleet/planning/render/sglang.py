@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from k2fleet.planning.catalog import version_tuple
 from k2fleet.planning.deployment import Deployment, Pool
 from k2fleet.planning.processes import Health, Service
-from k2fleet.planning.render.common import container_argv, engine_env, extra_flags, venv_bin
+from k2fleet.planning.render.common import container_argv, engine_env, extra_flags, pool_engine_args, venv_bin
 from k2fleet.inventory.spec import HostEntry
 
 ATTN_DP_SIZE_SINCE = (0, 5, 23)
@@ -30,6 +30,7 @@ OWNED_FLAGS = {
     "--disaggregation-mode": "k2_role", "--disaggregation-bootstrap-port": "k2_bootstrap_port",
     "--port": "k2_port", "--host": "", "--model-path": "k2_model", "--model": "k2_model",
     "--served-model-name": "k2_served_model_name",
+    "--enable-metrics": "k2_metrics",
 }
 A2A_BACKEND_SINCE = (0, 5, 0)
 
@@ -68,6 +69,8 @@ def feature_words(dep: Deployment) -> list[str]:
         words += ["--reasoning-parser", dep.reasoning_parser]
     if dep.s.max_model_len:
         words += ["--context-length", str(dep.s.max_model_len)]
+    if dep.s.metrics:  # /metrics on the API port (SGLang's server_args: off unless --enable-metrics)
+        words += ["--enable-metrics"]
     return words
 
 
@@ -87,7 +90,7 @@ def _server_words(dep: Deployment, pool: Pool, host: HostEntry, rank: int, nodes
             words += ["--disaggregation-ib-device", ",".join(host.settings.ib_hcas)]
     if s.gpu_memory_utilization:
         words += ["--mem-fraction-static", str(s.gpu_memory_utilization)]
-    return words + feature_words(dep) + extra_flags(dep, s.engine_args)
+    return words + feature_words(dep) + extra_flags(dep, pool_engine_args(dep, s))
 
 
 def _pool_services(dep: Deployment, pool: Pool) -> Iterator[tuple[str, Service]]:

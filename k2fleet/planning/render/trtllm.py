@@ -18,6 +18,7 @@ from k2fleet.planning.deployment import Deployment, Pool
 from k2fleet.planning.mesh_config import UNIT as MESH_UNIT
 from k2fleet.planning.mesh_config import mesh_dir
 from k2fleet.planning.processes import Health, Service
+from k2fleet.planning.profiles import merged_llm_api
 from k2fleet.planning.render.common import container_argv, engine_env, extra_flags, venv_bin
 from k2fleet.inventory.spec import HostEntry
 
@@ -62,7 +63,7 @@ def api_options(dep: Deployment, pool: Pool) -> dict[str, Any]:
     }
     if dep.s.max_model_len:
         base["max_seq_len"] = dep.s.max_model_len
-    return base | _translate(s.trtllm_config)
+    return base | merged_llm_api(dep.version, dep.s.profile, _translate(s.trtllm_config))
 
 
 def dump_yaml(data: dict[str, Any]) -> str:

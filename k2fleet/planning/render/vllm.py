@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from k2fleet.planning.deployment import Deployment, Pool
 from k2fleet.planning.processes import Health, Service
 from k2fleet.planning.catalog import API_KEY_ENV
-from k2fleet.planning.render.common import container_argv, engine_env, extra_flags, venv_bin
+from k2fleet.planning.render.common import container_argv, engine_env, extra_flags, pool_engine_args, venv_bin
 from k2fleet.inventory.spec import HostEntry
 from k2fleet.planning.host_archive import host_argv
 
@@ -72,7 +72,7 @@ def _serve_words(dep: Deployment, pool: Pool) -> list[str]:
         words += ["--reasoning-parser", dep.reasoning_parser]
     if dep.platform == "rocm":
         words += ["--no-enable-prefix-caching"]
-    return words + extra_flags(dep, s.engine_args)
+    return words + extra_flags(dep, pool_engine_args(dep, s))
 
 
 def _platform_env(dep: Deployment) -> dict[str, str]:

@@ -1,0 +1,149 @@
+"""Prometheus scrape targets derived from the plan, and the files ``k2fleet metrics`` writes (pure).
+
+Per engine, where the serving processes publish Prometheus metrics (:data:`ENGINE_METRICS`,
+with the source of each row); per host, node_exporter (``k2_node_exporter``: Debian/Ubuntu's
+``prometheus-node-exporter``, port 9100) and NVIDIA's dcgm-exporter (port 9400, GPU hosts on
+real CUDA GPUs; k2fleet does not install it). The output is Prometheus's own file-based
+service discovery: ``prometheus.yml`` with one job per kind of target reading
+``targets/<job>.json`` (``file_sd_configs``), each target labelled ``instance`` (the host
+name), ``role``, ``engine`` and ``model``; and ``dashboards/`` (Grafana JSON written by
+k2fleet, :mod:`k2fleet.planning.dashboards`).
+
+>>> ENGINE_METRICS["vllm"].path
+'/metrics'
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import yaml
+
+from k2fleet.planning.catalog import version_tuple
+from k2fleet.planning.deployment import Deployment
+from k2fleet.planning.processes import Plan
+
+NODE_EXPORTER_PORT = 9100  # prometheus-node-exporter's default --web.listen-address (:9100)
+DCGM_EXPORTER_PORT = 9400  # dcgm-exporter's default listen address (:9400)
+SCRAPE_INTERVAL = "15s"
+API_KEYS = ("k2_port", "k2_router_port")
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    path: str | None  # None: the engine publishes none k2fleet can scrape
+    needs_flag: bool  # only with k2_metrics (SGLang's --enable-metrics)
+    source: str
+
+
+ENGINE_METRICS = {
+    "vllm": EngineMetrics("/metrics", False, "vLLM's API server mounts prometheus_client's app at /metrics on the "
+                          "API port, always (vllm/entrypoints/serve; open without the API key)"),
+    "sglang": EngineMetrics("/metrics", True, "SGLang's HTTP server exposes /metrics on the API port only with "
+                            "--enable-metrics (flag in the 0.4.9/0.5.4/0.5.23 tables; k2fleet renders it with k2_metrics)"),
+    "ktransformers": EngineMetrics("/metrics", True, "KTransformers >= 0.7 serves through sglang-kt: SGLang's "
+                                   "--enable-metrics (in the 0.7.2 table); the 0.3.x legacy server has no metrics route"),
+    "trtllm": EngineMetrics("/prometheus/metrics", False, "trtllm-serve: /metrics answers JSON iteration stats, "
+                            "not the Prometheus format; its Prometheus route is /prometheus/metrics (not verified "
+                            "at 1.2.0 from a source in this repository: a target that stays down says so)"),
+}
+LEGACY_KT_BEFORE = (0, 4, 0)
+
+
+@dataclass(frozen=True)
+class Target:
+    job: str
+    host: str
+    address: str
+    port: int
+    path: str
+    role: str
+
+    @property
+    def endpoint(self) -> str:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"{host}:{self.port}"
+
+
+def _engine_path(dep: Deployment) -> str | None:
+    em = ENGINE_METRICS[dep.engine]
+    if dep.engine == "ktransformers" and version_tuple(dep.version) < LEGACY_KT_BEFORE:
+        return None
+    if em.needs_flag and not dep.s.metrics:
+        return None
+    return em.path
+
+
+def scrape_targets(dep: Deployment, plan: Plan) -> list[Target]:
+    """Every scrape target of the plan: each serving instance's metrics endpoint (its API
+    port, where the health gate also calls it), node_exporter per host and dcgm-exporter per
+    GPU host, in plan order."""
+    out: list[Target] = []
+    path = _engine_path(dep)
+    for name, hp in plan.hosts.items():
+        for svc in hp.services:
+            if svc.role in ("router", "slurm-submit"):
+                continue  # the PD router: k2fleet's tables have no metrics port for it (left)
+            for key in API_KEYS:
+                if key in svc.ports and path:
+                    out.append(Target("k2-engine", name, hp.address, svc.ports[key], path, svc.role))
+    out = list(dict.fromkeys(out))  # behind the API front, the front and the engine name the same port once
+    if dep.s.metrics and dep.s.node_exporter:
+        out += [Target("node", name, hp.address, NODE_EXPORTER_PORT, "/metrics", hp.role) for name, hp in plan.hosts.items()]
+    if dep.s.metrics and dep.platform == "cuda" and not dep.s.simulated_gpus:
+        out += [Target("dcgm", name, hp.address, DCGM_EXPORTER_PORT, "/metrics", hp.role)
+                for name, hp in plan.hosts.items() if gpu_host(hp.role)]
+    return out
+
+
+def gpu_host(role: str) -> bool:
+    return role not in ("router", "slurm-submit")
+
+
+def exporter_ports(dep: Deployment, role: str) -> list[tuple[int, str]]:
+    """The exporter ports a host of ``role`` listens on (the firewall opens them to the scrapers)."""
+    if not dep.s.metrics:
+        return []
+    ports = []
+    if dep.s.node_exporter:
+        ports.append((NODE_EXPORTER_PORT, "node_exporter (k2_node_exporter)"))
+    if dep.platform == "cuda" and not dep.s.simulated_gpus and gpu_host(role):
+        ports.append((DCGM_EXPORTER_PORT, "dcgm-exporter (GPU metrics)"))
+    return ports
+
+
+def file_sd(dep: Deployment, targets: list[Target]) -> dict[str, list[dict]]:
+    """``targets/<job>.json``: Prometheus file_sd groups, one per target (its labels)."""
+    jobs: dict[str, list[dict]] = {}
+    for t in targets:
+        labels = {"instance": t.host, "role": t.role, "engine": dep.engine, "model": dep.served_model_name}
+        if t.job == "k2-engine":
+            labels["__metrics_path__"] = t.path
+        jobs.setdefault(t.job, []).append({"targets": [t.endpoint], "labels": labels})
+    return jobs
+
+
+def prometheus_yml(jobs: list[str], targets_dir: str = "targets") -> str:
+    """``prometheus.yml``: one scrape job per file_sd file (paths relative to the config file)."""
+    config = {
+        "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
+        "scrape_configs": [
+            {"job_name": job, "metrics_path": "/metrics",
+             "file_sd_configs": [{"files": [f"{targets_dir}/{job}.json"], "refresh_interval": "1m"}]}
+            for job in jobs
+        ],
+    }
+    return "# Written by `k2fleet metrics` from the fleet plan; targets come from the file_sd files.\n" + \
+        yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
+
+
+def metrics_files(dep: Deployment, plan: Plan) -> dict[str, str]:
+    """Every file of ``k2fleet metrics --out DIR``: relative path → content."""
+    from k2fleet.planning.dashboards import dashboards
+
+    jobs = file_sd(dep, scrape_targets(dep, plan))
+    files = {"prometheus.yml": prometheus_yml(sorted(jobs))}
+    files |= {f"targets/{job}.json": json.dumps(groups, indent=2) + "\n" for job, groups in sorted(jobs.items())}
+    files |= {f"dashboards/{name}": text for name, text in dashboards(dep.engine).items()}
+    return files
