@@ -68,6 +68,7 @@ def format_plan(plan: Plan, api_key_file: str | None = None, model: str | None =
     ]
     for role, cap in plan.capacity.items():
         out.append(f"# KV cache ({role}): {cap.summary()}")
+    out += [f"# note: {note}" for note in plan.notes]
     endpoint = plan.endpoint()
     if endpoint:
         out.append(f"# endpoint: http://{endpoint[0]}:{endpoint[1]}/v1")

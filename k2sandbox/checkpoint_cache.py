@@ -78,13 +78,24 @@ if __name__ == "__main__":
 
 
 def checkpoint_style(model: str) -> tuple[int, str]:
-    """(shards, naming style) of a synthetic checkpoint shaped like ``model``'s.
+    """(shards, naming style) of a synthetic checkpoint shaped like ``model``'s: the catalog's
+    layout (``Checkpoint.shards``/``shard_style``) when it records one; otherwise, for a model
+    whose real shard naming k2fleet's sources do not give (K2-Instruct-0905, K2.5, K2.6, K3) or
+    one it does not know, by name: ``instruct`` in it → K2-Instruct's, else K2-Thinking's — a
+    stand-in layout, not the model's own.
 
     >>> checkpoint_style("moonshotai/Kimi-K2-Instruct")
     (61, 'instruct')
     >>> checkpoint_style("moonshotai/Kimi-K2-Thinking")
     (62, 'thinking')
+    >>> checkpoint_style("moonshotai/Kimi-K3")
+    (62, 'thinking')
     """
+    from k2fleet.planning.catalog import CHECKPOINTS
+
+    known = CHECKPOINTS.get(model)
+    if known is not None and known.shards and known.shard_style:
+        return known.shards, known.shard_style
     if "instruct" in model.lower():
         return 61, "instruct"
     return 62, "thinking"

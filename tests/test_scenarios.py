@@ -17,6 +17,7 @@ INV = ROOT / "inventories"
 SCENARIOS = [
     "h200", "h200-dcp", "h800-pp", "h200-dp-ep", "h200-sglang-tp16", "h200-sglang-pd",
     "b200-trtllm", "h200-trtllm-mpi", "gb200-trtllm-disagg", "ktransformers", "mi300x",
+    "h200-k2-0905", "h200-k25", "h200-k26", "h200-k3-sglang",  # issue #25's models
 ]
 
 
@@ -250,3 +251,21 @@ def test_human_plan_output_is_per_host() -> None:
                          check=True, capture_output=True, text=True).stdout
     assert "== h200-0 (192.0.2.30)" in out and "== h200-1 (192.0.2.31)" in out
     assert "--data-parallel-start-rank 8" in out
+
+
+def test_issue_25_models_render_their_parsers_and_notes() -> None:
+    """K2.5/K2.6: Moonshot's vLLM argv (``--mm-encoder-tp-mode data``, kimi_k2 parsers); K3:
+    the kimi_k3 parsers and no KV prediction (the plan's notes say why); 0905: no reasoning parser."""
+    for name in ("h200-k25", "h200-k26"):
+        doc = plan_json(name)
+        argv = services(doc, "h200-0")["k2-vllm"]["argv"]
+        assert flag(argv, "--mm-encoder-tp-mode") == "data"
+        assert flag(argv, "--tool-call-parser") == flag(argv, "--reasoning-parser") == "kimi_k2"
+        assert doc["capacity"]["serve"]["kv_bytes_per_token"] == 70_272
+    doc = plan_json("h200-k3-sglang")
+    argv = services(doc, "h200-0")["k2-sglang"]["argv"]
+    assert flag(argv, "--tool-call-parser") == flag(argv, "--reasoning-parser") == "kimi_k3"
+    assert doc["capacity"] == {} and any("no KV cache prediction" in n for n in doc["notes"])
+    doc = plan_json("h200-k2-0905")
+    argv = services(doc, "h200-0")["k2-vllm"]["argv"]
+    assert flag(argv, "--tool-call-parser") == "kimi_k2" and "--reasoning-parser" not in argv

@@ -42,6 +42,9 @@ REPO = Path(__file__).resolve().parent.parent
 ENTRIES = ("pyinfra", "validate", "plan")
 INSTRUCT = {"k2_model": "moonshotai/Kimi-K2-Instruct", "k2_revision": "fd1984e2b7a3350dbf7305fe73a4ede25c14de50"}
 NVFP4 = {"k2_model": "nvidia/Kimi-K2-Thinking-NVFP4", "k2_revision": "1" * 40}
+K3 = {"k2_model": "moonshotai/Kimi-K3", "k2_revision": "3" * 40}  # issue #25's models (catalog)
+K25 = {"k2_model": "moonshotai/Kimi-K2.5", "k2_revision": "5" * 40}
+K0905 = {"k2_model": "moonshotai/Kimi-K2-Instruct-0905", "k2_revision": "9" * 40}
 INJECT = "\nExecStartPre=/bin/sh -c id"
 
 
@@ -416,6 +419,23 @@ TOPOLOGY = family("topology", [
                                                 ("k2_disagg", "ctx", "moe_expert_parallel_size"), 12),
          "k2_disagg.ctx.tensor_parallel_size", "64 attention heads"),
     Case("kt-instance-over-two-hosts", KT_FLEET | {"k2_tp": 2}, "k2_tp", "KTransformers runs on one host", hosts=2),
+    # issue #25: a model on an engine, pin or GPU count that cannot serve it (catalog.Checkpoint)
+    Case("issue25-k3-on-ktransformers", KT_FLEET | K3 | {"k2_engine_version": "0.7.2"}, "k2_engine",
+         "not served by ktransformers"),
+    Case("issue25-k3-trtllm-on-h200", K3 | {"k2_engine": "trtllm", "k2_tp": 16}, "k2_gpu", "Blackwell GPUs only", hosts=2),
+    Case("issue25-k3-trtllm-on-h100", K3 | {"k2_engine": "trtllm", "k2_gpu": "h100", "k2_tp": 32}, "k2_gpu",
+         "Blackwell GPUs only", hosts=4),
+    Case("issue25-k3-vllm-pin-too-old", K3 | {"k2_engine_version": "0.11.0", "k2_tp": 8, "k2_pp": 2}, "k2_engine_version",
+         "vllm >= 0.27.1", hosts=2),
+    Case("issue25-k3-sglang-pin-too-old", K3 | {"k2_engine": "sglang", "k2_engine_version": "0.5.4", "k2_tp": 16},
+         "k2_engine_version", "sglang >= 0.5.17", hosts=2),
+    Case("issue25-k3-h200-one-node", K3 | {"k2_engine": "sglang", "k2_tp": 8}, "k2_tp", "needs 16 GPUs per instance"),
+    Case("issue25-k3-ep-not-dividing-experts", K3 | {"k2_gpu": "b300", "k2_tp": 8, "k2_dp": 3, "k2_ep": 24}, "k2_ep",
+         "896 routed experts", hosts=3),
+    Case("issue25-0905-h100-one-node", K0905 | {"k2_gpu": "h100", "k2_tp": 8}, "k2_tp", "less than the 1,030 GB checkpoint"),
+    Case("issue25-k25-on-sglang", K25 | {"k2_engine": "sglang", "k2_tp": 8}, "k2_engine", "use vllm"),
+    Case("issue25-k25-vllm-pin-without-mm-flag", K25 | {"k2_tp": 8, "k2_engine_version": "0.10.0"}, "k2_engine_version",
+         "no --mm-encoder-tp-mode"),
     # environment variables that contradict the keys k2fleet derives them from
     Case("env-nccl-ifname-not-nic", {"k2_nic": "eth0", "k2_env": {"NCCL_SOCKET_IFNAME": "eth1"}},
          "k2_env.NCCL_SOCKET_IFNAME", "contradicts k2_nic eth0"),
@@ -433,6 +453,9 @@ TOPOLOGY_TWINS = [
     ("topology-shape-trtllm-ep", B200 | {"k2_ep": 4}, 1),
     ("topology-shape-vllm-dp-ep", {"k2_tp": 8, "k2_dp": 2, "k2_ep": 16}, 2),
     ("topology-kt-replicas", KT_FLEET, 2),
+    ("topology-issue25-k3-sglang-h200-2x8", K3 | {"k2_engine": "sglang", "k2_tp": 16}, 2),
+    ("topology-issue25-k3-trtllm-b200-2x8", K3 | {"k2_engine": "trtllm", "k2_gpu": "b200", "k2_tp": 16}, 2),
+    ("topology-issue25-k25-vllm", K25 | {"k2_tp": 8}, 1),
     ("topology-context-fits-twice", {"k2_max_model_len": 262144, "k2_expected_concurrency": 2}, 1),
     ("topology-env-agrees", {"k2_nic": "eth0", "k2_ib_hcas": ["mlx5_0", "mlx5_1"],
                              "k2_env": {"NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "=eth0",

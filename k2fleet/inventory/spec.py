@@ -971,9 +971,12 @@ class HostSettings(BaseModel):
         default=None,
     )
     # --- serving features --------------------------------------------------------
-    tool_parser: ParserName | None = _key(FLEET, "Tool-call parser (`--tool-call-parser`).", default="kimi_k2")
+    tool_parser: ParserName | None = _key(
+        FLEET, "Tool-call parser (`--tool-call-parser`); the default `kimi_k2` means the catalog's parser of a "
+        "known model (`kimi_k3` for Kimi-K3).", default="kimi_k2")
     reasoning_parser: ParserName | None = _key(
-        FLEET, "Reasoning parser; default `kimi_k2` for thinking models, none otherwise.", default=None
+        FLEET, "Reasoning parser; default the catalog's for thinking models (`kimi_k2`; `kimi_k3` for Kimi-K3), "
+        "none otherwise.", default=None
     )
     auto_tool_choice: bool = _key(FLEET, "vLLM `--enable-auto-tool-choice`.", default=True)
     max_model_len: PosInt | None = _key(FLEET, "Context length cap (`--max-model-len`, `--context-length`).", default=None)

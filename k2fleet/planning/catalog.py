@@ -143,36 +143,112 @@ WEIGHT_BYTES: dict[str, dict[str, float]] = {
 }
 
 
+# What a catalog entry's figures rest on (each entry names one of these in ``sources``).
+# k2fleet has no web access where these entries were written: the newer models' figures are
+# per Moonshot's model cards and the engines' guides as summarised in the project notes
+# (../shared/NOTES.md, "Kimi models after K2-Thinking"), not re-fetched. Anything those notes do
+# not give is recorded as unknown (None) here, and what needs it is refused or skipped, never guessed.
+SOURCE_K2 = ("config.json of each moonshotai/Kimi-K2-* repository (model_type kimi_k2, DeepseekV3ForCausalLM); "
+             "shard names and sizes as read from the repositories (project notes, 'Checkpoints and engines')")
+SOURCE_NOTES = ("per Moonshot's model card as summarised in the project notes ('Kimi models after K2-Thinking'), "
+                "not re-fetched")
+SOURCE_SGLANG_K3 = "SGLang's Kimi-K3 cookbook node shapes, as given in the project's brief for issue #25, not re-fetched"
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A checkpoint k2fleet knows: size on disk, weight format, reasoning or not, its
     maximum context (``max_position_embeddings`` of its config.json) and its shape:
     attention heads (``num_attention_heads``; tensor parallel splits them) and routed
     experts (``n_routed_experts``; expert parallel splits them). Every Kimi K2 release
-    has 64 heads and 384 routed experts (config.json of each repository)."""
+    has 64 heads and 384 routed experts (config.json of each repository).
+
+    ``None`` is *unknown* (not in the sources): ``max_context`` None skips the context check,
+    ``heads`` None the TP-divides-heads check, ``arch`` None the KV prediction of
+    :mod:`k2fleet.planning.capacity` (the plan says so), ``shards``/``shard_style`` None the
+    real shard naming (the rehearsal's synthetic checkpoint then uses the K2-Thinking layout and
+    says it is a stand-in).
+
+    ``engines``: engine → the first version that serves it (None: the sources give no
+    version); ``None`` for the whole map: no restriction recorded (the K2 releases: every engine
+    k2fleet renders). An engine missing from the map is refused. ``blackwell_only``: engines
+    that serve it on Blackwell GPUs only. ``min_gpus``: GPU type → the fewest GPUs of one
+    serving instance (published node shapes). ``engine_args``: engine → flags its deployment
+    adds to the argv. ``tool_parser``/``reasoning_parser``: the parsers its deployment names
+    (``reasoning_parser`` None: not a reasoning model)."""
 
     repo_id: str
     bytes: int
-    quantization: str  # "int4" | "fp8" | "nvfp4" | "gguf"
+    quantization: str  # "int4" | "fp8" | "nvfp4" | "gguf" | "mxfp4"
     reasoning: bool
     max_context: int | None = None
-    model_type: str = "kimi_k2"
-    heads: int = 64
+    model_type: str | None = "kimi_k2"
+    heads: int | None = 64
     experts: int = 384
-    arch: Architecture = KIMI_K2
+    arch: Architecture | None = KIMI_K2
+    shards: int | None = None
+    shard_style: str | None = None  # "thinking": model-00001-of-000062 | "instruct": model-1-of-61
+    multimodal: bool = False
+    tool_parser: str = "kimi_k2"
+    reasoning_parser: str | None = None
+    engines: dict[str, str | None] | None = None
+    blackwell_only: tuple[str, ...] = ()
+    min_gpus: dict[str, int] | None = None
+    engine_args: dict[str, tuple[str, ...]] | None = None
+    sources: str = SOURCE_K2
+    unknown: tuple[str, ...] = ()  # what the sources do not give (shown by ``k2fleet plan``)
 
+
+# K2.5 / K2.6 on vLLM: Moonshot's guide (as the notes summarise it) serves them with
+# ``vllm serve … -tp 8 --mm-encoder-tp-mode data --trust-remote-code --tool-call-parser kimi_k2
+# --reasoning-parser kimi_k2`` (K2.6 reuses K2.5's deployment).
+_K25_VLLM_ARGS = {"vllm": ("--mm-encoder-tp-mode", "data")}
+# Kimi-K3's published node shapes (SGLang cookbook): the fewest GPUs of one instance per GPU type.
+K3_NODE_SHAPES = {"b300": 8, "b200": 16, "h200": 16, "h100": 32, "gb200": 16}
 
 CHECKPOINTS: dict[str, Checkpoint] = {
     c.repo_id: c
     for c in (
-        Checkpoint("moonshotai/Kimi-K2-Thinking", 594_000_000_000, "int4", True, max_context=262_144),
-        Checkpoint("moonshotai/Kimi-K2-Instruct", 1_030_000_000_000, "fp8", False, max_context=131_072),
-        Checkpoint("moonshotai/Kimi-K2-Instruct-0905", 1_030_000_000_000, "fp8", False, max_context=262_144),
-        Checkpoint("nvidia/Kimi-K2-Thinking-NVFP4", 595_000_000_000, "nvfp4", True, max_context=262_144),
+        Checkpoint("moonshotai/Kimi-K2-Thinking", 594_000_000_000, "int4", True, max_context=262_144,
+                   shards=62, shard_style="thinking", reasoning_parser="kimi_k2"),
+        Checkpoint("moonshotai/Kimi-K2-Instruct", 1_030_000_000_000, "fp8", False, max_context=131_072,
+                   shards=61, shard_style="instruct"),
+        # K2-Instruct-0905: the K2 architecture, block FP8 like K2-Instruct, about 1 TB (project notes);
+        # 262,144 context from its config.json (entry predates issue #25). Shard naming not recorded.
+        Checkpoint("moonshotai/Kimi-K2-Instruct-0905", 1_030_000_000_000, "fp8", False, max_context=262_144,
+                   sources=SOURCE_K2 + "; " + SOURCE_NOTES, unknown=("shard naming",)),
+        Checkpoint("nvidia/Kimi-K2-Thinking-NVFP4", 595_000_000_000, "nvfp4", True, max_context=262_144,
+                   reasoning_parser="kimi_k2"),
+        # K2.5: multimodal (a vision encoder over K2's text model: its text_config has K2's shape, so
+        # the capacity arithmetic is K2's; the encoder's few GB are folded into the scaled parts),
+        # native INT4, about 620 GB; served by vLLM with --mm-encoder-tp-mode data and the kimi_k2
+        # parsers. The notes name no other engine, no minimum vLLM, no context and no shard layout.
+        Checkpoint("moonshotai/Kimi-K2.5", 620_000_000_000, "int4", True, max_context=None,
+                   multimodal=True, reasoning_parser="kimi_k2", engines={"vllm": None},
+                   engine_args=_K25_VLLM_ARGS, sources=SOURCE_NOTES,
+                   unknown=("context length", "minimum vLLM version", "shard naming", "engines besides vLLM")),
+        # K2.6: K2.5's architecture, about 640 GB, deployed like K2.5 (project notes).
+        Checkpoint("moonshotai/Kimi-K2.6", 640_000_000_000, "int4", True, max_context=None,
+                   multimodal=True, reasoning_parser="kimi_k2", engines={"vllm": None},
+                   engine_args=_K25_VLLM_ARGS, sources=SOURCE_NOTES,
+                   unknown=("context length", "minimum vLLM version", "shard naming", "engines besides vLLM")),
+        # K3: 2.8T parameters (~104B active), 896 routed experts (16 active), Kimi Delta Attention with
+        # full MLA every fourth layer, a 1M-token context, routed experts in MXFP4, about 1.56 TB;
+        # parsers kimi_k3; vLLM >= 0.27.1, SGLang >= 0.5.17, TensorRT-LLM on Blackwell only (no version
+        # given); not KTransformers (not named). Unknown: attention heads, layer count, kv_lora_rank,
+        # the KDA recurrent state size — so no KV prediction (capacity needs per-token MLA bytes of the
+        # MLA layers and the per-sequence KDA state) and no TP-divides-heads check; the exact
+        # max_position_embeddings ("1M") is not recorded either.
+        Checkpoint("moonshotai/Kimi-K3", 1_560_000_000_000, "mxfp4", True, max_context=None, model_type=None,
+                   heads=None, experts=896, arch=None, tool_parser="kimi_k3", reasoning_parser="kimi_k3",
+                   engines={"vllm": "0.27.1", "sglang": "0.5.17", "trtllm": None}, blackwell_only=("trtllm",),
+                   min_gpus=K3_NODE_SHAPES, sources=SOURCE_NOTES + "; " + SOURCE_SGLANG_K3,
+                   unknown=("attention heads", "layers", "kv_lora_rank", "KDA state size", "exact context length",
+                            "minimum TensorRT-LLM version", "shard naming")),
     )
 }
 
-QUANTIZATIONS = ("int4", "fp8", "nvfp4", "gguf", "bf16")
+QUANTIZATIONS = ("int4", "fp8", "nvfp4", "gguf", "bf16", "mxfp4")
 
 # Engines and their supported pins. The first of each list is today's default.
 ENGINE_VERSIONS: dict[str, tuple[str, ...]] = {

@@ -84,6 +84,9 @@ class Deployment:
     pools: dict[str, Pool]
     driver: DriverChoice | None = None  # NVIDIA driver the bootstrap installs (None: AMD)
     capacity: dict[str, capacity.Capacity] = field(default_factory=dict)  # per role (or disagg side): the KV prediction
+    tool_parser: str | None = None  # k2_tool_parser, the catalog's parser for its default (kimi_k3 for Kimi-K3)
+    model_args: tuple[str, ...] = ()  # flags the model's deployment adds (catalog.Checkpoint.engine_args)
+    notes: tuple[str, ...] = ()  # what k2fleet could not check or predict for this model (``k2fleet plan`` shows them)
 
     @property
     def s(self) -> HostSettings:
@@ -170,6 +173,67 @@ def _check_model(fleet: Fleet) -> tuple[int, str, bool]:
         )
     reasoning = known.reasoning if known else "thinking" in s.model.lower()
     return size, quant, reasoning
+
+
+def _check_model_serving(fleet: Fleet, gpu: catalog.GpuType | None, version: str) -> list[str]:
+    """The catalog's engines, minimum versions and GPU families for ``k2_model`` (one line
+    naming the key when this deployment cannot serve it); returns the plan's notes on what
+    the catalog does not know."""
+    s = fleet.settings
+    known = catalog.CHECKPOINTS.get(s.model)
+    if known is None:
+        return []
+    notes = []
+    if known.engines is not None:
+        if s.engine not in known.engines:
+            raise _fail("k2_engine", f"{s.model} is not served by {s.engine} as far as k2fleet's catalog knows (its "
+                        f"sources name {', '.join(known.engines)}); use {' or '.join(known.engines)}", fleet)
+        least = known.engines[s.engine]
+        if least is not None and catalog.version_tuple(version) < catalog.version_tuple(least):
+            newer = [v for v in catalog.ENGINE_VERSIONS[s.engine]
+                     if catalog.version_tuple(v) >= catalog.version_tuple(least)]
+            raise _fail("k2_engine_version", f"{s.engine} {version} predates {s.model} ({s.engine} >= {least} "
+                        f"serves it); use {' or '.join(newer) if newer else f'a pin >= {least}'}", fleet)
+        if least is None:
+            notes.append(f"{s.model}: the catalog's sources give no minimum {s.engine} version; {s.engine} "
+                         f"{version} serving it is not verified")
+    if s.engine in known.blackwell_only and gpu is not None and gpu.arch != catalog.BLACKWELL:
+        blackwell = ", ".join(g.name for g in catalog.GPUS.values() if g.arch == catalog.BLACKWELL)
+        raise _fail("k2_gpu", f"{s.engine} serves {s.model} on Blackwell GPUs only ({blackwell}), not {gpu.name}; "
+                    f"use a Blackwell GPU or {' or '.join(e for e in (known.engines or {}) if e not in known.blackwell_only)}",
+                    fleet)
+    if known.arch is None:
+        notes.append(f"{s.model}: no KV cache prediction — its {', '.join(u for u in known.unknown if u in ('layers', 'kv_lora_rank', 'KDA state size'))} "
+                     "are not in k2fleet's sources (MLA every 4th layer caches per token, the KDA layers a fixed "
+                     "state per sequence); only the checkpoint size and published node shapes were checked")
+    if known.heads is None:
+        notes.append(f"{s.model}: its attention heads are not in k2fleet's sources; k2_tp was not checked against them")
+    if known.max_context is None:
+        notes.append(f"{s.model}: its context length is not in k2fleet's sources; k2_max_model_len was not checked "
+                     "against it")
+    return notes
+
+
+def _check_size(fleet: Fleet, pool: Pool, gpu: catalog.GpuType, size: int) -> None:
+    """Enough GPU memory for the weights: one instance's GPUs must hold the checkpoint, and a
+    model with published node shapes (``catalog.Checkpoint.min_gpus``) gets at least those."""
+    if pool.instance_gpus == 0 or fleet.settings.engine == "ktransformers":
+        return
+    s = fleet.settings
+    known = catalog.CHECKPOINTS.get(s.model)
+    per_node = pool.instance_gpus // pool.nodes_per_instance if pool.nodes_per_instance else pool.instance_gpus
+    shape = (known.min_gpus or {}).get(gpu.name) if known else None
+    if shape and pool.instance_gpus < shape:
+        raise _fail("k2_tp", f"{pool.role} pool: {s.model} on {gpu.name} needs {shape} GPUs per instance (its published "
+                    f"node shape, {shape // gpu.max_per_node}×{gpu.max_per_node}), not {pool.instance_gpus}; raise "
+                    "k2_tp/k2_pp (with the hosts to match)", fleet)
+    held = pool.instance_gpus * gpu.total_gib * catalog.GIB
+    if held < size:
+        least = math.ceil(size / (gpu.total_gib * catalog.GIB))
+        nodes = math.ceil(least / max(per_node, 1))
+        raise _fail("k2_tp", f"{pool.role} pool: {pool.instance_gpus} × {gpu.name} hold {held / 1e9:,.0f} GB, less than "
+                    f"the {size / 1e9:,.0f} GB checkpoint of {s.model}; it needs at least {least} GPUs "
+                    f"({nodes} nodes of {per_node}): raise k2_tp/k2_pp (with the hosts to match)", fleet)
 
 
 def _check_hardware(fleet: Fleet) -> tuple[catalog.GpuType | None, int, str]:
@@ -406,6 +470,8 @@ def _check_fit(fleet: Fleet, pool: Pool, gpu: catalog.GpuType, size: int, quant:
     s = pool.settings
     known = catalog.CHECKPOINTS.get(fleet.settings.model)
     arch = known.arch if known else catalog.KIMI_K2  # k2fleet serves Kimi K2 checkpoints: their shape
+    if arch is None:
+        return None  # the catalog does not know its KV layout (Kimi-K3): the plan's notes say so
     layout = _layout(fleet, pool, engine, version)
     cap = capacity.predict(gpu, arch, quant, size, layout)
     if _fits(cap):
@@ -598,15 +664,19 @@ def _check_slurm(fleet: Fleet, gpu: catalog.GpuType, per_node: int, size: int, q
             raise _fail("k2_disagg", f"{side}.tensor_parallel_size {tp} does not fit {per_node}-GPU nodes", fleet)
         _check_shape(fleet, "trtllm", tp, ep, f"k2_disagg.{side}.tensor_parallel_size",
                      f"k2_disagg.{side}.moe_expert_parallel_size")
-        caps[side] = _check_side_fit(fleet, gpu, size, quant, side, worker, tp, ep)
+        cap = _check_side_fit(fleet, gpu, size, quant, side, worker, tp, ep)
+        if cap is not None:
+            caps[side] = cap
     return caps
 
 
 def _check_side_fit(fleet: Fleet, gpu: catalog.GpuType, size: int, quant: str, side: str, worker: dict[str, Any],
-                    tp: int, ep: int) -> capacity.Capacity:
+                    tp: int, ep: int) -> capacity.Capacity | None:
     """The memory-fit rule for one TRT-LLM disaggregated side (its LLM API options)."""
     known = catalog.CHECKPOINTS.get(fleet.settings.model)
     arch = known.arch if known else catalog.KIMI_K2
+    if arch is None:
+        return None  # the catalog does not know its KV layout (Kimi-K3): the plan's notes say so
     kv_config = worker.get("kv_cache_config") or {}
     fraction = kv_config.get("free_gpu_memory_fraction")
     max_len = _length(worker.get("max_seq_len")) or (known.max_context if known else None)
@@ -640,7 +710,7 @@ def _check_shape(fleet: Fleet, engine: str, tp: int, ep: int, tp_key: str = "k2_
     known = catalog.CHECKPOINTS.get(fleet.settings.model)
     if known is None or tp == 0:
         return
-    if known.heads % tp:
+    if known.heads is not None and known.heads % tp:
         raise _fail(tp_key, f"{tp} does not divide the {known.heads} attention heads of {known.repo_id}; "
                     f"use one of {_divisors(known.heads)} (with more pipeline or data parallel for more GPUs)", fleet)
     if ep > 1 and known.experts % ep:
@@ -768,6 +838,7 @@ def resolve(fleet: Fleet) -> Deployment:
     why = profiles.refusal(s.engine, version, s.profile)
     if why:
         raise _fail(profiles.KEY, why, fleet)
+    notes = _check_model_serving(fleet, gpu, version)
     if s.engine == "ktransformers" and not s.gguf_repo:
         raise _fail("k2_gguf_repo", "KTransformers serves GGUF weights; set k2_gguf_repo, k2_gguf_revision and k2_gguf_pattern", fleet)
     _check_hub_transport(fleet)
@@ -787,6 +858,7 @@ def resolve(fleet: Fleet) -> Deployment:
         if s.engine == "ktransformers":
             _check_ktransformers(fleet, pools[role])
         if gpu is not None:
+            _check_size(fleet, pools[role], gpu, size)
             cap = _check_fit(fleet, pools[role], gpu, size, quant, s.engine, version)
             if cap is not None:
                 capacities[role] = cap
@@ -794,7 +866,11 @@ def resolve(fleet: Fleet) -> Deployment:
         capacities |= {f"disagg.{side}": cap for side, cap in _check_slurm(fleet, gpu, per_node, size, quant).items()}
     _check_env(fleet, per_node)
     driver = choose_driver(fleet, gpu, s.engine, version) if gpu is not None else None
-    reasoning_parser = s.reasoning_parser or ("kimi_k2" if reasoning else None)
+    known = catalog.CHECKPOINTS.get(s.model)
+    reasoning_parser = s.reasoning_parser or (((known.reasoning_parser if known else None) or "kimi_k2") if reasoning else None)
+    # k2_tool_parser's default names K2's parser: a known model's own parser replaces it (kimi_k3 for Kimi-K3)
+    tool_parser = known.tool_parser if known and s.tool_parser == "kimi_k2" else s.tool_parser
+    model_args = (known.engine_args or {}).get(s.engine, ()) if known else ()
     return Deployment(
         fleet=fleet,
         engine=s.engine,
@@ -811,4 +887,7 @@ def resolve(fleet: Fleet) -> Deployment:
         pools=pools,
         driver=driver,
         capacity=capacities,
+        tool_parser=tool_parser,
+        model_args=tuple(model_args),
+        notes=tuple(notes),
     )

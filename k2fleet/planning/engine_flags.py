@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from k2fleet.inventory.spec import SpecError
-from k2fleet.planning import profiles
+from k2fleet.planning import catalog, profiles
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.render import ktransformers, sglang, trtllm, vllm
 from k2fleet.planning.render.common import RENAMED_FLAGS, flag_words
@@ -179,11 +179,25 @@ def check_llm_api_config(
             check_llm_api_config(version, value, key, dotted, None, sub)
 
 
+def _check_model_args(dep: Deployment) -> None:
+    """The flags the model's deployment adds (catalog ``engine_args``, e.g. K2.5's
+    ``--mm-encoder-tp-mode``) must exist at the pinned version."""
+    if not dep.model_args or not has_table(dep.engine, dep.version):
+        return
+    flags = known_flags(dep.engine, dep.version)
+    for word in dep.model_args:
+        if word.startswith("-") and word not in flags:
+            newer = [v for v in catalog.ENGINE_VERSIONS[dep.engine] if has_table(dep.engine, v) and word in known_flags(dep.engine, v)]
+            raise SpecError("k2_engine_version", f"{dep.engine} {dep.version} has no {word}, which {dep.s.model}'s "
+                            f"deployment needs; use {' or '.join(newer) if newer else 'a newer pin'}")
+
+
 def check_deployment(dep: Deployment) -> None:
     """Flag names of ``k2_engine_args`` (every pool) and TRT-LLM LLM API option names
     (``k2_trtllm_config``, both ``k2_disagg`` sides) against the pinned version's tables;
     raises SpecError naming the key (the planner's first step)."""
     try:
+        _check_model_args(dep)
         if dep.engine == "trtllm":
             check_llm_api_config(dep.version, profiles.llm_api(dep.version, dep.s.profile), key=profiles.KEY)
         else:

@@ -65,6 +65,7 @@ def make_plan(dep: Deployment) -> Plan:
         checkpoint_path=dep.serve_path,
         hosts=hosts,
         capacity=dict(dep.capacity),
+        notes=list(dep.notes),
     )
     reserved = reserved_ports(dep.gpu.name) if dep.gpu else {}
     if dep.s.bind_address == "fleet":

@@ -81,6 +81,7 @@ class Plan:
     checkpoint_path: str
     hosts: dict[str, HostPlan]
     capacity: dict[str, Capacity] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what could not be checked or predicted for the model
 
     def services(self) -> list[tuple[HostPlan, Service]]:
         return [(h, s) for h in self.hosts.values() for s in h.services]
@@ -107,6 +108,7 @@ class Plan:
             "image": self.image,
             "checkpoint_path": self.checkpoint_path,
             "capacity": {role: cap.to_json() for role, cap in self.capacity.items()},
+            "notes": list(self.notes),
             "hosts": {
                 name: {"address": h.address, "role": h.role, "files": h.files, "services": [asdict(s) for s in h.services]}
                 for name, h in self.hosts.items()

@@ -63,15 +63,15 @@ def parallel_words(dep: Deployment, pool: Pool) -> list[str]:
 
 def feature_words(dep: Deployment) -> list[str]:
     words = ["--trust-remote-code"]
-    if dep.s.tool_parser:
-        words += ["--tool-call-parser", dep.s.tool_parser]
+    if dep.tool_parser:
+        words += ["--tool-call-parser", dep.tool_parser]
     if dep.reasoning_parser:
         words += ["--reasoning-parser", dep.reasoning_parser]
     if dep.s.max_model_len:
         words += ["--context-length", str(dep.s.max_model_len)]
     if dep.s.metrics:  # /metrics on the API port (SGLang's server_args: off unless --enable-metrics)
         words += ["--enable-metrics"]
-    return words
+    return words + list(dep.model_args)  # the model's own deployment flags (catalog; none for SGLang yet)
 
 
 def _server_words(dep: Deployment, pool: Pool, host: HostEntry, rank: int, nodes: tuple[HostEntry, ...]) -> list[str]:

@@ -78,8 +78,8 @@ def _serve_words(dep: Deployment, pool: Pool, config_path: str, cli_parallel: bo
         if s.pp > 1:
             words += ["--pp_size", str(s.pp)]
     words += ["--config", config_path]
-    if dep.s.tool_parser:
-        words += ["--tool_parser", dep.s.tool_parser]
+    if dep.tool_parser:
+        words += ["--tool_parser", dep.tool_parser]
     if dep.s.reasoning_parser:  # only when set explicitly: 1.2's parser list is version-bound
         words += ["--reasoning_parser", dep.s.reasoning_parser]
     return words + extra_flags(dep, s.engine_args, dash="_")

@@ -64,14 +64,15 @@ def _serve_words(dep: Deployment, pool: Pool) -> list[str]:
         words += ["--max-model-len", str(dep.s.max_model_len)]
     if s.gpu_memory_utilization:
         words += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
-    if dep.s.tool_parser:
+    if dep.tool_parser:
         if dep.s.auto_tool_choice:
             words += ["--enable-auto-tool-choice"]
-        words += ["--tool-call-parser", dep.s.tool_parser]
+        words += ["--tool-call-parser", dep.tool_parser]
     if dep.reasoning_parser:
         words += ["--reasoning-parser", dep.reasoning_parser]
     if dep.platform == "rocm":
         words += ["--no-enable-prefix-caching"]
+    words += list(dep.model_args)  # the model's own deployment flags (K2.5/K2.6: --mm-encoder-tp-mode data)
     return words + extra_flags(dep, pool_engine_args(dep, s))
 
 
