@@ -59,10 +59,12 @@ def test_rehearse_sglang_pd_behind_the_api_front(tmp_path: Path) -> None:
                                    "systemctl is-active k2-api-front.service; "
                                    "for u in k2-api-front k2-sglang-router; do "
                                    "tr '\\0' ' ' < /proc/$(systemctl show -p MainPID --value $u.service)/cmdline; echo; "
-                                   "done; ss -ltnH", timeout=60).stdout
+                                   "done; systemctl show -p ExecStart --value k2-sglang-router.service; ss -ltnH",
+                            timeout=60).stdout
         assert "600 root /etc/k2fleet/api-key\n600 root /etc/k2fleet/api-front.keys\nactive\n" in seen, seen
         assert key not in seen  # not in HAProxy's or the router's argv
         assert "/usr/sbin/haproxy -Ws -f /etc/k2fleet/api-front.cfg" in seen
+        # the router renames its process (sglang::router): its address is read from its unit's ExecStart
         assert "--host 127.0.0.1 --port 8001" in seen and "127.0.0.1:8001" in seen, seen
     finally:
         subprocess.run([tool("k2fleet"), "sandbox", "down"], cwd=ROOT, capture_output=True, timeout=300)

@@ -132,3 +132,18 @@ def test_other_pyinfra_runs_are_left_alone(tmp_path: Path, entry_point_path: Pat
     out = subprocess.run([sys.executable, "-m", "pyinfra", "-y", str(inv), "exec", "--", "true"], capture_output=True,
                          text=True, stdin=subprocess.DEVNULL, cwd=tmp_path, env=env, timeout=120)
     assert out.returncode == 1 and "Traceback" in out.stderr and "error:" not in out.stderr, out.stderr[-2000:]
+
+
+def test_only_k2fleets_own_deploy_arms_the_gate(tmp_path: Path) -> None:
+    """The entry point arms the gate for k2fleet's deploy (it runs fleet_run) and for no other
+    deploy that merely uses k2fleet's operations on an inventory of its own (such as
+    tests/test_sudo_uploads.py's)."""
+    from k2fleet.deploy.pyinfra_entry import names_k2fleet_deploy
+
+    borrowed = tmp_path / "borrowed.py"
+    borrowed.write_text("from k2fleet.deploy.operations import synced_files\nimport k2fleet.planning.desired\n")
+    composed = tmp_path / "composed.py"
+    composed.write_text("from k2fleet.deploy import fleet_run\n")
+    assert names_k2fleet_deploy([str(REPO / "deploys" / "kimi.py")])
+    assert names_k2fleet_deploy([str(composed)])
+    assert not names_k2fleet_deploy([str(borrowed)])

@@ -35,10 +35,12 @@ UNIT = "k2-vllm.service"
 UNIT_PATH = f"/etc/systemd/system/{UNIT}"
 
 
-def status(*extra: str) -> tuple[int, dict]:
-    """``k2fleet status INVENTORY --json`` from the repository root (the deploy's own connection data)."""
+def status(fleet: SandboxFleet, *extra: str) -> tuple[int, dict]:
+    """``k2fleet status INVENTORY --json`` from the repository root, with the deploy's own
+    connection data and environment (its state directory holds the control machine's
+    artifacts the plan reads: the relay secret, the mesh keys)."""
     out = subprocess.run([sys.executable, "-m", "k2fleet.cli", "status", INVENTORY, "--json", *extra], cwd=ROOT,
-                         env=cli_env(None), capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
+                         env=cli_env(fleet.env), capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
     assert out.returncode in (0, 1), out.stderr
     return out.returncode, json.loads(out.stdout)
 
@@ -50,7 +52,7 @@ def drift(doc: dict, host: str) -> set[tuple[str, str]]:
 def test_status_names_an_edited_unit_a_lost_hold_and_a_flipped_bit_and_the_deploy_repairs_them(
         fleet: SandboxFleet) -> None:
     fleet.ensure_deployed()
-    code, doc = status()
+    code, doc = status(fleet)
     assert code == 0 and doc["ok"], json.dumps(doc, indent=1)
     assert all(not h["drift"] for h in doc["hosts"].values())
 
@@ -72,7 +74,7 @@ def test_status_names_an_edited_unit_a_lost_hold_and_a_flipped_bit_and_the_deplo
             "f.write(bytes([b[0] ^ 1])); f.close()")
     ssh(two, f"python3 -c \"{flip}\" {shard} && touch {shard}")
     try:
-        code, doc = status()
+        code, doc = status(fleet)
         assert code == 1 and not doc["ok"]
         seen_one, seen_two = drift(doc, name_one), drift(doc, name_two)
         assert ("file", UNIT_PATH) in seen_one, doc["hosts"][name_one]["drift"]
@@ -82,7 +84,7 @@ def test_status_names_an_edited_unit_a_lost_hold_and_a_flipped_bit_and_the_deplo
     finally:
         result = fleet.deploy()  # the next deploy repairs all three
     assert result.returncode == 0, result.tail()
-    code, doc = status()
+    code, doc = status(fleet)
     assert code == 0 and doc["ok"], json.dumps(doc, indent=1)
     assert package in ssh(one, "apt-mark showhold").stdout.split()
     assert "# edited by hand" not in ssh(one, f"cat {UNIT_PATH}").stdout
@@ -90,5 +92,5 @@ def test_status_names_an_edited_unit_a_lost_hold_and_a_flipped_bit_and_the_deplo
 
 def test_status_with_a_completion_through_the_endpoint(fleet: SandboxFleet) -> None:
     fleet.ensure_deployed()
-    code, doc = status("--completion")
+    code, doc = status(fleet, "--completion")
     assert code == 0 and doc["completion"]["ok"], doc["completion"]

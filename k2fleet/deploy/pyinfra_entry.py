@@ -13,11 +13,12 @@ traceback (exit 1), and a group-data file that holds a bare list is dropped sile
 Loading this entry point is the first moment after the current directory's ``config.py``
 at which k2fleet's code runs: ``entrypoint.load()`` reads :data:`K2fleetGate` through
 this module's ``__getattr__``, which, under pyinfra's CLI running a deploy file that
-imports k2fleet and when no gate is installed yet, installs the one ``config.py``
+is k2fleet's (it imports :data:`FLEET_RUN`) and when no gate is installed yet, installs the one ``config.py``
 installs (:func:`k2fleet.deploy.gate.install_at_inventory_load`): the group-data files are
 checked before pyinfra executes them, one that raises is the gate's one line naming it
 (exit 2), and ``State.init`` validates the inventory before any connection. Any other
-pyinfra run in the same environment is left alone (nothing but this module is imported).
+pyinfra run in the same environment is left alone (nothing but this module is imported),
+a deploy that only uses k2fleet's operations on an inventory of its own included.
 
 What remains out of reach: the inventory file itself runs before any entry point, so an
 inventory file that raises still shows pyinfra's traceback outside the checkout.
@@ -71,8 +72,13 @@ def _cli_params() -> dict[str, Any]:
         return {}
 
 
+FLEET_RUN = "k2fleet.deploy.fleet_run"  # what makes a deploy file k2fleet's deploy (deploys/kimi.py)
+
+
 def names_k2fleet_deploy(operations: Any) -> bool:
-    """Does pyinfra's ``operations`` argument name a deploy file that imports k2fleet?
+    """Does pyinfra's ``operations`` argument name k2fleet's deploy — a deploy file that
+    imports :data:`FLEET_RUN` (whose inventory must be a k2fleet inventory)? A deploy that
+    only borrows k2fleet's operations is not one.
 
     >>> names_k2fleet_deploy(("server.shell", "echo hi"))
     False
@@ -88,7 +94,10 @@ def names_k2fleet_deploy(operations: Any) -> bool:
         for node in ast.walk(tree):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            if any(n == "k2fleet" or n.startswith("k2fleet.") for n in names):
+            if isinstance(node, ast.ImportFrom) and node.module == "k2fleet.deploy" and \
+                    any(a.name == "fleet_run" for a in node.names):
+                return True
+            if FLEET_RUN in names:
                 return True
     return False
 
