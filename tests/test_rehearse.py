@@ -187,7 +187,12 @@ def test_rehearse_h200_dp_ep() -> None:
 @pytest.mark.sandbox
 @needs_root
 @pytest.mark.parametrize("inventory, endpoints", [("inventories/h200-dcp.py", 2), ("inventories/h200-sglang-tp16.py", 1),
-                                                  ("inventories/h200-sglang-pd.py", 3)])
+                                                  ("inventories/h200-sglang-pd.py", 3),
+                                                  # the newer Kimi models (issue #25): K2.5/K2.6 with vLLM's
+                                                  # --mm-encoder-tp-mode data, K2-Instruct-0905 over TP8xPP2,
+                                                  # K3 on SGLang TP16 over two nodes
+                                                  ("inventories/h200-k25.py", 1), ("inventories/h200-k26.py", 1),
+                                                  ("inventories/h200-k2-0905.py", 1), ("inventories/h200-k3-sglang.py", 1)])
 def test_rehearse_scenario_as_written(inventory: str, endpoints: int) -> None:
     rehearse_kept(inventory, endpoints)
 

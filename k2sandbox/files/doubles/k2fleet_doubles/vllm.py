@@ -94,6 +94,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-auto-tool-choice", action=BOOL, default=False)
     p.add_argument("--tool-call-parser", default=None)
     p.add_argument("--reasoning-parser", default=None)
+    # MultiModalConfig.mm_encoder_tp_mode (vLLM >= 0.10.2): Kimi-K2.5/K2.6's vision encoder, data-parallel
+    p.add_argument("--mm-encoder-tp-mode", choices=("weights", "data"), default="weights")
     p.add_argument("--max-model-len", type=human_int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=human_int, default=None)
