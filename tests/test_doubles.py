@@ -190,6 +190,30 @@ def test_vllm_single_node_serves_openai_api(procs: Procs, model: str) -> None:
     assert post(f"{url}/v1/completions", {"prompt": "Hello"})[1]["choices"][0]["text"]
 
 
+def test_vllm_double_serves_metrics_that_move_with_completions(procs: Procs, model: str) -> None:
+    """GET /metrics (open, as vLLM's): Prometheus text with vLLM's family names, its request
+    and token counters moving with each completion answered."""
+    port = free_port()
+    procs.start(vllm(model, "--host", LOCAL, "--port", str(port), "--served-model-name", "kimi-k2", "--api-key", "k"))
+    url = f"http://{LOCAL}:{port}"
+    wait_status(f"{url}/health", 200)
+
+    def counter(name: str) -> float:
+        status, text, headers = get(f"{url}/metrics")
+        assert status == 200 and headers["Content-Type"].startswith("text/plain"), (status, text)
+        found = [line.split()[-1] for line in text.splitlines() if line.startswith(name + "{")]
+        assert len(found) == 1 and f"# TYPE {name} " in text, text
+        return float(found[0])
+
+    assert counter("vllm:request_success_total") == 0.0 and counter("vllm:kv_cache_usage_perc") == 0.0
+    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(dict(CHAT, model="kimi-k2")).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": "Bearer k"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        usage = json.loads(response.read())["usage"]
+    assert counter("vllm:request_success_total") == 1.0
+    assert counter("vllm:generation_tokens_total") == usage["completion_tokens"] > 0
+
+
 def test_vllm_refuses_unknown_and_inconsistent_argv(model: str) -> None:
     result = run(vllm(model, "--double-startup-delay", "3"))
     assert result.returncode == 2 and "unrecognized arguments" in result.stderr

@@ -497,6 +497,50 @@ class EngineApp:
     rendezvous: list = field(default_factory=list)  # RendezvousServers this head runs
     # called with (path, body) before a completion is answered; raises BadRequest to refuse
     on_request: Optional[Callable[[str, JsonDict], None]] = None
+    counters: dict[str, int] = field(default_factory=lambda: {"requests": 0, "prompt": 0, "generation": 0})
+    counters_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def count(self, answer: JsonDict) -> None:
+        usage = answer.get("usage") or {}
+        with self.counters_lock:
+            self.counters["requests"] += 1
+            self.counters["prompt"] += int(usage.get("prompt_tokens") or 0)
+            self.counters["generation"] += int(usage.get("completion_tokens") or 0)
+
+
+# Prometheus text the engine doubles serve on GET /metrics (as vLLM and SGLang do on their API
+# port): a few of the real families, with counters that move with the completions answered.
+# Names as the engines publish them: vLLM's vllm/v1/metrics/loggers.py (0.33: vllm:kv_cache_usage_perc),
+# SGLang's sglang/srt/metrics/collector.py.
+METRIC_FAMILIES = {
+    "vllm": (("vllm:request_success_total", "counter", "requests"),
+             ("vllm:prompt_tokens_total", "counter", "prompt"),
+             ("vllm:generation_tokens_total", "counter", "generation"),
+             ("vllm:num_requests_running", "gauge", None),
+             ("vllm:num_requests_waiting", "gauge", None),
+             ("vllm:kv_cache_usage_perc", "gauge", None)),
+    "sglang": (("sglang:num_requests_total", "counter", "requests"),
+               ("sglang:prompt_tokens_total", "counter", "prompt"),
+               ("sglang:generation_tokens_total", "counter", "generation"),
+               ("sglang:num_running_reqs", "gauge", None),
+               ("sglang:num_queue_reqs", "gauge", None),
+               ("sglang:token_usage", "gauge", None)),
+}
+
+
+def metrics_text(app: "EngineApp") -> Optional[str]:
+    """The double's ``/metrics`` body (None: this engine serves none here)."""
+    families = METRIC_FAMILIES.get("sglang" if app.engine == "ktransformers" else app.engine)
+    if families is None:
+        return None
+    label = f'{{model_name="{app.served_names[0]}"}}'
+    with app.counters_lock:
+        counts = dict(app.counters)
+    lines = []
+    for name, kind, counter in families:
+        lines += [f"# HELP {name} k2fleet TEST DOUBLE of the engine's {name}", f"# TYPE {name} {kind}",
+                  f"{name}{label} {float(counts[counter]) if counter else 0.0}"]
+    return "\n".join(lines) + "\n"
 
 
 def _text_of(content: Any) -> str:
@@ -760,6 +804,13 @@ class EngineHandler(JsonHandler):
                            {"status": reason or "ok", "double": DOUBLE_NAME})
         elif path == "/v1/models":
             self.send_json(200, models_payload(self.app))
+        elif path == "/metrics" and (text := metrics_text(self.app)) is not None:
+            data = text.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
         elif path in self.app.extra_get:
             self.send_json(*self.app.extra_get[path]())
         else:
@@ -790,6 +841,7 @@ class EngineHandler(JsonHandler):
         except BadRequest as exc:
             self.send_error_json(exc.status, str(exc))
             return
+        self.app.count(answer)
         if body.get("stream") and path == "/v1/chat/completions":
             self._stream(answer)
         else:
