@@ -60,6 +60,20 @@ def check_hosts(source: str, hosts: list[HostData], resolver: Resolver | None = 
     return dep, plan
 
 
+def _regular_file(path: str, source: str, key: str, fix: str) -> os.stat_result:
+    """``path``'s stat on the control machine, not following a symlink; SpecError naming
+    ``key`` when it is missing (``fix``: what to put there), unreadable or not a regular file."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        raise SpecError(key, f"{path} does not exist on this control machine; {fix} or unset the key", source) from None
+    except OSError as exc:
+        raise SpecError(key, f"{path} cannot be read: {exc.strerror}", source) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise SpecError(key, f"{path} is not a regular file (a symlink or a directory)", source)
+    return st
+
+
 KEYRING_MAX = 1 << 20
 ARMOR = b"-----BEGIN PGP PUBLIC KEY BLOCK-----"
 
@@ -71,15 +85,7 @@ def check_keyring_file(path: str | None, source: str, key: str, armored: bool = 
     any mode is fine; the hosts get it 0644."""
     if path is None:
         return
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        raise SpecError(key, f"{path} does not exist on this control machine; put the mirror's signing key there "
-                        "or unset the key", source) from None
-    except OSError as exc:
-        raise SpecError(key, f"{path} cannot be read: {exc.strerror}", source) from None
-    if not stat.S_ISREG(st.st_mode):
-        raise SpecError(key, f"{path} is not a regular file (a symlink or a directory)", source)
+    st = _regular_file(path, source, key, "put the mirror's signing key there")
     if st.st_size == 0 or st.st_size > KEYRING_MAX:
         raise SpecError(key, f"{path} is {'empty' if st.st_size == 0 else 'larger than 1 MiB'}; it must hold the "
                         "mirror's OpenPGP public key", source)
@@ -105,15 +111,7 @@ def check_token_file(path: str | None, source: str, key: str = "k2_hub_token_fil
     (the Hub download; the API key's root-only files for hosts)."""
     if path is None:
         return
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        raise SpecError(key, f"{path} does not exist on this control machine; write {what} "
-                        "there (install -m 600 /dev/stdin PATH) or unset the key", source) from None
-    except OSError as exc:
-        raise SpecError(key, f"{path} cannot be read: {exc.strerror}", source) from None
-    if not stat.S_ISREG(st.st_mode):
-        raise SpecError(key, f"{path} is not a regular file (a symlink or a directory)", source)
+    st = _regular_file(path, source, key, f"write {what} there (install -m 600 /dev/stdin PATH)")
     if st.st_mode & 0o077:
         raise SpecError(key, f"{path} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 {path}", source)
     if st.st_uid != os.geteuid():
