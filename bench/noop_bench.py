@@ -11,12 +11,19 @@ through the same CLI. Measured side by side, alternating, after one full deploy:
 line timestamped as it arrives: start-up, connect, facts and planning up to "Beginning
 operation run", then each role's operations), so what grows with the fleet is visible. Last line:
 ``ratios: noop_rerun_vs_floor=…`` (goal ≤ 1.3 on 3 hosts, ≤ 1.5 on 16).
+
+Before it, the HostState probe's cost on one host, where the no-op's extra time goes on hosts
+that share this machine's cores: the fact's own shell command (as the deploy sends it) run
+``--probe-runs`` times on the first host under a small Python that reads its children's
+``getrusage`` — wall and CPU seconds per probe, side by side with the floor fact's command
+(``uname -n``) measured the same way.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -73,10 +80,46 @@ def staged(argv: list[str]) -> tuple[float, dict[str, float]]:
     return end - start, stages
 
 
+PROBE_TIMER = """import resource, subprocess, sys, time
+cmd, runs = sys.stdin.read(), int(sys.argv[1])
+for label, argv in (("probe", ["sh", "-c", cmd]), ("floor", ["sh", "-c", "uname -n"])):
+    wall, cpu = [], []
+    for _ in range(runs):
+        r0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+        out = subprocess.run(argv, capture_output=True, text=True)
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        assert out.returncode == 0, out.stderr[-500:]
+        wall.append(time.perf_counter() - t0)
+        cpu.append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
+    wall.sort(); cpu.sort()
+    print(label, round(wall[len(wall) // 2], 4), round(cpu[len(cpu) // 2], 4))
+"""
+
+
+def probe_cost(runs: int) -> dict[str, tuple[float, float]]:
+    """(median wall s, median CPU s) of the HostState fact's command and of the floor's
+    ``uname -n`` on the first sandbox host, each run ``runs`` times there."""
+    from k2fleet.cli import load_plan
+    from k2fleet.control.artifacts import read_control_artifacts
+    from k2fleet.deploy.facts import probe_command
+    from k2fleet.planning.desired import desired_state
+
+    dep, plan = load_plan(str(ROOT / INVENTORY))
+    desired = desired_state(dep, plan, read_control_artifacts(dep, plan))
+    first = nspawn.load_hosts()[0]
+    command = probe_command(desired[first.name].fact_query(dep.s.model_dir))
+    timer = nspawn.ssh_command(first, f"python3 -c {shlex.quote(PROBE_TIMER)} {runs}")
+    out = subprocess.run(timer, input=command, capture_output=True, text=True, timeout=300)
+    if out.returncode:
+        raise SystemExit(f"probe timing failed on {first.name}: {out.stderr[-2000:]}")
+    return {label: (float(wall), float(cpu)) for label, wall, cpu in (line.split() for line in out.stdout.splitlines())}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hosts", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--probe-runs", type=int, default=20, help="runs of the HostState probe timed on one host")
     ap.add_argument("--short", action="store_true", help="2 hosts, 1 round (the test suite's run)")
     args = ap.parse_args(argv)
     hosts, rounds = (2, 1) if args.short else (args.hosts, args.rounds)
@@ -100,9 +143,13 @@ def main(argv: list[str] | None = None) -> int:
             if result.changed:
                 raise SystemExit(f"the re-run changed {result.changed} (operation, host) pairs: not a no-op")
             noops.append(took)
+        cost = probe_cost(3 if args.short else args.probe_runs)
     f, n = statistics.median(floors), statistics.median(noops)
     print(f"floor (connect + 1 fact, {hosts} hosts): median {f:.2f}s {[round(x, 2) for x in floors]}")
     print(f"no-op re-run of deploys/kimi.py:   median {n:.2f}s {[round(x, 2) for x in noops]}")
+    for label, (wall, cpu) in cost.items():
+        what = "HostState probe" if label == "probe" else "floor fact (uname -n)"
+        print(f"{what} on one host: median {wall * 1000:.0f} ms wall, {cpu * 1000:.0f} ms CPU")
     print(f"ratios: noop_rerun_vs_floor={n / f:.2f}")
     return 0
 
