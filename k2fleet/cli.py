@@ -147,15 +147,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def status_document(dep: Deployment, plan: Plan, facts: dict, completion: tuple[bool, str] | None = None) -> dict:
+def status_document(dep: Deployment, plan: Plan, desired: dict, facts: dict,
+                    completion: tuple[bool, str] | None = None) -> dict:
     """The ``k2fleet status --json`` document: per host its :class:`~k2fleet.planning.host_status.HostStatus`
-    (``facts``: host → HostState report, or why it could not be gathered); ``ok``: every host
-    settled and healthy (and the endpoint's completion answered, when asked)."""
-    from k2fleet.control.artifacts import read_control_artifacts
-    from k2fleet.planning.desired import desired_state
+    against ``desired`` (host → its desired state; ``facts``: host → HostState report, or why
+    it could not be gathered); ``ok``: every host settled and healthy (and the endpoint's
+    completion answered, when asked)."""
     from k2fleet.planning.host_status import host_status, unreachable
 
-    desired = desired_state(dep, plan, read_control_artifacts(dep, plan))
     engine = {"engine": dep.engine, "planned_version": plan.engine_version, "runtime": plan.runtime}
     checks = tuple(ws.check for ws in dep.weight_sets)
     hosts = {}
@@ -235,7 +234,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         endpoint = plan.endpoint()
         completion = (endpoint_completion(f"http://{endpoint[0]}:{endpoint[1]}", dep.api_model_name, read_api_key(dep))
                       if endpoint else (False, "the plan has no endpoint"))
-    doc = status_document(dep, plan, facts, completion)
+    doc = status_document(dep, plan, desired, facts, completion)
     if args.json:
         sys.stdout.write(json.dumps(doc) + "\n")
     else:
