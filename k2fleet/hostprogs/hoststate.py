@@ -261,6 +261,11 @@ def units(names: list) -> dict:
     return result
 
 
+def unit_id(name: str) -> str:
+    """systemd's id of ``name``: ``X`` is ``X.service``."""
+    return name if "." in name else name + ".service"
+
+
 class Systemd:
     """``systemctl show`` of the probe's units, asked once (the report and the GPU gate
     check both read it).
@@ -284,7 +289,7 @@ class Systemd:
     def states(self, names: list) -> list | None:
         """ActiveState of each of ``names`` (``X`` or ``X.service``), or None when one of
         them is not among the probe's units (then ask systemctl)."""
-        full = [n if "." in n else n + ".service" for n in names]
+        full = [unit_id(n) for n in names]
         if not all(n in self.names for n in full):
             return None
         shown = self.show()
@@ -544,14 +549,6 @@ def amd_problems(want: dict) -> list:
     return problems
 
 
-def unit_states(names: list) -> list:
-    """``systemctl is-active`` of every unit in ``names``, in one call (one state a line)."""
-    if not names:
-        return []
-    states = (_run(["systemctl", "is-active", *names]) or "").split()
-    return states + ["unknown"] * (len(names) - len(states))
-
-
 def gate(want: dict, smi=None, dpkg=None, systemd=None) -> int:
     """Compare the host with ``want`` until it matches or ``want['timeout']`` passes;
     print every mismatch of the last look (see the module doc). ``smi``, ``dpkg`` and
@@ -562,7 +559,9 @@ def gate(want: dict, smi=None, dpkg=None, systemd=None) -> int:
         problems = nvidia_problems(want, smi, dpkg) if want["vendor"] == "nvidia" else amd_problems(want)
         services = want.get("services", [])
         states = systemd.states(services) if systemd is not None else None
-        for unit, state in zip(services, unit_states(services) if states is None else states):
+        if states is None:  # standalone (each look asks anew), or units the probe did not show
+            states = Systemd([unit_id(n) for n in services]).states(services)
+        for unit, state in zip(services, states):
             if state != "active":
                 problems.append(f"{unit} is {state or 'unknown'}")
         if not problems or time.monotonic() >= deadline:
