@@ -2,7 +2,7 @@
 
 ``k2_api_key_file`` with an engine that takes its API key only in argv, logs it at start or
 has no key option (SGLang and its PD router, TRT-LLM's ``trtllm-serve``, KTransformers;
-:data:`k2fleet.planning.catalog.API_KEY_REFUSED` says why for each) is carried out by a
+:data:`k2fleet.planning.catalog.API_KEY_FRONTED` says why for each) is carried out by a
 front: on every host that serves the OpenAI API (a serving instance's HTTP server, or the
 SGLang PD router) :func:`add_fronts` moves the engine's listener to ``127.0.0.1`` on
 ``k2_api_backend_port`` and plans ``k2-api-front.service``, k2fleet's own unit running the
