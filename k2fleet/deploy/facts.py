@@ -28,7 +28,10 @@ def probe_command(query: dict[str, Any]) -> str:
     byte for byte the one this control machine ships (its sha256), otherwise the same
     source piped to ``python3`` (a bare host, or an archive of another version)."""
     arg = shell_word(json.dumps(query, sort_keys=True))
-    shipped = shell_line(host_argv("hoststate")) + " " + arg
+    python, *program = host_argv("hoststate")
+    # -I -S: isolated from the host's PYTHON* variables and user site, no site-packages (stdlib
+    # only, and ~1.5 ms less start-up on every host of every deploy)
+    shipped = shell_line([python, "-I", "-S", *program]) + " " + arg
     check = f"echo {archive_sha256()}'  '{shell_word(ARCHIVE)} | sha256sum --check --status 2>/dev/null"
     return f"if {check}; then {shipped}; else python3 - {arg} <<'K2FLEET_PROBE'\n{PROBE}\nK2FLEET_PROBE\nfi"
 

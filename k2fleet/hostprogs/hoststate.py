@@ -26,14 +26,24 @@ import glob
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 
 
+def on_path(name: str) -> bool:
+    """Is ``name`` an executable file on PATH (or, with a ``/``, that file)? ``shutil.which``'s
+    yes or no without importing shutil (~3 ms of the probe's start-up).
+
+    >>> on_path("sh"), on_path("/bin/sh"), on_path("no-such-command-k2fleet"), on_path("/")
+    (True, True, False, False)
+    """
+    paths = [name] if "/" in name else [os.path.join(d, name) for d in os.get_exec_path()]
+    return any(os.path.isfile(p) and os.access(p, os.X_OK) for p in paths)
+
+
 def _run(argv: list[str]) -> str | None:
-    if not shutil.which(argv[0]):
+    if not on_path(argv[0]):
         return None
     try:
         return subprocess.run(argv, capture_output=True, text=True, timeout=20).stdout
@@ -401,7 +411,7 @@ def finish_checks(started: dict) -> dict:
 
 def _smi(args: list) -> tuple:
     """(exit code, output) of nvidia-smi (127: not installed)."""
-    if not shutil.which("nvidia-smi"):
+    if not on_path("nvidia-smi"):
         return 127, "nvidia-smi: not installed"
     try:
         proc = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=60)

@@ -47,8 +47,9 @@ import struct
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
+TYPE_CHECKING = False  # typing and dataclasses cost ~7 ms of import: every deploy's host probe imports this
+if TYPE_CHECKING:
+    from typing import Any
 
 STATE_DIR = ".k2fleet"
 MANIFEST_NAME = "manifest.json"
@@ -87,40 +88,49 @@ _DTYPE_BYTES = {
 }
 
 
-@dataclass
 class Problem:
     """One thing wrong with one file (or with the manifest/index)."""
 
-    path: str
-    kind: str
-    detail: str = ""
+    __slots__ = ("path", "kind", "detail")
+
+    def __init__(self, path: str, kind: str, detail: str = "") -> None:
+        self.path, self.kind, self.detail = path, kind, detail
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Problem) and (self.path, self.kind, self.detail) == (other.path, other.kind, other.detail)
+
+    def __repr__(self) -> str:
+        return f"Problem({self.path!r}, {self.kind!r}, {self.detail!r})"
+
+    def to_dict(self) -> dict[str, str]:
+        return {"path": self.path, "kind": self.kind, "detail": self.detail}
 
     def line(self) -> str:
         """One human-readable line, e.g. ``FAIL hash_mismatch model-1.safetensors: ...``."""
         return f"FAIL {self.kind} {self.path}: {self.detail}".rstrip(": ")
 
 
-@dataclass
 class Report:
     """Outcome of :func:`verify`; ``ok`` is True only when ``problems`` is empty."""
 
-    dir: str
-    revision: str
-    ok: bool = False
-    problems: list[Problem] = field(default_factory=list)
-    files_total: int = 0
-    files_hashed: int = 0
-    files_skipped: int = 0
-    bytes_total: int = 0
-    bytes_hashed: int = 0
-    seconds: float = 0.0
-    full: bool = False
-    marker_written: bool = False
-    warnings: list[str] = field(default_factory=list)
+    FIELDS = ("dir", "revision", "ok", "problems", "files_total", "files_hashed", "files_skipped", "bytes_total",
+              "bytes_hashed", "seconds", "full", "marker_written", "warnings")
+
+    def __init__(self, dir: str, revision: str, ok: bool = False, problems: list[Problem] | None = None,
+                 full: bool = False) -> None:
+        self.dir, self.revision, self.ok, self.full = dir, revision, ok, full
+        self.problems: list[Problem] = list(problems or [])
+        self.files_total = self.files_hashed = self.files_skipped = 0
+        self.bytes_total = self.bytes_hashed = 0
+        self.seconds = 0.0
+        self.marker_written = False
+        self.warnings: list[str] = []
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (used by ``--json``)."""
-        return asdict(self)
+        """JSON-ready dict (used by ``--json``): every field of :data:`FIELDS`."""
+        out = {name: getattr(self, name) for name in self.FIELDS}
+        out["problems"] = [p.to_dict() for p in self.problems]
+        return out
 
     def lines(self) -> list[str]:
         """One line per problem, then one summary line."""
@@ -411,13 +421,15 @@ def hash_fd(fd: int, hasher: Any, buf: bytearray) -> int:
         total += n
 
 
-@dataclass
 class _FileResult:
-    rel: str
-    problems: list[Problem] = field(default_factory=list)
-    stat: dict[str, int] | None = None
-    hashed_bytes: int = 0
-    skipped: bool = False
+    __slots__ = ("rel", "problems", "stat", "hashed_bytes", "skipped")
+
+    def __init__(self, rel: str) -> None:
+        self.rel = rel
+        self.problems: list[Problem] = []
+        self.stat: dict[str, int] | None = None
+        self.hashed_bytes = 0
+        self.skipped = False
 
 
 class _Verifier:
