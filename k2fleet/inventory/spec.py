@@ -1228,15 +1228,21 @@ class _ConnectionKeys(BaseModel):
     """pyinfra's own connection keys that k2fleet passes on (the checkpoint push's ssh
     and rsync argv): checked like every k2_* value."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=False)
     ssh_user: PosixUser | None = None
     ssh_port: Port | None = None
     ssh_key: RelOrAbsPath | None = None
     ssh_known_hosts_file: RelOrAbsPath | None = None
+    ssh_config_file: RelOrAbsPath | None = None  # the side channels' ssh -F (a ProxyJump there is honoured)
+    sudo_user: PosixUser | None = Field(None, alias="_sudo_user")
+
+
+CONNECTION_KEYS = ("ssh_user", "ssh_port", "ssh_key", "ssh_known_hosts_file", "ssh_config_file", "_sudo_user")
 
 
 def check_connection_keys(name: str, data: dict[str, Any], where: str = "") -> None:
-    """``ssh_user``, ``ssh_port``, ``ssh_key``, ``ssh_known_hosts_file`` of one host.
+    """``ssh_user``, ``ssh_port``, ``ssh_key``, ``ssh_known_hosts_file``, ``ssh_config_file``,
+    ``_sudo_user`` of one host.
 
     >>> check_connection_keys("n1", {"ssh_user": "root", "ssh_port": 22})
     >>> try:
@@ -1244,9 +1250,21 @@ def check_connection_keys(name: str, data: dict[str, Any], where: str = "") -> N
     ... except SpecError as exc:
     ...     print(exc)
     ssh_port: Input should be a valid integer (got True) on host n1
+    >>> for bad in ({"_sudo_user": "bad user"}, {"ssh_config_file": "x" * 5000}):
+    ...     try:
+    ...         check_connection_keys("n1", bad)
+    ...     except SpecError as exc:
+    ...         print(str(exc)[:60])
+    _sudo_user: must be a POSIX user name [a-z_][a-z0-9_-]{0,31}
+    ssh_config_file: is 5000 characters; values are at most 4096
     """
+    given = {k: v for k, v in data.items() if k in CONNECTION_KEYS and v is not None}
+    for key, value in given.items():
+        if isinstance(value, str) and len(value) > MAX_STRING_CHARS:
+            raise SpecError(key, f"is {len(value)} characters; values are at most {MAX_STRING_CHARS} characters "
+                                 f"(on host {name})", where)
     try:
-        _ConnectionKeys(**{k: v for k, v in data.items() if k in _ConnectionKeys.model_fields and v is not None})
+        _ConnectionKeys(**given)
     except ValidationError as exc:
         err = exc.errors()[0]
         raise SpecError(str(err["loc"][0]), f"{_pydantic_message(err)} on host {name}", where) from None
