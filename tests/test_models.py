@@ -49,7 +49,6 @@ PAIRS = [
     ("0905-trtllm-b200-tp8", K0905 | {"k2_engine": "trtllm", "k2_gpu": "b200", "k2_tp": 8,
                                       "k2_max_model_len": 32768}, 1),
     ("k25-vllm-h200-tp8", K25 | {"k2_tp": 8}, 1),
-    ("k25-vllm-0.11-h200-tp8", K25 | {"k2_tp": 8, "k2_engine_version": "0.11.0"}, 1),
     ("k26-vllm-h200-tp8", K26 | {"k2_tp": 8}, 1),
     ("k26-vllm-b200-tp8", K26 | {"k2_gpu": "b200", "k2_tp": 8}, 1),
     ("k3-sglang-h200-2x8", K3 | {"k2_engine": "sglang", "k2_tp": 16}, 2),
@@ -84,7 +83,7 @@ def test_listed_pairs_plan_and_pass_the_flag_tables(tmp_path: Path, data: dict, 
         assert words[words.index(tool) + 1] == known.tool_parser
         if dep.engine != "trtllm" and known.reasoning_parser:
             assert words[words.index("--reasoning-parser") + 1] == known.reasoning_parser
-        if known.multimodal and dep.engine == "vllm":
+        if dep.engine in (known.engine_args or {}):  # K2.5/K2.6 on vLLM; not K3 (its sources name no such flag)
             assert words[words.index("--mm-encoder-tp-mode") + 1] == "data"
         else:
             assert "--mm-encoder-tp-mode" not in words
@@ -116,9 +115,32 @@ def test_k3_catalog_records_unknowns_not_guesses() -> None:
     k3 = catalog.CHECKPOINTS["moonshotai/Kimi-K3"]
     assert k3.arch is None and k3.heads is None and k3.max_context is None
     assert k3.experts == 896 and k3.bytes == 1_560_000_000_000 and k3.quantization == "mxfp4"
-    assert k3.engines == {"vllm": "0.27.1", "sglang": "0.5.17", "trtllm": None}
+    assert k3.engines == {"vllm": "0.27.0", "sglang": "0.5.17", "trtllm": None}
+    assert k3.model_type == "kimi_k3" and k3.multimodal  # vLLM's and SGLang's KimiK3Config (vision_config)
     assert {"layers", "kv_lora_rank", "KDA state size", "attention heads"} <= set(k3.unknown)
     assert "not re-fetched" in k3.sources
+
+
+def test_catalog_parsers_are_registered_from_the_first_serving_version() -> None:
+    """Every parser a newer model's deployment names is registered (catalog.KIMI_PARSERS, read in
+    the engines' wheels) at each version read from its first serving version on, and not before
+    it where that version was read too (kimi_k3: vLLM 0.26.0, SGLang 0.5.16)."""
+    newer = ("moonshotai/Kimi-K2.5", "moonshotai/Kimi-K2.6", "moonshotai/Kimi-K3")
+    for repo in newer:
+        c = catalog.CHECKPOINTS[repo]
+        for (engine, version), (tools, reasonings) in catalog.KIMI_PARSERS.items():
+            least = (c.engines or {}).get(engine)
+            if least is None or catalog.version_tuple(version) < catalog.version_tuple(least):
+                continue
+            assert c.tool_parser in tools, (repo, engine, version)
+            assert c.reasoning_parser in reasonings, (repo, engine, version)
+    k3 = catalog.CHECKPOINTS["moonshotai/Kimi-K3"]
+    for engine, before in (("vllm", "0.26.0"), ("sglang", "0.5.16")):
+        tools, reasonings = catalog.KIMI_PARSERS[(engine, before)]
+        assert k3.tool_parser not in tools and k3.reasoning_parser not in reasonings
+    for engine, versions in catalog.ENGINE_VERSIONS.items():  # the default pins were read too
+        if engine in ("vllm", "sglang"):
+            assert (engine, versions[0]) in catalog.KIMI_PARSERS
 
 
 def test_every_catalog_entry_names_its_sources() -> None:
@@ -133,7 +155,7 @@ REFUSALS = [
     ("k3-trtllm-h100", K3 | {"k2_engine": "trtllm", "k2_gpu": "h100", "k2_tp": 32}, 4, "k2_gpu", "Blackwell GPUs only"),
     ("k3-trtllm-h20", K3 | {"k2_engine": "trtllm", "k2_gpu": "h20", "k2_tp": 32}, 4, "k2_gpu", "Blackwell GPUs only"),
     ("k3-vllm-0.11", K3 | {"k2_engine_version": "0.11.0", "k2_tp": 8, "k2_pp": 2}, 2, "k2_engine_version",
-     "vllm >= 0.27.1"),
+     "vllm >= 0.27.0"),
     ("k3-sglang-0.5.4", K3 | {"k2_engine": "sglang", "k2_engine_version": "0.5.4", "k2_tp": 16}, 2,
      "k2_engine_version", "sglang >= 0.5.17"),
     ("k3-h200-one-node", K3 | {"k2_engine": "sglang", "k2_tp": 8}, 1, "k2_tp", "needs 16 GPUs per instance"),
@@ -144,7 +166,9 @@ REFUSALS = [
      "896 routed experts"),
     ("k25-sglang", K25 | {"k2_engine": "sglang", "k2_tp": 8}, 1, "k2_engine", "use vllm"),
     ("k25-vllm-0.10", K25 | {"k2_tp": 8, "k2_engine_version": "0.10.0"}, 1, "k2_engine_version",
-     "no --mm-encoder-tp-mode"),
+     "vllm >= 0.15.0"),
+    ("k25-vllm-0.11", K25 | {"k2_tp": 8, "k2_engine_version": "0.11.0"}, 1, "k2_engine_version",
+     "vllm >= 0.15.0"),  # no KimiK25ForConditionalGeneration, no kimi_k2 reasoning parser
     ("k26-tp-not-dividing-heads", K26 | {"k2_tp": 8, "k2_gpus_per_node": 6, "k2_tp": 6}, 1, "k2_tp", "64 attention heads"),
     ("0905-h100-one-node", K0905 | {"k2_gpu": "h100", "k2_tp": 8}, 1, "k2_tp", "less than the 1,030 GB checkpoint"),
 ]

@@ -144,15 +144,48 @@ WEIGHT_BYTES: dict[str, dict[str, float]] = {
 
 
 # What a catalog entry's figures rest on (each entry names one of these in ``sources``).
-# k2fleet has no web access where these entries were written: the newer models' figures are
-# per Moonshot's model cards and the engines' guides as summarised in the project notes
-# (../shared/NOTES.md, "Kimi models after K2-Thinking"), not re-fetched. Anything those notes do
-# not give is recorded as unknown (None) here, and what needs it is refused or skipped, never guessed.
+# The newer models' sizes and shapes are per Moonshot's model cards and the engines' guides as
+# summarised in the project notes (../shared/NOTES.md, "Kimi models after K2-Thinking"): the
+# moonshotai/Kimi-K2.5, -K2.6 and -K3 repositories themselves could not be read (issue #25's
+# check). Their model_type, the parser names and the first engine versions were checked against
+# the engines' own code (SOURCE_ENGINES, issue #25). Anything neither gives is recorded as
+# unknown (None) here, and what needs it is refused or skipped, never guessed.
 SOURCE_K2 = ("config.json of each moonshotai/Kimi-K2-* repository (model_type kimi_k2, DeepseekV3ForCausalLM); "
              "shard names and sizes as read from the repositories (project notes, 'Checkpoints and engines')")
 SOURCE_NOTES = ("per Moonshot's model card as summarised in the project notes ('Kimi models after K2-Thinking'), "
                 "not re-fetched")
 SOURCE_SGLANG_K3 = "SGLang's Kimi-K3 cookbook node shapes, as given in the project's brief for issue #25, not re-fetched"
+SOURCE_ENGINES = ("model_type, parsers and first versions read in the engines' PyPI wheels (issue #25): "
+                  "vllm/model_executor/models/registry.py, vllm/transformers_utils/configs/kimi_k25.py and kimi_k3.py, "
+                  "vllm/tool_parsers/__init__.py, vllm/reasoning/__init__.py (vllm 0.14.1, 0.15.0, 0.26.0, 0.27.0, "
+                  "0.27.1, 0.33.0); sglang/srt/configs/kimi_k3.py, sglang/srt/function_call/function_call_parser.py "
+                  "(FunctionCallParser.ToolCallParserEnum), sglang/srt/parser/reasoning_parser.py "
+                  "(ReasoningParser.DetectorMap) (sglang 0.5.16, 0.5.17, 0.5.23)")
+
+# The Kimi parser names each engine registers at the versions read (SOURCE_ENGINES; vllm 0.11.0
+# and sglang 0.5.4 likewise): (tool-call parsers, reasoning parsers). vLLM: the keys of
+# ``_TOOL_PARSERS_TO_REGISTER`` / ``_REASONING_PARSERS_TO_REGISTER`` (0.11.0: the
+# ``@ToolParserManager.register_module`` names under vllm/entrypoints/openai/tool_parsers/ and
+# ``@ReasoningParserManager.register_module`` under vllm/reasoning/); SGLang: the keys of
+# ``ToolCallParserEnum`` / ``DetectorMap``. Only names starting "kimi" are listed.
+# ``kimi_k3`` first appears in vLLM 0.27.0 (absent from 0.26.0; 0.27.1 differs from 0.27.0 only
+# in vllm/_version.py and qwen3_dspark.py) and SGLang 0.5.17 (absent from 0.5.16). vLLM 0.11.0
+# and SGLang 0.5.4 have no ``kimi_k2`` reasoning parser (SGLang 0.5.4 has ``kimi``).
+# TensorRT-LLM is not listed: no trtllm-serve release was read (its main branch registers a
+# ``kimi_k3`` tool parser, NVIDIA/TensorRT-LLM PR #17327, merged 2026-08; which release first has
+# it is unknown).
+KIMI_PARSERS: dict[tuple[str, str], tuple[tuple[str, ...], tuple[str, ...]]] = {
+    ("vllm", "0.11.0"): (("kimi_k2",), ()),
+    ("vllm", "0.15.0"): (("kimi_k2",), ("kimi_k2",)),
+    ("vllm", "0.26.0"): (("kimi_k2",), ("kimi_k2",)),
+    ("vllm", "0.27.0"): (("kimi_k2", "kimi_k3"), ("kimi_k2", "kimi_k3")),
+    ("vllm", "0.27.1"): (("kimi_k2", "kimi_k3"), ("kimi_k2", "kimi_k3")),
+    ("vllm", "0.33.0"): (("kimi_k2", "kimi_k3"), ("kimi_k2", "kimi_k3")),
+    ("sglang", "0.5.4"): (("kimi_k2",), ("kimi",)),
+    ("sglang", "0.5.16"): (("kimi_k2",), ("kimi", "kimi_k2")),
+    ("sglang", "0.5.17"): (("kimi_k2", "kimi_k3"), ("kimi", "kimi_k2", "kimi_k3")),
+    ("sglang", "0.5.23"): (("kimi_k2", "kimi_k3"), ("kimi", "kimi_k2", "kimi_k3")),
+}
 
 
 @dataclass(frozen=True)
@@ -201,7 +234,9 @@ class Checkpoint:
 
 # K2.5 / K2.6 on vLLM: Moonshot's guide (as the notes summarise it) serves them with
 # ``vllm serve … -tp 8 --mm-encoder-tp-mode data --trust-remote-code --tool-call-parser kimi_k2
-# --reasoning-parser kimi_k2`` (K2.6 reuses K2.5's deployment).
+# --reasoning-parser kimi_k2`` (K2.6 reuses K2.5's deployment). ``--mm-encoder-tp-mode`` is
+# vLLM's ``MultiModalConfig.mm_encoder_tp_mode: Literal["weights", "data"]`` (default "weights";
+# vllm/config/multimodal.py in 0.11.0, 0.26.0, 0.27.x and 0.33.0; not in the 0.10.0 flag table).
 _K25_VLLM_ARGS = {"vllm": ("--mm-encoder-tp-mode", "data")}
 # Kimi-K3's published node shapes (SGLang cookbook): the fewest GPUs of one instance per GPU type.
 K3_NODE_SHAPES = {"b300": 8, "b200": 16, "h200": 16, "h100": 32, "gb200": 16}
@@ -221,30 +256,42 @@ CHECKPOINTS: dict[str, Checkpoint] = {
                    reasoning_parser="kimi_k2"),
         # K2.5: multimodal (a vision encoder over K2's text model: its text_config has K2's shape, so
         # the capacity arithmetic is K2's; the encoder's few GB are folded into the scaled parts),
-        # native INT4, about 620 GB; served by vLLM with --mm-encoder-tp-mode data and the kimi_k2
-        # parsers. The notes name no other engine, no minimum vLLM, no context and no shard layout.
-        Checkpoint("moonshotai/Kimi-K2.5", 620_000_000_000, "int4", True, max_context=None,
-                   multimodal=True, reasoning_parser="kimi_k2", engines={"vllm": None},
-                   engine_args=_K25_VLLM_ARGS, sources=SOURCE_NOTES,
-                   unknown=("context length", "minimum vLLM version", "shard naming", "engines besides vLLM")),
-        # K2.6: K2.5's architecture, about 640 GB, deployed like K2.5 (project notes).
-        Checkpoint("moonshotai/Kimi-K2.6", 640_000_000_000, "int4", True, max_context=None,
-                   multimodal=True, reasoning_parser="kimi_k2", engines={"vllm": None},
-                   engine_args=_K25_VLLM_ARGS, sources=SOURCE_NOTES,
-                   unknown=("context length", "minimum vLLM version", "shard naming", "engines besides vLLM")),
-        # K3: 2.8T parameters (~104B active), 896 routed experts (16 active), Kimi Delta Attention with
-        # full MLA every fourth layer, a 1M-token context, routed experts in MXFP4, about 1.56 TB;
-        # parsers kimi_k3; vLLM >= 0.27.1, SGLang >= 0.5.17, TensorRT-LLM on Blackwell only (no version
-        # given); not KTransformers (not named). Unknown: attention heads, layer count, kv_lora_rank,
-        # the KDA recurrent state size — so no KV prediction (capacity needs per-token MLA bytes of the
-        # MLA layers and the per-sequence KDA state) and no TP-divides-heads check; the exact
-        # max_position_embeddings ("1M") is not recorded either.
-        Checkpoint("moonshotai/Kimi-K3", 1_560_000_000_000, "mxfp4", True, max_context=None, model_type=None,
-                   heads=None, experts=896, arch=None, tool_parser="kimi_k3", reasoning_parser="kimi_k3",
-                   engines={"vllm": "0.27.1", "sglang": "0.5.17", "trtllm": None}, blackwell_only=("trtllm",),
-                   min_gpus=K3_NODE_SHAPES, sources=SOURCE_NOTES + "; " + SOURCE_SGLANG_K3,
+        # native INT4, about 620 GB (notes); served by vLLM with --mm-encoder-tp-mode data and the
+        # kimi_k2 parsers (notes; both parsers registered from vLLM 0.15.0 on: KIMI_PARSERS).
+        # model_type kimi_k25: vLLM's KimiK25Config (vllm/transformers_utils/configs/kimi_k25.py);
+        # vLLM >= 0.15.0: KimiK25ForConditionalGeneration is in vllm/model_executor/models/registry.py
+        # of 0.15.0, not of 0.14.1. The notes name no other engine, no context and no shard layout.
+        Checkpoint("moonshotai/Kimi-K2.5", 620_000_000_000, "int4", True, max_context=None, model_type="kimi_k25",
+                   multimodal=True, reasoning_parser="kimi_k2", engines={"vllm": "0.15.0"},
+                   engine_args=_K25_VLLM_ARGS, sources=SOURCE_NOTES + "; " + SOURCE_ENGINES,
+                   unknown=("context length", "shard naming", "engines besides vLLM")),
+        # K2.6: K2.5's architecture, about 640 GB, deployed like K2.5 (project notes); hence K2.5's
+        # model_type and first vLLM version (vLLM 0.33.0 registers no other Kimi K2.x class), which
+        # rests on the notes' "K2.5's architecture": its config.json was not read.
+        Checkpoint("moonshotai/Kimi-K2.6", 640_000_000_000, "int4", True, max_context=None, model_type="kimi_k25",
+                   multimodal=True, reasoning_parser="kimi_k2", engines={"vllm": "0.15.0"},
+                   engine_args=_K25_VLLM_ARGS, sources=SOURCE_NOTES + "; " + SOURCE_ENGINES,
+                   unknown=("context length", "shard naming", "engines besides vLLM")),
+        # K3 (notes): 2.8T parameters (~104B active), 896 routed experts (16 active), Kimi Delta
+        # Attention with full MLA every fourth layer, a 1M-token context, routed experts in MXFP4, about
+        # 1.56 TB; TensorRT-LLM on Blackwell only (no version given); not KTransformers (not named).
+        # Engine code (SOURCE_ENGINES): model_type kimi_k3 (vLLM's and SGLang's KimiK3Config, with a
+        # vision_config: multimodal; KimiK3ForConditionalGeneration in vLLM's registry and SGLang's
+        # EntryClass); parsers kimi_k3 in vLLM from 0.27.0 (the notes' 0.27.1 is not the first: 0.27.0
+        # has the model class and both parsers) and in SGLang from 0.5.17 (0.5.16 has neither).
+        # Unknown: attention heads, layer count, kv_lora_rank, the KDA recurrent state size, the exact
+        # max_position_embeddings, shard naming — moonshotai/Kimi-K3's config.json was not read. (Copies
+        # of a config.json in third-party repositories give 93 layers, 96 heads, kv_lora_rank 512,
+        # max_position_embeddings 1,048,576 and 96 shards named model-000NN-of-000096, 1,560,936,091,448
+        # bytes: not the model's repository, so not entered.) So no KV prediction (capacity needs
+        # per-token MLA bytes of the MLA layers and the per-sequence KDA state) and no TP-divides-heads check.
+        Checkpoint("moonshotai/Kimi-K3", 1_560_000_000_000, "mxfp4", True, max_context=None, model_type="kimi_k3",
+                   heads=None, experts=896, arch=None, multimodal=True, tool_parser="kimi_k3", reasoning_parser="kimi_k3",
+                   engines={"vllm": "0.27.0", "sglang": "0.5.17", "trtllm": None}, blackwell_only=("trtllm",),
+                   min_gpus=K3_NODE_SHAPES, sources=SOURCE_NOTES + "; " + SOURCE_SGLANG_K3 + "; " + SOURCE_ENGINES,
                    unknown=("attention heads", "layers", "kv_lora_rank", "KDA state size", "exact context length",
-                            "minimum TensorRT-LLM version", "shard naming")),
+                            "minimum TensorRT-LLM version", "TensorRT-LLM's kimi_k3 parsers at its pin",
+                            "shard naming")),
     )
 }
 
