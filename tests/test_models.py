@@ -16,7 +16,7 @@ import pytest
 
 from k2fleet.cli import load_plan
 from k2fleet.inventory.spec import SpecError
-from k2fleet.planning import capacity, catalog
+from k2fleet.planning import capacity, catalog, deployment
 from k2fleet.planning.engine_flags import has_table, known_flags
 from k2sandbox.checkpoint_cache import checkpoint_style
 from tests.inventory_factory import write_inventory
@@ -171,6 +171,20 @@ REFUSALS = [
      "vllm >= 0.15.0"),  # no KimiK25ForConditionalGeneration, no kimi_k2 reasoning parser
     ("k26-tp-not-dividing-heads", K26 | {"k2_tp": 8, "k2_gpus_per_node": 6, "k2_tp": 6}, 1, "k2_tp", "64 attention heads"),
     ("0905-h100-one-node", K0905 | {"k2_gpu": "h100", "k2_tp": 8}, 1, "k2_tp", "less than the 1,030 GB checkpoint"),
+    # parser names the pin does not register (catalog.KIMI_PARSERS): the default's → k2_engine_version,
+    # a named one → its own key; both name the fix
+    ("thinking-vllm-0.11-default-reasoning", {"k2_engine_version": "0.11.0"}, 1, "k2_engine_version",
+     "vllm 0.11.0 registers no kimi_k2 reasoning parser (it has no Kimi reasoning parser); k2_engine_version 0.33.0"),
+    ("thinking-sglang-0.5.4-default-reasoning", {"k2_engine": "sglang", "k2_engine_version": "0.5.4"}, 1,
+     "k2_engine_version", "sglang 0.5.4 registers no kimi_k2 reasoning parser (its Kimi reasoning parsers: kimi); "
+     "k2_engine_version 0.5.23 has it"),
+    ("sglang-0.5.4-named-reasoning", {"k2_engine": "sglang", "k2_engine_version": "0.5.4",
+                                       "k2_reasoning_parser": "kimi_k2"}, 1, "k2_reasoning_parser", "parsers: kimi"),
+    ("vllm-0.11-named-k3-tool", {"k2_engine_version": "0.11.0", "k2_reasoning_parser": "deepseek_r1",
+                                  "k2_tool_parser": "kimi_k3"}, 1, "k2_tool_parser",
+     "k2_engine_version 0.33.0 has it (vllm has it from 0.27.0"),
+    ("sglang-0.5.23-named-k3-on-k2", {"k2_engine": "sglang", "k2_reasoning_parser": "kimi_k25"}, 1,
+     "k2_reasoning_parser", "no sglang version k2fleet read has it"),
 ]
 
 
@@ -181,6 +195,43 @@ def test_refusals_are_one_line_naming_the_key(tmp_path: Path, data: dict, hosts:
     assert err.value.key == key, str(err.value)
     assert words in err.value.message, err.value.message
     assert "\n" not in str(err.value)
+
+
+# parser names the table does not refuse: the pin's own Kimi name (SGLang 0.5.4's `kimi`, a different
+# format from K2's, taken only when named: never swapped in for the default), a name outside the table
+# (non-Kimi) and a pin the table does not have (vLLM 0.10.0: its parsers were not read, nothing refused)
+PARSER_TWINS = [
+    ("sglang-0.5.4-kimi", {"k2_engine": "sglang", "k2_engine_version": "0.5.4", "k2_reasoning_parser": "kimi"},
+     "--reasoning-parser", "kimi"),
+    ("vllm-0.11-non-kimi", {"k2_engine_version": "0.11.0", "k2_reasoning_parser": "deepseek_r1"},
+     "--reasoning-parser", "deepseek_r1"),
+    ("vllm-0.10-not-in-table", {"k2_engine_version": "0.10.0"}, "--reasoning-parser", "kimi_k2"),
+    ("k3-vllm-0.33", K3 | {"k2_gpu": "b300", "k2_tp": 8}, "--tool-call-parser", "kimi_k3"),
+]
+
+
+@pytest.mark.parametrize("data,flag,value", [t[1:] for t in PARSER_TWINS], ids=[t[0] for t in PARSER_TWINS])
+def test_parsers_the_table_does_not_refuse_are_rendered(tmp_path: Path, data: dict, flag: str, value: str) -> None:
+    _, plan = _plan(tmp_path, 1, **data)
+    words = [w for _, service in plan.services() for w in _engine_words(list(service.argv))]
+    assert words[words.index(flag) + 1] == value
+
+
+def test_parser_check_follows_the_table_exactly() -> None:
+    """A Kimi parser name is refused at a version of the table exactly when that version's row
+    lacks it; at a pin outside the table, never (its names are unknown)."""
+    names = {n for tools, reasonings in catalog.KIMI_PARSERS.values() for n in tools + reasonings} | {"kimi_k25"}
+    for (engine, version), row in catalog.KIMI_PARSERS.items():
+        for side, kind in enumerate(("tool", "reasoning")):
+            for name in names:
+                why = deployment.parser_refusal(engine, version, kind, name)
+                assert (why is None) == (name in row[side]), (engine, version, kind, name, why)
+                assert why is None or "\n" not in why
+    for engine, versions in catalog.ENGINE_VERSIONS.items():
+        for version in versions:
+            if (engine, version) not in catalog.KIMI_PARSERS:
+                assert all(deployment.parser_refusal(engine, version, k, n) is None
+                           for k in ("tool", "reasoning") for n in names)
 
 
 K2_LAYOUTS = [capacity.Layout("vllm", tp=8), capacity.Layout("sglang", tp=16), capacity.Layout("trtllm", tp=8, ep=8, attn_dp=True),

@@ -22,6 +22,9 @@ TUNED = [p for p in profiles.PROFILES if p != "default"]
 PINS = [("inventories/h200.py", "0.11.0"), ("inventories/h200.py", "0.10.0"),
         ("inventories/h200-sglang-tp16.py", "0.5.4"), ("inventories/h200-sglang-tp16.py", "0.4.9"),
         ("inventories/ktransformers.py", "0.7.2")]
+# vLLM 0.11.0 registers no Kimi reasoning parser (catalog.KIMI_PARSERS), so h200.py's K2-Thinking is refused
+# there with its default kimi_k2; a non-Kimi name (outside the table, not checked) lets its flags be checked
+PIN_DATA = {("inventories/h200.py", "0.11.0"): ["k2_reasoning_parser=deepseek_r1"]}
 
 
 def _argv_flags(dep, plan) -> list[str]:
@@ -79,7 +82,8 @@ def test_scenario_profiles_pass_flag_tables(inventory, profile):
 @pytest.mark.parametrize("profile", TUNED)
 @pytest.mark.parametrize("inventory,version", PINS)
 def test_pinned_versions(inventory, version, profile):
-    dep, plan = load_plan(inventory, [f"k2_profile={profile}", f"k2_engine_version={version}"])
+    dep, plan = load_plan(inventory, [f"k2_profile={profile}", f"k2_engine_version={version}",
+                                      *PIN_DATA.get((inventory, version), [])])
     assert dep.version == version
     _check(dep, plan, profile)
 

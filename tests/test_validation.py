@@ -436,6 +436,12 @@ TOPOLOGY = family("topology", [
     Case("issue25-k25-on-sglang", K25 | {"k2_engine": "sglang", "k2_tp": 8}, "k2_engine", "use vllm"),
     Case("issue25-k25-vllm-pin-too-old", K25 | {"k2_tp": 8, "k2_engine_version": "0.10.0"}, "k2_engine_version",
          "vllm >= 0.15.0"),
+    # a parser name the pinned engine does not register (catalog.KIMI_PARSERS): the default's, a named one
+    Case("parser-default-reasoning-not-at-pin", {"k2_engine_version": "0.11.0"}, "k2_engine_version",
+         "vllm 0.11.0 registers no kimi_k2 reasoning parser"),
+    Case("parser-named-reasoning-not-at-pin", {"k2_engine": "sglang", "k2_engine_version": "0.5.4",
+                                               "k2_reasoning_parser": "kimi_k2"}, "k2_reasoning_parser",
+         "sglang 0.5.4 registers no kimi_k2 reasoning parser (its Kimi reasoning parsers: kimi)"),
     # environment variables that contradict the keys k2fleet derives them from
     Case("env-nccl-ifname-not-nic", {"k2_nic": "eth0", "k2_env": {"NCCL_SOCKET_IFNAME": "eth1"}},
          "k2_env.NCCL_SOCKET_IFNAME", "contradicts k2_nic eth0"),
@@ -456,6 +462,8 @@ TOPOLOGY_TWINS = [
     ("topology-issue25-k3-sglang-h200-2x8", K3 | {"k2_engine": "sglang", "k2_tp": 16}, 2),
     ("topology-issue25-k3-trtllm-b200-2x8", K3 | {"k2_engine": "trtllm", "k2_gpu": "b200", "k2_tp": 16}, 2),
     ("topology-issue25-k25-vllm", K25 | {"k2_tp": 8}, 1),
+    ("topology-parser-sglang-0.5.4-kimi", {"k2_engine": "sglang", "k2_engine_version": "0.5.4",
+                                           "k2_reasoning_parser": "kimi"}, 1),
     ("topology-context-fits-twice", {"k2_max_model_len": 262144, "k2_expected_concurrency": 2}, 1),
     ("topology-env-agrees", {"k2_nic": "eth0", "k2_ib_hcas": ["mlx5_0", "mlx5_1"],
                              "k2_env": {"NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "=eth0",

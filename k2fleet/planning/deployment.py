@@ -214,6 +214,65 @@ def _check_model_serving(fleet: Fleet, gpu: catalog.GpuType | None, version: str
     return notes
 
 
+def parser_refusal(engine: str, version: str, kind: str, name: str) -> str | None:
+    """Why ``engine`` ``version`` would refuse ``name`` as its ``kind`` ("tool" or
+    "reasoning") parser (one line: the fix), or None.
+
+    Checked only where :data:`catalog.KIMI_PARSERS` has this exact (engine, version) and only
+    for names starting ``kimi`` (the table lists those alone): for any other pin (vLLM 0.10.0,
+    SGLang 0.4.9, TensorRT-LLM, KTransformers) or name nothing is known, so nothing is refused.
+    The table says nothing about versions between the ones read (a name present at 0.15.0 and
+    0.26.0 is not assumed present at 0.20.0), so no nearest-version inference is made.
+
+    >>> parser_refusal("vllm", "0.11.0", "reasoning", "kimi_k2")
+    'vllm 0.11.0 registers no kimi_k2 reasoning parser (it has no Kimi reasoning parser); k2_engine_version 0.33.0 has it (vllm has it from 0.15.0 among the versions read, catalog.KIMI_PARSERS)'
+    >>> parser_refusal("sglang", "0.5.4", "reasoning", "kimi_k2")
+    'sglang 0.5.4 registers no kimi_k2 reasoning parser (its Kimi reasoning parsers: kimi); k2_engine_version 0.5.23 has it (sglang has it from 0.5.16 among the versions read, catalog.KIMI_PARSERS)'
+    >>> parser_refusal("sglang", "0.5.23", "tool", "kimi_k25")
+    'sglang 0.5.23 registers no kimi_k25 tool parser (its Kimi tool parsers: kimi_k2, kimi_k3); no sglang version k2fleet read has it'
+    >>> parser_refusal("vllm", "0.33.0", "tool", "kimi_k2") is None, parser_refusal("vllm", "0.10.0", "reasoning", "kimi_k2") is None
+    (True, True)
+    >>> parser_refusal("vllm", "0.11.0", "reasoning", "deepseek_r1") is None  # not a Kimi name: the table does not say
+    True
+    """
+    side = 0 if kind == "tool" else 1
+    known = catalog.KIMI_PARSERS.get((engine, version))
+    if known is None or not name.startswith("kimi") or name in known[side]:
+        return None
+    has = known[side]
+    which = f"its Kimi {kind} parsers: {', '.join(has)}" if has else f"it has no Kimi {kind} parser"
+    read = sorted((v for (e, v), parsers in catalog.KIMI_PARSERS.items() if e == engine and name in parsers[side]),
+                  key=catalog.version_tuple)
+    if not read:
+        return f"{engine} {version} registers no {name} {kind} parser ({which}); no {engine} version k2fleet read has it"
+    pins = [v for v in catalog.ENGINE_VERSIONS[engine] if v in read]
+    return (f"{engine} {version} registers no {name} {kind} parser ({which}); "
+            + (f"k2_engine_version {' or '.join(pins)} has it " if pins else "")
+            + f"({engine} has it from {read[0]} among the versions read, catalog.KIMI_PARSERS)")
+
+
+def _check_parsers(fleet: Fleet, version: str, tool_parser: str | None, reasoning_parser: str | None) -> None:
+    """The parser names the argv will carry are ones the pinned engine registers
+    (:func:`parser_refusal`): refused before any host is contacted, since the engine would
+    refuse its argv at start. The key is ``k2_tool_parser``/``k2_reasoning_parser`` when the
+    inventory names the parser, ``k2_engine_version`` when it is the default (the catalog's).
+
+    No default is swapped for another name: SGLang 0.5.4's ``kimi`` is not K2's reasoning
+    format (SGLang maps ``kimi`` to KimiDetector, ◁think▷…◁/think▷, and ``kimi_k2`` to
+    DeepSeekR1Detector, <think>…</think>), and the table records names, not equivalences."""
+    s = fleet.settings
+    chosen = {"tool": s.tool_parser not in (None, "kimi_k2"), "reasoning": s.reasoning_parser is not None}
+    for kind, name in (("tool", tool_parser), ("reasoning", reasoning_parser)):
+        why = parser_refusal(s.engine, version, kind, name) if name else None
+        if why is None:
+            continue
+        if chosen[kind]:
+            raise _fail(f"k2_{kind}_parser", f"{why}; or set k2_{kind}_parser to one {s.engine} {version} has",
+                        fleet)
+        raise _fail("k2_engine_version", f"{why}; or set k2_{kind}_parser to one {s.engine} {version} has (the "
+                    f"default, {name}, is the catalog's for {s.model})", fleet)
+
+
 def _check_size(fleet: Fleet, pool: Pool, gpu: catalog.GpuType, size: int) -> None:
     """Enough GPU memory for the weights: one instance's GPUs must hold the checkpoint, and a
     model with published node shapes (``catalog.Checkpoint.min_gpus``) gets at least those."""
@@ -839,6 +898,11 @@ def resolve(fleet: Fleet) -> Deployment:
     if why:
         raise _fail(profiles.KEY, why, fleet)
     notes = _check_model_serving(fleet, gpu, version)
+    known = catalog.CHECKPOINTS.get(s.model)
+    reasoning_parser = s.reasoning_parser or (((known.reasoning_parser if known else None) or "kimi_k2") if reasoning else None)
+    # k2_tool_parser's default names K2's parser: a known model's own parser replaces it (kimi_k3 for Kimi-K3)
+    tool_parser = known.tool_parser if known and s.tool_parser == "kimi_k2" else s.tool_parser
+    _check_parsers(fleet, version, tool_parser, reasoning_parser)
     if s.engine == "ktransformers" and not s.gguf_repo:
         raise _fail("k2_gguf_repo", "KTransformers serves GGUF weights; set k2_gguf_repo, k2_gguf_revision and k2_gguf_pattern", fleet)
     _check_hub_transport(fleet)
@@ -866,10 +930,6 @@ def resolve(fleet: Fleet) -> Deployment:
         capacities |= {f"disagg.{side}": cap for side, cap in _check_slurm(fleet, gpu, per_node, size, quant).items()}
     _check_env(fleet, per_node)
     driver = choose_driver(fleet, gpu, s.engine, version) if gpu is not None else None
-    known = catalog.CHECKPOINTS.get(s.model)
-    reasoning_parser = s.reasoning_parser or (((known.reasoning_parser if known else None) or "kimi_k2") if reasoning else None)
-    # k2_tool_parser's default names K2's parser: a known model's own parser replaces it (kimi_k3 for Kimi-K3)
-    tool_parser = known.tool_parser if known and s.tool_parser == "kimi_k2" else s.tool_parser
     model_args = (known.engine_args or {}).get(s.engine, ()) if known else ()
     return Deployment(
         fleet=fleet,
