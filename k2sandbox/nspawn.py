@@ -91,6 +91,10 @@ BRIDGE = "k2sb0"
 SUBNET = "10.213.0"
 BRIDGE_ADDRESS = f"{SUBNET}.1"
 PREFIX_LEN = 24
+# a company-shaped sandbox's fleet subnet (k2sandbox.company_network), on the same bridge: the
+# control machine holds an "unreachable" route for it while the sandbox is up, so a connection
+# there fails here instead of leaving by the default route
+COMPANY_SUBNET = "10.213.1"
 FIRST_HOST_OCTET = 11
 MAX_HOSTS = 200
 HOST_NIC = "eth0"  # every host's one interface (its veth end, renamed inside its netns)
@@ -503,7 +507,8 @@ def _sandbox_links() -> list[str]:
 
 
 def teardown_network() -> None:
-    """Delete every k2sb* netns (killing what runs in it), veth and the bridge."""
+    """Delete every k2sb* netns (killing what runs in it), veth, the bridge and the company
+    subnet's unreachable route."""
     for ns in _sandbox_netns():
         pids = run(["ip", "netns", "pids", ns], check=False).stdout.split()
         for pid in pids:
@@ -514,6 +519,7 @@ def teardown_network() -> None:
             run(["ip", "link", "delete", link], check=False)
     if _link_exists(BRIDGE):
         run(["ip", "link", "delete", BRIDGE], check=False)
+    run(["ip", "route", "del", "unreachable", f"{COMPANY_SUBNET}.0/{PREFIX_LEN}"], check=False)
 
 
 # --------------------------------------------------------------------------

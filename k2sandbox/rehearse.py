@@ -79,7 +79,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from k2sandbox import nspawn as sandbox, slurm_site as sandbox_slurm
+from k2sandbox import company_network, nspawn as sandbox, slurm_site as sandbox_slurm
 from k2fleet.cli import curl_line
 from k2fleet.planning.deployment import Deployment
 from k2fleet.deploy.gate import check_hosts
@@ -451,9 +451,22 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
     network namespace whose only link is the sandbox bridge."""
     overrides = parse_data_overrides(list(data))
     hosts = inventory_host_data(inventory, overrides)
-    dep, plan = check_hosts(str(inventory), hosts)
+    try:
+        hops = company_network.jump_hosts(hosts)
+    except company_network.CompanyNetworkError as exc:
+        sys.stderr.write(f"rehearse: {inventory}: {exc}\n")
+        return 2
+    hop = next(iter(hops.values()), None)
+    planned = company_network.planned_addresses(hosts) if hop else {}
+    # through a bastion, the inventory's names resolve on the company network the rehearsal makes
+    resolver = (lambda name: [planned[name]] if name in planned else company_network.unknown(name)) if hop else None
+    dep, plan = check_hosts(str(inventory), hosts, resolver)
     fleet_data = bundle_data(dep, bundle) if bundle is not None else None
     missing = unsupported(dep, plan)
+    if hop and not missing and len(hops) != len(hosts):
+        missing = "every host through the bastion (some of its hosts have no ProxyJump)"
+    if hop and not missing and (offline or bundle is not None or slurm_job_config(dep) is not None):
+        missing = "a bastion together with --offline, --bundle or a Slurm job"
     if missing:
         sys.stderr.write(f"rehearse: {inventory} needs {missing} in sandbox hosts, not supported yet\n")
         sys.stderr.flush()
@@ -491,6 +504,7 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         checkpoint = bundle.resolve() / checkpoint_rel(dep.s.model, dep.s.revision)  # (a Slurm site's shared storage)
     work = Path(tempfile.mkdtemp(prefix="k2rehearse-"))
     booted = False
+    company: company_network.CompanyNetwork | None = None
     waiting = time.monotonic()
     lock = sandbox.hold_sandbox_lock()  # one sandbox user at a time; released at exit
     waited = time.monotonic() - waiting
@@ -498,11 +512,16 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         if waited >= 1:
             say(f"rehearse {inventory}: waited {waited:.0f}s for the sandbox lock (another user had it)")
         extra = f" ({len(names)} from the inventory + {computes} Slurm compute hosts its job asks for)" if computes else ""
-        say(f"rehearse {inventory}: booting {len(names) + computes} bare sandbox hosts{extra}")
+        extra += " (and the bastion of its company network)" if hop else ""
+        say(f"rehearse {inventory}: booting {len(names) + computes + (1 if hop else 0)} bare sandbox hosts{extra}")
         sandbox.down()
         booted = True
-        sb_hosts = sandbox.up(len(names) + computes, docker=dep.runtime == "container" and job is None,
+        sb_hosts = sandbox.up(len(names) + computes + (1 if hop else 0),
+                              docker=dep.runtime == "container" and job is None,
                               hardware=sandbox.simulated_hardware(dep.gpu.name, dep.gpus_per_node))
+        bastion = sb_hosts[0] if hop else None
+        if hop:
+            sb_hosts = sb_hosts[1:]
         if job is not None:
             site_started = time.monotonic()
             login = sb_hosts[names.index(dep.pools["slurm-submit"].hosts[0].name)]
@@ -516,8 +535,17 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         generated = work / "inventory" / inv_path.name
         generated.parent.mkdir()
         kept = {name: kept_connection(host_data) for name, host_data, _ in hosts}
-        known_hosts = prepare_connections(names, sb_hosts, kept, work)
-        conn = connection_overlay(names, sb_hosts, kept, known_hosts)
+        if hop:
+            assert bastion is not None
+            company = company_network.build(hosts, kept, hop, [bastion, *sb_hosts], work)
+            conn = company.overlay
+            say(f"rehearse {inventory}: company network: bastion {hop.name} ({bastion.name}: {bastion.address}, "
+                f"{company_network.BASTION_FLEET_ADDRESS}; {hop.user} on port {hop.port}); the fleet on "
+                f"{company_network.FLEET_SUBNET}.0/{sandbox.PREFIX_LEN}, no route from here; names from dnsmasq "
+                f"on the bastion")
+        else:
+            known_hosts = prepare_connections(names, sb_hosts, kept, work)
+            conn = connection_overlay(names, sb_hosts, kept, known_hosts)
         generated.write_text(generated_inventory(str(inventory), groups, conn))
         overlay = {**fleet_data, **slurm_overlay}
         netns = sandbox.offline_control_netns() if offline else []
@@ -527,9 +555,12 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         argv = [*netns, tool("pyinfra"), "-y", "--json", "--group-data", str(inv_path.parent / "group_data"),
                 *data_args(overlay), *[a for item in data for a in ("--data", item)],
                 str(generated), DEPLOY_FILE]
+        if company is not None:
+            argv = company.resolving(argv)
         env = {"K2FLEET_STATE_DIR": str(work / "state")}
         for host_name, sb in zip(names, sb_hosts):
-            say(f"  {host_name} -> {sb.name} {sb.address}")
+            say(f"  {host_name} -> {sb.name} "
+                + (company_network.fleet_address(sb.address) if company is not None else sb.address))
         source = f", everything from bundle {bundle}" if bundle is not None else ""
         say(f"rehearse {inventory}: deploying ({dep.engine} {dep.version}, engine test doubles, simulated GPUs{source})")
         first = run_pyinfra(argv, env, DEPLOY_TIMEOUT_S)
@@ -543,7 +574,8 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
                                  f"re-run failed (exit {second.returncode}); its output ends:\n{_tail(second.log)}")
         rerun = second.changed
         # Re-read the plan the deploy ran: endpoint addresses are the sandbox hosts'.
-        _, sb_plan = check_hosts(str(inventory), [(n, {**d, **conn[n], **overlay, **overrides}, g) for n, d, g in hosts])
+        _, sb_plan = check_hosts(str(inventory), [(n, {**d, **conn[n], **overlay, **overrides}, g) for n, d, g in hosts],
+                                 company.resolve if company is not None else None)
         model = dep.api_model_name
         failures = []
         if job is not None:
@@ -556,13 +588,23 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
             found = endpoints(sb_plan)
         healthy = 0
         for host_name, unit, base, health in found:
-            with probe_place(dep, sb_plan, host_name, base, sb_hosts[0].name):
+            inside = company.bastion.name if company is not None else sb_hosts[0].name
+            with inside_netns(inside) if company is not None else probe_place(dep, sb_plan, host_name, base, inside):
                 reason = probe(base, health, model, dep.s.api_key_file)
             say(f"  {'ok  ' if reason is None else 'FAIL'} {host_name} {unit}: {base}" + (f" ({reason})" if reason else ""))
             if reason is None:
                 healthy += 1
             else:
                 failures.append(f"{host_name} {unit}: {reason}")
+        if company is not None:
+            outside = []
+            for (host_name, _, _), sb in zip(hosts, sb_hosts):
+                sources = company_network.logins(company, sb, kept[host_name]["user"], kept[host_name]["port"])
+                others = [a for a in sources if a != company_network.BASTION_FLEET_ADDRESS]
+                outside += [f"{host_name} from {a}" for a in others]
+                say(f"  {host_name}: {len(sources)} SSH logins, {len(sources) - len(others)} of them through the bastion")
+            if outside:
+                failures.append("SSH logins not through the bastion: " + ", ".join(outside))
         main = sb_plan.endpoint()
         main_base = found[0][2] if job is not None else f"http://{main[0]}:{main[1]}/v1" if main else None
         if main_base:
@@ -583,9 +625,12 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
             return 1
         say(last)
         return 0
-    except (RehearsalError, sandbox.SandboxError, sandbox_slurm.SlurmSiteError) as exc:
+    except (RehearsalError, sandbox.SandboxError, sandbox_slurm.SlurmSiteError,
+            company_network.CompanyNetworkError) as exc:
         if isinstance(exc, sandbox_slurm.SlurmSiteError):
             exc = RehearsalError(f"slurm site: {exc}")
+        if isinstance(exc, company_network.CompanyNetworkError):
+            exc = RehearsalError(f"company network: {exc}")
         if isinstance(exc, RehearsalError):
             say(exc.detail)
             summary = exc.summary
@@ -597,6 +642,8 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         say(f"rehearsal {inventory}: failed: {summary}")
         return 1
     finally:
+        if company is not None and not keep:  # kept: its resolver stays up with the hosts (sandbox down ends it)
+            company.close()
         if not keep:
             if booted:
                 sandbox.down()
