@@ -64,8 +64,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import ctypes
-import fnmatch
-import hashlib
 import json
 import re
 import shlex

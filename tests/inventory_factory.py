@@ -30,3 +30,13 @@ def write_inventory(
     (directory / f"{name}.py").write_text(f"nodes = {hosts!r}\n")
     (directory / "group_data" / f"{name}.py").write_text("".join(f"{k} = {v!r}\n" for k, v in merged.items()))
     return directory / f"{name}.py"
+
+
+def scenario_inventories(root: Path | None = None) -> list[str]:
+    """``inventories/NAME.py`` of every scenario inventory the offline tests plan as written:
+    not the sandbox's own, and not a company-network one (``corp-*``: its hosts are DNS names
+    that resolve only on its network; tests/test_company_network.py rehearses it, on a sandbox
+    network that serves them, and tests/test_addresses.py plans named hosts with a resolver)."""
+    top = root or Path(__file__).resolve().parents[1]
+    return sorted(f"inventories/{p.name}" for p in (top / "inventories").glob("*.py")
+                  if not p.name.startswith(("sandbox", "corp-")))

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import glob
 
 import pytest
 
 from k2fleet.cli import load_plan
 from k2fleet.planning.desired import health_argv
+from tests.inventory_factory import scenario_inventories
 
-SCENARIOS = sorted(p for p in glob.glob("inventories/*.py") if "sandbox" not in p)
+SCENARIOS = scenario_inventories()
 
 
 @pytest.mark.parametrize("inventory", SCENARIOS)

@@ -21,7 +21,7 @@ from k2fleet.planning.host_bootstrap import IB_UMAD_CONF, IMEX_NODES, BootstrapP
 from k2fleet.cli import load_plan, plan_document
 from k2fleet.inventory.spec import SpecError
 from k2sandbox.harness import tool
-from tests.inventory_factory import write_inventory
+from tests.inventory_factory import scenario_inventories, write_inventory
 
 ROOT = Path(__file__).resolve().parents[1]
 OSES = ("ubuntu-22.04", "ubuntu-24.04", "debian-12", "rhel-9")
@@ -270,7 +270,7 @@ def test_imex_lists_ip_addresses(tmp_path: Path) -> None:
 
 
 def test_every_seed_inventory_plans_a_bootstrap_per_host() -> None:
-    seeds = [p for p in sorted((ROOT / "inventories").glob("*.py")) if not p.name.startswith("sandbox")]
+    seeds = [ROOT / p for p in scenario_inventories()]
     assert len(seeds) >= 11  # the sandbox inventories read the running sandbox fleet: not seeds
     for inv in seeds:
         dep, plan = load_plan(inv)

@@ -19,7 +19,7 @@ from k2fleet.cli import load_plan
 from k2fleet.inventory.spec import SpecError
 from k2fleet.planning import capacity, catalog
 from k2sandbox.harness import tool
-from tests.inventory_factory import write_inventory
+from tests.inventory_factory import scenario_inventories, write_inventory
 
 REPO = Path(__file__).resolve().parent.parent
 SEED_TP8_TOKENS = 715_072
@@ -85,7 +85,7 @@ def test_plan_shows_the_prediction_as_text_and_json() -> None:
     assert {"kv_gib", "weights_gib", "non_expert_gib", "experts_gib", "kv_bytes_per_token", "fits"} <= set(serve)
 
 
-@pytest.mark.parametrize("inventory", sorted(p.name for p in (REPO / "inventories").glob("*.py") if "sandbox" not in p.name))
+@pytest.mark.parametrize("inventory", [p.split("/", 1)[1] for p in scenario_inventories()])
 def test_every_scenario_still_fits(inventory: str) -> None:
     dep, plan = load_plan(REPO / "inventories" / inventory)
     for cap in dep.capacity.values():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 
@@ -12,10 +11,11 @@ import yaml
 from k2fleet.cli import load_plan
 from k2fleet.planning.engine_flags import DATA, OWNED_FLAGS, check_engine_args, check_llm_api_config, has_table, known_flags
 from k2fleet.inventory.spec import SpecError
+from tests.inventory_factory import scenario_inventories
 
 ENTRY = {"vllm": "serve", "trtllm": "trtllm-serve", "sglang": "sglang.launch_server",
          "ktransformers": ("sglang.launch_server", "ktransformers.server.main")}
-SCENARIOS = sorted(p for p in glob.glob("inventories/*.py") if not os.path.basename(p).startswith("sandbox"))
+SCENARIOS = scenario_inventories()
 
 
 def _engine_words(argv: list[str]) -> list[str] | None:

@@ -4,9 +4,7 @@ stdlib server that serves vLLM-style metrics (bounded waits; everything stopped)
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -15,7 +13,6 @@ import time
 import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
@@ -26,8 +23,9 @@ from k2fleet.planning.dashboards import metric_names
 from k2fleet.planning.host_packages import required_packages
 from k2fleet.planning.metrics import DCGM_EXPORTER_PORT, NODE_EXPORTER_PORT, file_sd, prometheus_yml, scrape_targets
 from tests.test_firewall import nft_check
+from tests.inventory_factory import scenario_inventories
 
-SCENARIOS = sorted(p for p in glob.glob("inventories/*.py") if not os.path.basename(p).startswith("sandbox"))
+SCENARIOS = scenario_inventories()
 ON = ["k2_metrics=true", "k2_node_exporter=true", 'k2_metrics_scrapers=["10.9.0.5", "fd00:9::5"]']
 PROMTOOL = shutil.which("promtool")
 PROMETHEUS = shutil.which("prometheus")

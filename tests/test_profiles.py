@@ -3,9 +3,7 @@ flag tables (offline); the inventory's own flags win; the capacity check still h
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 
 import pytest
 import yaml
@@ -15,8 +13,9 @@ from k2fleet.inventory.spec import SpecError
 from k2fleet.planning import profiles
 from k2fleet.planning.engine_flags import check_llm_api_config, has_table, known_flags
 from tests.test_engine_flags import _engine_words
+from tests.inventory_factory import scenario_inventories
 
-SCENARIOS = sorted(p for p in glob.glob("inventories/*.py") if not os.path.basename(p).startswith("sandbox"))
+SCENARIOS = scenario_inventories()
 TUNED = [p for p in profiles.PROFILES if p != "default"]
 # every other pinned version with a flag table, on an inventory of its engine
 PINS = [("inventories/h200.py", "0.11.0"), ("inventories/h200.py", "0.10.0"),
