@@ -9,7 +9,9 @@
       → Hub client → checkpoint → services → health
 
 pyinfra runs this file once per host; every host gets the same operation sequence, so
-stages start in plan order across the fleet. ``k2fleet plan --json INVENTORY`` prints
+stages start in plan order across the fleet, and a rolling change's steps (one instance at a
+time, ``k2_rollout``) run in their order: each step's operations are on every host, gated
+to the step's hosts with ``_if``. ``k2fleet plan --json INVENTORY`` prints
 the same desired state.
 """
 
@@ -20,4 +22,5 @@ from k2fleet.deploy.pipeline import deploy_kimi
 
 run = fleet_run(state, inventory)
 deploy_kimi(run, run.desired[host.name], run.fact_of(host), reboots=run.reboots(inventory),
-            weights_wanted=run.weights_wanted(inventory), unsettled=run.unsettled(inventory))
+            weights_wanted=run.weights_wanted(inventory), unsettled=run.unsettled(inventory),
+            reboot_steps=run.reboot_steps(inventory), restart_steps=run.restart_steps(inventory))

@@ -58,9 +58,13 @@ def test_bare_host_gets_driver_then_fabric_at_its_version_holds_module_services_
     assert out.changed("h200-0") == ["health gate: /health 200 and a real chat completion"]  # the other host: settled
 
 
+@pytest.mark.parametrize("rollout", ["all-at-once", "rolling"])
 def test_branch_change_removes_the_old_branch_and_reboots_one_host_at_a_time(
-        tmp_path: Path, control_calls: list[str]) -> None:
-    dep, plan, desired = planned(str(H200), ("k2_driver_branch=590", "k2_reboot=rolling"))
+        tmp_path: Path, control_calls: list[str], rollout: str) -> None:
+    """``k2_reboot: rolling``: host by host under ``k2_rollout: all-at-once`` (then every engine
+    restarts in stage order); under ``rolling`` (the default) instance by instance, each
+    instance's health gate before the next one reboots, and no restart of every engine after."""
+    dep, plan, desired = planned(str(H200), ("k2_driver_branch=590", "k2_reboot=rolling", f"k2_rollout={rollout}"))
     facts = settled_fleet(dep, desired)
     for host in ("h200-0", "h200-1"):  # both run 580 (nvidia-open-580, held), module 580 loaded
         old = {"nvidia-open-580": "580.95.05-1", "nvidia-fabricmanager": "580.95.05-1", "libnvidia-nscq": "580.95.05-1",
@@ -74,11 +78,24 @@ def test_branch_change_removes_the_old_branch_and_reboots_one_host_at_a_time(
         line = " ".join(out.op(host, "install the GPU stack").commands)
         assert "install nvidia-driver-pinning-590 'nvidia-open=590.*' nvidia-open-580-" in line
         assert '"nvidia-fabricmanager=${v}*"' in line and "dpkg-query -W -f='${Version}' nvidia-open)" in line
-        reboot = out.op(host, "reboot (rolling): the loaded driver module changes")
-        assert reboot.changed and "systemctl reboot" in " ".join(reboot.commands)
         assert "load the GPU kernel module" not in out.changed(host)  # the reboot loads it
-        # the engine restarts in stage order after the reboots (units came back unordered at boot)
-        assert "stage 0: bring k2-vllm back up (its files changed or hosts rebooted)" in out.changed(host)
+        if rollout == "all-at-once":
+            reboot = out.op(host, "reboot (rolling): the loaded driver module changes")
+            assert reboot.changed and "systemctl reboot" in " ".join(reboot.commands)
+            # the engine restarts in stage order after the reboots (units came back unordered at boot)
+            assert "stage 0: bring k2-vllm back up (its files changed or hosts rebooted)" in out.changed(host)
+            continue
+        i = int(host[-1])
+        reboot = out.op(host, f"rolling reboot {i + 1}/2 (serve-{i}): reboot")
+        assert reboot.changed and "systemctl reboot" in " ".join(reboot.commands)
+        assert not out.op(host, f"rolling reboot {2 - i}/2 (serve-{1 - i}): reboot").changed  # not in the other step
+        assert f"rolling reboot {i + 1}/2 (serve-{i}): health gate of serve-{i}: /health 200 and a real chat " \
+               "completion" in out.changed(host)
+        assert "stage 0: bring k2-vllm back up (its files changed or hosts rebooted)" not in out.changed(host)
+    if rollout == "rolling":  # the second instance reboots after the first one's health gate
+        ran = [(h, n) for h, n in out.timeline if n.startswith("rolling reboot") and out.ops[h][n].changed]
+        assert [(h, n.split(": ", 1)[1][:6]) for h, n in ran] == [
+            ("h200-0", "reboot"), ("h200-0", "health"), ("h200-1", "reboot"), ("h200-1", "health")], ran
 
 
 def test_never_stops_before_any_change_naming_every_host(tmp_path: Path, control_calls: list[str]) -> None:

@@ -42,6 +42,7 @@ from k2fleet.cli import load_plan
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.desired import CHECKPOINT_CHECK, UNIT_GLOB, ControlArtifacts, HostDesired, desired_state
 from k2fleet.planning.host_actions import host_actions
+from k2fleet.planning.host_actions import reboot_steps, restart_steps
 from k2fleet.planning.host_archive import host_argv
 from k2fleet.planning.processes import Plan
 from k2fleet.planning.host_fact import HostReport
@@ -133,6 +134,7 @@ class Outcome:
     ops: dict[str, dict[str, Op]]  # host → operation name (without the deploy prefix) → Op
     planned_unconditional: dict[str, list[str]]  # host → ops with prepare-time commands and no _if
     control_calls: list[str] = field(default_factory=list)
+    timeline: list[tuple[str, str]] = field(default_factory=list)  # (host, operation) as they started, fleet-wide
 
     def changed(self, host: str) -> list[str]:
         return [name for name, op in self.ops[host].items() if op.changed]
@@ -151,9 +153,11 @@ class _Trace(BaseStateCallback):
 
     def __init__(self) -> None:
         self.starts: dict[Any, list[tuple[str, int]]] = {}
+        self.timeline: list[tuple[Any, str]] = []
 
     def operation_host_start(self, state: State, host: Any, op_hash: str) -> None:  # type: ignore[override]
         self.starts.setdefault(host, []).append((op_hash, len(host.connector.executed_commands)))
+        self.timeline.append((host, op_hash))
 
 
 def _record_uploads(connector: Any) -> None:
@@ -199,6 +203,8 @@ def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], fact
         for ws in dep.weight_sets:
             if d.fanout and d.fanout.loads_weights and not facts[name].passed(ws.check):
                 weights_wanted.setdefault(ws.check, []).append(name)
+    rolling_reboots = reboot_steps(desired, facts, reboots)
+    restarts = restart_steps(desired, facts, bool(reboots) and not rolling_reboots)
     unsettled = None if every_role else {name: a.describe() for name, d in desired.items()
                                          if not (a := host_actions(d, facts[name])).settled}
     hosts = [(f"@fake/{name}", {"ssh_hostname": d.address, "fake_delay": 0, "fake_delay_jitter": 0})
@@ -214,7 +220,8 @@ def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], fact
         from pyinfra import host
 
         mine = run.desired[host.name.removeprefix("@fake/")]
-        deploy_kimi(run, mine, facts[mine.name], reboots=reboots, weights_wanted=weights_wanted, unsettled=unsettled)
+        deploy_kimi(run, mine, facts[mine.name], reboots=reboots, weights_wanted=weights_wanted, unsettled=unsettled,
+                    reboot_steps=rolling_reboots, restart_steps=restarts)
 
     add_deploy(state, pipeline)
 
@@ -243,7 +250,8 @@ def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], fact
             op_name = _name(state, op_hash)
             assert op_name not in ops[name], f"two operations named {op_name!r} on {name}"
             ops[name][op_name] = Op(op_name, meta.did_change(), sliced.get(op_hash, []))
-    return Outcome(ops=ops, planned_unconditional=unconditional, control_calls=list(control_calls))
+    timeline = [(h.name.removeprefix("@fake/"), _name(state, op_hash)) for h, op_hash in trace.timeline]
+    return Outcome(ops=ops, planned_unconditional=unconditional, control_calls=list(control_calls), timeline=timeline)
 
 
 def _name(state: State, op_hash: str) -> str:
@@ -313,20 +321,29 @@ def test_harness_sees_one_stale_digest(tmp_path: Path, control_calls: list[str])
     assert out.op("h200-0", "health gate").changed  # any change in the fleet re-runs every gate
 
 
-def test_changed_engine_flag_restarts_only_the_engine(tmp_path: Path, control_calls: list[str]) -> None:
-    dep0, _, before = planned(str(H200))
-    dep, plan, desired = planned(str(H200), (ENGINE_FLAG,))
+@pytest.mark.parametrize("rollout", ["all-at-once", "rolling"])
+def test_changed_engine_flag_restarts_only_the_engine(tmp_path: Path, control_calls: list[str], rollout: str) -> None:
+    """Both replicas restart: together under all-at-once; under rolling (the default), one
+    instance per step, each step's health gate before the next (tests/test_rollout.py: the order)."""
+    mode = (f"k2_rollout={rollout}",)
+    dep0, _, before = planned(str(H200), mode)
+    dep, plan, desired = planned(str(H200), (ENGINE_FLAG, *mode))
     facts = settled_fleet(dep0, before)  # the hosts hold the plan without the flag
     out = run_roles(dep, plan, desired, facts, tmp_path, control_calls)
-    for host in ("h200-0", "h200-1"):
+    for i, host in enumerate(("h200-0", "h200-1")):
         old, new = digests(before[host]), digests(desired[host])
         differ = sorted(p for p in new if old.get(p) != new[p])
         assert differ == ["/etc/systemd/system/k2-vllm.service"]
         assert "--max-num-seqs 64" in desired[host].service_files["k2-vllm"][differ[0]].content.decode()
-        assert out.changed(host) == ["unit, env and config of k2-vllm", "reload systemd units",
-                                     "stage 0: stop k2-vllm (its files changed or hosts rebooted)",
-                                     "stage 0: bring k2-vllm back up (its files changed or hosts rebooted)",
-                                     "health gate: /health 200 and a real chat completion"]
+        if rollout == "all-at-once":
+            restart = ["stage 0: stop k2-vllm (its files changed or hosts rebooted)",
+                       "stage 0: bring k2-vllm back up (its files changed or hosts rebooted)"]
+        else:
+            tag = f"rolling {i + 1}/2 (serve-{i})"
+            restart = [f"{tag}: stop k2-vllm (stage 0)", f"{tag}: start k2-vllm (stage 0)",
+                       f"{tag}: health gate of serve-{i}: /health 200 and a real chat completion"]
+        assert out.changed(host) == ["unit, env and config of k2-vllm", "reload systemd units", *restart,
+                                     "health gate: /health 200 and a real chat completion"], out.changed(host)
         uploads = [c for c in out.op(host, "unit, env and config of k2-vllm").commands if c.startswith("<upload>")]
         assert uploads == ["<upload> /etc/systemd/system/k2-vllm.service"]
         restarts = [c for c in out.commands(host) if c.startswith(("systemctl stop", "systemctl start"))]

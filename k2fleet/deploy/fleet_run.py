@@ -26,6 +26,8 @@ from k2fleet.control import ControlError
 from k2fleet.control.artifacts import prepare_control_artifacts, read_control_artifacts, relay_secret_path, state_dir
 from k2fleet.planning.host_actions import host_actions
 from k2fleet.planning.host_bootstrap import reboot_reason
+from k2fleet.planning.host_actions import reboot_steps, restart_steps
+from k2fleet.planning.rollout import Step
 from k2fleet.control.checkpoint_copy import ControlRelay
 from k2fleet.deploy.facts import HostState
 from k2fleet.planning.host_fact import HostReport
@@ -102,6 +104,23 @@ class FleetRun:
             if not actions.settled:
                 out[h.name] = actions.describe()
         return out
+
+    def reboot_steps(self, inventory: Any) -> list[Step]:
+        """The bootstrap's rolling reboots, instance by instance (``k2_reboot: rolling`` under
+        ``k2_rollout: rolling``; :func:`~k2fleet.planning.host_actions.reboot_steps`); empty otherwise."""
+        return self._fleet_view("reboot_steps", lambda: reboot_steps(
+            self.desired, {h.name: self.fact_of(h) for h in inventory}, self.reboots(inventory)))
+
+    def restart_all(self, inventory: Any) -> bool:
+        """Restart every running unit in stage order after the bootstrap: hosts rebooted at once
+        or host by host (units came back at boot in no order); not after instance-by-instance
+        reboots, whose steps restarted and health-gated each instance."""
+        return bool(self.reboots(inventory)) and not self.reboot_steps(inventory)
+
+    def restart_steps(self, inventory: Any) -> list[Step]:
+        """This run's restarts of running units, as steps (:func:`~k2fleet.planning.host_actions.restart_steps`)."""
+        return self._fleet_view("restart_steps", lambda: restart_steps(
+            self.desired, {h.name: self.fact_of(h) for h in inventory}, self.restart_all(inventory)))
 
     def reboots(self, inventory: Any) -> dict[str, str]:
         """Host → why it reboots in this run's bootstrap (planning time; every host's fact)."""

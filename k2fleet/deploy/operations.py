@@ -15,7 +15,8 @@ from pyinfra import host
 from pyinfra.api import FileUploadCommand, FunctionCommand, StringCommand, operation
 from pyinfra.connectors.util import clear_askpass_cache
 
-from k2fleet.planning.desired import FileSpec
+from k2fleet.planning.desired import FileSpec, HostDesired
+from k2fleet.planning.rollout import Step
 from k2fleet.planning.quoting import shell_line, shell_word
 
 
@@ -148,3 +149,43 @@ def rebooted(reason: str, reboot_timeout: float = 600, interval: float = 1.0):
             time.sleep(interval)
 
     yield FunctionCommand(wait_until_back, (), {})
+
+
+def rolling_step(desired: HostDesired, step: Step, tag: str, tracked: list, reason: str = "",
+                 reboot_timeout: float = 600) -> None:
+    """One step of a rolling change (:mod:`k2fleet.planning.rollout`), the same operations on
+    every host, each restricted to the step's hosts with ``_if``: drain the instance at the
+    load balancer (on its host; ``lbctl`` waits, capped, for its requests in flight), reboot
+    the step's hosts (``step.reboot``, with ``reason``), stop its units (reverse stage order),
+    start them (stage order), its health gate (the hosts of ``step.gate``), put it back at
+    the load balancer (``lbctl`` waits until the health checks see it UP). Start and reboot
+    operations are appended to ``tracked`` (they re-run the final health gate).
+
+    **Example:**
+
+    .. code:: python
+
+        for k, step in enumerate(steps, 1):
+            rolling_step(desired, step, f"rolling {k}/{len(steps)} ({step.instance})", run.tracked)
+    """
+    lb = desired.rollout.balancer
+    me = desired.name
+    mine = set(step.units.get(me, ()))
+    if step.server and lb:
+        command(name=f"{tag}: drain {step.server} at the load balancer (its requests in flight finish)",
+                argv=lb.argv("drain", step.server) if me == lb.host else ["true"], _if=lambda: me == lb.host)
+    if step.reboot:
+        tracked.append(rebooted(name=f"{tag}: reboot (the loaded driver module changes)", reason=reason,
+                                reboot_timeout=reboot_timeout, _if=lambda: me in step.reboot))
+    for stage, name in reversed(desired.slots):
+        command(name=f"{tag}: stop {name} (stage {stage})", argv=["systemctl", "stop", f"{name}.service"],
+                _if=lambda slot=(stage, name): slot in mine)
+    for stage, name in desired.slots:
+        tracked.append(command(name=f"{tag}: start {name} (stage {stage})", argv=start_or_explain(f"{name}.service"),
+                               _if=lambda slot=(stage, name): slot in mine))
+    gate = me in step.gate and desired.health_argv is not None
+    command(name=f"{tag}: health gate of {step.instance}: /health 200 and a real chat completion",
+            argv=desired.health_argv if gate and desired.health_argv else ["true"], _if=lambda: gate)
+    if step.server and lb:
+        command(name=f"{tag}: put {step.server} back at the load balancer (UP in its health checks)",
+                argv=lb.argv("ready", step.server) if me == lb.host else ["true"], _if=lambda: me == lb.host)

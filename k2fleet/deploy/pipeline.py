@@ -18,6 +18,7 @@ from k2fleet.deploy.fleet_run import FleetRun, side_channel
 from k2fleet.deploy.roles import (bootstrap, checkpoint, engine, firewall, health_gate, hub_client, mesh, packages,
                                   preflight, services)
 from k2fleet.planning.firewall import rules_path
+from k2fleet.planning.rollout import Step
 
 
 class RebootRefused(Exception):
@@ -25,7 +26,8 @@ class RebootRefused(Exception):
 
 
 def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: dict[str, str],
-                weights_wanted: dict[str, list[str]], unsettled: dict[str, str] | None = None) -> None:
+                weights_wanted: dict[str, list[str]], unsettled: dict[str, str] | None = None,
+                reboot_steps: list[Step] | None = None, restart_steps: list[Step] | None = None) -> None:
     """Carry out one host's desired state: preflight → packages → bootstrap → firewall → SSH mesh →
     engine → Hub client → checkpoint → services → health gate (→ the mesh stopped, under
     ``k2_mesh_after_deploy: stop``).
@@ -41,6 +43,13 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
     + unsettled: host → what differs from its desired state (every host's, from
       :meth:`~k2fleet.deploy.fleet_run.FleetRun.unsettled`); empty: the fleet is settled, the host is
       checked (preflight, no operation) and nothing else is planned. None: not computed (plan every role)
+    + reboot_steps: the bootstrap's instance-by-instance reboots (every host's, from
+      :meth:`~k2fleet.deploy.fleet_run.FleetRun.reboot_steps`; ``k2_reboot: rolling`` under ``k2_rollout:
+      rolling``); with them, the services are not all restarted after the reboots (each step restarted
+      and health-gated its instance). None or empty: reboots as before
+    + restart_steps: the restarts of running units (every host's, from
+      :meth:`~k2fleet.deploy.fleet_run.FleetRun.restart_steps`): instance by instance under ``k2_rollout:
+      rolling``. None: every restart at once
 
     **Example:**
 
@@ -49,7 +58,8 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
         run = fleet_run(state, inventory)
         mine = run.desired[host.name]
         deploy_kimi(run, run.desired[host.name], run.fact_of(host), reboots=run.reboots(inventory),
-                    weights_wanted=run.weights_wanted(inventory), unsettled=run.unsettled(inventory))
+                    weights_wanted=run.weights_wanted(inventory), unsettled=run.unsettled(inventory),
+                    reboot_steps=run.reboot_steps(inventory), restart_steps=run.restart_steps(inventory))
     """
     dep = run.dep
     if reboots and dep.s.reboot == "never":
@@ -68,7 +78,7 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
     if plan is not None:
         bootstrap.bring_up(plan, fact, desired.files.get("bootstrap", {}), desired.gpu_gate or [],
                            bundle_apt_options() if dep.s.package_source == "bundle" else "",
-                           reboots.get(desired.name), run.tracked)
+                           reboots.get(desired.name), run.tracked, steps=reboot_steps, desired=desired)
     firewall.configure(desired, fact, run.tracked, rules_path=rules_path(dep))
     mesh.configure(desired, fact, run.tracked)
     engine.install(desired, fact, run.tracked)
@@ -76,6 +86,6 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
     checkpoint.ensure(dep, desired, fact, run.tracked, log_file=str(run.state_dir / "checkpoint-transfers.jsonl"),
                       control_relay=run.control_relay, fleet_wanted=weights_wanted,
                       side_channel=side_channel(host.data, host.name), xet_disabled=run.xet_disabled)
-    services.start(desired, fact, run.tracked, restart_all=bool(reboots))
+    services.start(desired, fact, run.tracked, restart_all=bool(reboots) and not reboot_steps, steps=restart_steps)
     health_gate.gate(desired, fact, changed=run.fleet_changed)
     mesh.rest(desired, fact)

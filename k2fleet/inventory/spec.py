@@ -1075,6 +1075,33 @@ class HostSettings(BaseModel):
         default="keep",
     )
     health_timeout: PosInt = _key(FLEET, "Seconds to wait for a real completion before failing.", default=3600)
+    # --- rolling changes -------------------------------------------------------------
+    rollout: Literal["rolling", "all-at-once"] = _key(
+        FLEET,
+        "How a change restarts serving instances that are running: `rolling` (default: one instance at a time "
+        "— drained at `k2_load_balancer` when there is one, restarted, health-gated, put back — while the "
+        "others keep serving; under `k2_reboot: rolling` driver reboots go instance by instance too) or "
+        "`all-at-once` (every changed instance restarts together: faster, with an outage).",
+        default="rolling",
+    )
+    load_balancer: HostName | None = _key(
+        FLEET,
+        "Inventory host that runs k2fleet's load balancer in front of the `serve` replicas (`k2-lb.service`: "
+        "HAProxy from the OS package, health checks on the engines' health path, drained through its "
+        "root-only admin socket during a rolling change), listening on that host's bind address and "
+        "`k2_load_balancer_port`. Default: none (clients call the replicas themselves). Not with PD roles "
+        "(the SGLang router balances) or `slurm-submit`.",
+        default=None,
+    )
+    load_balancer_port: Port = _key(
+        FLEET, "Port of `k2_load_balancer` (the replicas' endpoint clients call).", default=8080
+    )
+    drain_timeout: PosInt = _key(
+        FLEET,
+        "Rolling change: seconds to wait, at most, for a drained replica's requests in flight to finish at the "
+        "load balancer before its units restart anyway (an LLM stream can run for minutes).",
+        default=300,
+    )
     # --- topology ------------------------------------------------------------------
     role: Role = _key(
         POOL,

@@ -76,7 +76,8 @@ def keys_file(key: str) -> bytes:
     return f"Bearer {key}\n".encode()
 
 
-def _address(host: str, port: int) -> str:
+def address(host: str, port: int) -> str:
+    """``host:port`` as HAProxy (and a URL) writes it: an IPv6 literal in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
@@ -101,7 +102,7 @@ def config(bind_host: str, port: int, backend_port: int, keys: str, engine: str 
         f"{timeouts}"
         "\n"
         "frontend k2-api\n"
-        f"    bind {_address(bind_host, port)}\n"
+        f"    bind {address(bind_host, port)}\n"
         f"    maxconn {MAXCONN}\n"
         f"    acl open_path path {open_paths}\n"
         "    acl open_method method GET HEAD\n"
@@ -111,15 +112,18 @@ def config(bind_host: str, port: int, backend_port: int, keys: str, engine: str 
         "    default_backend engine\n"
         "\n"
         "backend engine\n"
-        f"    server engine {_address(LOOPBACK, backend_port)}\n"
+        f"    server engine {address(LOOPBACK, backend_port)}\n"
     )
 
 
-def unit_file(dep: Deployment, svc: Service, env_file: str) -> str:
-    """``k2-api-front.service``: HAProxy in master-worker mode under systemd (``-Ws``,
-    ``Type=notify``, as the package's own unit), its config checked before start and
-    reload (``systemctl reload``: new workers, streams in flight finish on the old ones)."""
-    path = config_path(dep)
+def unit_file(dep: Deployment, svc: Service, env_file: str, path: str | None = None,
+              runtime_dir: str | None = None) -> str:
+    """``k2-api-front.service`` (and the load balancer's ``k2-lb.service``, with its config
+    ``path`` and a root-only ``runtime_dir`` under /run for its admin socket): HAProxy in
+    master-worker mode under systemd (``-Ws``, ``Type=notify``, as the package's own unit),
+    its config checked before start and reload (``systemctl reload``: new workers, streams in
+    flight finish on the old ones)."""
+    path = path or config_path(dep)
     check = [HAPROXY, "-c", "-q", "-f", path]
     return "\n".join([
         "# Rendered by k2fleet from the fleet plan; edits are overwritten.",
@@ -135,6 +139,7 @@ def unit_file(dep: Deployment, svc: Service, env_file: str) -> str:
         f"ExecStart={systemd_exec(svc.argv)}",
         f"ExecReload={systemd_exec(check)}",
         "ExecReload=/bin/kill -USR2 $MAINPID",
+        *([f"RuntimeDirectory={runtime_dir}", "RuntimeDirectoryMode=0700"] if runtime_dir else []),
         "KillMode=mixed",
         "SuccessExitStatus=143",
         "Restart=on-failure",
@@ -180,7 +185,7 @@ def add_fronts(dep: Deployment, plan: Plan) -> None:
             bind = svc.argv[h]
             svc.argv[h], svc.argv[p] = LOOPBACK, str(backend)
             svc.ports[BACKEND_KEY] = backend
-            what = f"{svc.name} on {_address(LOOPBACK, backend)}"
+            what = f"{svc.name} on {address(LOOPBACK, backend)}"
             host.services.append(Service(
                 name=FRONT,
                 argv=[HAPROXY, "-Ws", "-f", config_path(dep)],
@@ -189,6 +194,6 @@ def add_fronts(dep: Deployment, plan: Plan) -> None:
                 stage=svc.stage,
                 role=svc.role,
                 needs_checkpoint=False,
-                description=f"HAProxy API front on {_address(bind, port)} (Authorization: Bearer, "
+                description=f"HAProxy API front on {address(bind, port)} (Authorization: Bearer, "
                             f"key in {keys_path(dep)}) for {what}",
             ))

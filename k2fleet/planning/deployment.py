@@ -634,6 +634,24 @@ def _check_api_key(fleet: Fleet) -> None:
                     f"to put the authenticating front before ({catalog.API_KEY_FRONTED['trtllm']})", fleet)
 
 
+def _check_load_balancer(fleet: Fleet) -> None:
+    """``k2_load_balancer`` names a host of this inventory, in a fleet of ``serve`` replicas
+    (PD's router balances its own pools; a Slurm submit host's servers are not k2fleet's)."""
+    lb = fleet.settings.load_balancer
+    if lb is None:
+        return
+    names = [h.name for h in fleet.hosts]
+    if lb not in names:
+        raise _fail("k2_load_balancer", f"{lb!r} is not a host of this inventory ({', '.join(names)}); name the "
+                    "host that runs the load balancer, or leave k2_load_balancer unset", fleet)
+    other = sorted(set(fleet.pools) - {"serve"})
+    if other:
+        why = ("the SGLang PD router already balances the prefill and decode servers" if "router" in other else
+               "the TRT-LLM servers run in SLURM jobs on nodes k2fleet does not configure")
+        raise _fail("k2_load_balancer", f"balances `serve` replicas only, and this fleet has role {', '.join(other)}: "
+                    f"{why}; leave k2_load_balancer unset", fleet)
+
+
 def _check_venv_python(fleet: Fleet, engine: str, version: str, runtime: str) -> None:
     """A venv engine is installed with the host OS's venv interpreter (its OS table's): it
     must be one the engine's release installs on (its Requires-Python)."""
@@ -911,6 +929,7 @@ def resolve(fleet: Fleet) -> Deployment:
     _check_fetcher(fleet)
     _check_bundle(fleet)
     _check_api_key(fleet)
+    _check_load_balancer(fleet)
     _check_metrics(fleet)
     _check_ip_addresses(fleet)
     _check_venv_python(fleet, s.engine, version, runtime)

@@ -26,7 +26,8 @@ from typing import Any
 
 from k2fleet.planning.host_archive import ARCHIVE as HOST_ARCHIVE, archive_bytes, host_argv
 from k2fleet.planning.engine_side import HOST_ARCH, engine_side_requirements as venv_side_requirements, host_python, requirement_version
-from k2fleet.planning import api_front, mesh_config
+from k2fleet.planning import api_front, load_balancer, mesh_config
+from k2fleet.planning.rollout import INSTANCE_ROLES, Balancer, Instance, Rollout
 from k2fleet.planning import host_bootstrap as bootstrap
 from k2fleet.planning.host_bootstrap import BootstrapPlan, bootstrap_plan
 from k2fleet.planning.os_tables import OS_TABLES
@@ -192,6 +193,7 @@ class HostDesired:
     device_doubles: tuple[str, ...] = ()
     firewall: fleet_firewall.HostFirewall | None = None  # k2fleet's nftables table (None: none on this host)
     api_key_services: list[str] = field(default_factory=list)  # services that read the API key (restart with it)
+    rollout: Rollout = field(default_factory=Rollout)  # the fleet's instances, k2_rollout, its load balancer
 
     def all_paths(self) -> list[str]:
         paths = {p for files in self.files.values() for p in files}
@@ -621,6 +623,28 @@ def fanout_plan(dep: Deployment, plan: Plan) -> relay_plan.FanoutPlan:
     return relay_plan.plan_fanout(names, shared_storage=dep.s.shared_storage, root=None if fetcher == "control" else fetcher)
 
 
+def fleet_rollout(dep: Deployment, plan: Plan) -> Rollout:
+    """The fleet's engine instances in inventory order (``ROLE-INDEX``, hosts head first, the
+    ``serve`` ones' server names at the load balancer), ``k2_rollout`` and the load balancer
+    (:mod:`k2fleet.planning.rollout`)."""
+    servers = {s.name for s in load_balancer.servers(dep, plan)} if load_balancer.balanced(dep) else set()
+    instances = []
+    for role in INSTANCE_ROLES:
+        pool = dep.pools.get(role)
+        for i, hosts in enumerate(pool.instances if pool else []):
+            names = tuple(h.name for h in hosts)
+            server = next((n for n in names if n in servers), None) if role == "serve" else None
+            instances.append(Instance(f"{role}-{i}", names, server))
+    balancer = None
+    reloads: dict[str, tuple[str, ...]] = {}
+    if load_balancer.balanced(dep):
+        balancer = Balancer(host=str(dep.s.load_balancer), unit=load_balancer.UNIT, socket=load_balancer.SOCKET,
+                            backend=load_balancer.BACKEND, drain_timeout=dep.s.drain_timeout,
+                            ready_timeout=load_balancer.READY_TIMEOUT_S)
+        reloads[load_balancer.LB] = (load_balancer.config_path(dep),)  # new backends: a reload, streams go on
+    return Rollout(mode=dep.s.rollout, instances=tuple(instances), balancer=balancer, reloads=reloads)
+
+
 def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[str, HostDesired]:
     """One :class:`HostDesired` per host, in inventory order (pure)."""
     slots = sorted({(svc.stage, svc.name) for _, svc in plan.services()})
@@ -633,10 +657,12 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
               for real in (False, True)}
     meshes = mesh_files(dep, plan, art)
     pd = pd_servers(plan)
+    rollout = fleet_rollout(dep, plan)
     out: dict[str, HostDesired] = {}
     for h in dep.fleet.hosts:
         hp = plan.hosts[h.name]
-        d = HostDesired(name=h.name, address=h.address, slots=slots, bootstrap=host_bootstrap(dep, hp, h))
+        d = HostDesired(name=h.name, address=h.address, slots=slots, bootstrap=host_bootstrap(dep, hp, h),
+                        rollout=rollout)
         d.files["bootstrap"] = bootstrap_files(d.bootstrap)
         d.files["package_sources"] = package_source_files(dep, d.bootstrap, art)
         d.files["mesh"] = meshes[h.name]
@@ -656,6 +682,8 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         d.service_files = {svc.name: service_files(dep, svc, d.image if container_name(svc) else None)
                            for svc in hp.services}
         d.files["api_key"] = api_key_files(dep, hp, art)
+        if rollout.balancer and rollout.balancer.host == h.name and HOST_ARCHIVE not in d.all_paths():
+            d.files["host"] |= host_archive_files()  # lbctl drives the load balancer from the host archive
         d.api_key_services = [svc.name for svc in hp.services if holds_api_key(dep, svc)]
         d.own_slots = sorted((svc.stage, svc.name) for svc in hp.services)
         d.mesh_between_deploys = on_mesh(plan, h.name) and dep.s.mesh_after_deploy == "keep"

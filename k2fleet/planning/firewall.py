@@ -62,7 +62,7 @@ EPHEMERAL = (32768, 60999)  # Linux's default net.ipv4.ip_local_port_range
 RAY_CLIENT_AND_WORKERS = (10001, 19999)  # ray start: --ray-client-server-port 10001, --min/--max-worker-port 10002-19999
 RAY_DASHBOARD = 8265
 SGLANG_NCCL_WINDOW = (100, 1100)  # SGLang picks its NCCL/torch store port at API + randint(100, 1000), stepping by 42
-API_KEYS = ("k2_port", "k2_router_port")
+API_KEYS = ("k2_port", "k2_router_port", "k2_load_balancer_port")  # the API: k2_api_clients
 PORT_WHAT = {
     "k2_ray_port": "Ray GCS",
     "k2_master_port": "torch distributed store (--master-port)",

@@ -7,6 +7,10 @@ the bootstrap's pending and obsolete packages and its reboot, stale units to rem
 units to start or enable, packages to hold, checks that fail (GPU gate, checkpoint, image pin, Hub client, engine-side
 wheels, health) and paths that must exist. A host with none is *settled*.
 
+Over the whole fleet's facts, :func:`restart_steps` and :func:`reboot_steps` decide which
+running instances restart (or reboot) in this run and in what order: instance by instance
+under ``k2_rollout: rolling`` (:mod:`k2fleet.planning.rollout`).
+
 The roles carry out the differences; when every host of the fleet is settled the deploy
 plans no operation at all (``deploys/kimi.py``), so a no-op re-run costs the fact and
 nothing else. The decision is conservative: anything the fact cannot prove (a control
@@ -32,6 +36,7 @@ from k2fleet.planning import host_bootstrap as bootstrap
 from k2fleet.planning.desired import UNIT_GLOB, HostDesired
 from k2fleet.planning.host_fact import HostReport
 from k2fleet.planning.mesh_config import UNIT as MESH_UNIT
+from k2fleet.planning.rollout import Instance, Step
 
 
 @dataclass(frozen=True)
@@ -98,3 +103,96 @@ def host_actions(desired: HostDesired, fact: HostReport) -> HostActions:
         missing=tuple(p for p in desired.exists if not fact.exists.get(p)),
         remove=tuple(p for p in desired.absent if fact.exists.get(p)),
     )
+
+
+# --------------------------------------------------------------------------- rolling changes
+
+
+def _differs(files: dict, fact: HostReport) -> bool:
+    return any(spec.content is None or fact.files.get(path) != spec.sha256 for path, spec in files.items())
+
+
+def restarting(d: HostDesired, fact: HostReport, restart_all: bool = False) -> tuple[tuple[int, str], ...]:
+    """This host's running (stage, service) slots whose files changed (its unit, environment
+    or config files; the API key for the services that read it), every running one under
+    ``restart_all``; never a service that only reloads (the load balancer's config)."""
+    key_changed = _differs(d.files.get("api_key", {}), fact)
+    out = []
+    for stage, name in d.own_slots:
+        if not fact.unit_active(f"{name}.service"):
+            continue
+        files = d.service_files.get(name, {})
+        reload_only = set(d.rollout.reloads.get(name, ()))
+        own = _differs({p: s for p, s in files.items() if p not in reload_only}, fact)
+        if restart_all or own or (name in d.api_key_services and key_changed):
+            out.append((stage, name))
+    return tuple(out)
+
+
+def _server(d: HostDesired, facts: dict[str, HostReport], instance: Instance) -> str | None:
+    """The instance's server at the load balancer, when one runs there (the fact saw its unit
+    active: a load balancer this run starts has no traffic to keep)."""
+    lb = d.rollout.balancer
+    if lb is None or instance.server is None or lb.host not in facts or not facts[lb.host].unit_active(lb.unit):
+        return None
+    return instance.server
+
+
+def restart_steps(desired: dict[str, HostDesired], facts: dict[str, HostReport],
+                  restart_all: bool = False) -> list[Step]:
+    """The restarts of this run as steps (see the module doc): under ``rolling``, one per
+    instance with a restarting unit, in instance order; under ``all-at-once``, one step with
+    every restarting unit of the fleet (today's behaviour), or none."""
+    some = next(iter(desired.values()), None)
+    if some is None:
+        return []
+    units = {h: r for h, d in desired.items() if (r := restarting(d, facts[h], restart_all))}
+    if not units:
+        return []
+    if some.rollout.mode != "rolling":
+        return [Step(None, units)]
+    steps = []
+    for instance in some.rollout.instances:
+        mine = {h: units[h] for h in instance.hosts if h in units}
+        if mine:
+            gate = tuple(h for h in instance.hosts if desired[h].health_argv is not None)
+            steps.append(Step(instance.name, mine, _server(some, facts, instance), gate))
+    return steps
+
+
+def rolled(steps: list[Step]) -> set[tuple[str, int, str]]:
+    """(host, stage, service) of every unit a rolling step restarts (the others restart at once)."""
+    return {(h, *slot) for s in steps if s.instance is not None for h, slots in s.units.items() for slot in slots}
+
+
+def reboot_steps(desired: dict[str, HostDesired], facts: dict[str, HostReport], reboots: dict[str, str]) -> list[Step]:
+    """``k2_reboot: rolling`` under ``k2_rollout: rolling``: the hosts to reboot, instance by
+    instance (all hosts of one instance at once), each instance that was serving drained
+    before and health-gated after (its running units restarted in stage order first when it
+    spans several hosts: they came back at boot in no order); hosts outside any instance one
+    by one after them; the load balancer's own host's instance last. Empty otherwise (the
+    bootstrap reboots as before: all at once, or host by host under ``rolling``)."""
+    some = next(iter(desired.values()), None)
+    if some is None or not reboots or some.rollout.mode != "rolling" or some.bootstrap is None \
+            or some.bootstrap.reboot != "rolling":
+        return []
+    lb = some.rollout.balancer
+    order = sorted(some.rollout.instances, key=lambda i: bool(lb and lb.host in i.hosts))
+    steps = []
+    covered: set[str] = set()
+    for instance in order:
+        covered |= set(instance.hosts)
+        hosts = tuple(h for h in instance.hosts if h in reboots)
+        if not hosts:
+            continue
+        running = {h: tuple(s for s in desired[h].own_slots if facts[h].unit_active(f"{s[1]}.service")
+                            and s[1] not in some.rollout.reloads) for h in instance.hosts}
+        running = {h: r for h, r in running.items() if r}
+        serving = bool(running)
+        restart = running if serving and len(instance.hosts) > 1 else {}
+        gate = tuple(h for h in instance.hosts if desired[h].health_argv is not None) if serving else ()
+        steps.append(Step(instance.name, restart, _server(some, facts, instance) if serving else None, gate, hosts))
+    for host in desired:
+        if host in reboots and host not in covered:
+            steps.append(Step(host, {}, None, (), (host,)))
+    return steps

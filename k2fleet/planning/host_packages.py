@@ -5,6 +5,7 @@ from __future__ import annotations
 from k2fleet.planning.engine_side import engine_side_requirements as venv_side_requirements
 from k2fleet.planning.os_tables import OS_TABLES, host_os
 from k2fleet.planning.api_front import has_front
+from k2fleet.planning.load_balancer import LB
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.firewall import PACKAGE as FIREWALL_PACKAGE, host_firewall
 from k2fleet.planning.processes import HostPlan
@@ -32,7 +33,8 @@ def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool) -> list[
     if dep.runtime == "venv" or dep.s.checkpoint_fetcher == host_plan.name or engine_side:
         entry = next(h for h in dep.fleet.hosts if h.name == host_plan.name)
         needed |= set(OS_TABLES[host_os(entry)].venv_packages)
-    if has_front(host_plan):  # HAProxy runs k2fleet's API front (k2fleet.planning.api_front)
+    if has_front(host_plan) or any(s.name == LB for s in host_plan.services):  # HAProxy runs k2fleet's API front
+        # (k2fleet.planning.api_front) and the replicas' load balancer (k2fleet.planning.load_balancer)
         entry = next(h for h in dep.fleet.hosts if h.name == host_plan.name)
         needed.add(OS_TABLES[host_os(entry)].haproxy)
     if dep.s.metrics and dep.s.node_exporter:  # the OS's exporter and its own unit (validate refused OSes without it)

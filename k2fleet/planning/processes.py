@@ -90,7 +90,11 @@ class Plan:
         return sorted({s.stage for _, s in self.services()})
 
     def endpoint(self) -> tuple[str, int] | None:
-        """The address clients use: the router if any, else the first healthy service."""
+        """The address clients use: the replicas' load balancer if any (``k2_load_balancer``),
+        else the router, else the first healthy service."""
+        for host, svc in self.services():
+            if "k2_load_balancer_port" in svc.ports:
+                return host.address, svc.ports["k2_load_balancer_port"]
         for host, svc in self.services():
             if svc.role == "router" and svc.health:
                 return host.address, svc.health.port

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from k2fleet.planning import api_front
+from k2fleet.planning import api_front, load_balancer
 from k2fleet.planning.catalog import API_KEY_ENV
 from k2fleet.planning.deployment import Deployment, WeightSet
 from k2fleet.planning.host_archive import host_argv
@@ -97,6 +97,8 @@ def unit_file(dep: Deployment, svc: Service, image_id: str | None = None) -> str
     reference is pinned to (the unit refuses to start any other)."""
     if svc.name == api_front.FRONT:
         return api_front.unit_file(dep, svc, env_path(dep, svc))
+    if svc.name == load_balancer.LB:
+        return api_front.unit_file(dep, svc, env_path(dep, svc), load_balancer.config_path(dep), load_balancer.RUNTIME_DIR)
     after = ["network-online.target"]
     if dep.engine == "trtllm":
         after.append("k2-mesh-sshd.service")

@@ -11,7 +11,9 @@ In order, each step only when the fact says the host differs:
    package, at execution time), then the rest; held (``apt-mark hold``);
 4. the kernel module loaded (first install) — or, when the loaded module will differ
    from the installed driver, a reboot: ``if-needed`` reboots this host now, ``rolling``
-   one host at a time across the fleet; the deploy waits for it and carries on;
+   one host at a time across the fleet — under ``k2_rollout: rolling``, one instance at a
+   time (its hosts together, drained at the load balancer before, health-gated and put back
+   after: :func:`k2fleet.planning.host_actions.reboot_steps`); the deploy waits for it and carries on;
 5. services (nvidia-persistenced, fabric manager or IMEX, Docker) enabled and started —
    restarted after a package change; the container toolkit configures Docker;
 6. the GPU gate: GPU count and type, driver branch and pin, loaded module = installed
@@ -26,9 +28,11 @@ from pyinfra.api import deploy
 from k2fleet.planning import host_bootstrap as b
 from k2fleet.planning.host_bootstrap import BootstrapPlan, Package
 from k2fleet.planning.os_tables import OS_TABLES, PACKAGE_MANAGERS
-from k2fleet.deploy.operations import command, rebooted, start_or_explain, synced_files, unit_running
+from k2fleet.deploy.operations import command, rebooted, rolling_step, start_or_explain, synced_files, unit_running
+from k2fleet.planning.desired import HostDesired
 from k2fleet.planning.host_fact import HostReport
 from k2fleet.planning.quoting import shell_line, shell_word
+from k2fleet.planning.rollout import Step
 
 REBOOT_TIMEOUT_S = 600
 
@@ -81,7 +85,8 @@ def install_line(plan: BootstrapPlan, pending: list[Package], obsolete: list[str
 
 @deploy("k2fleet: bootstrap")
 def bring_up(plan: BootstrapPlan, fact: HostReport, files: dict, gate_argv: list[str], apt_options: str,
-             reboot: str | None, tracked: list) -> None:
+             reboot: str | None, tracked: list, steps: list[Step] | None = None,
+             desired: HostDesired | None = None) -> None:
     """
     Bring this host to GPU-ready as its bootstrap plan says (see the module doc).
 
@@ -92,6 +97,11 @@ def bring_up(plan: BootstrapPlan, fact: HostReport, files: dict, gate_argv: list
     + apt_options: apt options restricting apt to the offline bundle ("" for ``apt``)
     + reboot: why this host reboots in this run (``k2fleet.planning.host_bootstrap.reboot_reason``), or None
     + tracked: the run's changed-operation list (a reboot re-runs the health gate)
+    + steps: the run's rolling reboot steps, the same on every host
+      (:func:`k2fleet.planning.host_actions.reboot_steps`: ``k2_reboot: rolling`` under ``k2_rollout:
+      rolling``): the hosts reboot instance by instance, each drained at the load balancer and
+      health-gated; empty or None: as before (all at once, or host by host under ``rolling``)
+    + desired: this host's desired state (with ``steps``: its slots, health gate, load balancer)
 
     **Example:**
 
@@ -135,9 +145,14 @@ def bring_up(plan: BootstrapPlan, fact: HostReport, files: dict, gate_argv: list
     load = [shell_line(list(plan.module_load))] + [shell_line(["modprobe", m]) for m in plan.modprobe]
     command(name="load the GPU kernel module", argv=" && ".join(load) if plan.module_load else "true",
             _if=lambda: reboot is None and bool(plan.module_load) and module is None)
-    tracked.append(rebooted(name=f"reboot ({plan.reboot}): the loaded driver module changes",
-                            reason=reboot or "", reboot_timeout=REBOOT_TIMEOUT_S,
-                            _serial=plan.reboot == "rolling", _if=lambda: reboot is not None))
+    if steps and desired is not None:
+        for k, step in enumerate(steps, 1):
+            rolling_step(desired, step, f"rolling reboot {k}/{len(steps)} ({step.instance})", tracked,
+                         reason=reboot or "", reboot_timeout=REBOOT_TIMEOUT_S)
+    else:
+        tracked.append(rebooted(name=f"reboot ({plan.reboot}): the loaded driver module changes",
+                                reason=reboot or "", reboot_timeout=REBOOT_TIMEOUT_S,
+                                _serial=plan.reboot == "rolling", _if=lambda: reboot is not None))
     units = [f"{u}.service" for u in plan.services]
     inactive = [u for u in units if not fact.unit_active(u)]
     active = [u for u in units if fact.unit_active(u)]
