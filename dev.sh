@@ -8,10 +8,10 @@ VENV=.venv
 
 setup() {
   export DEBIAN_FRONTEND=noninteractive
-  if ! dpkg -s debootstrap systemd systemd-container iproute2 openssh-client openssh-server dash rsync openmpi-bin python3-mpi4py apt-utils python3-venv nftables haproxy prometheus sudo >/dev/null 2>&1; then
+  if ! dpkg -s debootstrap systemd systemd-container iproute2 openssh-client openssh-server dash rsync openmpi-bin python3-mpi4py apt-utils python3-venv nftables haproxy prometheus sudo dnsmasq-base >/dev/null 2>&1; then
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends debootstrap systemd systemd-container iproute2 openssh-client openssh-server dash \
-      rsync openmpi-bin python3-mpi4py apt-utils python3-venv nftables haproxy prometheus sudo ca-certificates >/dev/null
+      rsync openmpi-bin python3-mpi4py apt-utils python3-venv nftables haproxy prometheus sudo dnsmasq-base ca-certificates >/dev/null
   fi
   if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
