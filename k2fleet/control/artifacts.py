@@ -35,7 +35,7 @@ from k2fleet.control import ControlError, airgap, aptroot, deb_bundles as bundle
 from k2fleet.control.stand_ins import engine_doubles_for, stand_ins
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning import mesh_config
-from k2fleet.planning.desired import (ControlArtifacts, bundle_request, engine_side_requirements, host_arch, host_bootstrap,
+from k2fleet.planning.desired import (ControlArtifacts, bundle_request, engine_requirements, host_arch, host_bootstrap,
                              needs_double_image, package_set)
 from k2fleet.planning.processes import Plan
 
@@ -100,13 +100,15 @@ def _engine_side_sets(dep: Deployment, plan: Plan) -> dict[tuple[str, ...], str]
     """Engine-side requirement sets → the Python of the hosts that install them."""
     sets = {}
     for h in dep.fleet.hosts:
-        reqs = engine_side_requirements(dep, plan.hosts[h.name])
+        reqs = engine_requirements(dep, plan.hosts[h.name], False, None)
         if reqs:
             sets[tuple(reqs)] = host_python(host_bootstrap(dep, plan.hosts[h.name], h).os)
     return sets
 
 
 def _engine_wheelhouse(dep: Deployment, requirements: tuple[str, ...], python: str, build: bool) -> Path | None:
+    if dep.engine_cpu_build:  # simulated GPUs, the real engine: its CPU build from the stand-ins
+        return stand_ins().engine_cpu_wheelhouse(list(requirements), python, build=build)
     where = dict(pythons=(python,), archs=(host_arch(dep),))
     if build:
         return wheelhouse.ensure_wheelhouse(list(requirements), index=dep.s.pypi_index, **where)

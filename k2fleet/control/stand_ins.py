@@ -3,7 +3,8 @@
 An inventory with ``k2_simulated_gpus`` / ``k2_engine_doubles`` (the sandbox's) needs
 artifacts no real fleet has: a repository of driver-package TEST DOUBLES in place of
 NVIDIA's and AMD's, the engine TEST DOUBLES (their sources as host files, as a wheel and
-as a container image), a synthetic checkpoint for a rehearsal bundle, and the stand-in
+as a container image) or, with simulated GPUs and no doubles, a wheelhouse of the real
+engine's CPU build, a synthetic checkpoint for a rehearsal bundle, and the stand-in
 hosts' Debian release. The product names none of them. It asks the provider registered
 under the entry-point group ``k2fleet.stand_ins`` (the ``k2sandbox`` package registers
 ``sandbox`` in pyproject.toml) for the :class:`StandIns` below; the control step
@@ -55,6 +56,13 @@ class StandIns(Protocol):
     def image(self, ref: str, plan: Any, *, build: bool, cache: Path | None = None) -> tuple[Path, str] | None:
         """The engine stand-ins' image archive for ``ref`` (``docker load``-able) and its image ID:
         built when ``build``, else the cached one or None."""
+
+    def engine_cpu_wheelhouse(self, requirements: list[str], python: str, *, build: bool) -> Path | None:
+        """A wheelhouse (k2fleet's completion marker, ``*.whl``) from which ``pip install
+        --no-index`` of ``requirements`` (the engine's pin: ``vllm==VERSION``) installs the
+        engine's CPU build for CPython ``python``: what runs on simulated GPUs without engine
+        test doubles. Made when ``build``, else the cached one or None; ControlError when the
+        provider has no CPU build for them."""
 
     def checkpoint(self, repo: str, revision: str) -> Path:
         """A synthetic checkpoint of ``repo``@``revision`` with its manifest, made once and

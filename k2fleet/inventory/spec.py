@@ -930,11 +930,17 @@ class HostSettings(BaseModel):
     simulated_gpus: bool = _key(
         FLEET,
         "Sandbox only: hosts have no GPUs and run engine test doubles. Requires "
-        "`k2_engine_doubles`; refused on any other inventory.",
+        "`k2_engine_doubles` (or `k2_engine_cpu_build`); refused on any other inventory.",
         default=False,
     )
     engine_doubles: bool = _key(
         FLEET, "Sandbox only: install k2fleet's engine test doubles instead of real engines.", default=False
+    )
+    engine_cpu_build: bool = _key(
+        FLEET,
+        "Sandbox only, with `k2_simulated_gpus`: the real engine's CPU build instead of the test doubles (vLLM in "
+        "a venv), installed as the pinned release from the sandbox's engine wheelhouse with no package index.",
+        default=False,
     )
     # --- host bootstrap (driver, fabric, container runtime) --------------------------
     os: Literal["ubuntu-22.04", "ubuntu-24.04", "debian-12", "debian-13", "rhel-9", "rocky-9"] | None = _key(

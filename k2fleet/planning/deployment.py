@@ -93,6 +93,13 @@ class Deployment:
         return self.fleet.settings
 
     @property
+    def engine_cpu_build(self) -> bool:
+        """Sandbox only: ``k2_engine_cpu_build`` (with ``k2_simulated_gpus``) — the real engine, its
+        CPU build: the stand-ins' engine wheelhouse (:mod:`k2fleet.control.stand_ins`) installs it
+        for the pinned release into ``k2_venv`` with no package index."""
+        return self.s.engine_cpu_build
+
+    @property
     def version_tuple(self) -> tuple[int, ...]:
         return catalog.version_tuple(self.version)
 
@@ -297,7 +304,7 @@ def _check_size(fleet: Fleet, pool: Pool, gpu: catalog.GpuType, size: int) -> No
 
 def _check_hardware(fleet: Fleet) -> tuple[catalog.GpuType | None, int, str]:
     s = fleet.settings
-    if s.simulated_gpus and not s.engine_doubles:
+    if s.simulated_gpus and not s.engine_doubles and not s.engine_cpu_build:
         raise _fail(
             "k2_simulated_gpus",
             "simulated GPUs are for the sandbox fleet only (with k2_engine_doubles: true); "
@@ -306,6 +313,11 @@ def _check_hardware(fleet: Fleet) -> tuple[catalog.GpuType | None, int, str]:
         )
     if s.engine_doubles and not s.simulated_gpus:
         raise _fail("k2_engine_doubles", "engine test doubles need k2_simulated_gpus: true (sandbox only)", fleet)
+    if s.engine_cpu_build and (not s.simulated_gpus or s.engine_doubles):
+        raise _fail("k2_engine_cpu_build", "the engine's CPU build is for the sandbox's simulated GPUs (k2_simulated_gpus: "
+                    "true) instead of the engine test doubles (k2_engine_doubles: false)", fleet)
+    if s.engine_cpu_build and s.engine != "vllm":
+        raise _fail("k2_engine_cpu_build", f"the sandbox has a CPU build of vLLM only, not of {s.engine}", fleet)
     gpu = catalog.GPUS.get(s.gpu.lower())
     if gpu is None:
         raise _fail("k2_gpu", f"unknown GPU type {s.gpu!r}; one of {', '.join(catalog.GPUS)}", fleet)
@@ -340,6 +352,8 @@ def _check_engine(fleet: Fleet, platform: str) -> tuple[str, str, str | None]:
     if platform == "rocm" and s.engine not in ("vllm", "sglang"):
         raise _fail("k2_engine", f"{s.engine} has no ROCm build; use vllm or sglang on AMD GPUs", fleet)
     runtime = s.runtime or ("container" if s.engine == "trtllm" or platform == "rocm" else "venv")
+    if s.engine_cpu_build and runtime != "venv":
+        raise _fail("k2_engine_cpu_build", "vLLM's CPU build runs in a venv (k2_runtime: venv)", fleet)
     if s.engine == "trtllm" and runtime == "venv" and not s.engine_doubles:
         raise _fail("k2_runtime", "TensorRT-LLM ships as a container image (the PyPI package is a stub); use container", fleet)
     if s.image_id and runtime != "container":

@@ -323,7 +323,7 @@ def engine_requirements(dep: Deployment, hp: HostPlan, bundled: bool, doubles: E
     the engine-side requirements and, when the deploy takes everything from a bundle
     (``k2_bundle``, or ``bundled`` while one is built), the engine itself (sorted)."""
     side = engine_side_requirements(dep, hp)
-    if bundled and dep.runtime == "venv":
+    if (bundled or dep.engine_cpu_build) and dep.runtime == "venv":
         return sorted({*side, engine_pin(dep, doubles)})
     return side
 
@@ -386,7 +386,8 @@ def engine_side_check(dep: Deployment, requirements: list[str], python: str) -> 
             "from importlib.metadata import version, PackageNotFoundError as Missing\n"
             "def have(name):\n    try:\n        return version(name)\n    except Missing:\n        return \"missing\"\n"
             f"want = {json.dumps(pins, sort_keys=True)}\n"
-            "bad = [\"%s %s (fleet: %s)\" % (n, have(n), v) for n, v in sorted(want.items()) if have(n) != v]\n"
+            "bad = [\"%s %s (fleet: %s)\" % (n, have(n), v) for n, v in sorted(want.items())\n"
+            "       if have(n) != v and have(n).split(\"+\")[0] != v]  # a local label (+cpu...) matches, as in pip\n"
             "py = \"%d.%d\" % sys.version_info[:2]\n"
             f"bad += [] if py == {json.dumps(python)} else "
             f"[\"python %s (fleet: {python})\" % py]\n"
@@ -714,7 +715,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         d.exists = [*d.exists, d.engine_entry, *d.device_doubles]
         if dep.s.model_type_override:
             d.exists.append(f"{dep.serve_path}/config.json")
-        if dep.runtime == "venv" and not dep.s.engine_doubles and not bundled:
+        if dep.runtime == "venv" and not dep.s.simulated_gpus and not bundled:
             d.venv_install = venv_install_argv(dep, d.python)
         d.firewall = fleet_firewall.host_firewall(dep, hp)
         if d.firewall is not None:  # the rules, their unit, and the check that the kernel holds them

@@ -104,7 +104,7 @@ def egress_names(dep: Deployment) -> list[str]:
                     names.add(mirrors.url_host(repo.source))
                 if repo.key and "://" in repo.key:
                     names.add(mirrors.url_host(repo.key))
-    if dep.runtime == "venv" and s.bundle is None and not s.engine_doubles:
+    if dep.runtime == "venv" and s.bundle is None and not s.simulated_gpus:
         names |= {mirrors.url_host(s.pypi_index)} if s.pypi_index else {mirrors.DEFAULT_PYPI_HOST, mirrors.PYPI_FILES_HOST}
     if s.checkpoint_fetcher != "control" and s.hub_endpoint:
         names.add(mirrors.url_host(s.hub_endpoint))
