@@ -627,7 +627,7 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         checkpoint, size = rehearsal_random_checkpoint(dep.s.model, dep.s.revision)
         real_data, scaled = real_engine_data(dep)
         fleet_data = {**sandbox_data(dep, checkpoint, size), **real_data,
-                      "k2_health_timeout": max(dep.s.health_timeout, REAL_HEALTH_TIMEOUT_S)}
+                      "k2_health_timeout": min(dep.s.health_timeout, REAL_HEALTH_TIMEOUT_S)}
     elif fleet_data is None:
         checkpoint, size = rehearsal_checkpoint(dep.s.model, dep.s.revision)
         gguf = rehearsal_gguf(dep.s.gguf_repo, str(dep.s.gguf_revision), dep.s.gguf_pattern) if dep.s.gguf_repo else None

@@ -15,7 +15,7 @@ def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool) -> list[
     """Debian packages for ``host_plan``: rsync for checkpoints, sshd for the mesh,
     OpenMPI where mpirun runs on the host (not in a container), mpi4py for doubles,
     the OS table's venv interpreter packages (``python3-venv``; ubuntu-22.04
-    ``python3.11-venv``) for engine venvs (the engine test doubles' too, installed as a
+    ``python3.11-venv``) and, for vLLM's CPU build (``k2_engine_cpu_build``), libnuma1, for engine venvs (the engine test doubles' too, installed as a
     wheel from a bundle or beside engine-side wheels such as Ray) and for the Hub client of
     ``k2_checkpoint_fetcher``; nftables where k2fleet's firewall table goes; HAProxy where
     k2fleet's API front runs. (Docker is the bootstrap's: :mod:`k2fleet.planning.host_bootstrap`.)"""
@@ -33,6 +33,8 @@ def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool) -> list[
     if dep.runtime == "venv" or dep.s.checkpoint_fetcher == host_plan.name or engine_side:
         entry = next(h for h in dep.fleet.hosts if h.name == host_plan.name)
         needed |= set(OS_TABLES[host_os(entry)].venv_packages)
+    if dep.engine_cpu_build and dep.runtime == "venv":  # vLLM's CPU build (k2_engine_cpu_build, the sandbox's
+        needed.add("libnuma1")  # Debian hosts): its vllm._C links libnuma; without it the worker dies at start
     if has_front(host_plan) or any(s.name == LB for s in host_plan.services):  # HAProxy runs k2fleet's API front
         # (k2fleet.planning.api_front) and the replicas' load balancer (k2fleet.planning.load_balancer)
         entry = next(h for h in dep.fleet.hosts if h.name == host_plan.name)

