@@ -40,7 +40,7 @@ def test_real_engine_overlay_scales_h200_to_a_cpu_host_and_says_so() -> None:
     assert data["k2_engine_args"]["enforce-eager"] is True and data["k2_env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert "scaled k2_tp: 8 -> 1 (a CPU host runs one rank)" in said
     hosts = inventory_host_data("inventories/h200.py", {})
-    scaled, plan = check_hosts("inventories/h200.py", [(n, {**d, **data, "k2_simulated_gpus": True}, g) for n, d, g in hosts], None)
+    scaled, plan = check_hosts("inventories/h200.py", [(n, {**d, **data, "k2_simulated_gpus": True, "k2_checkpoint_bytes": 10**7}, g) for n, d, g in hosts], None)
     argv = [svc.argv for _, svc in plan.services()]
     assert len(argv) == 2 and all(a[:2] == [f"{scaled.s.venv}/bin/vllm", "serve"] for a in argv)
     for a in argv:  # the inventory's parsers, scaled parallelism
