@@ -7,7 +7,7 @@ with the sandbox package installed, also rehearse an inventory and run the sandb
     k2fleet plan inventories/h200.py [--json] [--data KEY=VALUE ...]
     k2fleet status inventories/h200.py [--json] [--completion]   # read-only: drift and health, exit 1 on either
     k2fleet keys                      # every inventory key, as Markdown
-    k2fleet rehearse inventories/h200.py [--keep] [--bundle DIR --offline] [--data KEY=VALUE ...]
+    k2fleet rehearse inventories/h200.py [--keep] [--bundle DIR --offline] [--engine real] [--data KEY=VALUE ...]
     k2fleet bundle inventories/h200.py --out DIR [--rehearsal] [--locked LOCK] [--only PART]
     k2fleet sandbox up 3 | down | status
 """
