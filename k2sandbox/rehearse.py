@@ -303,10 +303,12 @@ def real_engine_refusal(dep: Deployment) -> str | None:
     return None
 
 
-def real_engine_data(dep: Deployment) -> tuple[dict[str, Any], list[str]]:
+def real_engine_data(dep: Deployment, given: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
     """The overlay that runs the inventory's own argv on a CPU host with vLLM's CPU build, and
     one line per change: the real engine instead of the doubles, parallel sizes 1 (one instance
-    per host), eager mode, a small context, the KV cache size."""
+    per host), eager mode, a small context, the KV cache size. A key the user gives with
+    ``--data`` (``given``; ``dep`` already has it) is kept, and said so."""
+    given = given or {}
     from k2sandbox import vllm_cpu
 
     data: dict[str, Any] = {"k2_engine_doubles": False, "k2_engine_cpu_build": True}
@@ -315,10 +317,14 @@ def real_engine_data(dep: Deployment) -> tuple[dict[str, Any], list[str]]:
     pools = list(dep.pools.values())
     for key in ("tp", "pp", "dp", "ep", "dcp"):
         sizes = sorted({getattr(p, key, 1) or 1 for p in pools})
-        if sizes != [1]:
+        if f"k2_{key}" in given:
+            said.append(f"kept k2_{key}: {given[f'k2_{key}']} (--data)")
+        elif sizes != [1]:
             data[f"k2_{key}"] = 1
             said.append(f"scaled k2_{key}: {'/'.join(map(str, sizes))} -> 1 (a CPU host runs one rank)")
-    if dep.gpus_per_node != 1:
+    if "k2_gpus_per_node" in given:
+        said.append(f"kept k2_gpus_per_node: {given['k2_gpus_per_node']} (--data)")
+    elif dep.gpus_per_node != 1:
         data["k2_gpus_per_node"] = 1
         said.append(f"scaled k2_gpus_per_node: {dep.gpus_per_node} -> 1 (one instance per host)")
     args = {**dep.s.engine_args, "enforce-eager": True}
@@ -625,7 +631,7 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         from k2sandbox.random_kimi_checkpoint import rehearsal_random_checkpoint
 
         checkpoint, size = rehearsal_random_checkpoint(dep.s.model, dep.s.revision)
-        real_data, scaled = real_engine_data(dep)
+        real_data, scaled = real_engine_data(dep, overrides)
         fleet_data = {**sandbox_data(dep, checkpoint, size), **real_data,
                       "k2_health_timeout": min(dep.s.health_timeout, REAL_HEALTH_TIMEOUT_S)}
     elif fleet_data is None:

@@ -35,6 +35,8 @@ def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool) -> list[
         needed |= set(OS_TABLES[host_os(entry)].venv_packages)
     if dep.engine_cpu_build and dep.runtime == "venv":  # vLLM's CPU build (k2_engine_cpu_build, the sandbox's
         needed.add("libnuma1")  # Debian hosts): its vllm._C links libnuma; without it the worker dies at start
+        if any(pool.tp > 1 for pool in dep.pools.values()):  # with TP, vocab-parallel embedding's masking is
+            needed |= {"g++", "python3-dev"}  # torch.compile'd: inductor compiles C++ (with Python.h) at the first forward
     if has_front(host_plan) or any(s.name == LB for s in host_plan.services):  # HAProxy runs k2fleet's API front
         # (k2fleet.planning.api_front) and the replicas' load balancer (k2fleet.planning.load_balancer)
         entry = next(h for h in dep.fleet.hosts if h.name == host_plan.name)
