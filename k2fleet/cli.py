@@ -28,7 +28,7 @@ from k2fleet.planning.deployment import Deployment
 from k2fleet.planning import profiles
 from k2fleet.planning.firewall import format_firewall
 from k2fleet.planning.processes import Plan
-from k2fleet.planning.quoting import shell_line
+from k2fleet.planning.quoting import curl_line, shell_line
 
 
 def load_plan(inventory: str | Path, data: list[str] | tuple[str, ...] = (),
@@ -44,18 +44,6 @@ def address_origins(dep: Deployment) -> dict[str, str]:
     """Host → where its fleet address came from: the inventory key, and ``resolved`` when
     the control machine resolved a DNS name to it (the plan holds only the IP)."""
     return {h.name: h.address_key + (" (resolved)" if h.ip else "") for h in dep.fleet.hosts}
-
-
-def curl_line(base: str, model: str, api_key_file: str | None = None) -> str:
-    """A chat completion to paste; with ``api_key_file`` the key is read from that file when
-    the line runs (never printed).
-
-    >>> print(curl_line("http://10.0.0.1:8000/v1", "moonshotai/Kimi-K2-Thinking"))
-    curl -s http://10.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{"model": "moonshotai/Kimi-K2-Thinking", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 256}'
-    """
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 256})
-    auth = f" -H \"Authorization: Bearer $(cat {shell_line([api_key_file])})\"" if api_key_file else ""
-    return f"curl -s {base}/chat/completions -H 'Content-Type: application/json'{auth} -d {shell_line([body])}"
 
 
 def format_plan(plan: Plan, api_key_file: str | None = None, model: str | None = None,

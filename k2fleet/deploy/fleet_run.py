@@ -15,6 +15,7 @@ step again (a second, blocking ``flock`` on a cache would freeze the whole proce
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -24,9 +25,8 @@ from typing import Any, NoReturn
 
 from k2fleet.control import ControlError
 from k2fleet.control.artifacts import prepare_control_artifacts, read_control_artifacts, relay_secret_path, state_dir
-from k2fleet.planning.host_actions import host_actions
+from k2fleet.planning.host_actions import host_actions, reboot_steps, restart_steps
 from k2fleet.planning.host_bootstrap import reboot_reason
-from k2fleet.planning.host_actions import reboot_steps, restart_steps
 from k2fleet.planning.rollout import Step
 from k2fleet.control.checkpoint_copy import ControlRelay
 from k2fleet.deploy.facts import HostState
@@ -37,6 +37,8 @@ from k2fleet.deploy.gate import check_hosts, refusal_line
 from k2fleet.inventory.loader import host_data
 from k2fleet.planning.processes import Plan
 from k2fleet.inventory.spec import SpecError
+from k2fleet.planning.quoting import curl_line
+from pyinfra.api.state import StateStage
 
 STATE_ATTRIBUTE = "k2fleet_run"
 
@@ -200,4 +202,28 @@ def _make_fleet_run(state: Any, inventory: Any, dry: bool | None) -> FleetRun:
                    desired=desired_state(dep, plan, artifacts), xet_disabled=bool(os.environ.get("HF_HUB_DISABLE_XET")),
                    control_relay=ControlRelay(relay_secret_path(dep)))
     setattr(state, STATE_ATTRIBUTE, run)
+    if not dry:
+        atexit.register(say_endpoints, state, dep, plan)
     return run
+
+
+def endpoint_lines(dep: Deployment, plan: Plan) -> list[str]:
+    """Where the fleet serves and a line to try it (the load balancer's, the router's or the
+    first healthy service's endpoint; with ``k2_api_key_file`` the key is read from that file
+    when the line runs)."""
+    main = plan.endpoint()
+    if main is None:
+        return []
+    base = f"http://{main[0]}:{main[1]}/v1"
+    return [f"k2fleet: serving {dep.api_model_name} at {base}",
+            f"k2fleet: try: {curl_line(base, dep.api_model_name, dep.s.api_key_file)}"]
+
+
+def say_endpoints(state: Any, dep: Deployment, plan: Plan) -> None:
+    """At the end of a deploy whose operations ran on every host without a failure (pyinfra
+    reached its disconnect stage, no failed host): :func:`endpoint_lines` on stderr, after
+    pyinfra's own summary."""
+    if getattr(state, "current_stage", 0) < StateStage.Disconnect or getattr(state, "failed_hosts", None):
+        return
+    sys.stderr.write("".join(line + "\n" for line in endpoint_lines(dep, plan)))
+    sys.stderr.flush()
