@@ -107,6 +107,13 @@ class FleetRun:
                 out[h.name] = actions.describe()
         return out
 
+    def starting(self, inventory: Any) -> bool:
+        """Does a serving unit start somewhere in the fleet in this run (one of a host's own
+        units is not active: a bring-up or a recovery; planning time, every host's fact)?"""
+        return self._fleet_view("starting", lambda: any(
+            not self.fact_of(h).unit_active(f"{name}.service") for h in inventory
+            for _, name in self.desired[h.name].own_slots))
+
     def reboot_steps(self, inventory: Any) -> list[Step]:
         """The bootstrap's rolling reboots, instance by instance (``k2_reboot: rolling`` under
         ``k2_rollout: rolling``; :func:`~k2fleet.planning.host_actions.reboot_steps`); empty otherwise."""

@@ -33,6 +33,7 @@ from k2fleet.planning.host_bootstrap import BootstrapPlan, bootstrap_plan
 from k2fleet.planning.os_tables import OS_TABLES
 from k2fleet.planning import mirrors, relay_plan
 from k2fleet.planning import firewall as fleet_firewall
+from k2fleet.planning.reach_plan import ReachCheck, reach_checks
 from k2fleet.hostprogs import swarm
 from k2fleet.planning.deployment import CHECKPOINT_CHECK, Deployment, WeightSet
 from k2fleet.planning.render.vllm import RAY_TOKEN
@@ -194,6 +195,7 @@ class HostDesired:
     firewall: fleet_firewall.HostFirewall | None = None  # k2fleet's nftables table (None: none on this host)
     api_key_services: list[str] = field(default_factory=list)  # services that read the API key (restart with it)
     rollout: Rollout = field(default_factory=Rollout)  # the fleet's instances, k2_rollout, its load balancer
+    reach: ReachCheck | None = None  # the peers' rendezvous ports checked before the engines start
 
     def all_paths(self) -> list[str]:
         paths = {p for files in self.files.values() for p in files}
@@ -229,6 +231,7 @@ class HostDesired:
             "bootstrap": None if self.bootstrap is None else self.bootstrap.to_json(),
             "firewall": None if self.firewall is None else self.firewall.to_json(),
             "venv_install": self.venv_install,
+            "reach": None if self.reach is None else self.reach.to_json(),
         }
 
 
@@ -658,6 +661,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
     meshes = mesh_files(dep, plan, art)
     pd = pd_servers(plan)
     rollout = fleet_rollout(dep, plan)
+    reach = reach_checks(plan)
     out: dict[str, HostDesired] = {}
     for h in dep.fleet.hosts:
         hp = plan.hosts[h.name]
@@ -682,8 +686,9 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         d.service_files = {svc.name: service_files(dep, svc, d.image if container_name(svc) else None)
                            for svc in hp.services}
         d.files["api_key"] = api_key_files(dep, hp, art)
-        if rollout.balancer and rollout.balancer.host == h.name and HOST_ARCHIVE not in d.all_paths():
-            d.files["host"] |= host_archive_files()  # lbctl drives the load balancer from the host archive
+        d.reach = reach.get(h.name)
+        if (d.reach or (rollout.balancer and rollout.balancer.host == h.name)) and HOST_ARCHIVE not in d.all_paths():
+            d.files["host"] |= host_archive_files()  # lbctl (the load balancer) and reach run from the host archive
         d.api_key_services = [svc.name for svc in hp.services if holds_api_key(dep, svc)]
         d.own_slots = sorted((svc.stage, svc.name) for svc in hp.services)
         d.mesh_between_deploys = on_mesh(plan, h.name) and dep.s.mesh_after_deploy == "keep"
