@@ -208,8 +208,8 @@ def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], fact
     restarts = restart_steps(desired, facts, bool(reboots) and not rolling_reboots)
     unsettled = None if every_role else {name: a.describe() for name, d in desired.items()
                                          if not (a := host_actions(d, facts[name])).settled}
-    starting = any(not facts[name].unit_active(f"{unit}.service") for name, d in desired.items()
-                   for _, unit in d.own_slots)  # FleetRun.starting
+    starting = bool(restarts) or any(not facts[name].unit_active(f"{unit}.service") for name, d in desired.items()
+                                     for _, unit in d.own_slots)  # FleetRun.starting
     hosts = [(f"@fake/{name}", {"ssh_hostname": d.address, "fake_delay": 0, "fake_delay_jitter": 0})
              for name, d in desired.items()]
     state = State(Inventory((hosts, {})), Config())

@@ -54,6 +54,7 @@ class FleetRun:
     dry: bool
     state_dir: Path
     tracked: list[Any] = field(default_factory=list)  # ops whose change re-runs the health gate
+    reach_probes: dict[str, Any] = field(default_factory=dict)  # host → its reachability probe op (the fleet barrier)
     facts: dict[str, HostReport] = field(default_factory=dict)  # HostState per host, gathered once
     fact_locks: dict[str, threading.Lock] = field(default_factory=dict)
     control_relay: ControlRelay = field(default_factory=ControlRelay)  # the control copy, served to the fleet
@@ -108,9 +109,10 @@ class FleetRun:
         return out
 
     def starting(self, inventory: Any) -> bool:
-        """Does a serving unit start somewhere in the fleet in this run (one of a host's own
-        units is not active: a bring-up or a recovery; planning time, every host's fact)?"""
-        return self._fleet_view("starting", lambda: any(
+        """Does a serving unit start or restart somewhere in the fleet in this run (one of a
+        host's own units is not active — a bring-up or a recovery — or running ones restart:
+        :meth:`restart_steps`; planning time, every host's fact)?"""
+        return self._fleet_view("starting", lambda: bool(self.restart_steps(inventory)) or any(
             not self.fact_of(h).unit_active(f"{name}.service") for h in inventory
             for _, name in self.desired[h.name].own_slots))
 

@@ -91,7 +91,7 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
     checkpoint.ensure(dep, desired, fact, run.tracked, log_file=str(run.state_dir / "checkpoint-transfers.jsonl"),
                       control_relay=run.control_relay, fleet_wanted=weights_wanted,
                       side_channel=side_channel(host.data, host.name), xet_disabled=run.xet_disabled)
-    reach.check(desired, starting=starting)
+    reach.check(desired, starting=starting, probes=run.reach_probes)
     services.start(desired, fact, run.tracked, restart_all=bool(reboots) and not reboot_steps, steps=restart_steps)
     health_gate.gate(desired, fact, changed=run.fleet_changed)
     mesh.rest(desired, fact)
