@@ -15,8 +15,8 @@ from k2fleet.planning.desired import HostDesired
 from k2fleet.planning.host_packages import bundle_apt_options
 from k2fleet.planning.host_fact import HostReport
 from k2fleet.deploy.fleet_run import FleetRun, side_channel
-from k2fleet.deploy.roles import (bootstrap, checkpoint, engine, firewall, health_gate, hub_client, mesh, packages,
-                                  preflight, reach, services)
+from k2fleet.deploy.roles import (bootstrap, checkpoint, engine, firewall, gpu_exporter, health_gate, hub_client, mesh,
+                                  packages, preflight, reach, services)
 from k2fleet.planning.firewall import rules_path
 from k2fleet.planning.rollout import Step
 
@@ -30,7 +30,7 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
                 reboot_steps: list[Step] | None = None, restart_steps: list[Step] | None = None,
                 starting: bool = False) -> None:
     """Carry out one host's desired state: preflight → packages → bootstrap → firewall → SSH mesh →
-    engine → Hub client → checkpoint → reachability → services → health gate (→ the mesh stopped, under
+    engine → GPU exporter → Hub client → checkpoint → reachability → services → health gate (→ the mesh stopped, under
     ``k2_mesh_after_deploy: stop``).
 
     + run: the run's :class:`~k2fleet.deploy.fleet_run.FleetRun` (deployment, artifacts, tracked operations)
@@ -87,6 +87,7 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
     firewall.configure(desired, fact, run.tracked, rules_path=rules_path(dep))
     mesh.configure(desired, fact, run.tracked)
     engine.install(desired, fact, run.tracked)
+    gpu_exporter.run(desired, fact, run.tracked)
     hub_client.install(desired, fact, requirement=run.artifacts.hub_requirement)
     checkpoint.ensure(dep, desired, fact, run.tracked, log_file=str(run.state_dir / "checkpoint-transfers.jsonl"),
                       control_relay=run.control_relay, fleet_wanted=weights_wanted,

@@ -33,6 +33,7 @@ from k2fleet.planning.host_bootstrap import BootstrapPlan, bootstrap_plan
 from k2fleet.planning.os_tables import OS_TABLES
 from k2fleet.planning import mirrors, relay_plan
 from k2fleet.planning import firewall as fleet_firewall
+from k2fleet.planning import gpu_exporter
 from k2fleet.planning.reach_plan import ReachCheck, reach_checks
 from k2fleet.hostprogs import swarm
 from k2fleet.planning.deployment import CHECKPOINT_CHECK, Deployment, WeightSet
@@ -191,6 +192,7 @@ class HostDesired:
     engine_entry: str = ""
     bootstrap: BootstrapPlan | None = None  # driver, fabric, container runtime (k2fleet.planning.host_bootstrap)
     image: ImagePin | None = None
+    gpu_exporter: ImagePin | None = None  # k2_gpu_exporter: dcgm-exporter's image (None: not on this host)
     device_doubles: tuple[str, ...] = ()
     firewall: fleet_firewall.HostFirewall | None = None  # k2fleet's nftables table (None: none on this host)
     api_key_services: list[str] = field(default_factory=list)  # services that read the API key (restart with it)
@@ -444,6 +446,27 @@ def image_files(dep: Deployment, hp: HostPlan, art: ControlArtifacts) -> tuple[I
     return ImagePin(dep.image, made[1], remote), {remote: FileSpec(path.read_bytes(), "644", "image")}
 
 
+def gpu_exporter_files(dep: Deployment, art: ControlArtifacts) -> tuple[ImagePin, dict[str, FileSpec]]:
+    """``k2_gpu_exporter`` on a GPU host: dcgm-exporter's image pin, its unit and (the sandbox's
+    TEST DOUBLE image, or a ``k2_bundle``'s saved image) the archive the host loads; otherwise a
+    real fleet pulls ``k2_gpu_exporter_image`` and checks it is ``k2_gpu_exporter_image_id``
+    (:mod:`k2fleet.planning.gpu_exporter`)."""
+    ref = dep.s.gpu_exporter_image
+    if not dep.s.simulated_gpus and dep.s.bundle is None:
+        image_id = dep.s.gpu_exporter_image_id
+        unit = gpu_exporter.unit_file(dep, image_id).encode()
+        return ImagePin(ref, image_id, None), {gpu_exporter.UNIT_PATH: FileSpec(unit, "644")}
+    made = art.images.get(ref)  # the TEST DOUBLE image, or (k2_bundle) the archive in the bundle
+    if made is None:  # not built yet (--dry): the unit names its image ID, so it waits too
+        return ImagePin(ref, None, gpu_exporter.ARCHIVE), {gpu_exporter.ARCHIVE: FileSpec(None, "644", "image"),
+                                                           gpu_exporter.UNIT_PATH: FileSpec(None, "644", "image")}
+    path = Path(made[0])
+    remote = f"{IMAGE_DIR}/{path.name}"
+    unit = gpu_exporter.unit_file(dep, made[1]).encode()
+    return ImagePin(ref, made[1], remote), {remote: FileSpec(path.read_bytes(), "644", "image"),
+                                            gpu_exporter.UNIT_PATH: FileSpec(unit, "644")}
+
+
 def device_double_files(dep: Deployment) -> tuple[tuple[str, ...], dict[str, FileSpec]]:
     """(device nodes, tmpfiles.d config) standing in for a simulated platform's devices."""
     nodes = DEVICE_DOUBLES.get(dep.platform, ()) if dep.s.simulated_gpus and dep.runtime == "container" else ()
@@ -590,8 +613,9 @@ def runs_containers(hp: HostPlan) -> bool:
 
 
 def host_bootstrap(dep: Deployment, hp: HostPlan, entry: Any) -> BootstrapPlan:
-    """The host's bootstrap plan; Docker where it runs containers."""
-    return bootstrap_plan(dep, entry, docker=runs_containers(hp))
+    """The host's bootstrap plan; Docker (and with NVIDIA GPUs the container toolkit) where it
+    runs containers: the engine's, or dcgm-exporter's under ``k2_gpu_exporter``."""
+    return bootstrap_plan(dep, entry, docker=runs_containers(hp) or gpu_exporter.runs_on(dep, hp.role))
 
 
 def bootstrap_files(plan: BootstrapPlan) -> dict[str, FileSpec]:
@@ -722,6 +746,11 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         if dep.runtime == "venv" and not dep.s.engine_doubles and not bundled:
             d.venv_install = venv_install_argv(dep, d.python)
         d.firewall = fleet_firewall.host_firewall(dep, hp)
+        if gpu_exporter.runs_on(dep, hp.role):  # dcgm-exporter: its unit and image (the gpu_exporter role)
+            d.gpu_exporter, d.files["gpu_exporter"] = gpu_exporter_files(dep, art)
+            d.units.append(gpu_exporter.UNIT)
+            if d.gpu_exporter.image_id:
+                d.checks[gpu_exporter.CHECK] = image_pin_argv(d.gpu_exporter.ref, d.gpu_exporter.image_id)
         if d.firewall is not None:  # the rules, their unit, and the check that the kernel holds them
             d.files["firewall"] = {fleet_firewall.rules_path(dep): FileSpec(d.firewall.rules().encode(), "644"),
                                    fleet_firewall.UNIT_PATH: FileSpec(fleet_firewall.unit_file(dep, d.firewall).encode(), "644")}
