@@ -126,7 +126,7 @@ def run_eval(dep: Deployment, plan: Plan, key: bytes | None, dataset: Path, fews
         raise ControlError(f"k2fleet eval: lm-eval exited {rc} (log {log}):\n{_tail(log)}")
     score = report.gsm8k_score(report.read_json_capped(found[-1]), bp.GSM8K_TASK)
     for line in log.read_text(errors="replace").splitlines():  # lm-eval's own table rows
-        if line.startswith(("|Tasks", f"|{bp.GSM8K_TASK}", "|     ")):
+        if line.startswith("|"):
             say(line)
     ok, line = report.verdict(score, expect)
     say(line)

