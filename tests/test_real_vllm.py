@@ -282,10 +282,14 @@ GSM8K_LINES = [  # gsm8k's format (question, answer ending in "#### N"); made up
 @pytest.mark.real_engine
 def test_k2fleet_eval_runs_lm_eval_offline_and_exits_on_the_threshold(served: Served, tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    """lm-eval (lm-eval[api] 0.4.13, no torch) from K2FLEET_TEST_LM_EVAL (its lm-eval executable) or PATH."""
+    """lm-eval (lm-eval[api] 0.4.13, no torch: the test extras) from K2FLEET_TEST_LM_EVAL (an lm-eval
+    executable), PATH, or beside this Python."""
     import shutil
 
-    client = os.environ.get("K2FLEET_TEST_LM_EVAL") or shutil.which("lm-eval")
+    import sys
+
+    beside = Path(sys.executable).parent / "lm-eval"  # the test extras' lm-eval, in this venv
+    client = os.environ.get("K2FLEET_TEST_LM_EVAL") or shutil.which("lm-eval") or (str(beside) if beside.exists() else None)
     if not client:
         pytest.skip("no lm-eval here: set K2FLEET_TEST_LM_EVAL to an lm-eval executable (pip install 'lm-eval[api]==0.4.13')")
     test, train = tmp_path / "test.jsonl", tmp_path / "train.jsonl"
