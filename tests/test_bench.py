@@ -224,3 +224,16 @@ def test_gsm8k_task_yaml_matches_lm_evals_gsm8k() -> None:
     for key in ("dataset_path", "dataset_name", "tag", "task", "dataset_kwargs"):
         stock.pop(key, None), mine.pop(key, None)
     assert mine == stock
+
+
+def test_bench_stops_a_client_past_its_timeout_and_reports_bad_results(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    inv = _inventory(tmp_path)
+    slow = _fake_client(tmp_path, "vllm-slow", "import time\ntime.sleep(60)\n")
+    assert cli.main(["bench", str(inv), "--concurrency", "1", "--client", str(slow), "--timeout", "1",
+                     "--out", str(tmp_path / "o")]) == 1
+    assert "exited -9" in capsys.readouterr().err and "stopped after 1.0 s" in (tmp_path / "o" / "bench.log").read_text()
+    bad = _fake_client(tmp_path, "vllm-bad", FAKE_VLLM.replace('"output_throughput": 50.0 * c,', ""))
+    monkeypatch.setenv("FAKE_LOG", str(tmp_path / "calls.jsonl"))
+    assert cli.main(["bench", str(inv), "--concurrency", "1", "--client", str(bad), "--out", str(tmp_path / "p")]) == 1
+    assert "output_throughput missing" in capsys.readouterr().err

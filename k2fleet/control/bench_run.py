@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -33,8 +34,9 @@ def _client_env(key: bytes | None, offline: bool = False) -> dict[str, str]:
 
 
 def _resolve_client(client: str | None, default: str, what: str) -> str:
-    found = client or shutil.which(default)
-    if not found or (os.sep in found and not os.access(found, os.X_OK)):
+    name = client or default
+    found = name if os.sep in name else shutil.which(name)
+    if not found or not os.access(found, os.X_OK):
         raise ControlError(f"{what}: {client or default} not found on this machine; install it here and pass --client PATH")
     return found
 
@@ -48,8 +50,9 @@ def _run(argv: list[str], env: dict[str, str], log: Path, timeout: float | None)
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the client and its workers
             proc.wait()
+            out.write(f"k2fleet: stopped after {timeout} s\n".encode())
             return -9
 
 
@@ -87,7 +90,10 @@ def run_bench(dep: Deployment, plan: Plan, key: bytes | None, out: Path, concurr
             if rc != 0 or not result.is_file():
                 raise ControlError(f"k2fleet bench: {ep.label} ({ep.base}) at concurrency {c}: the client exited {rc}"
                                    f" (log {log}):\n{_tail(log)}")
-            p = report.vllm_point(report.read_json_capped(result), ep.label, c, result)
+            try:
+                p = report.vllm_point(report.read_json_capped(result), ep.label, c, result)
+            except report.ReportError as exc:
+                raise ControlError(f"k2fleet bench: {exc}") from None
             points.append(p)
             say(f"{ep.label} c={c}: {p.completed}/{n} ok, {p.output_throughput:.1f} out tok/s, "
                 f"TTFT {p.mean_ttft_ms:.1f} ms, TPOT {p.mean_tpot_ms:.1f} ms ({time.monotonic() - t:.0f} s)")
@@ -124,7 +130,10 @@ def run_eval(dep: Deployment, plan: Plan, key: bytes | None, dataset: Path, fews
                    key=lambda p: p.stat().st_mtime)
     if rc != 0 or not found:
         raise ControlError(f"k2fleet eval: lm-eval exited {rc} (log {log}):\n{_tail(log)}")
-    score = report.gsm8k_score(report.read_json_capped(found[-1]), bp.GSM8K_TASK)
+    try:
+        score = report.gsm8k_score(report.read_json_capped(found[-1]), bp.GSM8K_TASK)
+    except report.ReportError as exc:
+        raise ControlError(f"k2fleet eval: {found[-1]}: {exc}") from None
     for line in log.read_text(errors="replace").splitlines():  # lm-eval's own table rows
         if line.startswith("|"):
             say(line)
