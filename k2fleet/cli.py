@@ -380,19 +380,22 @@ def parser() -> argparse.ArgumentParser:
     bu.add_argument("--only", action="append", default=[], choices=["debs", "wheels", "images", "checkpoints"],
                     help="build only this part (repeatable)")
     bu.set_defaults(func=_cmd_bundle)
-    be = sub.add_parser("bench", help="run the engine's own benchmark client (vLLM: `vllm bench serve`) from this "
+    be = sub.add_parser("bench", help="run the engine's own benchmark client (vLLM: `vllm bench serve`, SGLang: "
+                        "`python -m sglang.bench_serving`) from this "
                         "machine against the fleet's endpoint over a concurrency sweep: JSON, a table and a PNG plot",
                         description="The client runs on this machine and must be installed here (--client: the "
-                        "`vllm` executable, or a Python that has vLLM); the tokenizer must be readable here too "
-                        "(--tokenizer DIR on an air-gapped control machine). The API key (k2_api_key_file) is "
-                        "passed as OPENAI_API_KEY in the client's environment. SGLang and TRT-LLM: not yet.")
+                        "`vllm` executable or a Python that has vLLM; for SGLang a Python that has sglang); the "
+                        "tokenizer must be readable here too (--tokenizer DIR on an air-gapped control machine). The "
+                        "API key (k2_api_key_file) is passed as OPENAI_API_KEY in the client's environment. "
+                        "TRT-LLM and KTransformers: not wired in.")
     _inventory_arguments(be)
     be.add_argument("--concurrency", metavar="N,N,...", help="levels to sweep (1..4096, at most 16; default 1,2,4,...,256)")
     be.add_argument("--num-prompts", type=int, help="requests per level (default 10 x the level, 10..1000)")
     be.add_argument("--input-len", type=int, default=1024, help="random input tokens per request (default 1024)")
     be.add_argument("--output-len", type=int, default=1024, help="output tokens per request, EOS ignored (default 1024)")
     be.add_argument("--out", type=Path, default=Path("k2fleet-bench"), help="output directory (default ./k2fleet-bench)")
-    be.add_argument("--client", metavar="PATH", help="the vllm executable or a Python with vLLM (default: vllm on PATH)")
+    be.add_argument("--client", metavar="PATH", help="the vllm executable or a Python with vLLM; for SGLang a Python "
+                    "with sglang (default: vllm, or python3, on PATH)")
     be.add_argument("--tokenizer", metavar="DIR", help="tokenizer for the random prompts (default: k2_model from the Hub)")
     be.add_argument("--replicas", action="store_true", help="also benchmark every serving replica on its own address")
     be.add_argument("--timeout", type=float, help="seconds per concurrency level (default: none)")

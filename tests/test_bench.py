@@ -49,8 +49,8 @@ def test_vllm_argv_has_the_verified_flags_and_no_key() -> None:
     assert (pairs["--num-prompts"], pairs["--max-concurrency"], pairs["--result-filename"]) == ("40", "4", "endpoint-c4.json")
     assert "--save-result" in argv and "--ignore-eos" in argv
     assert not any("key" in a.lower() for a in argv)
-    with pytest.raises(bp.BenchError, match="only vLLM"):
-        bp.bench_argv("sglang", "python", ep, "m", "t", 1, 1, 1, 1, Path("/o"))
+    with pytest.raises(bp.BenchError, match="not wired in"):
+        bp.bench_argv("ktransformers", "python", ep, "m", "t", 1, 1, 1, 1, Path("/o"))
     with pytest.raises(bp.BenchError, match="--num-prompts"):
         bp.bench_argv("vllm", "vllm", ep, "m", "t", 1, 0, 1, 1, Path("/o"))
 
@@ -237,3 +237,53 @@ def test_bench_stops_a_client_past_its_timeout_and_reports_bad_results(
     monkeypatch.setenv("FAKE_LOG", str(tmp_path / "calls.jsonl"))
     assert cli.main(["bench", str(inv), "--concurrency", "1", "--client", str(bad), "--out", str(tmp_path / "p")]) == 1
     assert "output_throughput missing" in capsys.readouterr().err
+
+
+FAKE_SGLANG = r'''
+import json, os, sys
+from pathlib import Path
+args = sys.argv[1:]
+assert args[:2] == ["-m", "sglang.bench_serving"], args
+with Path(os.environ["FAKE_LOG"]).open("a") as f:
+    f.write(json.dumps({"argv": sys.argv, "key": os.environ.get("OPENAI_API_KEY")}) + "\n")
+get = lambda flag: args[args.index(flag) + 1]
+c = int(get("--max-concurrency"))
+doc = {"completed": int(get("--num-prompts")) - 1, "duration": 1.0, "request_throughput": 1.0 * c,
+       "output_throughput": 40.0 * c, "total_throughput": 70.0 * c, "mean_ttft_ms": 10.0 * c, "median_ttft_ms": 9.0 * c,
+       "p99_ttft_ms": 30.0 * c, "mean_tpot_ms": 2.0 + c, "median_tpot_ms": 2.0 + c, "p99_tpot_ms": 4.0 + c}
+with open(get("--output-file"), "a") as f:  # sglang appends one JSON line per run
+    f.write(json.dumps({**doc, "output_throughput": -1.0}) + "\n" + json.dumps(doc) + "\n")
+'''
+
+
+def test_sglang_argv_and_command_with_a_stand_in_client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ep = bp.Endpoint("endpoint", "http://10.0.0.1:30000")
+    argv = bp.bench_argv("sglang", "/opt/sgl/bin/python", ep, "moonshotai/Kimi-K2-Thinking", "/models/k2", 4, 40,
+                         8000, 4000, Path("/out"))
+    assert argv[:3] == ["/opt/sgl/bin/python", "-m", "sglang.bench_serving"]
+    pairs = dict(zip(argv[3:], argv[4:]))
+    assert (pairs["--backend"], pairs["--base-url"], pairs["--random-range-ratio"]) == ("sglang-oai-chat",
+                                                                                      "http://10.0.0.1:30000", "1")
+    assert (pairs["--max-concurrency"], pairs["--output-file"]) == ("4", "/out/endpoint-c4.jsonl")
+    with pytest.raises(bp.BenchError, match="TRT-LLM's and KTransformers'"):
+        bp.bench_argv("trtllm", "python", ep, "m", "t", 1, 1, 1, 1, Path("/o"))
+    client = _fake_client(tmp_path, "python3-sgl", FAKE_SGLANG)
+    log = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("FAKE_LOG", str(log))
+    out = tmp_path / "out"
+    inv = _inventory(tmp_path, k2_engine="sglang")
+    assert cli.main(["bench", str(inv), "--concurrency", "1,8", "--num-prompts", "5", "--client", str(client),
+                     "--tokenizer", "/models/tok", "--out", str(out)]) == 0
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [c["key"] for c in calls] == [KEY] * 2 and not any(KEY in a for c in calls for a in c["argv"])
+    doc = json.loads((out / "bench.json").read_text())
+    assert [(p["concurrency"], p["completed"], p["failed"], p["output_throughput"], p["total_token_throughput"])
+            for p in doc["points"]] == [(1, 4, 1, 40.0, 70.0), (8, 4, 1, 320.0, 560.0)]  # the last line of each file
+
+
+def test_bench_refuses_trtllm_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    inv = _inventory(tmp_path, k2_engine="trtllm", k2_gpu="b200")
+    rc = cli.main(["bench", str(inv), "--client", sys.executable, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith("k2fleet: bench: engine trtllm: TRT-LLM's and KTransformers' benchmark clients "
+                                      "are not wired in") and len(err.strip().splitlines()) == 1, err

@@ -82,6 +82,44 @@ def vllm_point(doc: dict, endpoint: str, concurrency: int, path: Path = Path("re
                  n["mean_tpot_ms"], n["median_tpot_ms"], n["p99_tpot_ms"])
 
 
+def sglang_point(doc: dict, endpoint: str, concurrency: int, num_prompts: int, path: Path = Path("result")) -> Point:
+    """One point from ``python -m sglang.bench_serving --output-file``'s last JSON line (its
+    keys: ``total_throughput`` for input+output tok/s; no failure count: requests not completed).
+
+    >>> d = dict(completed=3, duration=2.0, request_throughput=1.5, output_throughput=48.0, total_throughput=90.0,
+    ...          mean_ttft_ms=10, median_ttft_ms=9, p99_ttft_ms=20, mean_tpot_ms=5, median_tpot_ms=5, p99_tpot_ms=6)
+    >>> p = sglang_point(d, "endpoint", 2, 4); (p.failed, p.total_token_throughput)
+    (1, 90.0)
+    """
+    n = {k: _num(doc, k, path) for k in ("completed", "duration", "request_throughput", "output_throughput",
+                                          "total_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+                                          "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms")}
+    return Point(endpoint, concurrency, int(n["completed"]), max(0, num_prompts - int(n["completed"])), n["duration"],
+                 n["request_throughput"], n["output_throughput"], n["total_throughput"],
+                 n["mean_ttft_ms"], n["median_ttft_ms"], n["p99_ttft_ms"],
+                 n["mean_tpot_ms"], n["median_tpot_ms"], n["p99_tpot_ms"])
+
+
+def read_last_json_line(path: Path, cap: int = MAX_RESULT_BYTES) -> dict:
+    """The last JSON object line of a JSONL file (SGLang appends one per run), size-capped."""
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise ReportError(f"{path}: {exc.strerror or exc}") from None
+    if size > cap:
+        raise ReportError(f"{path}: larger than {cap} bytes")
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    if not lines:
+        raise ReportError(f"{path}: empty")
+    try:
+        doc = json.loads(lines[-1])
+    except ValueError as exc:
+        raise ReportError(f"{path}: last line not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ReportError(f"{path}: not a JSON object")
+    return doc
+
+
 COLUMNS = (("ENDPOINT", "endpoint", "{}"), ("CONC", "concurrency", "{}"), ("OK", "completed", "{}"),
            ("FAIL", "failed", "{}"), ("REQ/S", "request_throughput", "{:.2f}"),
            ("OUT TOK/S", "output_throughput", "{:.2f}"), ("TOTAL TOK/S", "total_token_throughput", "{:.2f}"),

@@ -37,7 +37,7 @@ def _resolve_client(client: str | None, default: str, what: str) -> str:
     name = client or default
     found = name if os.sep in name else shutil.which(name)
     if not found or not os.access(found, os.X_OK):
-        raise ControlError(f"{what}: {client or default} not found on this machine; install it here and pass --client PATH")
+        raise ControlError(f"{what}: {name} not found on this machine; install it here and pass --client PATH")
     return found
 
 
@@ -67,9 +67,8 @@ def run_bench(dep: Deployment, plan: Plan, key: bytes | None, out: Path, concurr
     """Every (endpoint, concurrency) point in turn; result JSONs, ``bench.log``, ``bench.json``,
     ``bench.txt`` and ``bench.png`` in ``out``."""
     if plan.engine not in bp.BENCH_ENGINES:
-        raise ControlError(f"k2fleet bench: engine {plan.engine}: only vLLM's `vllm bench serve` is wired in so far "
-                           f"(SGLang's bench_serving and TRT-LLM's benchmark client are not)")
-    exe = _resolve_client(client, "vllm", "k2fleet bench")
+        raise ControlError(f"bench: engine {plan.engine}: {bp.NOT_WIRED}")
+    exe = _resolve_client(client, "vllm" if plan.engine == "vllm" else "python3", "bench")
     eps = bp.endpoints(plan, replicas)
     model = dep.api_model_name
     tok = tokenizer or dep.s.model
@@ -83,17 +82,18 @@ def run_bench(dep: Deployment, plan: Plan, key: bytes | None, out: Path, concurr
         for c in concurrency:
             n = bp.prompts_for(c, num_prompts)
             argv = bp.bench_argv(plan.engine, exe, ep, model, tok, c, n, input_len, output_len, raw)
-            result = raw / bp.result_filename(ep.label, c)
+            result = raw / bp.result_filename(ep.label, c, plan.engine)
             result.unlink(missing_ok=True)
             t = time.monotonic()
             rc = _run(argv, env, log, timeout)
             if rc != 0 or not result.is_file():
-                raise ControlError(f"k2fleet bench: {ep.label} ({ep.base}) at concurrency {c}: the client exited {rc}"
+                raise ControlError(f"bench: {ep.label} ({ep.base}) at concurrency {c}: the client exited {rc}"
                                    f" (log {log}):\n{_tail(log)}")
             try:
-                p = report.vllm_point(report.read_json_capped(result), ep.label, c, result)
+                p = (report.vllm_point(report.read_json_capped(result), ep.label, c, result) if plan.engine == "vllm"
+                     else report.sglang_point(report.read_last_json_line(result), ep.label, c, n, result))
             except report.ReportError as exc:
-                raise ControlError(f"k2fleet bench: {exc}") from None
+                raise ControlError(f"bench: {exc}") from None
             points.append(p)
             say(f"{ep.label} c={c}: {p.completed}/{n} ok, {p.output_throughput:.1f} out tok/s, "
                 f"TTFT {p.mean_ttft_ms:.1f} ms, TPOT {p.mean_tpot_ms:.1f} ms ({time.monotonic() - t:.0f} s)")
@@ -114,8 +114,8 @@ def run_eval(dep: Deployment, plan: Plan, key: bytes | None, dataset: Path, fews
     """lm-eval local-completions GSM8K 5-shot on ``dataset`` (offline) against the plan's endpoint."""
     for f in (dataset, fewshot):
         if f is not None and not f.is_file():
-            raise ControlError(f"k2fleet eval: {f}: no such file (a GSM8K-format JSONL: question, answer)")
-    exe = _resolve_client(client, "lm-eval", "k2fleet eval")
+            raise ControlError(f"eval: {f}: no such file (a GSM8K-format JSONL: question, answer)")
+    exe = _resolve_client(client, "lm-eval", "eval")
     ep = bp.endpoints(plan)[0]
     out.mkdir(parents=True, exist_ok=True)
     tasks = out / "tasks"
@@ -129,11 +129,11 @@ def run_eval(dep: Deployment, plan: Plan, key: bytes | None, dataset: Path, fews
     found = sorted((p for p in results.rglob("results_*.json") if p.stat().st_mtime >= started - 1),
                    key=lambda p: p.stat().st_mtime)
     if rc != 0 or not found:
-        raise ControlError(f"k2fleet eval: lm-eval exited {rc} (log {log}):\n{_tail(log)}")
+        raise ControlError(f"eval: lm-eval exited {rc} (log {log}):\n{_tail(log)}")
     try:
         score = report.gsm8k_score(report.read_json_capped(found[-1]), bp.GSM8K_TASK)
     except report.ReportError as exc:
-        raise ControlError(f"k2fleet eval: {found[-1]}: {exc}") from None
+        raise ControlError(f"eval: {found[-1]}: {exc}") from None
     for line in log.read_text(errors="replace").splitlines():  # lm-eval's own table rows
         if line.startswith("|"):
             say(line)

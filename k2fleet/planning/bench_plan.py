@@ -3,9 +3,10 @@ engine's own benchmark client's argv for one concurrency point, the concurrency 
 the lm-eval ``local-completions`` argv and task file for GSM8K from a local file (issue #23).
 
 The clients run on the control machine (``--client``: the ``vllm`` executable, or a Python
-that has vLLM; ``lm_eval`` or a Python that has lm-eval). The endpoint's API key is never in
-argv: both clients read ``OPENAI_API_KEY`` (vLLM's ``benchmarks/lib/endpoint_request_func.py``;
-lm-eval's ``local-completions`` sends it as ``Authorization: Bearer``).
+that has vLLM; a Python that has SGLang; ``lm-eval`` or a Python that has lm-eval). The
+endpoint's API key is never in argv: every client reads ``OPENAI_API_KEY`` (vLLM's
+``benchmarks/lib/endpoint_request_func.py``; SGLang's ``bench_serving.get_auth_headers``;
+lm-eval's ``local-completions``), each sending it as ``Authorization: Bearer``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ MAX_POINTS = 16
 SEED_GSM8K = 0.9416
 SEED_GSM8K_STDERR = 0.0065
 KEY_ENV = "OPENAI_API_KEY"  # read by `vllm bench serve` and by lm-eval's local-completions
-BENCH_ENGINES = ("vllm",)
+BENCH_ENGINES = ("vllm", "sglang")
+NOT_WIRED = ("TRT-LLM's and KTransformers' benchmark clients are not wired in: `k2fleet bench` runs vLLM's "
+             "`vllm bench serve` and SGLang's `python -m sglang.bench_serving`")
 
 
 class BenchError(ValueError):
@@ -130,18 +133,19 @@ def _client_prefix(engine: str, client: str) -> list[str]:
     python = Path(client).name.startswith("python")
     if engine == "vllm":
         return [client, "-c", VLLM_CLI_PY, "bench", "serve"] if python else [client, "bench", "serve"]
-    raise BenchError(f"k2fleet bench: engine {engine}: only vLLM's `vllm bench serve` is wired in so far "
-                     f"(SGLang's bench_serving and TRT-LLM's benchmark client are not)")
+    if engine == "sglang":
+        return [client, "-m", "sglang.bench_serving"]  # a module only: client is a Python with sglang
+    raise BenchError(f"engine {engine}: {NOT_WIRED}")
 
 
-def result_filename(label: str, concurrency: int) -> str:
-    """Where one point's result goes (the label made file-name safe).
+def result_filename(label: str, concurrency: int, engine: str = "vllm") -> str:
+    """Where one point's result goes (the label made file-name safe; SGLang appends JSON lines).
 
-    >>> result_filename("gpu-0", 8), result_filename("a/b", 1)
-    ('gpu-0-c8.json', 'a_b-c1.json')
+    >>> result_filename("gpu-0", 8), result_filename("a/b", 1, "sglang")
+    ('gpu-0-c8.json', 'a_b-c1.jsonl')
     """
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)
-    return f"{safe}-c{concurrency}.json"
+    return f"{safe}-c{concurrency}.json" + ("l" if engine == "sglang" else "")
 
 
 def bench_argv(engine: str, client: str, endpoint: Endpoint, model: str, tokenizer: str, concurrency: int,
@@ -163,7 +167,14 @@ def bench_argv(engine: str, client: str, endpoint: Endpoint, model: str, tokeniz
     for name, value in (("--input-len", input_len), ("--output-len", output_len)):
         if not 1 <= value <= 1_000_000:
             raise BenchError(f"{name}: {value} is not between 1 and 1000000")
-    return [*_client_prefix(engine, client),
+    prefix = _client_prefix(engine, client)
+    if engine == "sglang":  # its bench_serving: ignore_eos is its default; range ratio 1: fixed lengths as vLLM's
+        return [*prefix, "--backend", "sglang-oai-chat", "--base-url", endpoint.base, "--model", model,
+                "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(input_len),
+                "--random-output-len", str(output_len), "--random-range-ratio", "1", "--num-prompts", str(num_prompts),
+                "--max-concurrency", str(concurrency), "--request-rate", "inf", "--disable-tqdm",
+                "--output-file", str(result_dir / result_filename(endpoint.label, concurrency, engine))]
+    return [*prefix,
             "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", endpoint.base,
             "--model", model, "--tokenizer", tokenizer, "--trust-remote-code",
             "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(output_len),
