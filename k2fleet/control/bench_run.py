@@ -103,8 +103,11 @@ def run_bench(dep: Deployment, plan: Plan, key: bytes | None, out: Path, concurr
     doc = report.report_document(points, meta)
     (out / "bench.json").write_text(json.dumps(doc, indent=1) + "\n")
     (out / "bench.txt").write_text(report.format_table(points))
-    report.write_plot(points, out / "bench.png", f"{model} ({plan.engine} {plan.engine_version}), "
-                      f"random {input_len} in / {output_len} out")
+    try:
+        report.write_plot(points, out / "bench.png", f"{model} ({plan.engine} {plan.engine_version} planned), "
+                          f"random {input_len} in / {output_len} out")
+    except ImportError:
+        say("note: no bench.png: matplotlib is not installed here (pip install 'k2fleet[bench]')")
     return points, doc
 
 
