@@ -23,4 +23,5 @@ from k2fleet.deploy.pipeline import deploy_kimi
 run = fleet_run(state, inventory)
 deploy_kimi(run, run.desired[host.name], run.fact_of(host), reboots=run.reboots(inventory),
             weights_wanted=run.weights_wanted(inventory), unsettled=run.unsettled(inventory),
-            reboot_steps=run.reboot_steps(inventory), restart_steps=run.restart_steps(inventory))
+            reboot_steps=run.reboot_steps(inventory), restart_steps=run.restart_steps(inventory),
+            starting=run.starting(inventory))

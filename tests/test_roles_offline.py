@@ -55,6 +55,7 @@ from tests.inventory_factory import write_inventory
 REPO = Path(__file__).resolve().parents[1]
 H200 = REPO / "inventories" / "h200.py"
 TRTLLM_MPI = REPO / "inventories" / "h200-trtllm-mpi.py"
+DP_EP = REPO / "inventories" / "h200-dp-ep.py"
 ENGINE_FLAG = 'k2_engine_args={"max-num-seqs": 64}'
 
 # --------------------------------------------------------------------------- desired state + fact
@@ -207,6 +208,8 @@ def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], fact
     restarts = restart_steps(desired, facts, bool(reboots) and not rolling_reboots)
     unsettled = None if every_role else {name: a.describe() for name, d in desired.items()
                                          if not (a := host_actions(d, facts[name])).settled}
+    starting = bool(restarts) or any(not facts[name].unit_active(f"{unit}.service") for name, d in desired.items()
+                                     for _, unit in d.own_slots)  # FleetRun.starting
     hosts = [(f"@fake/{name}", {"ssh_hostname": d.address, "fake_delay": 0, "fake_delay_jitter": 0})
              for name, d in desired.items()]
     state = State(Inventory((hosts, {})), Config())
@@ -221,7 +224,7 @@ def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], fact
 
         mine = run.desired[host.name.removeprefix("@fake/")]
         deploy_kimi(run, mine, facts[mine.name], reboots=reboots, weights_wanted=weights_wanted, unsettled=unsettled,
-                    reboot_steps=rolling_reboots, restart_steps=restarts)
+                    reboot_steps=rolling_reboots, restart_steps=restarts, starting=starting)
 
     add_deploy(state, pipeline)
 
@@ -497,3 +500,31 @@ def test_a_mesh_key_the_host_no_longer_holds_is_removed(tmp_path: Path, control_
     assert not out.op("h200-0", "remove the SSH keys of the mesh this host no longer holds").changed
     _, _, vllm = planned(str(H200))
     assert "/etc/k2fleet/mesh/ssh_host_ed25519_key" in vllm["h200-1"].absent
+
+
+def test_a_bring_up_checks_the_peers_rendezvous_ports_before_the_engines_start(tmp_path: Path,
+                                                                                 control_calls: list[str]) -> None:
+    """DP+EP over two hosts, engines not running: the head holds its DP RPC port on its fleet
+    address, the other host opens it, then the listener stops — every listener before any
+    probe, every probe before an engine starts. A settled fleet plans none of it."""
+    dep, plan, desired = planned(str(DP_EP))
+    head, worker = desired["h200-0"], desired["h200-1"]
+    facts = settled_fleet(dep, desired)
+    assert run_roles(dep, plan, desired, facts, tmp_path, control_calls).ops == {"h200-0": {}, "h200-1": {}}
+    for name in facts:
+        facts[name] = dataclasses.replace(facts[name], units={**facts[name].units,
+                                                              "k2-vllm.service": {"ActiveState": "inactive"}})
+    out = run_roles(dep, plan, desired, facts, tmp_path, control_calls)
+    hold = out.op("h200-0", "reachability: hold this host's rendezvous ports")
+    assert hold.changed and any("systemd-run --unit=k2-reach" in c and f"--bind {head.address} --ports 13345" in c
+                                for c in hold.commands), hold.commands
+    probe = out.op("h200-1", "reachability: open every peer's rendezvous ports")
+    assert probe.changed and any(f"reach probe --host h200-1 --targets {head.address}:13345" in c
+                                 for c in probe.commands), probe.commands
+    assert not out.op("h200-1", "reachability: hold this host's rendezvous ports").changed  # nothing to hold
+    assert not out.op("h200-0", "reachability: open every peer's rendezvous ports").changed  # no peer port
+    order = [op for _, op in out.timeline]
+    last_hold = max(i for i, op in enumerate(order) if op.startswith("reachability: hold"))
+    first_probe = min(i for i, op in enumerate(order) if op.startswith("reachability: open"))
+    first_start = min(i for i, op in enumerate(order) if "k2-vllm" in op and ("bring" in op or "start" in op))
+    assert last_hold < first_probe < first_start, order

@@ -44,6 +44,8 @@ def test_a_sudo_user_deploys_the_fleet_without_root_ssh(sandbox_fleet: SandboxFl
         assert refused.returncode != 0, f"{host['name']}: root SSH login still works"
     first = fleet.deploy(OPS)
     assert first.returncode == 0, first.tail()
+    # the deploy ends with where it serves and a line to try it
+    assert "k2fleet: serving " in first.log and "k2fleet: try: curl -s http://" in first.log, first.tail()
     head = fleet.hosts[0]
     status, models = http_json(f"http://{head['address']}:8000/v1/models")
     assert status == 200, models

@@ -27,8 +27,11 @@ FIREWALL = plan_firewall.UNIT
 
 
 def unit_commands(out: Outcome, host: str) -> list[str]:
-    """The systemctl/upload commands of ``host``, each cut at its first `` || `` (retry/explain)."""
-    return [c.split(" || ")[0] for c in out.commands(host) if c.startswith(("systemctl", "<upload>"))]
+    """The systemctl/upload commands of ``host``, each cut at its first `` || `` (retry/explain),
+    but the reachability check's transient listener (``k2-reach``: it runs before any serving
+    unit starts or restarts; tests/test_roles_offline.py checks it)."""
+    return [c.split(" || ")[0] for c in out.commands(host)
+            if c.startswith(("systemctl", "<upload>")) and "k2-reach.service" not in c]
 
 
 def touching(out: Outcome, host: str, what: str) -> list[str]:

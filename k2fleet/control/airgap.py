@@ -55,6 +55,7 @@ from k2fleet.control import aptroot, deb_bundles as bundle, wheelhouse
 from k2fleet.planning.host_bootstrap import Repo
 from k2fleet.control.deb_bundles import sha256_file
 from k2fleet.planning.os_tables import MIRROR_LAYOUTS, OS_TABLES
+from k2fleet.planning import gpu_exporter
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.desired import (bundle_request, engine_requirements, host_arch, host_bootstrap,
                              package_set)
@@ -171,6 +172,8 @@ def bundle_needs(dep: Deployment, plan: Plan) -> Needs:
     if dep.s.checkpoint_fetcher != "control":
         wheels.add(WheelSet("hub", (wheelhouse.hub_client_requirement(),), wheelhouse.PYTHONS, tuple(wheelhouse.PLATFORMS)))
     images = (dep.image,) if dep.runtime == "container" and dep.image else ()
+    if any(gpu_exporter.runs_on(dep, hp.role) for hp in plan.hosts.values()):
+        images += (dep.s.gpu_exporter_image,)  # k2_gpu_exporter: dcgm-exporter's image
     checkpoints = tuple((ws.repo, ws.revision, ws.patterns) for ws in dep.weight_sets
                         if ws.source == "hub" and dep.s.checkpoint_fetcher == "control")
     return Needs(tuple(sorted(debs, key=repr)), tuple(sorted(wheels, key=repr)), images, checkpoints)
@@ -352,12 +355,17 @@ class _Builder:
 
     def image(self, dep: Deployment, plan: Plan, ref: str, rehearsal: bool) -> None:
         t0 = time.monotonic()
-        if rehearsal:
+        exporter = ref == dep.s.gpu_exporter_image and ref != dep.image
+        if rehearsal and exporter:
+            made = stand_ins().gpu_exporter_image(ref, build=True, cache=self.caches.images)
+            assert made is not None
+            (path, image_id), origin = made, "k2fleet (dcgm-exporter TEST DOUBLE image)"
+        elif rehearsal:
             made = stand_ins().image(ref, plan, build=True, cache=self.caches.images)
             assert made is not None
             (path, image_id), origin = made, "k2fleet (engine TEST DOUBLE image)"
         else:
-            path, image_id = save_image(ref, dep.s.image_id, self.caches.images, self.say)
+            path, image_id = save_image(ref, pinned_id(dep, ref), self.caches.images, self.say)
             origin = f"docker pull {ref}; docker save"
         rel = f"images/{path.name}"
         self.add(rel, path, "image", ref, image_id, origin, image_id=image_id)
@@ -414,6 +422,14 @@ class _Builder:
         return removed
 
 
+def pinned_id(dep: Deployment, ref: str) -> str | None:
+    """The image ID the inventory pins ``ref`` to: ``k2_image_id`` for the engine's image,
+    ``k2_gpu_exporter_image_id`` for dcgm-exporter's (None: not pinned)."""
+    if ref == dep.image:
+        return dep.s.image_id
+    return dep.s.gpu_exporter_image_id if ref == dep.s.gpu_exporter_image else None
+
+
 def save_image(ref: str, image_id: str | None, cache: Path, say: Say) -> tuple[Path, str]:
     """``docker pull`` ``ref`` (refused if it is not ``image_id``) and ``docker save`` it,
     gzipped, into ``cache`` once per image ID; (archive, image ID)."""
@@ -427,7 +443,8 @@ def save_image(ref: str, image_id: str | None, cache: Path, say: Say) -> tuple[P
     got = subprocess.run([docker, "image", "inspect", "--format", "{{.Id}}", ref], capture_output=True, text=True,
                          check=True).stdout.strip()
     if image_id and got != image_id:
-        raise AirgapError(f"image {ref} is {got}, not k2_image_id {image_id}; fix k2_image_id or the reference")
+        raise AirgapError(f"image {ref} is {got}, not the pinned image ID {image_id} (k2_image_id or "
+                          "k2_gpu_exporter_image_id); fix the ID or the reference")
     path = cache / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', ref)}-{got.split(':')[-1][:16]}.tar.gz"
     if not path.is_file():
         cache.mkdir(parents=True, exist_ok=True)
@@ -582,8 +599,10 @@ def read_bundle(dep: Deployment, plan: Plan, bundle_dir: str | Path) -> BundleAr
         part = _matching(lock.part("images"), ref=ref)
         if part is None:
             raise AirgapError(f"bundle {root} has no image {ref}; {fix}")
-        if dep.s.image_id and part["image_id"] != dep.s.image_id:
-            raise AirgapError(f"bundle {root} holds {ref} as {part['image_id']}, not k2_image_id {dep.s.image_id}; {fix}")
+        want = pinned_id(dep, ref)
+        if want and part["image_id"] != want:
+            key = "k2_image_id" if want == dep.s.image_id else "k2_gpu_exporter_image_id"
+            raise AirgapError(f"bundle {root} holds {ref} as {part['image_id']}, not {key} {want}; {fix}")
         images[ref] = (str(verified(root, part["path"], lock)), part["image_id"])
     for repo, revision, _ in needs.checkpoints:
         part = _matching(lock.part("checkpoints"), repo=repo, revision=revision)

@@ -34,7 +34,7 @@ from k2fleet.planning.engine_side import host_python
 from k2fleet.control import ControlError, airgap, aptroot, deb_bundles as bundle, wheelhouse
 from k2fleet.control.stand_ins import engine_doubles_for, stand_ins
 from k2fleet.planning.deployment import Deployment
-from k2fleet.planning import mesh_config
+from k2fleet.planning import gpu_exporter, mesh_config
 from k2fleet.planning.desired import (ControlArtifacts, bundle_request, engine_requirements, host_arch, host_bootstrap,
                              needs_double_image, package_set)
 from k2fleet.planning.processes import Plan
@@ -123,12 +123,24 @@ def _engine_wheels(dep: Deployment, plan: Plan, build: bool) -> dict[tuple[str, 
 
 def _double_images(dep: Deployment, plan: Plan, build: bool) -> dict[str, tuple[str, str]]:
     """The engine TEST DOUBLE image archive of a sandbox container scenario (ref → (path,
-    image ID)): built, or the cached one; empty when none is needed (or, read only, made)."""
-    if not needs_double_image(dep):
-        return {}
-    assert dep.image is not None
-    made = stand_ins().image(dep.image, plan, build=build)
-    return {dep.image: (str(made[0]), made[1])} if made else {}
+    image ID)) and, under ``k2_gpu_exporter``, dcgm-exporter's: built, or the cached ones; empty
+    when none is needed (or, read only, made)."""
+    out: dict[str, tuple[str, str]] = {}
+    if needs_double_image(dep):
+        assert dep.image is not None
+        made = stand_ins().image(dep.image, plan, build=build)
+        if made:
+            out[dep.image] = (str(made[0]), made[1])
+    if needs_gpu_exporter_double(dep, plan):  # k2_gpu_exporter on simulated GPUs: dcgm-exporter's TEST DOUBLE
+        made = stand_ins().gpu_exporter_image(dep.s.gpu_exporter_image, build=build)
+        if made:
+            out[dep.s.gpu_exporter_image] = (str(made[0]), made[1])
+    return out
+
+
+def needs_gpu_exporter_double(dep: Deployment, plan: Plan) -> bool:
+    """``k2_gpu_exporter`` on simulated GPUs (the sandbox) on some host: the exporter's TEST DOUBLE image."""
+    return dep.s.simulated_gpus and any(gpu_exporter.runs_on(dep, hp.role) for hp in plan.hosts.values())
 
 
 def relay_secret_path(dep: Deployment) -> Path:

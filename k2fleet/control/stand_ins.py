@@ -64,6 +64,11 @@ class StandIns(Protocol):
         test doubles. Made when ``build``, else the cached one or None; ControlError when the
         provider has no CPU build for them."""
 
+    def gpu_exporter_image(self, ref: str, *, build: bool, cache: Path | None = None) -> tuple[Path, str] | None:
+        """A TEST DOUBLE of NVIDIA's dcgm-exporter image tagged ``ref`` (``docker load``-able) and its
+        image ID: its entry point serves DCGM metrics of the simulated GPUs on port 9400; built
+        when ``build``, else the cached one or None."""
+
     def checkpoint(self, repo: str, revision: str) -> Path:
         """A synthetic checkpoint of ``repo``@``revision`` with its manifest, made once and
         cached; its directory."""

@@ -15,6 +15,7 @@ step again (a second, blocking ``flock`` on a cache would freeze the whole proce
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -24,9 +25,8 @@ from typing import Any, NoReturn
 
 from k2fleet.control import ControlError
 from k2fleet.control.artifacts import prepare_control_artifacts, read_control_artifacts, relay_secret_path, state_dir
-from k2fleet.planning.host_actions import host_actions
+from k2fleet.planning.host_actions import host_actions, reboot_steps, restart_steps
 from k2fleet.planning.host_bootstrap import reboot_reason
-from k2fleet.planning.host_actions import reboot_steps, restart_steps
 from k2fleet.planning.rollout import Step
 from k2fleet.control.checkpoint_copy import ControlRelay
 from k2fleet.deploy.facts import HostState
@@ -37,6 +37,8 @@ from k2fleet.deploy.gate import check_hosts, refusal_line
 from k2fleet.inventory.loader import host_data
 from k2fleet.planning.processes import Plan
 from k2fleet.inventory.spec import SpecError
+from k2fleet.planning.quoting import curl_line
+from pyinfra.api.state import StateStage
 
 STATE_ATTRIBUTE = "k2fleet_run"
 
@@ -52,6 +54,7 @@ class FleetRun:
     dry: bool
     state_dir: Path
     tracked: list[Any] = field(default_factory=list)  # ops whose change re-runs the health gate
+    reach_probes: dict[str, Any] = field(default_factory=dict)  # host → its reachability probe op (the fleet barrier)
     facts: dict[str, HostReport] = field(default_factory=dict)  # HostState per host, gathered once
     fact_locks: dict[str, threading.Lock] = field(default_factory=dict)
     control_relay: ControlRelay = field(default_factory=ControlRelay)  # the control copy, served to the fleet
@@ -104,6 +107,14 @@ class FleetRun:
             if not actions.settled:
                 out[h.name] = actions.describe()
         return out
+
+    def starting(self, inventory: Any) -> bool:
+        """Does a serving unit start or restart somewhere in the fleet in this run (one of a
+        host's own units is not active — a bring-up or a recovery — or running ones restart:
+        :meth:`restart_steps`; planning time, every host's fact)?"""
+        return self._fleet_view("starting", lambda: bool(self.restart_steps(inventory)) or any(
+            not self.fact_of(h).unit_active(f"{name}.service") for h in inventory
+            for _, name in self.desired[h.name].own_slots))
 
     def reboot_steps(self, inventory: Any) -> list[Step]:
         """The bootstrap's rolling reboots, instance by instance (``k2_reboot: rolling`` under
@@ -200,4 +211,28 @@ def _make_fleet_run(state: Any, inventory: Any, dry: bool | None) -> FleetRun:
                    desired=desired_state(dep, plan, artifacts), xet_disabled=bool(os.environ.get("HF_HUB_DISABLE_XET")),
                    control_relay=ControlRelay(relay_secret_path(dep)))
     setattr(state, STATE_ATTRIBUTE, run)
+    if not dry:
+        atexit.register(say_endpoints, state, dep, plan)
     return run
+
+
+def endpoint_lines(dep: Deployment, plan: Plan) -> list[str]:
+    """Where the fleet serves and a line to try it (the load balancer's, the router's or the
+    first healthy service's endpoint; with ``k2_api_key_file`` the key is read from that file
+    when the line runs)."""
+    main = plan.endpoint()
+    if main is None:
+        return []
+    base = f"http://{main[0]}:{main[1]}/v1"
+    return [f"k2fleet: serving {dep.api_model_name} at {base}",
+            f"k2fleet: try: {curl_line(base, dep.api_model_name, dep.s.api_key_file)}"]
+
+
+def say_endpoints(state: Any, dep: Deployment, plan: Plan) -> None:
+    """At the end of a deploy whose operations ran on every host without a failure (pyinfra
+    reached its disconnect stage, no failed host): :func:`endpoint_lines` on stderr, after
+    pyinfra's own summary."""
+    if getattr(state, "current_stage", 0) < StateStage.Disconnect or getattr(state, "failed_hosts", None):
+        return
+    sys.stderr.write("".join(line + "\n" for line in endpoint_lines(dep, plan)))
+    sys.stderr.flush()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import posixpath
 import time
+from collections.abc import Callable
 from io import BytesIO
 
 from pyinfra import host
@@ -189,3 +190,25 @@ def rolling_step(desired: HostDesired, step: Step, tag: str, tracked: list, reas
     if step.server and lb:
         command(name=f"{tag}: put {step.server} back at the load balancer (UP in its health checks)",
                 argv=lb.argv("ready", step.server) if me == lb.host else ["true"], _if=lambda: me == lb.host)
+
+
+@operation(is_idempotent=False)
+def fleet_barrier(failed: Callable[[], list[str]], what: str):
+    """Fail this host when ``failed()``, called at execution time, names hosts: a step every
+    host of the fleet must pass before any goes on (pyinfra runs each operation on every host
+    before the next, so ``failed`` sees every host's outcome of the step before).
+
+    **Example:**
+
+    .. code:: python
+
+        fleet_barrier(name="every host reached its peers", failed=lambda: [...], what="reachability")
+    """
+
+    def check(state, host) -> None:
+        names = failed()
+        if names:
+            raise Exception(f"{what} failed on {', '.join(sorted(names))}: {host.name} stops here too, "
+                            "so no engine of the fleet starts")
+
+    yield FunctionCommand(check, (), {})

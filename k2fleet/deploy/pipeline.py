@@ -15,8 +15,8 @@ from k2fleet.planning.desired import HostDesired
 from k2fleet.planning.host_packages import bundle_apt_options
 from k2fleet.planning.host_fact import HostReport
 from k2fleet.deploy.fleet_run import FleetRun, side_channel
-from k2fleet.deploy.roles import (bootstrap, checkpoint, engine, firewall, health_gate, hub_client, mesh, packages,
-                                  preflight, services)
+from k2fleet.deploy.roles import (bootstrap, checkpoint, engine, firewall, gpu_exporter, health_gate, hub_client, mesh,
+                                  packages, preflight, reach, services)
 from k2fleet.planning.firewall import rules_path
 from k2fleet.planning.rollout import Step
 
@@ -27,9 +27,10 @@ class RebootRefused(Exception):
 
 def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: dict[str, str],
                 weights_wanted: dict[str, list[str]], unsettled: dict[str, str] | None = None,
-                reboot_steps: list[Step] | None = None, restart_steps: list[Step] | None = None) -> None:
+                reboot_steps: list[Step] | None = None, restart_steps: list[Step] | None = None,
+                starting: bool = False) -> None:
     """Carry out one host's desired state: preflight → packages → bootstrap → firewall → SSH mesh →
-    engine → Hub client → checkpoint → services → health gate (→ the mesh stopped, under
+    engine → GPU exporter → Hub client → checkpoint → reachability → services → health gate (→ the mesh stopped, under
     ``k2_mesh_after_deploy: stop``).
 
     + run: the run's :class:`~k2fleet.deploy.fleet_run.FleetRun` (deployment, artifacts, tracked operations)
@@ -50,6 +51,9 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
     + restart_steps: the restarts of running units (every host's, from
       :meth:`~k2fleet.deploy.fleet_run.FleetRun.restart_steps`): instance by instance under ``k2_rollout:
       rolling``. None: every restart at once
+    + starting: serving units start somewhere in the fleet in this run (from
+      :meth:`~k2fleet.deploy.fleet_run.FleetRun.starting`): the peers' rendezvous ports are
+      checked first (the reach role)
 
     **Example:**
 
@@ -59,7 +63,8 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
         mine = run.desired[host.name]
         deploy_kimi(run, run.desired[host.name], run.fact_of(host), reboots=run.reboots(inventory),
                     weights_wanted=run.weights_wanted(inventory), unsettled=run.unsettled(inventory),
-                    reboot_steps=run.reboot_steps(inventory), restart_steps=run.restart_steps(inventory))
+                    reboot_steps=run.reboot_steps(inventory), restart_steps=run.restart_steps(inventory),
+                    starting=run.starting(inventory))
     """
     dep = run.dep
     if reboots and dep.s.reboot == "never":
@@ -82,10 +87,12 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
     firewall.configure(desired, fact, run.tracked, rules_path=rules_path(dep))
     mesh.configure(desired, fact, run.tracked)
     engine.install(desired, fact, run.tracked)
+    gpu_exporter.run(desired, fact, run.tracked)
     hub_client.install(desired, fact, requirement=run.artifacts.hub_requirement)
     checkpoint.ensure(dep, desired, fact, run.tracked, log_file=str(run.state_dir / "checkpoint-transfers.jsonl"),
                       control_relay=run.control_relay, fleet_wanted=weights_wanted,
                       side_channel=side_channel(host.data, host.name), xet_disabled=run.xet_disabled)
+    reach.check(desired, starting=starting, probes=run.reach_probes)
     services.start(desired, fact, run.tracked, restart_all=bool(reboots) and not reboot_steps, steps=restart_steps)
     health_gate.gate(desired, fact, changed=run.fleet_changed)
     mesh.rest(desired, fact)

@@ -1046,7 +1046,7 @@ class HostSettings(BaseModel):
     metrics: bool = _key(
         FLEET,
         "Metrics on (README \"Metrics\"): SGLang (and sglang-kt) get `--enable-metrics` (vLLM and TRT-LLM serve "
-        "`/metrics` on the API port anyway), GPU hosts' dcgm-exporter port 9400 and, with `k2_node_exporter`, "
+        "`/metrics` on the API port anyway), GPU hosts' dcgm-exporter port 9400 (real GPUs, or `k2_gpu_exporter`) and, with `k2_node_exporter`, "
         "port 9100 are opened to `k2_metrics_scrapers` and the fleet; `k2fleet metrics` writes the scrape "
         "configuration.",
         default=False,
@@ -1063,6 +1063,27 @@ class HostSettings(BaseModel):
         "Install the OS's Prometheus node exporter (Debian/Ubuntu `prometheus-node-exporter`, its own unit, "
         "port 9100) on every host; RHEL 9 has no such package in its base repositories: refused there.",
         default=False,
+    )
+    gpu_exporter: bool = _key(
+        FLEET,
+        "With `k2_metrics`: run NVIDIA's dcgm-exporter on every GPU host as `k2-dcgm-exporter.service` "
+        "(the pinned `k2_gpu_exporter_image` under Docker and the NVIDIA container toolkit, which the bootstrap "
+        "adds on venv-runtime hosts; port 9400, opened to `k2_metrics_scrapers` and the fleet; a `dcgm` target "
+        "of `k2fleet metrics`). NVIDIA GPUs only: refused on AMD. Sandbox: a TEST DOUBLE image.",
+        default=False,
+    )
+    gpu_exporter_image: ImageRef = _key(
+        FLEET,
+        "The dcgm-exporter image `k2_gpu_exporter` runs (NVIDIA's README's tag: "
+        "`<DCGM version>-<exporter version>-ubuntu22.04`).",
+        default="nvcr.io/nvidia/k8s/dcgm-exporter:4.2.3-4.1.3-ubuntu22.04",
+    )
+    gpu_exporter_image_id: ImageId | None = _key(
+        FLEET,
+        "Image ID (`sha256:...`) `k2_gpu_exporter_image` must be: hosts pull the reference and check it, and "
+        "`k2-dcgm-exporter.service` refuses to start any other image under it (as `k2_image_id` for the engine). "
+        "Sandbox: the TEST DOUBLE image's own ID.",
+        default=None,
     )
     mesh_user: PosixUser = _key(FLEET, "User mpirun connects as over the mesh.", default="root")
     bind_address: Literal["all", "fleet"] = _key(

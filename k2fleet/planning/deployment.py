@@ -621,12 +621,23 @@ def _check_fetcher(fleet: Fleet) -> None:
                     "name a host that loads weights", fleet)
 
 
-def _check_metrics(fleet: Fleet) -> None:
-    """``k2_node_exporter`` needs the OS table's package; the metrics keys need ``k2_metrics``."""
+def _check_metrics(fleet: Fleet, gpu: Any = None) -> None:
+    """``k2_node_exporter`` needs the OS table's package; the metrics keys need ``k2_metrics``;
+    ``k2_gpu_exporter`` (NVIDIA's dcgm-exporter) needs NVIDIA GPUs on a host of the inventory."""
     s = fleet.settings
-    if (s.metrics_scrapers or s.node_exporter) and not s.metrics:
-        key = "k2_metrics_scrapers" if s.metrics_scrapers else "k2_node_exporter"
+    if (s.metrics_scrapers or s.node_exporter or s.gpu_exporter) and not s.metrics:
+        key = next(k for k, on in (("k2_metrics_scrapers", s.metrics_scrapers), ("k2_node_exporter", s.node_exporter),
+                                   ("k2_gpu_exporter", s.gpu_exporter)) if on)
         raise _fail(key, "is a metrics setting; set k2_metrics: True too", fleet)
+    if s.gpu_exporter_image_id and not s.gpu_exporter:
+        raise _fail("k2_gpu_exporter_image_id", "pins the dcgm-exporter image; set k2_gpu_exporter: True too", fleet)
+    if s.gpu_exporter:
+        if gpu is not None and gpu.vendor != "nvidia":
+            raise _fail("k2_gpu_exporter", f"runs NVIDIA's dcgm-exporter, which reads NVIDIA GPUs through DCGM; "
+                        f"{gpu.name} is an AMD GPU: set k2_gpu_exporter: False (AMD's exporter is not wired)", fleet)
+        if all(h.settings.role in ("router", "slurm-submit") for h in fleet.hosts):
+            raise _fail("k2_gpu_exporter", "no host of this inventory carries GPUs (router / slurm-submit only): "
+                        "the SLURM nodes are not k2fleet's; set k2_gpu_exporter: False", fleet)
     if s.node_exporter:
         from k2fleet.planning.os_tables import OS_TABLES, host_os
 
@@ -944,7 +955,7 @@ def resolve(fleet: Fleet) -> Deployment:
     _check_bundle(fleet)
     _check_api_key(fleet)
     _check_load_balancer(fleet)
-    _check_metrics(fleet)
+    _check_metrics(fleet, gpu)
     _check_ip_addresses(fleet)
     _check_venv_python(fleet, s.engine, version, runtime)
     pools = {}

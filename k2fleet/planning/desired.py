@@ -33,6 +33,8 @@ from k2fleet.planning.host_bootstrap import BootstrapPlan, bootstrap_plan
 from k2fleet.planning.os_tables import OS_TABLES
 from k2fleet.planning import mirrors, relay_plan
 from k2fleet.planning import firewall as fleet_firewall
+from k2fleet.planning import gpu_exporter
+from k2fleet.planning.reach_plan import ReachCheck, reach_checks
 from k2fleet.hostprogs import swarm
 from k2fleet.planning.deployment import CHECKPOINT_CHECK, Deployment, WeightSet
 from k2fleet.planning.render.vllm import RAY_TOKEN
@@ -190,10 +192,12 @@ class HostDesired:
     engine_entry: str = ""
     bootstrap: BootstrapPlan | None = None  # driver, fabric, container runtime (k2fleet.planning.host_bootstrap)
     image: ImagePin | None = None
+    gpu_exporter: ImagePin | None = None  # k2_gpu_exporter: dcgm-exporter's image (None: not on this host)
     device_doubles: tuple[str, ...] = ()
     firewall: fleet_firewall.HostFirewall | None = None  # k2fleet's nftables table (None: none on this host)
     api_key_services: list[str] = field(default_factory=list)  # services that read the API key (restart with it)
     rollout: Rollout = field(default_factory=Rollout)  # the fleet's instances, k2_rollout, its load balancer
+    reach: ReachCheck | None = None  # the peers' rendezvous ports checked before the engines start
 
     def all_paths(self) -> list[str]:
         paths = {p for files in self.files.values() for p in files}
@@ -229,6 +233,7 @@ class HostDesired:
             "bootstrap": None if self.bootstrap is None else self.bootstrap.to_json(),
             "firewall": None if self.firewall is None else self.firewall.to_json(),
             "venv_install": self.venv_install,
+            "reach": None if self.reach is None else self.reach.to_json(),
         }
 
 
@@ -442,6 +447,27 @@ def image_files(dep: Deployment, hp: HostPlan, art: ControlArtifacts) -> tuple[I
     return ImagePin(dep.image, made[1], remote), {remote: FileSpec(path.read_bytes(), "644", "image")}
 
 
+def gpu_exporter_files(dep: Deployment, art: ControlArtifacts) -> tuple[ImagePin, dict[str, FileSpec]]:
+    """``k2_gpu_exporter`` on a GPU host: dcgm-exporter's image pin, its unit and (the sandbox's
+    TEST DOUBLE image, or a ``k2_bundle``'s saved image) the archive the host loads; otherwise a
+    real fleet pulls ``k2_gpu_exporter_image`` and checks it is ``k2_gpu_exporter_image_id``
+    (:mod:`k2fleet.planning.gpu_exporter`)."""
+    ref = dep.s.gpu_exporter_image
+    if not dep.s.simulated_gpus and dep.s.bundle is None:
+        image_id = dep.s.gpu_exporter_image_id
+        unit = gpu_exporter.unit_file(dep, image_id).encode()
+        return ImagePin(ref, image_id, None), {gpu_exporter.UNIT_PATH: FileSpec(unit, "644")}
+    made = art.images.get(ref)  # the TEST DOUBLE image, or (k2_bundle) the archive in the bundle
+    if made is None:  # not built yet (--dry): the unit names its image ID, so it waits too
+        return ImagePin(ref, None, gpu_exporter.ARCHIVE), {gpu_exporter.ARCHIVE: FileSpec(None, "644", "image"),
+                                                           gpu_exporter.UNIT_PATH: FileSpec(None, "644", "image")}
+    path = Path(made[0])
+    remote = f"{IMAGE_DIR}/{path.name}"
+    unit = gpu_exporter.unit_file(dep, made[1]).encode()
+    return ImagePin(ref, made[1], remote), {remote: FileSpec(path.read_bytes(), "644", "image"),
+                                            gpu_exporter.UNIT_PATH: FileSpec(unit, "644")}
+
+
 def device_double_files(dep: Deployment) -> tuple[tuple[str, ...], dict[str, FileSpec]]:
     """(device nodes, tmpfiles.d config) standing in for a simulated platform's devices."""
     nodes = DEVICE_DOUBLES.get(dep.platform, ()) if dep.s.simulated_gpus and dep.runtime == "container" else ()
@@ -588,8 +614,9 @@ def runs_containers(hp: HostPlan) -> bool:
 
 
 def host_bootstrap(dep: Deployment, hp: HostPlan, entry: Any) -> BootstrapPlan:
-    """The host's bootstrap plan; Docker where it runs containers."""
-    return bootstrap_plan(dep, entry, docker=runs_containers(hp))
+    """The host's bootstrap plan; Docker (and with NVIDIA GPUs the container toolkit) where it
+    runs containers: the engine's, or dcgm-exporter's under ``k2_gpu_exporter``."""
+    return bootstrap_plan(dep, entry, docker=runs_containers(hp) or gpu_exporter.runs_on(dep, hp.role))
 
 
 def bootstrap_files(plan: BootstrapPlan) -> dict[str, FileSpec]:
@@ -659,6 +686,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
     meshes = mesh_files(dep, plan, art)
     pd = pd_servers(plan)
     rollout = fleet_rollout(dep, plan)
+    reach = reach_checks(plan)
     out: dict[str, HostDesired] = {}
     for h in dep.fleet.hosts:
         hp = plan.hosts[h.name]
@@ -683,8 +711,9 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         d.service_files = {svc.name: service_files(dep, svc, d.image if container_name(svc) else None)
                            for svc in hp.services}
         d.files["api_key"] = api_key_files(dep, hp, art)
-        if rollout.balancer and rollout.balancer.host == h.name and HOST_ARCHIVE not in d.all_paths():
-            d.files["host"] |= host_archive_files()  # lbctl drives the load balancer from the host archive
+        d.reach = reach.get(h.name)
+        if (d.reach or (rollout.balancer and rollout.balancer.host == h.name)) and HOST_ARCHIVE not in d.all_paths():
+            d.files["host"] |= host_archive_files()  # lbctl (the load balancer) and reach run from the host archive
         d.api_key_services = [svc.name for svc in hp.services if holds_api_key(dep, svc)]
         d.own_slots = sorted((svc.stage, svc.name) for svc in hp.services)
         d.mesh_between_deploys = on_mesh(plan, h.name) and dep.s.mesh_after_deploy == "keep"
@@ -718,6 +747,11 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         if dep.runtime == "venv" and not dep.s.simulated_gpus and not bundled:
             d.venv_install = venv_install_argv(dep, d.python)
         d.firewall = fleet_firewall.host_firewall(dep, hp)
+        if gpu_exporter.runs_on(dep, hp.role):  # dcgm-exporter: its unit and image (the gpu_exporter role)
+            d.gpu_exporter, d.files["gpu_exporter"] = gpu_exporter_files(dep, art)
+            d.units.append(gpu_exporter.UNIT)
+            if d.gpu_exporter.image_id:
+                d.checks[gpu_exporter.CHECK] = image_pin_argv(d.gpu_exporter.ref, d.gpu_exporter.image_id)
         if d.firewall is not None:  # the rules, their unit, and the check that the kernel holds them
             d.files["firewall"] = {fleet_firewall.rules_path(dep): FileSpec(d.firewall.rules().encode(), "644"),
                                    fleet_firewall.UNIT_PATH: FileSpec(fleet_firewall.unit_file(dep, d.firewall).encode(), "644")}

@@ -89,7 +89,7 @@ def egress_names(dep: Deployment) -> list[str]:
     venv install (``k2_pypi_index``, else PyPI), the Hub endpoint of a fetcher host and the
     image registry of the container runtime. ``k2_egress: mirrors-only`` allows exactly these
     (resolved to IPs on the control machine, :func:`k2fleet.control.addresses.resolve_egress`)."""
-    from k2fleet.planning import host_bootstrap, mirrors
+    from k2fleet.planning import gpu_exporter, host_bootstrap, mirrors
     from k2fleet.planning.deployment import image_registry
 
     s = dep.s
@@ -98,7 +98,8 @@ def egress_names(dep: Deployment) -> list[str]:
         if s.os_mirror:
             names.add(mirrors.url_host(s.os_mirror))
         for h in dep.fleet.hosts:
-            plan = host_bootstrap.bootstrap_plan(dep, h, docker=dep.runtime == "container")
+            docker = dep.runtime == "container" or gpu_exporter.runs_on(dep, h.settings.role)
+            plan = host_bootstrap.bootstrap_plan(dep, h, docker=docker)
             for repo in plan.repos:
                 if repo.kind in ("apt", "apt-keyring-deb", "dnf-repo", "dnf-baseurl", "k2fleet-file"):
                     names.add(mirrors.url_host(repo.source))
@@ -110,6 +111,10 @@ def egress_names(dep: Deployment) -> list[str]:
         names.add(mirrors.url_host(s.hub_endpoint))
     if dep.runtime == "container" and s.bundle is None and not s.engine_doubles and dep.image:
         registry = image_registry(dep.image)
+        if registry:
+            names.add(registry.strip("[]").lower())
+    if s.bundle is None and not s.simulated_gpus and any(gpu_exporter.runs_on(dep, h.settings.role) for h in dep.fleet.hosts):
+        registry = image_registry(s.gpu_exporter_image)  # k2_gpu_exporter: hosts pull dcgm-exporter's image
         if registry:
             names.add(registry.strip("[]").lower())
     return sorted(n for n in names if n)

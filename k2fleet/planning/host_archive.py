@@ -40,7 +40,8 @@ from k2fleet.hostprogs.hoststate import IN_PROCESS
 
 ARCHIVE = "/opt/k2fleet/lib/k2fleet-host.pyz"
 SOURCES = Path(__file__).resolve().parents[1] / "hostprogs"
-PROGRAMS = ("download", "health", "hoststate", "image_pin", "lbctl", "manifest", "overlay", "raygate", "relay", "verify")
+PROGRAMS = ("download", "health", "hoststate", "image_pin", "lbctl", "manifest", "overlay", "raygate", "reach", "relay",
+            "verify")
 ZIP_TIME = (1980, 1, 1, 0, 0, 0)
 MAIN = '''"""k2fleet's host programs: python3 k2fleet-host.pyz PROGRAM ARGS..."""
 import runpy

@@ -2,8 +2,9 @@
 
 Per engine, where the serving processes publish Prometheus metrics (:data:`ENGINE_METRICS`,
 with the source of each row); per host, node_exporter (``k2_node_exporter``: Debian/Ubuntu's
-``prometheus-node-exporter``, port 9100) and NVIDIA's dcgm-exporter (port 9400, GPU hosts on
-real CUDA GPUs; k2fleet does not install it). The output is Prometheus's own file-based
+``prometheus-node-exporter``, port 9100) and NVIDIA's dcgm-exporter (port 9400, GPU hosts of a
+CUDA fleet: run by k2fleet under ``k2_gpu_exporter``, :mod:`k2fleet.planning.gpu_exporter`, else
+by the operator on real GPUs). The output is Prometheus's own file-based
 service discovery: ``prometheus.yml`` with one job per kind of target reading
 ``targets/<job>.json`` (``file_sd_configs``), each target labelled ``instance`` (the host
 name), ``role``, ``engine`` and ``model``; and ``dashboards/`` (Grafana JSON written by
@@ -91,14 +92,22 @@ def scrape_targets(dep: Deployment, plan: Plan) -> list[Target]:
     out = list(dict.fromkeys(out))  # behind the API front, the front and the engine name the same port once
     if dep.s.metrics and dep.s.node_exporter:
         out += [Target("node", name, hp.address, NODE_EXPORTER_PORT, "/metrics", hp.role) for name, hp in plan.hosts.items()]
-    if dep.s.metrics and dep.platform == "cuda" and not dep.s.simulated_gpus:
-        out += [Target("dcgm", name, hp.address, DCGM_EXPORTER_PORT, "/metrics", hp.role)
-                for name, hp in plan.hosts.items() if gpu_host(hp.role)]
+    out += [Target("dcgm", name, hp.address, DCGM_EXPORTER_PORT, "/metrics", hp.role)
+            for name, hp in plan.hosts.items() if dcgm_on(dep, hp.role)]
     return out
 
 
 def gpu_host(role: str) -> bool:
     return role not in ("router", "slurm-submit")
+
+
+def dcgm_on(dep: Deployment, role: str) -> bool:
+    """Is dcgm-exporter a target (and a firewall opening) on a host of ``role``: with
+    ``k2_metrics`` on a GPU host of a CUDA fleet, run by k2fleet (``k2_gpu_exporter``: also
+    the sandbox's TEST DOUBLE on simulated GPUs) or, without it, by the operator on real GPUs."""
+    if not (dep.s.metrics and dep.platform == "cuda" and gpu_host(role)):
+        return False
+    return bool(dep.s.gpu_exporter or not dep.s.simulated_gpus)
 
 
 def exporter_ports(dep: Deployment, role: str) -> list[tuple[int, str]]:
@@ -108,7 +117,7 @@ def exporter_ports(dep: Deployment, role: str) -> list[tuple[int, str]]:
     ports = []
     if dep.s.node_exporter:
         ports.append((NODE_EXPORTER_PORT, "node_exporter (k2_node_exporter)"))
-    if dep.platform == "cuda" and not dep.s.simulated_gpus and gpu_host(role):
+    if dcgm_on(dep, role):
         ports.append((DCGM_EXPORTER_PORT, "dcgm-exporter (GPU metrics)"))
     return ports
 

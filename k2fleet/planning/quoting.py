@@ -16,6 +16,7 @@ parser (systemd, sshd, sh, PyYAML) with hostile values.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from collections.abc import Iterable, Sequence
@@ -380,3 +381,15 @@ def yaml_document(obj: Any) -> str:
     import yaml  # PyYAML: a k2fleet dependency; imported here to keep this module light
 
     return yaml.safe_dump(obj, sort_keys=False, default_flow_style=False)
+
+
+def curl_line(base: str, model: str, api_key_file: str | None = None) -> str:
+    """A chat completion to paste; with ``api_key_file`` the key is read from that file when
+    the line runs (never printed).
+
+    >>> print(curl_line("http://10.0.0.1:8000/v1", "moonshotai/Kimi-K2-Thinking"))
+    curl -s http://10.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{"model": "moonshotai/Kimi-K2-Thinking", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 256}'
+    """
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 256})
+    auth = f" -H \"Authorization: Bearer $(cat {shell_line([api_key_file])})\"" if api_key_file else ""
+    return f"curl -s {base}/chat/completions -H 'Content-Type: application/json'{auth} -d {shell_line([body])}"
