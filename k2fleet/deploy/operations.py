@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from io import BytesIO
 
-from pyinfra import host
+from pyinfra import host, logger
 from pyinfra.api import FileUploadCommand, FunctionCommand, StringCommand, operation
 from pyinfra.connectors.util import clear_askpass_cache
 
@@ -205,10 +205,12 @@ def fleet_barrier(failed: Callable[[], list[str]], what: str):
         fleet_barrier(name="every host reached its peers", failed=lambda: [...], what="reachability")
     """
 
-    def check(state, host) -> None:
+    def check(state, host) -> bool:
         names = failed()
-        if names:
-            raise Exception(f"{what} failed on {', '.join(sorted(names))}: {host.name} stops here too, "
-                            "so no engine of the fleet starts")
+        if names:  # a failure of this operation (pyinfra's status False), said in one line
+            host.log_styled(f"{what} failed on {', '.join(sorted(names))}: {host.name} stops here too, "
+                            "so no engine of the fleet starts", fg="red", log_func=logger.error)
+            return False
+        return True
 
     yield FunctionCommand(check, (), {})

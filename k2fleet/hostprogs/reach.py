@@ -93,6 +93,8 @@ def probe(host: str, targets: list[tuple[str, int]], timeout: float) -> int:
             try:
                 with socket.create_connection(target, timeout=ATTEMPT_S):
                     del pending[target]
+            except TimeoutError:
+                pending[target] = "timed out"
             except OSError as exc:
                 pending[target] = exc.strerror or type(exc).__name__
         if not pending or time.monotonic() >= deadline:
