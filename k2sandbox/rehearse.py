@@ -5,7 +5,7 @@ the sandbox fleet before touching a real one.
    ``k2fleet plan`` (a bad one: the usual one-line refusal, exit 2, nothing booted).
 2. As many sandbox hosts as INVENTORY has are booted bare (``sandbox.down()``, ``up(N)``).
 3. The same ``deploys/kimi.py`` deploys INVENTORY's scenario with its own group data
-   unchanged (``pyinfra --group-data <INVENTORY dir>/group_data``) through a generated
+   unchanged (``<INVENTORY dir>/group_data``, linked beside it) through a generated
    inventory of the same file name (so the implicit group named after the file matches),
    the same groups, host names and host/inline-group data; overlaid are only:
 
@@ -676,6 +676,9 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
                 say(f"  k2_slurm {key}: {old!r} -> {new!r} (the sandbox cluster's)")
         generated = work / "inventory" / inv_path.name
         generated.parent.mkdir()
+        # the inventory's group data beside the generated file, as beside the original: pyinfra and
+        # k2fleet's own commands (status, bench, eval on a kept rehearsal) load the same data
+        (generated.parent / "group_data").symlink_to(inv_path.parent / "group_data", target_is_directory=True)
         kept = {name: kept_connection(host_data) for name, host_data, _ in hosts}
         if hop:
             assert bastion is not None
@@ -694,9 +697,8 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         if offline:
             say(f"rehearse {inventory}: --offline: the deploy runs in netns {sandbox.OFFLINE_NS}, whose only link is "
                 f"the sandbox bridge {sandbox.BRIDGE} ({sandbox.OFFLINE_ADDRESS}, no route out)")
-        argv = [*netns, tool("pyinfra"), "-y", "--json", "--group-data", str(inv_path.parent / "group_data"),
-                *data_args(overlay), *[a for item in data for a in ("--data", item)],
-                str(generated), DEPLOY_FILE]
+        overlay_args = [*data_args(overlay), *[a for item in data for a in ("--data", item)]]
+        argv = [*netns, tool("pyinfra"), "-y", "--json", *overlay_args, str(generated), DEPLOY_FILE]
         if company is not None:
             argv = company.resolving(argv)
         env = {"K2FLEET_STATE_DIR": str(work / "state")}
@@ -766,6 +768,9 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
             say("--keep: sandbox hosts left up (k2fleet sandbox status; k2fleet sandbox down); deploy again with:")
             say(f"  cd {ROOT} && K2FLEET_STATE_DIR={shlex.quote(env['K2FLEET_STATE_DIR'])} "
                 + " ".join(shlex.quote(a) for a in argv))
+            say("and look at it with k2fleet status, metrics, bench or eval (COMMAND):")
+            say(f"  K2FLEET_STATE_DIR={shlex.quote(env['K2FLEET_STATE_DIR'])} k2fleet COMMAND "
+                + shlex.join([str(generated), *overlay_args]))
         say(f"rehearse {inventory}: {time.monotonic() - started:.0f}s")
         last = f"rehearsal {inventory}: {healthy}/{len(found)} endpoints healthy, re-run {rerun} changes"
         for name, changed_hosts in second.changed_operations.items():

