@@ -92,3 +92,51 @@ def test_not_http_and_not_listening():
     assert health.get_status(f"http://127.0.0.1:{port}/health") is None  # nothing listens now
     with pytest.raises(ValueError, match="http://"):
         health.request("https://127.0.0.1/health")
+
+
+class CountingEngine(BaseHTTPRequestHandler):
+    """/health, a chat completion, and /metrics whose request counter moves with each
+    completion (``moves``), stays (a gate answered by something else), or is absent."""
+
+    protocol_version = "HTTP/1.1"
+    done = 0
+    mode = "moves"
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, body: bytes, status: int = 200) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path == "/metrics":
+            family = "vllm:request_success_total" if type(self).mode != "absent" else "vllm:other_total"
+            self._send(f'# TYPE {family} counter\n{family}{{finished_reason="stop"}} {type(self).done}.0\n'.encode())
+        else:
+            self._send(b"{}")
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if type(self).mode != "stays":
+            type(self).done += 1
+        self._send(json.dumps({"choices": [{"message": {"content": "ready"}}]}).encode())
+
+
+@pytest.mark.parametrize("mode, code", [("moves", 0), ("stays", 1), ("absent", 0)])
+def test_the_gate_reads_the_engines_request_counter(mode: str, code: int, capsys) -> None:
+    handler = type(f"Engine{mode}", (CountingEngine,), {"mode": mode, "done": 0})
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{srv.server_address[1]}"
+        argv = ["--base", base, "--model", "m", "--unit", "k2-vllm.service", "--timeout", "8",
+                "--expect-counter", "vllm:request_success_total"]
+        assert health.main(argv) == code
+    finally:
+        srv.shutdown()
+    err = capsys.readouterr().err
+    if code:
+        assert "vllm:request_success_total did not move after the gate's completion (0 -> 0.0)" in err, err

@@ -112,6 +112,43 @@ def chat(base: str, model: str, key: str | None = None) -> str:
     return (message.get("content") or message.get("reasoning") or message.get("reasoning_content") or "").strip()
 
 
+def counter(text: str, family: str) -> float | None:
+    """The sum of ``family``'s samples in Prometheus text exposition (every label set; a
+    trailing timestamp ignored), or None when the text has no sample of it.
+
+    >>> counter('# TYPE vllm:request_success_total counter\\nvllm:request_success_total{reason="stop"} 3.0\\n'
+    ...         'vllm:request_success_total{reason="length"} 1 1700000000\\nvllm:request_success_totalx 9\\n',
+    ...         "vllm:request_success_total")
+    4.0
+    >>> counter("other 1\\n", "vllm:request_success_total") is None
+    True
+    """
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        if not line.startswith(family) or line[len(family):len(family) + 1] not in ("{", " "):
+            continue
+        rest = line[len(family):]
+        value = (rest.rsplit("}", 1)[1] if rest.startswith("{") else rest).split()
+        try:
+            total += float(value[0])
+            seen = True
+        except (IndexError, ValueError):
+            continue
+    return total if seen else None
+
+
+def read_counter(base: str, family: str, key: str | None = None) -> float | None:
+    """``family``'s total in the service's ``/metrics`` (None: no /metrics, or not in it)."""
+    try:
+        status, body = request(f"{base}/metrics", timeout=10, key=key)
+    except (OSError, ValueError):
+        return None
+    return counter(body.decode("utf-8", "replace"), family) if status == 200 else None
+
+
+COUNTER_WAIT_S = 5.0  # how long the counter may lag the completion's answer
+
+
 class NotHealthy(Exception):
     """The service did not prove it serves the planned topology."""
 
@@ -163,15 +200,38 @@ def read_key(path: str) -> str:
     return key
 
 
+def counter_moved(base: str, family: str, before: float | None, key: str | None = None) -> str | None:
+    """None when ``family`` went past ``before`` in /metrics within :data:`COUNTER_WAIT_S` (or the
+    service does not expose it: ``before`` None); else why not."""
+    if before is None:
+        return None
+    deadline, after = time.monotonic() + COUNTER_WAIT_S, None
+    while True:
+        after = read_counter(base, family, key)
+        if after is not None and after >= before + 1:
+            return None
+        if time.monotonic() >= deadline:
+            return f"the engine's {family} did not move after the gate's completion ({before:g} -> {after})"
+        time.sleep(0.25)
+
+
 def wait_healthy(base: str, model: str, timeout: float, expected: dict | None = None,
-                 ready_path: str = "/health", pd: dict | None = None, key: str | None = None) -> str:
+                 ready_path: str = "/health", pd: dict | None = None, key: str | None = None,
+                 counted: str | None = None) -> str:
+    """The completion's answer once the service is healthy (``counted``: a request counter of
+    the engine's /metrics that must move with the gate's completion); raises NotHealthy."""
     deadline = time.monotonic() + timeout
     last = "no answer"
     while time.monotonic() < deadline:
         status = get_status(f"{base}{ready_path}")
         if status == 200:
             try:
+                before = read_counter(base, counted, key) if counted else None
                 answer = chat(base, model, key)
+                if answer and counted:
+                    problem = counter_moved(base, counted, before, key)
+                    if problem:
+                        raise NotHealthy(problem)  # the answer did not come from the engine's request path
                 if answer and expected:
                     problem = world_mismatch(base, expected, key)
                     if problem:
@@ -205,11 +265,13 @@ def main(argv: list[str] | None = None) -> int:
                     help='JSON {"prefill": [URL], "decode": [URL]}: the completion must reach both pools')
     ap.add_argument("--api-key-file", default=None,
                     help="root-only file holding the API key to send as Authorization: Bearer (never the key itself)")
+    ap.add_argument("--expect-counter", default=None, metavar="FAMILY",
+                    help="a request counter of /metrics (Prometheus text) that must move with the completion")
     args = ap.parse_args(argv)
     try:
         key = read_key(args.api_key_file) if args.api_key_file else None
         answer = wait_healthy(args.base, args.model, args.timeout, args.expect_world, args.ready_path,
-                              args.expect_pd, key)
+                              args.expect_pd, key, args.expect_counter)
     except (OSError, ValueError) as exc:  # the key file itself
         print(f"{socket.gethostname()}: {args.unit}: API key: {exc}", file=sys.stderr)
         return 1

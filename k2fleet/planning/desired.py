@@ -548,11 +548,22 @@ def pd_servers(plan: Plan) -> dict[str, list[str]]:
     return pools
 
 
-def health_argv(dep: Deployment, hp: HostPlan, timeout: int, pd: dict[str, list[str]] | None = None) -> list[str] | None:
+# the request counter each engine's /metrics moves with every completed request, which the
+# deploy's health gate reads before and after its completion. Sources: vLLM
+# vllm/v1/metrics/loggers.py (``vllm:request_success_total``); SGLang
+# sglang/srt/metrics/collector.py (``sglang:num_requests_total``). A service whose /metrics
+# lacks it (another release, a router) is not held to it.
+REQUEST_COUNTERS = {"vllm": "vllm:request_success_total", "sglang": "sglang:num_requests_total"}
+
+
+def health_argv(dep: Deployment, hp: HostPlan, timeout: int, pd: dict[str, list[str]] | None = None,
+                metrics: bool = True) -> list[str] | None:
     """The health gate of this host's first chat-serving service: its readiness route
     (``/health`` unless the plan's Health names another) 200 + a completion (+ on engine
     test doubles, the parallel sizes and members they report equal the plan's, and a
-    router's completion reached both PD pools: ``pd``, from :func:`pd_servers`)."""
+    router's completion reached both PD pools: ``pd``, from :func:`pd_servers`; with
+    ``metrics``, a serving engine's request counter moved with the completion:
+    :data:`REQUEST_COUNTERS`)."""
     for svc in hp.services:
         if svc.health and svc.health.chat:
             where = f"[{svc.health.host}]" if ":" in svc.health.host else svc.health.host  # an IPv6 literal in a URL
@@ -566,6 +577,8 @@ def health_argv(dep: Deployment, hp: HostPlan, timeout: int, pd: dict[str, list[
             argv += ["--expect-world", json.dumps(world, sort_keys=True)] if world else []
             if dep.s.engine_doubles and svc.role == "router" and pd and len(pd) == 2:
                 argv += ["--expect-pd", json.dumps(pd, sort_keys=True)]
+            if metrics and svc.role == "serve" and dep.engine in REQUEST_COUNTERS:
+                argv += ["--expect-counter", REQUEST_COUNTERS[dep.engine]]
             return argv
     return None
 
@@ -730,7 +743,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
             if bootstrap.CDI_SPEC in " ".join(" ".join(c) for c in d.bootstrap.commands):
                 d.exists.append(bootstrap.CDI_SPEC)
         d.health_argv = health_argv(dep, hp, dep.s.health_timeout, pd)
-        quick = health_argv(dep, hp, 5, pd)
+        quick = health_argv(dep, hp, 5, pd, metrics=False)  # the fact's quick look: no /metrics reads
         if quick:
             d.checks[HEALTH_CHECK] = quick
         if d.image is not None and d.image.image_id:
