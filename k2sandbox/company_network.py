@@ -25,6 +25,7 @@ The shape, on the sandbox bridge:
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k2fleet.inventory.spec import POSIX_USER_RE
 from k2sandbox import nspawn as sandbox
 
 FLEET_SUBNET = sandbox.COMPANY_SUBNET  # the fleet hosts' network: no address or route of the control machine's
@@ -82,8 +84,12 @@ def jump_hosts(hosts: Sequence[tuple[str, Mapping[str, Any], Any]]) -> dict[str,
         user, _, hostport = jump.rpartition("@")
         hop_name, _, port = hostport.partition(":")
         own = config.lookup(hop_name)
-        out[name] = Hop(own.get("hostname", hop_name), user or own.get("user") or "root",
-                        int(port or own.get("port") or 22))
+        user, port = user or own.get("user") or "root", str(port or own.get("port") or 22)
+        if not re.fullmatch(POSIX_USER_RE, user) or not port.isdigit() or not 1 <= int(port) <= 65535 \
+                or not re.fullmatch(r"[A-Za-z0-9.-]{1,253}", own.get("hostname", hop_name)):
+            raise CompanyNetworkError(f"{name}: ProxyJump {jump!r}: a rehearsal takes a user name, a host name and "
+                                      "a port 1-65535")
+        out[name] = Hop(own.get("hostname", hop_name), user, int(port))
     if len(set(out.values())) > 1:
         raise CompanyNetworkError("the inventory's hosts go through different bastions; a rehearsal makes one")
     return out

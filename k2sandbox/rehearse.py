@@ -769,8 +769,9 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
             say(f"  cd {ROOT} && K2FLEET_STATE_DIR={shlex.quote(env['K2FLEET_STATE_DIR'])} "
                 + " ".join(shlex.quote(a) for a in argv))
             say("and look at it with k2fleet status, metrics, bench or eval (COMMAND):")
-            say(f"  K2FLEET_STATE_DIR={shlex.quote(env['K2FLEET_STATE_DIR'])} k2fleet COMMAND "
-                + shlex.join([str(generated), *overlay_args]))
+            fleet_command = ["k2fleet", "COMMAND", str(generated), *overlay_args]  # (names through the sandbox's resolver)
+            say(f"  K2FLEET_STATE_DIR={shlex.quote(env['K2FLEET_STATE_DIR'])} "
+                + shlex.join(company.resolving(fleet_command) if company is not None else fleet_command))
         say(f"rehearse {inventory}: {time.monotonic() - started:.0f}s")
         last = f"rehearsal {inventory}: {healthy}/{len(found)} endpoints healthy, re-run {rerun} changes"
         for name, changed_hosts in second.changed_operations.items():

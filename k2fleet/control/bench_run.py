@@ -22,6 +22,7 @@ from k2fleet.planning.processes import Plan
 from k2fleet.planning.quoting import shell_line
 
 LOG_TAIL = 3000
+EVAL_LOG_READ = 1 << 20  # bytes of the eval log read for lm-eval's table at its end
 
 
 def _client_env(key: bytes | None, offline: bool = False) -> dict[str, str]:
@@ -50,14 +51,32 @@ def _run(argv: list[str], env: dict[str, str], log: Path, timeout: float | None)
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the client and its workers
-            proc.wait()
+            _stop(proc)
             out.write(f"k2fleet: stopped after {timeout} s\n".encode())
             return -9
+        except BaseException:  # Ctrl-C (its own session does not get it) or anything else: never leave it running
+            _stop(proc)
+            raise
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill the client's whole session (the client and its workers) and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # it ended in between
+        pass
+    proc.wait()
+
+
+def _read_end(log: Path, size: int = LOG_TAIL) -> str:
+    """The last ``size`` bytes of ``log`` at most (a log reused across runs only grows)."""
+    with open(log, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+        return f.read(size).decode(errors="replace")
 
 
 def _tail(log: Path) -> str:
-    return log.read_text(errors="replace")[-LOG_TAIL:]
+    return _read_end(log)
 
 
 def run_bench(dep: Deployment, plan: Plan, key: bytes | None, out: Path, concurrency: tuple[int, ...],
@@ -137,7 +156,7 @@ def run_eval(dep: Deployment, plan: Plan, key: bytes | None, dataset: Path, fews
         score = report.gsm8k_score(report.read_json_capped(found[-1]), bp.GSM8K_TASK)
     except report.ReportError as exc:
         raise ControlError(f"eval: {found[-1]}: {exc}") from None
-    for line in log.read_text(errors="replace").splitlines():  # lm-eval's own table rows
+    for line in _read_end(log, EVAL_LOG_READ).splitlines():  # lm-eval's own table rows (at its end)
         if line.startswith("|"):
             say(line)
     ok, line = report.verdict(score, expect)

@@ -90,8 +90,11 @@ def probe(host: str, targets: list[tuple[str, int]], timeout: float) -> int:
     pending = {t: "no attempt" for t in targets}
     while pending:
         for target in list(pending):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
             try:
-                with socket.create_connection(target, timeout=ATTEMPT_S):
+                with socket.create_connection(target, timeout=min(ATTEMPT_S, max(0.1, left))):
                     del pending[target]
             except TimeoutError:
                 pending[target] = "timed out"

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from k2fleet.planning.firewall import API_KEYS, BACKEND_KEY
 from k2fleet.planning.host_archive import host_argv
 from k2fleet.planning.processes import Plan, Service
+from k2fleet.planning.quoting import shell_line
 
 LISTEN_UNIT = "k2-reach"
 LISTEN_SECONDS = 180  # the listener's life (it is stopped as soon as the probes are done)
@@ -49,11 +50,17 @@ def target(address: str, port: int) -> str:
 class ReachCheck:
     """One host's part: ``listen`` (its rendezvous ports held by a transient unit; None: it
     has none), ``probe`` (every peer's ports opened from here; None: no peer has any),
-    ``stop`` (the listener stopped)."""
+    ``stop`` (the shell line stopping the listener, if it still runs)."""
 
     listen: list[str] | None
     probe: list[str] | None
-    stop: list[str]
+    stop: str
+
+    @property
+    def start(self) -> str | None:
+        """The shell line starting the listener: a leftover one (a failed run's, within its
+        life) is stopped first, so the unit's name is free and the ports are this run's."""
+        return None if self.listen is None else f"{self.stop}; {shell_line(self.listen)}"
 
     def to_json(self) -> dict[str, list[str] | None]:
         return {"listen": self.listen, "probe": self.probe}
@@ -66,7 +73,7 @@ def reach_checks(plan: Plan) -> dict[str, ReachCheck]:
         return {}
     ports = {name: sorted({p for svc in hp.services for p in ports_of(svc)}) for name, hp in serving.items()}
     out = {}
-    stop = ["systemctl", "stop", f"{LISTEN_UNIT}.service"]
+    stop = f"systemctl stop {LISTEN_UNIT}.service 2>/dev/null || true"  # gone already: it exits when it is done
     for name, hp in serving.items():
         listen = None
         if ports[name]:

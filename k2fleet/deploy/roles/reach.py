@@ -39,14 +39,14 @@ def check(desired: HostDesired, starting: bool, probes: dict[str, Any]) -> None:
     listen = bool(starting and r is not None and r.listen)
     probe = bool(starting and r is not None and r.probe)
     command(name="reachability: hold this host's rendezvous ports on its fleet address",
-            argv=r.listen if listen and r is not None and r.listen else ["true"], _if=lambda: listen)
+            argv=r.start if listen and r is not None and r.start else ["true"], _if=lambda: listen)
     probes[desired.name] = command(name="reachability: open every peer's rendezvous ports",
                                    argv=r.probe if probe and r is not None and r.probe else ["true"], _if=lambda: probe)
     command(name="reachability: stop holding the ports", argv=r.stop if listen and r is not None else ["true"],
             _if=lambda: listen)
 
-    def unreached() -> list[str]:
-        return [name for name, op in probes.items() if op.is_complete() and op.did_error()]
+    def unreached() -> list[str]:  # a probe that failed, or never ran because its host failed before it
+        return [name for name, op in probes.items() if not (op.is_complete() and op.did_succeed())]
 
     fleet_barrier(name="reachability: every host reached its peers", failed=unreached,
                   what="the reachability check", _if=lambda: starting and r is not None)
