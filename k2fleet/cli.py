@@ -239,6 +239,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 
 def _cmd_bundle(args: argparse.Namespace) -> int:
     from k2fleet.control import airgap
+    from k2fleet.control.addresses import placeholder_resolver
     from k2fleet.control.lockfile import Lock, LockError
     from k2fleet.inventory.loader import data_args
 
@@ -252,7 +253,10 @@ def _cmd_bundle(args: argparse.Namespace) -> int:
     rehearsal = args.rehearsal or bool(locked and locked.rehearsal)
     # The bundle is being made: the inventory's own k2_bundle (where the fleet will take it
     # from) names it, so it is not required to exist yet (it used to be refused: a loop).
-    dep, plan = load_plan(args.inventory, [*data_args(airgap.bundle_overlay(rehearsal))[1::2], *args.data, "k2_bundle=null"])
+    # A bundle holds no address: the fleet's names are not looked up (this control machine may
+    # not resolve them: behind a bastion, air-gapped), each gets a placeholder address instead.
+    dep, plan = load_plan(args.inventory, [*data_args(airgap.bundle_overlay(rehearsal))[1::2], *args.data, "k2_bundle=null"],
+                          resolver=placeholder_resolver())
 
     def say(line: str) -> None:
         print(line, flush=True)

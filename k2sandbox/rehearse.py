@@ -577,8 +577,8 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
     missing = unsupported(dep, plan)
     if hop and not missing and len(hops) != len(hosts):
         missing = "every host through the bastion (some of its hosts have no ProxyJump)"
-    if hop and not missing and (offline or bundle is not None or slurm_job_config(dep) is not None):
-        missing = "a bastion together with --offline, --bundle or a Slurm job"
+    if hop and not missing and slurm_job_config(dep) is not None:
+        missing = "a bastion together with a Slurm job"
     real = engine == "real"
     if real and not missing:
         refused = real_engine_refusal(dep)

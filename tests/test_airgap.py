@@ -162,6 +162,18 @@ def test_an_inventory_that_names_its_bundle_can_be_bundled(h800_bundle: Path) ->
     assert "identical to" in proc.stdout
 
 
+def test_an_inventory_whose_names_resolve_only_behind_its_bastion_can_be_bundled(tmp_path: Path) -> None:
+    """#22: ``k2fleet bundle`` looks up no host name (a bundle holds no address), so the company
+    inventory, whose ``*.fleet.corp.example`` names this machine cannot resolve, is bundled;
+    ``plan`` of it still refuses the unresolvable name with one line."""
+    plan = k2fleet("plan", "inventories/corp-dp-ep.py")
+    assert plan.returncode == 2 and "gpu-0.fleet.corp.example does not resolve" in plan.stderr, plan.stderr
+    proc = k2fleet("bundle", "inventories/corp-dp-ep.py", "--rehearsal", "--out", str(tmp_path / "corp"),
+                   "--only", "checkpoints")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [a.kind for a in lock_of(tmp_path / "corp").artifacts if a.kind == "checkpoint-file"]
+
+
 def test_an_altered_wheel_or_deb_is_refused_by_name(h800_bundle: Path, tmp_path: Path) -> None:
     copy = tmp_path / "bundle"
     shutil.copytree(h800_bundle, copy)

@@ -49,6 +49,30 @@ def system_resolver(name: str) -> list[str]:
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
+def placeholder_resolver() -> Resolver:
+    """A resolver for a plan whose output holds no address (``k2fleet bundle``: packages,
+    wheels, images and checkpoints do not depend on where the hosts are): it looks nothing
+    up and gives each name its own address from 198.18.0.0/15 (RFC 2544's benchmarking
+    range, never a fleet's), so a bundle is made the same on a control machine that cannot
+    resolve the fleet's names (behind a bastion, air-gapped) as on one that can.
+
+    >>> r = placeholder_resolver()
+    >>> r("gpu-0.fleet.corp.example"), r("gpu-1.fleet.corp.example"), r("gpu-0.fleet.corp.example")
+    (['198.18.0.1'], ['198.18.0.2'], ['198.18.0.1'])
+    """
+    given: dict[str, str] = {}
+    lock = threading.Lock()
+    first = ipaddress.ip_address("198.18.0.0")
+
+    def resolve(name: str) -> list[str]:
+        with lock:
+            if name not in given:
+                given[name] = str(first + len(given) + 1)
+            return [given[name]]
+
+    return resolve
+
+
 def is_ip(value: str) -> bool:
     try:
         ipaddress.ip_address(value)
