@@ -29,7 +29,6 @@ case "${1:-}" in
     k2fleet sandbox up 3 --gpus h200
     python -m k2sandbox.checkpoint_cache >/dev/null
     pyinfra -y inventories/sandbox.py deploys/kimi.py
-    k2fleet plan inventories/sandbox.py | sed -n 's/^# \(endpoint: \|try: \)/\1/p'  # where to call it
     ;;
   test)
     setup
