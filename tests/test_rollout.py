@@ -389,3 +389,30 @@ def test_drain_is_capped_and_ready_fails_on_a_replica_that_stays_down(balancer, 
     time.sleep(5)
     assert lbctl.main(["--socket", sock, "ready", ref, "--timeout", "2"]) == 1
     assert "is not UP at the load balancer" in capsys.readouterr().err
+
+
+def test_lbctl_caps_what_it_reads_from_the_admin_socket(tmp_path: Path) -> None:
+    """A socket that answers without end (not HAProxy, or a hostile one) is read up to
+    lbctl.MAX_ANSWER bytes, then refused — not held in memory until it stops."""
+    import socket as sk
+    import threading
+
+    path = str(tmp_path / "admin.sock")
+    server = sk.socket(sk.AF_UNIX, sk.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+
+    def flood() -> None:
+        conn, _ = server.accept()
+        try:
+            while True:
+                conn.sendall(b"x" * 65536)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    threading.Thread(target=flood, daemon=True).start()
+    with pytest.raises(OSError, match="answer longer than"):
+        lbctl.command(path, "show stat", timeout=10)
+    server.close()

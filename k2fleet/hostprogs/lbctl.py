@@ -26,6 +26,7 @@ import sys
 import time
 
 POLL_S = 0.5
+MAX_ANSWER = 4 << 20  # bytes of one runtime API answer (`show stat` of a few replicas is a few KiB)
 ABSENT = ("No such backend", "No such server")
 
 
@@ -34,17 +35,24 @@ class Absent(Exception):
 
 
 def command(path: str, line: str, timeout: float = 10) -> str:
-    """One runtime API command on the admin socket (non-interactive: HAProxy answers and closes)."""
+    """One runtime API command on the admin socket (non-interactive: HAProxy answers and closes);
+    the answer is capped at :data:`MAX_ANSWER` bytes and ``timeout`` seconds in all (OSError past either)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(path)
         sock.sendall(line.encode() + b"\n")
-        data = b""
+        data = bytearray()
+        deadline = time.monotonic() + timeout
         while True:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
             chunk = sock.recv(65536)
             if not chunk:
                 break
             data += chunk
+            if len(data) > MAX_ANSWER:
+                raise OSError(f"{path}: answer longer than {MAX_ANSWER} bytes to {line.split()[0]!r}: not HAProxy's")
+            if time.monotonic() > deadline:
+                raise OSError(f"{path}: no end of answer within {timeout:g}s")
     return data.decode(errors="replace")
 
 
