@@ -1,0 +1,446 @@
+"""A company's package mirrors on the sandbox network (issue #22): an apt archive and a PyPI
+index served over https with a certificate signed by the company's own CA, so that
+``k2fleet bundle INVENTORY --rehearsal --data k2_os_mirror=URL --data k2_pypi_index=URL``
+can build an air-gapped bundle from them (k2fleet refuses plain http to a mirror that is not
+on loopback: :func:`k2fleet.inventory.spec.mirror_url`).
+
+What is real and what is emulated:
+
+- **real**: the packages. ``/debian/...`` is this machine's own Debian archive (the first
+  apt source whose URI ends in ``/debian``; apt checks the archive's signatures itself),
+  ``/pypi/simple/<project>/`` is PyPI's simple index page for the project with its
+  ``files.pythonhosted.org`` links pointing back at ``/pypi/files/`` (their ``#sha256=``
+  fragments kept, pip checks them), ``/pypi/files/packages/...`` is files.pythonhosted.org's.
+  The TLS is real too: clients verify the mirror's certificate.
+- **emulated**: the company. Its mirror is a caching reverse proxy in this process
+  (:func:`serving`; standard library only); its CA is made here with the ``openssl`` CLI
+  (:func:`company_ca`, EC P-256, valid one day, marked TEST); and "the company's machines
+  trust the company CA" is a mount namespace (:meth:`PackageMirror.trusting`) whose
+  ``/etc/ssl/certs/ca-certificates.crt`` (the bundle apt's GnuTLS and this machine's pip,
+  through ``PIP_CERT``, read) is this machine's bundle plus the CA. The machine's own trust
+  store is not touched.
+
+The cache (``cache_dir``): bodies in files named by the sha256 of their upstream URL, written
+to a temporary file there and renamed when complete. Package files (``pool/``, by-hash
+indices, wheels and sdists) are kept across servers, those whose path names their content's
+hash (by-hash indices, PyPI's files) only when they match it; a release's other indices
+(``dists/``, ``InRelease``) are served from the cache only by the server that fetched them;
+PyPI's index pages are never cached. Clients and upstreams are treated as hostile: GET and
+HEAD only, paths checked before anything is fetched, upstream bodies capped and waits
+bounded, nothing but the cache directory read from disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import http.client
+import http.server
+import ipaddress
+import os
+import re
+import secrets
+import shutil
+import socket
+import ssl
+import subprocess
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from k2fleet.control import aptroot
+
+SYSTEM_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+PYPI_SIMPLE = "https://pypi.org/simple"
+PYPI_FILES = "https://files.pythonhosted.org"
+DEFAULT_DEBIAN = "http://deb.debian.org/debian"
+CA_NAME = "k2fleet sandbox company CA (TEST)"
+MAX_BODY = 4 << 30  # bytes of one upstream body
+MAX_INDEX_PAGE = 64 << 20  # bytes of one PyPI index page (read whole, to rewrite its links)
+UPSTREAM_TIMEOUT_S = 60  # each connect/read from an upstream
+CLIENT_TIMEOUT_S = 60  # each read from/write to a client
+CHUNK = 1 << 16
+PATH_RE = re.compile(r"/[A-Za-z0-9._~+@,=:%/-]*")  # a request path: no query, no fragment, no spaces
+PROJECT_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
+
+
+class MirrorError(RuntimeError):
+    """The sandbox mirror or its CA could not be made (one line)."""
+
+
+def debian_archive() -> str:
+    """The Debian archive this machine's apt uses (the first source URI ending in ``/debian``),
+    else :data:`DEFAULT_DEBIAN`."""
+    for uri, _ in aptroot.machine_sources():
+        if urlsplit(uri).scheme in ("http", "https") and uri.rstrip("/").endswith("/debian"):
+            return uri.rstrip("/")
+    return DEFAULT_DEBIAN
+
+
+@dataclass(frozen=True)
+class CompanyCA:
+    """The company CA and a server certificate it signed (PEM; keys 0600 in a 0700 directory)."""
+
+    ca_file: Path
+    cert_file: Path
+    key_file: Path
+
+
+def _openssl(*args: str, stdout: int | None = None) -> None:
+    done = subprocess.run(["openssl", *args], stdout=stdout if stdout is not None else subprocess.PIPE,
+                          stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, timeout=60)
+    if done.returncode:
+        raise MirrorError(f"openssl {args[0]}: {done.stderr.decode(errors='replace').strip()[-300:]}")
+
+
+def _new_key(path: Path) -> None:
+    """An EC P-256 key written by openssl straight into a new file, mode 0600 from its creation
+    (the key is never in argv, nor read by this process)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        _openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", stdout=fd)
+    finally:
+        os.close(fd)
+
+
+def company_ca(work: Path, address: str, dns_names: Sequence[str] = ()) -> CompanyCA:
+    """Make the sandbox company CA in ``work`` (an empty directory) and a server certificate
+    for ``address`` (subjectAltName IP, and the ``dns_names``) signed by it, both valid one day."""
+    try:
+        address = str(ipaddress.ip_address(address))
+    except ValueError:
+        raise MirrorError(f"not an IP address: {address!r}") from None
+    if not all(re.fullmatch(r"[A-Za-z0-9.-]{1,253}", name) for name in dns_names):
+        raise MirrorError(f"not DNS names: {list(dns_names)!r}")
+    private = work / "private"
+    private.mkdir(mode=0o700)
+    ca_key, key = private / "ca.key", private / "server.key"
+    ca_file, csr, cert = work / "ca.pem", work / "server.csr", work / "server.pem"
+    _new_key(ca_key)
+    _openssl("req", "-x509", "-new", "-key", str(ca_key), "-subj", f"/CN={CA_NAME}", "-days", "1",
+             "-addext", "basicConstraints=critical,CA:TRUE,pathlen:0",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign", "-out", str(ca_file))
+    _new_key(key)
+    _openssl("req", "-new", "-key", str(key), "-subj", f"/CN={address}", "-out", str(csr))
+    extensions = work / "server.ext"
+    alt = ",".join([f"IP:{address}", *(f"DNS:{name}" for name in dns_names)])
+    extensions.write_text(f"subjectAltName={alt}\nbasicConstraints=critical,CA:FALSE\n"
+                          "keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n"
+                          "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n")
+    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca_file), "-CAkey", str(ca_key), "-days", "1",
+             "-set_serial", str(secrets.randbits(120)), "-extfile", str(extensions), "-out", str(cert))
+    return CompanyCA(ca_file, cert, key)
+
+
+@dataclass
+class RequestLog:
+    """Every request the mirror answered: (method, path, status, body bytes), thread-safe; an
+    entry is added before the body's last bytes are sent."""
+
+    _entries: list[tuple[str, str, int, int]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, method: str, path: str, status: int, sent: int) -> None:
+        with self._lock:
+            self._entries.append((method, path[:300], status, sent))
+
+    def entries(self) -> list[tuple[str, str, int, int]]:
+        with self._lock:
+            return list(self._entries)
+
+
+@dataclass
+class PackageMirror:
+    """A running mirror (see :func:`serving`)."""
+
+    address: str
+    port: int
+    cache_dir: Path
+    ca: CompanyCA
+    debian_upstream: str
+    log: RequestLog = field(default_factory=RequestLog)
+    upstream_fetches: int = 0  # requests sent upstream (cache hits send none)
+    _fresh: set[str] = field(default_factory=set)  # cache keys of volatile indices this server fetched
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def base(self) -> str:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"https://{host}:{self.port}"
+
+    @property
+    def debian_url(self) -> str:
+        return f"{self.base}/debian"
+
+    @property
+    def pypi_index(self) -> str:
+        return f"{self.base}/pypi/simple"
+
+    @property
+    def ca_file(self) -> Path:
+        return self.ca.ca_file
+
+    @property
+    def trusted_bundle(self) -> Path:
+        """This machine's CA bundle plus the company CA (what :meth:`trusting` mounts)."""
+        return self.ca.ca_file.with_name("ca-certificates.crt")
+
+    def trusting(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run in a mount namespace whose ``/etc/ssl/certs/ca-certificates.crt`` is
+        :attr:`trusted_bundle` (the machine's own bundle is left as it is)."""
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                f'mount --bind "$0" {SYSTEM_BUNDLE} && exec "$@"', str(self.trusted_bundle), *argv]
+
+    def upstream(self, path: str) -> tuple[str, bool, bool] | None:
+        """A checked request path → (upstream URL, cached on disk, kept across servers); None
+        for a path outside the three prefixes."""
+        if path.startswith("/debian/") and len(path) > len("/debian/"):
+            rest = path[len("/debian/"):]
+            lasting = rest.startswith("pool/") or "/by-hash/" in rest
+            return f"{self.debian_upstream}/{rest}", True, lasting
+        if path.startswith("/pypi/files/packages/"):
+            return f"{PYPI_FILES}/{path[len('/pypi/files/'):]}", True, True
+        if (match := re.fullmatch(r"/pypi/simple/([^/]+)/?", path)) and PROJECT_RE.fullmatch(match[1]):
+            return f"{PYPI_SIMPLE}/{re.sub(r'[-_.]+', '-', match[1]).lower()}/", False, False
+        return None
+
+    def cached(self, url: str, lasting: bool) -> Path | None:
+        """The cache's copy of ``url``, if it has one this server may serve."""
+        path = self.cache_dir / hashlib.sha256(url.encode()).hexdigest()
+        with self._lock:
+            usable = lasting or path.name in self._fresh
+        return path if usable and path.is_file() else None
+
+    def stored(self, temp: str, url: str) -> None:
+        """A whole body of ``url``, written to ``temp`` in the cache, becomes its copy."""
+        path = self.cache_dir / hashlib.sha256(url.encode()).hexdigest()
+        os.replace(temp, path)
+        with self._lock:
+            self._fresh.add(path.name)
+
+    def count_fetch(self) -> None:
+        with self._lock:
+            self.upstream_fetches += 1
+
+
+def request_path(raw: str) -> str | None:
+    """The request target if it is a plain path (no query, ``..``, ``//``, backslash or NUL,
+    raw or percent-decoded), else None.
+
+    >>> request_path("/debian/dists/bookworm/InRelease"), request_path("/debian/../etc/passwd")
+    ('/debian/dists/bookworm/InRelease', None)
+    >>> request_path("/pypi/files/%2e%2e/x"), request_path("/pypi/simple/six/?x=1")
+    (None, None)
+    """
+    try:
+        decoded = unquote(raw, errors="strict")
+    except UnicodeDecodeError:
+        return None
+    if not PATH_RE.fullmatch(raw):
+        return None
+    bad = ("..", "//", "\\", "\0", "?", "#")
+    return None if any(b in raw or b in decoded for b in bad) or not decoded.isprintable() else raw
+
+
+def content_digest(path: str) -> tuple[hashlib._Hash, str] | None:
+    """A fresh hash of the kind ``path`` names its content by, and the digest it names: PyPI's
+    files are stored under their BLAKE2b-256, apt's by-hash indices under their SHA256.
+
+    >>> content_digest("/pypi/files/packages/d9/5a/" + "e" * 60 + "/six.whl")[1] == "d95a" + "e" * 60
+    True
+    >>> content_digest("/debian/pool/main/s/six/python3-six_1.16.0-4_all.deb") is None
+    True
+    """
+    if match := re.fullmatch(r"/pypi/files/packages/([0-9a-f]{2})/([0-9a-f]{2})/([0-9a-f]{60})/[^/]+", path):
+        return hashlib.blake2b(digest_size=32), "".join(match.groups())
+    if match := re.fullmatch(r"/debian/dists/.+/by-hash/SHA256/([0-9a-f]{64})", path):
+        return hashlib.sha256(), match[1]
+    return None
+
+
+def _connect(url: str) -> tuple[http.client.HTTPConnection, str]:
+    """A connection to ``url``'s host (https verified by the machine's trust store), and its path."""
+    parts = urlsplit(url)
+    if parts.scheme == "https":
+        return http.client.HTTPSConnection(parts.hostname or "", parts.port, timeout=UPSTREAM_TIMEOUT_S,
+                                           context=ssl.create_default_context()), parts.path
+    return http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=UPSTREAM_TIMEOUT_S), parts.path
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """One client connection: GET/HEAD of the three prefixes, from the cache or upstream."""
+
+    server_version = "k2fleet-sandbox-mirror"
+    timeout = CLIENT_TIMEOUT_S
+    mirror: PackageMirror  # set on the subclass :func:`serving` makes
+
+    def __getattr__(self, name: str):
+        if name.startswith("do_"):  # any other method: 405, not http.server's 501
+            return lambda: self._refuse(405, "GET and HEAD only")
+        raise AttributeError(name)
+
+    def log_message(self, format: str, *args: object) -> None:  # the RequestLog is the log
+        pass
+
+    def _refuse(self, status: int, why: str) -> None:
+        body = f"{status} {why}\n".encode()
+        self._headers(status, len(body), "text/plain")
+        self.mirror.log.add(self.command or "?", self.path, status, 0)
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def do_HEAD(self) -> None:
+        self.do_GET()
+
+    def do_GET(self) -> None:
+        path = request_path(self.path)
+        if path is None:
+            return self._refuse(400, "bad path")
+        route = self.mirror.upstream(path)
+        if route is None:
+            return self._refuse(404, "not a mirror path")
+        url, on_disk, lasting = route
+        if on_disk and (hit := self.mirror.cached(url, lasting)) is not None:
+            return self._from_cache(path, hit)
+        if not on_disk:
+            return self._index_page(path, url)
+        self._through(path, url)
+
+    def _headers(self, status: int, length: int | None, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        if length is not None:
+            self.send_header("Content-Length", str(length))
+        self.send_header("Connection", "close")
+        self.end_headers()
+
+    def _from_cache(self, path: str, hit: Path) -> None:
+        with open(hit, "rb") as body:
+            size = os.fstat(body.fileno()).st_size
+            self._headers(200, size, "application/octet-stream")
+            self.mirror.log.add(self.command, path, 200, size if self.command == "GET" else 0)
+            while self.command == "GET" and (chunk := body.read(CHUNK)):
+                self.wfile.write(chunk)
+
+    def _upstream(self, url: str, method: str, accept: str) -> tuple[http.client.HTTPConnection,
+                                                                      http.client.HTTPResponse | None]:
+        conn, target = _connect(url)
+        self.mirror.count_fetch()
+        try:
+            conn.request(method, target, headers={"Accept": accept, "User-Agent": self.server_version})
+            answer = conn.getresponse()
+        except (OSError, http.client.HTTPException):
+            conn.close()
+            self._refuse(502, "upstream unreachable")
+            return conn, None
+        if answer.status != 200:
+            conn.close()
+            self._refuse(404 if answer.status in (404, 410) else 502, f"upstream answered {answer.status}")
+            return conn, None
+        return conn, answer
+
+    def _index_page(self, path: str, url: str) -> None:
+        """PyPI's page for one project, its file links pointed at this mirror (never cached)."""
+        conn, answer = self._upstream(url, "GET", "text/html")
+        if answer is None:
+            return
+        try:
+            page = answer.read(MAX_INDEX_PAGE + 1)
+        except (OSError, http.client.HTTPException):
+            return self._refuse(502, "upstream read failed")
+        finally:
+            conn.close()
+        if len(page) > MAX_INDEX_PAGE:
+            return self._refuse(502, "upstream page too large")
+        page = page.replace(f"{PYPI_FILES}/".encode(), f"{self.mirror.base}/pypi/files/".encode())
+        self._headers(200, len(page), "text/html")
+        self.mirror.log.add(self.command, path, 200, len(page) if self.command == "GET" else 0)
+        if self.command == "GET":
+            self.wfile.write(page)
+
+    def _through(self, path: str, url: str) -> None:
+        """A package file or archive index, streamed to the client while it is written to the
+        cache, kept only when whole (upstream's length reached, under :data:`MAX_BODY`) and, for
+        a path that names its content's hash, matching it (the client checks what it got too).
+        The last chunk is held back until the cache and the log are done, so a client holding
+        the whole body finds both."""
+        conn, answer = self._upstream(url, self.command, "*/*")
+        if answer is None:
+            return
+        with contextlib.ExitStack() as cleanup:
+            cleanup.callback(conn.close)
+            length = answer.getheader("Content-Length")
+            expected = int(length) if length and length.isdigit() else None
+            if expected is not None and expected > MAX_BODY:
+                return self._refuse(502, "upstream body too large")
+            self._headers(200, expected, "application/octet-stream")
+            if self.command == "HEAD":
+                return self.mirror.log.add("HEAD", path, 200, 0)
+            fd, temp = tempfile.mkstemp(dir=self.mirror.cache_dir, prefix=".part-")
+            cleanup.callback(lambda: os.path.exists(temp) and os.unlink(temp))
+            sent, held, named = 0, b"", content_digest(path)
+            try:
+                with os.fdopen(fd, "wb") as part:
+                    while chunk := answer.read(min(CHUNK, MAX_BODY + 1 - sent)):
+                        sent += len(chunk)
+                        if sent > MAX_BODY:
+                            break
+                        part.write(chunk)
+                        if named:
+                            named[0].update(chunk)
+                        self.wfile.write(held)
+                        held = chunk
+                whole = sent <= MAX_BODY and (expected is None or sent == expected) \
+                    and (named is None or named[0].hexdigest() == named[1])
+            except (OSError, http.client.HTTPException):
+                whole = False  # the client or upstream went away: nothing cached
+            if whole:
+                self.mirror.stored(temp, url)
+            else:
+                os.unlink(temp)
+            self.mirror.log.add("GET", path, 200, sent)
+            self.wfile.write(held)
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # a client that failed its TLS handshake or went away: its connection is closed, no traceback
+
+
+@contextlib.contextmanager
+def serving(address: str, cache_dir: Path, port: int = 0, dns_names: Sequence[str] = (),
+            debian_upstream: str | None = None) -> Iterator[PackageMirror]:
+    """Serve the mirror on ``address`` (an IP this machine holds) and ``port`` (0: a free one)
+    over TLS from a new company CA, in a daemon thread, until the block ends; the CA, its keys
+    and the trusted bundle live in a fresh directory removed then (``cache_dir`` stays)."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="k2-mirror-"))
+    server: _Server | None = None
+    try:
+        os.chmod(work, 0o755)  # public: the CA and bundle (apt's https method reads as _apt); keys in private/
+        ca = company_ca(work, address, dns_names)
+        bundle = SYSTEM_BUNDLE.read_bytes().rstrip(b"\n") + b"\n" + ca.ca_file.read_bytes()
+        (work / "ca-certificates.crt").write_bytes(bundle)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(ca.cert_file, ca.key_file)
+        mirror = PackageMirror(address, port, cache_dir.resolve(), ca, debian_upstream or debian_archive())
+        handler = type("Handler", (_Handler,), {"mirror": mirror})
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        server = type("Server", (_Server,), {"address_family": family})((address, port), handler)
+        # the TLS handshake happens in each connection's thread, not in the accepting loop
+        server.socket = context.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
+        mirror.port = server.server_address[1]
+        thread = threading.Thread(target=server.serve_forever, args=(0.1,), name=f"k2-mirror-{address}", daemon=True)
+        thread.start()
+        yield mirror
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        shutil.rmtree(work, ignore_errors=True)
