@@ -15,10 +15,8 @@ Standard library only (hosts have only python3).
 
 from __future__ import annotations
 
-import argparse
 import json
 import socket
-import subprocess
 import sys
 import time
 
@@ -49,7 +47,7 @@ def request(url: str, body: bytes | None = None, timeout: float = 30, key: str |
     if body is not None:
         head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
     deadline = time.monotonic() + timeout
-    with socket.create_connection((host, port), timeout=timeout) as sock:
+    with socket.create_connection((ascii_host(host), port), timeout=timeout) as sock:
         sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + (body or b""))
         data = b""
         while True:
@@ -80,6 +78,23 @@ def request(url: str, body: bytes | None = None, timeout: float = 30, key: str |
     elif "content-length" in fields:
         rest = rest[:int(fields["content-length"])]
     return int(parts[1]), rest
+
+
+def ascii_host(host: str) -> str | bytes:
+    """``host`` as getaddrinfo's bytes when it is one the ``idna`` codec would encode as ASCII
+    unchanged (an address, a plain name): the same lookup without the codec's import (~0.6 ms
+    of every deploy's host probe: encodings.idna, stringprep, unicodedata); any other ``host``
+    unchanged (idna encodes it, or refuses it, as before).
+
+    >>> ascii_host("127.0.0.1"), ascii_host("::1"), ascii_host("gpu-1.lan."), ascii_host("a..b"), ascii_host("bücher")
+    (b'127.0.0.1', b'::1', b'gpu-1.lan.', 'a..b', 'bücher')
+    """
+    if not host.isascii():
+        return host
+    labels = host.split(".")
+    if all(0 < len(label) < 64 for label in labels[:-1]) and len(labels[-1]) < 64:
+        return host.encode("ascii")
+    return host
 
 
 def get_status(url: str) -> int | None:
@@ -183,6 +198,7 @@ def pd_mismatch(pools: dict) -> str | None:
 
 
 def journal_tail(unit: str, lines: int = 30) -> str:
+    import subprocess
     try:
         out = subprocess.run(["journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "cat"],
                              capture_output=True, text=True, timeout=20)
@@ -251,7 +267,8 @@ def wait_healthy(base: str, model: str, timeout: float, expected: dict | None = 
     raise NotHealthy(f"not healthy after {timeout:.0f}s: {last}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser():
+    import argparse
     ap = argparse.ArgumentParser(prog="health")
     ap.add_argument("--base", required=True)
     ap.add_argument("--model", required=True)
@@ -267,7 +284,65 @@ def main(argv: list[str] | None = None) -> int:
                     help="root-only file holding the API key to send as Authorization: Bearer (never the key itself)")
     ap.add_argument("--expect-counter", default=None, metavar="FAMILY",
                     help="a request counter of /metrics (Prometheus text) that must move with the completion")
-    args = ap.parse_args(argv)
+    return ap
+
+
+class _Args:
+    """What :func:`quick_args` parsed: one attribute an option, as argparse names them."""
+
+    def __init__(self, **values) -> None:
+        self.__dict__.update(values)
+
+
+def quick_args(argv: list[str] | None, options: dict, flags: tuple = (), positionals: tuple = (),
+               required: tuple = ()):
+    """``argv`` parsed as argparse would, without importing it (~1 ms, + ~1 ms of shutil for its
+    help formatter, in every deploy's host probe), when it has only the forms k2fleet writes;
+    None for anything else (then argparse parses it, with its own errors and help). verify.py's
+    :func:`~k2fleet.hostprogs.verify.quick_args`, copied: each host program runs from its file
+    alone too.
+
+    >>> vars(quick_args(["--base", "http://h:8", "--timeout", "5"], {"--base": (None, None), "--timeout": (float, 600),
+    ...                                                          "--ready-path": (None, "/health")}, required=("--base",)))
+    {'base': 'http://h:8', 'timeout': 5.0, 'ready_path': '/health'}
+    >>> [quick_args(a, {"--base": (None, None)}, required=("--base",)) for a in ([], ["--base"], ["--base=x"], ["x"])]
+    [None, None, None, None]
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    values = {o[2:].replace("-", "_"): default for o, (_, default) in options.items()}
+    values.update({f[2:].replace("-", "_"): False for f in flags})
+    given, seen = [], set()
+    while args:
+        arg = args.pop(0)
+        if arg in flags:
+            values[arg[2:].replace("-", "_")] = True
+        elif arg in options:
+            if not args or args[0].startswith("-"):
+                return None
+            kind, value = options[arg][0], args.pop(0)
+            try:
+                values[arg[2:].replace("-", "_")] = kind(value) if kind else value
+            except (TypeError, ValueError):
+                return None
+            seen.add(arg)
+        elif arg.startswith("-"):
+            return None
+        else:
+            given.append(arg)
+    if len(given) != len(positionals) or not seen.issuperset(required):
+        return None
+    values.update(zip(positionals, given))
+    return _Args(**values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = quick_args(argv, {"--base": (None, None), "--model": (None, None), "--unit": (None, None),
+                             "--timeout": (float, 600), "--ready-path": (None, "/health"),
+                             "--expect-world": (json.loads, None), "--expect-pd": (json.loads, None),
+                             "--api-key-file": (None, None), "--expect-counter": (None, None)},
+                      required=("--base", "--model", "--unit"))
+    if args is None:
+        args = _parser().parse_args(argv)
     try:
         key = read_key(args.api_key_file) if args.api_key_file else None
         answer = wait_healthy(args.base, args.model, args.timeout, args.expect_world, args.ready_path,

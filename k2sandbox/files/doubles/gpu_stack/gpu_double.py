@@ -32,18 +32,21 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
-HARDWARE = Path(os.environ.get("K2FLEET_DOUBLE_HARDWARE", "/etc/k2fleet-doubles/gpus.json"))
-STATE = Path(os.environ.get("K2FLEET_DOUBLE_STATE", "/run/k2fleet-doubles"))
-LIB = Path(os.environ.get("K2FLEET_DOUBLE_LIB", "/usr/lib/k2fleet-doubles"))
-NV_MODULE = STATE / "nvidia" / "module-version"
-FABRIC_STATE = STATE / "nvidia" / "fabric-state"
-NV_INSTALLED = LIB / "nvidia" / "installed-version"
-AMD_MODULE = STATE / "amdgpu" / "module-version"
-AMD_INSTALLED = LIB / "amdgpu" / "installed-version"
-IMEX_NODES = Path(os.environ.get("K2FLEET_DOUBLE_IMEX_NODES", "/etc/nvidia-imex/nodes_config.cfg"))
-DOCKER_DAEMON_JSON = Path("/etc/docker/daemon.json")
+# Paths are strings, not pathlib's: nvidia-smi runs at every deploy's host probe, and pathlib
+# (with urllib.parse, ipaddress) is ~2 ms of its start-up; the rare commands that write files
+# (load-module, the daemons, nvidia-ctk) import it where they need it.
+_join = os.path.join
+HARDWARE = os.environ.get("K2FLEET_DOUBLE_HARDWARE", "/etc/k2fleet-doubles/gpus.json")
+STATE = os.environ.get("K2FLEET_DOUBLE_STATE", "/run/k2fleet-doubles")
+LIB = os.environ.get("K2FLEET_DOUBLE_LIB", "/usr/lib/k2fleet-doubles")
+NV_MODULE = _join(STATE, "nvidia", "module-version")
+FABRIC_STATE = _join(STATE, "nvidia", "fabric-state")
+NV_INSTALLED = _join(LIB, "nvidia", "installed-version")
+AMD_MODULE = _join(STATE, "amdgpu", "module-version")
+AMD_INSTALLED = _join(LIB, "amdgpu", "installed-version")
+IMEX_NODES = os.environ.get("K2FLEET_DOUBLE_IMEX_NODES", "/etc/nvidia-imex/nodes_config.cfg")
+DOCKER_DAEMON_JSON = "/etc/docker/daemon.json"
 RUNTIME_PATH = "/usr/bin/nvidia-container-runtime"
 # CUDA version the driver branch reports in nvidia-smi's header ([cuda-rn])
 CUDA_OF_BRANCH = {"580": "13.0", "590": "13.1"}
@@ -54,9 +57,10 @@ EXIT_NO_DRIVER = 9  # NVML_ERROR_DRIVER_NOT_LOADED
 EXIT_MISMATCH = 18  # NVML_ERROR_LIB_RM_VERSION_MISMATCH
 
 
-def read_text(path: Path) -> str | None:
+def read_text(path: str) -> str | None:
     try:
-        return path.read_text().strip()
+        with open(path) as f:
+            return f.read().strip()
     except (FileNotFoundError, NotADirectoryError):
         return None
 
@@ -64,7 +68,8 @@ def read_text(path: Path) -> str | None:
 def hardware(vendor: str) -> dict | None:
     """The simulated hardware of ``vendor`` (None: no such GPUs on this host)."""
     try:
-        hw = json.loads(HARDWARE.read_text())
+        with open(HARDWARE) as f:
+            hw = json.loads(f.read())
     except (FileNotFoundError, ValueError):
         return None
     if hw.get("vendor") != vendor or int(hw.get("count", 0)) < 1:
@@ -72,7 +77,9 @@ def hardware(vendor: str) -> dict | None:
     return hw
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: str, text: str) -> None:
+    from pathlib import Path
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(text)
@@ -82,10 +89,10 @@ def write_atomic(path: Path, text: str) -> None:
 # --------------------------------------------------------------------------- modules
 
 
-def load_module(module: Path, installed: Path, vendor: str, name: str) -> int:
+def load_module(module: str, installed: str, vendor: str, name: str) -> int:
     """The stand-in for ``modprobe <name>`` at boot: a loaded module stays (modprobe is a
     no-op then); otherwise the installed version is "loaded" if the GPUs exist."""
-    if module.exists():
+    if os.path.exists(module):
         return 0
     version = read_text(installed)
     if version is None:
@@ -257,9 +264,11 @@ def nvidia_smi(argv: list[str]) -> int:
 # --------------------------------------------------------------------------- daemons
 
 
-def _daemonize(pidfile: Path, on_start: Path | None = None, state: str = "") -> int:
+def _daemonize(pidfile: str, on_start: str | None = None, state: str = "") -> int:
     """Type=forking: the parent writes the state file and the child's PID, exits 0; the
     child runs until SIGTERM and then removes the state file."""
+    from pathlib import Path
+    on_start = None if on_start is None else Path(on_start)
     if on_start is not None:
         write_atomic(on_start, state + "\n")
 
@@ -303,11 +312,11 @@ def persistenced(argv: list[str]) -> int:
         print("nvidia-persistenced failed to initialize. Check syslog for more details.", file=sys.stderr)
         return 1
     print(f"nvidia-persistenced {own} (k2fleet TEST DOUBLE) started; persistence mode enabled on all devices")
-    return _daemonize(Path("/run/nvidia-persistenced/nvidia-persistenced.pid"))
+    return _daemonize("/run/nvidia-persistenced/nvidia-persistenced.pid")
 
 
 def fabricmanager(argv: list[str]) -> int:
-    own = read_text(LIB / "nvidia-fabricmanager" / "version") or "unknown"
+    own = read_text(_join(LIB, "nvidia-fabricmanager", "version")) or "unknown"
     loaded = read_text(NV_MODULE)
     hw = hardware("nvidia")
     if loaded is None or hw is None:
@@ -323,11 +332,11 @@ def fabricmanager(argv: list[str]) -> int:
         return 1
     print(f"Fabric Manager version {own} (k2fleet TEST DOUBLE) is running; "
           f"{hw['count']} GPUs, fabric state Completed")
-    return _daemonize(STATE / "nvidia" / "nv-fabricmanager.pid", FABRIC_STATE, "Completed")
+    return _daemonize(_join(STATE, "nvidia", "nv-fabricmanager.pid"), FABRIC_STATE, "Completed")
 
 
 def imex(argv: list[str]) -> int:
-    own = read_text(LIB / "nvidia-imex" / "version") or "unknown"
+    own = read_text(_join(LIB, "nvidia-imex", "version")) or "unknown"
     error = _module_matches(own, "nvidia-imex")
     if error:
         print(error, file=sys.stderr)
@@ -335,11 +344,12 @@ def imex(argv: list[str]) -> int:
     nodes = [line.strip() for line in (read_text(IMEX_NODES) or "").splitlines()
              if line.strip() and not line.strip().startswith("#")]
     if not nodes:
-        print(f"IMEX nodes config file {IMEX_NODES} is missing or lists no node: cannot start the IMEX domain",
+        from pathlib import Path
+        print(f"IMEX nodes config file {Path(IMEX_NODES)} is missing or lists no node: cannot start the IMEX domain",
               file=sys.stderr)
         return 1
     print(f"IMEX {own} (k2fleet TEST DOUBLE) running; domain of {len(nodes)} nodes: {', '.join(nodes)}")
-    return _daemonize(STATE / "nvidia" / "nvidia-imex.pid", STATE / "nvidia" / "imex-nodes", "\n".join(nodes))
+    return _daemonize(_join(STATE, "nvidia", "nvidia-imex.pid"), _join(STATE, "nvidia", "imex-nodes"), "\n".join(nodes))
 
 
 # --------------------------------------------------------------------------- nvidia-ctk
@@ -360,6 +370,7 @@ def runtime_configure(argv: list[str]) -> int:
         print(f'level=error msg="unsupported runtime: {runtime} (k2fleet TEST DOUBLE supports docker)"',
               file=sys.stderr)
         return 1
+    from pathlib import Path
     path = Path(_option(argv, "--config") or DOCKER_DAEMON_JSON)
     old = path.read_bytes() if path.exists() else b""
     try:
@@ -403,7 +414,7 @@ def cdi_generate(argv: list[str]) -> int:
     if not output:
         sys.stdout.write(spec)
         return 0
-    write_atomic(Path(output), spec)
+    write_atomic(output, spec)
     print('level=info msg="Generated CDI spec with version 0.5.0"')
     return 0
 
