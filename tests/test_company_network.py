@@ -13,10 +13,13 @@ Own module: ``k2fleet rehearse`` takes the sandbox lock itself (see tests/test_r
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
 import urllib.request
+from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 
@@ -74,3 +77,65 @@ def test_a_fleet_behind_a_bastion_deploys_through_it_alone(tmp_path) -> None:
     finally:
         with sandbox.hold_sandbox_lock():
             sandbox.down()
+
+
+def test_the_company_inventory_bundled_from_its_mirrors_deploys_offline(tmp_path) -> None:
+    """#22: ``k2fleet bundle`` of the company inventory from the company's mirrors — the Debian
+    archive and a PyPI index on the sandbox network, over TLS signed by the company's CA
+    (:mod:`k2sandbox.package_mirror`; the control machine trusts that CA in a mount namespace,
+    as a company's machines do) — from empty caches, then an offline rehearsal from that bundle
+    alone, through the bastion. Every Debian package in the bundle came through the mirror
+    (its request log), none from the machine's own archive (the lock's origins)."""
+    from k2fleet.control.lockfile import LOCK_NAME, Lock
+    from k2sandbox import driver_doubles, package_mirror
+
+    bundle = tmp_path / "corp-bundle"
+    with sandbox.hold_sandbox_lock():
+        sandbox.down()
+        sandbox.setup_bridge()  # the mirror's address: the control machine's on the sandbox network
+        try:
+            with package_mirror.serving(sandbox.BRIDGE_ADDRESS, tmp_path / "mirror-cache") as mirror:
+                env = {k: v for k, v in os.environ.items() if k != "PIP_FIND_LINKS"}
+                env["PIP_CONFIG_FILE"] = "/dev/null"  # not this machine's own indexes and wheel directory
+                proc = subprocess.run(
+                    mirror.trusting([tool("k2fleet"), "bundle", INVENTORY, "--rehearsal", "--out", str(bundle),
+                                     "--cache", str(tmp_path / "cache"),
+                                     "--data", f"k2_os_mirror={mirror.debian_url}",
+                                     "--data", f"k2_pypi_index={mirror.pypi_index}"]),
+                    cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900, env=env)
+                # the company inventory's one wheel is the engine TEST DOUBLE (built here): the PyPI
+                # mirror is proven with the Ray inventory's wheels, from the same index
+                wheels = subprocess.run(
+                    mirror.trusting([tool("k2fleet"), "bundle", "inventories/h800-pp.py", "--rehearsal", "--only", "wheels",
+                                     "--out", str(tmp_path / "ray-wheels"), "--cache", str(tmp_path / "cache"),
+                                     "--data", f"k2_pypi_index={mirror.pypi_index}"]),
+                    cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900, env=env)
+                served = mirror.log.entries()
+        finally:
+            sandbox.down()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lock = Lock.from_text((bundle / LOCK_NAME).read_text())
+    debs = [a for a in lock.artifacts if a.kind == "deb"]
+    assert debs and all(mirror.debian_url in a.origin and "deb.debian.org" not in a.origin for a in debs), debs[0].origin
+    fetched = {unquote(path.rsplit("/", 1)[-1]) for method, path, status, _ in served
+               if method == "GET" and status == 200 and path.startswith("/debian/pool/")}
+    doubles = {p.filename for p in driver_doubles.double_packages()}
+    names = {Path(a.path.rsplit("!", 1)[-1]).name for a in debs}  # (a deb inside a tar: TAR!NAME)
+    assert names - doubles and names - doubles <= fetched, sorted(names - doubles - fetched)[:10]
+    assert wheels.returncode == 0, wheels.stdout[-3000:] + wheels.stderr[-3000:]
+    from_index = {unquote(path.rsplit("/", 1)[-1]) for method, path, status, _ in served
+                  if method == "GET" and status == 200 and path.startswith("/pypi/files/")}
+    locked = [Path(a.path).name for a in Lock.from_text((tmp_path / "ray-wheels" / LOCK_NAME).read_text()).artifacts
+              if a.kind == "wheel" and "k2fleet" not in a.origin]
+    assert any(name.startswith("ray-2.60.0-") for name in locked) and set(locked) <= from_index, \
+        sorted(set(locked) - from_index)[:10]
+    # the air-gapped fleet: the deploy (pyinfra and its control step) in a namespace whose only
+    # link is the sandbox bridge, every package, wheel and the checkpoint from the bundle
+    proc = subprocess.run([tool("k2fleet"), "rehearse", INVENTORY, "--bundle", str(bundle), "--offline"], cwd=ROOT,
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-2000:]
+    assert out.strip().splitlines()[-1] == f"rehearsal {INVENTORY}: 1/1 endpoints healthy, re-run 0 changes", out
+    assert f"everything from bundle {bundle}" in out and f"--offline: the deploy runs in netns {sandbox.OFFLINE_NS}" in out
+    counted = re.findall(r"^  (gpu-\d): (\d+) SSH logins, (\d+) of them through the bastion$", out, re.M)
+    assert sorted(h for h, _, _ in counted) == ["gpu-0", "gpu-1"] and all(n == t for _, n, t in counted), out
