@@ -47,16 +47,29 @@ def _desired(inventory: str, data: list[str], images: dict | None = None):
 
 def test_unit_runs_nvidias_image_with_the_readme_capabilities_on_the_host_network() -> None:
     dep, _, desired = _desired("inventories/h200.py", ON + [f"k2_gpu_exporter_image_id={ID}"])
-    assert gx.argv(dep) == ["/usr/bin/docker", "run", "--rm", "--name", "k2-dcgm-exporter", "--network", "host",
-                            "--gpus", "all", "--cap-add", "SYS_ADMIN", REF]
+    assert gx.argv(dep, "10.0.0.1") == ["/usr/bin/docker", "run", "--rm", "--name", "k2-dcgm-exporter", "--network",
+                                        "host", "--gpus", "all", "--cap-add", "SYS_ADMIN", REF]
     for d in desired.values():
         unit = d.files["gpu_exporter"][gx.UNIT_PATH].content.decode().splitlines()
         assert "Requires=docker.service" in unit
         assert any(line.startswith("ExecStartPre=") and "image_pin" in line and REF in line and ID in line for line in unit)
-        assert f"ExecStart={' '.join(gx.argv(dep))}" in unit
+        assert f"ExecStart={' '.join(gx.argv(dep, '10.0.0.1'))}" in unit
         assert "ExecStop=/usr/bin/docker stop --time 30 k2-dcgm-exporter" in unit
         assert gx.UNIT in d.units and d.gpu_exporter.ref == REF and d.gpu_exporter.image_id == ID
         assert gx.CHECK in d.checks and d.gpu_exporter.archive is None  # a real fleet pulls it
+
+
+def test_under_bind_address_fleet_it_listens_on_the_hosts_fleet_address_alone() -> None:
+    """``k2_bind_address: fleet``: dcgm-exporter's listener (``DCGM_EXPORTER_LISTEN``, its
+    ``--address``) is each host's own fleet address, as the engines' — not every interface."""
+    dep, _, desired = _desired("inventories/h200.py", ON + [f"k2_gpu_exporter_image_id={ID}", "k2_bind_address=fleet"])
+    for h in dep.fleet.hosts:
+        unit = desired[h.name].files["gpu_exporter"][gx.UNIT_PATH].content.decode()
+        (start,) = [line for line in unit.splitlines() if line.startswith("ExecStart=")]
+        assert f" -e DCGM_EXPORTER_LISTEN={h.address}:9400 " in start, start
+    _, _, default = _desired("inventories/h200.py", ON + [f"k2_gpu_exporter_image_id={ID}"])
+    assert all("DCGM_EXPORTER_LISTEN" not in d.files["gpu_exporter"][gx.UNIT_PATH].content.decode()
+               for d in default.values())
 
 
 def test_off_by_default_and_nothing_planned() -> None:
@@ -109,7 +122,7 @@ def test_simulated_gpus_only_with_the_key_and_the_double_image(tmp_path: Path) -
     archive.write_bytes(b"image")
     dep, plan, desired = _desired("inventories/h200.py", sim + ["k2_gpu_exporter=true"], {REF: (str(archive), ID)})
     assert {t.host for t in scrape_targets(dep, plan) if t.job == "dcgm"} == set(plan.hosts)
-    argv = gx.argv(dep)
+    argv = gx.argv(dep, "10.0.0.1")
     assert "--gpus" not in argv and "/etc/k2fleet-doubles/gpus.json:/etc/k2fleet-doubles/gpus.json:ro" in argv
     for d in desired.values():
         assert d.gpu_exporter.archive == f"/var/cache/k2fleet/images/{archive.name}" and d.gpu_exporter.image_id == ID

@@ -4,7 +4,8 @@
 double that the bootstrap adds to this venv-runtime fleet — and the control machine (the
 declared scraper, through k2fleet's firewall) scrapes each host's :9400: one
 ``DCGM_FI_DEV_GPU_UTIL`` and ``DCGM_FI_DEV_FB_USED`` sample per simulated GPU of the host's
-``/etc/k2fleet-doubles/gpus.json``; ``k2fleet metrics`` names every host as a ``dcgm`` target.
+``/etc/k2fleet-doubles/gpus.json``; under ``k2_bind_address: fleet`` it listens on the host's
+fleet address alone; ``k2fleet metrics`` names every host as a ``dcgm`` target.
 Written offline; run by the lead on the sandbox.
 """
 
@@ -25,7 +26,7 @@ from k2sandbox.pyinfra_cli import ROOT, cli_env
 from tests.test_gpu_exporter import REF, parse_exposition
 
 pytestmark = pytest.mark.sandbox
-DATA = {"k2_metrics": True, "k2_gpu_exporter": True, "k2_metrics_scrapers": [BRIDGE_ADDRESS]}
+DATA = {"k2_metrics": True, "k2_gpu_exporter": True, "k2_metrics_scrapers": [BRIDGE_ADDRESS], "k2_bind_address": "fleet"}
 
 
 def _scrape(address: str, deadline: float) -> str:
@@ -46,6 +47,9 @@ def test_dcgm_exporter_double_serves_every_simulated_gpu(fleet: SandboxFleet, tm
         assert ssh(host, "systemctl is-active k2-dcgm-exporter.service", check=False).stdout.strip() == "active"
         label = ssh(host, f"docker image inspect --format '{{{{index .Config.Labels \"org.k2fleet.test-double\"}}}}' {REF}")
         assert label.stdout.strip() == "true"
+        # k2_bind_address: fleet — the exporter listens on the host's fleet address alone
+        listening = ssh(host, "ss -ltnH 'sport = :9400'").stdout.split()
+        assert [w for w in listening if w.endswith(":9400")] == [f"{host['address']}:9400"], listening
         hw = json.loads(ssh(host, "cat /etc/k2fleet-doubles/gpus.json").stdout)
         samples = parse_exposition(_scrape(host["address"], deadline))
         for name in ("DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED"):

@@ -1088,7 +1088,7 @@ class HostSettings(BaseModel):
     mesh_user: PosixUser = _key(FLEET, "User mpirun connects as over the mesh.", default="root")
     bind_address: Literal["all", "fleet"] = _key(
         FLEET,
-        "Where the engines and the PD router listen: `all` (default: 0.0.0.0, every interface, as the "
+        "Where the engines, the PD router, the load balancer and dcgm-exporter listen: `all` (default: 0.0.0.0, every interface, as the "
         "vendor guides run them; k2_firewall still limits who reaches the API port) or `fleet` (each host's "
         "own fleet address only, `k2_address`; the health gate then calls that address, not 127.0.0.1).",
         default="all",

@@ -447,15 +447,15 @@ def image_files(dep: Deployment, hp: HostPlan, art: ControlArtifacts) -> tuple[I
     return ImagePin(dep.image, made[1], remote), {remote: FileSpec(path.read_bytes(), "644", "image")}
 
 
-def gpu_exporter_files(dep: Deployment, art: ControlArtifacts) -> tuple[ImagePin, dict[str, FileSpec]]:
-    """``k2_gpu_exporter`` on a GPU host: dcgm-exporter's image pin, its unit and (the sandbox's
+def gpu_exporter_files(dep: Deployment, address: str, art: ControlArtifacts) -> tuple[ImagePin, dict[str, FileSpec]]:
+    """``k2_gpu_exporter`` on the GPU host at fleet ``address``: dcgm-exporter's image pin, its unit and (the sandbox's
     TEST DOUBLE image, or a ``k2_bundle``'s saved image) the archive the host loads; otherwise a
     real fleet pulls ``k2_gpu_exporter_image`` and checks it is ``k2_gpu_exporter_image_id``
     (:mod:`k2fleet.planning.gpu_exporter`)."""
     ref = dep.s.gpu_exporter_image
     if not dep.s.simulated_gpus and dep.s.bundle is None:
         image_id = dep.s.gpu_exporter_image_id
-        unit = gpu_exporter.unit_file(dep, image_id).encode()
+        unit = gpu_exporter.unit_file(dep, address, image_id).encode()
         return ImagePin(ref, image_id, None), {gpu_exporter.UNIT_PATH: FileSpec(unit, "644")}
     made = art.images.get(ref)  # the TEST DOUBLE image, or (k2_bundle) the archive in the bundle
     if made is None:  # not built yet (--dry): the unit names its image ID, so it waits too
@@ -463,7 +463,7 @@ def gpu_exporter_files(dep: Deployment, art: ControlArtifacts) -> tuple[ImagePin
                                                            gpu_exporter.UNIT_PATH: FileSpec(None, "644", "image")}
     path = Path(made[0])
     remote = f"{IMAGE_DIR}/{path.name}"
-    unit = gpu_exporter.unit_file(dep, made[1]).encode()
+    unit = gpu_exporter.unit_file(dep, address, made[1]).encode()
     return ImagePin(ref, made[1], remote), {remote: FileSpec(path.read_bytes(), "644", "image"),
                                             gpu_exporter.UNIT_PATH: FileSpec(unit, "644")}
 
@@ -761,7 +761,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
             d.venv_install = venv_install_argv(dep, d.python)
         d.firewall = fleet_firewall.host_firewall(dep, hp)
         if gpu_exporter.runs_on(dep, hp.role):  # dcgm-exporter: its unit and image (the gpu_exporter role)
-            d.gpu_exporter, d.files["gpu_exporter"] = gpu_exporter_files(dep, art)
+            d.gpu_exporter, d.files["gpu_exporter"] = gpu_exporter_files(dep, h.address, art)
             d.units.append(gpu_exporter.UNIT)
             if d.gpu_exporter.image_id:
                 d.checks[gpu_exporter.CHECK] = image_pin_argv(d.gpu_exporter.ref, d.gpu_exporter.image_id)

@@ -11,7 +11,8 @@ NVIDIA ships dcgm-exporter as a container image (not a Debian package). Its READ
 changes: ``--network host`` in place of ``-p 9400:9400`` (Docker's published ports are
 DNAT-ed past the ``input`` hook k2fleet's nftables table filters, so ``-p`` would leave the
 port open to anyone; on the host's network the firewall opening to ``k2_metrics_scrapers``
-and the fleet is what lets scrapers in), and no ``-d`` (systemd is the supervisor). The image
+and the fleet is what lets scrapers in; under ``k2_bind_address: fleet`` it listens on the
+host's fleet address alone, :func:`listen`), and no ``-d`` (systemd is the supervisor). The image
 reference is pinned to ``k2_gpu_exporter_image_id`` when set (the unit refuses another image,
 :mod:`k2fleet.hostprogs.image_pin`), as the engine's ``k2_image_id``.
 
@@ -51,14 +52,37 @@ def runs_on(dep: Deployment, role: str) -> bool:
     return bool(dep.s.metrics and dep.s.gpu_exporter and gpu_host(role))
 
 
-def argv(dep: Deployment) -> list[str]:
-    """The unit's ``docker run`` (in the foreground, host network; see the module doc).
+def listen(dep: Deployment, address: str) -> str | None:
+    """dcgm-exporter's listen address under ``k2_bind_address: fleet``: the host's fleet
+    address (its ``-a``/``--address`` option, env ``DCGM_EXPORTER_LISTEN``, default ``:9400``;
+    pkg/cmd/app.go), None under ``all`` (every interface; the firewall limits who reaches it).
 
     >>> from types import SimpleNamespace as NS
-    >>> argv(NS(s=NS(simulated_gpus=False, gpu_exporter_image="nvcr.io/nvidia/k8s/dcgm-exporter:4.2.3-4.1.3-ubuntu22.04")))[-5:]
+    >>> listen(NS(s=NS(bind_address="fleet")), "10.0.0.1"), listen(NS(s=NS(bind_address="fleet")), "fd00::1")
+    ('10.0.0.1:9400', '[fd00::1]:9400')
+    >>> listen(NS(s=NS(bind_address="all")), "10.0.0.1") is None
+    True
+    """
+    if dep.s.bind_address != "fleet":
+        return None
+    return f"[{address}]:{PORT}" if ":" in address else f"{address}:{PORT}"
+
+
+def argv(dep: Deployment, address: str) -> list[str]:
+    """The unit's ``docker run`` on the host at fleet ``address`` (in the foreground, host
+    network; see the module doc), listening where :func:`listen` says.
+
+    >>> from types import SimpleNamespace as NS
+    >>> s = NS(simulated_gpus=False, bind_address="all", gpu_exporter_image="nvcr.io/nvidia/k8s/dcgm-exporter:4.2.3-4.1.3-ubuntu22.04")
+    >>> argv(NS(s=s), "10.0.0.1")[-5:]
     ['--gpus', 'all', '--cap-add', 'SYS_ADMIN', 'nvcr.io/nvidia/k8s/dcgm-exporter:4.2.3-4.1.3-ubuntu22.04']
+    >>> argv(NS(s=NS(**{**vars(s), "bind_address": "fleet"})), "10.0.0.1")[6:9]
+    ['host', '-e', 'DCGM_EXPORTER_LISTEN=10.0.0.1:9400']
     """
     out = [DOCKER, "run", "--rm", "--name", NAME, "--network", "host"]
+    where = listen(dep, address)
+    if where is not None:
+        out += ["-e", f"DCGM_EXPORTER_LISTEN={where}"]
     if dep.s.simulated_gpus:  # the TEST DOUBLE reads the simulated GPUs; there is no GPU to give it
         out += ["-v", f"{SIMULATED_HARDWARE}:{SIMULATED_HARDWARE}:ro"]
     else:
@@ -66,9 +90,9 @@ def argv(dep: Deployment) -> list[str]:
     return out + ["--cap-add", "SYS_ADMIN", dep.s.gpu_exporter_image]
 
 
-def unit_file(dep: Deployment, image_id: str | None) -> str:
-    """``k2-dcgm-exporter.service``: a leftover container removed first, the image pin checked
-    (when ``image_id``), stop removes the container."""
+def unit_file(dep: Deployment, address: str, image_id: str | None) -> str:
+    """``k2-dcgm-exporter.service`` of the host at fleet ``address``: a leftover container
+    removed first, the image pin checked (when ``image_id``), stop removes the container."""
     ref = dep.s.gpu_exporter_image
     pre = [f"ExecStartPre=-{systemd_exec([DOCKER, 'rm', '--force', NAME])}"]
     if image_id:
@@ -84,7 +108,7 @@ def unit_file(dep: Deployment, image_id: str | None) -> str:
         "[Service]",
         "Type=simple",
         *pre,
-        f"ExecStart={systemd_exec(argv(dep))}",
+        f"ExecStart={systemd_exec(argv(dep, address))}",
         f"ExecStop={systemd_exec([DOCKER, 'stop', '--time', str(CONTAINER_STOP_S), NAME])}",
         f"ExecStopPost=-{systemd_exec([DOCKER, 'rm', '--force', NAME])}",
         "Restart=on-failure",
