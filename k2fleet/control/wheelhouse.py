@@ -26,14 +26,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import version
 from pathlib import Path
 
-from k2fleet.hostprogs import locks
+from k2fleet.control.cache_dirs import build_once
 
 DEFAULT_CACHE_DIR = Path(os.environ.get("K2FLEET_WHEELHOUSE_CACHE", "/var/cache/k2fleet/wheelhouses"))
 PYTHONS = ("3.10", "3.11", "3.12", "3.13")
@@ -130,13 +129,8 @@ def ensure_wheelhouse(requirements: list[str] | None = None, cache_dir: Path = D
     if cached is not None:
         return cached
     target = cache_dir / wheelhouse_key(requirements, pythons, archs, tuple(constraints))
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with locks.exclusive(cache_dir / ".lock"):
-        if (target / DONE).is_file():
-            return target
-        tmp = target.with_name(target.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+
+    def make(tmp: Path) -> None:
         pinned = None
         if constraints:
             pinned = tmp / "constraints.txt"
@@ -144,25 +138,31 @@ def ensure_wheelhouse(requirements: list[str] | None = None, cache_dir: Path = D
         for python in pythons:
             for platforms in (PLATFORMS[arch] for arch in archs):
                 argv = pip_download_argv(requirements, tmp, python, platforms, pinned, index)
-                if progress is not None:
-                    argv.remove("--quiet")  # pip's own "Downloading X (N MB)" lines, forwarded as they come
-                proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                        stdin=subprocess.DEVNULL)
-                assert proc.stdout is not None and proc.stderr is not None
-                for line in proc.stdout:
-                    if progress is not None and line.lstrip().startswith(("Collecting", "Downloading", "Saved")):
-                        progress(f"  pip (CPython {python}, {platforms[0]}): {line.strip()}")
-                stderr = proc.stderr.read()
-                if proc.wait():
-                    raise RuntimeError(f"pip download of {' '.join(requirements)} for CPython {python} "
-                                       f"{platforms[0]} failed:\n{stderr.strip()[-2000:]}")
+                run_pip(argv, progress, f"pip (CPython {python}, {platforms[0]})",
+                        f"pip download of {' '.join(requirements)} for CPython {python} {platforms[0]}")
         if pinned is not None:
             pinned.unlink()
         wheels = sorted(p.name for p in tmp.glob("*.whl"))
         (tmp / DONE).write_text(json.dumps({"requirements": requirements, "wheels": wheels}, indent=1) + "\n")
-        shutil.rmtree(target, ignore_errors=True)
-        tmp.rename(target)
-    return target
+
+    return build_once(target, DONE, make)
+
+
+def run_pip(argv: list[str], progress: Callable[[str], None] | None, label: str, what: str,
+            shown: tuple[str, ...] = ("Collecting", "Downloading", "Saved")) -> None:
+    """Run pip's ``argv``; with ``progress``, pip's own lines starting with ``shown`` go to it as
+    they come (``label: LINE``; pip's ``--quiet`` taken out), else pip stays quiet. Raises
+    RuntimeError naming ``what`` with the end of pip's stderr when pip fails."""
+    if progress is not None and "--quiet" in argv:
+        argv = [a for a in argv if a != "--quiet"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    assert proc.stdout is not None and proc.stderr is not None
+    for line in proc.stdout:
+        if progress is not None and line.lstrip().startswith(shown):
+            progress(f"  {label}: {line.strip()}")
+    stderr = proc.stderr.read()
+    if proc.wait():
+        raise RuntimeError(f"{what} failed:\n{stderr.strip()[-2000:]}")
 
 
 def wheel_files(directory: Path) -> dict[str, bytes]:
