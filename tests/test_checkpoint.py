@@ -316,10 +316,12 @@ def test_verify_cli_is_stdlib_only_and_reports_one_line_per_problem(
     fetched: tuple[Path, dict[str, Any]], tmp_path: Path
 ) -> None:
     target, _ = fetched
-    host_copy = tmp_path / "host" / "verify.py"
-    host_copy.parent.mkdir()
-    shutil.copy(VERIFY_PY, host_copy)  # as shipped to a fleet host: no k2fleet, no site-packages
-    cmd = [sys.executable, "-I", "-S", str(host_copy), str(target)]
+    from k2fleet.planning.host_archive import archive_bytes
+
+    archive = tmp_path / "host" / "k2fleet-host.pyz"  # as a fleet host runs it: the archive, no site-packages
+    archive.parent.mkdir()
+    archive.write_bytes(archive_bytes())
+    cmd = [sys.executable, "-I", "-S", str(archive), "verify", str(target)]
 
     ok = subprocess.run(cmd + ["--full", "--workers", "2"], capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stdout + ok.stderr

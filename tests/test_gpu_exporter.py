@@ -256,6 +256,29 @@ def test_the_double_serves_dcgm_fields_per_simulated_gpu(tmp_path: Path) -> None
     assert proc.returncode == 0  # SIGTERM (docker stop): a clean exit
 
 
+def test_the_double_listens_on_an_ipv6_address_as_the_plan_writes_it(tmp_path: Path) -> None:
+    """``DCGM_EXPORTER_LISTEN=[::1]:PORT`` (what :func:`gx.listen` writes for an IPv6 fleet address)."""
+    hw = tmp_path / "gpus.json"
+    hw.write_text(json.dumps({"vendor": "nvidia", "name": "NVIDIA H200", "count": 2, "memory_mib": 143771}))
+    port = _free_port()
+    env = {**os.environ, "K2FLEET_DOUBLE_HARDWARE": str(hw), "DCGM_EXPORTER_LISTEN": f"[::1]:{port}"}
+    proc = subprocess.Popen([sys.executable, str(DOUBLE)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=2) as r:
+                    assert "DCGM_FI_DEV_GPU_UTIL" in r.read().decode()
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read().decode()
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def test_the_double_refuses_a_host_without_nvidia_gpus(tmp_path: Path) -> None:
     env = {**os.environ, "K2FLEET_DOUBLE_HARDWARE": str(tmp_path / "missing.json")}
     proc = subprocess.run([sys.executable, str(DOUBLE)], env=env, capture_output=True, text=True, timeout=20)

@@ -20,7 +20,7 @@ import pytest
 
 from k2fleet.deploy.facts import PROBE
 from k2fleet.hostprogs.hoststate import IN_PROCESS
-from k2fleet.planning.host_archive import ARCHIVE, PROGRAMS, SOURCES, archive_bytes, host_argv
+from k2fleet.planning.host_archive import ARCHIVE, PROBE_IMPORTS, PROGRAMS, SOURCES, archive_bytes, host_argv
 
 REPO = Path(__file__).resolve().parents[1]
 ISOLATED = [sys.executable, "-S", "-E", "-s"]
@@ -38,8 +38,9 @@ def test_the_archive_holds_every_host_program_and_nothing_else() -> None:
         names = zf.namelist()
         assert names == sorted(names)
         sources = {"__main__.py", "k2fleet/__init__.py", *(f"k2fleet/hostprogs/{p.name}" for p in SOURCES.glob("*.py"))}
-        probe = {f"k2fleet/hostprogs/{p}.pyc" for p in IN_PROCESS}  # the probe's programs with their bytecode
-        assert set(names) == sources | probe and len(probe) == 4
+        # the probe's programs and the modules they import, with their bytecode
+        probe = {f"k2fleet/hostprogs/{p}.pyc" for p in (*IN_PROCESS, *PROBE_IMPORTS)}
+        assert set(names) == sources | probe and len(probe) == 5
         assert zf.read("k2fleet/__init__.py") == b""  # not the product's package: nothing of it but the programs
         assert {info.date_time for info in zf.infolist()} == {(1980, 1, 1, 0, 0, 0)}
 

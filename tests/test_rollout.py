@@ -416,3 +416,33 @@ def test_lbctl_caps_what_it_reads_from_the_admin_socket(tmp_path: Path) -> None:
     with pytest.raises(OSError, match="answer longer than"):
         lbctl.command(path, "show stat", timeout=10)
     server.close()
+
+
+def test_lbctl_gives_up_on_an_answer_that_never_ends_within_its_timeout(tmp_path: Path) -> None:
+    """A socket that drips a byte now and then (each read succeeds, the answer never ends)
+    is given up at the command's timeout in all, not held per read."""
+    import socket as sk
+    import threading
+
+    path = str(tmp_path / "admin.sock")
+    server = sk.socket(sk.AF_UNIX, sk.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    stop = threading.Event()
+
+    def drip() -> None:
+        conn, _ = server.accept()
+        with conn:
+            while not stop.wait(0.2):
+                try:
+                    conn.sendall(b"x")
+                except OSError:
+                    return
+
+    threading.Thread(target=drip, daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(OSError, match="no end of answer within 1s"):
+        lbctl.command(path, "show stat", timeout=1)
+    assert time.monotonic() - started < 2
+    stop.set()
+    server.close()

@@ -40,6 +40,7 @@ from k2fleet.inventory.spec import Fleet, HostEntry, SpecError
 Resolver = Callable[[str], Sequence[str]]
 RESOLVE_TIMEOUT = 10.0  # seconds for every name of the inventory together
 WORKERS = 16  # lookups at once
+PLACEHOLDERS = ipaddress.ip_network("198.18.0.0/15")  # RFC 2544 benchmarking: never a fleet's
 
 
 def system_resolver(name: str) -> list[str]:
@@ -62,11 +63,13 @@ def placeholder_resolver() -> Resolver:
     """
     given: dict[str, str] = {}
     lock = threading.Lock()
-    first = ipaddress.ip_address("198.18.0.0")
+    first = PLACEHOLDERS.network_address
 
     def resolve(name: str) -> list[str]:
         with lock:
             if name not in given:
+                if len(given) + 2 >= PLACEHOLDERS.num_addresses:
+                    raise OSError(f"more names than placeholder addresses in {PLACEHOLDERS}")
                 given[name] = str(first + len(given) + 1)
             return [given[name]]
 

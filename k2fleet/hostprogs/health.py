@@ -20,6 +20,8 @@ import socket
 import sys
 import time
 
+from k2fleet.hostprogs.quick_args import quick_args  # in the host archive beside it
+
 MAX_BODY = 8 << 20  # bytes of an answer read at most (a larger one is refused, not buffered)
 
 
@@ -285,54 +287,6 @@ def _parser():
     ap.add_argument("--expect-counter", default=None, metavar="FAMILY",
                     help="a request counter of /metrics (Prometheus text) that must move with the completion")
     return ap
-
-
-class _Args:
-    """What :func:`quick_args` parsed: one attribute an option, as argparse names them."""
-
-    def __init__(self, **values) -> None:
-        self.__dict__.update(values)
-
-
-def quick_args(argv: list[str] | None, options: dict, flags: tuple = (), positionals: tuple = (),
-               required: tuple = ()):
-    """``argv`` parsed as argparse would, without importing it (~1 ms, + ~1 ms of shutil for its
-    help formatter, in every deploy's host probe), when it has only the forms k2fleet writes;
-    None for anything else (then argparse parses it, with its own errors and help). verify.py's
-    :func:`~k2fleet.hostprogs.verify.quick_args`, copied: each host program runs from its file
-    alone too.
-
-    >>> vars(quick_args(["--base", "http://h:8", "--timeout", "5"], {"--base": (None, None), "--timeout": (float, 600),
-    ...                                                          "--ready-path": (None, "/health")}, required=("--base",)))
-    {'base': 'http://h:8', 'timeout': 5.0, 'ready_path': '/health'}
-    >>> [quick_args(a, {"--base": (None, None)}, required=("--base",)) for a in ([], ["--base"], ["--base=x"], ["x"])]
-    [None, None, None, None]
-    """
-    args = list(sys.argv[1:] if argv is None else argv)
-    values = {o[2:].replace("-", "_"): default for o, (_, default) in options.items()}
-    values.update({f[2:].replace("-", "_"): False for f in flags})
-    given, seen = [], set()
-    while args:
-        arg = args.pop(0)
-        if arg in flags:
-            values[arg[2:].replace("-", "_")] = True
-        elif arg in options:
-            if not args or args[0].startswith("-"):
-                return None
-            kind, value = options[arg][0], args.pop(0)
-            try:
-                values[arg[2:].replace("-", "_")] = kind(value) if kind else value
-            except (TypeError, ValueError):
-                return None
-            seen.add(arg)
-        elif arg.startswith("-"):
-            return None
-        else:
-            given.append(arg)
-    if len(given) != len(positionals) or not seen.issuperset(required):
-        return None
-    values.update(zip(positionals, given))
-    return _Args(**values)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,15 +37,19 @@ class Absent(Exception):
 def command(path: str, line: str, timeout: float = 10) -> str:
     """One runtime API command on the admin socket (non-interactive: HAProxy answers and closes);
     the answer is capped at :data:`MAX_ANSWER` bytes and ``timeout`` seconds in all (OSError past either)."""
+    deadline = time.monotonic() + timeout
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(path)
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
         sock.sendall(line.encode() + b"\n")
         data = bytearray()
-        deadline = time.monotonic() + timeout
         while True:
             sock.settimeout(max(0.01, deadline - time.monotonic()))
-            chunk = sock.recv(65536)
+            try:
+                chunk = sock.recv(65536)
+            except socket.timeout:
+                raise OSError(f"{path}: no end of answer within {timeout:g}s") from None
             if not chunk:
                 break
             data += chunk

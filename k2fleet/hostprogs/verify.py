@@ -47,10 +47,14 @@ import time
 # Every deploy's host probe imports this module (its --marker-only check): typing and dataclasses
 # (~7 ms of import) are not imported at all; argparse (+ shutil for its help), hashlib (OpenSSL,
 # ~2 ms) and struct only where used (the probe's --marker-only check parses its argv by hand:
-# :func:`quick_args`, and hashes one small manifest with the builtin sha256: :func:`small_sha256`)
+# :func:`~k2fleet.hostprogs.quick_args.quick_args`, and hashes one small manifest with the builtin
+# sha256: :func:`~k2fleet.hostprogs.hoststate.new_sha256`)
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
+
+from k2fleet.hostprogs.hoststate import new_sha256  # noqa: E402 - in the host archive beside it
+from k2fleet.hostprogs.quick_args import quick_args  # noqa: E402
 
 STATE_DIR = ".k2fleet"
 MANIFEST_NAME = "manifest.json"
@@ -226,31 +230,9 @@ def manifest_digest(manifest: dict[str, Any]) -> str:
     """
     core = {k: manifest.get(k) for k in ("repo_id", "revision", "files")}
     blob = json.dumps(core, sort_keys=True, separators=(",", ":")).encode()
-    return small_sha256(blob).hexdigest()
-
-
-_SHA256: list = []  # the builtin sha256 constructor, once found
-
-
-def small_sha256(data: bytes) -> Any:
-    """sha256 of a small ``data`` (a manifest): the interpreter's builtin module's (``_sha2`` on
-    3.12+, ``_sha256`` on 3.9-3.11) when it has one, else hashlib's; the same digest without
-    loading OpenSSL (``_hashlib``, ~2 ms of the probe). Files are hashed with hashlib's, ~5x
-    faster on large data and releasing the GIL.
-
-    >>> small_sha256(b"k2").hexdigest() == __import__("hashlib").sha256(b"k2").hexdigest()
-    True
-    """
-    if not _SHA256:
-        try:
-            from _sha2 import sha256  # type: ignore[import-not-found]
-        except ImportError:
-            try:
-                from _sha256 import sha256  # type: ignore[import-not-found,no-redef]
-            except ImportError:
-                from hashlib import sha256  # type: ignore[assignment]
-        _SHA256.append(sha256)
-    return _SHA256[0](data)
+    h = new_sha256(len(blob))  # the builtin sha256 for a small blob: no OpenSSL load
+    h.update(blob)
+    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------- marker
@@ -698,58 +680,6 @@ def _parser() -> Any:
     ap.add_argument("--repo", help="the pinned repository: a manifest of another fails (nothing is served from it)")
     ap.add_argument("--revision", help="the pinned revision: a manifest of another fails")
     return ap
-
-
-class _Args:
-    """What :func:`quick_args` parsed: one attribute an option, as argparse names them."""
-
-    def __init__(self, **values: Any) -> None:
-        self.__dict__.update(values)
-
-
-def quick_args(argv: list[str] | None, options: dict[str, Any], flags: tuple[str, ...] = (),
-               positionals: tuple[str, ...] = (), required: tuple[str, ...] = ()) -> Any:
-    """``argv`` parsed as argparse would, without importing it (~1 ms, + ~1 ms of shutil for its
-    help formatter, in every deploy's host probe), when it has only the forms k2fleet writes:
-    ``--option VALUE`` of ``options`` (name → (its ``type`` or None, its default)), ``--flag``s
-    of ``flags`` (default False) and exactly ``positionals``, no value starting with ``-``, every
-    option of ``required`` given; None for anything else (``--option=VALUE``, abbreviations,
-    ``-h``, a missing value, a value ``type`` refuses...): then argparse parses it, with its own
-    errors and help. (Copied in health.py: each host program runs from its file alone too.)
-
-    >>> vars(quick_args(["--marker-only", "--repo", "m/k", "/m/k2"], {"--repo": (None, None), "--workers": (int, 4)},
-    ...                 ("--marker-only", "--full"), ("dir",)))
-    {'repo': 'm/k', 'workers': 4, 'marker_only': True, 'full': False, 'dir': '/m/k2'}
-    >>> [quick_args(a, {"--workers": (int, None)}, (), ("dir",), ("--workers",))
-    ...  for a in (["d", "--workers"], ["d", "--workers", "x"], ["-h"], ["d"], ["d", "--work", "1"])]
-    [None, None, None, None, None]
-    """
-    args = list(sys.argv[1:] if argv is None else argv)
-    values: dict[str, Any] = {o[2:].replace("-", "_"): default for o, (_, default) in options.items()}
-    values.update({f[2:].replace("-", "_"): False for f in flags})
-    given: list[str] = []
-    seen: set[str] = set()
-    while args:
-        arg = args.pop(0)
-        if arg in flags:
-            values[arg[2:].replace("-", "_")] = True
-        elif arg in options:
-            if not args or args[0].startswith("-"):
-                return None
-            kind, value = options[arg][0], args.pop(0)
-            try:
-                values[arg[2:].replace("-", "_")] = kind(value) if kind else value
-            except (TypeError, ValueError):
-                return None
-            seen.add(arg)
-        elif arg.startswith("-"):
-            return None
-        else:
-            given.append(arg)
-    if len(given) != len(positionals) or not seen.issuperset(required):
-        return None
-    values.update(zip(positionals, given))
-    return _Args(**values)
 
 
 def main(argv: list[str] | None = None) -> int:

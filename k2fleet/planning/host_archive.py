@@ -11,7 +11,8 @@ Python minor version ships the same archive. Inside, the programs import one ano
 them.
 
 The programs the state probe runs at every deploy, on every host (hoststate's
-``IN_PROCESS``: the probe itself and its read-only checks) are there twice: their source and
+``IN_PROCESS``: the probe itself and its read-only checks, and :data:`PROBE_IMPORTS`, the
+modules they import) are there twice: their source and
 their bytecode (``NAME.pyc`` beside ``NAME.py``, a hash-checked pyc of PEP 552, compiled by
 the control machine's interpreter). Python's zip importer never writes bytecode, so without
 it every probe would compile them again; the others (the relay, the downloader, ...) run
@@ -42,6 +43,7 @@ ARCHIVE = "/opt/k2fleet/lib/k2fleet-host.pyz"
 SOURCES = Path(__file__).resolve().parents[1] / "hostprogs"
 PROGRAMS = ("download", "health", "hoststate", "image_pin", "lbctl", "manifest", "overlay", "raygate", "reach", "relay",
             "verify")
+PROBE_IMPORTS = ("quick_args",)  # host modules the probe's programs import (their bytecode ships too)
 ZIP_TIME = (1980, 1, 1, 0, 0, 0)
 MAIN = '''"""k2fleet's host programs: python3 k2fleet-host.pyz PROGRAM ARGS..."""
 import runpy
@@ -96,7 +98,7 @@ def archive_bytes() -> bytes:
     for path in sorted(SOURCES.glob("*.py")):
         sources[f"k2fleet/hostprogs/{path.name}"] = path.read_bytes()
     entries = dict(sources)
-    for program in IN_PROCESS:
+    for program in (*IN_PROCESS, *PROBE_IMPORTS):
         name = f"k2fleet/hostprogs/{program}.py"
         entries[name + "c"] = checked_pyc(sources[name], f"{ARCHIVE}/{name}")
     buf = io.BytesIO()

@@ -78,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     host, _, port = os.environ.get("DCGM_EXPORTER_LISTEN", ":9400").rpartition(":")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # PID 1 in its container: `docker stop` ends it at once
-    ThreadingHTTPServer.allow_reuse_address = True
-    server = ThreadingHTTPServer((host.strip("[]") or "0.0.0.0", int(port)), Handler)
+    address = host.strip("[]") or "0.0.0.0"
+    # the real exporter takes "[v6]:9400" too: the family follows the address
+    server_class = type("Server", (ThreadingHTTPServer,), {"allow_reuse_address": True,
+                                                          "address_family": socket.AF_INET6 if ":" in address else socket.AF_INET})
+    server = server_class((address, int(port)), Handler)
     print(f"dcgm-exporter TEST DOUBLE serving /metrics on {host or '0.0.0.0'}:{port}", flush=True)
     try:
         server.serve_forever()
