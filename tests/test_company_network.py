@@ -53,9 +53,19 @@ def test_a_fleet_behind_a_bastion_deploys_through_it_alone(tmp_path) -> None:
                           "    StrictHostKeyChecking no\n    UserKnownHostsFile /dev/null\n    LogLevel ERROR\n"
                           f"Host {company_network.FLEET_SUBNET}.*\n    ProxyJump ops@{bastion.address}:2222\n    Port 2222\n")
 
-        def through_bastion(user: str, command: str) -> subprocess.CompletedProcess:
-            return subprocess.run(["ssh", "-F", str(config), f"{user}@{company_network.fleet_address(fleet[0].address)}",
-                                   command], capture_output=True, text=True, timeout=60)
+        def through_bastion(user: str, command: str, host: sandbox.SandboxHost | None = None) -> subprocess.CompletedProcess:
+            where = company_network.fleet_address((host or fleet[0]).address)
+            return subprocess.run(["ssh", "-F", str(config), f"{user}@{where}", command], capture_output=True,
+                                  text=True, timeout=60)
+
+        # the checkpoint reached both fleet hosts and is verified there (the verify program's own
+        # read-only check of its marker, run as ops with sudo, as the deploy's fact does)
+        for host in fleet:
+            held = through_bastion("ops", "for d in /srv/k2fleet/models/*/*; do sudo -n /usr/bin/python3 "
+                                   "/opt/k2fleet/lib/k2fleet-host.pyz verify --marker-only \"$d\" && echo \"$d\"; done",
+                                   host)
+            assert held.returncode == 0 and "/srv/k2fleet/models/moonshotai--Kimi-K2-Instruct/" in held.stdout, \
+                (host.name, held.stdout, held.stderr)
 
         root = through_bastion("root", "true")
         assert root.returncode != 0 and "Permission denied" in root.stderr, root.stderr
