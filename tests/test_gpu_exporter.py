@@ -220,24 +220,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_the_double_serves_dcgm_fields_per_simulated_gpu(tmp_path: Path) -> None:
+def _first_scrape(proc: subprocess.Popen, url: str) -> tuple[str, str]:
+    """(body, Content-Type) of the double's first answer at ``url``, waiting up to 20 s for it to
+    listen (it must not have exited meanwhile)."""
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                return r.read().decode(), r.headers["Content-Type"]
+        except OSError:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+
+def _start_double(tmp_path: Path, count: int, listen: str) -> tuple[subprocess.Popen, Path]:
+    """The dcgm-exporter double serving ``count`` simulated H200s on ``listen``; and its hardware file."""
     hw = tmp_path / "gpus.json"
-    hw.write_text(json.dumps({"vendor": "nvidia", "name": "NVIDIA H200", "count": 8, "memory_mib": 143771}))
+    hw.write_text(json.dumps({"vendor": "nvidia", "name": "NVIDIA H200", "count": count, "memory_mib": 143771}))
+    env = {**os.environ, "K2FLEET_DOUBLE_HARDWARE": str(hw), "DCGM_EXPORTER_LISTEN": listen}
+    return subprocess.Popen([sys.executable, str(DOUBLE)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE), hw
+
+
+def test_the_double_serves_dcgm_fields_per_simulated_gpu(tmp_path: Path) -> None:
     port = _free_port()
-    env = {**os.environ, "K2FLEET_DOUBLE_HARDWARE": str(hw), "DCGM_EXPORTER_LISTEN": f"127.0.0.1:{port}"}
-    proc = subprocess.Popen([sys.executable, str(DOUBLE)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc, hw = _start_double(tmp_path, 8, f"127.0.0.1:{port}")
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-                    text = r.read().decode()
-                    ctype = r.headers["Content-Type"]
-                break
-            except OSError:
-                assert proc.poll() is None, proc.stderr.read().decode()
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+        text, ctype = _first_scrape(proc, f"http://127.0.0.1:{port}/metrics")
         assert ctype.startswith("text/plain; version=0.0.4")
         samples = parse_exposition(text)
         util = [s for s in samples if s[0] == "DCGM_FI_DEV_GPU_UTIL"]
@@ -258,22 +267,11 @@ def test_the_double_serves_dcgm_fields_per_simulated_gpu(tmp_path: Path) -> None
 
 def test_the_double_listens_on_an_ipv6_address_as_the_plan_writes_it(tmp_path: Path) -> None:
     """``DCGM_EXPORTER_LISTEN=[::1]:PORT`` (what :func:`gx.listen` writes for an IPv6 fleet address)."""
-    hw = tmp_path / "gpus.json"
-    hw.write_text(json.dumps({"vendor": "nvidia", "name": "NVIDIA H200", "count": 2, "memory_mib": 143771}))
     port = _free_port()
-    env = {**os.environ, "K2FLEET_DOUBLE_HARDWARE": str(hw), "DCGM_EXPORTER_LISTEN": f"[::1]:{port}"}
-    proc = subprocess.Popen([sys.executable, str(DOUBLE)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc, _ = _start_double(tmp_path, 2, f"[::1]:{port}")
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=2) as r:
-                    assert "DCGM_FI_DEV_GPU_UTIL" in r.read().decode()
-                break
-            except OSError:
-                assert proc.poll() is None, proc.stderr.read().decode()
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+        text, _ = _first_scrape(proc, f"http://[::1]:{port}/metrics")
+        assert "DCGM_FI_DEV_GPU_UTIL" in text
     finally:
         proc.terminate()
         proc.wait(timeout=10)
