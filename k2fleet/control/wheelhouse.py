@@ -125,9 +125,6 @@ def ensure_wheelhouse(requirements: list[str] | None = None, cache_dir: Path = D
     (``k2_pypi_index``; None: pip's configuration). The index is not part of the cache key: the
     same pins from a mirror are the same wheels."""
     requirements = requirements or [hub_client_requirement()]
-    cached = cached_wheelhouse(requirements, cache_dir, pythons, archs, constraints)
-    if cached is not None:
-        return cached
     target = cache_dir / wheelhouse_key(requirements, pythons, archs, tuple(constraints))
 
     def make(tmp: Path) -> None:

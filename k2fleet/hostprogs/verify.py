@@ -686,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit code (0 ok, 1 problems).
 
     Example:
-        $ python3 verify.py /models/k2 --full
+        $ python3 /opt/k2fleet/lib/k2fleet-host.pyz verify /models/k2 --full
         OK revision 6126...: 67 files, ...
     """
     args = quick_args(argv, {"--manifest": (None, None), "--workers": (int, None), "--repo": (None, None),
