@@ -215,7 +215,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     desired = desired_state(dep, plan, read_control_artifacts(dep, plan))  # read only: nothing is made
     facts = gathering.gather_facts(str(args.inventory), args.data,
-                                   {name: d.fact_query(dep.s.model_dir) for name, d in desired.items()})
+                                   {name: d.fact_query(dep.s.model_dir, full_gpu_look=True)
+                                    for name, d in desired.items()})
     completion = None
     if args.completion:
         from k2fleet.control.artifacts import read_api_key

@@ -20,7 +20,7 @@ import pytest
 
 from k2fleet.deploy.facts import PROBE
 from k2fleet.hostprogs.hoststate import IN_PROCESS
-from k2fleet.planning.host_archive import ARCHIVE, PROBE_IMPORTS, PROGRAMS, SOURCES, archive_bytes, host_argv
+from k2fleet.planning.host_archive import ARCHIVE, PROBE_IMPORTS, PROGRAMS, SOURCES, archive_bytes, host_argv, probe_argv
 
 REPO = Path(__file__).resolve().parents[1]
 ISOLATED = [sys.executable, "-S", "-E", "-s"]
@@ -154,3 +154,63 @@ def test_the_desired_state_ships_the_archive_and_names_its_sha256() -> None:
         assert not any(p.startswith("/opt/k2fleet/lib/") and p != ARCHIVE for part in host.files.values() for p in part)
     doc = plan_document(dep, plan)
     assert {h["desired"]["files"][ARCHIVE]["sha256"] for h in doc["hosts"].values()} == {want}
+
+
+def test_the_probe_runs_from_the_archive_as_the_fact_starts_it(archive: Path, tmp_path: Path) -> None:
+    """The fact's argv (``-c``, no runpy): answers from the archive, and a ``json`` or
+    ``k2fleet`` module in the working directory (the login's home) is never imported."""
+    for name in ("json", "subprocess"):
+        (tmp_path / f"{name}.py").write_text("raise SystemExit('hostile module imported')\n")
+    (tmp_path / "k2fleet").mkdir()
+    (tmp_path / "k2fleet" / "__init__.py").write_text("raise SystemExit('hostile package imported')\n")
+    query = '{"exists": ["/nonexistent"], "disk_path": "/"}'
+    python, *rest = probe_argv(archive=str(archive))
+    out = subprocess.run([sys.executable, *rest, query], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0 and "hostile" not in out.stdout + out.stderr, out.stderr
+    assert json.loads(out.stdout)["exists"] == {"/nonexistent": False}
+
+
+FULL_Q = """Driver Version : 580.95.05
+Attached GPUs : 1
+GPU 00000000:18:00.0
+    Product Name : NVIDIA H200
+    FB Memory Usage
+        Total : 143771 MiB
+    Fabric
+        State : Completed
+        Status : Success
+"""
+
+
+def _probe_with_nvidia_smi_double(archive: Path, tmp_path: Path, health_exit: int) -> tuple[dict, list[str]]:
+    """The probe from the archive with an nvidia-smi TEST DOUBLE on PATH that logs each call,
+    a stand-in health check exiting ``health_exit`` as the GPUs' proof, and the GPU gate."""
+    bin_dir, log = tmp_path / f"bin{health_exit}", tmp_path / f"smi{health_exit}.log"
+    bin_dir.mkdir()
+    (bin_dir / "q.txt").write_text(FULL_Q)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec cat {bin_dir / "q.txt"}\n')
+    smi.chmod(0o755)
+    gate = {"vendor": "nvidia", "count": 1, "name": "H200", "branch": 580, "minimum": 580, "fabric": True,
+            "driver_package": "nvidia-open", "services": [], "timeout": 0, "version": None}
+    query = {"disk_path": "/", "gpus_proven_by": ["healthy"],
+             "checks": {"gpu-ready": ["/usr/bin/python3", str(archive), "hoststate", "--gate", json.dumps(gate)],
+                        "healthy": ["/bin/sh", "-c", f"sleep 0.2; exit {health_exit}"]}}  # the gate starts first
+    python, *rest = probe_argv(archive=str(archive))
+    out = subprocess.run([sys.executable, *rest, json.dumps(query)], capture_output=True, text=True, timeout=120,
+                         env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout), log.read_text().splitlines() if log.exists() else []
+
+
+def test_a_healthy_engine_on_all_gpus_stands_in_for_nvml(archive: Path, tmp_path: Path) -> None:
+    """Proof passed: nvidia-smi is never started (neither the report nor the GPU gate asks
+    it); the report says what stood in for it. Failed: NVML is asked once, as before."""
+    report, calls = _probe_with_nvidia_smi_double(archive, tmp_path, health_exit=0)
+    assert calls == [] and report["gpus"]["proven_by"] == ["healthy"] and report["gpus"]["names"] == []
+    assert report["checks"]["healthy"] == 0
+    # the gate's other half still ran: this machine has no NVIDIA module loaded → it fails
+    assert report["checks"]["gpu-ready"] == 1 and report["gpus"]["driver"] is None
+    report, calls = _probe_with_nvidia_smi_double(archive, tmp_path, health_exit=1)
+    assert calls == ["-q"], calls
+    assert report["gpus"]["names"] == ["NVIDIA H200"] and "proven_by" not in report["gpus"]

@@ -16,7 +16,7 @@ from typing import Any
 
 from pyinfra.api import FactBase
 
-from k2fleet.planning.host_archive import ARCHIVE, archive_sha256, host_argv
+from k2fleet.planning.host_archive import ARCHIVE, archive_sha256, probe_argv
 from k2fleet.planning.host_fact import HostReport
 from k2fleet.planning.quoting import shell_line, shell_word
 
@@ -28,10 +28,7 @@ def probe_command(query: dict[str, Any]) -> str:
     byte for byte the one this control machine ships (its sha256), otherwise the same
     source piped to ``python3`` (a bare host, or an archive of another version)."""
     arg = shell_word(json.dumps(query, sort_keys=True))
-    python, *program = host_argv("hoststate")
-    # -I -S: isolated from the host's PYTHON* variables and user site, no site-packages (stdlib
-    # only, and ~1.5 ms less start-up on every host of every deploy)
-    shipped = shell_line([python, "-I", "-S", *program]) + " " + arg
+    shipped = shell_line(probe_argv()) + " " + arg
     check = f"echo {archive_sha256()}'  '{shell_word(ARCHIVE)} | sha256sum --check --status 2>/dev/null"
     return f"if {check}; then {shipped}; else python3 - {arg} <<'K2FLEET_PROBE'\n{PROBE}\nK2FLEET_PROBE\nfi"
 

@@ -8,6 +8,10 @@ state of the files, units, packages and health endpoints the deploy manages, plu
 the bootstrap decides on (OS release, kernel, Secure Boot, the GPUs on the PCI bus, the
 loaded kernel module's version, installed package versions and holds).
 
+NVML is asked once per probe (one ``nvidia-smi -q`` on NVLink hosts) unless the query's
+``gpus_proven_by`` checks pass: a host whose engine answers its health check on all its GPUs
+is not asked again at every re-run (see :func:`gpus`, :func:`nvidia_problems`).
+
 ``--gate JSON`` runs the same probe after the bootstrap and compares it with the
 expectations in JSON (GPU count and type, driver branch, loaded module = installed
 driver, NVLink fabric state, services); it prints one line per mismatch and exits 1
@@ -112,6 +116,15 @@ SMI_QUERY = ["--query-gpu=name,memory.total,driver_version", "--format=csv,nohea
 
 
 def gpus(smi=None) -> dict:
+    """The GPUs as NVML sees them (nvidia-smi; rocm-smi for AMD): vendor, names, memory,
+    driver. When the probe's proof checks passed (:meth:`Memo.proven`), NVML is not asked:
+    the vendor comes from the PCI bus, the driver is the loaded kernel module's version, no
+    names or memory, and ``proven_by`` names the checks."""
+    if smi is not None and getattr(smi, "proven", None) and smi.proven():
+        hw = hardware()
+        module = {"nvidia": "nvidia", "amd": "amdgpu"}.get(hw["vendor"] or "")
+        return {"vendor": hw["vendor"], "names": [], "memory_mib": [],
+                "driver": module_version(module, hw["simulated"]) if module else None, "proven_by": smi.proof}
     code, out = (smi or _smi)(SMI_QUERY)
     if code == 0 and out:
         rows = [[c.strip() for c in line.split(",")] for line in out.strip().splitlines() if line.strip()]
@@ -485,10 +498,43 @@ class Memo:
     nvidia-smi, so one NVML start, per probe; it is asked itself only when ``-q`` cannot
     answer it."""
 
-    def __init__(self, smi=None, full_first: bool = False):
+    def __init__(self, smi=None, full_first: bool = False, awaits_proof: bool = False):
         import threading
         self.smi, self.lock, self.locks, self.seen = smi or _smi, threading.Lock(), {}, {}
         self.full_first = full_first
+        self.proof, self.started, self.verdict = [], {}, None  # see proven()
+        self.all_started = threading.Event()  # awaits_proof: set by prove_by()
+        if not awaits_proof:
+            self.all_started.set()
+
+    def prove_by(self, names: list, started: dict) -> None:
+        """Let the checks ``names`` (of the probe's ``started`` ones, every one started by
+        now) stand in for NVML. Until this is called, :meth:`proven` waits (a check started
+        before the proof, e.g. the GPU gate, must not decide without it)."""
+        self.proof, self.started = [n for n in names if n in started], started
+        self.all_started.set()
+
+    def proven(self) -> bool:
+        """Did every proof check run and pass (waiting for them; once per probe)? Then the
+        report and the GPU gate do not ask NVML (see
+        :func:`k2fleet.planning.desired.gpus_proven_by`: a healthy engine on all the host's GPUs).
+
+        >>> class Done:
+        ...     def __init__(self, code): self.code = code
+        ...     def wait(self, timeout): return self.code
+        >>> m = Memo(awaits_proof=True); m.prove_by(["healthy", "absent"], {"healthy": Done(0)}); m.proof, m.proven()
+        (['healthy'], True)
+        >>> m = Memo(); m.prove_by(["healthy"], {"healthy": Done(1)}); m.proven()
+        False
+        >>> m = Memo(); m.prove_by(["healthy"], {"healthy": None}); m.proven()
+        False
+        """
+        if not self.all_started.wait(CHECK_TIMEOUT_S):
+            return False
+        with self.lock:
+            if self.verdict is None:
+                self.verdict = bool(self.proof) and all(_passes(self.started[n]) for n in self.proof)
+            return self.verdict
 
     def __call__(self, args: list) -> tuple:
         if self.full_first and list(args) == SMI_QUERY:
@@ -503,6 +549,16 @@ class Memo:
             if key not in self.seen:
                 self.seen[key] = self.smi(args)
             return self.seen[key]
+
+
+def _passes(check) -> bool:
+    """Did a started check (None: not run) exit 0 within :data:`CHECK_TIMEOUT_S`?"""
+    if check is None:
+        return False
+    try:
+        return check.wait(CHECK_TIMEOUT_S) == 0
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def csv_from_full(text: str) -> str | None:
@@ -572,18 +628,25 @@ def fabric_states(text: str) -> list:
 
 
 def nvidia_problems(want: dict, smi=None, dpkg=None) -> list:
+    """What keeps the host's NVIDIA stack from the plan's ``want``. With the probe's proof
+    passed (:meth:`Memo.proven`: a healthy engine on all the GPUs) NVML is not asked: GPU
+    count, type and the NVLink fabric are what that engine proved, and the driver is the
+    loaded module's version; the rest is checked alike."""
     smi = smi or _smi
-    code, out = smi(SMI_QUERY)
-    if code != 0:
-        return [f"nvidia-smi failed ({code}): {out.splitlines()[0] if out else ''}"]
-    rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
-    problems = []
-    if len(rows) < want["count"]:
-        problems.append(f"{len(rows)} GPUs visible, the plan needs {want['count']}")
-    wrong = sorted({r[0] for r in rows if want["name"].upper() not in r[0].upper()})
-    if wrong:
-        problems.append(f"GPU type {', '.join(wrong)}, the plan is for {want['name']}")
-    driver = rows[0][2] if rows and len(rows[0]) > 2 else ""
+    problems, proven = [], bool(getattr(smi, "proven", None) and smi.proven())
+    if proven:
+        driver = module_version("nvidia", hardware()["simulated"]) or ""
+    else:
+        code, out = smi(SMI_QUERY)
+        if code != 0:
+            return [f"nvidia-smi failed ({code}): {out.splitlines()[0] if out else ''}"]
+        rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
+        if len(rows) < want["count"]:
+            problems.append(f"{len(rows)} GPUs visible, the plan needs {want['count']}")
+        wrong = sorted({r[0] for r in rows if want["name"].upper() not in r[0].upper()})
+        if wrong:
+            problems.append(f"GPU type {', '.join(wrong)}, the plan is for {want['name']}")
+        driver = rows[0][2] if rows and len(rows[0]) > 2 else ""
     major = int(driver.split(".")[0]) if driver[:3].isdigit() else 0
     if major != want["branch"]:
         problems.append(f"driver {driver} is not of branch {want['branch']}")
@@ -595,7 +658,7 @@ def nvidia_problems(want: dict, smi=None, dpkg=None) -> list:
     loaded = module_version("nvidia", hardware()["simulated"])
     if installed.split(":")[-1].split("-")[0] != loaded:
         problems.append(f"loaded kernel module {loaded} differs from the installed driver {installed} (reboot)")
-    if want.get("fabric"):
+    if want.get("fabric") and not proven:
         code, out = smi(["-q"])
         states = fabric_states(out) if code == 0 else []
         bad = [s for s in states if s != ("Completed", "Success")]
@@ -645,10 +708,14 @@ def main(argv: list | None = None) -> int:
         return gate(json.loads(argv[1]))
     query = json.loads(argv[0]) if argv else {}
     checks = query.get("checks", {})
-    smi, dpkg, systemd = Memo(full_first=_wants_fabric(checks)), Dpkg(), Systemd(query.get("units", []))
-    running = start_checks(checks, smi, dpkg, systemd)  # they run while the rest is read
+    proof = query.get("gpus_proven_by", [])
+    smi = Memo(full_first=_wants_fabric(checks), awaits_proof=bool(proof))
+    dpkg, systemd, running = Dpkg(), Systemd(query.get("units", [])), {}
+    try:
+        running = start_checks(checks, smi, dpkg, systemd)  # they run while the rest is read
+    finally:
+        smi.prove_by(proof, running)
     report = {
-        "gpus": gpus(smi),
         "disk_free": disk_free(query.get("disk_path", "/")),
         "mem_total": mem_total(),
         "shm_size": shm_size(),
@@ -659,6 +726,7 @@ def main(argv: list | None = None) -> int:
         "globs": {g: sorted(glob_list(g)) for g in query.get("globs", [])},
         "units": systemd.show(),
         "packages": packages(query.get("packages", []), dpkg),
+        "gpus": gpus(smi),  # last: with proof checks, it waits for them
         "checks": finish_checks(running),
         "bootstrap": bootstrap_state(query, dpkg),
     }
@@ -667,7 +735,12 @@ def main(argv: list | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The probe as a program: :func:`main` on ``sys.argv``, then exit at once."""
     code = main()
     sys.stdout.flush()
     os._exit(code)  # a check still running past its deadline is a daemon thread: do not wait for it
+
+
+if __name__ == "__main__":
+    run()

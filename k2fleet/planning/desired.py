@@ -198,6 +198,7 @@ class HostDesired:
     api_key_services: list[str] = field(default_factory=list)  # services that read the API key (restart with it)
     rollout: Rollout = field(default_factory=Rollout)  # the fleet's instances, k2_rollout, its load balancer
     reach: ReachCheck | None = None  # the peers' rendezvous ports checked before the engines start
+    gpus_proven_by: list[str] = field(default_factory=list)  # checks whose pass proves every GPU here works
 
     def all_paths(self) -> list[str]:
         paths = {p for files in self.files.values() for p in files}
@@ -211,13 +212,20 @@ class HostDesired:
         return set(self.units) | {p.rsplit("/", 1)[1] for files in self.files.values() for p in files
                                   if p.startswith("/etc/systemd/system/") and p.endswith(".service")}
 
-    def fact_query(self, disk_path: str) -> dict[str, Any]:
-        """The HostState query for this host: one round trip answers every decision."""
+    def fact_query(self, disk_path: str, full_gpu_look: bool = False) -> dict[str, Any]:
+        """The HostState query for this host: one round trip answers every decision.
+        ``gpus_proven_by`` (unless ``full_gpu_look``, as ``k2fleet status`` asks): when these
+        checks pass, the probe does not ask NVML (nvidia-smi, rocm-smi) — see
+        :func:`gpus_proven_by`."""
         boot = self.bootstrap
         units = self.units + [f"{s}.service" for s in (boot.services if boot else ())]
-        return {"disk_path": disk_path, "files": self.all_paths(), "units": units, "checks": self.checks,
-                "exists": self.exists + self.absent + ([self.bundle_repo] if self.bundle_repo else []), "globs": [UNIT_GLOB], "packages": self.packages,
-                "package_versions": bootstrap.fact_patterns(boot) if boot else []}
+        query = {"disk_path": disk_path, "files": self.all_paths(), "units": units, "checks": self.checks,
+                 "exists": self.exists + self.absent + ([self.bundle_repo] if self.bundle_repo else []),
+                 "globs": [UNIT_GLOB], "packages": self.packages,
+                 "package_versions": bootstrap.fact_patterns(boot) if boot else []}
+        if self.gpus_proven_by and not full_gpu_look:
+            query["gpus_proven_by"] = list(self.gpus_proven_by)
+        return query
 
     def to_json(self) -> dict[str, Any]:
         fan = self.fanout
@@ -246,6 +254,34 @@ def _source_label(fan: FanoutPlace) -> str:
 
 
 # --------------------------------------------------------------------------- per role
+
+
+def gpus_proven_by(dep: Deployment, hp: HostPlan) -> list[str]:
+    """The checks whose pass proves that every GPU of ``hp``'s host works, so that the fact
+    need not ask NVML (``nvidia-smi -q``: hundreds of milliseconds on eight real GPUs, on every
+    host of every re-run): the host's health check (``/health`` 200 and a real completion, the
+    planned topology where the engine reports it) when its one service is an engine instance
+    that lies on this host alone — the gate refuses instances smaller than a node, so that
+    instance runs on all the host's GPUs. Then the GPU gate's NVML half (GPU count and type,
+    NVLink fabric) is what the serving engine proved, and its other half (driver branch from
+    the loaded module, module = installed driver, fabric services active) is still checked
+    (:mod:`k2fleet.hostprogs.hoststate`). Empty (ask NVML): no health check, an instance over
+    several hosts, or more than one service.
+
+    >>> from k2fleet.planning.processes import Health, Service
+    >>> class Pool: nodes_per_instance = 1
+    >>> class Dep: pools = {"serve": Pool()}
+    >>> one = HostPlan("n1", "10.0.0.1", "serve", [Service("k2-vllm", ["vllm"], health=Health(8000))])
+    >>> gpus_proven_by(Dep(), one)
+    ['healthy']
+    >>> Pool.nodes_per_instance = 2
+    >>> gpus_proven_by(Dep(), one)
+    []
+    """
+    pool = dep.pools.get(hp.role)
+    if pool is None or pool.nodes_per_instance != 1 or len(hp.services) != 1 or not hp.services[0].health:
+        return []
+    return [HEALTH_CHECK]
 
 
 def loads_weights(hp: HostPlan) -> bool:
@@ -746,6 +782,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
         quick = health_argv(dep, hp, 5, pd, metrics=False)  # the fact's quick look: no /metrics reads
         if quick:
             d.checks[HEALTH_CHECK] = quick
+            d.gpus_proven_by = gpus_proven_by(dep, hp)
         if d.image is not None and d.image.image_id:
             d.checks[IMAGE_CHECK] = image_pin_argv(d.image.ref, d.image.image_id)
         if dep.s.checkpoint_fetcher == h.name and art.hub_requirement:

@@ -15,10 +15,15 @@ NOT_ENABLED = ("disabled", "masked", "masked-runtime")  # UnitFileState of a uni
 
 @dataclass(frozen=True)
 class Gpus:
+    """The GPUs as NVML reported them; ``proven_by``: the checks (a healthy engine on all of
+    them) that stood in for NVML, which was not asked — then no names or memory, the vendor
+    from the PCI bus and the loaded module's driver version."""
+
     vendor: str | None
     names: tuple[str, ...]
     memory_mib: tuple[int, ...]
     driver: str | None
+    proven_by: tuple[str, ...] = ()
 
     @property
     def count(self) -> int:
@@ -73,7 +78,7 @@ class HostReport:
     def from_json(cls, data: dict[str, Any]) -> "HostReport":
         g = data["gpus"]
         return cls(
-            gpus=Gpus(g["vendor"], tuple(g["names"]), tuple(g["memory_mib"]), g["driver"]),
+            gpus=Gpus(g["vendor"], tuple(g["names"]), tuple(g["memory_mib"]), g["driver"], tuple(g.get("proven_by", ()))),
             disk_free=data["disk_free"],
             mem_total=data["mem_total"],
             shm_size=data["shm_size"],
