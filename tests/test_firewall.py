@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -150,8 +151,9 @@ def test_the_desired_state_holds_rules_unit_package_and_check() -> None:
     assert "Before=network-pre.target k2-mesh-sshd.service k2-vllm.service" in unit
     assert "DefaultDependencies=no" in unit and "After=local-fs.target nftables.service" in unit
     assert fw.UNIT in d.units and fw.PACKAGE in d.packages and fw.PACKAGE in d.bundle_request
-    marker = re.search(r'comment "(k2fleet rules [0-9a-f]{32})"', files["/etc/k2fleet/firewall.nft"].content.decode())[1]
-    assert marker in " ".join(d.checks[fw.CHECK])
+    digest = re.search(r'comment "k2fleet rules ([0-9a-f]{32})"', files["/etc/k2fleet/firewall.nft"].content.decode())[1]
+    assert d.checks[fw.CHECK] == ["/usr/sbin/nft", "list", "chain", "inet", "k2fleet", f"rules_{digest}"]
+    assert f"\tchain rules_{digest} {{\n" in files["/etc/k2fleet/firewall.nft"].content.decode()
     assert d.to_json()["firewall"]["ports"][0] == {"ports": "22", "proto": "tcp", "who": "anyone",
                                                    "what": "ssh_port: pyinfra (never closed)"}
 
@@ -227,3 +229,20 @@ def test_firewall_off_removes_the_table_unit_and_file(tmp_path: Path, control_ca
     gone = dataclasses.replace(facts["h200-0"], globs={UNIT_GLOB: [p for p in facts["h200-0"].globs[UNIT_GLOB]
                                                                    if not p.endswith(fw.UNIT)]})
     assert host_actions(desired["h200-0"], gone).describe() == ""
+
+
+def test_the_check_passes_on_the_loaded_rules_alone(tmp_path: Path) -> None:
+    """In a network namespace of its own: the check (one ``nft list chain``) passes once the
+    rules are loaded, and fails on a flushed ruleset and on another plan's table."""
+    if NFT is None or shutil.which("unshare") is None:
+        pytest.skip("nft or unshare is not installed")
+    now = planned(str(INV / "h200.py"))[2]["h200-0"].firewall
+    other = planned(str(INV / "h200.py"), ("k2_port=8001",))[2]["h200-0"].firewall
+    assert now.rules() != other.rules()
+    (tmp_path / "now.nft").write_text(now.rules())
+    (tmp_path / "other.nft").write_text(other.rules())
+    check = shlex.join(fw.check_argv(now))
+    script = (f"{NFT} -f {tmp_path / 'now.nft'} && {check} >/dev/null && {NFT} flush ruleset && ! {check} 2>/dev/null"
+              f" && {NFT} -f {tmp_path / 'other.nft'} && ! {check} 2>/dev/null")
+    proc = subprocess.run(["unshare", "-n", "sh", "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

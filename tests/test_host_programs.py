@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from k2fleet.deploy.facts import PROBE
+from k2fleet.deploy.facts import PROBE, probe_command
 from k2fleet.hostprogs.hoststate import IN_PROCESS
-from k2fleet.planning.host_archive import ARCHIVE, PROBE_IMPORTS, PROGRAMS, SOURCES, archive_bytes, host_argv, probe_argv
+from k2fleet.planning.host_archive import (ARCHIVE, ARCHIVE_MISMATCH, PROBE_IMPORTS, PROGRAMS, SOURCES, archive_bytes,
+                                          host_argv, probe_argv)
 
 REPO = Path(__file__).resolve().parents[1]
 ISOLATED = [sys.executable, "-S", "-E", "-s"]
@@ -214,3 +215,41 @@ def test_a_healthy_engine_on_all_gpus_stands_in_for_nvml(archive: Path, tmp_path
     report, calls = _probe_with_nvidia_smi_double(archive, tmp_path, health_exit=1)
     assert calls == ["-q"], calls
     assert report["gpus"]["names"] == ["NVIDIA H200"] and "proven_by" not in report["gpus"]
+
+
+def test_an_archive_of_other_bytes_is_not_run_and_the_fact_sends_the_source(archive: Path, tmp_path: Path) -> None:
+    """The fact's argv refuses an archive whose sha256 is not the pinned one (exit 97), and
+    the fact's whole command then answers from the source it carries (a bare host: here no
+    archive at /opt/k2fleet/lib, or an old one). Exploit first: an archive at the path with other bytes
+    (another version, or tampered) whose hoststate would answer differently."""
+    other = tmp_path / Path(ARCHIVE).name
+    with zipfile.ZipFile(other, "w") as zf:
+        zf.writestr("k2fleet/__init__.py", "")
+        zf.writestr("k2fleet/hostprogs/__init__.py", "")
+        zf.writestr("k2fleet/hostprogs/hoststate.py", "def run():\n    print('{\"forged\": true}')\n")
+    python, *rest = probe_argv(archive=str(other))
+    out = subprocess.run([sys.executable, *rest, "{}"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == ARCHIVE_MISMATCH and "forged" not in out.stdout, (out.returncode, out.stdout)
+    assert not Path(ARCHIVE).exists() or Path(ARCHIVE).read_bytes() != archive_bytes(), "needs no current archive"
+    query = {"exists": ["/nonexistent"], "disk_path": "/"}
+    out = subprocess.run(["sh", "-c", probe_command(query)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and json.loads(out.stdout)["exists"] == {"/nonexistent": False}, out.stderr
+    assert len(probe_command(query)) < len(PROBE) // 2  # the source travels compressed
+
+
+def test_the_probe_reads_dpkgs_database_as_dpkg_query_does(tmp_path: Path) -> None:
+    """The probe reads dpkg's status file itself (no dpkg-query process); on this Debian
+    machine every row equals dpkg-query's. With entries in dpkg's journal (an interrupted
+    run) it asks dpkg-query, which merges them."""
+    from k2fleet.hostprogs.hoststate import Dpkg
+
+    out = subprocess.run(["dpkg-query", "-W", "-f", "${db:Status-Abbrev}\t${Package}\t${Version}\n"],
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    theirs = sorted(tuple(r) for r in (line.split("\t") for line in out.splitlines()) if len(r) == 3)
+    mine = Dpkg()._from_status_file()
+    assert mine is not None and len(theirs) > 50 and sorted(tuple(r) for r in mine) == theirs
+    (tmp_path / "updates").mkdir()
+    (tmp_path / "status").write_text("Package: a\nStatus: install ok installed\nVersion: 1\n")
+    assert Dpkg(str(tmp_path))._from_status_file() == [["ii ", "a", "1"]]
+    (tmp_path / "updates" / "0001").write_text("Package: a\nStatus: deinstall ok config-files\n")
+    assert Dpkg(str(tmp_path))._from_status_file() is None

@@ -10,27 +10,33 @@ read-only programs.
 
 from __future__ import annotations
 
+import base64
 import json
+import zlib
 from pathlib import Path
 from typing import Any
 
 from pyinfra.api import FactBase
 
-from k2fleet.planning.host_archive import ARCHIVE, archive_sha256, probe_argv
+from k2fleet.planning.host_archive import ARCHIVE_MISMATCH, probe_argv
 from k2fleet.planning.host_fact import HostReport
 from k2fleet.planning.quoting import shell_line, shell_word
 
 PROBE = (Path(__file__).resolve().parents[1] / "hostprogs" / "hoststate.py").read_text()
+# the probe's source for a host without this control machine's archive: compressed, so that
+# a settled host's command carries ~10 KB of it rather than ~35 KB (the shells parse it all)
+PROBE_FROM_SOURCE = ["python3", "-I", "-S", "-c", "import base64, zlib; exec(compile(zlib.decompress(base64.b64decode("
+                     f"{base64.b64encode(zlib.compress(PROBE.encode(), 9)).decode()!r})), 'hoststate.py', 'exec'))"]
 
 
 def probe_command(query: dict[str, Any]) -> str:
     """The fact's shell command: the probe from the host's archive when that archive is
-    byte for byte the one this control machine ships (its sha256), otherwise the same
-    source piped to ``python3`` (a bare host, or an archive of another version)."""
-    arg = shell_word(json.dumps(query, sort_keys=True))
-    shipped = shell_line(probe_argv()) + " " + arg
-    check = f"echo {archive_sha256()}'  '{shell_word(ARCHIVE)} | sha256sum --check --status 2>/dev/null"
-    return f"if {check}; then {shipped}; else python3 - {arg} <<'K2FLEET_PROBE'\n{PROBE}\nK2FLEET_PROBE\nfi"
+    byte for byte the one this control machine ships (:func:`~k2fleet.planning.host_archive.probe_argv`
+    checks its sha256), otherwise (exit :data:`~k2fleet.planning.host_archive.ARCHIVE_MISMATCH`,
+    or no ``/usr/bin/python3``) the same source, sent in the command (a bare host, or an
+    archive of another version)."""
+    return (f"q={shell_word(json.dumps(query, sort_keys=True))}; {shell_line(probe_argv())} \"$q\" || "
+            f"case $? in {ARCHIVE_MISMATCH}|127) {shell_line(PROBE_FROM_SOURCE)} \"$q\" ;; *) false ;; esac")
 
 
 class HostState(FactBase[HostReport]):

@@ -214,22 +214,74 @@ def secure_boot() -> bool | None:
     return None
 
 
-class Dpkg:
-    """dpkg's database, read once per probe (one ``dpkg-query`` for every question: the
-    report's package versions, the holds and the GPU gate's installed driver). Each row:
-    (status abbreviation, package, version); ``rows()`` is None without dpkg."""
+DPKG_DIR = "/var/lib/dpkg"
+DPKG_WANT = {"unknown": "u", "install": "i", "hold": "h", "deinstall": "r", "purge": "p"}
+DPKG_STATUS = {"not-installed": "n", "config-files": "c", "half-installed": "H", "unpacked": "U",
+               "half-configured": "F", "triggers-awaited": "W", "triggers-pending": "t", "installed": "i"}
 
-    def __init__(self):
+
+def dpkg_status_rows(text: str) -> list | None:
+    """``dpkg-query -W -f '${db:Status-Abbrev}\\t${Package}\\t${Version}\\n'``'s rows read from
+    dpkg's status file itself (deb-status(5): one stanza per package, ``Status: WANT FLAG
+    STATUS``); packages not installed are left out, as ``-W`` without a pattern does. None
+    when a stanza is not understood (then ask dpkg-query).
+
+    >>> dpkg_status_rows("Package: a\\nStatus: hold ok installed\\nVersion: 1-2\\n\\n"
+    ...                  "Package: b\\nStatus: purge ok not-installed\\n\\nPackage: c\\nStatus: deinstall ok config-files\\nVersion: 3\\n")
+    [['hi ', 'a', '1-2'], ['rc ', 'c', '3']]
+    >>> dpkg_status_rows("Package: a\\nStatus: install ok sideways\\n") is None
+    True
+    """
+    rows = []
+    for stanza in text.split("\n\n"):
+        stanza = stanza.strip("\n")
+        if not stanza:
+            continue
+        fields = {}
+        for name in ("Package", "Status", "Version"):
+            at = 0 if stanza.startswith(name + ": ") else stanza.find("\n" + name + ": ") + 1
+            if at or stanza.startswith(name + ": "):
+                end = stanza.find("\n", at)
+                fields[name] = stanza[at + len(name) + 2:end if end >= 0 else len(stanza)].strip()
+        want, flag, status = (fields.get("Status", "").split() + ["", "", ""])[:3]
+        if not fields.get("Package") or want not in DPKG_WANT or flag not in ("ok", "reinstreq") \
+                or status not in DPKG_STATUS:
+            return None
+        if status != "not-installed":
+            rows.append([DPKG_WANT[want] + DPKG_STATUS[status] + ("R" if flag == "reinstreq" else " "),
+                         fields["Package"], fields.get("Version", "")])
+    return rows
+
+
+class Dpkg:
+    """dpkg's database, read once per probe (one read for every question: the report's
+    package versions, the holds and the GPU gate's installed driver). Each row: (status
+    abbreviation, package, version); ``rows()`` is None without dpkg. Read from the status
+    file itself (:func:`dpkg_status_rows`: no ``dpkg-query`` process) unless dpkg's journal
+    (``updates/``) holds entries not yet merged into it, or the file is not understood."""
+
+    def __init__(self, root: str = DPKG_DIR):
         import threading
-        self.lock, self.seen = threading.Lock(), None
+        self.root, self.lock, self.seen = root, threading.Lock(), None
 
     def rows(self):
         with self.lock:
             if self.seen is None:
-                out = _run(["dpkg-query", "-W", "-f", "${db:Status-Abbrev}\t${Package}\t${Version}\n"])
-                self.seen = None if out is None else [r for r in (line.split("\t") for line in out.splitlines())
-                                                       if len(r) == 3]
+                self.seen = self._from_status_file()
+                if self.seen is None:
+                    out = _run(["dpkg-query", "-W", "-f", "${db:Status-Abbrev}\t${Package}\t${Version}\n"])
+                    self.seen = None if out is None else [r for r in (line.split("\t") for line in out.splitlines())
+                                                           if len(r) == 3]
             return self.seen
+
+    def _from_status_file(self):
+        try:
+            if any(name[:1].isdigit() for name in os.listdir(os.path.join(self.root, "updates"))):
+                return None  # an interrupted dpkg run: its journal is not merged yet
+            with open(os.path.join(self.root, "status"), encoding="utf-8", errors="replace") as f:
+                return dpkg_status_rows(f.read())
+        except OSError:
+            return None
 
 
 def package_versions(patterns: list, dpkg=None) -> dict:

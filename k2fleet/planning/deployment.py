@@ -13,6 +13,7 @@ import math
 import os
 import posixpath
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -91,6 +92,20 @@ class Deployment:
     @property
     def s(self) -> HostSettings:
         return self.fleet.settings
+
+    @cached_property
+    def fleet_ips(self) -> tuple[str, ...]:
+        """Every host's fleet IP (names were resolved before planning) and IP ``ssh_hostname``,
+        each once, in inventory order (the firewall's "fleet"; computed once: every host's
+        firewall asks for it)."""
+        seen: dict[str, None] = {}
+        for h in self.fleet.hosts:
+            for value in (h.address, h.ssh_hostname):
+                try:
+                    seen.setdefault(str(ipaddress.ip_address(value or "")))
+                except ValueError:
+                    pass
+        return tuple(seen)
 
     @property
     def engine_cpu_build(self) -> bool:

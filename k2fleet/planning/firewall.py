@@ -166,10 +166,16 @@ class HostFirewall:
                 f"# k2fleet: {self.host}'s table, rendered from the fleet plan; edits are overwritten.\n"
                 f"# Only table {TABLE} is k2fleet's; no other table or chain is read or changed.\n"
                 f"table {TABLE}\ndelete table {TABLE}\ntable {TABLE} {{\n"
-                f"\tcomment {_q(marker(digest))}\n{body}}}\n")
+                f"\tcomment {_q(marker(digest))}\n"
+                f"\tchain {marker_chain(digest)} {{\n"
+                f"\t\tcomment {_q('no hook, no rule: its name is the digest of these rules, which the check lists')}\n"
+                f"\t}}\n{body}}}\n")
 
     def marker(self) -> str:
         return marker(hashlib.sha256(_table_body(self).encode()).hexdigest()[:32])
+
+    def marker_chain(self) -> str:
+        return marker_chain(hashlib.sha256(_table_body(self).encode()).hexdigest()[:32])
 
     def to_json(self) -> dict[str, Any]:
         return {"table": TABLE, "unit": UNIT, "fleet": list(self.fleet),
@@ -182,6 +188,12 @@ class HostFirewall:
 
 def marker(digest: str) -> str:
     return f"k2fleet rules {digest}"
+
+
+def marker_chain(digest: str) -> str:
+    """The empty chain whose name carries the rules' digest (the check asks nft for it by
+    name: one process, no shell or grep on every probe)."""
+    return f"rules_{digest}"
 
 
 def _q(text: str) -> str:
@@ -312,29 +324,9 @@ def unit_file(dep: Deployment, fw: HostFirewall) -> str:
 
 def check_argv(fw: HostFirewall) -> list[str]:
     """Exit 0 only when the kernel holds k2fleet's table as the rules file defines it
-    (its comment carries the digest of the rules; an ``nft flush ruleset`` or an older
-    table fails it, so the next deploy loads it again)."""
-    return ["/bin/sh", "-c", f"{NFT} list table {TABLE} 2>/dev/null | grep -qF {shell_word(_q(fw.marker()))}"]
-
-
-def _ip_literals(*values: str | None) -> list[str]:
-    out = []
-    for value in values:
-        try:
-            out.append(str(ipaddress.ip_address(value or "")))
-        except ValueError:
-            pass
-    return out
-
-
-def fleet_addresses(dep: Deployment) -> tuple[str, ...]:
-    """Every host's fleet IP (names were resolved before planning) and IP ``ssh_hostname``,
-    each once, in inventory order."""
-    seen: dict[str, None] = {}
-    for h in dep.fleet.hosts:
-        for a in _ip_literals(h.address, h.ssh_hostname):
-            seen.setdefault(a)
-    return tuple(seen)
+    (an empty chain's name carries the digest of the rules; an ``nft flush ruleset`` or an
+    older table fails it, so the next deploy loads it again)."""
+    return [NFT, "list", "chain", *TABLE.split(), fw.marker_chain()]
 
 
 def runs_engine_ranks(hp: HostPlan) -> bool:
@@ -410,7 +402,7 @@ def host_firewall(dep: Deployment, hp: HostPlan) -> HostFirewall | None:
         return None
     units = [MESH_UNIT] if len(dep.fleet.hosts) > 1 else []
     units += [f"{s.name}.service" for s in hp.services]
-    return HostFirewall(host=name, openings=openings, fleet=fleet_addresses(dep),
+    return HostFirewall(host=name, openings=openings, fleet=dep.fleet_ips,
                         clients=None if dep.s.api_clients is None else tuple(dep.s.api_clients),
                         before=tuple(dict.fromkeys(units)), egress=egress, egress_names=egress_names_ or (),
                         scrapers=tuple(dep.s.metrics_scrapers or ()) if dep.s.metrics else ())
@@ -427,7 +419,7 @@ def format_firewall(dep: Deployment, plan: Plan) -> str:
         else "the fleet only (k2_metrics_scrapers unset)"
     who = {ANYONE: "anyone", FLEET: "the fleet only", CLIENTS: clients, SCRAPERS: scrapers}
     out = [f"\n== firewall (k2_firewall: True): nftables table {TABLE}, loaded by {UNIT}",
-           f"  the fleet: {', '.join(fleet_addresses(dep))} (may reach every port of every fleet host)",
+           f"  the fleet: {', '.join(dep.fleet_ips)} (may reach every port of every fleet host)",
            "  any other port: untouched (policy accept)"]
     if dep.s.egress == "mirrors-only":
         names = egress_names(dep)
