@@ -15,12 +15,13 @@ Standard library only (hosts have only python3).
 
 from __future__ import annotations
 
-import json
-import socket
+import _socket
 import sys
 import time
 
-from k2fleet.hostprogs.quick_args import quick_args  # in the host archive beside it
+# the probe's JSON helpers: json (re, enum) and socket (enum) are not imported on every probe
+from k2fleet.hostprogs.hoststate import json_dumps, json_loads  # in the host archive beside it
+from k2fleet.hostprogs.quick_args import quick_args
 
 MAX_BODY = 8 << 20  # bytes of an answer read at most (a larger one is refused, not buffered)
 
@@ -49,7 +50,8 @@ def request(url: str, body: bytes | None = None, timeout: float = 30, key: str |
     if body is not None:
         head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
     deadline = time.monotonic() + timeout
-    with socket.create_connection((ascii_host(host), port), timeout=timeout) as sock:
+    sock = connect(ascii_host(host), port, timeout)
+    try:
         sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + (body or b""))
         data = b""
         while True:
@@ -60,6 +62,8 @@ def request(url: str, body: bytes | None = None, timeout: float = 30, key: str |
             data += chunk
             if len(data) > MAX_BODY + 65536:
                 raise ValueError(f"answer from {url} larger than {MAX_BODY} bytes")
+    finally:
+        sock.close()
     header, sep, rest = data.partition(b"\r\n\r\n")
     if not sep:
         raise ValueError(f"no HTTP answer from {url}")
@@ -80,6 +84,23 @@ def request(url: str, body: bytes | None = None, timeout: float = 30, key: str |
     elif "content-length" in fields:
         rest = rest[:int(fields["content-length"])]
     return int(parts[1]), rest
+
+
+def connect(host: str | bytes, port: int, timeout: float):
+    """``socket.create_connection((host, port), timeout)`` with ``_socket`` alone (the
+    ``socket`` module's import builds its enums: ~2 ms of every probe): each address
+    ``getaddrinfo`` gives, in its order, until one connects; the last error otherwise."""
+    error: OSError = OSError(f"no address for {host!r}")
+    for family, kind, proto, _, address in _socket.getaddrinfo(host, port, 0, _socket.SOCK_STREAM):
+        sock = _socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(address)
+            return sock
+        except OSError as exc:
+            error = exc
+            sock.close()
+    raise error
 
 
 def ascii_host(host: str) -> str | bytes:
@@ -110,11 +131,11 @@ def get_json(url: str, timeout: float = 30, key: str | None = None):
     status, body = request(url, timeout=timeout, key=key)
     if status != 200:
         raise ValueError(f"{url} answered {status}")
-    return json.loads(body)
+    return json_loads(body)
 
 
 def chat(base: str, model: str, key: str | None = None) -> str:
-    body = json.dumps({
+    body = json_dumps({
         "model": model,
         "messages": [{"role": "user", "content": "Reply with one word: ready?"}],
         "max_tokens": 16,
@@ -123,7 +144,7 @@ def chat(base: str, model: str, key: str | None = None) -> str:
     status, answer = request(f"{base}/v1/chat/completions", body, timeout=120, key=key)
     if status != 200:
         raise ValueError(f"chat completion answered {status}: {answer[:200]!r}")
-    message = json.loads(answer)["choices"][0]["message"]
+    message = json_loads(answer)["choices"][0]["message"]
     # a thinking model may spend its tokens thinking: vLLM returns that as ``reasoning``
     # (``reasoning_content`` in older releases and in SGLang), with ``content`` null
     return (message.get("content") or message.get("reasoning") or message.get("reasoning_content") or "").strip()
@@ -278,9 +299,9 @@ def _parser():
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--ready-path", default="/health",
                     help="readiness route that must answer 200 before the chat completion (default /health)")
-    ap.add_argument("--expect-world", type=json.loads, default=None,
+    ap.add_argument("--expect-world", type=json_loads, default=None,
                     help="JSON {key: value} the engine must report in /v1/models metadata (the planned topology)")
-    ap.add_argument("--expect-pd", type=json.loads, default=None,
+    ap.add_argument("--expect-pd", type=json_loads, default=None,
                     help='JSON {"prefill": [URL], "decode": [URL]}: the completion must reach both pools')
     ap.add_argument("--api-key-file", default=None,
                     help="root-only file holding the API key to send as Authorization: Bearer (never the key itself)")
@@ -292,7 +313,7 @@ def _parser():
 def main(argv: list[str] | None = None) -> int:
     args = quick_args(argv, {"--base": (None, None), "--model": (None, None), "--unit": (None, None),
                              "--timeout": (float, 600), "--ready-path": (None, "/health"),
-                             "--expect-world": (json.loads, None), "--expect-pd": (json.loads, None),
+                             "--expect-world": (json_loads, None), "--expect-pd": (json_loads, None),
                              "--api-key-file": (None, None), "--expect-counter": (None, None)},
                       required=("--base", "--model", "--unit"))
     if args is None:
@@ -302,14 +323,14 @@ def main(argv: list[str] | None = None) -> int:
         answer = wait_healthy(args.base, args.model, args.timeout, args.expect_world, args.ready_path,
                               args.expect_pd, key, args.expect_counter)
     except (OSError, ValueError) as exc:  # the key file itself
-        print(f"{socket.gethostname()}: {args.unit}: API key: {exc}", file=sys.stderr)
+        print(f"{_socket.gethostname()}: {args.unit}: API key: {exc}", file=sys.stderr)
         return 1
     except NotHealthy as exc:
-        print(f"{socket.gethostname()}: {args.unit}: {exc}", file=sys.stderr)
+        print(f"{_socket.gethostname()}: {args.unit}: {exc}", file=sys.stderr)
         print(f"--- last log lines of {args.unit} ---", file=sys.stderr)
         print(journal_tail(args.unit), file=sys.stderr)
         return 1
-    print(f"{socket.gethostname()}: {args.unit} healthy; completion: {answer[:60]!r}")
+    print(f"{_socket.gethostname()}: {args.unit} healthy; completion: {answer[:60]!r}")
     return 0
 
 

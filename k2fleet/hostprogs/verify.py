@@ -38,14 +38,13 @@ Manifest (``DIR/.k2fleet/manifest.json``)::
 
 from __future__ import annotations
 
-import json
+import _thread
 import os
-import re
 import sys
-import threading
 import time
 # Every deploy's host probe imports this module (its --marker-only check): typing and dataclasses
-# (~7 ms of import) are not imported at all; argparse (+ shutil for its help), hashlib (OpenSSL,
+# (~7 ms of import) are not imported at all; json, re and threading neither (the probe's JSON
+# helpers read the manifest and the marker); argparse (+ shutil for its help), hashlib (OpenSSL,
 # ~2 ms) and struct only where used (the probe's --marker-only check parses its argv by hand:
 # :func:`~k2fleet.hostprogs.quick_args.quick_args`, and hashes one small manifest with the builtin
 # sha256: :func:`~k2fleet.hostprogs.hoststate.new_sha256`)
@@ -53,7 +52,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-from k2fleet.hostprogs.hoststate import new_sha256  # noqa: E402 - in the host archive beside it
+from k2fleet.hostprogs.hoststate import json_dumps, json_loads, new_sha256  # noqa: E402 - in the archive beside it
 from k2fleet.hostprogs.quick_args import quick_args  # noqa: E402
 
 STATE_DIR = ".k2fleet"
@@ -83,8 +82,16 @@ BAD_MANIFEST = "bad_manifest"
 CHANGED = "changed_during_verify"
 UNREADABLE = "unreadable"
 
-_HEX40 = re.compile(r"[0-9a-f]{40}")
-_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _hex(text: str, length: int) -> bool:
+    """Is ``text`` ``length`` lowercase hex digits (``re.fullmatch("[0-9a-f]{N}", text)``)?
+
+    >>> _hex("0" * 40, 40), _hex("A" * 40, 40), _hex("0" * 39, 40), _hex("0" * 39 + "\\n", 40)
+    (True, False, False, False)
+    """
+    return len(text) == length and not text.strip("0123456789abcdef")
+
 _DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
     "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
@@ -171,7 +178,7 @@ def load_manifest(path: str) -> dict[str, Any]:
         '612681931a8c906ddb349f8ad0f582cb552189cd'
     """
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        return json_loads(f.read())
 
 
 def manifest_problems(manifest: Any) -> list[Problem]:
@@ -185,7 +192,7 @@ def manifest_problems(manifest: Any) -> list[Problem]:
         return [Problem("<manifest>", BAD_MANIFEST, "not a JSON object")]
     out: list[Problem] = []
     rev = manifest.get("revision")
-    if not isinstance(rev, str) or not _HEX40.fullmatch(rev):
+    if not isinstance(rev, str) or not _hex(rev, 40):
         out.append(Problem("<manifest>", BAD_MANIFEST, f"revision {rev!r} is not a 40-hex commit sha"))
     files = manifest.get("files")
     if not isinstance(files, dict):
@@ -201,9 +208,9 @@ def _entry_problems(rel: str, entry: Any) -> list[Problem]:
     if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or entry["size"] < 0:
         return [Problem(rel, BAD_MANIFEST, "entry has no integer 'size'")]
     sha256, sha1 = entry.get("sha256"), entry.get("git_blob_sha1")
-    if isinstance(sha256, str) and _HEX64.fullmatch(sha256):
+    if isinstance(sha256, str) and _hex(sha256, 64):
         return []
-    if sha256 is None and isinstance(sha1, str) and _HEX40.fullmatch(sha1):
+    if sha256 is None and isinstance(sha1, str) and _hex(sha1, 40):
         return []
     return [Problem(rel, BAD_MANIFEST, "entry has neither a sha256 nor a git_blob_sha1")]
 
@@ -229,7 +236,7 @@ def manifest_digest(manifest: dict[str, Any]) -> str:
         64
     """
     core = {k: manifest.get(k) for k in ("repo_id", "revision", "files")}
-    blob = json.dumps(core, sort_keys=True, separators=(",", ":")).encode()
+    blob = json_dumps(core, sort_keys=True).encode()
     h = new_sha256(len(blob))  # the builtin sha256 for a small blob: no OpenSSL load
     h.update(blob)
     return h.hexdigest()
@@ -251,7 +258,7 @@ def load_marker(root: str, manifest: dict[str, Any]) -> dict[str, dict[str, int]
     """Per-file stat records of a marker that matches ``manifest`` ({} if none/stale)."""
     try:
         with open(marker_path(root), encoding="utf-8") as f:
-            marker = json.load(f)
+            marker = json_loads(f.read())
     except (OSError, ValueError):
         return {}
     if (
@@ -290,7 +297,8 @@ def atomic_write_json(path: str, obj: Any) -> None:
     """Write JSON to ``path`` atomically (same-directory temp file + ``os.replace``)."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
+    import json
+    tmp = f"{path}.tmp.{os.getpid()}.{_thread.get_ident()}"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=1, sort_keys=True)
@@ -348,7 +356,7 @@ def safetensors_header_problem(fd: int, size: int) -> str | None:
         return f"header length {n} does not fit a {size}-byte file"
     raw = os.pread(fd, n, 8)
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json_loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         return f"header is not valid JSON ({e.__class__.__name__})"
     if not isinstance(header, dict):
@@ -450,6 +458,7 @@ class _Verifier:
         self.files: dict[str, dict[str, Any]] = manifest["files"]
         self.prior = {} if full else load_marker(root, manifest)
         self.hashed = hashed or {}  # rel → (hex digest, stat record) of a hash the caller took of the file
+        import threading
         self._local = threading.local()
 
     def _buffer(self) -> bytearray:
@@ -556,7 +565,7 @@ def _one_index_problems(root: str, index_rel: str, files: dict[str, Any]) -> lis
     prefix = index_rel[: -len(INDEX_NAME)]
     try:
         with open(os.path.join(root, index_rel), encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
+            weight_map = json_loads(f.read())["weight_map"]
         if not isinstance(weight_map, dict):
             raise ValueError("weight_map is not an object")
     except FileNotFoundError:
@@ -715,6 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             report = verify(root, manifest, full=args.full, workers=args.workers)
     if args.json:
+        import json
         print(json.dumps(report.to_dict(), indent=1, sort_keys=True))
     else:
         for line in report.lines():
