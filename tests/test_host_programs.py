@@ -253,3 +253,16 @@ def test_the_probe_reads_dpkgs_database_as_dpkg_query_does(tmp_path: Path) -> No
     assert Dpkg(str(tmp_path))._from_status_file() == [["ii ", "a", "1"]]
     (tmp_path / "updates" / "0001").write_text("Package: a\nStatus: deinstall ok config-files\n")
     assert Dpkg(str(tmp_path))._from_status_file() is None
+
+
+def test_the_probe_reads_addresses_over_netlink_as_ip_shows_them() -> None:
+    """The probe's NICs come from one netlink dump (no ``ip`` process): every interface and
+    address in the order ``ip -j addr`` gives, on this machine (the sandbox bridge and its
+    veths too when a fleet is up)."""
+    from k2fleet.hostprogs.hoststate import netlink_addresses
+
+    links = json.loads(subprocess.run(["ip", "-j", "addr"], capture_output=True, text=True, check=True,
+                                      timeout=60).stdout)
+    theirs = {link["ifname"]: [a["local"] for a in link.get("addr_info", [])] for link in links}
+    mine = netlink_addresses()
+    assert list(mine.items()) == list(theirs.items()) and "lo" in mine

@@ -539,12 +539,69 @@ def shm_size() -> int:
 
 
 def nics() -> dict:
+    """Interface name → its addresses (``ip -j addr``'s ``ifname`` → ``addr_info[].local``),
+    read over netlink (:func:`netlink_addresses`: no ``ip`` process); from ``ip`` when netlink
+    cannot answer."""
+    try:
+        return netlink_addresses()
+    except (OSError, ValueError, AttributeError):
+        pass
     out = {}
     addrs = _run(["ip", "-j", "addr"])
     if addrs:
         for link in json_loads(addrs):
             out[link["ifname"]] = [a["local"] for a in link.get("addr_info", [])]
     return out
+
+
+NETLINK_DEADLINE_S = 5
+NETLINK_MAX_BYTES = 16 << 20  # an address dump larger than this is refused (then ``ip`` answers)
+
+
+def netlink_addresses() -> dict:
+    """Every interface (``if_nameindex`` order) → its IPv4/IPv6 addresses, from one
+    RTM_GETADDR dump of the kernel's routing netlink socket: an address's ``IFA_LOCAL``, else
+    its ``IFA_ADDRESS`` (what ``ip`` shows as ``local``). Raises OSError or ValueError."""
+    import _socket
+    order = sys.byteorder
+    sock = _socket.socket(16, _socket.SOCK_RAW, 0)  # AF_NETLINK, NETLINK_ROUTE
+    try:
+        sock.settimeout(NETLINK_DEADLINE_S)
+        sock.bind((0, 0))
+        # nlmsghdr (len, RTM_GETADDR 22, NLM_F_REQUEST | NLM_F_DUMP, seq 1, pid 0) + ifaddrmsg (any family)
+        sock.send((24).to_bytes(4, order) + (22).to_bytes(2, order) + (0x301).to_bytes(2, order)
+                  + (1).to_bytes(4, order) + bytes(4) + bytes(8))
+        out = {name: [] for _, name in sorted(_socket.if_nameindex())}
+        deadline, seen = time.monotonic() + NETLINK_DEADLINE_S, 0
+        while True:
+            data = sock.recv(1 << 16)
+            seen += len(data)
+            if not data or seen > NETLINK_MAX_BYTES or time.monotonic() > deadline:
+                raise ValueError("netlink: no complete address dump")
+            at = 0
+            while at + 16 <= len(data):
+                length, kind = int.from_bytes(data[at:at + 4], order), int.from_bytes(data[at + 4:at + 6], order)
+                if length < 16 or at + length > len(data):
+                    raise ValueError("netlink: a truncated message")
+                if kind == 3:  # NLMSG_DONE
+                    return out
+                if kind == 2:  # NLMSG_ERROR
+                    raise OSError("netlink: the kernel refused the address dump")
+                if kind == 20 and length >= 24:  # RTM_NEWADDR: ifaddrmsg, then its attributes
+                    family, index = data[at + 16], int.from_bytes(data[at + 20:at + 24], order)
+                    found, a, end = {}, at + 24, at + length
+                    while a + 4 <= end:
+                        alen, atype = int.from_bytes(data[a:a + 2], order), int.from_bytes(data[a + 2:a + 4], order)
+                        if alen < 4:
+                            break
+                        found[atype] = data[a + 4:a + alen]
+                        a += (alen + 3) & ~3
+                    raw = found.get(2) or found.get(1)  # IFA_LOCAL, else IFA_ADDRESS
+                    if family in (_socket.AF_INET, _socket.AF_INET6) and raw:
+                        out.setdefault(_socket.if_indextoname(index), []).append(_socket.inet_ntop(family, raw))
+                at += (length + 3) & ~3
+    finally:
+        sock.close()
 
 
 def ib_hcas() -> list:
