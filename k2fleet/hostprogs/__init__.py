@@ -2,9 +2,11 @@
 gate also import what their venv holds: huggingface_hub, ray), importing one another as
 ``k2fleet.hostprogs.NAME`` and nothing else of k2fleet.
 
-- :mod:`.hoststate` — the state probe behind the HostState fact (piped to ``python3 -``
-  by the fact, because it must run on a bare host before anything is shipped) and the
-  bootstrap's GPU gate (``--gate``);
+- :mod:`.hoststate` — the state probe behind the HostState fact (started from the archive
+  when the host's copy has the pinned sha256; otherwise the fact's command carries its
+  source, compressed, because it must run on a bare host before anything is shipped) and
+  the bootstrap's GPU gate (``--gate``); it imports no more of the standard library than it
+  must (its own JSON, child-process and netlink helpers: it runs at every deploy);
 - :mod:`.health` — the health gate (``/health`` + a real completion);
 - :mod:`.relay` (+ :mod:`.swarm`) — the checkpoint relay, serving and receiving peer to peer;
 - :mod:`.verify` and :mod:`.overlay` — the checkpoint verifier and config overlay, which

@@ -1,7 +1,8 @@
 """Host-side state probe: one round trip returns everything the deploy decides on.
 
-This file is run ON THE HOST by the :class:`k2fleet.deploy.facts.HostState` fact (``python3 -``
-with the source on stdin), so it is standard-library only and imports nothing from
+This file is run ON THE HOST by the :class:`k2fleet.deploy.facts.HostState` fact: from the
+host archive when the host's copy is the pinned one, else from its source carried in the
+fact's command (a bare host), so it is standard-library only and imports nothing from
 k2fleet. Input: one JSON document (argv[1]) naming what to look at; output: one JSON
 document with hardware facts (GPUs, driver, disk, RAM, /dev/shm, NICs, IB HCAs) and the
 state of the files, units, packages and health endpoints the deploy manages, plus what
