@@ -752,11 +752,89 @@ def start_checks(named: dict, smi=None, dpkg=None, systemd=None) -> dict:
         if not os.path.exists(argv[1] if argv[0].endswith("python3") and len(argv) > 1 else argv[0]):
             started[name] = None
             continue
+        answered = _nft_list_chain(argv)
+        if answered is not None:
+            started[name] = answered
+            continue
         try:
             started[name] = Child(argv)
         except OSError:
             started[name] = None
     return started
+
+
+class _Answered:
+    """A check the probe answered itself: its exit code, at once."""
+
+    def __init__(self, code: int):
+        self.code = code
+
+    def wait(self, timeout: float) -> int:
+        return self.code
+
+    def kill(self) -> None:
+        pass
+
+
+NFT_FAMILIES = {"ip": 2, "ip6": 10, "inet": 1, "arp": 3, "bridge": 7, "netdev": 5}  # NFPROTO_*
+
+
+def _nft_list_chain(argv: list):
+    """``nft list chain FAMILY TABLE CHAIN`` (the firewall's check) answered over netlink,
+    as :class:`_Answered` (0: the chain exists, 1: it does not), without starting nft; None
+    for any other argv, or when netlink cannot answer (then nft runs)."""
+    if len(argv) != 6 or not argv[0].endswith("/nft") or argv[1:3] != ["list", "chain"] \
+            or argv[3] not in NFT_FAMILIES:
+        return None
+    try:
+        found = nft_chain_exists(NFT_FAMILIES[argv[3]], argv[4], argv[5])
+    except (OSError, ValueError):
+        return None
+    return _Answered(0 if found else 1)
+
+
+def nft_chain_exists(family: int, table: str, chain: str) -> bool:
+    """Does nftables hold ``chain`` in ``table`` of ``family`` (an NFPROTO_* number)? One
+    NFT_MSG_GETCHAIN over the kernel's netfilter netlink socket (what ``nft list chain``
+    asks). Raises OSError (e.g. no CAP_NET_ADMIN) or ValueError (an answer not understood)."""
+    import _socket
+    order = sys.byteorder
+
+    def attribute(kind: int, text: str) -> bytes:
+        data = text.encode() + b"\0"
+        return (4 + len(data)).to_bytes(2, order) + kind.to_bytes(2, order) + data + bytes(-len(data) % 4)
+
+    # nfgenmsg (family, NFNETLINK_V0, res_id 0), then NFTA_CHAIN_TABLE (1) and NFTA_CHAIN_NAME (3)
+    body = bytes([family, 0, 0, 0]) + attribute(1, table) + attribute(3, chain)
+    # nlmsghdr: (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETCHAIN, NLM_F_REQUEST | NLM_F_ACK, seq 1
+    message = (16 + len(body)).to_bytes(4, order) + (0x0A04).to_bytes(2, order) + (5).to_bytes(2, order) \
+        + (1).to_bytes(4, order) + bytes(4) + body
+    sock = _socket.socket(16, _socket.SOCK_RAW, 12)  # AF_NETLINK, NETLINK_NETFILTER
+    try:
+        sock.settimeout(NETLINK_DEADLINE_S)
+        sock.bind((0, 0))
+        sock.send(message)
+        found = False
+        for _ in range(8):  # the chain (NFT_MSG_NEWCHAIN), then the ack; or an error alone
+            data = sock.recv(1 << 16)
+            at = 0
+            while at + 16 <= len(data):
+                length, kind = int.from_bytes(data[at:at + 4], order), int.from_bytes(data[at + 4:at + 6], order)
+                if length < 16 or at + length > len(data):
+                    raise ValueError("netlink: a truncated message")
+                if kind == 0x0A03:  # NFT_MSG_NEWCHAIN
+                    found = True
+                elif kind == 2:  # NLMSG_ERROR: 0 is the ack
+                    error = int.from_bytes(data[at + 16:at + 20], order, signed=True)
+                    if error == 0:
+                        return found
+                    if error == -2:  # ENOENT: no such table or chain
+                        return False
+                    raise OSError(-error, "netlink: nftables refused the question")
+                at += (length + 3) & ~3
+        raise ValueError("netlink: no answer from nftables")
+    finally:
+        sock.close()
 
 
 def finish_checks(started: dict) -> dict:
