@@ -13,6 +13,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -266,3 +267,72 @@ def test_the_probe_reads_addresses_over_netlink_as_ip_shows_them() -> None:
     theirs = {link["ifname"]: [a["local"] for a in link.get("addr_info", [])] for link in links}
     mine = netlink_addresses()
     assert list(mine.items()) == list(theirs.items()) and "lo" in mine
+
+
+def _dbus_reply(serial: int, text: str, kind: int = 2, signature: str = "v", claimed: int | None = None) -> bytes:
+    """A little-endian D-Bus answer to call ``serial``: a variant string ``text`` (a test's
+    stand-in for systemd's PID 1 on its private socket)."""
+    fields = bytearray([5, 1]) + b"u\0" + bytes(-4 % 4) + serial.to_bytes(4, "little")
+    fields += bytes(-len(fields) % 8) + bytes([8, 1]) + b"g\0" + bytes([len(signature)]) + signature.encode() + b"\0"
+    size = len(text.encode()) if claimed is None else claimed  # claimed: a length that lies
+    body = b"\x01s\x00\x00" + size.to_bytes(4, "little") + text.encode() + b"\0"
+    head = bytearray(b"l" + bytes([kind, 1, 1])) + len(body).to_bytes(4, "little") + (900 + serial).to_bytes(4, "little")
+    head += len(fields).to_bytes(4, "little") + fields
+    return bytes(head + bytes(-len(head) % 8) + body)
+
+
+def _fake_systemd(answer) -> str:
+    """A Unix socket that authenticates like PID 1's and then sends ``answer(calls)`` (calls:
+    how many requests arrived); its path."""
+    import socket
+    import threading
+
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="k2dbus", dir="/tmp") + "/private"  # a Unix socket's path is short
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.settimeout(5)
+            got = b""
+            while b"\r\n" not in got:
+                got += conn.recv(4096)
+            conn.sendall(b"OK 0123456789abcdef\r\n")
+            time.sleep(0.2)
+            got = conn.recv(1 << 20)
+            try:
+                conn.sendall(answer(got.count(b"org.freedesktop.DBus.Properties")))
+                time.sleep(1)
+            except OSError:
+                pass
+        server.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return path
+
+
+def test_unit_states_come_from_systemds_bus_and_hostile_answers_are_refused() -> None:
+    """The probe asks PID 1 for its units over D-Bus (no systemctl process): answers out of
+    order are matched by serial; an error reply, a string past the end, a flood past the cap
+    and silence each end in ValueError/OSError (then systemctl answers), never a hang or a
+    wrong state. (Against the real systemd: tests/test_status_sandbox.py.)"""
+    from k2fleet.hostprogs.hoststate import UNIT_PROPERTIES, units_over_dbus
+
+    values = {"Id": "k2-vllm.service", "LoadState": "loaded", "ActiveState": "active", "UnitFileState": "enabled"}
+    good = lambda n: b"".join(_dbus_reply(i, values[UNIT_PROPERTIES[(i - 1) % 4]]) for i in reversed(range(1, n + 1)))
+    assert units_over_dbus(["k2-vllm.service"], 5, _fake_systemd(good)) == {"k2-vllm.service": values}
+    hostile = {
+        "error reply": lambda n: _dbus_reply(1, "org.freedesktop.DBus.Error.AccessDenied", kind=3, signature="s"),
+        "string past the end": lambda n: _dbus_reply(1, "k2-vllm.service", claimed=99),
+        "flood": lambda n: b"l\x02\x01\x01" + (1 << 30).to_bytes(4, "little") + bytes(8) + bytes(2 << 20),
+        "silence": lambda n: b"",
+    }
+    for what, answer in hostile.items():
+        started = time.monotonic()
+        with pytest.raises((ValueError, OSError)):
+            units_over_dbus(["k2-vllm.service"], 0.8, _fake_systemd(answer))
+        assert time.monotonic() - started < 5, what

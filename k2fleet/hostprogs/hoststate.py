@@ -623,10 +623,21 @@ def sha256_of(path: str) -> str | None:
         return None
 
 
+UNIT_PROPERTIES = ("Id", "LoadState", "ActiveState", "UnitFileState")
+
+
 def units(names: list) -> dict:
+    """Unit id → its :data:`UNIT_PROPERTIES` (``systemctl show NAMES -p ...``), asked of systemd
+    over its private D-Bus socket (:func:`units_over_dbus`: no systemctl process, and PID 1
+    answers four properties rather than all of them); from systemctl when that socket cannot
+    answer (not root, no systemd, an answer not understood)."""
     if not names:
         return {}
-    out = _run(["systemctl", "show", *names, "-p", "Id,ActiveState,UnitFileState,LoadState"]) or ""
+    try:
+        return {seen["Id"]: seen for seen in units_over_dbus(names).values() if seen.get("Id")}
+    except (OSError, ValueError):
+        pass
+    out = _run(["systemctl", "show", *names, "-p", ",".join(UNIT_PROPERTIES)]) or ""
     result, current = {}, {}
     for line in out.splitlines() + [""]:
         if not line.strip():
@@ -637,6 +648,138 @@ def units(names: list) -> dict:
         key, _, value = line.partition("=")
         current[key] = value
     return result
+
+
+SYSTEMD_PRIVATE_BUS = "/run/systemd/private"  # PID 1's own D-Bus socket (root only), what systemctl uses as root
+DBUS_MAX_ANSWER = 1 << 20
+
+
+def bus_label(name: str) -> str:
+    """systemd's object path label of a unit name (``bus_label_escape``): every byte but a
+    letter, or a digit not first, as ``_XX``.
+
+    >>> bus_label("k2-vllm.service"), bus_label("1x@a.service")
+    ('k2_2dvllm_2eservice', '_31x_40a_2eservice')
+    """
+    out = []
+    for i, byte in enumerate(name.encode()):
+        c = chr(byte)
+        out.append(c if c.isascii() and (c.isalpha() or (c.isdigit() and i)) else f"_{byte:02x}")
+    return "".join(out) or "_"
+
+
+def _dbus_string(buf: bytearray, text: str, signature: str = "s") -> None:
+    data = text.encode()
+    if signature == "g":
+        buf.append(len(data))
+    else:
+        buf.extend(bytes(-len(buf) % 4))
+        buf.extend(len(data).to_bytes(4, "little"))
+    buf.extend(data + b"\0")
+
+
+def dbus_get(serial: int, path: str, interface: str, prop: str) -> bytes:
+    """One little-endian D-Bus METHOD_CALL of ``org.freedesktop.DBus.Properties.Get(interface,
+    prop)`` on ``path`` (header fields PATH, INTERFACE, MEMBER, SIGNATURE; no DESTINATION: the
+    private socket is peer to peer)."""
+    fields = bytearray()
+    for code, signature, value in ((1, "o", path), (2, "s", "org.freedesktop.DBus.Properties"), (3, "s", "Get"),
+                                   (8, "g", "ss")):
+        fields.extend(bytes(-len(fields) % 8))
+        fields.extend(bytes([code, 1]) + signature.encode() + b"\0")
+        _dbus_string(fields, value, signature)
+    body = bytearray()
+    for arg in (interface, prop):
+        _dbus_string(body, arg)
+    head = bytearray(b"l\x01\x00\x01") + len(body).to_bytes(4, "little") + serial.to_bytes(4, "little") \
+        + len(fields).to_bytes(4, "little") + fields
+    head.extend(bytes(-len(head) % 8))
+    return bytes(head + body)
+
+
+def _dbus_read_string(data: bytes, at: int, signature: str) -> tuple:
+    if signature == "g":
+        if at >= len(data) or at + 1 + data[at] >= len(data):
+            raise ValueError("D-Bus: a signature past the message's end")
+        size = data[at]
+        return data[at + 1:at + 1 + size].decode(), at + 2 + size
+    at += -at % 4
+    size = int.from_bytes(data[at:at + 4], "little")
+    if at + 4 + size >= len(data):
+        raise ValueError("D-Bus: a string past the message's end")
+    return data[at + 4:at + 4 + size].decode(), at + 5 + size
+
+
+def units_over_dbus(names: list, timeout: float = 5.0, socket_path: str = SYSTEMD_PRIVATE_BUS) -> dict:
+    """Each of ``names`` → its :data:`UNIT_PROPERTIES`, asked of systemd on its private
+    socket: EXTERNAL authentication as this user, then one ``Properties.Get`` per unit and
+    property, all sent at once, the answers matched by serial. Raises OSError (no socket, not
+    root, a timeout) or ValueError (anything not understood: big-endian, an error reply, a
+    non-string answer, more than :data:`DBUS_MAX_ANSWER` bytes)."""
+    import _socket
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(socket_path)
+        sock.sendall(b"\0AUTH EXTERNAL " + str(os.geteuid()).encode().hex().encode() + b"\r\n")
+        line = b""
+        while not line.endswith(b"\r\n"):
+            chunk = sock.recv(512)
+            if not chunk or len(line) > 512:
+                raise ValueError("D-Bus: no answer to AUTH")
+            line += chunk
+        if not line.startswith(b"OK "):
+            raise ValueError("D-Bus: authentication refused")
+        calls, out = {}, bytearray(b"BEGIN\r\n")
+        for name in names:
+            for prop in UNIT_PROPERTIES:
+                calls[len(calls) + 1] = (name, prop)
+                out += dbus_get(len(calls), "/org/freedesktop/systemd1/unit/" + bus_label(name),
+                                "org.freedesktop.systemd1.Unit", prop)
+        sock.sendall(bytes(out))
+        result, data, total = {name: {} for name in names}, b"", 0
+        while calls:
+            while True:  # one whole message in data
+                if len(data) >= 16:
+                    if data[:1] != b"l":
+                        raise ValueError("D-Bus: not a little-endian message")
+                    body_size, fields_size = int.from_bytes(data[4:8], "little"), int.from_bytes(data[12:16], "little")
+                    start = 16 + fields_size + (-(16 + fields_size) % 8)
+                    if len(data) >= start + body_size:
+                        break
+                chunk = sock.recv(65536)
+                total += len(chunk)
+                if not chunk or total > DBUS_MAX_ANSWER:
+                    raise ValueError("D-Bus: no whole answer")
+                data += chunk
+            kind, at, reply, signature = data[1], 16, None, ""
+            while at < 16 + fields_size:
+                at += -at % 8
+                if at >= 16 + fields_size:
+                    break
+                code = data[at]
+                value_type, at = _dbus_read_string(data, at + 1, "g")
+                if value_type == "u":
+                    at += -at % 4
+                    value, at = int.from_bytes(data[at:at + 4], "little"), at + 4
+                elif value_type in ("s", "o", "g"):
+                    value, at = _dbus_read_string(data, at, value_type)
+                else:
+                    raise ValueError(f"D-Bus: a header field of type {value_type!r}")
+                if code == 5:
+                    reply = value
+                elif code == 8:
+                    signature = value
+            body, data = data[start:start + body_size], data[start + body_size:]
+            if reply not in calls:
+                continue  # a signal or anything else not asked for
+            name, prop = calls.pop(reply)
+            if kind != 2 or signature != "v" or body[:3] != b"\x01s\x00":
+                raise ValueError(f"D-Bus: no string {prop} of {name}")
+            result[name][prop] = _dbus_read_string(body, 3, "s")[0]
+        return result
+    finally:
+        sock.close()
 
 
 def unit_id(name: str) -> str:
