@@ -29,7 +29,6 @@ import secrets
 import subprocess
 import uuid
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from k2fleet.planning.engine_side import host_python
