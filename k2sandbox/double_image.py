@@ -34,7 +34,6 @@ archive path and ID.
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
 import io
 import json
@@ -408,6 +407,8 @@ def docker_archive(ref: str, layer: bytes, entrypoint: Sequence[str] = ()) -> tu
 
 def gzip_bytes(data: bytes) -> bytes:
     """gzip with no name and mtime 0 (same input, same bytes)."""
+    import gzip  # only when an image is built
+
     buf = io.BytesIO()
     with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=6) as gz:
         gz.write(data)

@@ -159,6 +159,20 @@ def test_the_desired_state_holds_rules_unit_package_and_check() -> None:
                                                    "what": "ssh_port: pyinfra (never closed)"}
 
 
+def test_the_fleet_parsed_once_for_every_host_gives_the_same_tables() -> None:
+    """The desired state parses the fleet's addresses once for all hosts' tables (parsed per
+    host, N hosts cost N² parses): the same rules and check as a host's table made alone, and
+    a table whose fleet was replaced afterwards never takes the old fleet's."""
+    dep, plan = load_plan(INV / "h200-sglang-pd.py")
+    once = fw.families(dep.fleet_ips)
+    for name, hp in plan.hosts.items():
+        alone, shared = fw.host_firewall(dep, hp), fw.host_firewall(dep, hp, once)
+        assert alone == shared and shared.fleet_families is not None
+        assert (alone.rules(), fw.check_argv(alone)) == (shared.rules(), fw.check_argv(shared))
+    moved = dataclasses.replace(shared, fleet=("10.9.9.9",))
+    assert "elements = { 10.9.9.9 }" in moved.rules() and moved.digest != shared.digest
+
+
 def test_firewall_off_plans_nothing_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     dep, plan, desired = planned(str(INV / "h200.py"), ("k2_firewall=false",))
     for d in desired.values():

@@ -45,6 +45,7 @@ def test_the_archive_holds_every_host_program_and_nothing_else() -> None:
         assert set(names) == sources | probe and len(probe) == 5
         assert zf.read("k2fleet/__init__.py") == b""  # not the product's package: nothing of it but the programs
         assert {info.date_time for info in zf.infolist()} == {(1980, 1, 1, 0, 0, 0)}
+        assert {info.compress_type for info in zf.infolist()} == {zipfile.ZIP_STORED}  # the probe inflates nothing
 
 
 @pytest.mark.parametrize("loaded", ["", "import k2fleet.hostprogs.health, k2fleet.hostprogs.verify, tests.test_api_front; "])
@@ -55,6 +56,63 @@ def test_the_archive_is_reproducible_across_processes(loaded: str) -> None:
            "print(hashlib.sha256(archive_bytes()).hexdigest())"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout.strip()
     assert other == hashlib.sha256(archive_bytes()).hexdigest()
+
+
+def test_the_archive_is_the_same_from_the_bytecode_cache_or_compiled(tmp_path: Path) -> None:
+    """The probe's bytecode taken from the interpreter's own cache (``__pycache__``, here
+    under a private ``PYTHONPYCACHEPREFIX``) or compiled (no cache): the same archive."""
+    programs = [f"k2fleet/hostprogs/{p}.py" for p in (*IN_PROCESS, *PROBE_IMPORTS)]
+    code = ("from k2fleet.planning import host_archive as ha; import hashlib; "
+            "used = [ha.cached_code(ha.SOURCES / p.rsplit('/', 1)[1], (ha.SOURCES / p.rsplit('/', 1)[1]).read_bytes()) "
+            f"is not None for p in {programs!r}]; print(hashlib.sha256(ha.archive_bytes()).hexdigest(), all(used), any(used))")
+    base = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    warm, cold = tmp_path / "warm", tmp_path / "cold"
+    subprocess.run([sys.executable, "-m", "py_compile", *programs], check=True, cwd=REPO,
+                   env={**base, "PYTHONPYCACHEPREFIX": str(warm)})
+    later = __import__("time").time() + 2  # entries written within their source's second are not used (a fresh checkout)
+    for path in warm.rglob("*.pyc"):
+        __import__("os").utime(path, (later, later))
+    runs = {}
+    for name, prefix in (("warm", warm), ("cold", cold)):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
+                             env={**base, "PYTHONPYCACHEPREFIX": str(prefix), "PYTHONDONTWRITEBYTECODE": "1"})
+        runs[name] = out.stdout.split()
+    assert runs["warm"][1:] == ["True", "True"] and runs["cold"][1:] == ["False", "False"], runs
+    assert runs["warm"][0] == runs["cold"][0] == hashlib.sha256(archive_bytes()).hexdigest()
+
+
+def test_a_stale_or_foreign_bytecode_cache_is_never_shipped(tmp_path: Path) -> None:
+    """:func:`cached_code` takes a cached pyc only for exactly the source: not after an edit
+    (another size; the same size within the pyc's second), not a hash-based pyc of other
+    source, not another interpreter's."""
+    import os
+    import py_compile
+    from importlib.util import cache_from_source
+
+    from k2fleet.planning.host_archive import cached_code
+
+    src = tmp_path / "m.py"
+    src.write_bytes(b"X = 1\n")
+    then = int(src.stat().st_mtime) - 10
+    os.utime(src, (then, then))
+    pyc = Path(cache_from_source(str(src), optimization=""))
+    py_compile.compile(str(src), cfile=str(pyc), doraise=True)
+    code = cached_code(src, b"X = 1\n")
+    assert code is not None and code.co_consts == compile(b"X = 1\n", "m", "exec").co_consts
+    src.write_bytes(b"X = 22\n")  # another size
+    os.utime(src, (then, then))
+    assert cached_code(src, b"X = 22\n") is None
+    src.write_bytes(b"X = 2\n")  # the same size, the same second as the cached one's
+    os.utime(src, (then, then))
+    os.utime(pyc, (then + 0.5, then + 0.5))  # the cache was written within that second: the edit may follow it
+    assert cached_code(src, b"X = 2\n") is None
+    py_compile.compile(str(src), cfile=str(pyc), doraise=True,
+                       invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
+    assert cached_code(src, b"X = 2\n") is not None
+    assert cached_code(src, b"X = 3\n") is None  # a hash-based pyc of other source
+    data = pyc.read_bytes()
+    pyc.write_bytes(b"\x00\x00\r\n" + data[4:])  # another interpreter's magic number
+    assert cached_code(src, b"X = 2\n") is None
 
 
 @pytest.mark.parametrize("program", PROGRAMS)

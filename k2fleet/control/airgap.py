@@ -44,7 +44,6 @@ import sys
 import tarfile
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,6 +215,8 @@ def _os_sources(os_name: str, arch: str, mirror: str | None = None, keyring: str
 
 def _fetch(url: str, dest: Path) -> Path:
     """Download ``url`` to ``dest`` once (a control-machine effect; only when building)."""
+    import urllib.request  # only when a bundle is made (a settled k2_bundle run reads one)
+
     if not dest.is_file():
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.{os.getpid()}")

@@ -29,15 +29,23 @@ import secrets
 import subprocess
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from k2fleet.planning.engine_side import host_python
-from k2fleet.control import ControlError, airgap, aptroot, deb_bundles as bundle, wheelhouse
+from k2fleet.control import ControlError
 from k2fleet.control.stand_ins import engine_doubles_for, stand_ins
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning import gpu_exporter, mesh_config
-from k2fleet.planning.desired import (ControlArtifacts, bundle_request, engine_requirements, host_arch, host_bootstrap,
-                             needs_double_image, package_set)
+from k2fleet.planning.desired import ControlArtifacts, FleetParts, engine_requirements, host_arch, needs_double_image, package_set
 from k2fleet.planning.processes import Plan
+
+if TYPE_CHECKING:
+    from k2fleet.control.aptroot import AptRoot
+
+# What a settled run does not need is imported where it is used: the wheelhouses (a Hub
+# client or engine-side wheels), the offline bundles and their private apt root
+# (``k2_package_source: bundle``) and the air-gapped bundle (``k2_bundle``, with urllib,
+# tarfile, the lock file): ~5 ms of imports on the deploy's path before its first fact.
 
 
 def deployment_id(model: str, revision: str, addresses: list[str]) -> str:
@@ -70,18 +78,19 @@ def _read_pair(path: Path) -> tuple[bytes, bytes] | None:
     return None
 
 
-def _package_sets(dep: Deployment, plan: Plan) -> set[tuple[str, ...]]:
+def _package_sets(parts: FleetParts) -> set[tuple[str, ...]]:
     """Each host's offline bundle request: its packages and its bootstrap's."""
-    return {package_set(bundle_request(dep, plan, plan.hosts[h.name], host_bootstrap(dep, plan.hosts[h.name], h)))
-            for h in dep.fleet.hosts}
+    return {package_set(request) for request in parts.bundle_requests.values()}
 
 
-def _bundle_sources(dep: Deployment, plan: Plan) -> aptroot.AptRoot | None:
+def _bundle_sources(dep: Deployment, parts: FleetParts) -> AptRoot | None:
     """Where the offline bundles' packages come from: the control machine's own apt
     (None) for Debian packages alone; with GPU packages on simulated GPUs, a private apt
     configuration with the sandbox's Debian release and the TEST DOUBLE repository
     standing in for NVIDIA's / AMD's (:mod:`k2sandbox.driver_doubles`)."""
-    gpu_stack = any(host_bootstrap(dep, plan.hosts[h.name], h).vendor for h in dep.fleet.hosts)
+    from k2fleet.control import aptroot
+
+    gpu_stack = any(boot.vendor for boot in parts.bootstraps.values())
     if not gpu_stack:
         return None
     if not dep.s.simulated_gpus:
@@ -93,31 +102,41 @@ def _bundle_sources(dep: Deployment, plan: Plan) -> aptroot.AptRoot | None:
 
 
 def _hub_requirement(dep: Deployment) -> str | None:
-    return wheelhouse.hub_client_requirement() if dep.s.checkpoint_fetcher != "control" else None
+    if dep.s.checkpoint_fetcher == "control":
+        return None
+    from k2fleet.control import wheelhouse
+
+    return wheelhouse.hub_client_requirement()
 
 
-def _engine_side_sets(dep: Deployment, plan: Plan) -> dict[tuple[str, ...], str]:
+def _engine_side_sets(dep: Deployment, parts: FleetParts) -> dict[tuple[str, ...], str]:
     """Engine-side requirement sets → the Python of the hosts that install them."""
     sets = {}
     for h in dep.fleet.hosts:
-        reqs = engine_requirements(dep, plan.hosts[h.name], False, None)
+        reqs = engine_requirements(dep, parts.plan.hosts[h.name], False, None)
         if reqs:
-            sets[tuple(reqs)] = host_python(host_bootstrap(dep, plan.hosts[h.name], h).os)
+            sets[tuple(reqs)] = host_python(parts.bootstraps[h.name].os)
     return sets
 
 
 def _engine_wheelhouse(dep: Deployment, requirements: tuple[str, ...], python: str, build: bool) -> Path | None:
     if dep.engine_cpu_build:  # simulated GPUs, the real engine: its CPU build from the stand-ins
         return stand_ins().engine_cpu_wheelhouse(list(requirements), python, build=build)
+    from k2fleet.control import wheelhouse
+
     where = dict(pythons=(python,), archs=(host_arch(dep),))
     if build:
         return wheelhouse.ensure_wheelhouse(list(requirements), index=dep.s.pypi_index, **where)
     return wheelhouse.cached_wheelhouse(list(requirements), **where)
 
 
-def _engine_wheels(dep: Deployment, plan: Plan, build: bool) -> dict[tuple[str, ...], dict[str, bytes]]:
+def _engine_wheels(dep: Deployment, parts: FleetParts, build: bool) -> dict[tuple[str, ...], dict[str, bytes]]:
     """Engine-side wheel sets (requirements → wheel name → bytes): built, or those cached."""
-    found = {reqs: _engine_wheelhouse(dep, reqs, python, build) for reqs, python in _engine_side_sets(dep, plan).items()}
+    found = {reqs: _engine_wheelhouse(dep, reqs, python, build) for reqs, python in _engine_side_sets(dep, parts).items()}
+    if not found:
+        return {}
+    from k2fleet.control import wheelhouse
+
     return {reqs: wheelhouse.wheel_files(path) for reqs, path in found.items() if path is not None}
 
 
@@ -195,6 +214,8 @@ def _from_bundle(dep: Deployment, plan: Plan, clients: dict[str, tuple[bytes, by
     """``k2_bundle``: packages, wheels and images from the bundle alone, each sha256-checked
     against its lock as it is read (:func:`k2fleet.control.airgap.read_bundle`); nothing is fetched."""
     assert dep.s.bundle is not None
+    from k2fleet.control import airgap
+
     try:
         found = airgap.read_bundle(dep, plan, dep.s.bundle)
     except airgap.AirgapError as exc:
@@ -206,8 +227,9 @@ def _from_bundle(dep: Deployment, plan: Plan, clients: dict[str, tuple[bytes, by
                             keyrings=read_keyrings(dep))
 
 
-def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
-    """What exists already (read only; missing pieces stay None/absent)."""
+def read_control_artifacts(dep: Deployment, plan: Plan, parts: FleetParts | None = None) -> ControlArtifacts:
+    """What exists already (read only; missing pieces stay None/absent); ``parts``: the
+    run's :class:`~k2fleet.planning.desired.FleetParts` (default: made here)."""
     client_paths, host_paths = _mesh_paths(dep, plan)
     clients = {name: pair for name, path in client_paths.items() if (pair := _read_pair(path)) is not None}
     hosts = {name: pair for name, path in host_paths.items() if (pair := _read_pair(path)) is not None}
@@ -216,11 +238,16 @@ def read_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     if dep.s.bundle is not None:
         return _from_bundle(dep, plan, clients, hosts, relay_secret, ray_token)
     requirement = _hub_requirement(dep)
-    cached = wheelhouse.cached_wheelhouse([requirement]) if requirement else None
-    return ControlArtifacts(mesh_clients=clients, mesh_hosts=hosts, hub_requirement=requirement,
-                            wheels=wheelhouse.wheel_files(cached) if cached else None,
+    wheels = None
+    if requirement:
+        from k2fleet.control import wheelhouse
+
+        cached = wheelhouse.cached_wheelhouse([requirement])
+        wheels = wheelhouse.wheel_files(cached) if cached else None
+    return ControlArtifacts(mesh_clients=clients, mesh_hosts=hosts, hub_requirement=requirement, wheels=wheels,
                             images=_double_images(dep, plan, build=False),
-                            engine_wheels=_engine_wheels(dep, plan, build=False), engine_doubles=engine_doubles_for(dep),
+                            engine_wheels=_engine_wheels(dep, parts or FleetParts(dep, plan), build=False),
+                            engine_doubles=engine_doubles_for(dep),
                             relay_secret=relay_secret, api_key=read_api_key(dep), ray_token=ray_token,
                             keyrings=read_keyrings(dep))
 
@@ -244,10 +271,12 @@ def _keypair(path: Path, comment: str) -> tuple[bytes, bytes]:
     return path.read_bytes(), public.read_bytes()
 
 
-def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
+def prepare_control_artifacts(dep: Deployment, plan: Plan, parts: FleetParts | None = None) -> ControlArtifacts:
     """THE control-machine step: make the mesh keys, the Hub-client wheelhouse, the
     engine-side wheelhouses, package bundles and (sandbox container scenarios) the engine
-    TEST DOUBLE image archive this deployment needs (each only once; cached), then return them."""
+    TEST DOUBLE image archive this deployment needs (each only once; cached), then return them.
+    ``parts``: the run's :class:`~k2fleet.planning.desired.FleetParts` (default: made here)."""
+    parts = parts or FleetParts(dep, plan)
     client_paths, host_paths = _mesh_paths(dep, plan)
     state_dir(dep).mkdir(parents=True, exist_ok=True, mode=0o700)
     clients = {name: _keypair(path, f"k2fleet-mesh-{dep_id(dep)}-{name}") for name, path in client_paths.items()}
@@ -257,15 +286,20 @@ def prepare_control_artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
     if dep.s.bundle is not None:
         return _from_bundle(dep, plan, clients, hosts, relay_secret, ray_token)
     requirement = _hub_requirement(dep)
-    wheels = (wheelhouse.wheel_files(wheelhouse.ensure_wheelhouse([requirement], index=dep.s.pypi_index))
-              if requirement else None)
+    wheels = None
+    if requirement:
+        from k2fleet.control import wheelhouse
+
+        wheels = wheelhouse.wheel_files(wheelhouse.ensure_wheelhouse([requirement], index=dep.s.pypi_index))
     bundles = {}
     if dep.s.package_source == "bundle":
-        sources = _bundle_sources(dep, plan)
-        bundles = {names: str(bundle.ensure_bundle(list(names), apt_root=sources))
-                   for names in _package_sets(dep, plan) if names}
+        from k2fleet.control import deb_bundles
+
+        sources = _bundle_sources(dep, parts)
+        bundles = {names: str(deb_bundles.ensure_bundle(list(names), apt_root=sources))
+                   for names in _package_sets(parts) if names}
     return ControlArtifacts(mesh_clients=clients, mesh_hosts=hosts, hub_requirement=requirement, wheels=wheels,
                             bundles=bundles, images=_double_images(dep, plan, build=True),
-                            engine_wheels=_engine_wheels(dep, plan, build=True), engine_doubles=engine_doubles_for(dep),
+                            engine_wheels=_engine_wheels(dep, parts, build=True), engine_doubles=engine_doubles_for(dep),
                             relay_secret=relay_secret, api_key=read_api_key(dep), ray_token=ray_token,
                             keyrings=read_keyrings(dep))

@@ -32,7 +32,7 @@ from k2fleet.control.checkpoint_copy import ControlRelay
 from k2fleet.deploy.facts import HostState
 from k2fleet.planning.host_fact import HostReport
 from k2fleet.planning.deployment import Deployment
-from k2fleet.planning.desired import ControlArtifacts, HostDesired, desired_state
+from k2fleet.planning.desired import ControlArtifacts, FleetParts, HostDesired, desired_state
 from k2fleet.deploy.gate import check_hosts, refusal_line
 from k2fleet.inventory.loader import host_data
 from k2fleet.planning.processes import Plan
@@ -201,14 +201,15 @@ def _make_fleet_run(state: Any, inventory: Any, dry: bool | None) -> FleetRun:
     dep, plan = checked
     if dry is None:  # under the CLI, the gate (config.py) recorded --dry on the state
         dry = bool(getattr(state, "k2fleet_dry", False))
+    parts = FleetParts(dep, plan)  # each host's bootstrap, firewall, packages: computed once for both steps
     try:
-        artifacts = read_control_artifacts(dep, plan) if dry else prepare_control_artifacts(dep, plan)
+        artifacts = read_control_artifacts(dep, plan, parts) if dry else prepare_control_artifacts(dep, plan, parts)
     except ControlError as exc:  # one line naming what and the fix, no traceback
         sys.stderr.write(f"k2fleet: {exc}\n")
         sys.stderr.flush()
         raise SystemExit(1) from None
     run = FleetRun(dep=dep, plan=plan, artifacts=artifacts, dry=dry, state_dir=state_dir(dep),
-                   desired=desired_state(dep, plan, artifacts), xet_disabled=bool(os.environ.get("HF_HUB_DISABLE_XET")),
+                   desired=desired_state(dep, plan, artifacts, parts), xet_disabled=bool(os.environ.get("HF_HUB_DISABLE_XET")),
                    control_relay=ControlRelay(relay_secret_path(dep)))
     setattr(state, STATE_ATTRIBUTE, run)
     if not dry:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +76,9 @@ class FileSpec:
     origin: str = "plan"
     secret: bool = False  # a user's secret (the API key): the plan shows "(secret)", not its digest or size
 
-    @property
+    @cached_property
     def sha256(self) -> str | None:
+        """The content's digest, computed once (every host's settled-state check asks for it)."""
         return None if self.content is None else hashlib.sha256(self.content).hexdigest()
 
     def to_json(self) -> dict[str, Any]:
@@ -678,17 +680,69 @@ def bootstrap_files(plan: BootstrapPlan) -> dict[str, FileSpec]:
 
 def host_archive_files() -> dict[str, FileSpec]:
     """The one archive of k2fleet's host programs (:mod:`k2fleet.planning.host_archive`)."""
-    return {HOST_ARCHIVE: FileSpec(archive_bytes(), "644", "k2fleet")}
+    return {HOST_ARCHIVE: _host_archive_spec()}
+
+
+@lru_cache(maxsize=1)
+def _host_archive_spec() -> FileSpec:
+    """The archive's file, one object per process like its bytes (:func:`~k2fleet.planning.host_archive.archive_bytes`):
+    every host's desired state holds it (twice on a GPU host), so its sha256 (~0.2 ms for its
+    ~370 KB) is computed once, not once per host and group."""
+    return FileSpec(archive_bytes(), "644", "k2fleet")
 
 
 def bundle_request(dep: Deployment, fleet_plan: Plan, hp: HostPlan, plan: BootstrapPlan) -> list[str]:
     """What the host's offline bundle holds: its packages and its bootstrap's, pinned."""
-    return sorted(set(required_packages(dep, hp, on_mesh(fleet_plan, hp.name))) | set(plan.specs()))
+    return _bundle_request(required_packages(dep, hp, on_mesh(fleet_plan, hp.name)), plan)
+
+
+def _bundle_request(packages: list[str], plan: BootstrapPlan) -> list[str]:
+    return sorted(set(packages) | set(plan.specs()))
 
 
 def on_mesh(plan: Plan, name: str) -> bool:
     """Does host ``name`` take part in the SSH mesh (it needs sshd)?"""
     return name in mesh_config.mesh_members(plan)
+
+
+@dataclass(frozen=True, eq=False)
+class FleetParts:
+    """What more than one step asks of every host — its bootstrap plan, firewall, packages,
+    offline bundle request —, each computed once for ``dep`` and ``plan``, when first asked.
+    A run makes one and passes it to :func:`k2fleet.control.artifacts.prepare_control_artifacts`
+    and :func:`desired_state` (each makes its own when given none): without it every host's
+    packages were computed three times, its bootstrap plan four times and its firewall
+    four times."""
+
+    dep: Deployment
+    plan: Plan
+
+    @cached_property
+    def mesh_members(self) -> frozenset[str]:
+        return frozenset(mesh_config.mesh_members(self.plan))
+
+    @cached_property
+    def bootstraps(self) -> dict[str, BootstrapPlan]:
+        """Host → :func:`host_bootstrap`."""
+        return {h.name: host_bootstrap(self.dep, self.plan.hosts[h.name], h) for h in self.dep.fleet.hosts}
+
+    @cached_property
+    def firewalls(self) -> dict[str, fleet_firewall.HostFirewall | None]:
+        """Host → :func:`k2fleet.planning.firewall.host_firewall`."""
+        fleet = fleet_firewall.families(self.dep.fleet_ips)  # every host's table lists the fleet: parsed once
+        return {name: fleet_firewall.host_firewall(self.dep, hp, fleet) for name, hp in self.plan.hosts.items()}
+
+    @cached_property
+    def packages(self) -> dict[str, list[str]]:
+        """Host → :func:`~k2fleet.planning.host_packages.required_packages`."""
+        return {name: required_packages(self.dep, hp, name in self.mesh_members,
+                                        firewalled=self.firewalls[name] is not None)
+                for name, hp in self.plan.hosts.items()}
+
+    @cached_property
+    def bundle_requests(self) -> dict[str, list[str]]:
+        """Host → :func:`bundle_request`."""
+        return {name: _bundle_request(self.packages[name], self.bootstraps[name]) for name in self.plan.hosts}
 
 
 # --------------------------------------------------------------------------- the whole fleet
@@ -722,8 +776,11 @@ def fleet_rollout(dep: Deployment, plan: Plan) -> Rollout:
     return Rollout(mode=dep.s.rollout, instances=tuple(instances), balancer=balancer, reloads=reloads)
 
 
-def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[str, HostDesired]:
-    """One :class:`HostDesired` per host, in inventory order (pure)."""
+def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts,
+                  parts: FleetParts | None = None) -> dict[str, HostDesired]:
+    """One :class:`HostDesired` per host, in inventory order (pure); ``parts``: the run's
+    :class:`FleetParts` of ``dep`` and ``plan`` (default: made here)."""
+    parts = parts or FleetParts(dep, plan)
     slots = sorted({(svc.stage, svc.name) for _, svc in plan.services()})
     fan = fanout_plan(dep, plan)
     address = {h.name: h.address for h in dep.fleet.hosts}
@@ -739,7 +796,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
     out: dict[str, HostDesired] = {}
     for h in dep.fleet.hosts:
         hp = plan.hosts[h.name]
-        d = HostDesired(name=h.name, address=h.address, slots=slots, bootstrap=host_bootstrap(dep, hp, h),
+        d = HostDesired(name=h.name, address=h.address, slots=slots, bootstrap=parts.bootstraps[h.name],
                         rollout=rollout)
         d.files["bootstrap"] = bootstrap_files(d.bootstrap)
         d.files["package_sources"] = package_source_files(dep, d.bootstrap, art)
@@ -765,11 +822,11 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
             d.files["host"] |= host_archive_files()  # lbctl (the load balancer) and reach run from the host archive
         d.api_key_services = [svc.name for svc in hp.services if holds_api_key(dep, svc)]
         d.own_slots = sorted((svc.stage, svc.name) for svc in hp.services)
-        d.mesh_between_deploys = on_mesh(plan, h.name) and dep.s.mesh_after_deploy == "keep"
+        d.mesh_between_deploys = h.name in parts.mesh_members and dep.s.mesh_after_deploy == "keep"
         d.units = [mesh_config.UNIT] * d.mesh_between_deploys + [unit_name(s) for s in hp.services]
         d.mesh_yields_to = [unit_name(s) for s in hp.services if mesh_config.UNIT in s.conflicts]
-        d.packages = required_packages(dep, hp, on_mesh(plan, h.name))
-        d.bundle_request = bundle_request(dep, plan, hp, d.bootstrap)
+        d.packages = list(parts.packages[h.name])
+        d.bundle_request = list(parts.bundle_requests[h.name])
         if dep.s.package_source == "bundle" and (tar := art.bundle_for(d.bundle_request)):
             d.bundle_repo = bundle_repo_dir(tar)
         d.checks = {ws.check: marker_check_argv(ws) for ws in dep.weight_sets}
@@ -796,7 +853,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts) -> dict[st
             d.exists.append(f"{dep.serve_path}/config.json")
         if dep.runtime == "venv" and not dep.s.simulated_gpus and not bundled:
             d.venv_install = venv_install_argv(dep, d.python)
-        d.firewall = fleet_firewall.host_firewall(dep, hp)
+        d.firewall = parts.firewalls[h.name]
         if gpu_exporter.runs_on(dep, hp.role):  # dcgm-exporter: its unit and image (the gpu_exporter role)
             d.gpu_exporter, d.files["gpu_exporter"] = gpu_exporter_files(dep, h.address, art)
             d.units.append(gpu_exporter.UNIT)

@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from k2fleet.planning.api_front import BACKEND_KEY
@@ -153,15 +154,28 @@ class HostFirewall:
     egress: tuple[str, ...] | None = None  # k2_egress: mirrors-only: the mirrors' IPs (None: outbound untouched)
     egress_names: tuple[str, ...] = ()  # the names those IPs were resolved from
     scrapers: tuple[str, ...] = ()  # k2_metrics_scrapers (k2_metrics): the exporter ports' and /metrics' clients
+    # (``fleet``, its addresses by IP version: :func:`families`) when the caller parsed the
+    # fleet once for every host (each host's table lists the whole fleet: parsed per host, a
+    # fleet's tables cost N² address parses: 50 ms at 128 hosts); not part of the value
+    fleet_families: tuple[tuple[str, ...], dict[int, list[str]]] | None = field(default=None, compare=False, repr=False)
 
     def closed(self) -> list[Opening]:
         return [o for o in self.openings if o.who != ANYONE]
 
+    @cached_property
+    def body(self) -> str:
+        """The table's sets and chains (rendered once: the rules file and the check both need them)."""
+        return _table_body(self)
+
+    @cached_property
+    def digest(self) -> str:
+        """What :func:`marker` and :func:`marker_chain` carry: the digest of :attr:`body`."""
+        return hashlib.sha256(self.body.encode()).hexdigest()[:32]
+
     def rules(self) -> str:
         """The nftables file: ``nft -f`` loads it in one transaction (the table is created
         if missing, deleted and defined again, so a reload never leaves the ports open)."""
-        body = _table_body(self)
-        digest = hashlib.sha256(body.encode()).hexdigest()[:32]
+        body, digest = self.body, self.digest
         return ("#!/usr/sbin/nft -f\n"
                 f"# k2fleet: {self.host}'s table, rendered from the fleet plan; edits are overwritten.\n"
                 f"# Only table {TABLE} is k2fleet's; no other table or chain is read or changed.\n"
@@ -172,10 +186,10 @@ class HostFirewall:
                 f"\t}}\n{body}}}\n")
 
     def marker(self) -> str:
-        return marker(hashlib.sha256(_table_body(self).encode()).hexdigest()[:32])
+        return marker(self.digest)
 
     def marker_chain(self) -> str:
-        return marker_chain(hashlib.sha256(_table_body(self).encode()).hexdigest()[:32])
+        return marker_chain(self.digest)
 
     def to_json(self) -> dict[str, Any]:
         return {"table": TABLE, "unit": UNIT, "fleet": list(self.fleet),
@@ -209,8 +223,18 @@ def _family(addresses: tuple[str, ...] | list[str] | None, version: int) -> list
     >>> _family(["10.0.0.12", "10.0.0.9", "fd00::1", "10.0.0.9", "10.0.0.0/8"], 4)
     ['10.0.0.0/8', '10.0.0.9', '10.0.0.12']
     """
+    return families(addresses)[version]
+
+
+def families(addresses: tuple[str, ...] | list[str] | None) -> dict[int, list[str]]:
+    """:func:`_family` of both versions, each address parsed once.
+
+    >>> families(["fd00::2", "10.0.0.2", "fd00::1"])
+    {4: ['10.0.0.2'], 6: ['fd00::1', 'fd00::2']}
+    """
     found = {a: ipaddress.ip_network(a, strict=False) for a in addresses or ()}
-    return sorted((a for a, net in found.items() if net.version == version), key=lambda a: (found[a], a))
+    return {version: sorted((a for a, net in found.items() if net.version == version), key=lambda a: (found[a], a))
+            for version in (4, 6)}
 
 
 def _set(name: str, kind: str, elements: list[str], interval: bool) -> str:
@@ -239,15 +263,19 @@ def _ports(openings: list[Opening]) -> str:
 
 
 def _table_body(fw: HostFirewall) -> str:
-    out = _set("fleet4", "ipv4_addr", _family(fw.fleet, 4), False) + _set("fleet6", "ipv6_addr", _family(fw.fleet, 6), False)
+    known = fw.fleet_families
+    fleet = known[1] if known is not None and known[0] == fw.fleet else families(fw.fleet)
+    out = _set("fleet4", "ipv4_addr", fleet[4], False) + _set("fleet6", "ipv6_addr", fleet[6], False)
     api = [o for o in fw.openings if o.who == CLIENTS]
     scraped = [o for o in fw.openings if o.who == SCRAPERS]
     if api:
-        out += _set("api_clients4", "ipv4_addr", _family(fw.clients, 4), True)
-        out += _set("api_clients6", "ipv6_addr", _family(fw.clients, 6), True)
+        clients = families(fw.clients)
+        out += _set("api_clients4", "ipv4_addr", clients[4], True)
+        out += _set("api_clients6", "ipv6_addr", clients[6], True)
     if scraped or (api and fw.scrapers):
-        out += _set("scrapers4", "ipv4_addr", _family(fw.scrapers, 4), True)
-        out += _set("scrapers6", "ipv6_addr", _family(fw.scrapers, 6), True)
+        scrapers = families(fw.scrapers)
+        out += _set("scrapers4", "ipv4_addr", scrapers[4], True)
+        out += _set("scrapers6", "ipv6_addr", scrapers[6], True)
     rules = ['iif "lo" accept', "ct state established,related accept"]
     ssh = [o for o in fw.openings if o.who == ANYONE and o.what.startswith("ssh")]
     rules.append(f'tcp dport {_ports(ssh)} accept comment "ssh_port: pyinfra reaches the host"')
@@ -282,7 +310,8 @@ def _egress_chain(fw: HostFirewall) -> str:
     """``k2_egress: mirrors-only``: new outbound connections only to the fleet, the mirrors'
     addresses and :data:`EGRESS_ALWAYS`; answers to inbound connections (SSH, the API) pass as
     established traffic; anything else is rejected (a TCP reset: apt and pip fail at once)."""
-    out = _set("egress4", "ipv4_addr", _family(fw.egress, 4), False) + _set("egress6", "ipv6_addr", _family(fw.egress, 6), False)
+    egress = families(fw.egress)
+    out = _set("egress4", "ipv4_addr", egress[4], False) + _set("egress6", "ipv6_addr", egress[6], False)
     rules = ['oif "lo" accept', "ct state established,related accept",
              'ip daddr @fleet4 accept comment "the fleet"', "ip6 daddr @fleet6 accept",
              'ip daddr @egress4 accept comment "the declared mirrors, repositories and indexes"', "ip6 daddr @egress6 accept"]
@@ -354,9 +383,11 @@ def _runs_ray_start(argv: list[str]) -> bool:
     return False
 
 
-def host_firewall(dep: Deployment, hp: HostPlan) -> HostFirewall | None:
+def host_firewall(dep: Deployment, hp: HostPlan,
+                  fleet: dict[int, list[str]] | None = None) -> HostFirewall | None:
     """The openings of host ``hp`` (None: ``k2_firewall`` is off, or the host runs nothing
-    that listens, e.g. a Slurm login host: no table, no unit, no package)."""
+    that listens, e.g. a Slurm login host: no table, no unit, no package); ``fleet``:
+    :func:`families` of ``dep.fleet_ips``, when the caller computed them once for every host."""
     if not dep.s.firewall:
         return None
     name = hp.name
@@ -405,7 +436,8 @@ def host_firewall(dep: Deployment, hp: HostPlan) -> HostFirewall | None:
     return HostFirewall(host=name, openings=openings, fleet=dep.fleet_ips,
                         clients=None if dep.s.api_clients is None else tuple(dep.s.api_clients),
                         before=tuple(dict.fromkeys(units)), egress=egress, egress_names=egress_names_ or (),
-                        scrapers=tuple(dep.s.metrics_scrapers or ()) if dep.s.metrics else ())
+                        scrapers=tuple(dep.s.metrics_scrapers or ()) if dep.s.metrics else (),
+                        fleet_families=None if fleet is None else (dep.fleet_ips, fleet))
 
 
 def format_firewall(dep: Deployment, plan: Plan) -> str:
@@ -426,8 +458,9 @@ def format_firewall(dep: Deployment, plan: Plan) -> str:
         out.append("  outbound (k2_egress: mirrors-only): the fleet, " + (", ".join(
             f"{n} ({', '.join(dep.fleet.egress_ips.get(n, ())) or 'not resolved'})" for n in names) or "no mirror")
             + "; " + ", ".join(what for _, what in EGRESS_ALWAYS) + "; anything else is rejected")
+    fleet = families(dep.fleet_ips)
     for name, hp in plan.hosts.items():
-        fw = host_firewall(dep, hp)
+        fw = host_firewall(dep, hp, fleet)
         if fw is None:
             out.append(f"  {name}: runs nothing that listens: no table")
             continue

@@ -11,14 +11,16 @@ from k2fleet.planning.firewall import PACKAGE as FIREWALL_PACKAGE, host_firewall
 from k2fleet.planning.processes import HostPlan
 
 
-def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool) -> list[str]:
+def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool, firewalled: bool | None = None) -> list[str]:
     """Debian packages for ``host_plan``: rsync for checkpoints, sshd for the mesh,
     OpenMPI where mpirun runs on the host (not in a container), mpi4py for doubles,
     the OS table's venv interpreter packages (``python3-venv``; ubuntu-22.04
     ``python3.11-venv``) and, for vLLM's CPU build (``k2_engine_cpu_build``), libnuma1, for engine venvs (the engine test doubles' too, installed as a
     wheel from a bundle or beside engine-side wheels such as Ray) and for the Hub client of
     ``k2_checkpoint_fetcher``; nftables where k2fleet's firewall table goes; HAProxy where
-    k2fleet's API front runs. (Docker is the bootstrap's: :mod:`k2fleet.planning.host_bootstrap`.)"""
+    k2fleet's API front runs. (Docker is the bootstrap's: :mod:`k2fleet.planning.host_bootstrap`.)
+    ``firewalled``: whether k2fleet's table goes there, when the caller knows already (None:
+    :func:`~k2fleet.planning.firewall.host_firewall` is asked)."""
     needed = {"rsync"}
     if mesh:
         needed |= {"openssh-server", "openssh-client"}
@@ -46,7 +48,9 @@ def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool) -> list[
         package = OS_TABLES[host_os(entry)].node_exporter
         if package:
             needed.add(package)
-    if host_firewall(dep, host_plan) is not None:
+    if firewalled is None:
+        firewalled = host_firewall(dep, host_plan) is not None
+    if firewalled:
         needed.add(FIREWALL_PACKAGE)  # nft loads k2fleet's table (k2fleet.planning.firewall)
     return sorted(needed)
 

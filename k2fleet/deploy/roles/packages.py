@@ -19,7 +19,6 @@ from pathlib import Path
 from pyinfra.api import deploy
 from pyinfra.operations import apt, files, server
 
-from k2fleet.control.deb_bundles import key_of
 from k2fleet.planning.host_packages import BUNDLE_LIST, REMOTE_TAR_DIR, bundle_apt_options, bundle_repo_dir
 from k2fleet.deploy.operations import command, synced_files
 
@@ -44,6 +43,8 @@ def _base_name(spec: str) -> str:
 def _install_from_bundle(packages: list[str], bundle: str, refresh: bool, have_repo: bool, installed: list[str]) -> None:
     """Ship, index and install the offline bundle ``bundle`` for ``packages`` (what is
     missing, and whether the bundle is extracted already, from the HostState fact)."""
+    from k2fleet.control.deb_bundles import key_of  # the bundle path only (its module: tarfile, ...)
+
     tar = Path(bundle)
     key = key_of(tar)
     remote_tar = f"{REMOTE_TAR_DIR}/{tar.name}"
