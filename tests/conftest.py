@@ -26,6 +26,14 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that asks for the sandbox fleet is a ``sandbox`` test, marked or not (so that
+    ``-m "not sandbox"`` never boots or takes down the fleet another run is using)."""
+    for item in items:
+        if "sandbox_fleet" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.sandbox)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     outcome = yield
