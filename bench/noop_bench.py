@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     # checkout gets none from pip; ./dev.sh compiles it, and so does this, in case)
     subprocess.run([sys.executable, "-m", "compileall", "-q", "k2fleet", "k2sandbox"], cwd=ROOT, check=True,
                    stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-f", "--invalidation-mode", "checked-hash",
+                    "k2fleet/hostprogs"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)  # as ./dev.sh
     with nspawn.hold_sandbox_lock():
         nspawn.up(hosts, hardware=nspawn.parse_gpus(GPUS))
         ensure_sandbox_checkpoint()

@@ -60,18 +60,16 @@ def test_the_archive_is_reproducible_across_processes(loaded: str) -> None:
 
 def test_the_archive_is_the_same_from_the_bytecode_cache_or_compiled(tmp_path: Path) -> None:
     """The probe's bytecode taken from the interpreter's own cache (``__pycache__``, here
-    under a private ``PYTHONPYCACHEPREFIX``) or compiled (no cache): the same archive."""
+    under a private ``PYTHONPYCACHEPREFIX``, checked hash-based pycs as ./dev.sh writes them)
+    or compiled (no cache): the same archive."""
     programs = [f"k2fleet/hostprogs/{p}.py" for p in (*IN_PROCESS, *PROBE_IMPORTS)]
     code = ("from k2fleet.planning import host_archive as ha; import hashlib; "
             "used = [ha.cached_code(ha.SOURCES / p.rsplit('/', 1)[1], (ha.SOURCES / p.rsplit('/', 1)[1]).read_bytes()) "
             f"is not None for p in {programs!r}]; print(hashlib.sha256(ha.archive_bytes()).hexdigest(), all(used), any(used))")
     base = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     warm, cold = tmp_path / "warm", tmp_path / "cold"
-    subprocess.run([sys.executable, "-m", "py_compile", *programs], check=True, cwd=REPO,
-                   env={**base, "PYTHONPYCACHEPREFIX": str(warm)})
-    later = __import__("time").time() + 2  # entries written within their source's second are not used (a fresh checkout)
-    for path in warm.rglob("*.pyc"):
-        __import__("os").utime(path, (later, later))
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-f", "--invalidation-mode", "checked-hash", *programs],
+                   check=True, cwd=REPO, env={**base, "PYTHONPYCACHEPREFIX": str(warm)}, stdout=subprocess.DEVNULL)
     runs = {}
     for name, prefix in (("warm", warm), ("cold", cold)):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
@@ -82,9 +80,11 @@ def test_the_archive_is_the_same_from_the_bytecode_cache_or_compiled(tmp_path: P
 
 
 def test_a_stale_or_foreign_bytecode_cache_is_never_shipped(tmp_path: Path) -> None:
-    """:func:`cached_code` takes a cached pyc only for exactly the source: not after an edit
-    (another size; the same size within the pyc's second), not a hash-based pyc of other
-    source, not another interpreter's."""
+    """:func:`cached_code` takes a cached pyc only when it proves it is of exactly the source:
+    a checked hash-based pyc of these bytes. Exploit first: a timestamp pyc of other source
+    whose file was put back with the same size and second (``cp -p``) — the import system's
+    own rule takes it — is not shipped; nor an unchecked hash pyc, one of other source, or
+    another interpreter's."""
     import os
     import py_compile
     from importlib.util import cache_from_source
@@ -96,20 +96,20 @@ def test_a_stale_or_foreign_bytecode_cache_is_never_shipped(tmp_path: Path) -> N
     then = int(src.stat().st_mtime) - 10
     os.utime(src, (then, then))
     pyc = Path(cache_from_source(str(src), optimization=""))
-    py_compile.compile(str(src), cfile=str(pyc), doraise=True)
-    code = cached_code(src, b"X = 1\n")
-    assert code is not None and code.co_consts == compile(b"X = 1\n", "m", "exec").co_consts
-    src.write_bytes(b"X = 22\n")  # another size
+    py_compile.compile(str(src), cfile=str(pyc), doraise=True)  # a timestamp pyc of X = 1
+    src.write_bytes(b"X = 2\n")  # the same size, its old time put back
     os.utime(src, (then, then))
-    assert cached_code(src, b"X = 22\n") is None
-    src.write_bytes(b"X = 2\n")  # the same size, the same second as the cached one's
-    os.utime(src, (then, then))
-    os.utime(pyc, (then + 0.5, then + 0.5))  # the cache was written within that second: the edit may follow it
     assert cached_code(src, b"X = 2\n") is None
     py_compile.compile(str(src), cfile=str(pyc), doraise=True,
                        invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
-    assert cached_code(src, b"X = 2\n") is not None
+    code = cached_code(src, b"X = 2\n")
+    assert code is not None and code.co_consts == compile(b"X = 2\n", "m", "exec").co_consts
     assert cached_code(src, b"X = 3\n") is None  # a hash-based pyc of other source
+    py_compile.compile(str(src), cfile=str(pyc), doraise=True,
+                       invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    assert cached_code(src, b"X = 2\n") is None
+    py_compile.compile(str(src), cfile=str(pyc), doraise=True,
+                       invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
     data = pyc.read_bytes()
     pyc.write_bytes(b"\x00\x00\r\n" + data[4:])  # another interpreter's magic number
     assert cached_code(src, b"X = 2\n") is None
@@ -394,3 +394,80 @@ def test_unit_states_come_from_systemds_bus_and_hostile_answers_are_refused() ->
         with pytest.raises((ValueError, OSError)):
             units_over_dbus(["k2-vllm.service"], 0.8, _fake_systemd(answer))
         assert time.monotonic() - started < 5, what
+
+
+def test_the_probes_json_falls_back_to_the_json_module_without_the_accelerator() -> None:
+    """Without ``_json`` (an interpreter built without it) the probe's JSON helpers are
+    json's own: same answers, no recursion."""
+    program = ("import sys; sys.modules['_json'] = None; sys.path.insert(0, sys.argv[1]); "
+               "from k2fleet.hostprogs.hoststate import json_dumps, json_loads; "
+               "v = json_loads(' {\"b\": [1, 2.5, null], \"a\": \"\\\\u00e9\"} '); "
+               "print(json_dumps(v, sort_keys=True)); json_loads('[1] x')")
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", program, str(REPO)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout == '{"a":"\\u00e9","b":[1,2.5,null]}\n' and "JSONDecodeError: Extra data" in out.stderr, \
+        (out.stdout, out.stderr)  # json's own error (a ValueError), from json's own loads
+    assert "RecursionError" not in out.stderr
+
+
+@pytest.mark.parametrize("inventory, data, proven", [
+    ("h200.py", (), {"h200-0": ["healthy"], "h200-1": ["healthy"]}),  # TP8 on each host
+    ("h200.py", ("k2_tp=1", "k2_dp=8"), {"h200-0": [], "h200-1": []}),  # 8 replicas: a completion reaches one
+    ("h800-pp.py", (), {"h800-0": [], "h800-1": []}),  # one instance over two hosts
+    ("h200-sglang-pd.py", (), {"router-0": [], "prefill-0": [], "decode-0": []}),  # the router has no GPUs
+])
+def test_a_host_is_proven_by_its_health_only_when_one_completion_runs_on_all_its_gpus(
+        inventory: str, data: tuple[str, ...], proven: dict[str, list[str]]) -> None:
+    """Which hosts' health check stands in for NVML (planning.desired.gpus_proven_by), and the
+    fact's query carries it (``k2fleet status`` asks NVML anyway)."""
+    from k2fleet.cli import load_plan
+    from k2fleet.planning.desired import ControlArtifacts, desired_state
+
+    dep, plan = load_plan(REPO / "inventories" / inventory, list(data))
+    desired = desired_state(dep, plan, ControlArtifacts())
+    assert {name: desired[name].gpus_proven_by for name in proven} == proven
+    for name, checks in proven.items():
+        assert desired[name].fact_query("/").get("gpus_proven_by", []) == checks
+        assert "gpus_proven_by" not in desired[name].fact_query("/", full_gpu_look=True)
+
+
+def test_a_child_past_its_time_is_killed_and_reaped() -> None:
+    """The probe's children (its own posix_spawn runner): past the timeout, one still
+    writing and one that closed its pipes but did not exit are both killed and reaped."""
+    from k2fleet.hostprogs.hoststate import Child, Timeout, run_child
+
+    for script in ("while :; do echo x; sleep 0.05; done", "exec >&- 2>&-; sleep 30"):
+        started = time.monotonic()
+        with pytest.raises(Timeout):
+            run_child(["sh", "-c", script], 0.5)
+        assert time.monotonic() - started < 5, script
+    child = Child(["sleep", "30"], capture=True)
+    with pytest.raises(Timeout):
+        child.communicate(0.3)
+    assert child.wait(5) == -9 and not Path(f"/proc/{child.pid}").exists()
+    assert run_child(["sh", "-c", "kill -PIPE $$"], 5)[0] == -13  # SIGPIPE at its default (subprocess's)
+
+
+def test_a_hung_health_check_keeps_the_probe_within_one_deadline(tmp_path: Path) -> None:
+    """The proof (the health check) that never answers: the probe waits for it once, within
+    its one deadline for every check (it used to wait for the proof, then again for the
+    checks), then asks NVML as on a host without proof."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "smi.log"
+    bin_dir.mkdir()
+    (bin_dir / "q.txt").write_text(FULL_Q)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f'#!/bin/sh\necho "$*" >> {log}\n[ "$1" = -q ] && exec cat {bin_dir / "q.txt"}\n'
+                   'echo "NVIDIA H200, 143771, 580.95.05"\n')
+    smi.chmod(0o755)
+    query = {"disk_path": "/", "gpus_proven_by": ["healthy"], "checks": {"healthy": ["/bin/sh", "-c", "sleep 30"]}}
+    program = ("import sys; sys.path.insert(0, sys.argv[1]); from k2fleet.hostprogs import hoststate as h; "
+               "h.CHECK_TIMEOUT_S = 2; sys.argv = ['probe', sys.argv[2]]; h.run()")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", program, str(REPO), json.dumps(query)], capture_output=True,
+                         text=True, timeout=60, env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    took = time.monotonic() - started
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["checks"] == {"healthy": None} and "proven_by" not in report["gpus"]
+    assert report["gpus"]["names"] == ["NVIDIA H200"] and len(log.read_text().splitlines()) == 1
+    assert took < 3.8, took  # 2 s once, not 2 + 2

@@ -246,7 +246,8 @@ def read_control_artifacts(dep: Deployment, plan: Plan, parts: FleetParts | None
         wheels = wheelhouse.wheel_files(cached) if cached else None
     return ControlArtifacts(mesh_clients=clients, mesh_hosts=hosts, hub_requirement=requirement, wheels=wheels,
                             images=_double_images(dep, plan, build=False),
-                            engine_wheels=_engine_wheels(dep, parts or FleetParts(dep, plan), build=False),
+                            engine_wheels=_engine_wheels(dep, parts.of(dep, plan) if parts else FleetParts(dep, plan),
+                                                         build=False),
                             engine_doubles=engine_doubles_for(dep),
                             relay_secret=relay_secret, api_key=read_api_key(dep), ray_token=ray_token,
                             keyrings=read_keyrings(dep))
@@ -276,7 +277,7 @@ def prepare_control_artifacts(dep: Deployment, plan: Plan, parts: FleetParts | N
     engine-side wheelhouses, package bundles and (sandbox container scenarios) the engine
     TEST DOUBLE image archive this deployment needs (each only once; cached), then return them.
     ``parts``: the run's :class:`~k2fleet.planning.desired.FleetParts` (default: made here)."""
-    parts = parts or FleetParts(dep, plan)
+    parts = parts.of(dep, plan) if parts else FleetParts(dep, plan)
     client_paths, host_paths = _mesh_paths(dep, plan)
     state_dir(dep).mkdir(parents=True, exist_ok=True, mode=0o700)
     clients = {name: _keypair(path, f"k2fleet-mesh-{dep_id(dep)}-{name}") for name, path in client_paths.items()}

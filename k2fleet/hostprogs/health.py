@@ -134,14 +134,14 @@ def get_json(url: str, timeout: float = 30, key: str | None = None):
     return json_loads(body)
 
 
-def chat(base: str, model: str, key: str | None = None) -> str:
+def chat(base: str, model: str, key: str | None = None, timeout: float = 120) -> str:
     body = json_dumps({
         "model": model,
         "messages": [{"role": "user", "content": "Reply with one word: ready?"}],
         "max_tokens": 16,
         "temperature": 0,
     }).encode()
-    status, answer = request(f"{base}/v1/chat/completions", body, timeout=120, key=key)
+    status, answer = request(f"{base}/v1/chat/completions", body, timeout=timeout, key=key)
     if status != 200:
         raise ValueError(f"chat completion answered {status}: {answer[:200]!r}")
     message = json_loads(answer)["choices"][0]["message"]
@@ -191,10 +191,10 @@ class NotHealthy(Exception):
     """The service did not prove it serves the planned topology."""
 
 
-def world_mismatch(base: str, expected: dict, key: str | None = None) -> str | None:
+def world_mismatch(base: str, expected: dict, key: str | None = None, timeout: float = 30) -> str | None:
     """Compare the topology the engine reports in ``/v1/models`` metadata (k2fleet's
     engine test doubles report their parallel sizes there) with the planned one."""
-    data = get_json(f"{base}/v1/models", key=key)
+    data = get_json(f"{base}/v1/models", timeout=timeout, key=key)
     reported = (data.get("data") or [{}])[0].get("metadata") or {}
     for key, want in sorted(expected.items()):
         if key not in reported:
@@ -266,13 +266,14 @@ def wait_healthy(base: str, model: str, timeout: float, expected: dict | None = 
         if status == 200:
             try:
                 before = read_counter(base, counted, key) if counted else None
-                answer = chat(base, model, key)
+                # each request within the gate's own timeout (the fact's quick look: 5 s, not 120)
+                answer = chat(base, model, key, timeout=min(120.0, max(1.0, deadline - time.monotonic())))
                 if answer and counted:
                     problem = counter_moved(base, counted, before, key)
                     if problem:
                         raise NotHealthy(problem)  # the answer did not come from the engine's request path
                 if answer and expected:
-                    problem = world_mismatch(base, expected, key)
+                    problem = world_mismatch(base, expected, key, timeout=min(30.0, max(1.0, deadline - time.monotonic())))
                     if problem:
                         raise NotHealthy(problem)  # the topology that formed is not the plan's
                 if answer and pd:

@@ -32,10 +32,10 @@ import os
 import sys
 import time
 
-# The probe runs on every host at every deploy: it imports neither json, subprocess, threading
-# nor fnmatch (with re, enum, signal and collections, ~7 ms of its ~35 ms). Its own small
-# equivalents follow (JSON through the C accelerator ``_json``, children through
-# ``os.posix_spawnp``, threads through ``_thread``), each falling back to the module itself.
+# The probe runs on every host at every deploy: it imports neither json, subprocess, threading,
+# socket nor fnmatch (with re, enum, signal and collections, ~8 ms of a probe that now takes
+# ~22 ms). Its own small equivalents follow (JSON through the C accelerator ``_json``, children
+# through ``os.posix_spawnp``, threads through ``_thread``), each falling back to the module.
 
 
 class Timeout(Exception):
@@ -63,7 +63,7 @@ def json_loads(text):
         scan = make_scanner(_JsonContext)
     except (ImportError, TypeError):
         import json
-        return json_loads(text)
+        return json.loads(text)
     start = _json_space(text, 0)
     try:
         value, end = scan(text, start)
@@ -80,7 +80,6 @@ class _JsonContext:
     strict, object_hook, object_pairs_hook = True, None, None
     parse_float, parse_int = float, int
     parse_constant = {"-Infinity": float("-inf"), "Infinity": float("inf"), "NaN": float("nan")}.__getitem__
-    memo: dict = {}
 
 
 def _json_space(text: str, at: int) -> int:
@@ -124,7 +123,8 @@ class Child:
         try:
             out, err = (ends[0][1], ends[1][1]) if capture else (null, null)
             self.pid = os.posix_spawnp(argv[0], list(argv), os.environ, file_actions=[
-                (os.POSIX_SPAWN_DUP2, null, 0), (os.POSIX_SPAWN_DUP2, out, 1), (os.POSIX_SPAWN_DUP2, err, 2)])
+                (os.POSIX_SPAWN_DUP2, null, 0), (os.POSIX_SPAWN_DUP2, out, 1), (os.POSIX_SPAWN_DUP2, err, 2)],
+                setsigdef=(13, 25))  # SIGPIPE, SIGXFSZ back to their defaults, as subprocess does
         except BaseException:
             for r, w in ends:
                 os.close(r)
@@ -196,7 +196,12 @@ def run_child(argv: list, timeout: float) -> tuple:
     (3, 'out\\n', 'err\\n')
     """
     child = Child(argv, capture=True)
-    out, err = child.communicate(timeout)
+    try:
+        out, err = child.communicate(timeout)
+    except Timeout:
+        child.kill()  # e.g. it closed its pipes but did not exit
+        child.wait()
+        raise
     return child.code, out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
 
 
@@ -572,37 +577,65 @@ def netlink_addresses() -> dict:
         # nlmsghdr (len, RTM_GETADDR 22, NLM_F_REQUEST | NLM_F_DUMP, seq 1, pid 0) + ifaddrmsg (any family)
         sock.send((24).to_bytes(4, order) + (22).to_bytes(2, order) + (0x301).to_bytes(2, order)
                   + (1).to_bytes(4, order) + bytes(4) + bytes(8))
-        out = {name: [] for _, name in sorted(_socket.if_nameindex())}
+        out = {name: [] for _, name in _socket.if_nameindex()}  # the kernel's order, as ip lists them
         deadline, seen = time.monotonic() + NETLINK_DEADLINE_S, 0
         while True:
             data = sock.recv(1 << 16)
             seen += len(data)
             if not data or seen > NETLINK_MAX_BYTES or time.monotonic() > deadline:
                 raise ValueError("netlink: no complete address dump")
-            at = 0
-            while at + 16 <= len(data):
-                length, kind = int.from_bytes(data[at:at + 4], order), int.from_bytes(data[at + 4:at + 6], order)
-                if length < 16 or at + length > len(data):
-                    raise ValueError("netlink: a truncated message")
+            for kind, payload in netlink_messages(data):
                 if kind == 3:  # NLMSG_DONE
                     return out
                 if kind == 2:  # NLMSG_ERROR
                     raise OSError("netlink: the kernel refused the address dump")
-                if kind == 20 and length >= 24:  # RTM_NEWADDR: ifaddrmsg, then its attributes
-                    family, index = data[at + 16], int.from_bytes(data[at + 20:at + 24], order)
-                    found, a, end = {}, at + 24, at + length
-                    while a + 4 <= end:
-                        alen, atype = int.from_bytes(data[a:a + 2], order), int.from_bytes(data[a + 2:a + 4], order)
-                        if alen < 4:
-                            break
-                        found[atype] = data[a + 4:a + alen]
-                        a += (alen + 3) & ~3
+                if kind == 20 and len(payload) >= 8:  # RTM_NEWADDR: ifaddrmsg, then its attributes
+                    family, index = payload[0], int.from_bytes(payload[4:8], order)
+                    found = netlink_attributes(payload[8:])
                     raw = found.get(2) or found.get(1)  # IFA_LOCAL, else IFA_ADDRESS
                     if family in (_socket.AF_INET, _socket.AF_INET6) and raw:
                         out.setdefault(_socket.if_indextoname(index), []).append(_socket.inet_ntop(family, raw))
-                at += (length + 3) & ~3
     finally:
         sock.close()
+
+
+def netlink_messages(data: bytes):
+    """(type, payload) of each netlink message in one ``recv`` (``nlmsghdr``: length, type,
+    flags, seq, pid; messages 4-aligned). Raises ValueError for a length out of bounds.
+
+    >>> list(netlink_messages((20).to_bytes(4, sys.byteorder) + (2).to_bytes(2, sys.byteorder) + bytes(14)))
+    [(2, b'\\x00\\x00\\x00\\x00')]
+    >>> list(netlink_messages((99).to_bytes(4, sys.byteorder) + bytes(12)))
+    Traceback (most recent call last):
+    ValueError: netlink: a message past the answer's end
+    """
+    at, order = 0, sys.byteorder
+    while at + 16 <= len(data):
+        length, kind = int.from_bytes(data[at:at + 4], order), int.from_bytes(data[at + 4:at + 6], order)
+        if length < 16 or at + length > len(data):
+            raise ValueError("netlink: a message past the answer's end")
+        yield kind, data[at + 16:at + length]
+        at += (length + 3) & ~3
+
+
+def netlink_attributes(data: bytes) -> dict:
+    """Type → value of each attribute (``nlattr``/``rtattr``: length, type, value; 4-aligned)
+    in ``data``. Raises ValueError for a length out of bounds.
+
+    >>> netlink_attributes((6).to_bytes(2, sys.byteorder) + (3).to_bytes(2, sys.byteorder) + b"ab" + bytes(2))
+    {3: b'ab'}
+    >>> netlink_attributes((60).to_bytes(2, sys.byteorder) + (3).to_bytes(2, sys.byteorder) + b"ab")
+    Traceback (most recent call last):
+    ValueError: netlink: an attribute past its message's end
+    """
+    found, at, order = {}, 0, sys.byteorder
+    while at + 4 <= len(data):
+        length, kind = int.from_bytes(data[at:at + 2], order), int.from_bytes(data[at + 2:at + 4], order)
+        if length < 4 or at + length > len(data):
+            raise ValueError("netlink: an attribute past its message's end")
+        found[kind & 0x3FFF] = data[at + 4:at + length]  # without NLA_F_NESTED / NLA_F_NET_BYTEORDER
+        at += (length + 3) & ~3
+    return found
 
 
 def ib_hcas() -> list:
@@ -715,7 +748,7 @@ def units_over_dbus(names: list, timeout: float = 5.0, socket_path: str = SYSTEM
     socket: EXTERNAL authentication as this user, then one ``Properties.Get`` per unit and
     property, all sent at once, the answers matched by serial. Raises OSError (no socket, not
     root, a timeout) or ValueError (anything not understood: big-endian, an error reply, a
-    non-string answer, more than :data:`DBUS_MAX_ANSWER` bytes)."""
+    non-string answer, more than :data:`DBUS_MAX_ANSWER` bytes or ``timeout`` seconds in all)."""
     import _socket
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
@@ -737,7 +770,7 @@ def units_over_dbus(names: list, timeout: float = 5.0, socket_path: str = SYSTEM
                 out += dbus_get(len(calls), "/org/freedesktop/systemd1/unit/" + bus_label(name),
                                 "org.freedesktop.systemd1.Unit", prop)
         sock.sendall(bytes(out))
-        result, data, total = {name: {} for name in names}, b"", 0
+        result, data, total, deadline = {name: {} for name in names}, b"", 0, time.monotonic() + timeout
         while calls:
             while True:  # one whole message in data
                 if len(data) >= 16:
@@ -747,9 +780,10 @@ def units_over_dbus(names: list, timeout: float = 5.0, socket_path: str = SYSTEM
                     start = 16 + fields_size + (-(16 + fields_size) % 8)
                     if len(data) >= start + body_size:
                         break
+                sock.settimeout(max(0.01, deadline - time.monotonic()))  # in all, not per recv
                 chunk = sock.recv(65536)
                 total += len(chunk)
-                if not chunk or total > DBUS_MAX_ANSWER:
+                if not chunk or total > DBUS_MAX_ANSWER or time.monotonic() > deadline:
                     raise ValueError("D-Bus: no whole answer")
                 data += chunk
             kind, at, reply, signature = data[1], 16, None, ""
@@ -788,8 +822,8 @@ def unit_id(name: str) -> str:
 
 
 class Systemd:
-    """``systemctl show`` of the probe's units, asked once (the report and the GPU gate
-    check both read it).
+    """The probe's units as :func:`units` saw them (systemd's bus, else ``systemctl show``),
+    asked once (the report and the GPU gate check both read it).
 
     >>> sd = Systemd(["k2-vllm.service", "nvidia-fabricmanager.service"])
     >>> sd.seen = {"nvidia-fabricmanager.service": {"ActiveState": "failed"}}
@@ -808,7 +842,7 @@ class Systemd:
 
     def states(self, names: list) -> list | None:
         """ActiveState of each of ``names`` (``X`` or ``X.service``), or None when one of
-        them is not among the probe's units (then ask systemctl)."""
+        them is not among the probe's units (then ask :func:`units` for them)."""
         full = [unit_id(n) for n in names]
         if not all(n in self.names for n in full):
             return None
@@ -839,8 +873,8 @@ def _archive_program(argv: list) -> tuple | None:
 class _Check:
     """One check run in a thread of this process: ``code`` is its exit code once done. The
     GPU gate (``hoststate --gate``) is this module's own :func:`gate`, sharing the probe's
-    nvidia-smi answers (``smi``), its one read of dpkg's database (``dpkg``) and its
-    ``systemctl show`` (``systemd``)."""
+    nvidia-smi answers (``smi``), its one read of dpkg's database (``dpkg``) and its one look
+    at the units (``systemd``)."""
 
     def __init__(self, archive: str, program: str, args: list, smi=None, dpkg=None, systemd=None):
         if archive not in sys.path:
@@ -959,31 +993,27 @@ def nft_chain_exists(family: int, table: str, chain: str) -> bool:
         sock.send(message)
         found = False
         for _ in range(8):  # the chain (NFT_MSG_NEWCHAIN), then the ack; or an error alone
-            data = sock.recv(1 << 16)
-            at = 0
-            while at + 16 <= len(data):
-                length, kind = int.from_bytes(data[at:at + 4], order), int.from_bytes(data[at + 4:at + 6], order)
-                if length < 16 or at + length > len(data):
-                    raise ValueError("netlink: a truncated message")
+            for kind, payload in netlink_messages(sock.recv(1 << 16)):
                 if kind == 0x0A03:  # NFT_MSG_NEWCHAIN
                     found = True
-                elif kind == 2:  # NLMSG_ERROR: 0 is the ack
-                    error = int.from_bytes(data[at + 16:at + 20], order, signed=True)
+                elif kind == 2:  # NLMSG_ERROR: its error number, then the request; 0 is the ack
+                    if len(payload) < 4:
+                        raise ValueError("netlink: an error message without its number")
+                    error = int.from_bytes(payload[:4], order, signed=True)
                     if error == 0:
                         return found
                     if error == -2:  # ENOENT: no such table or chain
                         return False
                     raise OSError(-error, "netlink: nftables refused the question")
-                at += (length + 3) & ~3
         raise ValueError("netlink: no answer from nftables")
     finally:
         sock.close()
 
 
-def finish_checks(started: dict) -> dict:
-    """Each started check's exit code (None: not run, or past :data:`CHECK_TIMEOUT_S` in all);
-    the probe's own stdout and stderr are back when it returns."""
-    deadline = time.monotonic() + CHECK_TIMEOUT_S
+def finish_checks(started: dict, deadline: float | None = None) -> dict:
+    """Each started check's exit code (None: not run, or past ``deadline``: the probe's, else
+    :data:`CHECK_TIMEOUT_S` from now); the probe's own stdout and stderr are back when it returns."""
+    deadline = time.monotonic() + CHECK_TIMEOUT_S if deadline is None else deadline
     result = {}
     for name, proc in started.items():
         if proc is None:
@@ -1019,9 +1049,10 @@ class Memo:
     nvidia-smi, so one NVML start, per probe; it is asked itself only when ``-q`` cannot
     answer it."""
 
-    def __init__(self, smi=None, full_first: bool = False, awaits_proof: bool = False):
+    def __init__(self, smi=None, full_first: bool = False, awaits_proof: bool = False, deadline: float | None = None):
         self.smi, self.lock, self.locks, self.seen = smi or _smi, _thread.allocate_lock(), {}, {}
-        self.full_first = full_first
+        self.full_first, self.verdict_lock = full_first, _thread.allocate_lock()
+        self.deadline = time.monotonic() + CHECK_TIMEOUT_S if deadline is None else deadline  # the probe's, for its checks
         self.proof, self.started, self.verdict = [], {}, None  # see proven()
         self.unproven, self.awaiting = _thread.allocate_lock(), awaits_proof  # held until prove_by()
         if awaits_proof:
@@ -1051,12 +1082,12 @@ class Memo:
         >>> m = Memo(); m.prove_by(["healthy"], {"healthy": None}); m.proven()
         False
         """
-        if not self.unproven.acquire(timeout=CHECK_TIMEOUT_S):
+        if not self.unproven.acquire(timeout=max(0.0, self.deadline - time.monotonic())):
             return False
         self.unproven.release()
-        with self.lock:
+        with self.verdict_lock:  # not self.lock: the wait must not hold up other nvidia-smi questions
             if self.verdict is None:
-                self.verdict = bool(self.proof) and all(_passes(self.started[n]) for n in self.proof)
+                self.verdict = bool(self.proof) and all(_passes(self.started[n], self.deadline) for n in self.proof)
             return self.verdict
 
     def __call__(self, args: list) -> tuple:
@@ -1074,12 +1105,12 @@ class Memo:
             return self.seen[key]
 
 
-def _passes(check) -> bool:
-    """Did a started check (None: not run) exit 0 within :data:`CHECK_TIMEOUT_S`?"""
+def _passes(check, deadline: float) -> bool:
+    """Did a started check (None: not run) exit 0 before ``deadline`` (``time.monotonic()``)?"""
     if check is None:
         return False
     try:
-        return check.wait(CHECK_TIMEOUT_S) == 0
+        return check.wait(max(0.0, deadline - time.monotonic())) == 0
     except Timeout:
         return False
 
@@ -1152,13 +1183,19 @@ def fabric_states(text: str) -> list:
 
 def nvidia_problems(want: dict, smi=None, dpkg=None) -> list:
     """What keeps the host's NVIDIA stack from the plan's ``want``. With the probe's proof
-    passed (:meth:`Memo.proven`: a healthy engine on all the GPUs) NVML is not asked: GPU
-    count, type and the NVLink fabric are what that engine proved, and the driver is the
-    loaded module's version; the rest is checked alike."""
+    passed (:meth:`Memo.proven`: a healthy engine on every GPU the plan gives the host) NVML
+    is not asked: the GPUs working and the NVLink fabric are what that engine proved; their
+    count is the PCI bus's (and the type the simulated hardware's, on a sandbox host), the
+    driver the loaded module's version; the rest is checked alike."""
     smi = smi or _smi
     problems, proven = [], bool(getattr(smi, "proven", None) and smi.proven())
     if proven:
-        driver = module_version("nvidia", hardware()["simulated"]) or ""
+        hw = hardware()
+        driver = module_version("nvidia", hw["simulated"]) or ""
+        if hw["count"] < want["count"]:
+            problems.append(f"{hw['count']} GPUs on the PCI bus, the plan needs {want['count']}")
+        if hw.get("name") and want["name"].upper() not in hw["name"].upper():
+            problems.append(f"GPU type {hw['name']}, the plan is for {want['name']}")
     else:
         code, out = smi(SMI_QUERY)
         if code != 0:
@@ -1206,7 +1243,7 @@ def gate(want: dict, smi=None, dpkg=None, systemd=None) -> int:
     """Compare the host with ``want`` until it matches or ``want['timeout']`` passes;
     print every mismatch of the last look (see the module doc). ``smi``, ``dpkg`` and
     ``systemd``: the probe's memos (its one nvidia-smi answer per question, its one read of
-    dpkg's database, its one ``systemctl show``); standalone, each look asks anew."""
+    dpkg's database, its one look at the units); standalone, each look asks anew."""
     deadline = time.monotonic() + float(want.get("timeout", 0))
     while True:
         problems = nvidia_problems(want, smi, dpkg) if want["vendor"] == "nvidia" else amd_problems(want)
@@ -1231,8 +1268,8 @@ def main(argv: list | None = None) -> int:
         return gate(json_loads(argv[1]))
     query = json_loads(argv[0]) if argv else {}
     checks = query.get("checks", {})
-    proof = query.get("gpus_proven_by", [])
-    smi = Memo(full_first=_wants_fabric(checks), awaits_proof=bool(proof))
+    proof, deadline = query.get("gpus_proven_by", []), time.monotonic() + CHECK_TIMEOUT_S  # one for every check
+    smi = Memo(full_first=_wants_fabric(checks), awaits_proof=bool(proof), deadline=deadline)
     dpkg, systemd, running = Dpkg(), Systemd(query.get("units", [])), {}
     try:
         running = start_checks(checks, smi, dpkg, systemd)  # they run while the rest is read
@@ -1250,7 +1287,7 @@ def main(argv: list | None = None) -> int:
         "units": systemd.show(),
         "packages": packages(query.get("packages", []), dpkg),
         "gpus": gpus(smi),  # last: with proof checks, it waits for them
-        "checks": finish_checks(running),
+        "checks": finish_checks(running, deadline),
         "bootstrap": bootstrap_state(query, dpkg),
     }
     sys.stdout.write(json_dumps(report) + "\n")

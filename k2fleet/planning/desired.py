@@ -259,29 +259,38 @@ def _source_label(fan: FanoutPlace) -> str:
 
 
 def gpus_proven_by(dep: Deployment, hp: HostPlan) -> list[str]:
-    """The checks whose pass proves that every GPU of ``hp``'s host works, so that the fact
-    need not ask NVML (``nvidia-smi -q``: hundreds of milliseconds on eight real GPUs, on every
-    host of every re-run): the host's health check (``/health`` 200 and a real completion, the
-    planned topology where the engine reports it) when its one service is an engine instance
-    that lies on this host alone — the gate refuses instances smaller than a node, so that
-    instance runs on all the host's GPUs. Then the GPU gate's NVML half (GPU count and type,
-    NVLink fabric) is what the serving engine proved, and its other half (driver branch from
-    the loaded module, module = installed driver, fabric services active) is still checked
-    (:mod:`k2fleet.hostprogs.hoststate`). Empty (ask NVML): no health check, an instance over
-    several hosts, or more than one service.
+    """The checks whose pass proves that every GPU the plan gives ``hp``'s host works, so that
+    the fact need not ask NVML (``nvidia-smi -q``: hundreds of milliseconds on eight real GPUs,
+    on every host of every re-run): the host's health check (``/health`` 200 and a real
+    completion, the planned topology where the engine reports it) when its one service is a
+    GPU engine instance that lies on this host alone and whose every completion runs on all
+    its GPUs: one tensor × pipeline parallel group, no data-parallel replicas beside it (a
+    completion reaches one replica). The gate refuses instances smaller than a node, so that
+    instance holds all the host's planned GPUs. Then the GPU gate's NVML half (the GPUs
+    answering, their NVLink fabric) is what the serving engine proved; its other half (GPU
+    count on the PCI bus, driver branch from the loaded module, module = installed driver,
+    fabric services active) is still checked (:mod:`k2fleet.hostprogs.hoststate`). Empty (ask
+    NVML): no health check, a host without GPUs (a router), an instance over several hosts,
+    data-parallel replicas in one instance, or more than one service.
 
     >>> from k2fleet.planning.processes import Health, Service
-    >>> class Pool: nodes_per_instance = 1
+    >>> class Settings: pp = 1
+    >>> class Pool: nodes_per_instance, tp, instance_gpus, settings = 1, 8, 8, Settings()
     >>> class Dep: pools = {"serve": Pool()}
     >>> one = HostPlan("n1", "10.0.0.1", "serve", [Service("k2-vllm", ["vllm"], health=Health(8000))])
     >>> gpus_proven_by(Dep(), one)
     ['healthy']
-    >>> Pool.nodes_per_instance = 2
+    >>> Pool.tp = 1  # eight data-parallel replicas of one GPU each: one completion proves one
+    >>> gpus_proven_by(Dep(), one)
+    []
+    >>> Pool.tp, Pool.nodes_per_instance = 8, 2
     >>> gpus_proven_by(Dep(), one)
     []
     """
     pool = dep.pools.get(hp.role)
-    if pool is None or pool.nodes_per_instance != 1 or len(hp.services) != 1 or not hp.services[0].health:
+    if pool is None or hp.role in ("router", "slurm-submit") or pool.instance_gpus <= 0 \
+            or pool.nodes_per_instance != 1 or pool.tp * pool.settings.pp != pool.instance_gpus \
+            or len(hp.services) != 1 or not hp.services[0].health:
         return []
     return [HEALTH_CHECK]
 
@@ -710,12 +719,18 @@ class FleetParts:
     """What more than one step asks of every host — its bootstrap plan, firewall, packages,
     offline bundle request —, each computed once for ``dep`` and ``plan``, when first asked.
     A run makes one and passes it to :func:`k2fleet.control.artifacts.prepare_control_artifacts`
-    and :func:`desired_state` (each makes its own when given none): without it every host's
-    packages were computed three times, its bootstrap plan four times and its firewall
-    four times."""
+    and :func:`desired_state` (each makes its own when given none, and refuses one made for
+    another deployment or plan): without it every host's packages were computed three times,
+    its bootstrap plan four times and its firewall four times."""
 
     dep: Deployment
     plan: Plan
+
+    def of(self, dep: Deployment, plan: Plan) -> "FleetParts":
+        """This, when it was made for ``dep`` and ``plan`` (the same objects); ValueError otherwise."""
+        if self.dep is not dep or self.plan is not plan:
+            raise ValueError("FleetParts of another deployment or plan")
+        return self
 
     @cached_property
     def mesh_members(self) -> frozenset[str]:
@@ -780,7 +795,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts,
                   parts: FleetParts | None = None) -> dict[str, HostDesired]:
     """One :class:`HostDesired` per host, in inventory order (pure); ``parts``: the run's
     :class:`FleetParts` of ``dep`` and ``plan`` (default: made here)."""
-    parts = parts or FleetParts(dep, plan)
+    parts = parts.of(dep, plan) if parts else FleetParts(dep, plan)
     slots = sorted({(svc.stage, svc.name) for _, svc in plan.services()})
     fan = fanout_plan(dep, plan)
     address = {h.name: h.address for h in dep.fleet.hosts}

@@ -39,7 +39,6 @@ import hashlib
 import importlib.util
 import io
 import marshal
-import os
 import types
 import zipfile
 from functools import lru_cache
@@ -154,33 +153,24 @@ def _with_filename(code: types.CodeType, filename: str) -> types.CodeType:
 def cached_code(path: Path, source: bytes) -> types.CodeType | None:
     """The code of module source ``path`` (whose bytes are ``source``) from this interpreter's
     bytecode cache (``__pycache__``, non-optimised), when the cache holds it for exactly
-    this source: a hash-based pyc whose hash is ``source``'s, or a timestamp pyc whose
-    source size and modification time (seconds) are ``path``'s — the rule the import
-    system itself trusts —, written at least a second after that time (a same-second edit
-    of the same size, which the rule cannot see, came before the pyc). None otherwise (no
-    cache, another interpreter's, stale, unreadable): the caller compiles. Reads only;
-    nothing is written.
+    this source: a checked hash-based pyc (PEP 552) whose hash is ``source``'s —
+    ``./dev.sh`` compiles :mod:`k2fleet.hostprogs` so. A timestamp pyc is never taken: its
+    rule (the source's size and modification second) cannot tell a same-size file restored
+    with its old time (``cp -p``, ``rsync -t``) from the source it was compiled from, and the
+    archive's pyc claims the current source's hash, which every host then trusts. None
+    otherwise (no cache, another interpreter's, stale, unreadable): the caller compiles.
+    Reads only; nothing is written.
 
     >>> cached_code(Path("/nonexistent/m.py"), b"") is None
     True
     """
     try:
         cache = Path(importlib.util.cache_from_source(str(path), optimization=""))
-        with cache.open("rb") as fh:
-            data = fh.read()
-            written = os.fstat(fh.fileno()).st_mtime
-        st = path.stat()
+        data = cache.read_bytes()
     except (OSError, NotImplementedError, ValueError):
         return None
-    if len(data) < 16 or data[:4] != importlib.util.MAGIC_NUMBER:
-        return None
-    flags = int.from_bytes(data[4:8], "little")
-    if flags & 0b1:  # hash-based
-        if flags & ~0b11 or data[8:16] != importlib.util.source_hash(source):
-            return None
-    elif (flags or int.from_bytes(data[8:12], "little") != int(st.st_mtime) & 0xFFFFFFFF
-          or int.from_bytes(data[12:16], "little") != st.st_size & 0xFFFFFFFF or st.st_size != len(source)
-          or written < int(st.st_mtime) + 1):
+    if len(data) < 16 or data[:4] != importlib.util.MAGIC_NUMBER or int.from_bytes(data[4:8], "little") != 0b11 \
+            or data[8:16] != importlib.util.source_hash(source):  # a checked hash-based pyc of this very source
         return None
     try:
         code = marshal.loads(memoryview(data)[16:])
