@@ -744,8 +744,7 @@ class FleetParts:
     @cached_property
     def firewalls(self) -> dict[str, fleet_firewall.HostFirewall | None]:
         """Host → :func:`k2fleet.planning.firewall.host_firewall`."""
-        fleet = fleet_firewall.families(self.dep.fleet_ips)  # every host's table lists the fleet: parsed once
-        return {name: fleet_firewall.host_firewall(self.dep, hp, fleet) for name, hp in self.plan.hosts.items()}
+        return {name: fleet_firewall.host_firewall(self.dep, hp) for name, hp in self.plan.hosts.items()}
 
     @cached_property
     def packages(self) -> dict[str, list[str]]:

@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
 from typing import Any
 
 from k2fleet.planning.api_front import BACKEND_KEY
@@ -154,10 +154,6 @@ class HostFirewall:
     egress: tuple[str, ...] | None = None  # k2_egress: mirrors-only: the mirrors' IPs (None: outbound untouched)
     egress_names: tuple[str, ...] = ()  # the names those IPs were resolved from
     scrapers: tuple[str, ...] = ()  # k2_metrics_scrapers (k2_metrics): the exporter ports' and /metrics' clients
-    # (``fleet``, its addresses by IP version: :func:`families`) when the caller parsed the
-    # fleet once for every host (each host's table lists the whole fleet: parsed per host, a
-    # fleet's tables cost N² address parses: 50 ms at 128 hosts); not part of the value
-    fleet_families: tuple[tuple[str, ...], dict[int, list[str]]] | None = field(default=None, compare=False, repr=False)
 
     def closed(self) -> list[Opening]:
         return [o for o in self.openings if o.who != ANYONE]
@@ -227,12 +223,19 @@ def _family(addresses: tuple[str, ...] | list[str] | None, version: int) -> list
 
 
 def families(addresses: tuple[str, ...] | list[str] | None) -> dict[int, list[str]]:
-    """:func:`_family` of both versions, each address parsed once.
+    """:func:`_family` of both versions, each address parsed once; the same addresses are
+    parsed once in all (every host's table lists the whole fleet: parsed per host, a fleet's
+    tables cost N² address parses, 50 ms at 128 hosts). Read it, do not change it.
 
     >>> families(["fd00::2", "10.0.0.2", "fd00::1"])
     {4: ['10.0.0.2'], 6: ['fd00::1', 'fd00::2']}
     """
-    found = {a: ipaddress.ip_network(a, strict=False) for a in addresses or ()}
+    return _families(tuple(addresses or ()))
+
+
+@lru_cache(maxsize=64)
+def _families(addresses: tuple[str, ...]) -> dict[int, list[str]]:
+    found = {a: ipaddress.ip_network(a, strict=False) for a in addresses}
     return {version: sorted((a for a, net in found.items() if net.version == version), key=lambda a: (found[a], a))
             for version in (4, 6)}
 
@@ -263,8 +266,7 @@ def _ports(openings: list[Opening]) -> str:
 
 
 def _table_body(fw: HostFirewall) -> str:
-    known = fw.fleet_families
-    fleet = known[1] if known is not None and known[0] == fw.fleet else families(fw.fleet)
+    fleet = families(fw.fleet)
     out = _set("fleet4", "ipv4_addr", fleet[4], False) + _set("fleet6", "ipv6_addr", fleet[6], False)
     api = [o for o in fw.openings if o.who == CLIENTS]
     scraped = [o for o in fw.openings if o.who == SCRAPERS]
@@ -383,11 +385,9 @@ def _runs_ray_start(argv: list[str]) -> bool:
     return False
 
 
-def host_firewall(dep: Deployment, hp: HostPlan,
-                  fleet: dict[int, list[str]] | None = None) -> HostFirewall | None:
+def host_firewall(dep: Deployment, hp: HostPlan) -> HostFirewall | None:
     """The openings of host ``hp`` (None: ``k2_firewall`` is off, or the host runs nothing
-    that listens, e.g. a Slurm login host: no table, no unit, no package); ``fleet``:
-    :func:`families` of ``dep.fleet_ips``, when the caller computed them once for every host."""
+    that listens, e.g. a Slurm login host: no table, no unit, no package)."""
     if not dep.s.firewall:
         return None
     name = hp.name
@@ -436,8 +436,7 @@ def host_firewall(dep: Deployment, hp: HostPlan,
     return HostFirewall(host=name, openings=openings, fleet=dep.fleet_ips,
                         clients=None if dep.s.api_clients is None else tuple(dep.s.api_clients),
                         before=tuple(dict.fromkeys(units)), egress=egress, egress_names=egress_names_ or (),
-                        scrapers=tuple(dep.s.metrics_scrapers or ()) if dep.s.metrics else (),
-                        fleet_families=None if fleet is None else (dep.fleet_ips, fleet))
+                        scrapers=tuple(dep.s.metrics_scrapers or ()) if dep.s.metrics else ())
 
 
 def format_firewall(dep: Deployment, plan: Plan) -> str:
@@ -458,9 +457,8 @@ def format_firewall(dep: Deployment, plan: Plan) -> str:
         out.append("  outbound (k2_egress: mirrors-only): the fleet, " + (", ".join(
             f"{n} ({', '.join(dep.fleet.egress_ips.get(n, ())) or 'not resolved'})" for n in names) or "no mirror")
             + "; " + ", ".join(what for _, what in EGRESS_ALWAYS) + "; anything else is rejected")
-    fleet = families(dep.fleet_ips)
     for name, hp in plan.hosts.items():
-        fw = host_firewall(dep, hp, fleet)
+        fw = host_firewall(dep, hp)
         if fw is None:
             out.append(f"  {name}: runs nothing that listens: no table")
             continue
