@@ -104,7 +104,10 @@ def probe_cost(runs: int) -> dict[str, tuple[float, float]]:
     from k2fleet.deploy.facts import probe_command
     from k2fleet.planning.desired import desired_state
 
+    from k2fleet.control.checkpoint_copy import manifest_pins
+
     dep, plan = load_plan(str(ROOT / INVENTORY))
+    dep = dep.pinned(manifest_pins(dep, fetch=False))
     desired = desired_state(dep, plan, read_control_artifacts(dep, plan))
     first = nspawn.load_hosts()[0]
     command = probe_command(desired[first.name].fact_query(dep.s.model_dir))

@@ -107,8 +107,10 @@ def plan_document(dep: Deployment, plan: Plan) -> dict:
     (files with mode and sha256, units, packages, checks, checkpoint parent and round).
     Control artifacts (mesh keys, wheels) are only read: missing ones show sha256 null."""
     from k2fleet.control.artifacts import read_control_artifacts
+    from k2fleet.control.checkpoint_copy import manifest_pins
     from k2fleet.planning.desired import desired_state
 
+    dep = dep.pinned(manifest_pins(dep, fetch=False))  # the pins the control machine holds already (no Hub request)
     desired = desired_state(dep, plan, read_control_artifacts(dep, plan))
     doc = plan.to_json()
     doc["profile"] = {role: profiles.describe(dep.engine, dep.version, dep.s.profile, pool.settings.engine_args,
@@ -211,8 +213,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
     dep, plan = load_plan(args.inventory, args.data)  # a bad inventory: one line, exit 2, before any connection
     from k2fleet.control.artifacts import read_control_artifacts
     from k2fleet.deploy import status as gathering
+    from k2fleet.control.checkpoint_copy import manifest_pins
     from k2fleet.planning.desired import desired_state
 
+    dep = dep.pinned(manifest_pins(dep, fetch=False))  # the manifests the control machine pinned at deploy
     desired = desired_state(dep, plan, read_control_artifacts(dep, plan))  # read only: nothing is made
     facts = gathering.gather_facts(str(args.inventory), args.data,
                                    {name: d.fact_query(dep.s.model_dir, full_gpu_look=True)

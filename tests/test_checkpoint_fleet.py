@@ -459,7 +459,9 @@ def test_fetcher_host_downloads_from_the_hub_and_the_control_machine_sends_no_ch
         assert result.returncode == 0, result.tail()
         _healthy(fleet)
         manifest = load_manifest(str(fleet.served / ".k2fleet" / "manifest.json"))
-        assert {r.client for r in hub.requests} == {h2["address"]}  # only the fetcher talked to the Hub
+        # only the fetcher fetched files; the control machine asked for the pinned revision's metadata alone
+        assert {r.client for r in hub.requests if r.rfilename is not None} == {h2["address"]}
+        assert all(r.path.startswith("/api/") for r in hub.requests if r.client != h2["address"])
         assert dict(hub.bytes_served) == {f: e["size"] for f, e in manifest["files"].items()}  # once each
         assert {r.authorization for r in hub.requests} == {f"Bearer {SECRET}"} and SECRET not in result.output
         assert fleet.hub.requests == [] and fleet.control_log("control-copy")[n_copy:] == []  # no control download

@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from k2fleet.hostprogs.verify import load_manifest, manifest_digest
+from k2fleet.planning import relay_plan
+from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.relay_plan import HOST_LOG, control_dir
 
 log = logging.getLogger(__name__)
@@ -90,13 +92,19 @@ def relay_to_host(control: ControlRelay, source: str | None, target: str, ssh: l
     from the host's ``127.0.0.1:tunnel_port`` to the control machine's relay of it (given
     to the fetch as its last source). Returns the host's report (also one JSON line in
     ``log_file``, step ``relay``); raises RuntimeError naming the host when it fails.
-    With a control copy, its manifest's digest goes to the fetch (``--manifest-digest``):
-    the host takes no manifest but the one the control machine verified."""
+    The fetch carries the control machine's pin (``--manifest-digest``, :func:`manifest_pins`):
+    the host takes no manifest but that one; a control copy whose manifest is not the pinned
+    one is refused here (without a pin in ``fetch_argv``, the copy's digest is added)."""
     argv = [*ssh]
     if source is not None:
-        argv += ["-o", "ExitOnForwardFailure=yes", "-R", f"127.0.0.1:{tunnel_port}:127.0.0.1:{control.port_for(source)}"]
         digest = manifest_digest(load_manifest(os.path.join(source, ".k2fleet", "manifest.json")))
-        fetch_argv = [*fetch_argv[:-1], "--manifest-digest", digest, fetch_argv[-1]]
+        pinned = fetch_argv[fetch_argv.index("--manifest-digest") + 1] if "--manifest-digest" in fetch_argv else None
+        if pinned is None:
+            fetch_argv = [*fetch_argv[:-1], "--manifest-digest", digest, fetch_argv[-1]]
+        elif pinned != digest:
+            raise RuntimeError(f"the control machine's copy {source} has manifest digest {digest}, not the pinned "
+                               f"{pinned}: refusing to serve it to {target}")
+        argv += ["-o", "ExitOnForwardFailure=yes", "-R", f"127.0.0.1:{tunnel_port}:127.0.0.1:{control.port_for(source)}"]
     result = subprocess.run([*argv, target, shlex.join(fetch_argv)], capture_output=True, text=True,
                             stdin=subprocess.DEVNULL)
     if result.returncode:
@@ -105,6 +113,68 @@ def relay_to_host(control: ControlRelay, source: str | None, target: str, ssh: l
     if log_file:
         _append(log_file, {"step": "relay", **record})
     return record
+
+
+# --------------------------------------------------------------------------- the pin
+
+
+def manifest_pins(dep: Deployment, *, fetch: bool) -> dict[str, str]:
+    """Weight set check → the digest (:func:`~k2fleet.hostprogs.verify.manifest_digest`) of
+    the manifest every host must accept, held by the control machine before any host
+    receives a byte, in every mode: a ``control:`` directory's manifest (of the pinned
+    repository and revision); for a Hub source — the control machine's copy or a fetcher
+    host — the manifest in the control cache (``k2_checkpoint_cache``), which, when missing,
+    is built from the Hub's own file metadata for the pinned revision (sizes, LFS sha256s,
+    git blob ids; no file is downloaded) when ``fetch`` (the deploy), in a child process.
+    Without ``fetch`` (``plan``, ``--dry``, ``status``) a weight set with no cached manifest
+    has no pin yet. Raises :class:`~k2fleet.control.ControlError` naming the weight set when
+    its pin cannot be had."""
+    from k2fleet.control import ControlError
+    from k2fleet.hostprogs.verify import pin_problem
+
+    pins: dict[str, str] = {}
+    for ws in dep.weight_sets:
+        directory, from_hub = relay_plan.control_source(dep, ws)
+        path = os.path.join(directory, ".k2fleet", "manifest.json")
+        what = f"{ws.repo}@{ws.revision}"
+        try:
+            if from_hub and (fetch or os.path.isdir(directory)):
+                owned_cache(directory)  # another local user's planted manifest is never a pin
+            if from_hub and fetch and not os.path.isfile(path):
+                pin_manifest_from_hub(ws.repo, ws.revision, directory, endpoint=dep.s.hub_endpoint,
+                                      token_file=dep.s.hub_token_file, patterns=list(ws.patterns) if ws.patterns else None)
+            manifest = load_manifest(path) if os.path.isfile(path) else None
+            problem = pin_problem(manifest, ws.repo, ws.revision) if manifest is not None else (
+                f"{directory} has no .k2fleet/manifest.json (make it with `hf download` + a manifest)")
+        except (RuntimeError, OSError, ValueError) as e:
+            problem = str(e)
+        if problem is None:
+            pins[ws.check] = manifest_digest(manifest)
+        elif fetch:
+            raise ControlError(f"the checkpoint {what} cannot be pinned: {problem}")
+    return pins
+
+
+def pin_manifest_from_hub(repo_id: str, revision: str, root: str, *, endpoint: str | None = None,
+                          token_file: str | None = None, patterns: list[str] | None = None) -> None:
+    """Write ``ROOT/.k2fleet/manifest.json``: the Hub's file metadata of ``repo_id`` at the
+    pinned ``revision`` (:func:`k2fleet.hostprogs.manifest.build_manifest`), in a child process
+    (pyinfra's gevent-patched process cannot import huggingface_hub's HTTP stack); the token
+    is read by the child (env ``HF_TOKEN`` or ``token_file``), never in argv. At most 120 s.
+    Raises RuntimeError with the child's last lines."""
+    argv = [sys.executable, "-m", "k2fleet.control.checkpoint_copy", "pin-manifest", repo_id, revision, root]
+    argv += ["--pattern", *patterns] if patterns else []
+    env = _with_this_checkout()
+    if endpoint:
+        env["HF_ENDPOINT"] = endpoint
+    if token_file:
+        env["K2FLEET_HUB_TOKEN_FILE"] = token_file
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=120)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError("the Hub did not answer with its file metadata within 120 s") from None
+    if result.returncode:
+        raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.returncode}")
 
 
 # --------------------------------------------------------------------------- control side
@@ -173,7 +243,8 @@ def ensure_control_copy(
             raise RuntimeError(f"the control copy {root} is not verified:\n" + "\n".join(report.lines()[-20:]))
         token = read_token(token_file)
         bad = repairable_files(report) if report is not None else []
-        if report is not None and bad and len(bad) == len({p.path for p in report.problems}):
+        nothing_yet = report is not None and len(bad) == report.files_total  # the pinned manifest alone (manifest_pins)
+        if report is not None and bad and not nothing_yet and len(bad) == len({p.path for p in report.problems}):
             manifest = ensure_manifest(repo_id, revision, root, token=token, endpoint=endpoint,
                                        allow_patterns=patterns)
             log.warning("re-fetching %d bad file(s) of the control cache: %s", len(bad), ", ".join(bad))
@@ -246,8 +317,27 @@ def main(argv: list[str] | None = None) -> int:
     cc.add_argument("dir")
     cc.add_argument("--hub", action="store_true", help="fetch missing or bad files from the Hub")
     cc.add_argument("--pattern", nargs="+", metavar="GLOB", help="only the repository files matching these globs")
+    pm = sub.add_parser("pin-manifest", help="write DIR/.k2fleet/manifest.json from the Hub's file metadata of REPO@REVISION")
+    pm.add_argument("repo_id")
+    pm.add_argument("revision")
+    pm.add_argument("dir")
+    pm.add_argument("--pattern", nargs="+", metavar="GLOB", help="only the repository files matching these globs")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    if args.cmd == "pin-manifest":
+        from k2fleet.hostprogs.manifest import build_manifest, read_token, save_manifest
+
+        try:
+            owned_cache(args.dir)
+            manifest = build_manifest(args.repo_id, args.revision, endpoint=os.environ.get("HF_ENDPOINT") or None,
+                                      token=read_token(os.environ.get("K2FLEET_HUB_TOKEN_FILE") or None),
+                                      allow_patterns=args.pattern)
+            save_manifest(args.dir, manifest)
+        except Exception as e:  # noqa: BLE001 — the Hub client's errors: one line for the parent
+            print(f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
+            return 1
+        print(json.dumps({"dir": args.dir, "manifest_sha256": manifest_digest(manifest)}))
+        return 0
     try:
         record = ensure_control_copy(args.repo_id, args.revision, args.dir, hub=args.hub,
                                      endpoint=os.environ.get("HF_ENDPOINT") or None,

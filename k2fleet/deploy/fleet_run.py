@@ -28,7 +28,7 @@ from k2fleet.control.artifacts import prepare_control_artifacts, read_control_ar
 from k2fleet.planning.host_actions import host_actions, reboot_steps, restart_steps
 from k2fleet.planning.host_bootstrap import reboot_reason
 from k2fleet.planning.rollout import Step
-from k2fleet.control.checkpoint_copy import ControlRelay
+from k2fleet.control.checkpoint_copy import ControlRelay, manifest_pins
 from k2fleet.deploy.facts import HostState
 from k2fleet.planning.host_fact import HostReport
 from k2fleet.planning.deployment import Deployment
@@ -201,8 +201,10 @@ def _make_fleet_run(state: Any, inventory: Any, dry: bool | None) -> FleetRun:
     dep, plan = checked
     if dry is None:  # under the CLI, the gate (config.py) recorded --dry on the state
         dry = bool(getattr(state, "k2fleet_dry", False))
-    parts = FleetParts(dep, plan)  # each host's bootstrap, firewall, packages: computed once for both steps
     try:
+        # the manifest digest every host must accept, held before any host receives a byte
+        dep = dep.pinned(manifest_pins(dep, fetch=not dry))
+        parts = FleetParts(dep, plan)  # each host's bootstrap, firewall, packages: computed once for both steps
         artifacts = read_control_artifacts(dep, plan, parts) if dry else prepare_control_artifacts(dep, plan, parts)
     except ControlError as exc:  # one line naming what and the fix, no traceback
         sys.stderr.write(f"k2fleet: {exc}\n")

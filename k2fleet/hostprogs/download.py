@@ -47,6 +47,8 @@ from k2fleet.hostprogs.verify import (
     SIZE_MISMATCH,
     Report,
     load_manifest,
+    manifest_digest,
+    pin_problem,
     remove_marker,
     state_dir,
     verify,
@@ -347,20 +349,33 @@ def repairable_files(report: Report) -> list[str]:
     return sorted({p.path for p in report.problems if p.kind in REPAIRABLE})
 
 
+class PinMismatch(ValueError):
+    """The Hub's manifest for the pinned revision is not the one the control machine pinned."""
+
+
 def ensure_manifest(
     repo_id: str, revision: str, local_dir: str | os.PathLike[str], *, token: str | None, endpoint: str | None,
-    allow_patterns: list[str] | None = None,
+    allow_patterns: list[str] | None = None, digest: str | None = None,
 ) -> dict[str, Any]:
-    """The directory's manifest if it pins this repo and revision, else a fresh one from the Hub (saved),
-    of the files matching ``allow_patterns`` (None: all)."""
+    """The directory's manifest if it pins this repo and revision (and, given ``digest``, has
+    that :func:`~k2fleet.hostprogs.verify.manifest_digest`), else a fresh one from the Hub
+    (saved), of the files matching ``allow_patterns`` (None: all). A fresh one of another
+    digest than ``digest`` raises :class:`PinMismatch` before it is saved (nothing is fetched
+    for it)."""
     _require_commit(revision)
     path = manifest_path(local_dir)
     if path.is_file():
-        existing = load_manifest(str(path))
-        if existing.get("repo_id") == repo_id and existing.get("revision") == revision:
+        try:
+            existing = load_manifest(str(path))
+        except (OSError, ValueError):
+            existing = {}
+        if not pin_problem(existing, repo_id, revision, digest):
             return existing
     manifest = build_manifest(repo_id, revision, endpoint=hub_endpoint(endpoint), token=token,
                               allow_patterns=allow_patterns)
+    if digest is not None and (got := manifest_digest(manifest)) != digest:
+        raise PinMismatch(f"the Hub's manifest of {repo_id}@{revision} has digest {got}, not the control machine's "
+                          f"pin {digest}: refusing it (nothing downloaded)")
     save_manifest(local_dir, manifest)
     return manifest
 
@@ -375,15 +390,17 @@ def fetch_and_verify(
     only: list[str] | None = None,
     max_workers: int = 8,
     allow_patterns: list[str] | None = None,
+    digest: str | None = None,
 ) -> Report:
     """Manifest → download (or re-fetch ``only``) → verify → repair bad files once → verify.
+    ``digest``: the control machine's pin of the manifest (:func:`ensure_manifest`).
 
     Example:
         >>> fetch_and_verify("moonshotai/Kimi-K2-Thinking", "6126...", "/models/k2").ok  # doctest: +SKIP
         True
     """
     manifest = ensure_manifest(repo_id, revision, local_dir, token=token, endpoint=endpoint,
-                               allow_patterns=allow_patterns)
+                               allow_patterns=allow_patterns, digest=digest)
     if only:
         repair(local_dir, manifest, only, token=token, endpoint=endpoint, max_workers=max_workers)
     else:
@@ -400,7 +417,7 @@ def fetch_and_verify(
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m k2fleet.hostprogs.download REPO --revision SHA --dir D [--token-file F] [--only FILE...]
-    [--pattern GLOB...]``."""
+    [--pattern GLOB...] [--manifest-digest D]``."""
     ap = argparse.ArgumentParser(prog="python -m k2fleet.hostprogs.download")
     ap.add_argument("repo_id")
     ap.add_argument("--revision", required=True, help="40-hex commit sha (branches and tags are refused)")
@@ -409,16 +426,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", metavar="FILE", help="delete and re-fetch only these files")
     ap.add_argument("--max-workers", type=int, default=8)
     ap.add_argument("--pattern", nargs="+", metavar="GLOB", help="only the repository files matching these globs")
+    ap.add_argument("--manifest-digest", help="the control machine's pin of the manifest: the Hub's must have it")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not is_commit_sha(args.revision):
         print(f"error: revision {args.revision!r} is not a 40-hex commit sha; pin one", file=sys.stderr)
         return 2
-    report = fetch_and_verify(
-        args.repo_id, args.revision, args.dir,
-        token=read_token(args.token_file), only=args.only, max_workers=args.max_workers,
-        allow_patterns=args.pattern,
-    )
+    try:
+        report = fetch_and_verify(
+            args.repo_id, args.revision, args.dir,
+            token=read_token(args.token_file), only=args.only, max_workers=args.max_workers,
+            allow_patterns=args.pattern, digest=args.manifest_digest,
+        )
+    except PinMismatch as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     for line in report.lines():
         print(line)
     return 0 if report.ok else 1

@@ -657,13 +657,17 @@ def _finish(
 # --------------------------------------------------------------------------- CLI
 
 
-def pin_problem(manifest: Any, repo: str | None, revision: str | None) -> str | None:
-    """Why ``manifest`` is not of the pinned ``repo`` and ``revision`` (None: it is, or nothing is pinned).
+def pin_problem(manifest: Any, repo: str | None, revision: str | None, digest: str | None = None) -> str | None:
+    """Why ``manifest`` is not of the pinned ``repo``, ``revision`` and manifest ``digest``
+    (:func:`manifest_digest`: the control machine's pin of every file's size and hash)
+    (None: it is, or nothing is pinned).
 
     >>> pin_problem({"repo_id": "m/k", "revision": "a" * 40}, "m/k", "b" * 40)[:19]
     'manifest revision a'
     >>> pin_problem({"repo_id": "m/k", "revision": "a" * 40}, "m/k", "a" * 40) is None
     True
+    >>> pin_problem({"repo_id": "m/k", "revision": "a" * 40, "files": {}}, "m/k", "a" * 40, "0" * 64)[:27]
+    'manifest digest 5eaf9247171'
     """
     if not isinstance(manifest, dict):
         return "manifest is not a JSON object"
@@ -671,6 +675,8 @@ def pin_problem(manifest: Any, repo: str | None, revision: str | None) -> str | 
         return f"manifest repo {manifest.get('repo_id')!r} is not the pinned {repo}"
     if revision is not None and manifest.get("revision") != revision:
         return f"manifest revision {manifest.get('revision')} is not the pinned {revision}"
+    if digest is not None and (got := manifest_digest(manifest)) != digest:
+        return f"manifest digest {got} is not the pinned {digest} (files other than the pinned revision's)"
     return None
 
 
@@ -688,6 +694,7 @@ def _parser() -> Any:
                     "stat changed since; hashes nothing and never writes or removes the marker")
     ap.add_argument("--repo", help="the pinned repository: a manifest of another fails (nothing is served from it)")
     ap.add_argument("--revision", help="the pinned revision: a manifest of another fails")
+    ap.add_argument("--manifest-digest", help="the pinned manifest's sha256 (the control machine's pin): any other fails")
     return ap
 
 
@@ -699,7 +706,8 @@ def main(argv: list[str] | None = None) -> int:
         OK revision 6126...: 67 files, ...
     """
     args = quick_args(argv, {"--manifest": (None, None), "--workers": (int, None), "--repo": (None, None),
-                             "--revision": (None, None)}, ("--full", "--json", "--marker-only"), ("dir",))
+                             "--revision": (None, None), "--manifest-digest": (None, None)},
+                      ("--full", "--json", "--marker-only"), ("dir",))
     if args is None:
         args = _parser().parse_args(argv)
     root = os.path.abspath(args.dir)
@@ -707,7 +715,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.marker_only:
         try:
             manifest = load_manifest(mpath)
-            return 0 if not pin_problem(manifest, args.repo, args.revision) and is_verified(root, manifest) else 1
+            pinned = pin_problem(manifest, args.repo, args.revision, args.manifest_digest)
+            return 0 if not pinned and is_verified(root, manifest) else 1
         except (OSError, ValueError):
             return 1
     try:
@@ -716,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
         report = Report(dir=root, revision="?", problems=[Problem(mpath, BAD_MANIFEST, f"cannot load: {e}")])
         report = _finish(report, root, {}, {}, time.monotonic())
     else:
-        pinned = pin_problem(manifest, args.repo, args.revision)
+        pinned = pin_problem(manifest, args.repo, args.revision, args.manifest_digest)
         if pinned:
             report = Report(dir=root, revision=str(manifest.get("revision")),
                             problems=[Problem(mpath, BAD_MANIFEST, pinned)])

@@ -50,7 +50,11 @@ class WeightSet:
 
     ``check``: its HostState check name; ``source``: ``hub`` or ``control:/DIR``;
     ``patterns``: the repository files it holds (None: all); ``label``: what operation
-    names add for it ("" for the model checkpoint).
+    names add for it ("" for the model checkpoint); ``manifest_sha256``: the digest of the
+    manifest every host must accept (:func:`k2fleet.hostprogs.verify.manifest_digest`),
+    pinned by the control machine before any host receives a byte
+    (:func:`k2fleet.control.checkpoint_copy.manifest_pins`; None: not pinned yet, e.g.
+    ``k2fleet plan`` before the first deploy).
     """
 
     check: str
@@ -60,6 +64,7 @@ class WeightSet:
     source: str
     patterns: tuple[str, ...] | None
     label: str
+    manifest_sha256: str | None = None
 
 
 CHECKPOINT_CHECK = "checkpoint-verified"
@@ -88,6 +93,7 @@ class Deployment:
     tool_parser: str | None = None  # k2_tool_parser, the catalog's parser for its default (kimi_k3 for Kimi-K3)
     model_args: tuple[str, ...] = ()  # flags the model's deployment adds (catalog.Checkpoint.engine_args)
     notes: tuple[str, ...] = ()  # what k2fleet could not check or predict for this model (``k2fleet plan`` shows them)
+    manifest_pins: tuple[tuple[str, str], ...] = ()  # weight set check → pinned manifest digest (:meth:`pinned`)
 
     @property
     def s(self) -> HostSettings:
@@ -134,13 +140,23 @@ class Deployment:
         """What hosts that load weights must hold: the ``k2_model`` checkpoint, and for
         GGUF engines the ``k2_gguf_repo`` files matching ``k2_gguf_pattern``."""
         s = self.s
+        pins = dict(self.manifest_pins)
         sets = [WeightSet(CHECKPOINT_CHECK, s.model, s.revision, self.checkpoint_path,
-                          self._weight_source(s.checkpoint_source, s.model, s.revision), None, "")]
+                          self._weight_source(s.checkpoint_source, s.model, s.revision), None, "",
+                          pins.get(CHECKPOINT_CHECK))]
         if s.gguf_repo and self.gguf_path:
             sets.append(WeightSet(GGUF_CHECK, s.gguf_repo, str(s.gguf_revision), self.gguf_path,
                                   self._weight_source(s.gguf_source, s.gguf_repo, str(s.gguf_revision)),
-                                  (s.gguf_pattern,) if s.gguf_pattern else None, " (GGUF weights)"))
+                                  (s.gguf_pattern,) if s.gguf_pattern else None, " (GGUF weights)",
+                                  pins.get(GGUF_CHECK)))
         return tuple(sets)
+
+    def pinned(self, pins: dict[str, str]) -> "Deployment":
+        """This deployment with its weight sets' manifest digests pinned (weight set check →
+        digest, from :func:`k2fleet.control.checkpoint_copy.manifest_pins`); itself when
+        they are already these."""
+        frozen = tuple(sorted(pins.items()))
+        return self if frozen == self.manifest_pins else replace(self, manifest_pins=frozen)
 
     def _weight_source(self, source: str, repo: str, revision: str) -> str:
         """``k2_bundle``: a Hub source the control machine fetches is the bundle's copy."""

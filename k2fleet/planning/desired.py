@@ -41,7 +41,7 @@ from k2fleet.planning.deployment import CHECKPOINT_CHECK, Deployment, WeightSet
 from k2fleet.planning.render.vllm import RAY_TOKEN
 from k2fleet.planning.host_packages import bundle_repo_dir, required_packages
 from k2fleet.planning.processes import HostPlan, Plan, Service
-from k2fleet.planning.units import (api_key_paths, container_name, env_file, env_path, holds_api_key, image_pin_argv,
+from k2fleet.planning.units import (pin_args, api_key_paths, container_name, env_file, env_path, holds_api_key, image_pin_argv,
                            sends_api_key, unit_file, unit_name, unit_path)
 from k2fleet.planning.catalog import API_KEY_ENV
 from k2fleet.planning.quoting import env_file_line, shell_line, shell_word
@@ -633,8 +633,9 @@ def health_argv(dep: Deployment, hp: HostPlan, timeout: int, pd: dict[str, list[
 def marker_check_argv(ws: WeightSet) -> list[str]:
     """Read-only check of one weight set for the HostState fact: its manifest is of the
     pinned repository and revision, the verified marker matches it and no file's stat
-    changed (never writes or removes the marker)."""
-    return host_argv("verify", "--marker-only", "--repo", ws.repo, "--revision", ws.revision, ws.path)
+    changed (never writes or removes the marker); its digest is the control machine's pin
+    once it has one (:attr:`WeightSet.manifest_sha256`)."""
+    return host_argv("verify", "--marker-only", "--repo", ws.repo, "--revision", ws.revision, *pin_args(ws), ws.path)
 
 
 def hub_client_check(requirement: str) -> list[str]:

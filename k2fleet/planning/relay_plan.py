@@ -15,6 +15,7 @@ import posixpath
 import shlex
 from dataclasses import dataclass, field
 
+from k2fleet.planning.deployment import Deployment, WeightSet
 from k2fleet.planning.host_archive import host_argv
 
 CONTROL = None  # a host's parent when it receives from the control machine
@@ -126,28 +127,40 @@ def relay_stop_argv() -> list[str]:
 
 def relay_fetch_argv(path: str, fleet: list[str], position: int, fanout_k: int, sources: list[str],
                      log_file: str = HOST_LOG, pin: tuple[str, str] | None = None,
-                     secret_file: str | None = RELAY_SECRET) -> list[str]:
+                     secret_file: str | None = RELAY_SECRET, digest: str | None = None) -> list[str]:
     """argv (run on a host) receiving ``path`` shard by shard through the relay: from its
     place ``position`` in the fleet order ``fleet`` (relay URLs), falling back to the
-    parent's ancestors and last to ``sources``. ``pin``: (repository, revision) — a
-    manifest of another is refused by the receiving relay (the control machine adds its
-    verified copy's digest when it runs the fetch: :func:`k2fleet.control.checkpoint_copy.relay_to_host`).
+    parent's ancestors and last to ``sources``. ``pin``: (repository, revision) and
+    ``digest``: the manifest digest the control machine pinned
+    (:func:`k2fleet.control.checkpoint_copy.manifest_pins`) — a manifest of another is
+    refused by the receiving relay, whichever peer serves it.
 
     >>> relay_fetch_argv("/m/k2", ["http://a:1", "http://b:1"], 1, 1, [])[4:10]
     ['--fleet', 'http://a:1,http://b:1', '--position', '1', '--fanout', '1']
-    >>> relay_fetch_argv("/m/k2", ["http://a:1"], 0, 1, [], pin=("m/k", "0" * 40))[-9:-4]
-    ['--repo', 'm/k', '--revision', '0000000000000000000000000000000000000000', '--secret-file']
+    >>> relay_fetch_argv("/m/k2", ["http://a:1"], 0, 1, [], pin=("m/k", "0" * 40), digest="d" * 64)[-11:-4]
+    ['--repo', 'm/k', '--revision', '0000000000000000000000000000000000000000', '--manifest-digest', 'dddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddd', '--secret-file']
     """
     argv = [*host_argv("relay"), "fetch", "--fleet", ",".join(fleet), "--position", str(position),
             "--fanout", str(fanout_k)]
     if pin is not None:
         argv += ["--repo", pin[0], "--revision", pin[1]]
+    if digest is not None:
+        argv += ["--manifest-digest", digest]
     if secret_file is not None:
         argv += ["--secret-file", secret_file]
     argv += ["--log", log_file]
     for url in sources:
         argv += ["--source", url]
     return argv + [path]
+
+
+def control_source(dep: Deployment, ws: WeightSet | None = None) -> tuple[str, bool]:
+    """(control-machine directory, fetched from the Hub?) of one weight set (default: the
+    checkpoint): the Hub's pinned copy in ``k2_checkpoint_cache``, or the ``control:`` directory."""
+    ws = ws or dep.weight_sets[0]
+    if ws.source == "hub":
+        return control_dir(dep.s.checkpoint_cache, ws.repo, ws.revision), True
+    return ws.source.removeprefix("control:"), False
 
 
 def control_dir(cache: str, repo_id: str, revision: str) -> str:

@@ -55,8 +55,14 @@ def env_file(svc: Service) -> str:
 
 def gate_argv(ws: WeightSet) -> list[str]:
     """The checkpoint gate of one weight set: a stat-fast re-verify against the verified
-    marker, of a manifest of the pinned repository and revision only."""
-    return host_argv("verify", "--repo", ws.repo, "--revision", ws.revision, ws.path)
+    marker, of a manifest of the pinned repository, revision and (once the control machine
+    pinned it) manifest digest only."""
+    return host_argv("verify", "--repo", ws.repo, "--revision", ws.revision, *pin_args(ws), ws.path)
+
+
+def pin_args(ws: WeightSet) -> list[str]:
+    """``--manifest-digest D`` of a weight set whose manifest the control machine pinned ([] before)."""
+    return ["--manifest-digest", ws.manifest_sha256] if ws.manifest_sha256 else []
 
 
 def container_name(svc: Service) -> str | None:

@@ -45,19 +45,11 @@ from k2fleet.planning.desired import CHECKPOINT_CHECK, HUB_ENV, HostDesired
 from k2fleet.planning.host_archive import host_argv
 from k2fleet.deploy.operations import command
 from k2fleet.planning.host_fact import HostReport
-from k2fleet.planning.units import gate_argv
+from k2fleet.planning.units import gate_argv, pin_args
 from k2fleet.planning.quoting import shell_line
 
 TOKEN_DIR = "/run/k2fleet"
 TOKEN_PATH = f"{TOKEN_DIR}/hf_token"
-
-
-def control_source(dep: Deployment, ws: WeightSet | None = None) -> tuple[str, bool]:
-    """(control-machine directory, fetched from the Hub?) of one weight set (default: the checkpoint)."""
-    ws = ws or dep.weight_sets[0]
-    if ws.source == "hub":
-        return relay_plan.control_dir(dep.s.checkpoint_cache, ws.repo, ws.revision), True
-    return ws.source.removeprefix("control:"), False
 
 
 def send_token(token_file: str | None) -> None:
@@ -73,7 +65,8 @@ def send_token(token_file: str | None) -> None:
 
 def download_argv(dep: Deployment, xet_disabled: bool, ws: WeightSet | None = None) -> list[str]:
     """The Hub download of one weight set (default: the checkpoint) on the fetcher host
-    (the token only by file, never its value)."""
+    (the token only by file, never its value); the Hub's manifest must have the digest the
+    control machine pinned (``--manifest-digest``), or nothing is downloaded."""
     s = dep.s
     ws = ws or dep.weight_sets[0]
     argv = ["env", "HF_HUB_DISABLE_TELEMETRY=1", "HF_HUB_DISABLE_PROGRESS_BARS=1"]
@@ -81,7 +74,8 @@ def download_argv(dep: Deployment, xet_disabled: bool, ws: WeightSet | None = No
         argv.append(f"HF_ENDPOINT={s.hub_endpoint}")
     if xet_disabled:  # the operator's choice of the resumable HTTP path
         argv.append("HF_HUB_DISABLE_XET=1")
-    argv += host_argv("download", ws.repo, "--revision", ws.revision, "--dir", ws.path, python=f"{HUB_ENV}/bin/python")
+    argv += host_argv("download", ws.repo, "--revision", ws.revision, "--dir", ws.path, *pin_args(ws),
+                      python=f"{HUB_ENV}/bin/python")
     return argv + (["--pattern", *ws.patterns] if ws.patterns else [])
 
 
@@ -143,7 +137,7 @@ def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fac
     """The distribution of one weight set (same operation sequence on every host)."""
     fan = desired.fanout
     assert fan is not None
-    source_dir, from_hub = control_source(dep, ws)
+    source_dir, from_hub = relay_plan.control_source(dep, ws)
     wanted = fan.loads_weights and not fact.passed(ws.check)
     on_host = dep.s.checkpoint_fetcher != "control"
     root_download = wanted and fan.is_root and on_host  # the fetcher host downloads from the Hub itself
@@ -181,7 +175,7 @@ def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fac
     control_copy = None if on_host else source_dir
     tunnel = [relay_plan.relay_url("127.0.0.1", dep.s.relay_port)] if control_copy else []
     fetch_argv = relay_plan.relay_fetch_argv(path, list(fan.relays), fan.position or 0, fan.relay_fanout, tunnel,
-                                             pin=(ws.repo, ws.revision)) if receiving else ["true"]
+                                             pin=(ws.repo, ws.revision), digest=ws.manifest_sha256) if receiving else ["true"]
     target, ssh, become = side_channel
     python.call(
         name=f"{what}: receive shard by shard, each verified before it is passed on",
