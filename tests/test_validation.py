@@ -950,7 +950,9 @@ TWINS: list[tuple[str, dict[str, Any], int | list]] = [
     ("types-profile-trtllm", B200 | {"k2_profile": "throughput"}, 1),
     ("types-profile-sglang", {"k2_engine": "sglang", "k2_tp": 8, "k2_profile": "latency"}, 1),
     ("types-gb200", NVFP4 | {"k2_engine": "trtllm", "k2_gpu": "gb200", "k2_gpus_per_node": 4, "k2_tp": 4}, 1),
-    ("injection", {**{f"k2_{k}": v for k, v in GOOD_STRINGS.items() if k != "bundle"}, "k2_checkpoint_fetcher": "node-0",
+    # (k2_tls_*: real certificates of a test CA, in tests/test_tls.py)
+    ("injection", {**{f"k2_{k}": v for k, v in GOOD_STRINGS.items() if k != "bundle" and not k.startswith("tls_")},
+                   "k2_checkpoint_fetcher": "node-0",
                    "k2_runtime": "container", "k2_tp": 8, "k2_metrics": True, "k2_gpu_exporter": True}, 1),
     ("injection-control-source", {"k2_checkpoint_source": "control:/srv/k2fleet/staging/kimi-k2+v1"}, 1),
     ("injection-slurm", SLURM_FLEET, 1),

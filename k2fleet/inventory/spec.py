@@ -1010,8 +1010,8 @@ class HostSettings(BaseModel):
     api_backend_port: Port = _key(
         FLEET,
         "With `k2_api_key_file` and an engine that cannot take the key itself (SGLang, its PD router, "
-        "TRT-LLM, KTransformers): the port the engine (or router) listens on, on 127.0.0.1 only, behind "
-        "the API front that took its place on `k2_port` (`k2_router_port`).",
+        "TRT-LLM, KTransformers), or with `k2_tls_cert_file` (every engine): the port the engine (or router) "
+        "listens on, on 127.0.0.1 only, behind the API front that took its place on `k2_port` (`k2_router_port`).",
         default=8001,
     )
     tls_cert_file: AbsPath | None = _key(
