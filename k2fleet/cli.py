@@ -28,6 +28,7 @@ from k2fleet.inventory.loader import inventory_host_data, parse_data_overrides
 from k2fleet.inventory.spec import SpecError, keys_markdown
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning import profiles
+from k2fleet.planning.api_front import address
 from k2fleet.planning.firewall import format_firewall
 from k2fleet.planning.processes import Plan
 from k2fleet.planning.quoting import curl_line, shell_line
@@ -48,8 +49,14 @@ def address_origins(dep: Deployment) -> dict[str, str]:
     return {h.name: h.address_key + (" (resolved)" if h.ip else "") for h in dep.fleet.hosts}
 
 
+PLAIN_HTTP = ("plain HTTP: prompts, answers and any API key cross the network unencrypted; set k2_tls_cert_file, "
+              "k2_tls_key_file and k2_tls_ca_file to serve HTTPS")
+
+
 def format_plan(plan: Plan, api_key_file: str | None = None, model: str | None = None,
-                resolved: dict[str, str] | None = None) -> str:
+                resolved: dict[str, str] | None = None, ca_file: str | None = None) -> str:
+    """``k2fleet plan``'s text; ``ca_file``: ``k2_tls_ca_file`` (the endpoints serve HTTPS, the
+    curl line verifies against it), else the endpoint is said to be plain HTTP."""
     out = [
         f"# {plan.source}: {plan.engine} {plan.engine_version} ({plan.runtime}"
         + (f", {plan.image}" if plan.image else "")
@@ -61,9 +68,10 @@ def format_plan(plan: Plan, api_key_file: str | None = None, model: str | None =
     out += [f"# note: {note}" for note in plan.notes]
     endpoint = plan.endpoint()
     if endpoint:
-        out.append(f"# endpoint: http://{endpoint[0]}:{endpoint[1]}/v1")
+        base = f"{'https' if ca_file else 'http'}://{address(*endpoint)}/v1"
+        out.append(f"# endpoint: {base}" + (f" (HTTPS, verify with --cacert {ca_file})" if ca_file else f" ({PLAIN_HTTP})"))
         if model:  # with a key file, the key is read from it when the line runs, never printed
-            out.append(f"# try: {curl_line(f'http://{endpoint[0]}:{endpoint[1]}/v1', model, api_key_file)}")
+            out.append(f"# try: {curl_line(base, model, api_key_file, ca_file)}")
     for host in plan.hosts.values():
         origin = (resolved or {}).get(host.name)  # e.g. "resolved from ssh_hostname gpu-0.dc.example"
         out.append(f"\n== {host.name} ({host.address}{f', {origin}' if origin else ''}) role={host.role}")
@@ -133,7 +141,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     else:
         resolved = {h.name: f"resolved from {'the host name' if h.address_key == 'inventory' else h.address_key} "
                     f"{h.configured_address}" for h in dep.fleet.hosts if h.ip}
-        sys.stdout.write(format_plan(plan, dep.s.api_key_file, dep.api_model_name, resolved))
+        sys.stdout.write(format_plan(plan, dep.s.api_key_file, dep.api_model_name, resolved, dep.s.tls_ca_file))
         sys.stdout.write(format_profile(dep))
         sys.stdout.write(format_firewall(dep, plan))  # every port with who may reach it
     return 0
@@ -227,7 +235,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         from k2fleet.control.endpoint import endpoint_completion
 
         endpoint = plan.endpoint()
-        completion = (endpoint_completion(f"http://{endpoint[0]}:{endpoint[1]}", dep.api_model_name, read_api_key(dep))
+        base = f"{'https' if dep.s.tls_ca_file else 'http'}://{address(*endpoint)}" if endpoint else ""
+        completion = (endpoint_completion(base, dep.api_model_name, read_api_key(dep), dep.s.tls_ca_file)
                       if endpoint else (False, "the plan has no endpoint"))
     doc = status_document(dep, plan, desired, facts, completion)
     if args.json:

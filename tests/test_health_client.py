@@ -90,8 +90,10 @@ def test_not_http_and_not_listening():
         health.request(f"http://127.0.0.1:{port}/health")
     peer.close()
     assert health.get_status(f"http://127.0.0.1:{port}/health") is None  # nothing listens now
-    with pytest.raises(ValueError, match="http://"):
+    with pytest.raises(ValueError, match="https:// needs a CA file"):  # TLS only against a CA (tests/test_tls.py)
         health.request("https://127.0.0.1/health")
+    with pytest.raises(ValueError, match="not an http:// or https:// URL"):
+        health.request("ftp://127.0.0.1/health")
 
 
 class CountingEngine(BaseHTTPRequestHandler):

@@ -214,7 +214,8 @@ def test_completion_through_the_endpoint(seam: dict[str, Any], monkeypatch: pyte
     from k2fleet.control import endpoint
 
     asked: list[tuple] = []
-    monkeypatch.setattr(endpoint.health, "chat", lambda base, model, key=None: asked.append((base, model, key)) or "yes")
+    monkeypatch.setattr(endpoint.health, "chat", lambda base, model, key=None, tls=None: asked.append((base, model, key))
+                        or "yes")
     assert cli.main(["status", str(H200), "--completion"]) == 0
     assert asked == [("http://192.0.2.10:8000", "moonshotai/Kimi-K2-Thinking", None)]
     assert "endpoint http://192.0.2.10:8000/v1: ok: completion: 'yes'" in capsys.readouterr().out

@@ -165,6 +165,9 @@ GOOD_STRINGS: dict[str, str] = {
     "nvidia_repo_keyring": KEYRING_FILE,
     "pypi_index": "http://127.0.0.1:3141/simple",
     "api_key_file": TOKEN_FILE,
+    "tls_cert_file": "/etc/k2fleet-control/tls/server.pem",
+    "tls_key_file": TOKEN_FILE,
+    "tls_ca_file": "/etc/k2fleet-control/tls/ca.pem",
     "checkpoint_fetcher": "control",
     "model_dir": "/srv/k2fleet/models",
     "engine_version": "0.33.0",
@@ -637,6 +640,13 @@ SECRETS = family("secrets", [
     # submit host, which serves nothing, has nowhere to put it
     Case("api-key-file-slurm-submit", SLURM_FLEET | {"k2_api_key_file": TOKEN_FILE},
          "k2_api_key_file", "slurm-submit"),
+    # TLS: the three files or none (the files themselves: tests/test_tls.py, with a real CA)
+    Case("tls-without-ca", {"k2_tls_cert_file": TOKEN_FILE, "k2_tls_key_file": TOKEN_FILE}, "k2_tls_ca_file",
+         "set all three"),
+    Case("tls-cert-missing", {"k2_tls_cert_file": "/nonexistent/k2fleet/server.pem", "k2_tls_key_file": TOKEN_FILE,
+                              "k2_tls_ca_file": "/nonexistent/k2fleet/ca.pem"}, "k2_tls_cert_file", "does not exist"),
+    Case("tls-cert-not-pem", {"k2_tls_cert_file": TOKEN_FILE, "k2_tls_key_file": TOKEN_FILE,
+                              "k2_tls_ca_file": TOKEN_FILE}, "k2_tls_cert_file", "no PEM certificate"),
 ])
 SECRETS_TWIN = {"k2_hub_token_file": TOKEN_FILE, "k2_api_key_file": TOKEN_FILE, "k2_env": {"NCCL_DEBUG": "INFO", "HF_HUB_ENABLE_HF_TRANSFER": "1",
                                                                          "TOKENIZERS_PARALLELISM": "false"},
@@ -940,7 +950,9 @@ TWINS: list[tuple[str, dict[str, Any], int | list]] = [
     ("types-profile-trtllm", B200 | {"k2_profile": "throughput"}, 1),
     ("types-profile-sglang", {"k2_engine": "sglang", "k2_tp": 8, "k2_profile": "latency"}, 1),
     ("types-gb200", NVFP4 | {"k2_engine": "trtllm", "k2_gpu": "gb200", "k2_gpus_per_node": 4, "k2_tp": 4}, 1),
-    ("injection", {**{f"k2_{k}": v for k, v in GOOD_STRINGS.items() if k != "bundle"}, "k2_checkpoint_fetcher": "node-0",
+    # (k2_tls_*: real certificates of a test CA, in tests/test_tls.py)
+    ("injection", {**{f"k2_{k}": v for k, v in GOOD_STRINGS.items() if k != "bundle" and not k.startswith("tls_")},
+                   "k2_checkpoint_fetcher": "node-0",
                    "k2_runtime": "container", "k2_tp": 8, "k2_metrics": True, "k2_gpu_exporter": True}, 1),
     ("injection-control-source", {"k2_checkpoint_source": "control:/srv/k2fleet/staging/kimi-k2+v1"}, 1),
     ("injection-slurm", SLURM_FLEET, 1),

@@ -181,6 +181,18 @@ def read_api_key(dep: Deployment) -> bytes | None:
     return Path(dep.s.api_key_file).read_bytes().strip()
 
 
+def read_tls(dep: Deployment) -> tuple[bytes, bytes] | None:
+    """``k2_tls_cert_file`` + ``k2_tls_key_file`` as the one PEM HAProxy serves (certificate
+    chain, then the key) and ``k2_tls_ca_file``'s bytes; None without TLS. The gate checked
+    the files (the key the deploying user's and 0600, the certificate matching it and
+    verifying against the CA: :func:`k2fleet.deploy.gate.check_tls_files`)."""
+    if dep.s.tls_cert_file is None or dep.s.tls_key_file is None or dep.s.tls_ca_file is None:
+        return None
+    cert, key = Path(dep.s.tls_cert_file).read_bytes(), Path(dep.s.tls_key_file).read_bytes()
+    pem = cert.rstrip(b"\n") + b"\n" + key.rstrip(b"\n") + b"\n"
+    return pem, Path(dep.s.tls_ca_file).read_bytes()
+
+
 def read_keyrings(dep: Deployment) -> dict[str, bytes]:
     """The mirrors' keyrings (``k2_os_mirror_keyring``, ``k2_nvidia_repo_keyring``): control path →
     bytes (the gate checked them: regular files, OpenPGP key material, at most 1 MiB)."""
@@ -223,7 +235,7 @@ def _from_bundle(dep: Deployment, plan: Plan, clients: dict[str, tuple[bytes, by
     return ControlArtifacts(mesh_clients=clients, mesh_hosts=hosts, hub_requirement=_hub_requirement(dep),
                             wheels=found.hub_wheels, bundles=found.debs, images=found.images,
                             engine_wheels=found.engine_wheels, engine_doubles=engine_doubles_for(dep),
-                            relay_secret=relay_secret, api_key=read_api_key(dep), ray_token=ray_token,
+                            relay_secret=relay_secret, api_key=read_api_key(dep), tls=read_tls(dep), ray_token=ray_token,
                             keyrings=read_keyrings(dep))
 
 
@@ -249,7 +261,7 @@ def read_control_artifacts(dep: Deployment, plan: Plan, parts: FleetParts | None
                             engine_wheels=_engine_wheels(dep, parts.of(dep, plan) if parts else FleetParts(dep, plan),
                                                          build=False),
                             engine_doubles=engine_doubles_for(dep),
-                            relay_secret=relay_secret, api_key=read_api_key(dep), ray_token=ray_token,
+                            relay_secret=relay_secret, api_key=read_api_key(dep), tls=read_tls(dep), ray_token=ray_token,
                             keyrings=read_keyrings(dep))
 
 
@@ -302,5 +314,5 @@ def prepare_control_artifacts(dep: Deployment, plan: Plan, parts: FleetParts | N
     return ControlArtifacts(mesh_clients=clients, mesh_hosts=hosts, hub_requirement=requirement, wheels=wheels,
                             bundles=bundles, images=_double_images(dep, plan, build=True),
                             engine_wheels=_engine_wheels(dep, parts, build=True), engine_doubles=engine_doubles_for(dep),
-                            relay_secret=relay_secret, api_key=read_api_key(dep), ray_token=ray_token,
+                            relay_secret=relay_secret, api_key=read_api_key(dep), tls=read_tls(dep), ray_token=ray_token,
                             keyrings=read_keyrings(dep))

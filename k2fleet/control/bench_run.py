@@ -1,7 +1,11 @@
 """``k2fleet bench`` and ``k2fleet eval``: run the engine's benchmark client and lm-eval from the
 control machine against a fleet's endpoints (issue #23). Both clients must be installed where
 they run (``--client``); the endpoint API key (``k2_api_key_file``) reaches them in their
-environment (``OPENAI_API_KEY``), never in argv; lm-eval runs offline on a local GSM8K file."""
+environment (``OPENAI_API_KEY``), never in argv; lm-eval runs offline on a local GSM8K file.
+Under ``k2_tls_cert_file`` the endpoints are ``https://`` and the clients trust
+``k2_tls_ca_file`` alone (``SSL_CERT_FILE``: OpenSSL's default CA file, which aiohttp and
+Python's ``ssl`` read; ``REQUESTS_CA_BUNDLE`` for requests), the host's IP checked against the
+certificate as they call it."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from pathlib import Path
 
 from k2fleet.control import ControlError
 from k2fleet.control import bench_report as report
+from k2fleet.planning import api_front
 from k2fleet.planning import bench_plan as bp
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.processes import Plan
@@ -25,10 +30,18 @@ LOG_TAIL = 3000
 EVAL_LOG_READ = 1 << 20  # bytes of the eval log read for lm-eval's table at its end
 
 
-def _client_env(key: bytes | None, offline: bool = False) -> dict[str, str]:
+CA_ENV = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE")  # the CA file the clients' TLS verifies against
+CA_CLEARED = ("SSL_CERT_DIR", "CURL_CA_BUNDLE")  # no other trust store beside it
+
+
+def _client_env(key: bytes | None, offline: bool = False, ca_file: str | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != bp.KEY_ENV}
     if key is not None:
         env[bp.KEY_ENV] = key.decode("ascii").strip()
+    if ca_file is not None:
+        for name in CA_CLEARED:
+            env.pop(name, None)
+        env.update({name: ca_file for name in CA_ENV})
     if offline:
         env.update({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     return env
@@ -88,14 +101,14 @@ def run_bench(dep: Deployment, plan: Plan, key: bytes | None, out: Path, concurr
     if plan.engine not in bp.BENCH_ENGINES:
         raise ControlError(f"bench: engine {plan.engine}: {bp.NOT_WIRED}")
     exe = _resolve_client(client, "vllm" if plan.engine == "vllm" else "python3", "bench")
-    eps = bp.endpoints(plan, replicas)
+    eps = bp.endpoints(plan, replicas, api_front.scheme(dep))
     model = dep.api_model_name
     tok = tokenizer or dep.s.model
     out.mkdir(parents=True, exist_ok=True)
     raw = out / "results"
     raw.mkdir(exist_ok=True)
     log = out / "bench.log"
-    env = _client_env(key)
+    env = _client_env(key, ca_file=dep.s.tls_ca_file)
     points: list[report.Point] = []
     for ep in eps:
         for c in concurrency:
@@ -138,7 +151,7 @@ def run_eval(dep: Deployment, plan: Plan, key: bytes | None, dataset: Path, fews
         if f is not None and not f.is_file():
             raise ControlError(f"eval: {f}: no such file (a GSM8K-format JSONL: question, answer)")
     exe = _resolve_client(client, "lm-eval", "eval")
-    ep = bp.endpoints(plan)[0]
+    ep = bp.endpoints(plan, scheme=api_front.scheme(dep))[0]
     out.mkdir(parents=True, exist_ok=True)
     tasks = out / "tasks"
     tasks.mkdir(exist_ok=True)
@@ -147,7 +160,7 @@ def run_eval(dep: Deployment, plan: Plan, key: bytes | None, dataset: Path, fews
     argv = bp.eval_argv(exe, ep.base, dep.api_model_name, tasks, results, limit, num_concurrent, max_gen_toks)
     log = out / "eval.log"
     started = time.time()
-    rc = _run(argv, _client_env(key, offline=True), log, timeout)
+    rc = _run(argv, _client_env(key, offline=True, ca_file=dep.s.tls_ca_file), log, timeout)
     found = sorted((p for p in results.rglob("results_*.json") if p.stat().st_mtime >= started - 1),
                    key=lambda p: p.stat().st_mtime)
     if rc != 0 or not found:

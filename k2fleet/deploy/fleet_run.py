@@ -37,6 +37,7 @@ from k2fleet.deploy.gate import check_hosts, refusal_line
 from k2fleet.inventory.loader import host_data
 from k2fleet.planning.processes import Plan
 from k2fleet.inventory.spec import SpecError
+from k2fleet.planning import api_front
 from k2fleet.planning.quoting import curl_line
 from pyinfra.api.state import StateStage
 
@@ -226,9 +227,9 @@ def endpoint_lines(dep: Deployment, plan: Plan) -> list[str]:
     main = plan.endpoint()
     if main is None:
         return []
-    base = f"http://{main[0]}:{main[1]}/v1"
-    return [f"k2fleet: serving {dep.api_model_name} at {base}",
-            f"k2fleet: try: {curl_line(base, dep.api_model_name, dep.s.api_key_file)}"]
+    base = f"{api_front.scheme(dep)}://{api_front.address(*main)}/v1"
+    return [f"k2fleet: serving {dep.api_model_name} at {base}" + ("" if api_front.tls(dep) else " (plain HTTP)"),
+            f"k2fleet: try: {curl_line(base, dep.api_model_name, dep.s.api_key_file, dep.s.tls_ca_file)}"]
 
 
 def say_endpoints(state: Any, dep: Deployment, plan: Plan) -> None:

@@ -54,6 +54,7 @@ def check_hosts(source: str, hosts: list[HostData], resolver: Resolver | None = 
     plan = make_plan(dep)
     check_token_file(dep.s.hub_token_file, source)
     check_token_file(dep.s.api_key_file, source, key="k2_api_key_file", what="the endpoints' API key")
+    check_tls_files(dep, plan, source)
     for key in ("k2_os_mirror_keyring", "k2_nvidia_repo_keyring"):
         check_keyring_file(getattr(dep.s, key[3:]), source, key, armored=any(
             OS_TABLES[host_os(h)].manager == "dnf" for h in dep.fleet.hosts))
@@ -127,6 +128,87 @@ def check_token_file(path: str | None, source: str, key: str = "k2_hub_token_fil
 
 
 API_KEY_MAX = 4096
+TLS_FILE_MAX = 1 << 20
+
+
+def _read_pem(path: str, source: str, key: str, fix: str) -> bytes:
+    """A PEM file of ``k2_tls_*``: a regular file (not a symlink), at most 1 MiB, read."""
+    st = _regular_file(path, source, key, fix)
+    if st.st_size == 0 or st.st_size > TLS_FILE_MAX:
+        raise SpecError(key, f"{path} is {'empty' if st.st_size == 0 else 'larger than 1 MiB'}; {fix}", source)
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(TLS_FILE_MAX + 1)
+    except OSError as exc:
+        raise SpecError(key, f"{path} cannot be read: {exc.strerror}", source) from None
+
+
+def _certificates(path: str, source: str, key: str, what: str) -> list[Any]:
+    from cryptography import x509  # pyinfra's paramiko requires it: always in k2fleet's environment
+
+    data = _read_pem(path, source, key, f"write {what} there (PEM)")
+    try:
+        certs = x509.load_pem_x509_certificates(data)
+    except ValueError:
+        certs = []
+    if not certs:
+        raise SpecError(key, f"{path} holds no PEM certificate (-----BEGIN CERTIFICATE-----); write {what} there", source)
+    return certs
+
+
+def tls_endpoints(plan: Plan) -> list[tuple[str, str]]:
+    """(host, fleet address) of every host that serves HTTPS (an API front, the load
+    balancer): the address k2fleet's clients call, which the certificate must name."""
+    from k2fleet.planning import api_front, load_balancer
+
+    return [(name, hp.address) for name, hp in plan.hosts.items()
+            if api_front.has_front(hp) or any(s.name == load_balancer.LB for s in hp.services)]
+
+
+def check_tls_files(dep: Deployment, plan: Plan, source: str) -> None:
+    """``k2_tls_cert_file``, ``k2_tls_key_file``, ``k2_tls_ca_file`` on the control machine
+    (the grammar made them all three or none): the key the deploying user's, 0600, an
+    unencrypted PEM private key; the certificate's public key the key's; the certificate
+    verifying against the CA (chain, validity, server use) for every endpoint host's fleet
+    address (:func:`tls_endpoints`: an IP subjectAltName), as each client will check it.
+    Raises SpecError naming the key and the fix."""
+    if dep.s.tls_cert_file is None or dep.s.tls_key_file is None or dep.s.tls_ca_file is None:
+        return
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.x509 import verification
+
+    cert_path, key_path, ca_path = dep.s.tls_cert_file, dep.s.tls_key_file, dep.s.tls_ca_file
+    chain = _certificates(cert_path, source, "k2_tls_cert_file", "the server's certificate (then any intermediates)")
+    cas = _certificates(ca_path, source, "k2_tls_ca_file", "the CA certificate the clients verify against")
+    check_token_file(key_path, source, key="k2_tls_key_file", what="the certificate's private key")
+    data = _read_pem(key_path, source, "k2_tls_key_file", "write the certificate's private key there (PEM)")
+    try:
+        private = serialization.load_pem_private_key(data, password=None)
+    except TypeError:
+        raise SpecError("k2_tls_key_file", f"{key_path} is encrypted: HAProxy cannot ask for its passphrase; "
+                        f"openssl pkey -in {key_path} -out NEW (umask 077) and name NEW", source) from None
+    except (ValueError, Exception) as exc:  # noqa: BLE001 - cryptography raises several kinds on garbage
+        raise SpecError("k2_tls_key_file", f"{key_path} is not a PEM private key ({type(exc).__name__}); write "
+                        "the key of k2_tls_cert_file there", source) from None
+    der = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    if chain[0].public_key().public_bytes(*der) != private.public_key().public_bytes(*der):
+        raise SpecError("k2_tls_cert_file", f"{cert_path} is not the certificate of the key in {key_path} (their "
+                        "public keys differ; the server's certificate must come first); name the matching pair", source)
+    store = verification.Store(cas)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    for host, address in tls_endpoints(plan):
+        verifier = (verification.PolicyBuilder().store(store).time(now)
+                    .build_server_verifier(x509.IPAddress(ipaddress.ip_address(address))))
+        try:
+            verifier.verify(chain[0], chain[1:])
+        except verification.VerificationError as exc:
+            raise SpecError("k2_tls_cert_file", f"{cert_path} does not verify against k2_tls_ca_file {ca_path} for "
+                            f"{address} (host {host}, the address clients call): {' '.join(str(exc).split())[:200]}; "
+                            f"issue it from that CA with subjectAltName IP:{address} for every endpoint host", source) from None
 
 
 def _cli_params() -> dict[str, Any]:

@@ -4,10 +4,13 @@
 non-empty answer, within a timeout.
 
     k2fleet-host.pyz health --base http://127.0.0.1:8000 --model NAME --unit k2-vllm.service --timeout 600 \
-        [--api-key-file /etc/k2fleet/api-key]
+        [--api-key-file /etc/k2fleet/api-key] [--ca-file /etc/k2fleet/tls/ca.pem --tls-name 10.0.0.1]
 
 With ``--api-key-file`` every request carries ``Authorization: Bearer KEY``, the key read
-from that root-only file (never from argv, never printed).
+from that root-only file (never from argv, never printed). An ``https://`` base is called
+over TLS, the server's certificate verified against ``--ca-file`` alone and for
+``--tls-name`` (the address clients call; default: the base's host): a certificate that does
+not verify fails the gate at once (:class:`Untrusted`), the key never sent.
 
 On failure it exits 1 naming the host and unit, with the unit's last log lines.
 Standard library only (hosts have only python3).
@@ -26,20 +29,48 @@ from k2fleet.hostprogs.quick_args import quick_args
 MAX_BODY = 8 << 20  # bytes of an answer read at most (a larger one is refused, not buffered)
 
 
-def request(url: str, body: bytes | None = None, timeout: float = 30, key: str | None = None) -> tuple[int, bytes]:
+class Untrusted(Exception):
+    """An ``https://`` server whose certificate does not verify against the CA file for the
+    expected name: not the fleet's endpoint (nothing was sent to it). Neither OSError nor
+    ValueError, so no retry loop takes it for a server still starting."""
+
+
+_CONTEXTS: dict = {}
+
+
+def tls_context(ca_file: str | None):
+    """A client context trusting ``ca_file`` alone (None: the system's CAs), TLS 1.2 at least,
+    the certificate and the server's name always checked; one per CA file."""
+    ctx = _CONTEXTS.get(ca_file)
+    if ctx is None:
+        import ssl
+        ctx = ssl.create_default_context(cafile=ca_file)  # with cafile: that CA only, not the system's
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.set_alpn_protocols(["http/1.1"])
+        _CONTEXTS[ca_file] = ctx
+    return ctx
+
+
+def request(url: str, body: bytes | None = None, timeout: float = 30, key: str | None = None,
+            tls: tuple[str | None, str | None] | None = None) -> tuple[int, bytes]:
     """(status, body) of one HTTP/1.1 request (POST with a JSON ``body``, else GET) on a
     fresh connection, standard library sockets only: the fact's quick check runs on every
-    deploy and ``urllib.request`` alone costs ~90 ms of CPU to import. ``http://`` only
-    (the engines and routers listen on the fleet's own addresses); at most :data:`MAX_BODY`
-    bytes; chunked or length-delimited answers; ``key``: sent as ``Authorization: Bearer KEY``.
-    Raises OSError or ValueError."""
-    if not url.startswith("http://"):
-        raise ValueError(f"not an http:// URL: {url!r}")
-    hostport, _, path = url[len("http://"):].partition("/")
-    host, port = hostport, 80
+    deploy and ``urllib.request`` alone costs ~90 ms of CPU to import. ``http://`` or
+    ``https://`` (``ssl`` imported only then); at most :data:`MAX_BODY` bytes; chunked or
+    length-delimited answers; ``key``: sent as ``Authorization: Bearer KEY``. ``tls``: (CA
+    file, the name the certificate must hold: an IP address or DNS name; None: the URL's
+    host) for ``https://``, which it requires; a plain ``http://`` URL is refused with it
+    (no silent downgrade). Raises OSError, ValueError or :class:`Untrusted`."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("http", "https"):
+        raise ValueError(f"not an http:// or https:// URL: {url!r}")
+    if (scheme == "https") != (tls is not None):
+        raise ValueError(f"{url}: TLS expected (a CA file is given)" if tls else f"{url}: https:// needs a CA file")
+    hostport, _, path = rest.partition("/")
+    host, port = hostport, 443 if scheme == "https" else 80
     if hostport.startswith("["):  # [v6]:port
-        host, _, rest = hostport[1:].partition("]")
-        port = int(rest[1:]) if rest.startswith(":") else 80
+        host, _, tail = hostport[1:].partition("]")
+        port = int(tail[1:]) if tail.startswith(":") else port
     elif ":" in hostport:
         host, _, p = hostport.rpartition(":")
         port = int(p)
@@ -51,6 +82,8 @@ def request(url: str, body: bytes | None = None, timeout: float = 30, key: str |
         head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
     deadline = time.monotonic() + timeout
     sock = connect(ascii_host(host), port, timeout)
+    if tls is not None:
+        sock = _wrap(sock, tls, host, url)
     try:
         sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + (body or b""))
         data = b""
@@ -84,6 +117,22 @@ def request(url: str, body: bytes | None = None, timeout: float = 30, key: str |
     elif "content-length" in fields:
         rest = rest[:int(fields["content-length"])]
     return int(parts[1]), rest
+
+
+def _wrap(sock, tls: tuple[str | None, str | None], host: str, url: str):
+    """``sock`` after a TLS handshake verified against ``tls`` (CA file, name); closed and
+    :class:`Untrusted` when the certificate does not verify (before any request byte)."""
+    import ssl
+    ca_file, name = tls
+    try:
+        return tls_context(ca_file).wrap_socket(sock, server_hostname=name or host)
+    except ssl.SSLCertVerificationError as exc:
+        sock.close()
+        raise Untrusted(f"{url}: the server's certificate does not verify against {ca_file or 'the system CAs'} "
+                        f"for {name or host}: {exc.verify_message or exc.reason}") from None
+    except BaseException:
+        sock.close()
+        raise
 
 
 def connect(host: str | bytes, port: int, timeout: float):
@@ -120,28 +169,29 @@ def ascii_host(host: str) -> str | bytes:
     return host
 
 
-def get_status(url: str) -> int | None:
+def get_status(url: str, tls: tuple[str | None, str | None] | None = None) -> int | None:
     try:
-        return request(url, timeout=5)[0]
+        return request(url, timeout=5, tls=tls)[0]
     except (OSError, ValueError):
         return None
 
 
-def get_json(url: str, timeout: float = 30, key: str | None = None):
-    status, body = request(url, timeout=timeout, key=key)
+def get_json(url: str, timeout: float = 30, key: str | None = None, tls: tuple[str | None, str | None] | None = None):
+    status, body = request(url, timeout=timeout, key=key, tls=tls)
     if status != 200:
         raise ValueError(f"{url} answered {status}")
     return json_loads(body)
 
 
-def chat(base: str, model: str, key: str | None = None, timeout: float = 120) -> str:
+def chat(base: str, model: str, key: str | None = None, timeout: float = 120,
+         tls: tuple[str | None, str | None] | None = None) -> str:
     body = json_dumps({
         "model": model,
         "messages": [{"role": "user", "content": "Reply with one word: ready?"}],
         "max_tokens": 16,
         "temperature": 0,
     }).encode()
-    status, answer = request(f"{base}/v1/chat/completions", body, timeout=timeout, key=key)
+    status, answer = request(f"{base}/v1/chat/completions", body, timeout=timeout, key=key, tls=tls)
     if status != 200:
         raise ValueError(f"chat completion answered {status}: {answer[:200]!r}")
     message = json_loads(answer)["choices"][0]["message"]
@@ -175,10 +225,10 @@ def counter(text: str, family: str) -> float | None:
     return total if seen else None
 
 
-def read_counter(base: str, family: str, key: str | None = None) -> float | None:
+def read_counter(base: str, family: str, key: str | None = None, tls: tuple[str | None, str | None] | None = None) -> float | None:
     """``family``'s total in the service's ``/metrics`` (None: no /metrics, or not in it)."""
     try:
-        status, body = request(f"{base}/metrics", timeout=10, key=key)
+        status, body = request(f"{base}/metrics", timeout=10, key=key, tls=tls)
     except (OSError, ValueError):
         return None
     return counter(body.decode("utf-8", "replace"), family) if status == 200 else None
@@ -191,10 +241,11 @@ class NotHealthy(Exception):
     """The service did not prove it serves the planned topology."""
 
 
-def world_mismatch(base: str, expected: dict, key: str | None = None, timeout: float = 30) -> str | None:
+def world_mismatch(base: str, expected: dict, key: str | None = None, timeout: float = 30,
+                   tls: tuple[str | None, str | None] | None = None) -> str | None:
     """Compare the topology the engine reports in ``/v1/models`` metadata (k2fleet's
     engine test doubles report their parallel sizes there) with the planned one."""
-    data = get_json(f"{base}/v1/models", timeout=timeout, key=key)
+    data = get_json(f"{base}/v1/models", timeout=timeout, key=key, tls=tls)
     reported = (data.get("data") or [{}])[0].get("metadata") or {}
     for key, want in sorted(expected.items()):
         if key not in reported:
@@ -239,14 +290,15 @@ def read_key(path: str) -> str:
     return key
 
 
-def counter_moved(base: str, family: str, before: float | None, key: str | None = None) -> str | None:
+def counter_moved(base: str, family: str, before: float | None, key: str | None = None,
+                  tls: tuple[str | None, str | None] | None = None) -> str | None:
     """None when ``family`` went past ``before`` in /metrics within :data:`COUNTER_WAIT_S` (or the
     service does not expose it: ``before`` None); else why not."""
     if before is None:
         return None
     deadline, after = time.monotonic() + COUNTER_WAIT_S, None
     while True:
-        after = read_counter(base, family, key)
+        after = read_counter(base, family, key, tls)
         if after is not None and after >= before + 1:
             return None
         if time.monotonic() >= deadline:
@@ -256,24 +308,34 @@ def counter_moved(base: str, family: str, before: float | None, key: str | None 
 
 def wait_healthy(base: str, model: str, timeout: float, expected: dict | None = None,
                  ready_path: str = "/health", pd: dict | None = None, key: str | None = None,
-                 counted: str | None = None) -> str:
+                 counted: str | None = None, tls: tuple[str | None, str | None] | None = None) -> str:
     """The completion's answer once the service is healthy (``counted``: a request counter of
-    the engine's /metrics that must move with the gate's completion); raises NotHealthy."""
+    the engine's /metrics that must move with the gate's completion; ``tls``: see
+    :func:`request`); raises NotHealthy, at once for a certificate that does not verify."""
+    try:
+        return _wait_healthy(base, model, timeout, expected, ready_path, pd, key, counted, tls)
+    except Untrusted as exc:
+        raise NotHealthy(f"TLS: {exc}") from None
+
+
+def _wait_healthy(base: str, model: str, timeout: float, expected: dict | None, ready_path: str, pd: dict | None,
+                  key: str | None, counted: str | None, tls: tuple[str | None, str | None] | None) -> str:
     deadline = time.monotonic() + timeout
     last = "no answer"
     while time.monotonic() < deadline:
-        status = get_status(f"{base}{ready_path}")
+        status = get_status(f"{base}{ready_path}", tls)
         if status == 200:
             try:
-                before = read_counter(base, counted, key) if counted else None
+                before = read_counter(base, counted, key, tls) if counted else None
                 # each request within the gate's own timeout (the fact's quick look: 5 s, not 120)
-                answer = chat(base, model, key, timeout=min(120.0, max(1.0, deadline - time.monotonic())))
+                answer = chat(base, model, key, timeout=min(120.0, max(1.0, deadline - time.monotonic())), tls=tls)
                 if answer and counted:
-                    problem = counter_moved(base, counted, before, key)
+                    problem = counter_moved(base, counted, before, key, tls)
                     if problem:
                         raise NotHealthy(problem)  # the answer did not come from the engine's request path
                 if answer and expected:
-                    problem = world_mismatch(base, expected, key, timeout=min(30.0, max(1.0, deadline - time.monotonic())))
+                    problem = world_mismatch(base, expected, key, timeout=min(30.0, max(1.0, deadline - time.monotonic())),
+                                             tls=tls)
                     if problem:
                         raise NotHealthy(problem)  # the topology that formed is not the plan's
                 if answer and pd:
@@ -308,6 +370,10 @@ def _parser():
                     help="root-only file holding the API key to send as Authorization: Bearer (never the key itself)")
     ap.add_argument("--expect-counter", default=None, metavar="FAMILY",
                     help="a request counter of /metrics (Prometheus text) that must move with the completion")
+    ap.add_argument("--ca-file", default=None,
+                    help="an https:// base: the CA file its certificate must verify against (that CA alone)")
+    ap.add_argument("--tls-name", default=None,
+                    help="the address or DNS name the certificate must hold (default: the base's host)")
     return ap
 
 
@@ -315,14 +381,16 @@ def main(argv: list[str] | None = None) -> int:
     args = quick_args(argv, {"--base": (None, None), "--model": (None, None), "--unit": (None, None),
                              "--timeout": (float, 600), "--ready-path": (None, "/health"),
                              "--expect-world": (json_loads, None), "--expect-pd": (json_loads, None),
-                             "--api-key-file": (None, None), "--expect-counter": (None, None)},
+                             "--api-key-file": (None, None), "--expect-counter": (None, None),
+                             "--ca-file": (None, None), "--tls-name": (None, None)},
                       required=("--base", "--model", "--unit"))
     if args is None:
         args = _parser().parse_args(argv)
+    tls = (args.ca_file, args.tls_name) if args.ca_file or args.base.startswith("https://") else None
     try:
         key = read_key(args.api_key_file) if args.api_key_file else None
         answer = wait_healthy(args.base, args.model, args.timeout, args.expect_world, args.ready_path,
-                              args.expect_pd, key, args.expect_counter)
+                              args.expect_pd, key, args.expect_counter, tls)
     except (OSError, ValueError) as exc:  # the key file itself
         print(f"{_socket.gethostname()}: {args.unit}: API key: {exc}", file=sys.stderr)
         return 1

@@ -1010,9 +1010,35 @@ class HostSettings(BaseModel):
     api_backend_port: Port = _key(
         FLEET,
         "With `k2_api_key_file` and an engine that cannot take the key itself (SGLang, its PD router, "
-        "TRT-LLM, KTransformers): the port the engine (or router) listens on, on 127.0.0.1 only, behind "
-        "the API front that took its place on `k2_port` (`k2_router_port`).",
+        "TRT-LLM, KTransformers), or with `k2_tls_cert_file` (every engine): the port the engine (or router) "
+        "listens on, on 127.0.0.1 only, behind the API front that took its place on `k2_port` (`k2_router_port`).",
         default=8001,
+    )
+    tls_cert_file: AbsPath | None = _key(
+        FLEET,
+        "PEM certificate on the control machine (the server's first, then any intermediates) the endpoints "
+        "serve over HTTPS; with `k2_tls_key_file` and `k2_tls_ca_file` (all three or none). Every endpoint "
+        "clients call is then k2fleet's HAProxy front terminating TLS (`k2-api-front.service` before each "
+        "engine and the PD router, the engine on 127.0.0.1:`k2_api_backend_port`; vLLM too) and the load "
+        "balancer (`k2_load_balancer`) serves HTTPS and calls the replicas over HTTPS. It must verify against "
+        "`k2_tls_ca_file` and name every endpoint host's fleet address (the IP clients call) in its "
+        "subjectAltName, checked at validate. Default: plain HTTP (`k2fleet plan` says so).",
+        default=None,
+    )
+    tls_key_file: AbsPath | None = _key(
+        FLEET,
+        "PEM private key of `k2_tls_cert_file` on the control machine: the deploying user's, 0600 and "
+        "unencrypted, matching the certificate (checked at validate). Hosts that serve HTTPS get certificate "
+        "and key as one root-only (0600) file created with that mode, read by HAProxy alone.",
+        default=None,
+    )
+    tls_ca_file: AbsPath | None = _key(
+        FLEET,
+        "PEM CA certificate(s) on the control machine that every k2fleet client verifies the endpoints "
+        "against, with the address it calls checked against the certificate: the deploy's health gate (hosts "
+        "get it as a root-only file), the load balancer's calls to the replicas, `k2fleet status --completion`, "
+        "`bench` and `eval` (`SSL_CERT_FILE`), and the printed `curl --cacert` line.",
+        default=None,
     )
     router_port: Port = _key(FLEET, "PD router's API port (router host).", default=8000)
     master_port: Port = _key(FLEET, "vLLM `--master-port` (multi-node without Ray).", default=29501)

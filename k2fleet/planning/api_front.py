@@ -19,8 +19,21 @@ the other key files) and so is in no config text, argv or log; HAProxy logs no r
 wait) for up to :data:`TIMEOUTS` ``server``; connecting to the engine and receiving a
 client's request headers are bounded.
 
+With ``k2_tls_cert_file`` (and its key and CA, :mod:`k2fleet.inventory.spec`) every engine's
+endpoint is fronted, vLLM's too, whether or not a key is set: the front terminates TLS
+(``bind ... ssl crt``) with the certificate and key as one root-only PEM
+(:func:`pem_path`, 0600, created with that mode like the key files, read by HAProxy alone:
+the engine, which runs the checkpoint's code under ``--trust-remote-code``, never holds the
+private key), and the clients verify it against the CA (:func:`ca_path` on hosts). The
+front checks the key only where the engine cannot (:func:`checks_key`): under vLLM, vLLM
+still checks ``VLLM_API_KEY`` itself behind a TLS-only front.
+
 >>> print(keys_file("sk-123").decode(), end="")
 Bearer sk-123
+>>> bind_line("10.0.0.1", 8000, "/etc/k2fleet/tls/server.pem")
+'bind 10.0.0.1:8000 ssl crt /etc/k2fleet/tls/server.pem ssl-min-ver TLSv1.2 alpn http/1.1'
+>>> bind_line("::", 8000, None)
+'bind [::]:8000'
 """
 
 from __future__ import annotations
@@ -57,9 +70,47 @@ TIMEOUTS = {
 }
 
 
-def fronted(dep: Deployment) -> bool:
-    """Does this deployment put the API front before its endpoints?"""
+def tls(dep: Deployment) -> bool:
+    """Do the endpoints (the fronts, the load balancer) serve HTTPS (``k2_tls_cert_file``)?"""
+    return dep.s.tls_cert_file is not None
+
+
+def checks_key(dep: Deployment) -> bool:
+    """Does the front check ``k2_api_key_file``'s key (an engine that cannot take it itself)?"""
     return dep.s.api_key_file is not None and dep.engine not in API_KEY_ENV
+
+
+def fronted(dep: Deployment) -> bool:
+    """Does this deployment put the API front before its endpoints (a key the engine cannot
+    take, or TLS: :func:`tls`)?"""
+    return checks_key(dep) or tls(dep)
+
+
+def tls_dir(dep: Deployment) -> str:
+    return f"{dep.s.config_dir}/tls"
+
+
+def pem_path(dep: Deployment) -> str:
+    """The certificate chain and its private key as one PEM (HAProxy's ``crt``): root-only 0600."""
+    return f"{tls_dir(dep)}/server.pem"
+
+
+def ca_path(dep: Deployment) -> str:
+    """``k2_tls_ca_file`` on hosts: what the health gate and the load balancer verify against."""
+    return f"{tls_dir(dep)}/ca.pem"
+
+
+def scheme(dep: Deployment) -> str:
+    """``https`` under :func:`tls`, else ``http``: how every client URL of the endpoints starts."""
+    return "https" if tls(dep) else "http"
+
+
+def bind_line(bind_host: str, port: int, pem: str | None) -> str:
+    """HAProxy's ``bind`` of an endpoint: TLS with ``pem`` (certificate chain + key) when given
+    (TLS 1.2 at least; HTTP/1.1 offered by ALPN), plain HTTP otherwise."""
+    assert pem is None or ("\n" not in pem and " " not in pem)
+    ssl = f" ssl crt {pem} ssl-min-ver TLSv1.2 alpn http/1.1" if pem else ""
+    return f"bind {address(bind_host, port)}{ssl}"
 
 
 def config_path(dep: Deployment) -> str:
@@ -81,17 +132,22 @@ def address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def config(bind_host: str, port: int, backend_port: int, keys: str, engine: str = "the engine") -> str:
-    """HAProxy's config: listen on ``bind_host:port``, forward authenticated requests (and
-    the open paths) to ``127.0.0.1:backend_port``, answer 401 to the rest. ``keys``: the
-    pattern file's path (the key is never in this text)."""
-    assert "\n" not in keys and " " not in keys
+def config(bind_host: str, port: int, backend_port: int, keys: str | None, engine: str = "the engine",
+           pem: str | None = None) -> str:
+    """HAProxy's config: listen on ``bind_host:port`` (HTTPS with ``pem``: :func:`bind_line`),
+    forward authenticated requests (and the open paths) to ``127.0.0.1:backend_port``, answer
+    401 to the rest. ``keys``: the pattern file's path (the key is never in this text); None:
+    the engine checks the key itself, or there is none (a TLS-only front)."""
+    assert keys is None or ("\n" not in keys and " " not in keys)
     timeouts = "".join(f"    timeout {name} {value}\n" for name, value in TIMEOUTS.items())
     open_paths = " ".join(OPEN_PATHS)
     return (
         "# Rendered by k2fleet from the fleet plan; edits are overwritten.\n"
-        f"# The API front of {engine}: Authorization: Bearer KEY, matched against the root-only\n"
-        f"# pattern file {keys} (the key is not in this file). No log line: no request is logged.\n"
+        + (f"# The API front of {engine}: Authorization: Bearer KEY, matched against the root-only\n"
+           f"# pattern file {keys} (the key is not in this file). No log line: no request is logged.\n"
+           if keys else f"# The TLS front of {engine} (it checks any key itself). No log line: no request is logged.\n")
+        + (f"# HTTPS: certificate and key in the root-only {pem}.\n" if pem else "")
+        +
         "global\n"
         f"    maxconn {MAXCONN}\n"
         "\n"
@@ -102,13 +158,14 @@ def config(bind_host: str, port: int, backend_port: int, keys: str, engine: str 
         f"{timeouts}"
         "\n"
         "frontend k2-api\n"
-        f"    bind {address(bind_host, port)}\n"
+        f"    {bind_line(bind_host, port, pem)}\n"
         f"    maxconn {MAXCONN}\n"
         f"    acl open_path path {open_paths}\n"
         "    acl open_method method GET HEAD\n"
-        f"    acl has_key req.hdr(authorization) -m str -f {keys}\n"
-        f"    http-request return status 401 content-type application/json string '{UNAUTHORIZED}' "
-        "hdr WWW-Authenticate Bearer unless has_key || open_path open_method\n"
+        + (f"    acl has_key req.hdr(authorization) -m str -f {keys}\n"
+           f"    http-request return status 401 content-type application/json string '{UNAUTHORIZED}' "
+           "hdr WWW-Authenticate Bearer unless has_key || open_path open_method\n" if keys else "")
+        +
         "    default_backend engine\n"
         "\n"
         "backend engine\n"
@@ -186,14 +243,17 @@ def add_fronts(dep: Deployment, plan: Plan) -> None:
             svc.argv[h], svc.argv[p] = LOOPBACK, str(backend)
             svc.ports[BACKEND_KEY] = backend
             what = f"{svc.name} on {address(LOOPBACK, backend)}"
+            keys = keys_path(dep) if checks_key(dep) else None
+            pem = pem_path(dep) if tls(dep) else None
+            checks = ([f"Authorization: Bearer, key in {keys}"] if keys else []) + \
+                     ([f"HTTPS, certificate and key in {pem}"] if pem else [])
             host.services.append(Service(
                 name=FRONT,
                 argv=[HAPROXY, "-Ws", "-f", config_path(dep)],
-                files={config_path(dep): config(bind, port, backend, keys_path(dep), svc.name)},
+                files={config_path(dep): config(bind, port, backend, keys, svc.name, pem)},
                 ports={key: port},
                 stage=svc.stage,
                 role=svc.role,
                 needs_checkpoint=False,
-                description=f"HAProxy API front on {address(bind, port)} (Authorization: Bearer, "
-                            f"key in {keys_path(dep)}) for {what}",
+                description=f"HAProxy API front on {address(bind, port)} ({'; '.join(checks)}) for {what}",
             ))

@@ -41,9 +41,10 @@ class Endpoint:
     base: str
 
 
-def endpoints(plan: Plan, replicas: bool = False) -> list[Endpoint]:
+def endpoints(plan: Plan, replicas: bool = False, scheme: str = "http") -> list[Endpoint]:
     """The fleet's client endpoint (load balancer, router, or first server); with ``replicas``
-    also every other serving process that answers chat on its own address and port.
+    also every other serving process that answers chat on its own address and port;
+    ``scheme``: ``https`` under ``k2_tls_cert_file`` (:func:`k2fleet.planning.api_front.scheme`).
 
     >>> from k2fleet.planning.processes import Health, HostPlan, Service
     >>> svc = lambda port: Service("vllm", [], health=Health(port=port))
@@ -55,11 +56,11 @@ def endpoints(plan: Plan, replicas: bool = False) -> list[Endpoint]:
     main = plan.endpoint()
     if main is None:
         raise BenchError(f"{plan.source}: the plan has no endpoint")
-    out = [Endpoint("endpoint", f"http://{_host(main[0])}:{main[1]}")]
+    out = [Endpoint("endpoint", f"{scheme}://{_host(main[0])}:{main[1]}")]
     if replicas:
         for host, svc in plan.services():
             if svc.health and svc.health.chat and svc.role == "serve":
-                base = f"http://{_host(host.address)}:{svc.health.port}"
+                base = f"{scheme}://{_host(host.address)}:{svc.health.port}"
                 if base not in {e.base for e in out}:
                     out.append(Endpoint(host.name, base))
     return out

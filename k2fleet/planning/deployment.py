@@ -690,6 +690,25 @@ def _check_api_key(fleet: Fleet) -> None:
                     f"to put the authenticating front before ({catalog.API_KEY_FRONTED['trtllm']})", fleet)
 
 
+TLS_KEYS = ("k2_tls_cert_file", "k2_tls_key_file", "k2_tls_ca_file")
+
+
+def _check_tls(fleet: Fleet) -> None:
+    """``k2_tls_cert_file``, ``k2_tls_key_file``, ``k2_tls_ca_file``: all three or none (a
+    certificate without its key cannot be served, one without a CA cannot be verified by
+    k2fleet's clients); not with a Slurm submit host (its servers are not k2fleet's). The files
+    themselves are checked on the control machine (k2fleet.deploy.gate.check_tls_files)."""
+    s = fleet.settings
+    given = [key for key in TLS_KEYS if getattr(s, key[3:]) is not None]
+    if given and len(given) < len(TLS_KEYS):
+        missing = next(key for key in TLS_KEYS if key not in given)
+        raise _fail(missing, f"{', '.join(given)} set without {missing}: HTTPS needs the certificate, its private "
+                    "key and the CA the clients verify it against; set all three (or none: plain HTTP)", fleet)
+    if given and "slurm-submit" in fleet.pools:
+        raise _fail("k2_tls_cert_file", "not supported with k2_role: slurm-submit: the TRT-LLM servers run in SLURM "
+                    "jobs on nodes k2fleet does not configure, so no host of this inventory serves the API", fleet)
+
+
 def _check_load_balancer(fleet: Fleet) -> None:
     """``k2_load_balancer`` names a host of this inventory, in a fleet of ``serve`` replicas
     (PD's router balances its own pools; a Slurm submit host's servers are not k2fleet's)."""
@@ -985,6 +1004,7 @@ def resolve(fleet: Fleet) -> Deployment:
     _check_fetcher(fleet)
     _check_bundle(fleet)
     _check_api_key(fleet)
+    _check_tls(fleet)
     _check_load_balancer(fleet)
     _check_metrics(fleet, gpu)
     _check_ip_addresses(fleet)

@@ -125,6 +125,7 @@ class ControlArtifacts:
     relay_secret: bytes | None = None  # the deployment's relay secret (None: not made yet, e.g. --dry)
     ray_token: bytes | None = None  # the deployment's Ray authentication token (None: not made yet)
     api_key: bytes | None = None  # k2_api_key_file's key, read on the control machine (None: no key file)
+    tls: tuple[bytes, bytes] | None = None  # k2_tls_*: (certificate chain + key as one PEM, the CA's PEM); None: no TLS
     keyrings: dict[str, bytes] = field(default_factory=dict)  # mirror keyring control path → its bytes (absent: not read)
 
     def bundle_for(self, packages: list[str]) -> str | None:
@@ -537,13 +538,26 @@ def api_key_files(dep: Deployment, hp: HostPlan, art: ControlArtifacts) -> dict[
         return {}
     key_path, env_path_ = api_key_paths(dep)
     key = None if art.api_key is None else art.api_key.decode()
-    if api_front.fronted(dep):
+    if api_front.checks_key(dep):
         reader, content = api_front.keys_path(dep), None if key is None else api_front.keys_file(key)
     else:
         reader = env_path_
         content = None if key is None else (env_file_line(API_KEY_ENV[dep.engine], key) + "\n").encode()
     return {key_path: FileSpec(None if key is None else (key + "\n").encode(), "600", "api-key", secret=True),
             reader: FileSpec(content, "600", "api-key", secret=True)}
+
+
+def tls_files(dep: Deployment, svc: Service, art: ControlArtifacts) -> dict[str, FileSpec]:
+    """``k2_tls_*`` for a service that serves HTTPS (the API front, the load balancer): the
+    certificate chain and key as one PEM, and the CA its health gate (and the load balancer's
+    calls to the replicas) verify against; both root-only 0600, created with that mode before
+    a byte lands (:func:`k2fleet.deploy.operations.synced_files`); the PEM shown as ``(secret)``.
+    A change restarts the front (reloads the load balancer: :func:`fleet_rollout`)."""
+    if not api_front.tls(dep) or svc.name not in (api_front.FRONT, load_balancer.LB):
+        return {}
+    pem, ca = art.tls if art.tls else (None, None)
+    return {api_front.pem_path(dep): FileSpec(pem, "600", "tls", secret=True),
+            api_front.ca_path(dep): FileSpec(ca, "600", "tls")}
 
 
 def service_files(dep: Deployment, svc: Service, pin: ImagePin | None = None) -> dict[str, FileSpec]:
@@ -614,8 +628,11 @@ def health_argv(dep: Deployment, hp: HostPlan, timeout: int, pd: dict[str, list[
     for svc in hp.services:
         if svc.health and svc.health.chat:
             where = f"[{svc.health.host}]" if ":" in svc.health.host else svc.health.host  # an IPv6 literal in a URL
-            argv = [*host_argv("health"), "--base", f"http://{where}:{svc.health.port}",
+            https = api_front.tls(dep) and api_front.fronts(svc)  # PD servers: the router's plain backends
+            argv = [*host_argv("health"), "--base", f"{'https' if https else 'http'}://{where}:{svc.health.port}",
                     "--model", dep.api_model_name, "--unit", unit_name(svc), "--timeout", str(timeout)]
+            if https:  # the front's certificate verified against the CA, for the address clients call
+                argv += ["--ca-file", api_front.ca_path(dep), "--tls-name", hp.address]
             if sends_api_key(dep, svc):  # the path of the key, never the key (through the API front too)
                 argv += ["--api-key-file", api_key_paths(dep)[0]]
             if svc.health.path != "/health":
@@ -788,6 +805,8 @@ def fleet_rollout(dep: Deployment, plan: Plan) -> Rollout:
                             backend=load_balancer.BACKEND, drain_timeout=dep.s.drain_timeout,
                             ready_timeout=load_balancer.READY_TIMEOUT_S)
         reloads[load_balancer.LB] = (load_balancer.config_path(dep),)  # new backends: a reload, streams go on
+        if api_front.tls(dep):  # a new certificate or CA: a reload too (HAProxy reads them again)
+            reloads[load_balancer.LB] += (api_front.pem_path(dep), api_front.ca_path(dep))
     return Rollout(mode=dep.s.rollout, instances=tuple(instances), balancer=balancer, reloads=reloads)
 
 
@@ -830,7 +849,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts,
         d.device_doubles, devices = device_double_files(dep)
         d.files["engine"].update(devices)
         d.service_files = {svc.name: service_files(dep, svc, d.image if container_name(svc) else None)
-                           for svc in hp.services}
+                           | tls_files(dep, svc, art) for svc in hp.services}
         d.files["api_key"] = api_key_files(dep, hp, art)
         d.reach = reach.get(h.name)
         if (d.reach or (rollout.balancer and rollout.balancer.host == h.name)) and HOST_ARCHIVE not in d.all_paths():

@@ -21,6 +21,12 @@ open in vLLM and in the front). No key and no secret is in the config; the admin
 ``/run/k2fleet-lb/admin.sock``, mode 0600 in a 0700 runtime directory (root only), and no
 request is logged (no ``log`` line).
 
+With ``k2_tls_cert_file`` the load balancer serves HTTPS with the fleet's certificate (the
+root-only PEM of :func:`k2fleet.planning.api_front.pem_path`) and calls the replicas (their TLS
+fronts) over HTTPS, health checks included, verifying each one's certificate against
+``k2_tls_ca_file`` (:func:`k2fleet.planning.api_front.ca_path`): the chain only, as HAProxy 2.6
+matches a server's name against DNS names and the replicas are called by IP.
+
 >>> cfg = config("0.0.0.0", 8080, [Server("n0", "10.0.0.1", 8000), Server("n1", "10.0.0.2", 8000)], "/health")
 >>> [line.strip() for line in cfg.splitlines() if line.strip().startswith(("bind", "server", "option httpchk"))]
 ['bind 0.0.0.0:8080', 'option httpchk GET /health', 'server n0 10.0.0.1:8000', 'server n1 10.0.0.2:8000']
@@ -82,11 +88,15 @@ def health_path(plan: Plan) -> str:
     return next((s.health.path for _, s in plan.services() if s.health and s.health.chat), "/health")
 
 
-def config(bind_host: str, port: int, replicas: list[Server], path: str, socket: str = SOCKET) -> str:
-    """HAProxy's config: listen on ``bind_host:port``, send each request to the replica with
-    the fewest requests in flight (``leastconn``: LLM requests last seconds to minutes) among
-    those whose readiness route ``path`` answers 200; the runtime API on ``socket``."""
+def config(bind_host: str, port: int, replicas: list[Server], path: str, socket: str = SOCKET,
+           pem: str | None = None, ca: str | None = None) -> str:
+    """HAProxy's config: listen on ``bind_host:port`` (HTTPS with ``pem``), send each request to
+    the replica with the fewest requests in flight (``leastconn``: LLM requests last seconds to
+    minutes) among those whose readiness route ``path`` answers 200 (over TLS verified against
+    ``ca`` when given); the runtime API on ``socket``."""
     assert all(c not in path for c in " \n#") and "\n" not in socket and " " not in socket
+    assert ca is None or ("\n" not in ca and " " not in ca)
+    upstream = f" ssl verify required ca-file {ca} alpn http/1.1" if ca else ""
     timeouts = "".join(f"    timeout {name} {value}\n" for name, value in api_front.TIMEOUTS.items())
     check = " ".join(f"{k} {v}" for k, v in CHECK.items())
     lines = "".join(f"    server {s.name} {api_front.address(s.address, s.port)}\n" for s in replicas)
@@ -108,7 +118,7 @@ def config(bind_host: str, port: int, replicas: list[Server], path: str, socket:
         f"{timeouts}"
         "\n"
         "frontend k2-lb\n"
-        f"    bind {api_front.address(bind_host, port)}\n"
+        f"    {api_front.bind_line(bind_host, port, pem)}\n"
         f"    maxconn {api_front.MAXCONN}\n"
         f"    default_backend {BACKEND}\n"
         "\n"
@@ -116,7 +126,7 @@ def config(bind_host: str, port: int, replicas: list[Server], path: str, socket:
         "    balance leastconn\n"
         f"    option httpchk GET {path}\n"
         "    http-check expect status 200\n"
-        f"    default-server check {check}\n"
+        f"    default-server check {check}{upstream}\n"
         f"{lines}"
     )
 
@@ -134,12 +144,15 @@ def add_load_balancer(dep: Deployment, plan: Plan) -> None:
     host.services.append(Service(
         name=LB,
         argv=[api_front.HAPROXY, "-Ws", "-f", config_path(dep)],
-        files={config_path(dep): config(bind, port, replicas, health_path(plan))},
+        files={config_path(dep): config(bind, port, replicas, health_path(plan), SOCKET,
+                                        *((api_front.pem_path(dep), api_front.ca_path(dep)) if api_front.tls(dep)
+                                          else (None, None)))},
         ports={PORT_KEY: port},
         stage=max(plan.stages(), default=-1) + 1,
         role=host.role,
         needs_checkpoint=False,
-        description=f"HAProxy load balancer on {api_front.address(bind, port)} before the replicas ({names})",
+        description=f"HAProxy load balancer on {api_front.address(bind, port)}"
+                    f"{' (HTTPS)' if api_front.tls(dep) else ''} before the replicas ({names})",
     ))
 
 

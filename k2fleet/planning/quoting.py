@@ -383,13 +383,15 @@ def yaml_document(obj: Any) -> str:
     return yaml.safe_dump(obj, sort_keys=False, default_flow_style=False)
 
 
-def curl_line(base: str, model: str, api_key_file: str | None = None) -> str:
+def curl_line(base: str, model: str, api_key_file: str | None = None, ca_file: str | None = None) -> str:
     """A chat completion to paste; with ``api_key_file`` the key is read from that file when
-    the line runs (never printed).
+    the line runs (never printed); with ``ca_file`` (an ``https://`` base) curl verifies the
+    server against that CA (``--cacert``).
 
     >>> print(curl_line("http://10.0.0.1:8000/v1", "moonshotai/Kimi-K2-Thinking"))
     curl -s http://10.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{"model": "moonshotai/Kimi-K2-Thinking", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 256}'
     """
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 256})
     auth = f" -H \"Authorization: Bearer $(cat {shell_line([api_key_file])})\"" if api_key_file else ""
-    return f"curl -s {base}/chat/completions -H 'Content-Type: application/json'{auth} -d {shell_line([body])}"
+    ca = f" --cacert {shell_line([ca_file])}" if ca_file else ""
+    return f"curl -s{ca} {base}/chat/completions -H 'Content-Type: application/json'{auth} -d {shell_line([body])}"

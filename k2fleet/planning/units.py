@@ -36,12 +36,12 @@ def holds_api_key(dep: Deployment, svc: Service) -> bool:
     """``svc`` reads the key (and restarts when it changes): under vLLM a service that serves
     the API (``EnvironmentFile=``), under the other engines the API front
     (:mod:`k2fleet.planning.api_front`, its pattern file); ranks, Ray, sshd nodes and the
-    fronted engines themselves do not get it."""
+    fronted engines themselves do not get it (nor vLLM's TLS-only front: vLLM checks the key)."""
     if dep.s.api_key_file is None:
         return False
-    if api_front.fronted(dep):
+    if api_front.checks_key(dep):
         return svc.name == api_front.FRONT
-    return svc.health is not None
+    return svc.health is not None and svc.name != api_front.FRONT
 
 
 def sends_api_key(dep: Deployment, svc: Service) -> bool:
