@@ -7,7 +7,9 @@ Sources (``k2_checkpoint_source``):
 - ``hub`` (default): ``k2_model`` at the pinned ``k2_revision`` with huggingface_hub
   (endpoint ``k2_hub_endpoint`` or env ``HF_ENDPOINT``; token env ``HF_TOKEN`` or
   ``k2_hub_token_file``, read at execution time only), fetched by
-  ``k2_checkpoint_fetcher``: ``control`` (default) downloads into
+  ``k2_checkpoint_fetcher``: ``auto`` (default) is a host that reaches the Hub, else the
+  control machine, chosen before the deploy changes anything
+  (:mod:`k2fleet.deploy.fetcher_choice`); ``control`` downloads into
   ``k2_checkpoint_cache`` on the control machine and verifies it there; a host name
   makes that host download into ``k2_model_dir`` itself (Hub client from
   :mod:`k2fleet.deploy.roles.hub_client`; the token reaches it only as a root-only file under
@@ -171,7 +173,7 @@ def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fac
     assert fan is not None
     source_dir, from_hub = control_source(dep, ws)
     wanted = fan.loads_weights and not fact.passed(ws.check)
-    on_host = dep.s.checkpoint_fetcher != "control"
+    on_host = dep.s.checkpoint_fetcher not in ("control", "auto")  # auto: resolved before the deploy (else control)
     root_download = wanted and fan.is_root and on_host  # the fetcher host downloads from the Hub itself
     distributing = bool(wanted_hosts) and not fan.shared  # some host of the fleet receives: relays run
     serving = distributing and fan.loads_weights
