@@ -13,6 +13,12 @@ verified copy on the sandbox bridge, measured in one run:
 * **doubling tree**: the old schedule (:mod:`k2fleet.control.checkpoint_copy`): round by round,
   a host copies the whole checkpoint from its parent once the parent holds all of it (the
   same relay transport, so only the schedule differs);
+* **from the Hub** (``hub_to_fleet_vs_link_limit``): the Hub test double
+  (:mod:`k2sandbox.hub_double`) on the sandbox bridge, behind the fetcher host's shaped link;
+  the fetcher downloads with the deploy's argv (``download.py --publish``: each file
+  verified, then served by its relay) while two receivers fetch through the relay chain
+  from it at the same moment. Fleet-ready time ÷ (S / min(hub link, fleet link)); both
+  links are the shaped rate here;
 * **one transfer vs raw TCP** (links unshaped, best of three each): the relay's own
   transport moving the checkpoint between two hosts into files (one kept-alive connection,
   ``sendfile`` out, ``splice`` in; nothing hashed) vs the same bytes over one plain TCP
@@ -31,7 +37,7 @@ for chains and k trees; the figure for each size is the deploy's plan.
     python bench/distribution_bench.py [--rate 200mbit] [--shard-mib 16] [--shards 62] [--only stream|fleet]
     python bench/distribution_bench.py --short   # the suite's run: 8 shards of 1 MiB, 100mbit
 
-Ends with ``ratios: distribution_vs_link_limit=X tree_vs_link_limit=X stream_vs_raw_tcp=X
+Ends with ``ratios: distribution_vs_link_limit=X tree_vs_link_limit=X hub_to_fleet_vs_link_limit=X stream_vs_raw_tcp=X
 copy_with_verify_vs_raw_tcp=X simulated_64_vs_link_limit=X`` (distribution and tree: the
 5-host runs).
 """
@@ -53,9 +59,12 @@ from k2fleet.hostprogs import swarm  # noqa: E402
 from k2sandbox.checkpoint_cache import ensure_synthetic_checkpoint  # noqa: E402
 from k2fleet.planning.host_archive import ARCHIVE  # noqa: E402
 from k2sandbox.relay_fleet import HOST_DIR, RelayFleet, url  # noqa: E402
+from k2fleet.planning import relay_plan  # noqa: E402
 from verify_bench import prefault  # noqa: E402  (bench/ is on sys.path as this script's directory)
 
 RATES = {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8}
+REPO, REVISION = "k2fleet-bench/Kimi-K2-Thinking", "b" * 40
+HUB_HOSTS = 3  # the fetcher and two receivers
 RAW_TCP_PORT = 29711
 ROUNDS = 3  # of the unshaped copies; the best of each kind counts (this VM's figures wander by ±15%)
 # before each unshaped copy that lands files: write, then free, this many times its bytes of
@@ -157,6 +166,82 @@ def stream_phase(fleet: RelayFleet, hosts: list[sandbox.SandboxHost], size: int,
     results["copy_with_verify_vs_raw_tcp"] = raw_s / min(copy["seconds"] for copy in best.values())
 
 
+HUB_SITE = "/opt/k2fleet/bench-hubclient"  # on the fetcher host: the control machine's huggingface_hub and its deps
+
+
+def hub_client_tar() -> bytes:
+    """huggingface_hub and every package it requires, from this interpreter's site-packages, as
+    a tar (the sandbox hosts run the same Debian and Python: what the deploy's offline
+    wheelhouse would install there, without building one)."""
+    import io
+    import re
+    import tarfile
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    files: set[Path] = set()
+    seen: set[str] = set()
+    todo = ["huggingface_hub"]
+    while todo:
+        name = todo.pop()
+        key = re.sub(r"[-_.]+", "-", name).lower()
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            dist = distribution(name)
+        except PackageNotFoundError:
+            continue  # an optional dependency for another Python
+        base = Path(str(dist.locate_file("")))
+        files |= {base / f for f in dist.files or [] if not str(f).startswith("..")}
+        todo += [re.split(r"[ ;<>=!~\[(]", r)[0] for r in dist.requires or [] if "extra ==" not in r]
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for f in sorted(files):
+            if f.is_file() and "__pycache__" not in f.parts:
+                tar.add(f, arcname=str(f.relative_to(base)))
+    return buf.getvalue()
+
+
+def hub_phase(fleet: RelayFleet, hosts: list[sandbox.SandboxHost], src: Path, repo: str, revision: str) -> tuple[float, dict]:
+    """The Hub to the fleet, pipelined, as the deploy runs it with a fetcher host: the Hub
+    test double on the sandbox bridge (behind the fetcher's shaped link), ``hosts[0]``
+    downloads with the deploy's argv (:func:`k2fleet.deploy.roles.checkpoint.download_argv`:
+    ``--publish``, the receivers' order) into the directory its relay serves, while the
+    others fetch through the relay chain from it at the same moment (the deploy's one
+    operation). Seconds until every host holds the verified checkpoint, and the
+    receivers' reports."""
+    from k2sandbox.hub_double import HubDouble
+    from k2fleet.deploy.roles.checkpoint import FETCHER_WORKERS
+
+    fetcher = hosts[0]
+    untar = sandbox.ssh_command(fetcher, f"rm -rf {HUB_SITE} && mkdir -p {HUB_SITE} && tar -xzf - -C {HUB_SITE}")
+    import subprocess
+
+    put = subprocess.run(untar, input=hub_client_tar(), capture_output=True)
+    assert put.returncode == 0, put.stderr
+    with HubDouble(host=sandbox.BRIDGE_ADDRESS) as hub:
+        hub.add_commit(repo, src, sha=revision)
+        download = (f"PYTHONPATH={HUB_SITE} HF_ENDPOINT={hub.url} HF_HUB_DISABLE_TELEMETRY=1 HF_HUB_DISABLE_PROGRESS_BARS=1 "
+                    f"/usr/bin/python3 {ARCHIVE} download {shlex.quote(repo)} --revision {revision} --dir {HOST_DIR} "
+                    f"--publish --max-workers {FETCHER_WORKERS} >/dev/null && echo '{{}}'")
+        relays = [url(h.address) for h in hosts]
+        lines = {fetcher.name: download}
+        for i, h in enumerate(hosts[1:], start=1):
+            lines[h.name] = shlex.join(relay_plan.relay_fetch_argv(HOST_DIR, relays, i, swarm.fanout_for(len(hosts)), [],
+                                                                   log_file="/var/log/k2fleet/relay-bench.jsonl",
+                                                                   pin=(repo, revision), secret_file=None))
+        t0 = time.monotonic()
+        reports = fleet.run_fetches(lines)
+        seconds = time.monotonic() - t0
+        served = sum(hub.bytes_served.values())
+    size = sum(e["size"] for e in json.loads((src / ".k2fleet/manifest.json").read_text())["files"].values())
+    assert served == size, (served, size)  # the Hub sent each byte once, to the fetcher only
+    for h in hosts:
+        check = sandbox.ssh(h, f"/usr/bin/python3 {ARCHIVE} verify {HOST_DIR} --marker-only")
+        assert check.returncode == 0, (h.name, check.stdout, check.stderr)
+    return seconds, reports
+
+
 def hop_times(reports: list[dict]) -> tuple[float, float]:
     """From a chain's reports (fleet order): (the last host's median seconds between
     consecutive shards — one shard-time on a busy link —, the median seconds a shard
@@ -183,7 +268,7 @@ def main() -> int:
     args = p.parse_args()
     if args.short:
         args.shards, args.shard_mib, args.rate = 8, 1, "100mbit"
-    src = ensure_synthetic_checkpoint(args.workdir / "source", "k2fleet-bench/Kimi-K2-Thinking", "b" * 40,
+    src = ensure_synthetic_checkpoint(args.workdir / "source", REPO, REVISION,
                                       num_shards=args.shards, shard_bytes=args.shard_mib << 20)
     manifest = json.loads((src / ".k2fleet/manifest.json").read_text())
     files = sorted(manifest["files"])
@@ -219,6 +304,11 @@ def main() -> int:
             t_trees, _ = fleet.pipelined(hosts[:5], 2)
             results["trees_5"] = t_trees / limit
             print(f"5 hosts: pipelined (2 trees) {t_trees:.1f}s = {t_trees / limit:.3f} × S/B")
+            fleet.reset(hosts[:HUB_HOSTS])
+            t_hub, _ = hub_phase(fleet, hosts[:HUB_HOSTS], src, REPO, REVISION)
+            results["hub_to_fleet"] = t_hub / limit  # the Hub's link (the fetcher's) and the fleet's: both B
+            print(f"{HUB_HOSTS} hosts from the Hub double behind the fetcher's shaped link, pipelined: {t_hub:.1f}s "
+                  f"= {t_hub / limit:.3f} × S/min(hub link, fleet link)")
         fleet.stop()
     finally:
         sandbox.shape("off")
@@ -245,6 +335,7 @@ def main() -> int:
     if args.only:
         return 0
     print(f"ratios: distribution_vs_link_limit={results['pipelined_5']:.3f} tree_vs_link_limit={results['tree_5']:.3f} "
+          f"hub_to_fleet_vs_link_limit={results['hub_to_fleet']:.3f} "
           f"stream_vs_raw_tcp={results['stream_vs_raw_tcp']:.3f} "
           f"copy_with_verify_vs_raw_tcp={results['copy_with_verify_vs_raw_tcp']:.3f} "
           f"simulated_64_vs_link_limit={results['simulated_64']:.3f}")

@@ -133,6 +133,14 @@ def plan_document(dep: Deployment, plan: Plan) -> dict:
     return doc
 
 
+def format_fetcher(dep: Deployment, plan: Plan) -> str:
+    """``k2fleet plan``'s line on who talks to the Hub (``k2_checkpoint_fetcher``; how ``auto`` decides)."""
+    from k2fleet.planning.desired import loads_weights
+    from k2fleet.planning.fetcher_plan import describe
+
+    return f"\n# {describe(dep, [h.name for h in dep.fleet.hosts if loads_weights(plan.hosts[h.name])])}\n"
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     dep, plan = load_plan(args.inventory, args.data)
     if args.json:
@@ -142,6 +150,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         resolved = {h.name: f"resolved from {'the host name' if h.address_key == 'inventory' else h.address_key} "
                     f"{h.configured_address}" for h in dep.fleet.hosts if h.ip}
         sys.stdout.write(format_plan(plan, dep.s.api_key_file, dep.api_model_name, resolved, dep.s.tls_ca_file))
+        sys.stdout.write(format_fetcher(dep, plan))
         sys.stdout.write(format_profile(dep))
         sys.stdout.write(format_firewall(dep, plan))  # every port with who may reach it
     return 0

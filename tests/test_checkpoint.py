@@ -504,3 +504,105 @@ print(" ".join(order))
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["a+", "a-", "b+", "b-"]
+
+
+# --------------------------------------------------------------------------- the fetcher's download feeds its relay
+
+
+def _relay_serve(root: Path) -> tuple[subprocess.Popen[str], str]:
+    """A real ``relay serve`` of ``root`` on loopback (no secret: a loopback test), and its URL."""
+    root.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "k2fleet.hostprogs.relay", "serve", str(root), "--bind", "127.0.0.1",
+                             "--port", "0", "--exit-with-parent"], stdout=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    port = json.loads(proc.stdout.readline())["port"]  # type: ignore[union-attr]
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _publishing_download(hub: HubDouble, target: Path, sha: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "k2fleet.hostprogs.download", REPO, "--revision", sha, "--dir", str(target),
+         "--max-workers", "1", "--publish"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+        env={**os.environ, "HF_ENDPOINT": hub.url, "PYTHONPATH": str(REPO_ROOT)},
+    )
+
+
+def _relay_fetch(target: Path, source: str, give_up: float = 120) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "k2fleet.hostprogs.relay", "fetch", str(target), "--source", source,
+                             "--repo", REPO, "--give-up-after", str(give_up), "--dead-after", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+
+
+def test_publishing_download_feeds_its_relay_file_by_file_and_receivers_wait_for_the_rest(
+        hub: HubDouble, tmp_path: Path) -> None:
+    """The fetcher host's Hub download (``--publish``) and a receiver's relay fetch from the
+    fetcher's relay run at once: while the download hangs inside one shard, the receiver
+    already holds (verified) every file before it in name order and waits for that one
+    rather than failing; after the Hub lets go, both end complete, each byte from the Hub once."""
+    import time
+
+    fetcher, receiver = tmp_path / "fetcher", tmp_path / "receiver"
+    victim, cut = shard(30), 40_000
+    stalled = hub.stall_next(victim, after_bytes=cut)
+    serve, url = _relay_serve(fetcher)
+    download_proc = _publishing_download(hub, fetcher, hub.sha)  # type: ignore[attr-defined]
+    fetch_proc = _relay_fetch(receiver, url)
+    try:
+        assert stalled.wait(60), "the download never reached the victim shard"
+        manifest = build_manifest(REPO, hub.sha, endpoint=hub.url)  # type: ignore[attr-defined]
+        before = {rel for rel in manifest["files"] if rel < victim}
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            got = {rel for rel in before if (receiver / rel).is_file()}
+            if got == before:
+                break
+            time.sleep(0.05)
+        assert got == before  # every earlier file reached the receiver while the download still runs
+        assert download_proc.poll() is None and fetch_proc.poll() is None  # the receiver waits, not fails
+        assert not (receiver / victim).exists() and not (fetcher / victim).exists()
+        for rel in before:  # what the receiver holds is what the manifest names
+            assert verify_mod.check_one(str(receiver), manifest, rel)[0] is not None, rel
+    finally:
+        hub.release()
+    out, err = download_proc.communicate(timeout=120)
+    assert download_proc.returncode == 0, err
+    out, err = fetch_proc.communicate(timeout=120)
+    serve.kill()
+    assert fetch_proc.returncode == 0, err
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["files"] == len(manifest["files"]) and report["bad_shards"] == [] and report["verified"]
+    assert verify(str(receiver), manifest, full=True).ok and verify(str(fetcher), manifest, full=True).ok
+    assert hub.bytes_served[victim] == manifest["files"][victim]["size"]  # resumed: no byte twice
+    assert sum(hub.bytes_served.values()) == sum(e["size"] for e in manifest["files"].values())
+
+
+def test_a_file_the_hub_sends_wrong_is_never_served_and_receivers_give_up_naming_it(
+        source: Path, tmp_path: Path) -> None:
+    """The Hub's bytes for one shard do not match its own metadata (sha256): the publishing
+    download fetches it twice, never marks it, exits 1; its relay never serves it (the
+    receiver received no bad bytes at all), and the receiver, with no source that has or
+    fetches it, fails naming the file instead of waiting forever."""
+    served = tmp_path / "served"
+    shutil.copytree(source, served)
+    victim = shard(5)
+    with HubDouble() as hub:
+        sha = hub.add_commit(REPO, served)
+        data = bytearray((served / victim).read_bytes())
+        data[-1] ^= 0xFF  # same size, other bytes: what the Hub says it serves is not what it serves
+        (served / victim).write_bytes(bytes(data))
+        fetcher, receiver = tmp_path / "fetcher", tmp_path / "receiver"
+        serve, url = _relay_serve(fetcher)
+        download_proc = _publishing_download(hub, fetcher, sha)
+        fetch_proc = _relay_fetch(receiver, url, give_up=3)
+        _, err = download_proc.communicate(timeout=120)
+        out, ferr = fetch_proc.communicate(timeout=120)
+        serve.kill()
+        assert download_proc.returncode == 1, err
+        assert len(hub.requests_for(victim, "GET")) >= 2  # fetched again at once, then by the final repair
+    assert fetch_proc.returncode != 0 and victim in ferr and "fetching it" in ferr, ferr
+    assert not (receiver / victim).exists()
+    assert not (fetcher / ".k2fleet" / "relay" / f"{victim}.ok").exists()
+    partial = receiver / ".k2fleet" / "relay-partial" / victim  # made (sized, empty) before its first byte
+    assert not partial.exists() or partial.read_bytes().count(0) == partial.stat().st_size  # no byte of it was sent

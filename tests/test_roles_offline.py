@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
+import subprocess
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -374,7 +375,8 @@ def test_stale_unit_is_removed(tmp_path: Path, control_calls: list[str]) -> None
 
 
 RELAY_OPS = ["checkpoint: start this host's relay of its verified files (while the fleet receives)",
-             "checkpoint: receive shard by shard, each verified before it is passed on",
+             "checkpoint: receive shard by shard, each verified before it is passed on "
+             "(the fetcher host: its Hub download, feeding its relay file by file)",
              "checkpoint: check every file (index, headers; hashed by the relay as it arrived)",
              "checkpoint: stop this host's relay"]
 
@@ -528,3 +530,36 @@ def test_a_bring_up_checks_the_peers_rendezvous_ports_before_the_engines_start(t
     first_probe = min(i for i, op in enumerate(order) if op.startswith("reachability: open"))
     first_start = min(i for i, op in enumerate(order) if "k2-vllm" in op and ("bring" in op or "start" in op))
     assert last_hold < first_probe < first_start, order
+
+
+def test_fetcher_download_and_the_receivers_fetches_are_one_operation(
+        tmp_path: Path, control_calls: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``k2_checkpoint_fetcher: h200-1``, nothing verified anywhere: the fetcher's Hub download
+    (``--publish``: it feeds its relay file by file) is the same operation as the other
+    host's relay fetch — pyinfra runs one operation on every host at once, so receivers
+    take each file while the download runs — and every relay starts before it."""
+    dep, plan, desired = planned(str(H200), ("k2_checkpoint_fetcher=h200-1",))
+    assert desired["h200-1"].fanout.is_root and desired["h200-0"].fanout.position == 1
+    facts = settled_fleet(dep, desired)
+    for name in facts:
+        facts[name] = dataclasses.replace(facts[name], checks={**facts[name].checks, CHECKPOINT_CHECK: 1})
+    ran: list[list[str]] = []
+
+    def fake_run(argv: list[str], **_: Any) -> subprocess.CompletedProcess[str]:
+        ran.append(argv)
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    monkeypatch.setattr(checkpoint.subprocess, "run", fake_run)
+    out = run_roles(dep, plan, desired, facts, tmp_path, control_calls)
+    assert out.op("h200-1", RELAY_OPS[1]).changed and out.op("h200-0", RELAY_OPS[1]).changed
+    assert not any("from the Hub on this host" in name for host in out.ops for name in out.ops[host])  # no op of its own
+    assert out.control_calls == ["send_token", "relay_to_host"]  # h200-0 receives; h200-1 downloads
+    (download,) = ran
+    assert download[-2].endswith(desired["h200-1"].address) or "h200-1" in download[-2]
+    assert "download moonshotai/Kimi-K2-Thinking" in download[-1] and "--publish" in download[-1]
+    assert "--max-workers 2" in download[-1] and f"rm -f {checkpoint.TOKEN_PATH}" in download[-1]
+    relay_fetch = control_calls.kwargs[1]
+    assert relay_fetch["source"] is None and relay_fetch["fetch_argv"][-1] == dep.checkpoint_path
+    for host in ("h200-0", "h200-1"):  # its relay serves before the transfer starts
+        names = list(out.ops[host])
+        assert names.index(RELAY_OPS[0]) < names.index(RELAY_OPS[1])

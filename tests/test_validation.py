@@ -417,7 +417,7 @@ TOPOLOGY = family("topology", [
          hosts=[("a", {"k2_port": 8000}), ("b", {"k2_port": 8001})]),
     Case("unknown-gpu", {"k2_gpu": "rtx4090"}, "k2_gpu", "unknown GPU type"),
     Case("bad-checkpoint-source", {"k2_checkpoint_source": "s3://bucket/k2"}, "k2_checkpoint_source", "neither `hub`"),
-    Case("fetcher-not-a-host", {"k2_checkpoint_fetcher": "stager"}, "k2_checkpoint_fetcher", "neither `control` nor a host"),
+    Case("fetcher-not-a-host", {"k2_checkpoint_fetcher": "stager"}, "k2_checkpoint_fetcher", "nor a host of this inventory"),
     Case("fetcher-without-hub", {"k2_checkpoint_fetcher": "node-0", "k2_checkpoint_source": "control:/srv/k2"},
          "k2_checkpoint_fetcher", "downloads from the Hub"),
     Case("fetcher-without-hub-gguf", KT_FLEET | {"k2_checkpoint_fetcher": "node-0", "k2_gguf_source": "control:/srv/gguf"},

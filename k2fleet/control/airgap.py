@@ -168,13 +168,13 @@ def bundle_needs(dep: Deployment, plan: Plan) -> Needs:
         reqs = engine_requirements(dep, hp, True, doubles)
         if reqs:
             wheels.add(WheelSet("engine", tuple(reqs), (host_python(boot.os),), (host_arch(dep),)))
-    if dep.s.checkpoint_fetcher != "control":
+    if dep.s.checkpoint_fetcher not in ("control", "auto"):  # an air-gapped bundle: auto is the control copy
         wheels.add(WheelSet("hub", (wheelhouse.hub_client_requirement(),), wheelhouse.PYTHONS, tuple(wheelhouse.PLATFORMS)))
     images = (dep.image,) if dep.runtime == "container" and dep.image else ()
     if any(gpu_exporter.runs_on(dep, hp.role) for hp in plan.hosts.values()):
         images += (dep.s.gpu_exporter_image,)  # k2_gpu_exporter: dcgm-exporter's image
     checkpoints = tuple((ws.repo, ws.revision, ws.patterns) for ws in dep.weight_sets
-                        if ws.source == "hub" and dep.s.checkpoint_fetcher == "control")
+                        if ws.source == "hub" and dep.s.checkpoint_fetcher in ("control", "auto"))
     return Needs(tuple(sorted(debs, key=repr)), tuple(sorted(wheels, key=repr)), images, checkpoints)
 
 

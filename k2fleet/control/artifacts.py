@@ -102,7 +102,7 @@ def _bundle_sources(dep: Deployment, parts: FleetParts) -> AptRoot | None:
 
 
 def _hub_requirement(dep: Deployment) -> str | None:
-    if dep.s.checkpoint_fetcher == "control":
+    if dep.s.checkpoint_fetcher in ("control", "auto"):  # auto: resolved before this step runs (control when unresolved)
         return None
     from k2fleet.control import wheelhouse
 

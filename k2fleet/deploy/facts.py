@@ -55,3 +55,19 @@ class HostState(FactBase[HostReport]):
 
     def process(self, output: list[str]) -> HostReport:  # type: ignore[override]
         return HostReport.from_json(json.loads("\n".join(output)))
+
+
+class HubReach(FactBase[bool]):
+    """Does this host open a TCP connection to the Hub endpoint (read-only; ``argv`` from
+    :func:`k2fleet.planning.fetcher_plan.reach_argv`)? True or False.
+
+    .. code:: python
+
+        host.get_fact(HubReach, argv=reach_argv("https://huggingface.co"))
+    """
+
+    def command(self, argv: list[str]) -> str:  # type: ignore[override]
+        return shell_line(argv)
+
+    def process(self, output: list[str]) -> bool:  # type: ignore[override]
+        return [line.strip() for line in output if line.strip()] == ["1"]

@@ -200,6 +200,15 @@ def _make_fleet_run(state: Any, inventory: Any, dry: bool | None) -> FleetRun:
         except SpecError as exc:
             refuse_without_gate(exc)
     dep, plan = checked
+    if dep.s.checkpoint_fetcher == "auto":  # who talks to the Hub: asked of the hosts before anything changes
+        from k2fleet.deploy.fetcher_choice import resolve
+
+        try:
+            dep, plan, _ = resolve(inventory, dep, plan)
+        except SpecError as exc:  # the inventory with the chosen fetcher is refused: one line, nothing changed
+            sys.stderr.write(f"{refusal_line(exc)}\n")
+            sys.stderr.flush()
+            os._exit(2)
     if dry is None:  # under the CLI, the gate (config.py) recorded --dry on the state
         dry = bool(getattr(state, "k2fleet_dry", False))
     try:

@@ -18,9 +18,17 @@ place is not fetched again. When the Hub marks a file as Xet-stored and
 ``hf_xet`` is installed, the file goes through ``hf_hub_download`` instead (the
 fast path, which keeps its own chunk cache across runs).
 
-Nothing is trusted because it was downloaded: every download is followed by
-:func:`k2fleet.hostprogs.verify.verify` against the manifest, and
+Nothing is trusted because it was downloaded: each file is checked against the
+manifest as soon as it is in place (size, header, and the hash taken as its bytes were
+written; fetched once more at once if it fails), every download ends with
+:func:`k2fleet.hostprogs.verify.verify` (which hashes nothing twice), and
 :func:`repair` deletes a bad file before fetching it again.
+
+Pipelined (``--publish``, the fetcher host's download): the download feeds the
+checkpoint relay serving the same directory (:mod:`k2fleet.hostprogs.relay`) file by file,
+in the order receivers take them: each file is served the moment it passed its check,
+and while the download runs its heartbeat tells receivers to wait for the rest, so the
+fleet holds the checkpoint about when the download ends (:class:`Landing`).
 """
 
 from __future__ import annotations
@@ -46,10 +54,13 @@ from k2fleet.hostprogs.verify import (
     MISSING,
     SIZE_MISMATCH,
     Report,
+    check_one,
     load_manifest,
     manifest_digest,
     pin_problem,
+    new_hasher,
     remove_marker,
+    stat_record,
     state_dir,
     verify,
 )
@@ -121,23 +132,58 @@ def _transient_errors() -> tuple[type[BaseException], ...]:
     return (httpx.TransportError,)
 
 
-def _stream_into(url: str, part: Path, size: int | None, headers: dict[str, str]) -> int:
+class _PartHash:
+    """The hash of a partial file's bytes, kept in step as bytes are appended (``hasher``:
+    a fresh :func:`k2fleet.hostprogs.verify.new_hasher`; None: nothing hashed). A prefix
+    left by an earlier run is hashed from the file once."""
+
+    def __init__(self, hasher: Any) -> None:
+        self.fresh, self.hasher, self.upto = hasher, None, 0
+
+    def follow(self, part: Path, have: int) -> None:
+        """Make the hash cover exactly the first ``have`` bytes of ``part``."""
+        if self.fresh is None or (self.hasher is not None and self.upto == have):
+            return
+        self.hasher, self.upto = self.fresh.copy(), 0
+        if have:
+            with open(part, "rb") as f:
+                while chunk := f.read(min(_STREAM_CHUNK * 8, have - self.upto)):
+                    self.hasher.update(chunk)
+                    self.upto += len(chunk)
+
+    def restart(self) -> None:
+        if self.fresh is not None:
+            self.hasher, self.upto = self.fresh.copy(), 0
+
+    def update(self, chunk: bytes) -> None:
+        if self.hasher is not None:
+            self.hasher.update(chunk)
+            self.upto += len(chunk)
+
+    def hexdigest(self, size: int) -> str | None:
+        return self.hasher.hexdigest() if self.hasher is not None and self.upto == size else None
+
+
+def _stream_into(url: str, part: Path, size: int | None, headers: dict[str, str], hashing: _PartHash | None = None) -> int:
     """Append ``url``'s bytes to ``part`` from its current size on; returns bytes received.
 
     ``Range: bytes=N-`` when ``part`` holds N bytes; a 200 answer (Range ignored) restarts
     the file, a 416 (partial longer than the file) discards it. A dropped connection is
-    retried from the new end, up to 5 times in a row without progress.
+    retried from the new end, up to 5 times in a row without progress. ``hashing``: kept
+    in step with the partial file's bytes (so the file is not read again to be checked).
     """
     from huggingface_hub.utils import hf_raise_for_status, http_stream_backoff
 
+    hashing = hashing or _PartHash(None)
     received, stalls = 0, 0
     while True:
         have = part.stat().st_size if part.exists() else 0
-        if size is not None and have == size:
-            return received
         if size is not None and have > size:
             part.unlink()
             have = 0
+        hashing.follow(part, have)
+        if size is not None and have == size:
+            return received
         request = dict(headers)
         if have:
             request["Range"] = f"bytes={have}-"
@@ -152,9 +198,12 @@ def _stream_into(url: str, part: Path, size: int | None, headers: dict[str, str]
                     continue
                 hf_raise_for_status(response)
                 mode = "ab" if have and response.status_code == 206 else "wb"
+                if mode == "wb":
+                    hashing.restart()
                 with open(part, mode, buffering=0) as f:
                     for chunk in response.iter_bytes():
                         f.write(chunk)
+                        hashing.update(chunk)
                         received += len(chunk)
                         stalls = 0
         except _transient_errors() as exc:
@@ -183,10 +232,13 @@ def fetch_file(
     *,
     token: str | None = None,
     endpoint: str | None = None,
+    entry: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Fetch ``rel`` at commit ``revision`` into ``local_dir/rel``, resuming a partial file.
 
-    Returns ``{"path", "resumed_from", "received", "via"}``; ``via`` is ``http`` or ``xet``.
+    Returns ``{"path", "resumed_from", "received", "via", "digest"}``; ``via`` is ``http``
+    or ``xet``; ``digest``: with the manifest's ``entry``, the hash :func:`verify.new_hasher`
+    took of the bytes as they were written (http only; None: not hashed).
 
     Example:
         >>> fetch_file("moonshotai/Kimi-K2-Thinking", "6126...", "/models/k2",
@@ -206,25 +258,103 @@ def fetch_file(
         raise RuntimeError(f"{rel}: the Hub answered for commit {meta.commit_hash}, not the pinned {revision}")
     if meta.xet_file_data is not None and is_xet_available():
         hf_hub_download(repo_id, rel, revision=revision, local_dir=str(root), token=token, endpoint=endpoint)
-        return {"path": rel, "resumed_from": 0, "received": meta.size, "via": "xet"}
+        return {"path": rel, "resumed_from": 0, "received": meta.size, "via": "xet", "digest": None}
     headers = build_hf_headers(token=token)
     if urlsplit(meta.location)[:2] != urlsplit(url)[:2]:
         headers.pop("authorization", None)  # a signed CDN URL: the token stays with the Hub
     part = partial_path(root, rel, meta.etag or "")
     part.parent.mkdir(parents=True, exist_ok=True)
     resumed_from = part.stat().st_size if part.exists() else 0
-    received = _stream_into(meta.location, part, meta.size, headers)
+    hashing = _PartHash(new_hasher(entry) if entry is not None else None)
+    received = _stream_into(meta.location, part, meta.size, headers, hashing)
+    digest = hashing.hexdigest(part.stat().st_size)
     dest = root / rel
     dest.parent.mkdir(parents=True, exist_ok=True)
     os.replace(part, dest)
     if resumed_from:
         log.info("%s: resumed at byte %d, received %d", rel, resumed_from, received)
-    return {"path": rel, "resumed_from": resumed_from, "received": received, "via": "http"}
+    return {"path": rel, "resumed_from": resumed_from, "received": received, "via": "http", "digest": digest}
 
 
 def _remove_partials(local_dir: Path) -> None:
     """Drop leftover partial files (after every wanted file is in place)."""
     shutil.rmtree(Path(state_dir(str(local_dir))) / PARTIAL_DIR, ignore_errors=True)
+
+
+class Landing:
+    """Each file checked the moment it is in place (:func:`verify.check_one`: size,
+    safetensors header, the hash taken as its bytes were written), so the final
+    :func:`verify` hashes nothing twice (``hashed``) and a file whose bytes do not match
+    is fetched again at once.
+
+    ``publish``: the download feeds this host's checkpoint relay (``relay serve`` on the
+    same directory) file by file, so receivers start while it runs — each file that
+    passes is recorded where the relay looks (:func:`relay.write_mark`: served from then
+    on, never before), and while the download runs its heartbeat (``relay-fetching``) tells
+    receivers that the files not verified yet are coming (they wait, not fail). Nothing
+    is served on an old record: :meth:`begin` drops every relay record and the verified
+    marker, and files already in place are hashed again before they are served
+    (:meth:`keep`)."""
+
+    def __init__(self, root: str | os.PathLike[str], publish: bool = False) -> None:
+        self.root, self.publish = str(root), publish
+        self.manifest: dict[str, Any] = {"files": {}}
+        self.hashed: dict[str, tuple[str, dict[str, int]]] = {}
+        self._stop: Any = None
+        self._beat: Any = None
+
+    def start_heartbeat(self) -> None:
+        """(publish) Receivers asking this host's relay from now on wait for what is missing."""
+        if not self.publish or self._beat is not None:
+            return
+        import threading
+
+        from k2fleet.hostprogs import relay
+
+        os.makedirs(state_dir(self.root), exist_ok=True)
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=relay._heartbeat, args=(self.root, self._stop), daemon=True)
+        self._beat.start()
+
+    def begin(self, manifest: dict[str, Any]) -> None:
+        """The pinned manifest is known: (publish) every older record goes."""
+        self.manifest = manifest
+        if self.publish:
+            from k2fleet.hostprogs import relay
+
+            relay.drop_marks(self.root, manifest)
+
+    def end(self) -> None:
+        if self._beat is not None:
+            self._stop.set()
+            self._beat.join()
+            self._beat = None
+
+    def entry(self, rel: str) -> dict[str, Any] | None:
+        return self.manifest["files"].get(rel)
+
+    def check(self, rel: str, digest: str | None = None) -> bool:
+        """Check ``rel`` in place (with ``digest``, the hash taken as it was written: not read
+        again); when it passes, record it (and, publishing, serve it)."""
+        entry = self.entry(rel)
+        path = os.path.join(self.root, rel)
+        now = stat_record(path)
+        if now is None:
+            return False
+        stat, _ = check_one(self.root, self.manifest, rel, (digest, now) if digest else None)
+        if stat is None or entry is None:
+            self.hashed.pop(rel, None)
+            return False
+        self.hashed[rel] = (entry.get("sha256") or entry["git_blob_sha1"], stat)
+        if self.publish:
+            from k2fleet.hostprogs import relay
+
+            relay.write_mark(self.root, rel, entry, stat)
+        return True
+
+    def keep(self, rel: str) -> bool:
+        """(publish) ``rel`` already in place and hashing right: kept (and served)."""
+        return self.publish and os.path.isfile(os.path.join(self.root, rel)) and self.check(rel)
 
 
 def fetch_files(
@@ -236,16 +366,33 @@ def fetch_files(
     token: str | None = None,
     endpoint: str | None = None,
     max_workers: int = 8,
+    landing: Landing | None = None,
 ) -> list[dict[str, Any]]:
-    """:func:`fetch_file` each of ``files`` in parallel; every file is attempted, then the
-    first error (if any) is raised. Call while holding :func:`download_lock`."""
+    """:func:`fetch_file` each of ``files`` in parallel, in that order; every file is
+    attempted, then the first error (if any) is raised. Call while holding
+    :func:`download_lock`. With ``landing``, each file is checked as soon as it is in
+    place (fetched once more at once when it does not pass; the final :func:`verify`
+    reports it if it still does not), and (publishing) a file already in place that
+    hashes right is kept."""
     _require_commit(revision)
     errors: list[BaseException] = []
     done: list[dict[str, Any]] = []
 
+    def fetch_checked(rel: str) -> dict[str, Any]:
+        if landing is not None and landing.keep(rel):
+            return {"path": rel, "resumed_from": 0, "received": 0, "via": "kept", "digest": None}
+        entry = landing.entry(rel) if landing is not None else None
+        result = fetch_file(repo_id, revision, local_dir, rel, token=token, endpoint=endpoint, entry=entry)
+        if landing is not None and not landing.check(rel, result["digest"]):
+            log.warning("%s: its bytes do not match the manifest; fetching it again", rel)
+            _forget_local_copy(Path(local_dir), rel)
+            result = fetch_file(repo_id, revision, local_dir, rel, token=token, endpoint=endpoint, entry=entry)
+            landing.check(rel, result["digest"])
+        return result
+
     def one(rel: str) -> dict[str, Any] | None:
         try:
-            result = fetch_file(repo_id, revision, local_dir, rel, token=token, endpoint=endpoint)
+            result = fetch_checked(rel)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the other files
             log.error("%s: %s", rel, exc)
             errors.append(exc)
@@ -271,9 +418,13 @@ def download(
     token: str | None = None,
     endpoint: str | None = None,
     max_workers: int = 8,
+    landing: Landing | None = None,
 ) -> list[dict[str, Any]]:
     """Fetch the manifest's ``files`` of ``repo_id`` at commit ``revision`` that are not in
     ``local_dir`` yet (largest first); partial files from an earlier run are resumed.
+    With a publishing ``landing`` (:class:`Landing`): every file, in name order (the order
+    receivers take them in), those in place hashed and kept when right, each checked and
+    served as soon as it is in place.
 
     Example:
         >>> m = ensure_manifest("moonshotai/Kimi-K2-Thinking", "6126...", "/models/k2",
@@ -289,7 +440,9 @@ def download(
         missing = sorted((rel for rel in files if not (root / rel).is_file()),
                          key=lambda rel: (-int(files[rel].get("size") or 0), rel))
         _check_free_space(root, sum(int(files[rel].get("size") or 0) for rel in missing))
-        results = fetch_files(repo_id, revision, root, missing, token=token, endpoint=endpoint, max_workers=max_workers)
+        todo = sorted(files) if landing is not None and landing.publish else missing
+        results = fetch_files(repo_id, revision, root, todo, token=token, endpoint=endpoint, max_workers=max_workers,
+                              landing=landing)
         _remove_partials(root)
     return results
 
@@ -317,6 +470,7 @@ def repair(
     token: str | None = None,
     endpoint: str | None = None,
     max_workers: int = 4,
+    landing: Landing | None = None,
 ) -> list[str]:
     """Delete and re-fetch only ``bad_files`` at the manifest's revision; returns them.
 
@@ -339,7 +493,7 @@ def repair(
             _forget_local_copy(root, rel)
         fetch_files(
             manifest["repo_id"], manifest["revision"], root, files,
-            token=token, endpoint=endpoint, max_workers=max_workers,
+            token=token, endpoint=endpoint, max_workers=max_workers, landing=landing,
         )
     return files
 
@@ -391,33 +545,43 @@ def fetch_and_verify(
     max_workers: int = 8,
     allow_patterns: list[str] | None = None,
     digest: str | None = None,
+    publish: bool = False,
 ) -> Report:
     """Manifest → download (or re-fetch ``only``) → verify → repair bad files once → verify.
     ``digest``: the control machine's pin of the manifest (:func:`ensure_manifest`).
+    Each file is checked as soon as it is in place (:class:`Landing`), so the final verify
+    hashes nothing twice. ``publish``: feed this host's checkpoint relay file by file
+    while downloading (:class:`Landing`).
 
     Example:
         >>> fetch_and_verify("moonshotai/Kimi-K2-Thinking", "6126...", "/models/k2").ok  # doctest: +SKIP
         True
     """
-    manifest = ensure_manifest(repo_id, revision, local_dir, token=token, endpoint=endpoint,
-                               allow_patterns=allow_patterns, digest=digest)
-    if only:
-        repair(local_dir, manifest, only, token=token, endpoint=endpoint, max_workers=max_workers)
-    else:
-        download(repo_id, revision, local_dir, manifest["files"], token=token, endpoint=endpoint,
-                 max_workers=max_workers)
-    report = verify(str(local_dir), manifest)
-    bad = repairable_files(report)
-    if bad and len(bad) == len({p.path for p in report.problems}):
-        log.warning("re-fetching %d bad file(s): %s", len(bad), ", ".join(bad))
-        repair(local_dir, manifest, bad, token=token, endpoint=endpoint, max_workers=max_workers)
-        report = verify(str(local_dir), manifest)
+    landing = Landing(local_dir, publish)
+    try:
+        landing.start_heartbeat()  # before the manifest appears: receivers wait for the files
+        manifest = ensure_manifest(repo_id, revision, local_dir, token=token, endpoint=endpoint,
+                                   allow_patterns=allow_patterns, digest=digest)
+        landing.begin(manifest)
+        if only:
+            repair(local_dir, manifest, only, token=token, endpoint=endpoint, max_workers=max_workers, landing=landing)
+        else:
+            download(repo_id, revision, local_dir, manifest["files"], token=token, endpoint=endpoint,
+                     max_workers=max_workers, landing=landing)
+        report = verify(str(local_dir), manifest, hashed=landing.hashed)
+        bad = repairable_files(report)
+        if bad and len(bad) == len({p.path for p in report.problems}):
+            log.warning("re-fetching %d bad file(s): %s", len(bad), ", ".join(bad))
+            repair(local_dir, manifest, bad, token=token, endpoint=endpoint, max_workers=max_workers, landing=landing)
+            report = verify(str(local_dir), manifest, hashed=landing.hashed)
+    finally:
+        landing.end()
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m k2fleet.hostprogs.download REPO --revision SHA --dir D [--token-file F] [--only FILE...]
-    [--pattern GLOB...] [--manifest-digest D]``."""
+    [--pattern GLOB...] [--max-workers N] [--publish] [--manifest-digest D]``."""
     ap = argparse.ArgumentParser(prog="python -m k2fleet.hostprogs.download")
     ap.add_argument("repo_id")
     ap.add_argument("--revision", required=True, help="40-hex commit sha (branches and tags are refused)")
@@ -427,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-workers", type=int, default=8)
     ap.add_argument("--pattern", nargs="+", metavar="GLOB", help="only the repository files matching these globs")
     ap.add_argument("--manifest-digest", help="the control machine's pin of the manifest: the Hub's must have it")
+    ap.add_argument("--publish", action="store_true",
+                    help="feed this host's checkpoint relay (relay serve on --dir) each file as soon as it is verified")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not is_commit_sha(args.revision):
@@ -436,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
         report = fetch_and_verify(
             args.repo_id, args.revision, args.dir,
             token=read_token(args.token_file), only=args.only, max_workers=args.max_workers,
-            allow_patterns=args.pattern, digest=args.manifest_digest,
+            allow_patterns=args.pattern, digest=args.manifest_digest, publish=args.publish,
         )
     except PinMismatch as e:
         print(f"error: {e}", file=sys.stderr)

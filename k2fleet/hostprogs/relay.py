@@ -34,6 +34,12 @@ Rules it keeps:
   leaves only ``.k2fleet/relay-partial/``, which the next run discards. When every file is
   in, the index is checked and verify.py's ``verified.json`` written, so the checkpoint
   gate passes without hashing anything twice.
+- **Wait for what is coming.** A peer whose fetch — or whose Hub download feeding it
+  (``download.py --publish`` on the fetcher host: each file marked here once it passed
+  its check) — is running keeps a heartbeat (``.k2fleet/relay-fetching``); for a file it
+  has not verified yet it answers 409 with ``X-K2-Fetching: 1`` and receivers wait. When
+  no source of a file has it and none is fetching for ``--give-up-after`` seconds (the
+  download failed), the fetch fails naming the file.
 - **Heal around a dead host.** Each file's list is its parent, then the parent's ancestors,
   then the source: a source that has not answered for ``--dead-after`` seconds is skipped.
 - **One transfer near the wire.** Plain HTTP/1.1 range requests on kept-alive TCP
@@ -410,6 +416,12 @@ class Source:
             else:
                 self.idle_since.pop(rel, None)
 
+    def gone_for(self, rel, now):
+        """Seconds it has been silent, or idle without ``rel`` while no fetch runs there (0: neither)."""
+        with self._lock:
+            since = [t for t in (self.dead_since, self.idle_since.get(rel)) if t is not None]
+        return now - min(since) if since else 0.0
+
     def skipped(self, rel, dead_after):
         """Silent, or idle without ``rel``, for ``dead_after`` seconds."""
         now = time.monotonic()
@@ -785,6 +797,9 @@ class _Fetch:
             now = time.monotonic()
             if all(c.dead_since and now - c.dead_since > self.give_up_after for c in candidates):
                 raise SystemExit(f"{rel}: no source answered for {self.give_up_after:.0f}s "
+                                 f"({', '.join(c.url for c in candidates)})")
+            if all(c.gone_for(rel, now) > self.give_up_after for c in candidates):  # e.g. the fetcher's download failed
+                raise SystemExit(f"{rel}: no source has it or is fetching it for {self.give_up_after:.0f}s "
                                  f"({', '.join(c.url for c in candidates)})")
             live = candidates[-1:]
         if live[0] is not candidates[0]:

@@ -597,13 +597,17 @@ def verify(
     manifest: dict[str, Any],
     full: bool = False,
     workers: int | None = None,
+    hashed: dict[str, tuple[str, dict[str, int]]] | None = None,
 ) -> Report:
     """Verify directory ``root`` against ``manifest``; write or remove the marker.
 
     With ``full=False`` a file whose size, mtime_ns, ctime_ns and inode match
     the marker of a previous successful run is not re-hashed. ``workers`` is the
     number of cores to keep hashing (default: all usable CPUs); each worker runs
-    ``STREAMS_PER_WORKER`` file threads so read waits overlap hashing.
+    ``STREAMS_PER_WORKER`` file threads so read waits overlap hashing. ``hashed``:
+    file → (hex digest, stat record) of a hash the caller took of it (the download
+    hashes each file as it is written): compared instead of hashing again, provided
+    the file's stat is still the one recorded then (sizes and headers are still checked).
 
     Example:
         >>> m = load_manifest("/models/k2/.k2fleet/manifest.json")  # doctest: +SKIP
@@ -620,7 +624,7 @@ def verify(
     report.files_total = len(files)
     report.bytes_total = sum(int(e["size"]) for e in files.values())
     report.problems += index_problems(root, manifest)
-    verifier = _Verifier(root, manifest, full)
+    verifier = _Verifier(root, manifest, full, hashed)
     order = sorted(files, key=lambda rel: -int(files[rel]["size"]))
     nthreads = max(1, min((workers or default_workers()) * STREAMS_PER_WORKER, len(order) or 1))
     from concurrent.futures import ThreadPoolExecutor  # not imported by the fact's --marker-only check

@@ -414,7 +414,7 @@ def checkpoint_source(value: str) -> str:
 
 
 def fetcher(value: str) -> str:
-    return value if value == "control" else _pattern(HOST_NAME_RE, "`control` or an inventory host name")(value)
+    return value if value in ("auto", "control") else _pattern(HOST_NAME_RE, "`auto`, `control` or an inventory host name")(value)
 
 
 def gguf_pattern(value: str) -> str:
@@ -825,12 +825,20 @@ class HostSettings(BaseModel):
     )
     checkpoint_fetcher: Fetcher = _key(
         FLEET,
-        "Who talks to the Hub for the `hub` source: `control` (the control machine downloads "
-        "into `k2_checkpoint_cache`, verifies, and sends the fleet one copy) or the name of one "
-        "inventory host that loads weights (it downloads into `k2_model_dir` itself, with "
-        "huggingface_hub from an offline wheelhouse the control machine ships; the token goes "
-        "there as a root-only file, removed after the download). The others receive from peers.",
-        default="control",
+        "Who talks to the Hub for the `hub` source: `auto` (chosen by what can reach the Hub: "
+        "before the deploy changes anything, each host that loads weights is asked, over the deploy's "
+        "own connection, to open `k2_hub_endpoint` (default huggingface.co:443); the first in "
+        "inventory order that does is the fetcher; the control machine only when none does, or with a "
+        "`control:` source, `k2_bundle`, a loopback endpoint, or `k2_egress: mirrors-only` without "
+        "`k2_hub_endpoint`), `control` (the control machine downloads into `k2_checkpoint_cache`, "
+        "verifies, and sends the fleet one copy through the deploy's own SSH — through a bastion when "
+        "the hosts are behind one) or the name of one inventory host that loads weights (it downloads "
+        "into `k2_model_dir` itself, with huggingface_hub from an offline wheelhouse the control "
+        "machine ships; the token goes there as a root-only file, removed after the download). A "
+        "fetcher host feeds the others file by file as it verifies each (they receive from peers "
+        "while it downloads), so the fleet is ready about when the download ends. `k2fleet plan` "
+        "says which it is or how `auto` decides.",
+        default="auto",
     )
     shared_storage: bool = _key(
         FLEET,

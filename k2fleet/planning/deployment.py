@@ -160,7 +160,7 @@ class Deployment:
 
     def _weight_source(self, source: str, repo: str, revision: str) -> str:
         """``k2_bundle``: a Hub source the control machine fetches is the bundle's copy."""
-        if self.s.bundle and source == "hub" and self.s.checkpoint_fetcher == "control":
+        if self.s.bundle and source == "hub" and self.s.checkpoint_fetcher in ("control", "auto"):
             return f"control:{self.s.bundle}/checkpoint/{repo.replace('/', '--')}/{revision}"
         return source
 
@@ -634,7 +634,7 @@ def _need(cap: capacity.Capacity) -> str:
 
 def _check_fetcher(fleet: Fleet) -> None:
     fetcher = fleet.settings.checkpoint_fetcher
-    if fetcher == "control":
+    if fetcher in ("control", "auto"):  # auto: resolved to a host or control before the deploy changes anything
         return
     if fleet.settings.checkpoint_source != "hub":
         raise _fail("k2_checkpoint_fetcher", f"{fetcher!r} downloads from the Hub, but k2_checkpoint_source is "
@@ -644,7 +644,7 @@ def _check_fetcher(fleet: Fleet) -> None:
                     f"{fleet.settings.gguf_source!r}; use `control` (or k2_gguf_source: hub)", fleet)
     entry = next((h for h in fleet.hosts if h.name == fetcher), None)
     if entry is None:
-        raise _fail("k2_checkpoint_fetcher", f"{fetcher!r} is neither `control` nor a host of this inventory "
+        raise _fail("k2_checkpoint_fetcher", f"{fetcher!r} is neither `auto`, `control` nor a host of this inventory "
                     f"({', '.join(h.name for h in fleet.hosts)})", fleet)
     role = entry.settings.role
     if role in ("router", "slurm-submit"):
@@ -963,7 +963,7 @@ def _check_mirrors(fleet: Fleet, runtime: str, image: str | None) -> None:
         raise _fail("k2_egress", "mirrors-only with k2_package_source: apt needs k2_os_mirror: k2fleet does not know "
                     "which hosts the hosts' own apt/dnf sources name; set k2_os_mirror (or use k2_package_source: "
                     "bundle)", fleet)
-    if s.checkpoint_fetcher != "control" and not s.hub_endpoint:
+    if s.checkpoint_fetcher not in ("control", "auto") and not s.hub_endpoint:  # auto: control there
         raise _fail("k2_egress", f"mirrors-only with k2_checkpoint_fetcher: {s.checkpoint_fetcher} needs "
                     "k2_hub_endpoint: huggingface.co serves its files from CDN hosts k2fleet cannot list; set "
                     "k2_hub_endpoint to your Hub mirror (or k2_checkpoint_fetcher: control)", fleet)

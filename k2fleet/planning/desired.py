@@ -783,7 +783,7 @@ class FleetParts:
 def fanout_plan(dep: Deployment, plan: Plan) -> relay_plan.FanoutPlan:
     names = [h.name for h in dep.fleet.hosts if loads_weights(plan.hosts[h.name])]
     fetcher = dep.s.checkpoint_fetcher
-    return relay_plan.plan_fanout(names, shared_storage=dep.s.shared_storage, root=None if fetcher == "control" else fetcher)
+    return relay_plan.plan_fanout(names, shared_storage=dep.s.shared_storage, root=None if fetcher in ("control", "auto") else fetcher)
 
 
 def fleet_rollout(dep: Deployment, plan: Plan) -> Rollout:

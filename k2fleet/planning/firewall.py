@@ -108,7 +108,7 @@ def egress_names(dep: Deployment) -> list[str]:
                     names.add(mirrors.url_host(repo.key))
     if dep.runtime == "venv" and s.bundle is None and not s.simulated_gpus:
         names |= {mirrors.url_host(s.pypi_index)} if s.pypi_index else {mirrors.DEFAULT_PYPI_HOST, mirrors.PYPI_FILES_HOST}
-    if s.checkpoint_fetcher != "control" and s.hub_endpoint:
+    if s.checkpoint_fetcher not in ("control", "auto") and s.hub_endpoint:  # auto: resolved (re-planned) by the deploy
         names.add(mirrors.url_host(s.hub_endpoint))
     if dep.runtime == "container" and s.bundle is None and not s.engine_doubles and dep.image:
         registry = image_registry(dep.image)

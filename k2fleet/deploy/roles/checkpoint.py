@@ -7,12 +7,17 @@ Sources (``k2_checkpoint_source``):
 - ``hub`` (default): ``k2_model`` at the pinned ``k2_revision`` with huggingface_hub
   (endpoint ``k2_hub_endpoint`` or env ``HF_ENDPOINT``; token env ``HF_TOKEN`` or
   ``k2_hub_token_file``, read at execution time only), fetched by
-  ``k2_checkpoint_fetcher``: ``control`` (default) downloads into
+  ``k2_checkpoint_fetcher``: ``auto`` (default) is a host that reaches the Hub, else the
+  control machine, chosen before the deploy changes anything
+  (:mod:`k2fleet.deploy.fetcher_choice`); ``control`` downloads into
   ``k2_checkpoint_cache`` on the control machine and verifies it there; a host name
   makes that host download into ``k2_model_dir`` itself (Hub client from
   :mod:`k2fleet.deploy.roles.hub_client`; the token reaches it only as a root-only file under
   ``/run/k2fleet``, deleted when the download ends) and the control machine sends
-  no checkpoint bytes at all;
+  no checkpoint bytes at all; its download feeds its relay file by file
+  (``download.py --publish``) in the same operation as the receivers' fetches, so the
+  fleet is ready about when the download ends; ``auto`` is resolved to one of these
+  before the deploy changes anything (:mod:`k2fleet.deploy.fetcher_choice`);
 - ``control:/path`` — a directory on the control machine with the files and
   ``.k2fleet/manifest.json`` (air-gapped fleets), verified there.
 
@@ -31,7 +36,10 @@ HostState fact, so ``--dry`` and no-op runs transfer (and ask) nothing.
 
 from __future__ import annotations
 
+import shlex
+import subprocess
 from io import BytesIO
+from typing import Any
 
 from pyinfra import host
 from pyinfra.api import deploy
@@ -50,6 +58,10 @@ from k2fleet.planning.quoting import shell_line
 
 TOKEN_DIR = "/run/k2fleet"
 TOKEN_PATH = f"{TOKEN_DIR}/hf_token"
+# the fetcher's Hub download: files at once, taken in the receivers' (name) order. Few, so that
+# each file is verified (and passed on) soon after its turn and the fleet trails the download
+# by about this many files at its end; one stream of the Hub's CDN or the Xet path per file.
+FETCHER_WORKERS = 2
 
 
 def send_token(token_file: str | None) -> None:
@@ -74,9 +86,24 @@ def download_argv(dep: Deployment, xet_disabled: bool, ws: WeightSet | None = No
         argv.append(f"HF_ENDPOINT={s.hub_endpoint}")
     if xet_disabled:  # the operator's choice of the resumable HTTP path
         argv.append("HF_HUB_DISABLE_XET=1")
-    argv += host_argv("download", ws.repo, "--revision", ws.revision, "--dir", ws.path, *pin_args(ws),
-                      python=f"{HUB_ENV}/bin/python")
+    argv += host_argv("download", ws.repo, "--revision", ws.revision, "--dir", ws.path, *pin_args(ws), "--publish",
+                      "--max-workers", str(FETCHER_WORKERS), python=f"{HUB_ENV}/bin/python")
     return argv + (["--pattern", *ws.patterns] if ws.patterns else [])
+
+
+def transfer(control: checkpoint_copy.ControlRelay, source: str | None, target: str, ssh: list[str],
+             fetch_argv: list[str], tunnel_port: int, log_file: str, download: list[str] | None) -> Any:
+    """This host's part of the distribution, in ONE operation on every host so the fetcher's
+    Hub download and the receivers' relay fetches run at once (pipelined): ``download``
+    (argv, the fetcher host): the Hub download feeding its relay file by file, over the
+    deploy's own SSH to it; otherwise the relay fetch (:func:`checkpoint_copy.relay_to_host`)."""
+    if download is None:
+        return checkpoint_copy.relay_to_host(control=control, source=source, target=target, ssh=ssh,
+                                             fetch_argv=fetch_argv, tunnel_port=tunnel_port, log_file=log_file)
+    result = subprocess.run([*ssh, target, shlex.join(download)], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if result.returncode:
+        raise RuntimeError(f"the Hub download on {target} failed: {(result.stdout + result.stderr).strip()[-3000:]}")
+    return None
 
 
 def host_download_command(dep: Deployment, xet_disabled: bool, ws: WeightSet | None = None) -> str:
@@ -139,7 +166,7 @@ def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fac
     assert fan is not None
     source_dir, from_hub = relay_plan.control_source(dep, ws)
     wanted = fan.loads_weights and not fact.passed(ws.check)
-    on_host = dep.s.checkpoint_fetcher != "control"
+    on_host = dep.s.checkpoint_fetcher not in ("control", "auto")  # auto: resolved before the deploy (else control)
     root_download = wanted and fan.is_root and on_host  # the fetcher host downloads from the Hub itself
     distributing = bool(wanted_hosts) and not fan.shared  # some host of the fleet receives: relays run
     serving = distributing and fan.loads_weights
@@ -161,14 +188,12 @@ def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fac
     # Or the fetcher host downloads from the Hub itself (resumable, verified, repaired).
     python.call(name=f"Hub token to the fetcher host (root-only file){ws.label}", function=send_token,
                 token_file=dep.s.hub_token_file, _if=lambda: root_download)
-    tracked.append(command(name=f"download + verify the {what} from the Hub on this host (once per fleet)",
-                           argv=["sh", "-c", host_download_command(dep, xet_disabled, ws)],
-                           _if=lambda: root_download))
 
     # Pipelined: every host that loads weights serves what it has verified on the mesh;
     # every host whose gate failed receives shard by shard (parent, ancestors, then the
     # control machine's copy through its SSH connection), each verified before it is
-    # served onward; then the relays stop.
+    # served onward, while the fetcher host's Hub download (same operation, so at the same
+    # time) feeds its relay file by file as each passes its check; then the relays stop.
     command(name=f"{what}: start this host's relay of its verified files (while the fleet receives)",
             argv=relay_plan.relay_serve_argv(path, desired.address, dep.s.relay_port) if serving else ["true"],
             _if=lambda: serving)
@@ -177,12 +202,14 @@ def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fac
     fetch_argv = relay_plan.relay_fetch_argv(path, list(fan.relays), fan.position or 0, fan.relay_fanout, tunnel,
                                              pin=(ws.repo, ws.revision), digest=ws.manifest_sha256) if receiving else ["true"]
     target, ssh, become = side_channel
+    download = [*become, "sh", "-c", host_download_command(dep, xet_disabled, ws)] if root_download else None
     python.call(
-        name=f"{what}: receive shard by shard, each verified before it is passed on",
-        function=checkpoint_copy.relay_to_host,
+        name=f"{what}: receive shard by shard, each verified before it is passed on "
+             "(the fetcher host: its Hub download, feeding its relay file by file)",
+        function=transfer,
         control=control_relay, source=control_copy, target=target,
         ssh=ssh, fetch_argv=[*become, *fetch_argv], tunnel_port=dep.s.relay_port, log_file=log_file,
-        _if=lambda: receiving,
+        download=download, _if=lambda: receiving or root_download,
     )
     tracked.append(command(name=f"{what}: check every file (index, headers; hashed by the relay as it arrived)",
                            argv=gate_argv(ws), _if=lambda: receiving or root_download))
