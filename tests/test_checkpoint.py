@@ -461,7 +461,8 @@ def test_manifest_from_dir_air_gapped(fetched: tuple[Path, dict[str, Any]], hub:
     for where in (repo_folder, Path(snapshot)):
         from_cache = manifest_from_dir(where)
         assert from_cache["repo_id"] == REPO and from_cache["files"] == manifest["files"]
-        assert verify(str(snapshot), from_cache).ok
+        assert verify(str(snapshot), from_cache, file_symlinks=True).ok  # its files are symlinks to its blobs
+        assert not verify(str(snapshot), from_cache).ok  # never followed unless asked
 
 
 # --------------------------------------------------------------------------- the downloader as shipped

@@ -209,8 +209,14 @@ def served(tmp_path: Path):
     server.wait()
 
 
-def _get(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+def _get(port: int, path: str, headers: dict[str, str] | None = None, secret: Path | None = None) -> tuple[int, bytes]:
+    """One GET; with ``secret``, on a connection authenticated both ways (relay.Source)."""
     import http.client
+
+    if secret is not None:
+        from k2fleet.hostprogs import relay
+
+        return relay.Source(f"http://127.0.0.1:{port}", secret.read_text().strip()).request(path, headers)
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
@@ -221,15 +227,19 @@ def _get(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[i
         conn.close()
 
 
-def test_a_request_without_the_deployments_secret_is_refused(served) -> None:
+def test_a_request_without_the_deployments_secret_is_refused(served, tmp_path: Path) -> None:
     port, secret, root = served
     token = secret.read_text().strip()
     shard = sorted(p.name for p in root.glob("*.safetensors"))[0]
+    wrong = tmp_path / "wrong.secret"
+    wrong.write_text(token[:-1] + "x\n")
     for path in ("/manifest", f"/file/{shard}"):
         assert _get(port, path)[0] == 403
-        assert _get(port, path, {"X-K2-Relay-Secret": "wrong"})[0] == 403
-        assert _get(port, path, {"X-K2-Relay-Secret": token[:-1]})[0] == 403
-        status, body = _get(port, path, {"X-K2-Relay-Secret": token})
+        assert _get(port, path, {"X-K2-Relay-Secret": token})[0] == 403  # the secret itself is no longer taken
+        assert _get(port, path, {"X-K2-Auth": "0" * 64})[0] == 403
+        with pytest.raises(OSError, match="prove"):  # a relay of another secret cannot prove it holds ours
+            _get(port, path, secret=wrong)
+        status, body = _get(port, path, secret=secret)
         assert status == 200 and body, path
 
 
@@ -237,9 +247,9 @@ def test_a_request_without_the_deployments_secret_is_refused(served) -> None:
 def test_a_malformed_range_gets_a_clean_4xx(served, rng: str) -> None:
     port, secret, root = served
     shard = sorted(p.name for p in root.glob("*.safetensors"))[0]
-    status, _ = _get(port, f"/file/{shard}", {"X-K2-Relay-Secret": secret.read_text().strip(), "Range": rng})
+    status, _ = _get(port, f"/file/{shard}", {"Range": rng}, secret=secret)
     assert 400 <= status < 500, (rng, status)
-    assert _get(port, "/manifest", {"X-K2-Relay-Secret": secret.read_text().strip()})[0] == 200  # still serving
+    assert _get(port, "/manifest", secret=secret)[0] == 200  # still serving
 
 
 def test_a_thousand_idle_connections_do_not_stop_a_real_fetch(served, tmp_path: Path) -> None:

@@ -104,25 +104,26 @@ STREAMS = 1  # range streams per file: one spliced stream beat four on the sandb
 
 
 def load_manifest(root):
-    with open(os.path.join(root, MANIFEST)) as fh:
-        return json.load(fh)
+    """``root``'s manifest, read strictly (:func:`verify.manifest_from_bytes`) and not
+    through a symlink below ``root``."""
+    return verify.load_manifest_in(root)
 
 
-def mark_path(root, rel):
-    return os.path.join(root, MARKS, rel + ".ok")
+def mark_rel(rel):
+    return MARKS + "/" + rel + ".ok"
 
 
 def is_verified_here(root, manifest, rel, verified=None):
     """True if ``rel`` may be served: this relay hashed it right (its marker), or verify.py's
     ``verified.json`` for this manifest lists it (``verified``: that marker's records,
     read once by the caller) — either way with the file's stat unchanged since."""
-    now = verify.stat_record(os.path.join(root, rel))
+    now = verify.stat_beneath(root, rel)  # None behind a symlink: never served through one
     if now is None:
         return False
     try:
-        with open(mark_path(root, rel)) as fh:
-            if json.load(fh) == {"sha256": expected(manifest["files"][rel]), "stat": now}:
-                return True
+        if json.loads(verify.read_beneath(root, mark_rel(rel), 1 << 16)) == {"sha256": expected(manifest["files"][rel]),
+                                                                             "stat": now}:
+            return True
     except (OSError, ValueError):
         pass
     if verified is None:
@@ -136,22 +137,14 @@ def expected(entry):
 
 def write_mark(root, rel, entry, stat):
     """Record that ``rel`` hashed right while its file had ``stat``: from now on it is served."""
-    path = mark_path(root, rel)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump({"sha256": expected(entry), "stat": stat}, fh)
-    os.replace(tmp, path)
+    verify.write_beneath(root, mark_rel(rel), json.dumps({"sha256": expected(entry), "stat": stat}).encode())
 
 
 def drop_marks(root, manifest):
     """Nothing here is served until hashed again: every relay marker and verified.json go."""
     verify.remove_marker(root)
     for rel in manifest["files"]:
-        try:
-            os.unlink(mark_path(root, rel))
-        except OSError:
-            pass
+        verify.unlink_beneath(root, mark_rel(rel))
 
 
 def mark(root):
@@ -173,15 +166,17 @@ def mark(root):
 def is_fetching(root):
     """True while a ``fetch`` into ``root`` is running (its heartbeat file is fresh): what
     this host lacks now it will have, so peers wait for it rather than go elsewhere."""
-    try:
-        return time.time() - os.stat(os.path.join(root, HEARTBEAT)).st_mtime < FETCHING_FRESH_S
-    except OSError:
-        return False
+    st = verify.stat_beneath(root, HEARTBEAT)
+    return st is not None and time.time() - st["mtime_ns"] / 1e9 < FETCHING_FRESH_S
 
 
-SECRET_HEADER = "X-K2-Relay-Secret"
-IDLE_TIMEOUT_S = 20  # a connection that sends no complete request head for this long is closed
+NONCE_HEADER, PROOF_HEADER, AUTH_HEADER = "X-K2-Nonce", "X-K2-Proof", "X-K2-Auth"
+AUTH_LABEL = b"k2fleet relay auth v1"
+IDLE_TIMEOUT_S = 20  # a connection gets this long for the whole of its next request head (idle wait included)
+SEND_TIMEOUT_S = 20  # and this long for each SENDFILE_BLOCK of an answer (a reader slower than ~400 KB/s is dropped)
 MAX_CONNECTIONS = 256  # connections served at once; more are closed at once (threads are bounded)
+MAX_UNAUTHENTICATED = 128  # of them not (yet) authenticated: authenticated peers always find room
+MAX_UNAUTHENTICATED_PER_SOURCE = 16  # of those from one source address
 RANGE_RE = re.compile(r"bytes=([0-9]{1,15})-([0-9]{0,15})")
 
 
@@ -196,16 +191,41 @@ def read_secret(path):
     return secret.decode("ascii", "strict")
 
 
+def auth_proof(secret, role, client_nonce, server_nonce):
+    """HMAC-SHA256 (hex) by which one end of a connection proves it holds ``secret``:
+    ``role`` b"server" (the relay's answer to ``/hello``) or b"client" (every later request
+    of that connection, header ``X-K2-Auth``), bound to both ends' nonces. Neither the
+    secret nor anything that answers another connection's challenge crosses the wire.
+
+    >>> len(auth_proof(b"s" * 16, b"server", "a" * 32, "b" * 32))
+    64
+    >>> auth_proof(b"s" * 16, b"server", "a" * 32, "b" * 32) != auth_proof(b"s" * 16, b"client", "a" * 32, "b" * 32)
+    True
+    """
+    secret = secret.encode() if isinstance(secret, str) else secret
+    msg = b"\0".join([AUTH_LABEL, role, client_nonce.encode("ascii"), server_nonce.encode("ascii")])
+    return hmac.new(secret, msg, "sha256").hexdigest()
+
+
+def _nonce_ok(value):
+    return isinstance(value, str) and len(value) == 32 and not value.strip("0123456789abcdef")
+
+
 def make_handler(root, secret=None):
-    """The request handler serving ``root``; with ``secret``, every request must carry it
-    in the ``X-K2-Relay-Secret`` header (403 otherwise)."""
-    manifest_path = os.path.join(root, MANIFEST)
-    expected = secret.encode() if secret else None
+    """The request handler serving ``root``. With ``secret``, mutual authentication per
+    connection: the client's first request is ``GET /hello`` with its nonce
+    (``X-K2-Nonce``); the relay answers with its own nonce and :func:`auth_proof` (role
+    server), which the client checks before it sends anything else; every later request
+    of the connection carries the client's proof (``X-K2-Auth``, role client) or gets a 403
+    and the connection is closed. Without ``secret`` nothing is asked (and ``/hello``
+    proves nothing, so a client that holds a secret refuses this relay)."""
+    key = secret.encode() if isinstance(secret, str) else secret
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         disable_nagle_algorithm = True  # a head then a small body: no wait for a delayed ACK
-        timeout = IDLE_TIMEOUT_S  # reading a request head (and idling between kept-alive requests)
+        timeout = IDLE_TIMEOUT_S  # per read; the server's watchdog bounds the whole head (Server.watch)
+        session = None  # the client proof this connection's requests must carry (after /hello)
 
         def log_message(self, fmt, *args):  # quiet
             pass
@@ -215,8 +235,20 @@ def make_handler(root, secret=None):
                 super().handle()
             except (TimeoutError, ConnectionError):
                 self.close_connection = True
+            except OSError:  # the watchdog shut the connection down mid-answer
+                self.close_connection = True
+
+        def handle_one_request(self):
+            # one deadline for the whole next request head (the wait for it included),
+            # however slowly its bytes come
+            self.server.watch(self.connection, time.monotonic() + IDLE_TIMEOUT_S)
+            try:
+                super().handle_one_request()
+            finally:
+                self.server.watch(self.connection, None)
 
         def _send(self, code, body=b"", headers=()):
+            self.server.watch(self.connection, time.monotonic() + SEND_TIMEOUT_S + len(body) / 1e5)
             self.send_response(code)
             for k, v in headers:
                 self.send_header(k, v)
@@ -224,23 +256,41 @@ def make_handler(root, secret=None):
             self.end_headers()
             if body and self.command != "HEAD":
                 self.wfile.write(body)
+            self.wfile.flush()
+            self.server.watch(self.connection, None)
 
         def _authorized(self):
-            if expected is None:
+            if key is None:
                 return True
-            got = (self.headers.get(SECRET_HEADER) or "").encode("latin-1", "replace")
-            return hmac.compare_digest(got, expected)
+            got = (self.headers.get(AUTH_HEADER) or "").encode("latin-1", "replace")
+            return self.session is not None and hmac.compare_digest(got, self.session.encode())
+
+        def _hello(self):
+            if key is None:
+                return self._send(200)
+            cn = self.headers.get(NONCE_HEADER) or ""
+            if not _nonce_ok(cn):
+                self.close_connection = True
+                return self._send(400, b"X-K2-Nonce: 32 lower-case hex digits")
+            sn = os.urandom(16).hex()
+            self.session = auth_proof(key, b"client", cn, sn)
+            return self._send(200, b"", [(NONCE_HEADER, sn), (PROOF_HEADER, auth_proof(key, b"server", cn, sn))])
 
         def do_GET(self):
-            self.server.last_request = time.monotonic()
+            if self.headers.get("Transfer-Encoding") or (self.headers.get("Content-Length") or "0").strip() != "0":
+                self.close_connection = True
+                return self._send(400, b"no request bodies")
+            path = urllib.parse.unquote(self.path.partition("?")[0])
+            if path == "/hello":
+                return self._hello()
             if not self._authorized():
                 self.close_connection = True
-                return self._send(403, b"the deployment's relay secret is required")
-            path = urllib.parse.unquote(self.path.partition("?")[0])
+                return self._send(403, b"authenticate first (GET /hello; X-K2-Auth)")
+            self.server.authenticated(self.connection)  # off the unauthenticated caps; keeps the relay up
             if path == "/manifest":
                 try:
-                    with open(manifest_path, "rb") as fh:
-                        return self._send(200, fh.read(), [("Content-Type", "application/json")])
+                    return self._send(200, verify.read_beneath(root, MANIFEST, MANIFEST_MAX_BYTES),
+                                      [("Content-Type", "application/json")])
                 except OSError:
                     return self._send(404)
             try:
@@ -258,7 +308,16 @@ def make_handler(root, secret=None):
                 if time.monotonic() >= deadline or not fetching:
                     return self._send(409, b"not verified here yet", [("X-K2-Fetching", "1" if fetching else "0")])
                 time.sleep(WAIT_POLL_S)
-            size = entry["size"]
+            try:
+                fd = verify.open_beneath(root, rel)  # never read through a symlink
+            except OSError:
+                return self._send(409, b"not verified here", [("X-K2-Fetching", "0")])
+            try:
+                self._send_file(fd, entry["size"])
+            finally:
+                os.close(fd)
+
+        def _send_file(self, fd, size):
             start, end = 0, size - 1
             rng = self.headers.get("Range")
             if rng is not None:
@@ -270,6 +329,7 @@ def make_handler(root, secret=None):
                 if start > end or start >= size:
                     return self._send(416, b"", [("Content-Range", f"bytes */{size}")])
             length = max(0, end - start + 1)
+            self.server.watch(self.connection, time.monotonic() + SEND_TIMEOUT_S)
             self.send_response(206 if rng else 200)
             self.send_header("Content-Length", str(length))
             if rng:
@@ -278,15 +338,17 @@ def make_handler(root, secret=None):
             self.wfile.flush()
             self.connection.settimeout(None)  # sendfile wants a blocking socket (a timeout makes it non-blocking)
             try:
-                with open(os.path.join(root, rel), "rb") as fh:  # the kernel copies file to socket (sendfile)
-                    offset, left = start, length
-                    while left > 0:
-                        sent = os.sendfile(self.connection.fileno(), fh.fileno(), offset, min(left, SENDFILE_BLOCK))
-                        if sent == 0:
-                            break
-                        offset += sent
-                        left -= sent
+                offset, left = start, length  # the kernel copies file to socket (sendfile)
+                while left > 0:
+                    # each block within SEND_TIMEOUT_S, or the watchdog shuts the connection
+                    self.server.watch(self.connection, time.monotonic() + SEND_TIMEOUT_S)
+                    sent = os.sendfile(self.connection.fileno(), fd, offset, min(left, SENDFILE_BLOCK))
+                    if sent == 0:
+                        break
+                    offset += sent
+                    left -= sent
             finally:
+                self.server.watch(self.connection, None)
                 self.connection.settimeout(self.timeout)
 
         @staticmethod
@@ -300,9 +362,12 @@ def make_handler(root, secret=None):
 
 
 class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
-    """One thread per connection, at most :data:`MAX_CONNECTIONS` at once: a connection
-    over the bound is closed at once (a flood of idle connections holds no more threads
-    than that, each for at most :data:`IDLE_TIMEOUT_S` without a request)."""
+    """One thread per connection, at most :data:`MAX_CONNECTIONS` at once, of which at most
+    :data:`MAX_UNAUTHENTICATED` (:data:`MAX_UNAUTHENTICATED_PER_SOURCE` from one address)
+    before their first authenticated request: a connection over a bound is closed at once.
+    A watchdog shuts down every connection past its deadline (:meth:`watch`): the whole
+    request head, each block of an answer. So connections trickling a byte at a time hold a
+    thread no longer than :data:`IDLE_TIMEOUT_S`, and cannot crowd out the fleet's own."""
 
     daemon_threads = True
     allow_reuse_address = True
@@ -310,11 +375,50 @@ class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
 
     def __init__(self, *args, **kwargs):
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self.last_request = time.monotonic()
+        self.last_request = time.monotonic()  # of the last authenticated request (the idle exit's clock)
+        self._lock = threading.Lock()
+        self._deadlines = {}  # connection → monotonic deadline
+        self._unauthenticated = {}  # connection → source address, until its first authenticated request
         super().__init__(*args, **kwargs)
+        threading.Thread(target=self._watchdog, daemon=True).start()
+
+    def watch(self, conn, deadline):
+        """Shut ``conn`` down at ``deadline`` (None: no deadline now)."""
+        with self._lock:
+            if deadline is None:
+                self._deadlines.pop(conn, None)
+            else:
+                self._deadlines[conn] = deadline
+
+    def authenticated(self, conn):
+        with self._lock:
+            self._unauthenticated.pop(conn, None)
+        self.last_request = time.monotonic()
+
+    def _watchdog(self):
+        while True:
+            time.sleep(0.2)
+            now = time.monotonic()
+            with self._lock:
+                late = [c for c, t in self._deadlines.items() if t <= now]
+                for c in late:
+                    del self._deadlines[c]
+            for c in late:
+                try:
+                    c.shutdown(socket.SHUT_RDWR)  # a blocked read sees EOF, a blocked send (sendfile too) fails
+                except OSError:
+                    pass
 
     def process_request(self, request, client_address):
-        if not self.slots.acquire(blocking=False):
+        source = client_address[0] if isinstance(client_address, tuple) else client_address
+        with self._lock:
+            unauth = list(self._unauthenticated.values())
+            crowded = len(unauth) >= MAX_UNAUTHENTICATED or unauth.count(source) >= MAX_UNAUTHENTICATED_PER_SOURCE
+            if not crowded:
+                self._unauthenticated[request] = source
+        if crowded or not self.slots.acquire(blocking=False):
+            with self._lock:
+                self._unauthenticated.pop(request, None)
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)
@@ -323,6 +427,9 @@ class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
+            with self._lock:
+                self._unauthenticated.pop(request, None)
+                self._deadlines.pop(request, None)
             self.slots.release()
 
     def handle_error(self, request, client_address):
@@ -335,9 +442,10 @@ def serve(root, bind, port, exit_with_parent=False, secret=None, idle_exit=0.0):
     """Serve ``root`` on ``bind:port`` (0: any free port) until killed; prints
     ``{"port": N}`` once listening. ``exit_with_parent``: stop when the process that
     started this one is gone (the control machine's relay outlives no deploy).
-    ``secret``: required of every request (:func:`make_handler`). ``idle_exit``: stop
-    when no request came for that many seconds (a relay a failed deploy left behind ends
-    soon, not at its unit's RuntimeMaxSec; 0: never)."""
+    ``secret``: mutual authentication of every connection (:func:`make_handler`).
+    ``idle_exit``: stop when no authenticated request came for that many seconds (a relay a
+    failed deploy left behind ends soon, not at its unit's RuntimeMaxSec; requests that do
+    not authenticate do not keep it up; 0: never)."""
     server = Server((bind, port), make_handler(root, secret))
     print(json.dumps({"port": server.server_address[1]}), flush=True)
     if idle_exit > 0:
@@ -371,38 +479,91 @@ class NotReady(Exception):
         self.fetching = fetching
 
 
+class Impostor(OSError):
+    """A listener that did not prove it holds the relay secret: never asked again."""
+
+
+class Slow(OSError):
+    """A source whose bytes came slower than :data:`SLOW_MIN_BYTES` per ``slow_after`` seconds."""
+
+
+SLOW_AFTER_S = 10.0  # a range body with less than SLOW_MIN_BYTES in this many seconds: its source is dead
+SLOW_MIN_BYTES = 1 << 20
+CONNECT_TIMEOUT_S = 10.0
+MANIFEST_TIMEOUT_S = 30.0  # the whole manifest answer (head and body)
+
+
 class Source:
     """One upstream relay (``http://HOST:PORT``): its idle data connections (kept alive
-    between ranges), and since when it has not answered (``dead_since``) or has answered
-    without a file while no fetch runs there (``idle_since``). Shared by the lanes of one
-    fetch."""
+    between ranges, each authenticated both ways: :func:`make_handler`), and since when it
+    has not answered (``dead_since``) or has answered without a file while no fetch runs
+    there (``idle_since``). A source that fails to prove it holds the secret, or drips
+    its bytes, is dead at once. Shared by the lanes of one fetch."""
 
-    def __init__(self, url, secret=None):
-        self.secret = secret
+    def __init__(self, url, secret=None, slow_after=SLOW_AFTER_S):
+        self.secret = secret.encode() if isinstance(secret, str) else secret
+        self.slow_after = slow_after
         parsed = urllib.parse.urlsplit(url)
         self.url, self.host, self.port = url, parsed.hostname, parsed.port or 80
         self.dead_since = None
+        self.impostor = False
         self.idle_since = {}  # file → since when it answered without it, no fetch running there
         self._idle = []
         self._lock = threading.Lock()
 
-    def request(self, path, headers=None, timeout=30, limit=None):
-        """(status, body); a body over ``limit`` bytes is cut there plus one byte (so a
-        caller can tell it was too large without reading it all)."""
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+    def connect(self, deadline):
+        """A new connection, authenticated both ways (the relay proves it holds the secret
+        before anything but a nonce is sent to it): (socket, this connection's client proof
+        or None without a secret). Raises :class:`Impostor` when the listener cannot prove it."""
+        sock = socket.create_connection((self.host, self.port), timeout=CONNECT_TIMEOUT_S)
         try:
-            sent = dict(headers or {})
-            if self.secret:
-                sent[SECRET_HEADER] = self.secret
-            conn.request("GET", urllib.parse.quote(path), headers=sent)
-            resp = conn.getresponse()
-            return resp.status, resp.read() if limit is None else resp.read(limit + 1)
-        finally:
-            conn.close()
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if not self.secret:
+                return sock, None
+            cn = os.urandom(16).hex()
+            sock.sendall(f"GET /hello HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{NONCE_HEADER}: {cn}\r\n\r\n".encode())
+            status, length, _, headers = read_head(sock, deadline)
+            sn = headers.get(NONCE_HEADER.lower(), "")
+            proof = headers.get(PROOF_HEADER.lower(), "").encode("latin-1", "replace")
+            if status != 200 or length != 0 or not _nonce_ok(sn) or sn == cn or not hmac.compare_digest(
+                    proof, auth_proof(self.secret, b"server", cn, sn).encode()):
+                raise Impostor(f"{self.url} did not prove it holds the relay secret (nothing else was sent to it)")
+            return sock, auth_proof(self.secret, b"client", cn, sn)
+        except BaseException:
+            sock.close()
+            raise
 
-    def note_dead(self):
+    def request(self, path, headers=None, timeout=MANIFEST_TIMEOUT_S, limit=None):
+        """(status, body) of one GET on a new authenticated connection, all of it within
+        ``timeout`` seconds; a body over ``limit`` bytes is refused unread (OSError)."""
+        deadline = time.monotonic() + timeout
+        sock, auth = self.connect(deadline)
+        try:
+            extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+            if auth:
+                extra += f"{AUTH_HEADER}: {auth}\r\n"
+            sock.sendall(f"GET {urllib.parse.quote(path)} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+                         f"Connection: close\r\n{extra}\r\n".encode())
+            status, length, body, _ = read_head(sock, deadline, keep_body=True)
+            if limit is not None and length > limit:
+                raise OSError(f"{self.url}: an answer of {length} bytes, over {limit}: too large, refused unread")
+            while len(body) < length:
+                sock.settimeout(max(0.01, deadline - time.monotonic()))
+                got = sock.recv(min(1 << 20, length - len(body)))
+                if not got or time.monotonic() > deadline:
+                    raise OSError(f"{self.url}: the answer to {path} did not arrive within {timeout:.0f}s")
+                body += got
+            return status, body[:length]
+        finally:
+            sock.close()
+
+    def note_dead(self, at_once=False):
+        """It did not answer; ``at_once`` (it dripped, or is an impostor): skipped from now on."""
         with self._lock:
-            self.dead_since = self.dead_since or time.monotonic()
+            if at_once:
+                self.dead_since = -1e12
+            else:
+                self.dead_since = self.dead_since or time.monotonic()
 
     def note_alive(self):
         with self._lock:
@@ -432,16 +593,15 @@ class Source:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
-        sock = socket.create_connection((self.host, self.port), timeout=DATA_TIMEOUT_S)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock, auth = self.connect(time.monotonic() + DATA_TIMEOUT_S)
         sock.settimeout(None)  # blocking (splice needs it); a silent peer still times out:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(DATA_TIMEOUT_S), 0))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(DATA_TIMEOUT_S), 0))
-        return sock
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(min(self.slow_after, DATA_TIMEOUT_S)))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(DATA_TIMEOUT_S))
+        return sock, auth
 
-    def _give(self, sock):
+    def _give(self, conn):
         with self._lock:
-            self._idle.append(sock)
+            self._idle.append(conn)
 
     def get_range(self, rel, fd, start, end, landed=None, wait=WAIT_S):
         """Write bytes ``start..end`` of ``rel`` at the same offsets of ``fd``, calling
@@ -450,13 +610,15 @@ class Source:
         until it has verified the file (then :class:`NotReady`), so the next shard leaves
         the moment it is verified, with no round trip through a busy link. The body goes
         socket → pipe → file inside the kernel (splice), or through one buffer where splice
-        is missing (Python < 3.10)."""
-        sock, ok = self._take(), False
+        is missing (Python < 3.10). The head must come within ``wait`` + DATA_TIMEOUT_S
+        seconds, the body at least :data:`SLOW_MIN_BYTES` every ``slow_after`` seconds
+        (:class:`Slow` otherwise)."""
+        (sock, proof), ok = self._take(), False
         try:
-            auth = f"{SECRET_HEADER}: {self.secret}\r\n" if self.secret else ""
+            auth = f"{AUTH_HEADER}: {proof}\r\n" if proof else ""
             sock.sendall((f"GET {urllib.parse.quote('/file/' + rel)} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
                           f"Range: bytes={start}-{end}\r\nX-K2-Wait: {wait}\r\n{auth}\r\n").encode())
-            status, length, body, headers = read_head(sock)
+            status, length, body, headers = read_head(sock, time.monotonic() + wait + DATA_TIMEOUT_S)
             if status == 409:
                 raise NotReady(self.url, rel, headers.get("x-k2-fetching", "1") == "1")
             if status not in (200, 206) or length != end - start + 1:
@@ -467,7 +629,8 @@ class Source:
                 offset += len(body)
                 if landed:
                     landed(offset)
-            offset = (splice_into if hasattr(os, "splice") else copy_into)(sock, fd, offset, end + 1, landed)
+            move = splice_into if hasattr(os, "splice") else copy_into
+            offset = move(sock, fd, offset, end + 1, landed, self.slow_after)
             if offset != end + 1:
                 raise OSError(f"{self.url}: short read of {rel} ({offset - start} of {end - start + 1} bytes)")
             ok = True
@@ -475,42 +638,73 @@ class Source:
             raise OSError(f"{self.url}: {exc!r} for {rel}") from exc
         finally:
             if ok:
-                self._give(sock)
+                self._give((sock, proof))
             else:
                 sock.close()
+
+
+def _timeval(seconds):
+    return struct.pack("ll", int(seconds), int((seconds - int(seconds)) * 1e6))
 
 
 HEAD_MAX = 64 << 10
 
 
-def read_head(sock):
-    """Read an HTTP/1.1 response head from ``sock``: (status, Content-Length, the body
-    bytes that came with the head, the headers by lower-case name)."""
+def read_head(sock, deadline, keep_body=False):
+    """Read an HTTP/1.1 response head from ``sock``, all of it by ``deadline`` (monotonic;
+    OSError after it, however slowly the bytes come): (status, Content-Length, the body
+    bytes that came with the head, the headers by lower-case name). The socket is left
+    blocking."""
     data = b""
-    while b"\r\n\r\n" not in data:
-        got = sock.recv(HEAD_MAX)
-        if not got or len(data) > HEAD_MAX:
-            raise OSError("connection closed before a response head")
-        data += got
+    try:
+        while b"\r\n\r\n" not in data:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise OSError("no complete response head in time")
+            sock.settimeout(left)
+            got = sock.recv(HEAD_MAX)
+            if not got or len(data) > HEAD_MAX:
+                raise OSError("connection closed before a response head")
+            data += got
+    finally:
+        sock.settimeout(None)
     head, _, body = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
-    length = int(headers.get("content-length", "0"))
-    if len(body) > length:
+    try:
+        status = int(lines[0].split()[1])
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        length = int(headers.get("content-length", "0"))
+    except (IndexError, ValueError) as exc:
+        raise OSError(f"not an HTTP response head ({exc})") from None
+    if len(body) > length and not keep_body:
         raise OSError("more bytes than the response's Content-Length")
-    if status not in (200, 206):  # an error's small body: the connection is not kept anyway
+    if status not in (200, 206) and not keep_body:  # an error's small body: the connection is not kept anyway
         body = b""
     return status, length, body, headers
 
 
-def splice_into(sock, fd, offset, stop, landed):
+class _Pace:
+    """Raises :class:`Slow` when fewer than :data:`SLOW_MIN_BYTES` came in ``slow_after`` seconds."""
+
+    def __init__(self, slow_after, offset):
+        self.slow_after, self.since, self.at = slow_after, time.monotonic(), offset
+
+    def check(self, offset):
+        now = time.monotonic()
+        if now - self.since >= self.slow_after:
+            if offset - self.at < SLOW_MIN_BYTES:
+                raise Slow(f"{offset - self.at} bytes in {now - self.since:.1f}s: too slow")
+            self.since, self.at = now, offset
+
+
+def splice_into(sock, fd, offset, stop, landed, slow_after=SLOW_AFTER_S):
     """Move bytes from ``sock`` to ``fd`` at ``offset`` until ``stop`` (or EOF) in the
     kernel: socket → pipe → page cache, no copy through this process. Returns the offset
-    reached."""
+    reached. A sender slower than :data:`SLOW_MIN_BYTES` per ``slow_after`` seconds raises :class:`Slow`."""
+    pace = _Pace(slow_after, offset)
     r, w = os.pipe()
     try:
         try:
@@ -527,25 +721,31 @@ def splice_into(sock, fd, offset, stop, landed):
                 n -= moved
             if landed:
                 landed(offset)
+            pace.check(offset)
     except BlockingIOError as exc:  # SO_RCVTIMEO ran out
-        raise OSError(f"no bytes for {DATA_TIMEOUT_S:.0f}s") from exc
+        raise Slow(f"no bytes for {slow_after:.0f}s") from exc
     finally:
         os.close(r)
         os.close(w)
     return offset
 
 
-def copy_into(sock, fd, offset, stop, landed):
+def copy_into(sock, fd, offset, stop, landed, slow_after=SLOW_AFTER_S):
     """:func:`splice_into` through one buffer (no os.splice)."""
+    pace = _Pace(slow_after, offset)
     view = memoryview(bytearray(BLOCK))
-    while offset < stop:
-        n = sock.recv_into(view[: min(BLOCK, stop - offset)])
-        if n == 0:
-            break
-        os.pwrite(fd, view[:n], offset)
-        offset += n
-        if landed:
-            landed(offset)
+    try:
+        while offset < stop:
+            n = sock.recv_into(view[: min(BLOCK, stop - offset)])
+            if n == 0:
+                break
+            os.pwrite(fd, view[:n], offset)
+            offset += n
+            if landed:
+                landed(offset)
+            pace.check(offset)
+    except BlockingIOError as exc:
+        raise Slow(f"no bytes for {slow_after:.0f}s") from exc
     return offset
 
 
@@ -641,9 +841,8 @@ def land_file(source, root, manifest, rel, streams, chunk):
     hashing it as it lands; return once its last byte landed (the hash may lag behind)."""
     t0 = time.monotonic()
     part = os.path.join(root, PARTIAL, rel)
-    os.makedirs(os.path.dirname(part), exist_ok=True)
     size = manifest["files"][rel]["size"]
-    fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = verify.open_beneath(root, PARTIAL + "/" + rel, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644, create_dirs=True)
     try:
         os.ftruncate(fd, size)
         ranges = plan_ranges(size, streams, chunk)
@@ -672,18 +871,25 @@ def finish_file(landed, root, manifest, rel):
     bad (deleted, not marked)."""
     try:
         digest = landed.hashing.result()
-        hashed_stat = verify.stat_record(landed.part)
+        hashed_stat = verify.stat_beneath(root, PARTIAL + "/" + rel)
     finally:
         os.close(landed.fd)
     stat, _ = verify.check_one(os.path.join(root, PARTIAL), manifest, rel,
                                (digest, hashed_stat) if digest else None)
     if stat is None:
-        os.unlink(landed.part)
+        verify.unlink_beneath(root, PARTIAL + "/" + rel)
         return False
-    dest = os.path.join(root, rel)
-    os.makedirs(os.path.dirname(dest) or root, exist_ok=True)
-    os.replace(landed.part, dest)
-    moved = verify.stat_record(dest)  # a rename changes ctime only
+    head, _, name = rel.rpartition("/")
+    src_dir = verify.open_dir_beneath(root, (PARTIAL + "/" + head).rstrip("/"))
+    try:
+        dest_dir = verify.open_dir_beneath(root, head, create=True)  # never into a symlinked directory
+        try:
+            os.replace(name, name, src_dir_fd=src_dir, dst_dir_fd=dest_dir)
+        finally:
+            os.close(dest_dir)
+    finally:
+        os.close(src_dir)
+    moved = verify.stat_beneath(root, rel)  # a rename changes ctime only
     if moved is None or {k: moved[k] for k in ("size", "mtime_ns", "ino")} != {k: stat[k] for k in ("size", "mtime_ns", "ino")}:
         return False
     write_mark(root, rel, manifest["files"][rel], moved)
@@ -707,16 +913,16 @@ class Pin:
         if len(body) > MANIFEST_MAX_BYTES:
             return f"manifest too large ({len(body)} bytes)"
         try:
-            manifest = json.loads(body)
-        except ValueError:
-            return "manifest is not JSON"
+            manifest = verify.manifest_from_bytes(body)  # the bytes as they will be stored, read strictly
+        except ValueError as exc:
+            return f"manifest is not strict UTF-8 JSON ({exc})"
         problems = verify.manifest_problems(manifest)
         if problems:
             return "manifest: " + "; ".join(p.line() for p in problems[:3])
         pinned = verify.pin_problem(manifest, self.repo, self.revision)
         if pinned:
             return pinned
-        if self.digest is not None and verify.manifest_digest(manifest) != self.digest:
+        if self.digest is not None and verify.manifest_digest(manifest) != self.digest:  # of these very bytes
             return "manifest digest differs from the control machine's verified copy"
         return None
 
@@ -732,7 +938,7 @@ def _manifest_from(sources, wait_s=600.0, pin=None):
             if src.url in refused:
                 continue
             try:
-                status, body = src.request("/manifest", timeout=10, limit=MANIFEST_MAX_BYTES)
+                status, body = src.request("/manifest", limit=MANIFEST_MAX_BYTES)
                 if status == 200:
                     why = pin.problem(body)
                     if why is None:
@@ -741,8 +947,14 @@ def _manifest_from(sources, wait_s=600.0, pin=None):
                     sys.stderr.write(f"relay: refused the manifest of {src.url}: {why}\n")
                     continue
                 last = f"{src.url} answered {status}"
+            except Impostor as exc:
+                refused[src.url] = str(exc)
+                sys.stderr.write(f"relay: {exc}\n")
             except OSError as exc:
-                last = exc
+                last = f"{src.url}: {exc}"
+                if "too large" in str(exc):
+                    refused[src.url] = str(exc)
+                    sys.stderr.write(f"relay: refused the manifest of {src.url}: {exc}\n")
         if len(refused) == len(sources):
             break
         time.sleep(POLL_S)
@@ -762,9 +974,9 @@ class _Fetch:
     """State the lanes of one fetch share (under ``lock``)."""
 
     def __init__(self, root, manifest, urls, plan, streams, chunk, dead_after, give_up_after, t0, verify_behind,
-                 secret=None):
+                 secret=None, slow_after=SLOW_AFTER_S):
         self.root, self.manifest, self.urls, self.plan = root, manifest, urls, plan or {}
-        self.secret = secret
+        self.secret, self.slow_after = secret, slow_after
         self.streams, self.chunk, self.dead_after, self.give_up_after = streams, chunk, dead_after, give_up_after
         self.verify_behind = max(0, verify_behind)
         self.lock = threading.Lock()
@@ -780,7 +992,7 @@ class _Fetch:
     def source(self, url):
         with self.lock:
             if url not in self.sources:
-                self.sources[url] = Source(url, self.secret)
+                self.sources[url] = Source(url, self.secret, self.slow_after)
             return self.sources[url]
 
     def pick(self, rel):
@@ -840,6 +1052,10 @@ class _Fetch:
                 if not exc.fetching:
                     time.sleep(POLL_S)
                 continue
+            except (Slow, Impostor) as exc:  # dripping, or not holding the secret: routed around at once
+                sys.stderr.write(f"relay: {src.url} is skipped from now on: {exc}\n")
+                src.note_dead(at_once=True)
+                continue
             except OSError:
                 src.note_dead()
                 time.sleep(POLL_S)
@@ -878,22 +1094,69 @@ class _Fetch:
 
 def _heartbeat(root, stop):
     """Keep ``root``'s heartbeat file fresh until ``stop`` is set (then remove it)."""
-    path = os.path.join(root, HEARTBEAT)
-    with open(path, "w") as fh:
-        fh.write(str(os.getpid()))
-    while not stop.wait(HEARTBEAT_S):
-        try:
-            os.utime(path)
-        except OSError:
-            pass
     try:
-        os.unlink(path)
+        fd = verify.open_beneath(root, HEARTBEAT, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     except OSError:
-        pass
+        return
+    try:
+        os.write(fd, str(os.getpid()).encode())
+        while not stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(fd)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+        verify.unlink_beneath(root, HEARTBEAT)
+
+
+def _remove_partial(root):
+    """Remove ``.k2fleet/relay-partial`` (a symlink there is removed, never followed)."""
+    state = verify.open_dir_beneath(root, ".k2fleet", create=True)
+    try:
+        try:
+            st = os.stat("relay-partial", dir_fd=state, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if (st.st_mode & 0o170000) == 0o040000:
+            shutil.rmtree(os.path.join(root, PARTIAL))  # .k2fleet checked above; rmtree follows no symlink below
+        else:
+            os.unlink("relay-partial", dir_fd=state)
+    finally:
+        os.close(state)
+
+
+FETCH_BASE_S = 1800.0  # the overall deadline of a fetch: this, plus its bytes at FETCH_MIN_RATE
+FETCH_MIN_RATE = 50e6
+
+
+def default_deadline(manifest):
+    """Seconds a whole fetch of ``manifest`` may take: :data:`FETCH_BASE_S` plus every byte
+    at :data:`FETCH_MIN_RATE` (a 594 GB checkpoint: about 3.8 h).
+
+    >>> default_deadline({"files": {"a": {"size": 50 * 10**9}}})
+    2800.0
+    """
+    return FETCH_BASE_S + sum(e["size"] for e in manifest["files"].values()) / FETCH_MIN_RATE
+
+
+def _deadline_watch(seconds):
+    """End this process (exit 4, a line on stderr) after ``seconds``: a fetch that would
+    outlive its deadline is stopped, whatever it waits on (a dripping source, a blocked
+    splice). What it verified stays marked; the next run resumes."""
+
+    def watch():
+        time.sleep(max(0.0, seconds))
+        sys.stderr.write(f"relay: the fetch ran past its deadline ({seconds:.0f}s); stopped\n")
+        sys.stderr.flush()
+        os._exit(4)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_after=DEAD_AFTER_S, fleet=None,
-          position=None, fanout=1, give_up_after=GIVE_UP_S, verify_behind=VERIFY_BEHIND, pin=None, secret=None):
+          position=None, fanout=1, give_up_after=GIVE_UP_S, verify_behind=VERIFY_BEHIND, pin=None, secret=None,
+          slow_after=SLOW_AFTER_S, deadline=0.0):
     """Fetch every file of the sources' manifest into ``root``, each from the first live
     source of its list, verifying each before it is marked (and so served onward).
     The lists: ``plan`` (file → URLs, parent first), or the fleet's per-shard plan
@@ -902,17 +1165,28 @@ def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_af
     at once (shard j in lane j mod fanout: one lane per tree of the plan, each fed by its
     own parent), in order within a lane. ``pin`` (:class:`Pin`): the only manifest taken is
     one of the pinned repository and revision (and digest); names are checked before
-    anything is written (no absolute path, ``..`` or empty part)."""
-    os.makedirs(os.path.join(root, ".k2fleet"), exist_ok=True)
-    shutil.rmtree(os.path.join(root, PARTIAL), ignore_errors=True)  # a killed run's leftovers
+    anything is written (no absolute path, ``..`` or empty part; no name both a file and a
+    directory). Nothing below ``root`` is written or read through a symlink. A source that
+    drips (under :data:`SLOW_MIN_BYTES` per ``slow_after`` seconds) or cannot prove it holds
+    the secret is skipped at once. ``deadline``: the whole fetch ends (exit 4) after that
+    many seconds (0: :func:`default_deadline` of the manifest's size), so a deploy waiting
+    on it gives up rather than hangs."""
+    os.makedirs(root, exist_ok=True)
+    os.close(verify.open_dir_beneath(root, ".k2fleet", create=True))  # a symlinked .k2fleet is refused here
+    _remove_partial(root)  # a killed run's leftovers
     t0, started = time.monotonic(), time.time()
+    if deadline > 0:
+        _deadline_watch(deadline)
     stop = threading.Event()
     beat = threading.Thread(target=_heartbeat, args=(root, stop), daemon=True)
     beat.start()
     try:
         ancestors = fleet[:position] if fleet else []
-        manifest_bytes = _manifest_from([Source(u, secret) for u in [*reversed(ancestors), *urls]], give_up_after, pin)
-        manifest = json.loads(manifest_bytes)
+        manifest_bytes = _manifest_from([Source(u, secret, slow_after) for u in [*reversed(ancestors), *urls]],
+                                        give_up_after, pin)
+        manifest = verify.manifest_from_bytes(manifest_bytes)  # what the pin took, and what is stored
+        if deadline <= 0:
+            _deadline_watch(default_deadline(manifest) - (time.monotonic() - t0))
         if fleet:
             plan = fleet_plan(manifest["files"], fleet, position, fanout, urls)
         try:
@@ -922,10 +1196,9 @@ def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_af
         # nothing is served until hashed again (bit rot keeps sizes and mtimes): the markers of
         # the old manifest's files and the new one's, and verify.py's marker, go
         drop_marks(root, {"files": {**old_files, **manifest["files"]}})
-        with open(os.path.join(root, MANIFEST) + ".tmp", "wb") as fh:
-            fh.write(manifest_bytes)
-        os.replace(os.path.join(root, MANIFEST) + ".tmp", os.path.join(root, MANIFEST))
-        run = _Fetch(root, manifest, urls, plan, streams, chunk, dead_after, give_up_after, t0, verify_behind, secret)
+        verify.write_beneath(root, MANIFEST, manifest_bytes)
+        run = _Fetch(root, manifest, urls, plan, streams, chunk, dead_after, give_up_after, t0, verify_behind, secret,
+                     slow_after)
         lanes = [[] for _ in range(max(1, fanout if fleet else 1))]
         todo = set(mark(root))  # resume/repair: what hashes right stays (and is served at once)
         run.report["kept"] = len(manifest["files"]) - len(todo)
@@ -942,11 +1215,11 @@ def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_af
     finally:
         stop.set()
         beat.join()
-    shutil.rmtree(os.path.join(root, PARTIAL), ignore_errors=True)
+    _remove_partial(root)
     report = run.report
     # every file verified and marked: verify.py's marker too (index and headers checked,
     # nothing hashed twice), so the deploy's checkpoint gate passes without re-hashing
-    stats = {rel: verify.stat_record(os.path.join(root, rel)) for rel in manifest["files"]}
+    stats = {rel: verify.stat_beneath(root, rel) for rel in manifest["files"]}
     problems = verify.index_problems(root, manifest)
     if not problems and all(is_verified_here(root, manifest, rel, {}) for rel in manifest["files"]):
         verify.write_marker(root, manifest, stats)
@@ -974,8 +1247,10 @@ def main(argv=None):
     s.add_argument("--bind", default="0.0.0.0")
     s.add_argument("--port", type=int, required=True, help="0: any free port (printed)")
     s.add_argument("--exit-with-parent", action="store_true")
-    s.add_argument("--secret-file", help="a root-only file holding the deployment's relay secret (required of every request)")
-    s.add_argument("--idle-exit", type=float, default=0.0, help="stop after this many seconds without a request (0: never)")
+    s.add_argument("--secret-file", help="a root-only file holding the deployment's relay secret (every connection "
+                   "authenticates both ways with it)")
+    s.add_argument("--idle-exit", type=float, default=0.0,
+                   help="stop after this many seconds without an authenticated request (0: never)")
     f = sub.add_parser("fetch")
     f.add_argument("dir")
     f.add_argument("--source", action="append", default=[], help="http://HOST:PORT of the source's copy")
@@ -995,7 +1270,12 @@ def main(argv=None):
     f.add_argument("--repo", help="the pinned repository: a manifest of another is refused")
     f.add_argument("--revision", help="the pinned revision: a manifest of another is refused")
     f.add_argument("--manifest-digest", help="the control machine's verified copy's manifest digest: any other is refused")
-    f.add_argument("--secret-file", help="a root-only file holding the deployment's relay secret (sent with every request)")
+    f.add_argument("--secret-file", help="a root-only file holding the deployment's relay secret (each source must "
+                   "prove it holds it; the secret itself is never sent)")
+    f.add_argument("--slow-after", type=float, default=SLOW_AFTER_S,
+                   help=f"seconds in which a source must send {SLOW_MIN_BYTES >> 20} MiB of a file, or it is skipped")
+    f.add_argument("--deadline", type=float, default=0.0,
+                   help="seconds the whole fetch may take (exit 4 after; 0: 30 min + the checkpoint at 50 MB/s)")
     a = p.parse_args(argv)
     if a.cmd == "mark":
         bad = mark(a.dir)
@@ -1013,8 +1293,12 @@ def main(argv=None):
         p.error("--fleet needs --position, an index into it")
     if not (a.source or plan or fleet):
         p.error("fetch needs --source, --plan or --fleet")
-    fetch(a.dir, a.source, a.streams, a.chunk, a.log, plan, a.dead_after, fleet, a.position, a.fanout,
-          a.give_up_after, a.verify_behind, Pin(a.repo, a.revision, a.manifest_digest), read_secret(a.secret_file))
+    try:
+        fetch(a.dir, a.source, a.streams, a.chunk, a.log, plan, a.dead_after, fleet, a.position, a.fanout,
+              a.give_up_after, a.verify_behind, Pin(a.repo, a.revision, a.manifest_digest), read_secret(a.secret_file),
+              a.slow_after, a.deadline)
+    except OSError as exc:  # e.g. a symlink in the way: one line, no traceback
+        raise SystemExit(f"relay fetch: {exc}") from None
     return 0
 
 

@@ -170,15 +170,85 @@ def state_dir(root: str) -> str:
 
 
 def load_manifest(path: str) -> dict[str, Any]:
-    """Read a manifest JSON file.
+    """Read a manifest JSON file (:func:`manifest_from_bytes`: strict UTF-8, no BOM, no
+    duplicate key; ValueError otherwise).
 
     Example:
         >>> m = load_manifest("/models/k2/.k2fleet/manifest.json")  # doctest: +SKIP
         >>> m["revision"]  # doctest: +SKIP
         '612681931a8c906ddb349f8ad0f582cb552189cd'
     """
-    with open(path, encoding="utf-8") as f:
-        return json_loads(f.read())
+    with open(path, "rb") as f:
+        return manifest_from_bytes(f.read())
+
+
+def load_manifest_in(root: str) -> dict[str, Any]:
+    """``ROOT/.k2fleet/manifest.json`` read without following a symlink below ``root``."""
+    return manifest_from_bytes(read_beneath(root, os.path.join(STATE_DIR, MANIFEST_NAME)))
+
+
+def manifest_from_bytes(raw: bytes) -> Any:
+    """The manifest in ``raw`` as every k2fleet reader sees it: strict UTF-8 (no byte order
+    mark, no UTF-16/32 — ``json.loads`` of bytes would guess those), one JSON value, no
+    object with a key twice, no NaN/Infinity. ValueError otherwise. Digests are taken of
+    what this returns for the bytes as stored (:func:`manifest_digest_of`), so two byte
+    strings with one digest are one manifest to every reader.
+
+    >>> manifest_from_bytes(b'{"a": 1}')
+    {'a': 1}
+    >>> for bad in (b'\\xef\\xbb\\xbf{}', '{}'.encode('utf-16'), b'{"a": 1, "a": 2}', b'[NaN]', b'{"a": "\\xff"}'):
+    ...     try:
+    ...         manifest_from_bytes(bad)
+    ...     except ValueError:
+    ...         pass
+    ...     else:
+    ...         print("accepted", bad)
+    """
+    raw = bytes(raw)
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raise ValueError("the manifest starts with a byte order mark (it must be plain UTF-8)")
+    text = raw.decode("utf-8", "strict")  # UnicodeDecodeError is a ValueError
+    try:
+        from _json import make_scanner
+        scan = make_scanner(_StrictJson)
+    except (ImportError, TypeError):
+        import json
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    at = _skip_space(text, 0)
+    try:
+        value, end = scan(text, at)
+    except StopIteration as exc:
+        raise ValueError(f"no JSON value at {exc.value}") from None
+    if _skip_space(text, end) != len(text):
+        raise ValueError(f"extra data after the JSON value at {end}")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"the key {twice!r} appears twice in one object")
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+class _StrictJson:
+    """What ``_json.make_scanner`` reads from a ``json.JSONDecoder``: strict, no duplicate keys, no NaN."""
+
+    strict, object_hook = True, None
+    object_pairs_hook, parse_constant = _unique_keys, _no_constant
+    parse_float, parse_int = float, int
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at] in " \t\n\r":
+        at += 1
+    return at
 
 
 def manifest_problems(manifest: Any) -> list[Problem]:
@@ -199,13 +269,19 @@ def manifest_problems(manifest: Any) -> list[Problem]:
         return out + [Problem("<manifest>", BAD_MANIFEST, "'files' is not an object")]
     for rel, entry in files.items():
         out += _entry_problems(rel, entry)
+    for rel in files:  # a name that is a file and (a parent of) another file: no directory tree holds both
+        parts = rel.split("/") if isinstance(rel, str) else []
+        clash = next(("/".join(parts[:i]) for i in range(1, len(parts)) if "/".join(parts[:i]) in files), None)
+        if clash is not None:
+            out.append(Problem(rel, BAD_MANIFEST, f"names {clash} as a directory, and the manifest has {clash} as a file"))
     return out
 
 
 def _entry_problems(rel: str, entry: Any) -> list[Problem]:
     if not _safe_relpath(rel):
         return [Problem(rel, BAD_MANIFEST, "path is absolute or escapes the directory")]
-    if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or entry["size"] < 0:
+    size = entry.get("size") if isinstance(entry, dict) else None
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         return [Problem(rel, BAD_MANIFEST, "entry has no integer 'size'")]
     sha256, sha1 = entry.get("sha256"), entry.get("git_blob_sha1")
     if isinstance(sha256, str) and _hex(sha256, 64):
@@ -228,8 +304,16 @@ def _safe_relpath(rel: str) -> bool:
             and parts[0] != ".k2fleet" and "\\" not in rel and not any(ord(c) < 32 or ord(c) == 127 for c in rel))
 
 
+def manifest_digest_of(raw: bytes) -> str:
+    """:func:`manifest_digest` of the manifest stored as ``raw``, read as every reader reads
+    it (:func:`manifest_from_bytes`: ValueError for bytes it refuses). What a pin compares:
+    the bytes as they are stored, never a more lenient decoding of them."""
+    return manifest_digest(manifest_from_bytes(raw))
+
+
 def manifest_digest(manifest: dict[str, Any]) -> str:
     """sha256 of the manifest's identity (repo_id, revision, files); ``overlay`` is excluded.
+    Of a manifest read by :func:`manifest_from_bytes` (:func:`manifest_digest_of`).
 
     Example:
         >>> len(manifest_digest({"repo_id": "a/b", "revision": "0" * 40, "files": {}}))
@@ -240,6 +324,162 @@ def manifest_digest(manifest: dict[str, Any]) -> str:
     h = new_sha256(len(blob))  # the builtin sha256 for a small blob: no OpenSSL load
     h.update(blob)
     return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- files beneath the root
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_dir_beneath(root: str, reldir: str, create: bool = False) -> int:
+    """An fd of directory ``ROOT/reldir``, every component below ``root`` opened without
+    following a symlink (``O_NOFOLLOW|O_DIRECTORY`` from the directory above): a
+    symlinked directory inside the model directory is never gone through (OSError naming
+    it). ``create``: missing directories are made (0755). ``root`` itself is the
+    operator's path, taken as given. The caller closes the fd."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    done = []
+    try:
+        for part in reldir.split("/"):
+            if part in ("", "."):
+                continue
+            if part == "..":
+                raise OSError(22, f"{os.path.join(root, *done, part)}: '..' is not followed")
+            try:
+                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                except FileExistsError:
+                    pass
+                nfd = _open_dir_part(root, done, part, fd)
+            except OSError as e:
+                nfd = _open_dir_part(root, done, part, fd, e)
+            os.close(fd)
+            fd = nfd
+            done.append(part)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_dir_part(root: str, done: list[str], part: str, fd: int, error: OSError | None = None) -> int:
+    """Open one component (again), or raise an OSError that says it is a symlink."""
+    if error is None:
+        try:
+            return os.open(part, _DIR_FLAGS, dir_fd=fd)
+        except OSError as e:
+            error = e
+    import stat as _stat
+    try:
+        mode = os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode
+    except OSError:
+        raise error from None
+    where = os.path.join(root, *done, part)
+    if _stat.S_ISLNK(mode):
+        raise OSError(error.errno, f"{where} is a symlink: k2fleet neither reads nor writes through one "
+                      "inside the model directory (remove it)") from None
+    raise OSError(error.errno, f"{where} is not a directory ({error.strerror})") from None
+
+
+def open_beneath(root: str, rel: str, flags: int = os.O_RDONLY, mode: int = 0o644, create_dirs: bool = False,
+                 follow_last: bool = False) -> int:
+    """``os.open`` of ``ROOT/rel`` without following a symlink at any component below
+    ``root`` (:func:`open_dir_beneath`; the last one with ``O_NOFOLLOW`` unless
+    ``follow_last``: a read-only check of a huggingface cache snapshot, whose files are
+    symlinks to its blobs)."""
+    head, _, name = rel.rpartition("/")
+    dfd = open_dir_beneath(root, head, create_dirs)
+    try:
+        try:
+            nofollow = 0 if follow_last else os.O_NOFOLLOW
+            return os.open(name, flags | nofollow | getattr(os, "O_CLOEXEC", 0), mode, dir_fd=dfd)
+        except OSError as e:
+            if e.errno == 40:  # ELOOP: the last component is a symlink
+                raise OSError(e.errno, f"{os.path.join(root, rel)} is a symlink: k2fleet neither reads nor "
+                              "writes through one inside the model directory (remove it)") from None
+            raise
+    finally:
+        os.close(dfd)
+
+
+def read_beneath(root: str, rel: str, limit: int = 1 << 30, follow_last: bool = False) -> bytes:
+    """The bytes of ``ROOT/rel`` (:func:`open_beneath`), at most ``limit``."""
+    fd = open_beneath(root, rel, follow_last=follow_last)
+    try:
+        chunks, left = [], limit
+        while left > 0:
+            got = os.read(fd, min(left, 1 << 20))
+            if not got:
+                break
+            chunks.append(got)
+            left -= len(got)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def stat_beneath(root: str, rel: str) -> dict[str, int] | None:
+    """The stat record of regular file ``ROOT/rel`` reached without following a symlink
+    (None: missing, a symlink, not a regular file, or behind a symlinked directory)."""
+    head, _, name = rel.rpartition("/")
+    try:
+        dfd = open_dir_beneath(root, head)
+    except OSError:
+        return None
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except OSError:
+        return None
+    finally:
+        os.close(dfd)
+    import stat as _stat
+    return _stat_record(st) if _stat.S_ISREG(st.st_mode) else None
+
+
+def write_beneath(root: str, rel: str, data: bytes) -> None:
+    """Write ``data`` to ``ROOT/rel`` atomically (temp file, fsync, rename in the same
+    directory, fsync of it), no component below ``root`` followed if a symlink."""
+    head, _, name = rel.rpartition("/")
+    dfd = open_dir_beneath(root, head, create=True)
+    try:
+        tmp = f".{name}.tmp.{os.getpid()}.{_thread.get_ident()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644,
+                     dir_fd=dfd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            os.unlink(tmp, dir_fd=dfd)
+            raise
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def unlink_beneath(root: str, rel: str) -> None:
+    """Remove ``ROOT/rel`` (itself, never what a symlink points to); nothing if missing or
+    behind a symlinked directory."""
+    head, _, name = rel.rpartition("/")
+    try:
+        dfd = open_dir_beneath(root, head)
+    except OSError:
+        return
+    try:
+        os.unlink(name, dir_fd=dfd)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(dfd)
 
 
 # --------------------------------------------------------------------------- marker
@@ -257,8 +497,7 @@ def _stat_record(st: os.stat_result) -> dict[str, int]:
 def load_marker(root: str, manifest: dict[str, Any]) -> dict[str, dict[str, int]]:
     """Per-file stat records of a marker that matches ``manifest`` ({} if none/stale)."""
     try:
-        with open(marker_path(root), encoding="utf-8") as f:
-            marker = json_loads(f.read())
+        marker = json_loads(read_beneath(root, os.path.join(STATE_DIR, MARKER_NAME)))
     except (OSError, ValueError):
         return {}
     if (
@@ -282,15 +521,13 @@ def write_marker(root: str, manifest: dict[str, Any], stats: dict[str, dict[str,
         "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "files": stats,
     }
-    atomic_write_json(marker_path(root), marker)
+    import json
+    write_beneath(root, os.path.join(STATE_DIR, MARKER_NAME), (json.dumps(marker, indent=1, sort_keys=True) + "\n").encode())
 
 
 def remove_marker(root: str) -> None:
-    """Delete ``verified.json`` if present."""
-    try:
-        os.unlink(marker_path(root))
-    except FileNotFoundError:
-        pass
+    """Delete ``verified.json`` if present (not through a symlinked ``.k2fleet``)."""
+    unlink_beneath(root, os.path.join(STATE_DIR, MARKER_NAME))
 
 
 def atomic_write_json(path: str, obj: Any) -> None:
@@ -327,10 +564,7 @@ def is_verified(root: str, manifest: dict[str, Any]) -> bool:
     if not recorded or set(recorded) != set(manifest.get("files", {})):
         return False
     for rel, rec in recorded.items():
-        try:
-            if _stat_record(os.stat(os.path.join(root, rel))) != rec:
-                return False
-        except OSError:
+        if stat_beneath(root, rel) != rec:  # a file behind a symlink is not the one verified
             return False
     return True
 
@@ -453,8 +687,8 @@ class _Verifier:
     """Per-run state: root, manifest, prior marker, per-thread buffers."""
 
     def __init__(self, root: str, manifest: dict[str, Any], full: bool,
-                 hashed: dict[str, tuple[str, dict[str, int]]] | None = None) -> None:
-        self.root = root
+                 hashed: dict[str, tuple[str, dict[str, int]]] | None = None, file_symlinks: bool = False) -> None:
+        self.root, self.file_symlinks = root, file_symlinks
         self.files: dict[str, dict[str, Any]] = manifest["files"]
         self.prior = {} if full else load_marker(root, manifest)
         self.hashed = hashed or {}  # rel → (hex digest, stat record) of a hash the caller took of the file
@@ -471,9 +705,8 @@ class _Verifier:
         """Size, header and hash checks of one manifest file."""
         res = _FileResult(rel)
         entry = self.files[rel]
-        path = os.path.join(self.root, rel)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = open_beneath(self.root, rel, follow_last=self.file_symlinks)  # never through a symlinked directory
         except FileNotFoundError:
             res.problems.append(Problem(rel, MISSING, "not on disk"))
             return res
@@ -544,7 +777,7 @@ def stat_record(path: str) -> dict[str, int] | None:
         return None
 
 
-def index_problems(root: str, manifest: dict[str, Any]) -> list[Problem]:
+def index_problems(root: str, manifest: dict[str, Any], file_symlinks: bool = False) -> list[Problem]:
     """Cross-check ``model.safetensors.index.json``'s weight_map against the manifest.
 
     Example:
@@ -557,15 +790,14 @@ def index_problems(root: str, manifest: dict[str, Any]) -> list[Problem]:
         index_rels = [INDEX_NAME]
     out: list[Problem] = []
     for index_rel in index_rels:
-        out += _one_index_problems(root, index_rel, files)
+        out += _one_index_problems(root, index_rel, files, file_symlinks)
     return out
 
 
-def _one_index_problems(root: str, index_rel: str, files: dict[str, Any]) -> list[Problem]:
+def _one_index_problems(root: str, index_rel: str, files: dict[str, Any], file_symlinks: bool = False) -> list[Problem]:
     prefix = index_rel[: -len(INDEX_NAME)]
     try:
-        with open(os.path.join(root, index_rel), encoding="utf-8") as f:
-            weight_map = json_loads(f.read())["weight_map"]
+        weight_map = json_loads(read_beneath(root, index_rel, follow_last=file_symlinks).decode("utf-8"))["weight_map"]
         if not isinstance(weight_map, dict):
             raise ValueError("weight_map is not an object")
     except FileNotFoundError:
@@ -598,6 +830,7 @@ def verify(
     full: bool = False,
     workers: int | None = None,
     hashed: dict[str, tuple[str, dict[str, int]]] | None = None,
+    file_symlinks: bool = False,
 ) -> Report:
     """Verify directory ``root`` against ``manifest``; write or remove the marker.
 
@@ -608,6 +841,9 @@ def verify(
     file → (hex digest, stat record) of a hash the caller took of it (the download
     hashes each file as it is written): compared instead of hashing again, provided
     the file's stat is still the one recorded then (sizes and headers are still checked).
+    No file is read through a symlinked directory inside ``root``, nor through a symlinked
+    file unless ``file_symlinks`` (a huggingface cache snapshot, checked read-only: such a
+    file is still never served by the relay nor passed by the stat-only gate).
 
     Example:
         >>> m = load_manifest("/models/k2/.k2fleet/manifest.json")  # doctest: +SKIP
@@ -623,8 +859,8 @@ def verify(
     files: dict[str, dict[str, Any]] = manifest["files"]
     report.files_total = len(files)
     report.bytes_total = sum(int(e["size"]) for e in files.values())
-    report.problems += index_problems(root, manifest)
-    verifier = _Verifier(root, manifest, full, hashed)
+    report.problems += index_problems(root, manifest, file_symlinks)
+    verifier = _Verifier(root, manifest, full, hashed, file_symlinks=file_symlinks)
     order = sorted(files, key=lambda rel: -int(files[rel]["size"]))
     nthreads = max(1, min((workers or default_workers()) * STREAMS_PER_WORKER, len(order) or 1))
     from concurrent.futures import ThreadPoolExecutor  # not imported by the fact's --marker-only check

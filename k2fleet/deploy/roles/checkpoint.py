@@ -64,13 +64,30 @@ TOKEN_PATH = f"{TOKEN_DIR}/hf_token"
 FETCHER_WORKERS = 2
 
 
+BECOME_ARGS = ("_sudo", "_sudo_user", "_use_sudo_login", "_use_sudo_password", "_preserve_sudo_env", "_su_user",
+               "_use_su_login", "_preserve_su_env", "_su_shell", "_doas", "_doas_user")
+
+
+def become_args(data) -> dict:
+    """The host's own privilege arguments (``_sudo``...) from its data: pyinfra applies them
+    to operations, not to a python.call's direct ``host.run_shell_command``/``put_file``.
+
+    >>> become_args({"_sudo": True, "ssh_user": "ops", "_sudo_user": None})
+    {'_sudo': True}
+    """
+    return {k: data.get(k) for k in BECOME_ARGS if data.get(k)}
+
+
 def send_token(token_file: str | None) -> None:
     """Put the Hub token (env ``HF_TOKEN`` or ``token_file``, read now) on the current
-    host as ``/run/k2fleet/hf_token``, root-only; nothing when there is no token."""
+    host as ``/run/k2fleet/hf_token``, root-only (as the host's ``_sudo`` user, like its
+    operations); nothing when there is no token."""
     token = read_token(token_file)
-    ok = host.run_shell_command(f"install -d -m 700 {TOKEN_DIR} && rm -f {TOKEN_PATH}")[0]
+    become = become_args(host.data)
+    ok = host.run_shell_command(f"install -d -m 700 {TOKEN_DIR} && rm -f {TOKEN_PATH}", **become)[0]
     if ok and token:
-        ok = host.put_file(BytesIO(token.encode()), TOKEN_PATH) and host.run_shell_command(f"chmod 600 {TOKEN_PATH}")[0]
+        ok = (host.put_file(BytesIO(token.encode()), TOKEN_PATH, **become)
+              and host.run_shell_command(f"chmod 600 {TOKEN_PATH}", **become)[0])
     if not ok:
         raise RuntimeError(f"{host.name}: could not place the Hub token in {TOKEN_DIR}")
 
