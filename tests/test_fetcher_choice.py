@@ -51,6 +51,29 @@ def inventory(reaches: dict[str, bool | None], data: tuple[str, ...] = ()) -> Fa
     return inv
 
 
+@pytest.fixture(autouse=True)
+def _own_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deployment's control state (where a chosen fetcher is remembered) in this test's own directory."""
+    monkeypatch.setenv("K2FLEET_STATE_DIR", str(tmp_path / "state"))
+
+
+def test_a_chosen_host_is_remembered_and_not_asked_again() -> None:
+    """A settled fleet's re-run pays no round trip for the question; the control machine
+    (no host reached the Hub this time) is never remembered."""
+    dep, plan = load_plan(str(H200), [])
+    inv = inventory({"h200-0": False, "h200-1": None})
+    assert fetcher_choice.resolve(inv, dep, plan)[2] == "control" and sorted(inv.asked) == ["h200-0", "h200-1"]
+    inv = inventory({"h200-0": False, "h200-1": True})
+    assert fetcher_choice.resolve(inv, dep, plan)[2] == "h200-1" and sorted(inv.asked) == ["h200-0", "h200-1"]
+    inv = inventory({"h200-0": True, "h200-1": False})
+    assert fetcher_choice.resolve(inv, dep, plan)[2] == "h200-1" and inv.asked == []  # remembered
+    memo = fetcher_choice.state_dir(dep) / fetcher_choice.CHOICE_FILE
+    assert memo.stat().st_mode & 0o777 == 0o600
+    memo.write_text("gone-host\n")  # a host no longer in the inventory: ask again
+    inv = inventory({"h200-0": True, "h200-1": False})
+    assert fetcher_choice.resolve(inv, dep, plan)[2] == "h200-0" and sorted(inv.asked) == ["h200-0", "h200-1"]
+
+
 @pytest.mark.parametrize("reaches, chosen", [
     ({"h200-0": False, "h200-1": True}, "h200-1"),
     ({"h200-0": True, "h200-1": True}, "h200-0"),  # the first in inventory order
