@@ -142,9 +142,19 @@ def test_plan_json_shows_the_sources_and_the_index(tmp_path: Path, capsys) -> No
     ({"k2_pypi_index": "https://u:pw@pypi.corp.example/simple"}, "k2_pypi_index", "user:password@"),
     ({"k2_egress": "mirrors-only", "k2_firewall": False}, "k2_egress", "k2_firewall"),
     ({"k2_egress": "mirrors-only"}, "k2_egress", "k2_os_mirror"),
-    ({"k2_egress": "mirrors-only", "k2_os_mirror": "https://unknown.corp.example/ubuntu"}, "k2_egress", "does not resolve"),
+    ({"k2_egress": "mirrors-only", "k2_os_mirror": "https://unknown.corp.example/ubuntu",
+      "k2_nvidia_repo": "https://cuda.corp.example/r", "k2_nvidia_repo_keyring": "KEYRING",
+      "k2_pypi_index": "https://pypi.corp.example/simple"}, "k2_egress", "does not resolve"),
+    ({"k2_container_toolkit_repo": "https://ctk.corp.example/c"}, "k2_container_toolkit_repo",
+     "k2_container_toolkit_repo_keyring"),
+    ({"k2_docker_repo": "https://docker.corp.example/rhel"}, "k2_docker_repo", "k2_docker_repo_keyring"),
+    ({"k2_docker_repo_keyring": "/etc/hostname"}, "k2_docker_repo_keyring", "k2_docker_repo, which is not set"),
+    ({"k2_container_toolkit_repo_keyring": "/etc/hostname"}, "k2_container_toolkit_repo_keyring",
+     "k2_container_toolkit_repo, which is not set"),
+    ({"k2_docker_repo": "http://docker.corp.example/rhel"}, "k2_docker_repo", "https"),
 ])
 def test_mirror_keys_are_refused_with_one_line(tmp_path: Path, data, key, words) -> None:
+    data = {k: keyring(tmp_path) if v == "KEYRING" else v for k, v in data.items()}
     with pytest.raises(SpecError) as exc:
         plan_of(tmp_path, **data)
     assert exc.value.key == key and words in exc.value.message, str(exc.value)
@@ -166,15 +176,20 @@ def test_egress_mirrors_only_allows_the_fleet_and_the_plans_mirrors(tmp_path: Pa
     assert f.to_json()["egress"]["names"] == fw.egress_names(dep)
 
 
-def test_egress_without_a_cuda_mirror_allows_nvidias_own_hosts(tmp_path: Path) -> None:
+def test_egress_without_a_cuda_mirror_is_refused_naming_the_key(tmp_path: Path) -> None:
+    """#34: mirrors-only means the fleet and the inventory's mirrors: a host that would fetch from
+    NVIDIA's own server (k2_nvidia_repo unset) is refused in one line naming the key and the fix,
+    even when that server's name resolves (it was allowed, resolved, before)."""
     NAMES["developer.download.nvidia.com"] = ["192.0.2.90"]
     try:
-        dep, plan = plan_of(tmp_path, k2_egress="mirrors-only", k2_os_mirror="https://mirror.corp.example/ubuntu",
-                            k2_pypi_index="https://pypi.corp.example/simple")
+        with pytest.raises(SpecError) as exc:
+            plan_of(tmp_path, k2_egress="mirrors-only", k2_os_mirror="https://mirror.corp.example/ubuntu",
+                    k2_pypi_index="https://pypi.corp.example/simple")
     finally:
         del NAMES["developer.download.nvidia.com"]
-    assert fw.egress_names(dep) == ["developer.download.nvidia.com", "mirror.corp.example", "pypi.corp.example"]
-    assert "192.0.2.90" in fw.host_firewall(dep, plan.hosts["node-0"]).egress
+    assert exc.value.key == "k2_nvidia_repo", str(exc.value)
+    assert "node-0 would fetch NVIDIA's CUDA repository from developer.download.nvidia.com" in exc.value.message
+    assert "set k2_nvidia_repo and k2_nvidia_repo_keyring" in exc.value.message and "\n" not in str(exc.value)
 
 
 def test_egress_open_renders_no_output_chain(tmp_path: Path) -> None:
