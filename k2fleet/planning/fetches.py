@@ -33,6 +33,7 @@ add each host's ports, in and out.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -74,16 +75,11 @@ class Fetch:
 
     @property
     def host(self) -> str:
-        return mirrors.url_host(self.url) if self.url else ""
+        return _host_port(self.url)[0]
 
     @property
     def port(self) -> int | None:
-        parts = urlsplit(self.url)
-        try:
-            port = parts.port
-        except ValueError:
-            port = None
-        return port or {"https": 443, "http": 80}.get(parts.scheme)
+        return _host_port(self.url)[1]
 
     @property
     def target(self) -> str:
@@ -94,6 +90,19 @@ class Fetch:
     def to_json(self) -> dict[str, Any]:
         return {"url": self.url or None, "host": self.host or None, "port": self.port, "what": self.what,
                 "key": self.key, "declared": self.declared}
+
+
+@lru_cache(maxsize=256)
+def _host_port(url: str) -> tuple[str, int | None]:
+    """A URL's host name and port, parsed once (every host of a fleet fetches from the same few)."""
+    if not url:
+        return "", None
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return mirrors.url_host(url), port or {"https": 443, "http": 80}.get(parts.scheme)
 
 
 def registry_url(image: str) -> str:
@@ -123,7 +132,7 @@ def host_fetches(dep: Deployment) -> dict[str, tuple[Fetch, ...]]:
 
     s = dep.s
     hub = any(ws.source == "hub" for ws in dep.weight_sets)
-    boots: dict[tuple[str, bool, bool], Any] = {}  # a host's repositories depend on its OS, GPUs and Docker only
+    repos: dict[tuple[str, bool, bool], list[Fetch]] = {}  # a host's repositories depend on its OS, GPUs and Docker only
     out: dict[str, tuple[Fetch, ...]] = {}
     for h in dep.fleet.hosts:
         found: list[Fetch] = []
@@ -136,10 +145,10 @@ def host_fetches(dep: Deployment) -> dict[str, tuple[Fetch, ...]]:
                                "k2_os_mirror", False,
                                "set k2_os_mirror to your distribution mirror (or k2_package_source: bundle)"))
             sig = (t.host_os(h), host_bootstrap.host_needs_gpu_stack(h), docker)
-            if sig not in boots:
-                boots[sig] = host_bootstrap.bootstrap_plan(dep, h, docker=docker)
-            for repo in boots[sig].repos:
-                found += _repo_fetches(dep, repo, boots[sig].arch)
+            if sig not in repos:
+                boot = host_bootstrap.bootstrap_plan(dep, h, docker=docker)
+                repos[sig] = [f for repo in boot.repos for f in _repo_fetches(dep, repo, boot.arch)]
+            found += repos[sig]
         if dep.runtime == "venv" and s.bundle is None and not s.simulated_gpus:
             fix = "set k2_pypi_index to your index (or ship the wheels in k2_bundle)"
             found += ([Fetch(s.pypi_index, "the engine venv's packages", "k2_pypi_index", True)]
@@ -189,6 +198,8 @@ def refusal(dep: Deployment) -> SpecError | None:
     return None
 
 
-def destinations(dep: Deployment) -> list[str]:
-    """Every host name the hosts fetch from (sorted; what ``k2_egress: mirrors-only`` allows)."""
-    return sorted({f.host for fetches in host_fetches(dep).values() for f in fetches if f.host})
+def destinations(dep: Deployment, fetches: dict[str, tuple[Fetch, ...]] | None = None) -> list[str]:
+    """Every host name the hosts fetch from (sorted; what ``k2_egress: mirrors-only`` allows);
+    ``fetches``: :func:`host_fetches`, when the caller has it."""
+    found = host_fetches(dep) if fetches is None else fetches
+    return sorted({f.host for mine in found.values() for f in mine if f.host})

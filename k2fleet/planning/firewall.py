@@ -482,7 +482,7 @@ def network_json(dep: Deployment, plan: Plan) -> dict[str, Any]:
             "outbound": [{"to": "the fleet", "ports": "all"},
                          *({"to": target, "for": whats} for target, whats in _outbound(mine).items())],
         }
-    return {"closed_by": closed(dep), "egress": dep.s.egress, "destinations": destinations(dep),
+    return {"closed_by": closed(dep), "egress": dep.s.egress, "destinations": destinations(dep, fetches),
             "also": [what for _, what in EGRESS_ALWAYS], "hosts": hosts}
 
 
@@ -495,7 +495,7 @@ def format_network(dep: Deployment, plan: Plan) -> str:
     fetches = host_fetches(dep)
     out = ["\n== network: where each host fetches from, and its ports (open these in advance)",
            f"  {'closed by ' + why + ': only the fleet and the declared mirrors' if why else 'open (k2_egress: open)'}; "
-           f"places: {', '.join(destinations(dep)) or 'none'}",
+           f"places: {', '.join(destinations(dep, fetches)) or 'none'}",
            "  between fleet hosts: every TCP/UDP port, both ways (ranks meet on ports chosen at run time)",
            "  also: " + ", ".join(what for _, what in EGRESS_ALWAYS)]
     for name, hp in plan.hosts.items():
