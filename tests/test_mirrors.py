@@ -367,6 +367,20 @@ def test_mirrors_only_refuses_a_fetch_from_outside_the_mirrors_naming_the_key(tm
     assert f"set {key}" in exc.value.message and "\n" not in str(exc.value)
 
 
+def test_mirrors_only_refuses_amds_repository_which_has_no_mirror_key(tmp_path: Path) -> None:
+    CORP["repo.radeon.com"] = ["192.0.2.87"]  # resolvable, and still not the inventory's
+    try:
+        with pytest.raises(SpecError) as exc:
+            load_plan(write_inventory(tmp_path, hosts=SGLANG_4[:1], k2_gpu="mi300x", k2_tp=8, k2_firewall=True,
+                                      k2_egress="mirrors-only", k2_os_mirror="https://mirror.corp.example/ubuntu",
+                                      k2_image="registry.corp.example:5000/rocm/vllm:v0.33.0"), resolver=corp_resolver)
+    finally:
+        del CORP["repo.radeon.com"]
+    assert exc.value.key == "k2_package_source", str(exc.value)
+    assert ("gpu-0 would fetch AMD's amdgpu repository from repo.radeon.com (k2_package_source: apt); it has no "
+            "mirror key: use k2_package_source: bundle with k2_bundle") in exc.value.message
+
+
 def test_a_bundle_refuses_a_fetcher_host_that_would_reach_the_hub(tmp_path: Path) -> None:
     """``k2_bundle``: the air-gapped fleet takes everything from the bundle; a fetcher host without
     a Hub mirror would download from huggingface.co, so validate refuses it, naming the key."""

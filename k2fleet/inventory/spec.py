@@ -947,7 +947,8 @@ class HostSettings(BaseModel):
         "Outbound traffic of the hosts when `k2_firewall` is on: `open` (default: untouched) or `mirrors-only` "
         "(k2fleet's table lets a host open connections only to the fleet, the hosts of the repositories, mirrors "
         "and indexes its plan uses, resolved to IPs on the control machine, DNS, NTP and DHCP; everything else is "
-        "rejected).",
+        "rejected). Validate refuses mirrors-only while a host would still fetch from a vendor's own server "
+        "(naming the mirror key to set: `k2fleet plan` lists every place each host fetches from).",
         default="open",
     )
     config_dir: AbsPath = _key(FLEET, "Where rendered config files go on hosts.", default="/etc/k2fleet")

@@ -114,7 +114,7 @@ def registry_url(image: str) -> str:
     return DOCKER_HUB
 
 
-def _repo_fetches(dep: Deployment, repo: Any, arch: str) -> list[Fetch]:
+def _repo_fetches(repo: Any, arch: str) -> list[Fetch]:
     if repo.kind not in FETCH_KINDS:
         return []
     key, what, fix = REPO_KEYS.get(repo.name, ("k2_package_source", f"repository {repo.name}", ""))
@@ -147,7 +147,7 @@ def host_fetches(dep: Deployment) -> dict[str, tuple[Fetch, ...]]:
             sig = (t.host_os(h), host_bootstrap.host_needs_gpu_stack(h), docker)
             if sig not in repos:
                 boot = host_bootstrap.bootstrap_plan(dep, h, docker=docker)
-                repos[sig] = [f for repo in boot.repos for f in _repo_fetches(dep, repo, boot.arch)]
+                repos[sig] = [f for repo in boot.repos for f in _repo_fetches(repo, boot.arch)]
             found += repos[sig]
         if dep.runtime == "venv" and s.bundle is None and not s.simulated_gpus:
             fix = "set k2_pypi_index to your index (or ship the wheels in k2_bundle)"
@@ -192,9 +192,10 @@ def refusal(dep: Deployment) -> SpecError | None:
         for f in fetches:
             if not f.declared:
                 place = f.host or "sources k2fleet does not know"
+                because = "k2_package_source: apt" if f.key == "k2_package_source" else f"{f.key} unset"
                 return SpecError(f.key, f"with {why} nothing may be fetched from outside the fleet and the declared "
                                  f"mirrors, but {host} would fetch {f.what.split(': ', 1)[-1]} from {place} "
-                                 f"({f.key} unset); {f.fix}", dep.fleet.source)
+                                 f"({because}); {f.fix}", dep.fleet.source)
     return None
 
 
