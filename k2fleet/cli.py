@@ -29,7 +29,7 @@ from k2fleet.inventory.spec import SpecError, keys_markdown
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning import profiles
 from k2fleet.planning.api_front import address
-from k2fleet.planning.firewall import format_firewall
+from k2fleet.planning.firewall import format_firewall, format_network, network_json
 from k2fleet.planning.processes import Plan
 from k2fleet.planning.quoting import curl_line, shell_line
 
@@ -130,6 +130,7 @@ def plan_document(dep: Deployment, plan: Plan) -> dict:
         host["address_from"] = origins[name]  # "address" is the IP every engine, mesh and firewall value uses
         host["ssh_hostname"] = entries[name].ssh_hostname  # what pyinfra connects to (None: the host name)
         host["desired"] = desired[name].to_json()
+    doc["network"] = network_json(dep, plan)  # every place each host fetches from, its ports in and out
     return doc
 
 
@@ -153,6 +154,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         sys.stdout.write(format_fetcher(dep, plan))
         sys.stdout.write(format_profile(dep))
         sys.stdout.write(format_firewall(dep, plan))  # every port with who may reach it
+        sys.stdout.write(format_network(dep, plan))  # every place each host fetches from, its ports in and out
     return 0
 
 

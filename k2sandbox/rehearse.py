@@ -298,6 +298,48 @@ def sandbox_data(dep: Deployment, checkpoint: Path, size: int, gguf: Path | None
     return data
 
 
+# why a rehearsal changes a fleet-wide value (#34: each change is named in its first lines)
+CHANGE_REASONS = {
+    "k2_os": "the sandbox hosts' OS",
+    "k2_simulated_gpus": "sandbox hosts have no GPUs",
+    "k2_engine_doubles": "the engine TEST DOUBLES serve",
+    "k2_checkpoint_source": "a synthetic rehearsal checkpoint, no Hub",
+    "k2_gguf_source": "a synthetic rehearsal GGUF, no Hub",
+    "k2_checkpoint_bytes": "the rehearsal checkpoint's size",
+    "k2_package_source": "packages from the offline bundle: sandbox hosts have no route out",
+    "k2_health_timeout": "capped for the sandbox",
+    "k2_ib_hcas": "sandbox hosts have no InfiniBand HCAs",
+    "k2_bundle": "--bundle",
+}
+
+
+def changed_values(dep: Deployment, overlay: Mapping[str, Any], given: Mapping[str, Any]) -> list[str]:
+    """One line per inventory value the rehearsal's fleet-wide overlay changes (old -> new, and
+    why); a key the user gives with ``--data`` (``given``) wins over the overlay and is left out.
+
+    >>> from types import SimpleNamespace
+    >>> dep = SimpleNamespace(s=SimpleNamespace(os=None, simulated_gpus=False, health_timeout=600))
+    >>> for line in changed_values(dep, {"k2_os": "debian-12", "k2_simulated_gpus": True, "k2_health_timeout": 600}, {}):
+    ...     print(line)
+    k2_os: unset (ubuntu-22.04) -> 'debian-12' (the sandbox hosts' OS)
+    k2_simulated_gpus: False -> True (sandbox hosts have no GPUs)
+    >>> changed_values(dep, {"k2_os": "debian-12"}, {"k2_os": "debian-12"})  # --data k2_os=...: the user's
+    []
+    """
+    from k2fleet.planning.os_tables import DEFAULT_OS
+
+    lines = []
+    for key, new in overlay.items():
+        if key in given or not key.startswith("k2_"):
+            continue
+        old = getattr(dep.s, key[3:], None)
+        if old == new or (isinstance(old, (list, tuple)) and list(old) == new):
+            continue
+        was = (f"unset ({DEFAULT_OS})" if key == "k2_os" else "unset") if old is None else repr(old)
+        lines.append(f"{key}: {was} -> {new!r} ({CHANGE_REASONS.get(key, 'the sandbox')})")
+    return lines
+
+
 def real_engine_refusal(dep: Deployment) -> str | None:
     """Why ``--engine real`` cannot rehearse ``dep`` (None: it can)."""
     if dep.engine != "vllm" or dep.runtime != "venv":
@@ -631,6 +673,8 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
 
         assert bundle is not None
         checkpoint = bundle.resolve() / checkpoint_rel(dep.s.model, dep.s.revision)  # (a Slurm site's shared storage)
+    for line in changed_values(dep, {**fleet_data, **slurm_overlay}, overrides):  # the first lines: what changes
+        say(f"rehearse {inventory}: changes {line}")
     work = Path(tempfile.mkdtemp(prefix="k2rehearse-"))
     booted = False
     company: company_network.CompanyNetwork | None = None

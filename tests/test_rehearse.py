@@ -140,6 +140,37 @@ def test_other_engines_in_containers_across_hosts_are_refused() -> None:
     assert proc.stdout == ""
 
 
+def test_a_rehearsal_names_every_value_it_changes_in_its_first_lines(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """#34: the rehearsal changes k2_os to the sandbox's Debian (and simulates GPUs, ...): its
+    first lines say so, one per value, before anything is booted; a value given with --data is
+    the user's and not listed."""
+    import io
+
+    from k2sandbox import rehearse as rh
+
+    class Stop(Exception):
+        pass
+
+    def no_lock():
+        raise Stop  # stop where the sandbox would be taken: nothing is booted
+
+    monkeypatch.setattr(rh, "rehearsal_checkpoint", lambda model, revision: (tmp_path / "ckpt", 1234))
+    monkeypatch.setattr(rh.sandbox, "hold_sandbox_lock", no_lock)
+    out = io.StringIO()
+    with pytest.raises(Stop):
+        rh.rehearse("inventories/h200-k3-sglang.py", ["k2_health_timeout=300"], out=out)
+    lines = out.getvalue().splitlines()
+    prefix = "rehearse inventories/h200-k3-sglang.py: changes "
+    assert lines and all(line.startswith(prefix) for line in lines), lines
+    changed = {line[len(prefix):].split(":", 1)[0]: line for line in lines}
+    assert changed["k2_os"].endswith("k2_os: unset (ubuntu-22.04) -> 'debian-12' (the sandbox hosts' OS)")
+    assert changed["k2_simulated_gpus"].endswith("False -> True (sandbox hosts have no GPUs)")
+    assert changed["k2_checkpoint_source"].endswith(f"'hub' -> 'control:{tmp_path / 'ckpt'}' "
+                                                     "(a synthetic rehearsal checkpoint, no Hub)")
+    assert {"k2_engine_doubles", "k2_package_source", "k2_checkpoint_bytes"} <= set(changed)
+    assert "k2_health_timeout" not in changed  # --data k2_health_timeout=300: the user's, kept
+
+
 # ---------------------------------------------------------------- sandbox
 
 

@@ -54,7 +54,7 @@ from k2fleet.control import aptroot, deb_bundles as bundle, wheelhouse
 from k2fleet.planning.host_bootstrap import Repo
 from k2fleet.control.deb_bundles import sha256_file
 from k2fleet.planning.os_tables import MIRROR_LAYOUTS, OS_TABLES
-from k2fleet.planning import gpu_exporter
+from k2fleet.planning import gpu_exporter, mirrors
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.desired import (bundle_request, engine_requirements, host_arch, host_bootstrap,
                              package_set)
@@ -137,7 +137,9 @@ class DebSet:
     simulated: bool
     os_mirror: str | None = None  # k2_os_mirror: the distribution's archive is read there
     os_keyring: str | None = None  # k2_os_mirror_keyring (None: the distribution's own key)
-    nvidia_keyring: str | None = None  # k2_nvidia_repo_keyring (k2_nvidia_repo's key)
+    # a vendor repository at a mirror (k2_nvidia_repo, k2_container_toolkit_repo, ...): its name → its
+    # control-machine keyring (k2fleet.planning.mirrors.repo_keyrings)
+    mirror_keyrings: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,7 @@ def bundle_needs(dep: Deployment, plan: Plan) -> Needs:
         names = package_set(bundle_request(dep, plan, hp, boot))
         if names:
             debs.add(DebSet(boot.os, DEB_ARCH[host_arch(dep)], names, tuple(boot.repos), dep.s.simulated_gpus,
-                            dep.s.os_mirror, dep.s.os_mirror_keyring, dep.s.nvidia_repo_keyring))
+                            dep.s.os_mirror, dep.s.os_mirror_keyring, tuple(sorted(mirrors.repo_keyrings(dep.s).items()))))
         reqs = engine_requirements(dep, hp, True, doubles)
         if reqs:
             wheels.add(WheelSet("engine", tuple(reqs), (host_python(boot.os),), (host_arch(dep),)))
@@ -230,14 +232,15 @@ def _fetch(url: str, dest: Path) -> Path:
 
 
 def _vendor_sources(repos: Iterable[Repo], arch: str, caches: Caches,
-                    nvidia_keyring: str | None = None) -> tuple[list[str], list[Path]]:
-    """apt sources + keyrings for NVIDIA's / AMD's repositories of a real fleet (NVIDIA's at
-    ``k2_nvidia_repo`` with ``k2_nvidia_repo_keyring``: a ``k2fleet-file`` repository)."""
+                    mirror_keyrings: dict[str, str] | None = None) -> tuple[list[str], list[Path]]:
+    """apt sources + keyrings for NVIDIA's / AMD's repositories of a real fleet (those at a
+    mirror, ``k2_nvidia_repo`` or ``k2_container_toolkit_repo`` with its keyring: a
+    ``k2fleet-file`` repository, flat)."""
     sources, keyrings = [], []
     for repo in repos:
-        if repo.kind == "k2fleet-file" and nvidia_keyring:  # k2_nvidia_repo: a flat repository at the mirror
+        if repo.kind == "k2fleet-file" and (mirror_keyrings or {}).get(repo.name):  # a flat repository at the mirror
             sources.append(f"deb {repo.source} /")
-            keyrings.append(Path(nvidia_keyring))
+            keyrings.append(Path((mirror_keyrings or {})[repo.name]))
         elif repo.kind == "apt-keyring-deb":  # NVIDIA's CUDA repository: its keyring ships as a .deb beside it
             deb = _fetch(repo.source, caches.keyrings / Path(repo.source).name)
             out = caches.keyrings / f"{repo.name}-{sha256_file(deb)[:12]}"
@@ -266,7 +269,7 @@ def _apt_root(deb: DebSet, caches: Caches) -> aptroot.AptRoot:
         if deb.repos:
             sources.append(f"deb [trusted=yes] file:{stand_ins().driver_repo(caches.doubles)} ./")
     else:
-        more, keys = _vendor_sources(deb.repos, deb.arch, caches, deb.nvidia_keyring)
+        more, keys = _vendor_sources(deb.repos, deb.arch, caches, dict(deb.mirror_keyrings))
         sources, keyrings = sources + more, keyrings + keys
     return aptroot.AptRoot(sources, arch=deb.arch, cache_dir=caches.apt, keyrings=keyrings)
 

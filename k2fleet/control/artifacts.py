@@ -194,9 +194,12 @@ def read_tls(dep: Deployment) -> tuple[bytes, bytes] | None:
 
 
 def read_keyrings(dep: Deployment) -> dict[str, bytes]:
-    """The mirrors' keyrings (``k2_os_mirror_keyring``, ``k2_nvidia_repo_keyring``): control path →
-    bytes (the gate checked them: regular files, OpenPGP key material, at most 1 MiB)."""
-    paths = [p for p in (dep.s.os_mirror_keyring, dep.s.nvidia_repo_keyring) if p]
+    """The mirrors' keyrings (``k2_os_mirror_keyring``, ``k2_nvidia_repo_keyring``,
+    ``k2_container_toolkit_repo_keyring``, ``k2_docker_repo_keyring``): control path → bytes (the
+    gate checked them: regular files, OpenPGP key material, at most 1 MiB)."""
+    s = dep.s
+    paths = [p for p in (s.os_mirror_keyring, s.nvidia_repo_keyring, s.container_toolkit_repo_keyring,
+                         s.docker_repo_keyring) if p]
     return {p: Path(p).read_bytes() for p in paths}
 
 

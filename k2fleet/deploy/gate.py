@@ -22,6 +22,7 @@ import sys
 from typing import Any, NoReturn
 
 from k2fleet.control.addresses import Resolver, resolve_addresses, resolve_egress
+from k2fleet.planning.fetches import refusal
 from k2fleet.planning.firewall import egress_names
 from k2fleet.planning.os_tables import OS_TABLES, host_os
 from k2fleet.planning.deployment import Deployment, resolve
@@ -49,13 +50,17 @@ def check_hosts(source: str, hosts: list[HostData], resolver: Resolver | None = 
     them (pure, on IPs), then the control machine's files the inventory names; raises
     SpecError on the first problem."""
     dep = resolve(resolve_addresses(fleet_from_hosts(source, hosts), resolver))
+    outside = refusal(dep)  # k2_egress: mirrors-only or k2_bundle: a fetch from outside the declared mirrors
+    if outside is not None:
+        raise outside
     if dep.s.egress == "mirrors-only":  # the mirrors' names → IPs, once, for the firewall's egress sets
         dep = dataclasses.replace(dep, fleet=resolve_egress(dep.fleet, egress_names(dep), resolver))
     plan = make_plan(dep)
     check_token_file(dep.s.hub_token_file, source)
     check_token_file(dep.s.api_key_file, source, key="k2_api_key_file", what="the endpoints' API key")
     check_tls_files(dep, plan, source)
-    for key in ("k2_os_mirror_keyring", "k2_nvidia_repo_keyring"):
+    for key in ("k2_os_mirror_keyring", "k2_nvidia_repo_keyring", "k2_container_toolkit_repo_keyring",
+                "k2_docker_repo_keyring"):
         check_keyring_file(getattr(dep.s, key[3:]), source, key, armored=any(
             OS_TABLES[host_os(h)].manager == "dnf" for h in dep.fleet.hosts))
     return dep, plan
@@ -81,7 +86,7 @@ ARMOR = b"-----BEGIN PGP PUBLIC KEY BLOCK-----"
 
 def check_keyring_file(path: str | None, source: str, key: str, armored: bool = False) -> None:
     """A mirror's keyring on the control machine (``k2_os_mirror_keyring``,
-    ``k2_nvidia_repo_keyring``): a regular file (not a symlink), readable, not empty, at most
+    ``k2_nvidia_repo_keyring``, ``k2_container_toolkit_repo_keyring``, ``k2_docker_repo_keyring``): a regular file (not a symlink), readable, not empty, at most
     1 MiB, holding OpenPGP key material (binary, or armored; dnf hosts: armored). Public keys:
     any mode is fine; the hosts get it 0644."""
     if path is None:

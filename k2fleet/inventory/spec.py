@@ -917,6 +917,33 @@ class HostSettings(BaseModel):
         "`cuda-keyring`, or the armored `.pub` the repository serves) for `k2_nvidia_repo`.",
         default=None,
     )
+    # --- issue 34: mirrors of the container toolkit's and Docker's repositories (k2fleet.planning.mirrors)
+    container_toolkit_repo: MirrorUrl | None = _key(
+        FLEET,
+        "Mirror of the NVIDIA Container Toolkit's repository (`https://nvidia.github.io/libnvidia-container`, the "
+        "default), for NVIDIA hosts that run containers: k2fleet appends `/stable/deb/<amd64|arm64>/` (apt, a flat "
+        "repository) or `/stable/rpm/<x86_64|aarch64>/` (dnf). Needs `k2_container_toolkit_repo_keyring`.",
+        default=None,
+    )
+    container_toolkit_repo_keyring: AbsPath | None = _key(
+        FLEET,
+        "Control-machine file with the key the toolkit's repository is signed with (the `gpgkey` file it serves; "
+        "dnf: armored) for `k2_container_toolkit_repo`.",
+        default=None,
+    )
+    docker_repo: MirrorUrl | None = _key(
+        FLEET,
+        "Mirror of Docker CE's RHEL repository (`https://download.docker.com/linux/rhel`, the default), for "
+        "RHEL-family hosts that run containers (Ubuntu and Debian hosts take `docker.io` from the distribution: "
+        "`k2_os_mirror`): k2fleet appends `/$releasever/$basearch/stable`. Needs `k2_docker_repo_keyring`.",
+        default=None,
+    )
+    docker_repo_keyring: AbsPath | None = _key(
+        FLEET,
+        "Control-machine file with Docker's armored repository key (the `gpg` file beside its `docker-ce.repo`) "
+        "for `k2_docker_repo`.",
+        default=None,
+    )
     pypi_index: MirrorUrl | None = _key(
         FLEET,
         "PyPI simple index (`pip --index-url`) for the control machine's wheelhouse builds (`k2fleet bundle` "
@@ -928,7 +955,8 @@ class HostSettings(BaseModel):
         "Outbound traffic of the hosts when `k2_firewall` is on: `open` (default: untouched) or `mirrors-only` "
         "(k2fleet's table lets a host open connections only to the fleet, the hosts of the repositories, mirrors "
         "and indexes its plan uses, resolved to IPs on the control machine, DNS, NTP and DHCP; everything else is "
-        "rejected).",
+        "rejected). Validate refuses mirrors-only while a host would still fetch from a vendor's own server "
+        "(naming the mirror key to set: `k2fleet plan` lists every place each host fetches from).",
         default="open",
     )
     config_dir: AbsPath = _key(FLEET, "Where rendered config files go on hosts.", default="/etc/k2fleet")

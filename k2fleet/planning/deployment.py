@@ -946,7 +946,8 @@ def _check_mirrors(fleet: Fleet, runtime: str, image: str | None) -> None:
     """Mirror keys come with what they need (:mod:`k2fleet.planning.mirrors`), and
     ``k2_egress: mirrors-only`` only with what k2fleet can name the hosts' destinations for."""
     s = fleet.settings
-    for mirror, keyring in (("os_mirror", "os_mirror_keyring"), ("nvidia_repo", "nvidia_repo_keyring")):
+    for mirror in ("os_mirror", "nvidia_repo", "container_toolkit_repo", "docker_repo"):
+        keyring = f"{mirror}_keyring"
         if getattr(s, keyring) and not getattr(s, mirror):
             raise _fail(f"k2_{keyring}", f"is the key of k2_{mirror}, which is not set; set k2_{mirror} or remove it",
                         fleet)
@@ -954,6 +955,15 @@ def _check_mirrors(fleet: Fleet, runtime: str, image: str | None) -> None:
         raise _fail("k2_nvidia_repo", "needs k2_nvidia_repo_keyring: a file on this control machine with NVIDIA's "
                     "repository key (cuda-archive-keyring.gpg from the cuda-keyring package, or the .pub key the "
                     "repository serves), which apt/dnf check the mirror's packages with", fleet)
+    if s.container_toolkit_repo and not s.container_toolkit_repo_keyring:
+        raise _fail("k2_container_toolkit_repo", "needs k2_container_toolkit_repo_keyring: a file on this control "
+                    "machine with the key the toolkit's repository is signed with (the gpgkey file it serves, "
+                    "https://nvidia.github.io/libnvidia-container/gpgkey upstream), which apt/dnf check the mirror with",
+                    fleet)
+    if s.docker_repo and not s.docker_repo_keyring:
+        raise _fail("k2_docker_repo", "needs k2_docker_repo_keyring: a file on this control machine with Docker's "
+                    "armored repository key (https://download.docker.com/linux/rhel/gpg upstream), which dnf checks "
+                    "the mirror's packages with", fleet)
     if s.egress != "mirrors-only":
         return
     if not s.firewall:

@@ -672,14 +672,18 @@ def venv_install_argv(dep: Deployment, interpreter: str) -> list[str]:
 
 
 def package_source_files(dep: Deployment, plan: BootstrapPlan, art: ControlArtifacts) -> dict[str, FileSpec]:
-    """k2fleet's source files for the mirrors (``k2_os_mirror``, ``k2_nvidia_repo``) and their
-    keyrings (``k2_package_source: apt``; a bundle carries its own packages): written before
-    any package is installed (:mod:`k2fleet.planning.mirrors`)."""
+    """k2fleet's source files for the mirrors (``k2_os_mirror``, ``k2_nvidia_repo``,
+    ``k2_container_toolkit_repo``, ``k2_docker_repo``) and their keyrings (``k2_package_source:
+    apt``; a bundle carries its own packages): written before any package is installed
+    (:mod:`k2fleet.planning.mirrors`)."""
     if dep.s.package_source != "apt":
         return {}
     nvidia = plan.vendor == "nvidia" and not plan.simulated
-    files = {p: FileSpec(text.encode(), "644") for p, text in mirrors.mirror_files(dep.s, plan.os, plan.arch, nvidia).items()}
-    for path, (key, control) in mirrors.keyring_files(dep.s, plan.manager, nvidia).items():
+    container = "docker" in plan.services  # the bootstrap installs Docker (and with NVIDIA GPUs the toolkit)
+    files = {p: FileSpec(text.encode(), "644")
+             for p, text in mirrors.mirror_files(dep.s, plan.os, plan.arch, nvidia, container).items()}
+    docker_repo = any(r.name == "docker-ce" for r in plan.repos)
+    for path, (key, control) in mirrors.keyring_files(dep.s, plan.manager, nvidia, container, docker_repo).items():
         files[path] = FileSpec(art.keyrings.get(control), "644", f"{key} {control}")
     return files
 

@@ -30,6 +30,11 @@ still has to pass every other table). It is loaded atomically (``nft -f``: creat
 define, in one transaction) by ``k2-firewall.service``, a oneshot ordered before the
 network and before every k2fleet unit, so it holds from boot on.
 
+:func:`format_network` (``k2fleet plan``) and :func:`network_json` (``plan --json``'s
+``network``) give a network team each host's list, whether ``k2_firewall`` is on or not: the
+places it fetches from (:func:`k2fleet.planning.fetches.host_fetches`, host and port), its
+ports from outside the fleet (:func:`host_openings`), and every port between fleet hosts.
+
 >>> Opening(2233, 2233, FLEET, "k2_mesh_port").ports
 '2233'
 >>> Opening(32768, 60999, FLEET, "ephemeral").ports
@@ -46,6 +51,7 @@ from typing import Any
 
 from k2fleet.planning.api_front import BACKEND_KEY
 from k2fleet.planning.deployment import Deployment
+from k2fleet.planning.fetches import Fetch, closed, destinations, host_fetches
 from k2fleet.planning.mesh_config import UNIT as MESH_UNIT
 from k2fleet.planning.metrics import exporter_ports
 from k2fleet.planning.processes import HostPlan, Plan
@@ -84,41 +90,16 @@ EGRESS_ALWAYS = (  # what k2_egress: mirrors-only lets every host send besides t
 
 
 def egress_names(dep: Deployment) -> list[str]:
-    """Every host name the hosts' plans fetch from (sorted): the repositories of each host's
-    bootstrap (``k2_package_source: apt``; NVIDIA's or ``k2_nvidia_repo``, the container
-    toolkit's, Docker's, AMD's) and their keys' URLs, ``k2_os_mirror``, the pip index of a host
-    venv install (``k2_pypi_index``, else PyPI), the Hub endpoint of a fetcher host and the
-    image registry of the container runtime. ``k2_egress: mirrors-only`` allows exactly these
-    (resolved to IPs on the control machine, :func:`k2fleet.control.addresses.resolve_egress`)."""
-    from k2fleet.planning import gpu_exporter, host_bootstrap, mirrors
-    from k2fleet.planning.deployment import image_registry
-
-    s = dep.s
-    names: set[str] = set()
-    if s.package_source == "apt":
-        if s.os_mirror:
-            names.add(mirrors.url_host(s.os_mirror))
-        for h in dep.fleet.hosts:
-            docker = dep.runtime == "container" or gpu_exporter.runs_on(dep, h.settings.role)
-            plan = host_bootstrap.bootstrap_plan(dep, h, docker=docker)
-            for repo in plan.repos:
-                if repo.kind in ("apt", "apt-keyring-deb", "dnf-repo", "dnf-baseurl", "k2fleet-file"):
-                    names.add(mirrors.url_host(repo.source))
-                if repo.key and "://" in repo.key:
-                    names.add(mirrors.url_host(repo.key))
-    if dep.runtime == "venv" and s.bundle is None and not s.simulated_gpus:
-        names |= {mirrors.url_host(s.pypi_index)} if s.pypi_index else {mirrors.DEFAULT_PYPI_HOST, mirrors.PYPI_FILES_HOST}
-    if s.checkpoint_fetcher not in ("control", "auto") and s.hub_endpoint:  # auto: resolved (re-planned) by the deploy
-        names.add(mirrors.url_host(s.hub_endpoint))
-    if dep.runtime == "container" and s.bundle is None and not s.engine_doubles and dep.image:
-        registry = image_registry(dep.image)
-        if registry:
-            names.add(registry.strip("[]").lower())
-    if s.bundle is None and not s.simulated_gpus and any(gpu_exporter.runs_on(dep, h.settings.role) for h in dep.fleet.hosts):
-        registry = image_registry(s.gpu_exporter_image)  # k2_gpu_exporter: hosts pull dcgm-exporter's image
-        if registry:
-            names.add(registry.strip("[]").lower())
-    return sorted(n for n in names if n)
+    """Every host name the hosts' plans fetch from (sorted,
+    :func:`k2fleet.planning.fetches.destinations`): the repositories of each host's bootstrap
+    (``k2_package_source: apt``; ``k2_os_mirror``, NVIDIA's or ``k2_nvidia_repo``, the container
+    toolkit's or ``k2_container_toolkit_repo``, Docker's or ``k2_docker_repo``, AMD's) and their
+    keys' URLs, the pip index of a host venv install (``k2_pypi_index``, else PyPI), the Hub
+    endpoint of a fetcher host and the image registries of the container runtime and of
+    dcgm-exporter. ``k2_egress: mirrors-only`` allows exactly these (resolved to IPs on the
+    control machine, :func:`k2fleet.control.addresses.resolve_egress`), and the inventory gate
+    refuses it before when one is not the inventory's (:func:`k2fleet.planning.fetches.refusal`)."""
+    return destinations(dep)
 
 
 def rules_path(dep: Deployment) -> str:
@@ -385,11 +366,10 @@ def _runs_ray_start(argv: list[str]) -> bool:
     return False
 
 
-def host_firewall(dep: Deployment, hp: HostPlan) -> HostFirewall | None:
-    """The openings of host ``hp`` (None: ``k2_firewall`` is off, or the host runs nothing
-    that listens, e.g. a Slurm login host: no table, no unit, no package)."""
-    if not dep.s.firewall:
-        return None
+def host_openings(dep: Deployment, hp: HostPlan) -> tuple[Opening, ...]:
+    """Every TCP port k2fleet's processes listen on, on host ``hp``, with who may reach it,
+    whether or not ``k2_firewall`` enforces it (``k2fleet plan`` lists them for the network
+    team: :mod:`k2fleet.planning.fetches`)."""
     name = hp.name
     entry = next(h for h in dep.fleet.hosts if h.name == name)
     api_who = ANYONE if dep.s.api_clients is None else CLIENTS
@@ -424,7 +404,16 @@ def host_firewall(dep: Deployment, hp: HostPlan) -> HostFirewall | None:
     if runs_engine_ranks(hp):
         found.append(Opening(dep.s.relay_port, dep.s.relay_port, FLEET, "k2_relay_port: the checkpoint relay"))
         found.append(Opening(*EPHEMERAL, FLEET, "ephemeral ports: NCCL, Gloo, ZMQ, Ray, MPI"))
-    openings = tuple(dict.fromkeys(found))
+    return tuple(dict.fromkeys(found))
+
+
+def host_firewall(dep: Deployment, hp: HostPlan) -> HostFirewall | None:
+    """The openings of host ``hp`` (None: ``k2_firewall`` is off, or the host runs nothing
+    that listens, e.g. a Slurm login host: no table, no unit, no package)."""
+    if not dep.s.firewall:
+        return None
+    name = hp.name
+    openings = host_openings(dep, hp)
     egress = egress_names_ = None
     if dep.s.egress == "mirrors-only":
         egress_names_ = tuple(egress_names(dep))
@@ -466,4 +455,57 @@ def format_firewall(dep: Deployment, plan: Plan) -> str:
         for o in fw.openings:
             reach = "anyone (never closed)" if o.what.startswith("ssh_port") else who[o.who]
             out.append(f"    {o.ports + '/tcp':<18} {reach:<22} {o.what}")
+    return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------------- the network team's list
+
+
+def _outbound(fetches: tuple[Fetch, ...]) -> dict[str, list[str]]:
+    """``host:port/tcp`` → what the host fetches there."""
+    out: dict[str, list[str]] = {}
+    for f in fetches:
+        if f.host:
+            out.setdefault(f.target, []).append(f.what)
+    return out
+
+
+def network_json(dep: Deployment, plan: Plan) -> dict[str, Any]:
+    """``plan --json``'s ``network``: per host its fetches, inbound openings and outbound targets."""
+    fetches = host_fetches(dep)
+    hosts = {}
+    for name, hp in plan.hosts.items():
+        mine = fetches.get(name, ())
+        hosts[name] = {
+            "fetches": [f.to_json() for f in mine],
+            "inbound": [o.to_json() for o in host_openings(dep, hp)],
+            "outbound": [{"to": "the fleet", "ports": "all"},
+                         *({"to": target, "for": whats} for target, whats in _outbound(mine).items())],
+        }
+    return {"closed_by": closed(dep), "egress": dep.s.egress, "destinations": destinations(dep, fetches),
+            "also": [what for _, what in EGRESS_ALWAYS], "hosts": hosts}
+
+
+def format_network(dep: Deployment, plan: Plan) -> str:
+    """``k2fleet plan``'s network section: each host's fetches (URL, host:port, the key that
+    decides it) and its ports from outside the fleet, in and out."""
+    why = closed(dep)
+    who = {ANYONE: "anyone", CLIENTS: f"k2_api_clients {', '.join(dep.s.api_clients or ())}",
+           SCRAPERS: f"k2_metrics_scrapers {', '.join(dep.s.metrics_scrapers or ())}"}
+    fetches = host_fetches(dep)
+    out = ["\n== network: where each host fetches from, and its ports (open these in advance)",
+           f"  {'closed by ' + why + ': only the fleet and the declared mirrors' if why else 'open (k2_egress: open)'}; "
+           f"places: {', '.join(destinations(dep, fetches)) or 'none'}",
+           "  between fleet hosts: every TCP/UDP port, both ways (ranks meet on ports chosen at run time)",
+           "  also: " + ", ".join(what for _, what in EGRESS_ALWAYS)]
+    for name, hp in plan.hosts.items():
+        out.append(f"  {name} ({hp.address}):")
+        for f in fetches.get(name, ()):
+            out.append(f"    fetch  {f.target:<32} {f.url or '(URLs of the hosts own sources)'}: {f.what} "
+                       f"({f.key}{'' if f.declared else ' unset: the default'})")
+        for o in host_openings(dep, hp):  # from outside the fleet (the fleet reaches every port)
+            if o.who != FLEET and (o.who != SCRAPERS or dep.s.metrics_scrapers):
+                out.append(f"    in     {o.ports + '/tcp':<32} from {who[o.who]}: {o.what}")
+        targets = ", ".join(_outbound(fetches.get(name, ())))
+        out.append(f"    out    the fleet (every port){'; ' + targets if targets else ''}")
     return "\n".join(out) + "\n"

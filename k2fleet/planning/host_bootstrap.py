@@ -247,11 +247,21 @@ def cuda_repo(table: t.OsTable, arch: str, settings: Any = None) -> Repo:
     return Repo("cuda", "apt-keyring-deb", CUDA_KEYRING.format(os=table.cuda_repo, arch=arch))
 
 
-def container_repos(table: t.OsTable, vendor: str) -> list[Repo]:
+def container_repos(table: t.OsTable, vendor: str | None, settings: Any = None, arch: str = "x86_64") -> list[Repo]:
+    """Docker CE's repository (RHEL family; Ubuntu and Debian take ``docker.io`` from the
+    distribution) and, with NVIDIA GPUs, the container toolkit's: the vendors' own, or with
+    ``k2_docker_repo`` / ``k2_container_toolkit_repo`` k2fleet's own source files for the
+    mirrors (:mod:`k2fleet.planning.mirrors`, written with their keyrings before any package)."""
     repos = []
-    if table.docker_repo:
+    if table.docker_repo and settings is not None and settings.docker_repo:
+        repos.append(Repo("docker-ce", "k2fleet-file", mirrors.docker_repo_url(settings),
+                          mirrors.keyring_path(table.manager, mirrors.DOCKER, settings.docker_repo_keyring or "")))
+    elif table.docker_repo:
         repos.append(Repo("docker-ce", "dnf-repo", table.docker_repo))
-    if vendor == "nvidia":
+    if vendor == "nvidia" and settings is not None and settings.container_toolkit_repo:
+        repos.append(Repo("nvidia-container-toolkit", "k2fleet-file", mirrors.ctk_repo_url(settings, table, arch),
+                          mirrors.keyring_path(table.manager, mirrors.CTK, settings.container_toolkit_repo_keyring or "")))
+    elif vendor == "nvidia":
         repos.append(Repo("nvidia-container-toolkit", "dnf-repo", CTK_DNF) if table.manager == "dnf"
                      else Repo("nvidia-container-toolkit", "apt", CTK_APT, CTK_KEY))
     return repos
@@ -324,7 +334,7 @@ def bootstrap_plan(dep: Deployment, host: HostEntry, host_os: str | None = None,
     if vendor is None:  # router / SLURM login node: no GPU stack (Docker if it runs containers)
         if not container:
             return BootstrapPlan(**common)
-        return BootstrapPlan(**common, repos=tuple(container_repos(table, None)),
+        return BootstrapPlan(**common, repos=tuple(container_repos(table, None, dep.s, arch)),
                              packages=tuple(Package(name) for name in table.docker), services=("docker",))
     repos: list[Repo] = []
     packages: list[Package] = [Package(name) for name in table.hold_tool]
@@ -372,7 +382,7 @@ def bootstrap_plan(dep: Deployment, host: HostEntry, host_os: str | None = None,
     if simulated:  # NVIDIA's / AMD's repositories → the TEST DOUBLE one (in the bundle)
         repos = [Repo(vendor, "test-double", DOUBLE_REPO.format(vendor=vendor.upper()))]
     if container:
-        repos += [r for r in container_repos(table, vendor) if not (simulated and r.name == "nvidia-container-toolkit")]
+        repos += [r for r in container_repos(table, vendor, dep.s, arch) if not (simulated and r.name == "nvidia-container-toolkit")]
         packages += [Package(name) for name in table.docker]
         services.append("docker")
     if host.settings.ib_hcas or fabric == t.NVLINK5:

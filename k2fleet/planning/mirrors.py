@@ -7,9 +7,20 @@
 - ``k2_nvidia_repo`` (+ ``k2_nvidia_repo_keyring``): NVIDIA's CUDA repository at the mirror,
   ``<base>/<os>/<arch>/``, as ``k2fleet-nvidia.sources`` / ``k2fleet-nvidia.repo`` instead of
   NVIDIA's ``cuda-keyring`` package (which would point apt at NVIDIA's own URL);
+- ``k2_container_toolkit_repo`` (+ ``_keyring``): the NVIDIA Container Toolkit's repository at the
+  mirror (hosts that run containers on NVIDIA GPUs), ``<base>/stable/deb/<amd64|arm64>/`` (flat) as
+  ``k2fleet-container-toolkit.sources`` or ``<base>/stable/rpm/<arch>/`` as
+  ``k2fleet-container-toolkit.repo`` (metadata signed, packages not: ``repo_gpgcheck=1``,
+  ``gpgcheck=0``, as NVIDIA's own ``.repo`` file), instead of the line naming ``nvidia.github.io``;
+- ``k2_docker_repo`` (+ ``_keyring``): Docker CE's RHEL repository at the mirror
+  (``<base>/$releasever/$basearch/stable``) as ``k2fleet-docker.repo``, instead of Docker's
+  ``docker-ce.repo`` (RHEL-family hosts that run containers; Ubuntu and Debian take ``docker.io``
+  from the distribution);
 - ``k2_pypi_index``: ``--index-url`` of the hosts' venv installs and of the control machine's
-  ``pip download`` (:mod:`k2fleet.control.wheelhouse`);
-- :func:`egress_names`: every host name a host's plan fetches from, for ``k2_egress: mirrors-only``.
+  ``pip download`` (:mod:`k2fleet.control.wheelhouse`).
+
+:mod:`k2fleet.planning.fetches` lists every place a host's plan fetches from (``k2fleet plan``,
+``k2_egress: mirrors-only``).
 
 Keyrings are files on the control machine; their bytes are read by the control step
 (:mod:`k2fleet.control.artifacts`), the host paths are decided here.
@@ -35,8 +46,12 @@ APT_SOURCES = "/etc/apt/sources.list.d/k2fleet-{name}.sources"
 APT_KEYRING = "/etc/apt/keyrings/k2fleet-{name}{suffix}"
 DNF_REPO = "/etc/yum.repos.d/k2fleet-{name}.repo"
 DNF_KEY = "/etc/pki/rpm-gpg/RPM-GPG-KEY-k2fleet-{name}"
-OS, NVIDIA = "os", "nvidia"
-KEYRING_KEYS = {OS: "k2_os_mirror_keyring", NVIDIA: "k2_nvidia_repo_keyring"}
+OS, NVIDIA, CTK, DOCKER = "os", "nvidia", "container-toolkit", "docker"
+KEYRING_KEYS = {OS: "k2_os_mirror_keyring", NVIDIA: "k2_nvidia_repo_keyring",
+                CTK: "k2_container_toolkit_repo_keyring", DOCKER: "k2_docker_repo_keyring"}
+# the bootstrap's repository (host_bootstrap.Repo.name) each vendor mirror replaces → its settings field
+REPO_MIRRORS = {"cuda": (NVIDIA, "nvidia_repo"), "nvidia-container-toolkit": (CTK, "container_toolkit_repo"),
+                "docker-ce": (DOCKER, "docker_repo")}
 DEFAULT_PYPI_HOST = "pypi.org"  # and files.pythonhosted.org, where PyPI serves the files
 PYPI_FILES_HOST = "files.pythonhosted.org"
 HUB_HOST = "huggingface.co"
@@ -65,12 +80,14 @@ def apt_sources(uri: str, suites: tuple[str, ...], components: str, signed_by: s
     return HEADER + "\n".join(lines) + "\n"
 
 
-def dnf_repo(repos: list[tuple[str, str, str]], gpgkey: str) -> str:
-    """A dnf ``.repo`` file: (id, name, baseurl) sections, each gpg-checked with ``gpgkey``."""
+def dnf_repo(repos: list[tuple[str, str, str]], gpgkey: str, signed: str = "packages") -> str:
+    """A dnf ``.repo`` file: (id, name, baseurl) sections, each gpg-checked with ``gpgkey``:
+    its packages' signatures (``signed="packages"``) or its metadata's (``"metadata"``: the
+    container toolkit's repository signs ``repomd.xml``, not its packages)."""
+    checks = "gpgcheck=1\nrepo_gpgcheck=0\n" if signed == "packages" else "gpgcheck=0\nrepo_gpgcheck=1\n"
     out = HEADER
     for rid, name, url in repos:
-        out += (f"[{rid}]\nname={name}\nbaseurl={url}\nenabled=1\ngpgcheck=1\nrepo_gpgcheck=0\n"
-                f"gpgkey=file://{gpgkey}\n\n")
+        out += f"[{rid}]\nname={name}\nbaseurl={url}\nenabled=1\n{checks}gpgkey=file://{gpgkey}\n\n"
     return out.rstrip("\n") + "\n"
 
 
@@ -87,9 +104,38 @@ def nvidia_repo_url(s: HostSettings, table: t.OsTable, arch: str) -> str:
     return f"{base}/{table.cuda_repo}/{arch}/"
 
 
-def mirror_files(s: HostSettings, os_name: str, arch: str, nvidia: bool) -> dict[str, str]:
+def ctk_repo_url(s: HostSettings, table: t.OsTable, arch: str) -> str:
+    """The container toolkit's repository for one OS family and arch: at
+    ``k2_container_toolkit_repo``, else NVIDIA's own.
+
+    >>> from k2fleet.inventory.spec import HostSettings
+    >>> s = HostSettings(model="m/x", revision="0" * 40, engine="vllm", gpu="h200",
+    ...                  container_toolkit_repo="https://m.example/libnvidia-container")
+    >>> ctk_repo_url(s, t.UBUNTU_2404, "sbsa"), ctk_repo_url(s, t.RHEL_9, "x86_64")
+    ('https://m.example/libnvidia-container/stable/deb/arm64/', 'https://m.example/libnvidia-container/stable/rpm/x86_64/')
+    """
+    base = (s.container_toolkit_repo or t.CTK_REPO_BASE).rstrip("/")
+    if table.manager == "dnf":
+        return f"{base}/stable/rpm/{t.DNF_ARCH[arch]}/"
+    return f"{base}/stable/deb/{t.DEB_ARCH[arch]}/"
+
+
+def docker_repo_url(s: HostSettings) -> str:
+    """Docker CE's RHEL repository (dnf expands ``$releasever`` and ``$basearch``): at
+    ``k2_docker_repo``, else Docker's own.
+
+    >>> from k2fleet.inventory.spec import HostSettings
+    >>> docker_repo_url(HostSettings(model="m/x", revision="0" * 40, engine="vllm", gpu="h200",
+    ...                              docker_repo="https://m.example/docker-ce/rhel/"))
+    'https://m.example/docker-ce/rhel/$releasever/$basearch/stable'
+    """
+    return f"{(s.docker_repo or t.DOCKER_RHEL_BASE).rstrip('/')}/$releasever/$basearch/stable"
+
+
+def mirror_files(s: HostSettings, os_name: str, arch: str, nvidia: bool, container: bool = False) -> dict[str, str]:
     """path → text of k2fleet's source files for one host (``nvidia``: it gets NVIDIA's
-    CUDA repository); empty without mirror keys."""
+    CUDA repository; ``container``: it gets Docker, and with ``nvidia`` the container
+    toolkit); empty without mirror keys."""
     table = t.OS_TABLES[os_name]
     layout = t.MIRROR_LAYOUTS[os_name]
     files: dict[str, str] = {}
@@ -111,17 +157,44 @@ def mirror_files(s: HostSettings, os_name: str, arch: str, nvidia: bool) -> dict
             files[APT_SOURCES.format(name=NVIDIA)] = apt_sources(url, ("/",), "", key)
         else:
             files[DNF_REPO.format(name=NVIDIA)] = dnf_repo([("k2fleet-cuda", f"CUDA {table.cuda_repo} (k2_nvidia_repo)", url)], key)
+    if s.container_toolkit_repo and container and nvidia:
+        assert s.container_toolkit_repo_keyring is not None  # refused without it (k2fleet.planning.deployment)
+        url = ctk_repo_url(s, table, arch)
+        key = keyring_path(table.manager, CTK, s.container_toolkit_repo_keyring)
+        if table.manager == "apt":
+            files[APT_SOURCES.format(name=CTK)] = apt_sources(url, ("/",), "", key)
+        else:
+            files[DNF_REPO.format(name=CTK)] = dnf_repo(
+                [("k2fleet-container-toolkit", "NVIDIA Container Toolkit (k2_container_toolkit_repo)", url)], key,
+                signed="metadata")
+    if s.docker_repo and container and table.docker_repo:  # Docker CE's own repository (RHEL family)
+        assert s.docker_repo_keyring is not None
+        files[DNF_REPO.format(name=DOCKER)] = dnf_repo(
+            [("k2fleet-docker-ce", "Docker CE stable (k2_docker_repo)", docker_repo_url(s))],
+            keyring_path(table.manager, DOCKER, s.docker_repo_keyring))
     return files
 
 
-def keyring_files(s: HostSettings, manager: str, nvidia: bool) -> dict[str, tuple[str, str]]:
-    """host path → (inventory key, control-machine path) of the keyrings a host gets."""
+def keyring_files(s: HostSettings, manager: str, nvidia: bool, container: bool = False,
+                  docker_repo: bool = False) -> dict[str, tuple[str, str]]:
+    """host path → (inventory key, control-machine path) of the keyrings a host gets
+    (``docker_repo``: its Docker comes from Docker's repository, not the distribution)."""
     out = {}
-    if s.os_mirror and s.os_mirror_keyring:
-        out[keyring_path(manager, OS, s.os_mirror_keyring)] = (KEYRING_KEYS[OS], s.os_mirror_keyring)
-    if s.nvidia_repo and s.nvidia_repo_keyring and nvidia:
-        out[keyring_path(manager, NVIDIA, s.nvidia_repo_keyring)] = (KEYRING_KEYS[NVIDIA], s.nvidia_repo_keyring)
+    wanted = [(OS, s.os_mirror, s.os_mirror_keyring, True), (NVIDIA, s.nvidia_repo, s.nvidia_repo_keyring, nvidia),
+              (CTK, s.container_toolkit_repo, s.container_toolkit_repo_keyring, container and nvidia),
+              (DOCKER, s.docker_repo, s.docker_repo_keyring, container and docker_repo)]
+    for name, mirror, keyring, needed in wanted:
+        if mirror and keyring and needed:
+            out[keyring_path(manager, name, keyring)] = (KEYRING_KEYS[name], keyring)
     return out
+
+
+def repo_keyrings(s: HostSettings) -> dict[str, str]:
+    """The bootstrap repository name (``cuda``, ``nvidia-container-toolkit``, ``docker-ce``) →
+    the control-machine keyring of its mirror, for those at a mirror (``k2fleet bundle`` reads
+    them there)."""
+    return {repo: getattr(s, f"{field}_keyring") for repo, (_, field) in REPO_MIRRORS.items()
+            if getattr(s, field) and getattr(s, f"{field}_keyring")}
 
 
 def pip_index_args(s: HostSettings) -> list[str]:

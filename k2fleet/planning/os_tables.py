@@ -42,7 +42,15 @@ Sources (read for this table; cite these when a number looks wrong):
   ``https://nvidia.github.io/libnvidia-container/stable/deb/$(ARCH) /`` (key
   ``.../libnvidia-container/gpgkey``), dnf repository file
   ``.../stable/rpm/nvidia-container-toolkit.repo``; ``nvidia-ctk runtime configure
-  --runtime=docker`` then restart Docker; ``nvidia-ctk cdi generate``.
+  --runtime=docker`` then restart Docker; ``nvidia-ctk cdi generate``. The repository's own
+  files (NVIDIA/libnvidia-container ``stable/deb/nvidia-container-toolkit.list``: ``deb
+  .../stable/deb/$(ARCH) /``; ``stable/rpm/nvidia-container-toolkit.repo``: ``baseurl=
+  .../stable/rpm/$basearch``, ``repo_gpgcheck=1``, ``gpgcheck=0``: the metadata is signed, the
+  packages are not).
+- [docker-rhel] Docker CE's ``https://download.docker.com/linux/rhel/docker-ce.repo``:
+  ``[docker-ce-stable]`` ``baseurl=https://download.docker.com/linux/rhel/$releasever/$basearch/stable``,
+  ``gpgcheck=1``, ``gpgkey=https://download.docker.com/linux/rhel/gpg`` (as quoted by installation
+  guides that copy it; the file itself was not fetched here).
 - [cuda-repo] NVIDIA's CUDA network repositories
   ``https://developer.download.nvidia.com/compute/cuda/repos/<os>/<arch>/`` with
   ``<os>`` ubuntu2204, ubuntu2404, debian12, rhel9 and ``<arch>`` x86_64 or sbsa (arm64
@@ -358,6 +366,13 @@ MIRROR_LAYOUTS: dict[str, MirrorLayout] = {
 }
 # NVIDIA's CUDA repository tree ([cuda-repo]); k2_nvidia_repo replaces this base URL
 NVIDIA_REPO_BASE = "https://developer.download.nvidia.com/compute/cuda/repos"
+# The NVIDIA Container Toolkit's repository ([ctk]: stable/deb/<deb arch>/ flat, stable/rpm/<dnf arch>/);
+# k2_container_toolkit_repo replaces this base URL
+CTK_REPO_BASE = "https://nvidia.github.io/libnvidia-container"
+# Docker CE's RHEL repository ([docker-rhel]); k2_docker_repo replaces this base URL
+DOCKER_RHEL_BASE = "https://download.docker.com/linux/rhel"
+# apt's name of an architecture directory
+DEB_ARCH = {"x86_64": "amd64", "sbsa": "arm64"}
 # dnf's name of an architecture directory (NVIDIA's tree calls arm64 servers sbsa)
 DNF_ARCH = {"x86_64": "x86_64", "sbsa": "aarch64"}
 
