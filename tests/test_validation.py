@@ -177,6 +177,7 @@ GOOD_STRINGS: dict[str, str] = {
     "bundle": "/srv/k2fleet-bundle",
     "gpu": "h200",
     "tool_parser": "kimi_k2",
+    "moe_a2a_backend": "deepep",
     "reasoning_parser": "kimi_k2",
     "mesh_user": "root",
     "address": "192.0.2.10",

@@ -1189,7 +1189,9 @@ class HostSettings(BaseModel):
     )
     env: EnvMap = _key(POOL, "Extra environment for the engine process.", default_factory=dict)
     gpu_memory_utilization: Fraction | None = _key(
-        POOL, "Fraction of GPU memory the engine may use (default 0.9).", default=None
+        POOL, "Fraction of GPU memory the engine may use (vLLM `--gpu-memory-utilization`, SGLang "
+        "`--mem-fraction-static`); default the engine's own at its pin (vLLM 0.92 at 0.33.0, 0.9 before; SGLang "
+        "computes it from its runtime reserve).", default=None
     )
     expected_concurrency: PosInt = _key(
         POOL,

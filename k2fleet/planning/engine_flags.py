@@ -63,7 +63,8 @@ A2A_BACKENDS: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
     ("vllm", "0.11.0"): (("naive", "pplx", "deepep_high_throughput", "deepep_low_latency", "allgather_reducescatter",
                           "flashinfer_all2allv"), "vllm 0.11.0 vllm/envs.py VLLM_ALL2ALL_BACKEND choices"),
     ("vllm", "0.10.0"): (("naive", "pplx", "deepep_high_throughput", "deepep_low_latency"),
-                         "vllm 0.10.0 vllm/envs.py VLLM_ALL2ALL_BACKEND choices"),
+                         "vllm 0.10.0 vllm/envs.py VLLM_ALL2ALL_BACKEND (a free string there; "
+                         "vllm/distributed/device_communicators/cuda_communicator.py raises on any other)"),
 }
 
 
