@@ -5,6 +5,13 @@ The tables (``k2fleet/planning/data/engine_flags/<engine>-<version>.json``) are 
 ``tools/extract_trtllm_docs.py`` (TensorRT-LLM 1.2.0, from its documentation build: the
 ``trtllm-serve serve`` options, their aliases, and the LLM API model tree under ``llm_api``).
 A pin without a table is not checked for unknown flags; owned flags are refused everywhere.
+
+Every flag a renderer emits is one ``k2_engine_args`` may not set (:func:`owned_flags`): the
+renderer's ``OWNED_FLAGS`` always, its ``keyed_flags(dep, pool)`` where the key that renders them
+is set (``--max-model-len`` with ``k2_max_model_len``, SGLang's DP-attention companions with
+``k2_attn_dp``...), and the model's own deployment flags; the refusal is one line naming the flag
+and the key that owns it. ``k2_moe_a2a_backend`` is checked against :data:`A2A_BACKENDS` (read
+from each pin's source), and DeepEP across nodes needs ``k2_ib_hcas`` on every host of the instance.
 """
 
 from __future__ import annotations
@@ -79,6 +86,8 @@ def _check_a2a(dep: Deployment, pool: Pool) -> None:
     """``k2_moe_a2a_backend`` per engine and pin; DeepEP across nodes only over RDMA."""
     s = pool.settings
     key = "k2_moe_a2a_backend"
+    if pool.role in ("router", "slurm-submit"):
+        return  # no engine of its own
     if s.moe_a2a_backend is not None:
         if dep.engine not in ("vllm", "sglang"):
             where = ("its LLM API moe_config in k2_trtllm_config" if dep.engine == "trtllm"
