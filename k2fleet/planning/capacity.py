@@ -57,7 +57,6 @@ DEFAULT_TRTLLM_FREE_FRACTION = 0.9  # TensorRT-LLM KvCacheConfig.free_gpu_memory
 # vLLM's runtime reserve, measured: the guide's TP8 log on H200 (139.81 × 0.9 − 70.93 − 46.80 = 8.08 GiB)
 VLLM_RUNTIME_GIB = 8.1
 VLLM_CUDA_GRAPHS_COUNTED_SINCE = (0, 21, 0)  # gpu_worker.py: "CUDA graph memory profiling is enabled (default since v0.21.0)"
-RUNTIME_OVERHEAD_GIB = VLLM_RUNTIME_GIB  # kept for callers of the old name
 BLOCK_TOKENS = {"vllm": 64, "sglang": 1, "trtllm": 32}  # vLLM: FlashMLA's 64-token blocks; TRT-LLM tokens_per_block
 # Published start-up log lines a prediction is checked against (within 5%): engine, GPU, tp, dcp,
 # fraction, pins whose accounting matches the run, the line, its source.
