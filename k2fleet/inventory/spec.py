@@ -1219,7 +1219,8 @@ class HostSettings(BaseModel):
     moe_a2a_backend: ParserName | None = _key(
         POOL,
         "All-to-all backend of expert parallel (`k2_ep` > 1): SGLang `--moe-a2a-backend`, vLLM "
-        "`--all2all-backend` (0.33) or `VLLM_ALL2ALL_BACKEND` (0.10, 0.11); checked against the pin's choices "
+        "`--all2all-backend` (0.33) or `VLLM_ALL2ALL_BACKEND` (0.10, 0.11), unused while `k2_ep` is 1; checked "
+        "against the pin's choices "
         "(`k2fleet.planning.engine_flags.A2A_BACKENDS`). Default: SGLang `deepep`, vLLM its own "
         "(`allgather_reducescatter`). DeepEP across nodes needs RDMA: `k2_ib_hcas` on every host of the instance.",
         default=None,

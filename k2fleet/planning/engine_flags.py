@@ -93,9 +93,6 @@ def _check_a2a(dep: Deployment, pool: Pool) -> None:
             where = ("its LLM API moe_config in k2_trtllm_config" if dep.engine == "trtllm"
                      else "no all-to-all (no expert parallel across GPUs)")
             raise SpecError(key, f"{dep.engine} takes no all-to-all backend from k2fleet ({where}); remove it")
-        if s.ep <= 1:
-            raise SpecError(key, f"{s.moe_a2a_backend} is the all-to-all of expert parallel, but k2_ep is {s.ep}; "
-                            "set k2_ep > 1 or remove it")
         known = A2A_BACKENDS.get((dep.engine, dep.version))
         if known and s.moe_a2a_backend not in known[0]:
             raise SpecError(key, f"{s.moe_a2a_backend} is not an all-to-all backend of {dep.engine} {dep.version} "
