@@ -6,14 +6,14 @@ DP-attention 16, EP16), and a router host. Role data is in the groups below; fle
 data in ``group_data/h200-sglang-pd.py``. SGLang 0.5.23 spellings: ``--attn-dp-size``
 for ``--dp-size N --enable-dp-attention``, ``--moe-a2a-backend deepep`` for
 ``--enable-deepep-moe``, ``--cuda-graph-bs-decode`` for ``--cuda-graph-bs``, the
-router (``sglang_router.launch_router --pd-disaggregation``) for ``launch_lb``.
+router (``sglang_router.launch_router --pd-disaggregation``) for ``launch_lb``. The seed's
+``--moe-dense-tp-size 1 --enable-dp-lm-head`` are not in ``k2_engine_args``: k2fleet renders them
+with DP attention (and refuses them there).
 """
 
 _COMMON = {
     "decode-log-interval": 1,
     "disable-radix-cache": True,
-    "moe-dense-tp-size": 1,
-    "enable-dp-lm-head": True,
     "disable-shared-experts-fusion": True,
     "watchdog-timeout": 1000000,
     "enable-two-batch-overlap": True,

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from k2fleet.cli import load_plan
+from k2fleet.planning import catalog
 from k2fleet.planning.engine_flags import DATA, OWNED_FLAGS, check_engine_args, check_llm_api_config, has_table, known_flags
 from k2fleet.inventory.spec import SpecError
 from tests.inventory_factory import scenario_inventories
@@ -70,8 +71,12 @@ def test_version_specific_flag():
 
 
 def test_renamed_flag_checked_by_translation():
-    check_engine_args("sglang", "0.5.23", {"enable-deepep-moe": True})  # → --moe-a2a-backend deepep
-    check_engine_args("sglang", "0.4.9", {"enable-deepep-moe": True})
+    # → --moe-a2a-backend deepep, which k2fleet renders from k2_moe_a2a_backend: refused under either name
+    with pytest.raises(SpecError, match=r"--enable-deepep-moe is set by k2fleet from k2_moe_a2a_backend \(as --moe-a2a-backend\)"):
+        check_engine_args("sglang", "0.5.23", {"enable-deepep-moe": True})
+    with pytest.raises(SpecError, match="--enable-deepep-moe is set by k2fleet from k2_moe_a2a_backend"):
+        check_engine_args("sglang", "0.4.9", {"enable-deepep-moe": True})
+    check_engine_args("sglang", "0.5.23", {"cuda-graph-bs": 64})  # → --cuda-graph-bs-decode, a flag of 0.5.23
 
 
 TREE = {"extra": "forbid", "fields": {"tensor_parallel_size": None, "cuda_graph_config": {
@@ -144,3 +149,175 @@ def test_trtllm_table_provenance():
                                        "1.2.0/commands/trtllm-serve/trtllm-serve.html"]
     assert data["llm_api"]["model"] == "TorchLlmArgs" and data["llm_api"]["extra"] == "forbid"
     assert ["--config", "--extra_llm_api_options"] in data["aliases"]
+
+
+# --- issue 34 item 5: every rendered flag owned, DP attention's companions, all-to-all key, IPv6, HCAs ---
+from pathlib import Path  # noqa: E402
+
+from k2fleet.planning.engine_flags import A2A_BACKENDS, owned_flags  # noqa: E402
+from k2fleet.planning.render.common import extra_flags, flag_words, pool_engine_args  # noqa: E402
+from tests.inventory_factory import write_inventory  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DPA_EP = dict(k2_model="moonshotai/Kimi-K2-Instruct", k2_engine="sglang", k2_tp=16, k2_dp=16, k2_attn_dp=True,
+              k2_ep=16, k2_ib_hcas=["mlx5_0", "mlx5_1"])
+
+
+def _extra_words(dep, pool) -> set[str]:
+    s = pool.settings
+    legacy = dep.engine == "trtllm" or (dep.engine == "ktransformers" and dep.version.startswith("0.3"))
+    args = s.engine_args if legacy else pool_engine_args(dep, s)
+    return {w for w in extra_flags(dep, args, dash="_" if legacy else "-") if w.startswith("-")}
+
+
+@pytest.mark.parametrize("inventory", SCENARIOS)
+def test_every_flag_a_renderer_emits_is_owned(inventory):
+    """Each flag word of an engine's argv is either one k2fleet owns for that pool (refused in
+    k2_engine_args) or one the inventory's k2_engine_args / k2_profile put there — never both."""
+    dep, plan = load_plan(inventory)
+    checked = 0
+    for pool in dep.pools.values():
+        owned = owned_flags(dep, pool)
+        extra = _extra_words(dep, pool)
+        assert not set(owned) & extra, f"{inventory}: {set(owned) & extra} both rendered by k2fleet and given"
+        for host in pool.hosts:
+            for service in plan.hosts[host.name].services:
+                if service.role != pool.role:
+                    continue
+                words = _engine_words(list(service.argv))
+                if words is None:
+                    continue
+                for w in words:
+                    if w.startswith("-") and not w.lstrip("-").replace(".", "").isdigit():
+                        assert w in owned or w in extra, f"{inventory}: {service.name} renders {w}, owned by no key"
+                        checked += 1
+    assert checked or dep.engine == "trtllm"
+
+
+def _plan(tmp_path, hosts=2, **data):
+    return load_plan(write_inventory(tmp_path, hosts=hosts, **data))
+
+
+def _refused(tmp_path, hosts=2, **data) -> SpecError:
+    with pytest.raises(SpecError) as info:
+        _plan(tmp_path, hosts, **data)
+    assert "\n" not in str(info.value)
+    return info.value
+
+
+def _argv(plan, host="node-0", name=None):
+    return next(s.argv for s in plan.hosts[host].services if name is None or s.name == name)
+
+
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.4", "0.4.9"])
+def test_dp_attention_renders_its_companions_at_every_sglang_pin(tmp_path, version):
+    _, plan = _plan(tmp_path, k2_engine_version=version, **DPA_EP)
+    argv = _argv(plan)
+    i = argv.index("--moe-dense-tp-size")
+    assert argv[i + 1] == "1" and argv.count("--enable-dp-lm-head") == 1
+    flags = known_flags("sglang", version)
+    assert {"--moe-dense-tp-size", "--enable-dp-lm-head"} <= flags
+    # without DP attention, neither; and then k2_engine_args may set them
+    _, plan = _plan(tmp_path / "tp", k2_engine_version=version, k2_model="moonshotai/Kimi-K2-Instruct",
+                    k2_engine="sglang", k2_tp=16, k2_engine_args={"moe-dense-tp-size": 2})
+    assert _argv(plan).count("--moe-dense-tp-size") == 1
+
+
+@pytest.mark.parametrize("args,flag,owner", [
+    ({"moe-a2a-backend": "none"}, "--moe-a2a-backend", "k2_moe_a2a_backend"),
+    ({"--enable-dp-lm-head": True}, "--enable-dp-lm-head", "k2_attn_dp"),
+    ({"moe-dense-tp-size": 1}, "--moe-dense-tp-size", "k2_attn_dp"),
+    ({"trust-remote-code": True}, "--trust-remote-code", ""),
+    ({"tool-call-parser": "kimi_k2"}, "--tool-call-parser", "k2_tool_parser"),
+    ({"disaggregation-ib-device": "mlx5_9"}, None, None),  # a serve pool: k2fleet does not render it
+])
+def test_a_flag_k2fleet_renders_is_refused_in_engine_args(tmp_path, args, flag, owner):
+    if flag is None:
+        _plan(tmp_path, k2_engine_args=args, **DPA_EP)
+        return
+    err = _refused(tmp_path, k2_engine_args=args, **DPA_EP)
+    assert err.key == "k2_engine_args"
+    assert f"{flag} is set by k2fleet{' from ' + owner if owner else ''}; remove it from k2_engine_args" in str(err)
+
+
+def test_keyed_flags_are_refused_only_when_the_key_renders_them(tmp_path):
+    _plan(tmp_path / "a", hosts=1, k2_engine_args={"max-model-len": 65536})  # k2_max_model_len unset: the flag's
+    err = _refused(tmp_path / "b", hosts=1, k2_max_model_len=65536, k2_engine_args={"max-model-len": 65536})
+    assert "--max-model-len is set by k2fleet from k2_max_model_len" in str(err)
+    err = _refused(tmp_path / "c", hosts=1, k2_gpu_memory_utilization=0.85,
+                   k2_engine_args={"gpu-memory-utilization": 0.8})
+    assert "--gpu-memory-utilization is set by k2fleet from k2_gpu_memory_utilization" in str(err)
+    err = _refused(tmp_path / "d", hosts=1, k2_engine_args={"all2all-backend": "deepep_low_latency"})
+    assert "--all2all-backend is set by k2fleet from k2_moe_a2a_backend" in str(err)
+
+
+def test_a2a_backend_key_per_engine_and_pin(tmp_path):
+    _, plan = _plan(tmp_path / "sg", k2_moe_a2a_backend="mooncake", **DPA_EP)
+    assert _argv(plan)[_argv(plan).index("--moe-a2a-backend") + 1] == "mooncake"
+    err = _refused(tmp_path / "old", k2_engine_version="0.5.4", k2_moe_a2a_backend="nixl", **DPA_EP)
+    assert err.key == "k2_moe_a2a_backend" and "nixl is not an all-to-all backend of sglang 0.5.4" in str(err)
+    assert "one of none, deepep, mooncake" in str(err)
+    _, plan = _plan(tmp_path / "none", k2_engine_version="0.4.9", k2_moe_a2a_backend="none", **DPA_EP)
+    assert "--enable-deepep-moe" not in _argv(plan) and "--moe-a2a-backend" not in _argv(plan)
+    vllm_ep = dict(k2_model="moonshotai/Kimi-K2-Instruct", k2_dp=16, k2_tp=1, k2_ep=16, k2_ib_hcas=["mlx5_0"])
+    _, plan = _plan(tmp_path / "v33", k2_moe_a2a_backend="deepep_low_latency", **vllm_ep)
+    argv = _argv(plan)
+    assert argv[argv.index("--all2all-backend") + 1] == "deepep_low_latency"
+    _, plan = _plan(tmp_path / "v11", k2_engine_version="0.11.0", k2_moe_a2a_backend="deepep_low_latency", **vllm_ep)
+    service = plan.hosts["node-0"].services[0]
+    assert "--all2all-backend" not in service.argv and service.env["VLLM_ALL2ALL_BACKEND"] == "deepep_low_latency"
+    err = _refused(tmp_path / "v10", k2_engine_version="0.10.0", k2_moe_a2a_backend="allgather_reducescatter", **vllm_ep)
+    assert "not an all-to-all backend of vllm 0.10.0" in str(err)
+    _, plan = _plan(tmp_path / "tp", hosts=1, k2_moe_a2a_backend="deepep_low_latency")  # k2_ep 1: unused
+    assert "--all2all-backend" not in _argv(plan)
+    assert set(A2A_BACKENDS) == {(e, v) for e in ("vllm", "sglang") for v in catalog.ENGINE_VERSIONS[e]}
+
+
+def test_deepep_across_nodes_needs_rdma(tmp_path):
+    bare = {k: v for k, v in DPA_EP.items() if k != "k2_ib_hcas"}
+    err = _refused(tmp_path / "a", **bare)
+    assert err.key == "k2_ib_hcas" and "DeepEP (deepep, k2fleet's default for SGLang expert parallel) across 2 nodes" in str(err)
+    assert "node-0, node-1 list no HCA" in str(err)
+    err = _refused(tmp_path / "b", k2_moe_a2a_backend="deepep", **bare)
+    assert err.key == "k2_ib_hcas" and "default" not in str(err)
+    _plan(tmp_path / "c", k2_moe_a2a_backend="none", **bare)  # no DeepEP: no RDMA needed
+    _plan(tmp_path / "d", hosts=1, k2_model="moonshotai/Kimi-K2-Instruct", k2_engine="sglang", k2_tp=8, k2_ep=8,
+          k2_gpu="b200")  # one node: DeepEP over NVLink
+
+
+def test_duplicate_hcas_refused(tmp_path):
+    for i, (hcas, clash) in enumerate(((["mlx5_0", "mlx5_0"], "mlx5_0 repeats mlx5_0;"),
+                                       (["mlx5_0:1", "mlx5_1", "mlx5_0"], "mlx5_0 repeats mlx5_0:1;"))):
+        err = _refused(tmp_path / str(i), **(DPA_EP | {"k2_ib_hcas": hcas}))
+        assert err.key.startswith("k2_ib_hcas") and clash in str(err), str(err)
+
+
+V6 = [(f"node-{i}", {"ssh_hostname": f"fd00::{10 + i}"}) for i in range(2)]
+
+
+def test_ipv6_addresses_bracketed_where_engines_take_host_port(tmp_path):
+    _, plan = _plan(tmp_path / "sg", hosts=V6, k2_model="moonshotai/Kimi-K2-Instruct", k2_engine="sglang", k2_tp=16)
+    argv = _argv(plan, "node-1")
+    assert argv[argv.index("--dist-init-addr") + 1] == "[fd00::10]:50000"
+    _, plan = _plan(tmp_path / "ray", hosts=V6, k2_model="moonshotai/Kimi-K2-Instruct", k2_tp=16,
+                    k2_multinode_backend="ray")
+    worker = _argv(plan, "node-1", "k2-ray")
+    assert worker[worker.index("--address") + 1] == "[fd00::10]:6379"
+    assert worker[worker.index("--node-ip-address") + 1] == "fd00::11"
+    _, plan = _plan(tmp_path / "mp", hosts=V6, k2_model="moonshotai/Kimi-K2-Instruct", k2_tp=16)
+    argv = _argv(plan, "node-1")
+    assert argv[argv.index("--master-addr") + 1] == "fd00::10"  # a bare host: no port to split from
+    err = _refused(tmp_path / "trt", hosts=V6, k2_model="nvidia/Kimi-K2-Thinking-NVFP4", k2_engine="trtllm",
+                   k2_gpu="b200", k2_tp=16, k2_ep=16, k2_runtime="container")
+    assert err.key == "k2_address" and "mpirun -H HOST:SLOTS" in str(err)
+
+
+def test_ipv6_router_urls_bracketed(tmp_path):
+    hosts = [("p-0", {"ssh_hostname": "fd00::20", "k2_role": "prefill"}),
+             ("d-0", {"ssh_hostname": "fd00::21", "k2_role": "decode"}),
+             ("r-0", {"ssh_hostname": "fd00::22", "k2_role": "router"})]
+    _, plan = _plan(tmp_path, hosts=hosts, k2_model="moonshotai/Kimi-K2-Instruct", k2_engine="sglang", k2_tp=8,
+                    k2_max_model_len=32768)
+    argv = _argv(plan, "r-0")
+    assert argv[argv.index("--prefill") + 1] == "http://[fd00::20]:8000"
+    assert argv[argv.index("--decode") + 1] == "http://[fd00::21]:8000"

@@ -130,6 +130,8 @@ def test_sglang_pd_dp_attention_ep_and_router() -> None:
         assert flag(argv, "--attn-dp-size") == "16" and "--enable-dp-attention" not in argv
         assert flag(argv, "--moe-a2a-backend") == "deepep" and "--enable-deepep-moe" not in argv
         assert flag(argv, "--ep-size") == "16"
+        assert flag(argv, "--moe-dense-tp-size") == "1" and argv.count("--moe-dense-tp-size") == 1
+        assert argv.count("--enable-dp-lm-head") == 1
         assert flag(argv, "--disaggregation-ib-device") == "mlx5_0,mlx5_1,mlx5_2,mlx5_3"
     assert flag(pre, "--deepep-mode") == "normal" and flag(dec, "--deepep-mode") == "low_latency"
     assert flag(dec, "--cuda-graph-bs-decode") == "480" and "--cuda-graph-bs" not in dec
@@ -147,11 +149,13 @@ def test_sglang_older_pin_renders_old_spellings(tmp_path: Path) -> None:
     from tests.inventory_factory import write_inventory
 
     inv = write_inventory(tmp_path, hosts=2, k2_model="moonshotai/Kimi-K2-Instruct", k2_engine="sglang",
-                          k2_engine_version="0.4.9", k2_gpu="h200", k2_tp=16, k2_dp=16, k2_attn_dp=True, k2_ep=16)
+                          k2_engine_version="0.4.9", k2_gpu="h200", k2_tp=16, k2_dp=16, k2_attn_dp=True, k2_ep=16,
+                          k2_ib_hcas=["mlx5_0", "mlx5_1"])
     _, plan = load_plan(inv)
     argv = next(iter(plan.hosts.values())).services[0].argv
     assert flag(argv, "--dp-size") == "16" and "--enable-dp-attention" in argv
     assert "--enable-deepep-moe" in argv and "--moe-a2a-backend" not in argv
+    assert flag(argv, "--moe-dense-tp-size") == "1" and "--enable-dp-lm-head" in argv  # DP attention's companions
 
 
 def test_b200_trtllm_container_and_seed_yaml() -> None:

@@ -141,7 +141,9 @@ TYPES = family("types", [
 ])
 TYPES_TWIN = {"k2_port": 9000, "k2_mesh_port": 65535, "k2_health_timeout": 60, "k2_attn_dp": False,
               "k2_checkpoint_bytes": 594_000_000_000, "k2_gpu_memory_utilization": 1, "k2_gpus_per_node": 8,
-              "k2_max_model_len": 262144, "k2_engine_args": {"gpu-memory-utilization": 0.95}}
+              "k2_max_model_len": 262144, "k2_engine_args": {"max-num-seqs": 4}}
+# (not also {"gpu-memory-utilization": 0.95}: with k2_gpu_memory_utilization set, k2fleet renders that flag
+# itself and refuses a second copy; test_capacity.test_engine_flags_count has the flag's good twin alone)
 
 # --- (b) injection -------------------------------------------------------------------------
 # One valid value per string key: the injected value is this + a newline (so the newline is
@@ -184,6 +186,7 @@ GOOD_STRINGS: dict[str, str] = {
     "bundle": "/srv/k2fleet-bundle",
     "gpu": "h200",
     "tool_parser": "kimi_k2",
+    "moe_a2a_backend": "deepep_low_latency",
     "reasoning_parser": "kimi_k2",
     "mesh_user": "root",
     "address": "192.0.2.10",

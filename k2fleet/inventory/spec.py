@@ -616,6 +616,42 @@ DriverBranch = Annotated[int, Strict(), Field(ge=450, le=999)]
 DriverVersion = Annotated[SafeStr, AfterValidator(_pattern(re.compile(r"[0-9]{3}\.[0-9]{1,3}(?:\.[0-9]{1,3})?"),
                                                            "an NVIDIA driver version like 580.95.05"))]
 Fraction = Annotated[float, AfterValidator(fraction)]
+
+
+def non_negative(value: float) -> float:
+    finite(value)
+    if value < 0:
+        raise ValueError(f"must be 0 or more, got {value}")
+    return value
+
+
+NonNegNumber = Annotated[float, AfterValidator(non_negative)]
+
+
+def unique_hcas(value: list[str]) -> list[str]:
+    """Each HCA (or HCA port) once: a device named twice, or whole and by port, lands twice in
+    ``NCCL_IB_HCA`` and SGLang's ``--disaggregation-ib-device``.
+
+    >>> unique_hcas(["mlx5_0", "mlx5_1:1", "mlx5_1:2"])
+    ['mlx5_0', 'mlx5_1:1', 'mlx5_1:2']
+    >>> unique_hcas(["mlx5_0", "mlx5_0:1"])
+    Traceback (most recent call last):
+    ...
+    ValueError: mlx5_0:1 repeats mlx5_0 (the whole device); list each HCA (or HCA:PORT) once
+    """
+    seen: dict[str, str] = {}
+    for hca in value:
+        device = hca.split(":", 1)[0]
+        clash = seen.get(hca) or seen.get(device) or (next((s for s in seen.values() if s.split(":", 1)[0] == device), None)
+                                                       if hca == device else None)
+        if clash is not None:
+            what = " (the whole device)" if ":" not in clash and clash != hca else ""
+            raise ValueError(f"{hca} repeats {clash}{what}; list each HCA (or HCA:PORT) once")
+        seen[hca] = hca
+    return value
+
+
+IbHcas = Annotated[list[IbHca], AfterValidator(unique_hcas)]
 Number = Annotated[float, AfterValidator(finite)]
 
 
@@ -1215,7 +1251,9 @@ class HostSettings(BaseModel):
     )
     env: EnvMap = _key(POOL, "Extra environment for the engine process.", default_factory=dict)
     gpu_memory_utilization: Fraction | None = _key(
-        POOL, "Fraction of GPU memory the engine may use (default 0.9).", default=None
+        POOL, "Fraction of GPU memory the engine may use (vLLM `--gpu-memory-utilization`, SGLang "
+        "`--mem-fraction-static`); default the engine's own at its pin (vLLM 0.92 at 0.33.0, 0.9 before; SGLang "
+        "computes it from its runtime reserve).", default=None
     )
     expected_concurrency: PosInt = _key(
         POOL,
@@ -1239,6 +1277,23 @@ class HostSettings(BaseModel):
         "`threadpool_count`, `gpu_experts`, `optimize_rules` (legacy server), `cache_lens`.",
         default_factory=dict,
     )
+    # --- engine flags and capacity (issue 34 items 4 and 5) ------------------------------
+    moe_a2a_backend: ParserName | None = _key(
+        POOL,
+        "All-to-all backend of expert parallel (`k2_ep` > 1): SGLang `--moe-a2a-backend`, vLLM "
+        "`--all2all-backend` (0.33) or `VLLM_ALL2ALL_BACKEND` (0.10, 0.11), unused while `k2_ep` is 1; checked "
+        "against the pin's choices "
+        "(`k2fleet.planning.engine_flags.A2A_BACKENDS`). Default: SGLang `deepep`, vLLM its own "
+        "(`allgather_reducescatter`). DeepEP across nodes needs RDMA: `k2_ib_hcas` on every host of the instance.",
+        default=None,
+    )
+    runtime_reserve_gib: NonNegNumber | None = _key(
+        POOL,
+        "GPU memory (GiB per GPU) the engine uses beside weights and KV cache (activations, CUDA graphs, "
+        "NCCL/library workspaces), as the capacity prediction subtracts it; default per engine, pin and GPU "
+        "(`k2fleet plan` names it and its source). Set it from your engine's own start-up log.",
+        default=None,
+    )
     # --- per host --------------------------------------------------------------------
     address: Address | None = _key(
         HOST, "Fleet-internal address (IP or DNS name); default `ssh_hostname`, else the host name. A name is "
@@ -1246,7 +1301,8 @@ class HostSettings(BaseModel):
         "uses; set an IP here when the name has several addresses or resolves only inside the fleet.",
         default=None)
     nic: IfName | None = _key(HOST, "Interface for NCCL/Gloo sockets (`NCCL_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME`).", default=None)
-    ib_hcas: list[IbHca] = _key(HOST, "InfiniBand HCAs (`NCCL_IB_HCA`, SGLang `--disaggregation-ib-device`).", default_factory=list)
+    ib_hcas: IbHcas = _key(HOST, "InfiniBand HCAs (`NCCL_IB_HCA`, SGLang `--disaggregation-ib-device`), each once.",
+                           default_factory=list)
 
 
 def scope_of(name: str) -> str:

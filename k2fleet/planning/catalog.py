@@ -28,6 +28,7 @@ class GpuType:
     default_per_node: int = 8
     max_per_node: int = 8  # what one node of this type ships (HGX/OAM boards: 8, GB200/GB300 trays: 4)
     reported_gib: float | None = None
+    smi_mib: int | None = None  # nvidia-smi --query-gpu=memory.total (MiB), what SGLang sizes its defaults by
 
     @property
     def total_gib(self) -> float:
@@ -40,10 +41,11 @@ GPUS: dict[str, GpuType] = {
     for g in (
         # reported_gib: PyTorch's OOM message on the device (H100 SXM 79.18, H200 139.81,
         # B200 178.35, MI300X 191.69 GiB: "GPU 0 has a total capacity of ... GiB")
-        GpuType("h100", "nvidia", 80, "hopper", reported_gib=79.18),
+        # smi_mib: nvidia-smi's memory.total of H100 SXM 80GB (81559 MiB) and H200 (143771 MiB)
+        GpuType("h100", "nvidia", 80, "hopper", reported_gib=79.18, smi_mib=81559),
         GpuType("h800", "nvidia", 80, "hopper"),
         GpuType("h20", "nvidia", 96, "hopper"),
-        GpuType("h200", "nvidia", 141, "hopper", reported_gib=139.81),
+        GpuType("h200", "nvidia", 141, "hopper", reported_gib=139.81, smi_mib=143771),
         GpuType("b200", "nvidia", 180, "blackwell", reported_gib=178.35),
         GpuType("b300", "nvidia", 268, "blackwell"),
         GpuType("gb200", "nvidia", 186, "blackwell", default_per_node=4, max_per_node=4),

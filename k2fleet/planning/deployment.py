@@ -539,11 +539,28 @@ def _layout(fleet: Fleet, pool: Pool, engine: str, version: str) -> capacity.Lay
             fraction = s.gpu_memory_utilization
         kv_dtype = _arg(args, "kv-cache-dtype")
     dense_tp = _arg(args, "moe-dense-tp-size") if engine == "sglang" else None
+    if engine == "sglang" and s.attn_dp and s.dp > 1:
+        dense_tp = 1  # render.sglang.DP_ATTENTION_COMPANIONS: --moe-dense-tp-size 1
+    known = catalog.CHECKPOINTS.get(fleet.settings.model)
+
+    def _int(*names: str) -> int | None:
+        value = _arg(args, *names)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    off = bool(_arg(args, "disable-cuda-graph"))
     return capacity.Layout(
         engine=engine, tp=pool.tp, pp=s.pp, dp=s.dp, ep=s.ep, dcp=s.dcp if engine == "vllm" else 1,
         attn_dp=s.attn_dp, dense_tp=dense_tp if isinstance(dense_tp, int) and dense_tp > 0 else None,
         fraction=float(fraction) if isinstance(fraction, (int, float)) and not isinstance(fraction, bool) else None,
         kv_dtype_bytes=_kv_dtype_bytes(kv_dtype), max_len=max_len, concurrency=s.expected_concurrency,
+        version=version, role=pool.role, reserve_gib=s.runtime_reserve_gib,
+        chunked_prefill=_int("chunked-prefill-size"),
+        cuda_graph_max_bs=_int("cuda-graph-max-bs-decode", "cuda-graph-max-bs"),
+        max_running=_int("max-running-requests"),
+        decode_graph=not (off or _arg(args, "disable-decode-cuda-graph")),
+        prefill_graph=not (off or _arg(args, "disable-prefill-cuda-graph") or _arg(args, "enable-two-batch-overlap")),
+        a2a_backend=(s.moe_a2a_backend or "deepep") if engine == "sglang" and s.ep > 1 else s.moe_a2a_backend,
+        multimodal=bool(known and known.multimodal),
     )
 
 
@@ -592,18 +609,19 @@ def _check_fit(fleet: Fleet, pool: Pool, gpu: catalog.GpuType, size: int, quant:
     if cap.kv_gib <= 0 and least is not None:
         raise _fail(
             "k2_gpu_memory_utilization",
-            f"{where}: {cap.fraction:.2f} of {gpu.name}'s {cap.gpu_total_gib:.2f} GiB with {weights}"
-            + (f" and {cap.overhead_gib:.0f} GiB runtime" if cap.overhead_gib else "")
+            f"{where}: {cap.fraction:.3g} of {gpu.name}'s {cap.gpu_total_gib:.2f} GiB with {weights}"
+            + (f" and {cap.overhead_gib:.1f} GiB runtime ({cap.reserve_source})" if cap.overhead_gib else "")
             + f" leaves no room for weights and a KV cache of {_need(cap)}; set at least {least:.2f} "
-            f"(default {DEFAULT_GPU_UTIL})",
+            f"(the fraction now: {cap.fraction_source})",
             fleet,
         )
     if cap.kv_gib <= 0:
         need = _least_gpus(gpu, arch, quant, size, layout, pool.instance_gpus)
         raise _fail(
             "k2_tp",
-            f"{where}: {weights}" + (f" + {cap.overhead_gib:.0f} GiB runtime" if cap.overhead_gib else "")
-            + f" leave no KV cache in {cap.gpu_total_gib:.2f} GiB × {cap.fraction:.2f} on {gpu.name}; spread the weights "
+            f"{where}: {weights}" + (f" + {cap.overhead_gib:.1f} GiB runtime ({cap.reserve_source}; k2_runtime_reserve_gib "
+                                     "sets a measured one)" if cap.overhead_gib else "")
+            + f" leave no KV cache in {cap.gpu_total_gib:.2f} GiB × {cap.fraction:.3g} on {gpu.name}; spread the weights "
             + (f"over at least {need} GPUs" if need else "over more GPUs") + " (more nodes, larger tp/pp or expert parallel)",
             fleet,
         )
@@ -842,7 +860,7 @@ def _check_side_fit(fleet: Fleet, gpu: catalog.GpuType, size: int, quant: str, s
     if cap.kv_gib <= 0 or cap.tokens == 0:
         raise _fail("k2_disagg", f"{side}: {cap.weights_gib:.1f} GiB of weights per GPU ({cap.non_expert_gib:.1f} "
                     f"attention/dense/embedding + {cap.experts_gib:.1f} routed experts over {layout.moe_ranks} GPUs) + "
-                    f"{cap.overhead_gib:.0f} GiB runtime leave no KV cache on {gpu.name} ({cap.gpu_total_gib:.2f} GiB); "
+                    f"{cap.overhead_gib:.1f} GiB runtime leave no KV cache on {gpu.name} ({cap.gpu_total_gib:.2f} GiB); "
                     "raise its tensor_parallel_size/moe_expert_parallel_size", fleet)
     if cap.fits is not None and cap.fits < 1:
         raise _fail("k2_disagg", f"{side}: max_seq_len {cap.max_len:,} does not fit the predicted KV cache of "

@@ -5,6 +5,13 @@ The tables (``k2fleet/planning/data/engine_flags/<engine>-<version>.json``) are 
 ``tools/extract_trtllm_docs.py`` (TensorRT-LLM 1.2.0, from its documentation build: the
 ``trtllm-serve serve`` options, their aliases, and the LLM API model tree under ``llm_api``).
 A pin without a table is not checked for unknown flags; owned flags are refused everywhere.
+
+Every flag a renderer emits is one ``k2_engine_args`` may not set (:func:`owned_flags`): the
+renderer's ``OWNED_FLAGS`` always, its ``keyed_flags(dep, pool)`` where the key that renders them
+is set (``--max-model-len`` with ``k2_max_model_len``, SGLang's DP-attention companions with
+``k2_attn_dp``...), and the model's own deployment flags; the refusal is one line naming the flag
+and the key that owns it. ``k2_moe_a2a_backend`` is checked against :data:`A2A_BACKENDS` (read
+from each pin's source), and DeepEP across nodes needs ``k2_ib_hcas`` on every host of the instance.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from typing import Any
 
 from k2fleet.inventory.spec import SpecError
 from k2fleet.planning import catalog, profiles
-from k2fleet.planning.deployment import Deployment
+from k2fleet.planning.deployment import Deployment, Pool
 from k2fleet.planning.render import ktransformers, sglang, trtllm, vllm
 from k2fleet.planning.render.common import RENAMED_FLAGS, flag_words
 
@@ -30,6 +37,90 @@ _OWNER_KEYS: dict[str, dict[str, str]] = {
     "trtllm": trtllm.OWNED_FLAGS,
 }
 OWNED_FLAGS: dict[str, frozenset[str]] = {e: frozenset(m) for e, m in _OWNER_KEYS.items()}
+# Flags a renderer emits only when an inventory key asks (``keyed_flags(dep, pool)``: flag -> key).
+_KEYED = {"vllm": vllm.keyed_flags, "sglang": sglang.keyed_flags, "ktransformers": ktransformers.keyed_flags,
+          "trtllm": trtllm.keyed_flags}
+
+
+def owned_flags(dep: Deployment, pool: Pool) -> dict[str, str]:
+    """Every flag k2fleet renders for ``pool`` (flag -> the inventory key that sets it, "" none):
+    the renderer's owned flags, those its keys turn on for this pool, and the model's deployment
+    flags (catalog ``engine_args``). ``k2_engine_args`` may set none of them."""
+    out = dict(_OWNER_KEYS.get(dep.engine, {})) | _KEYED[dep.engine](dep, pool)
+    for word in dep.model_args:
+        if word.startswith("-"):
+            out.setdefault(word, "k2_model")
+    return out
+
+
+# The all-to-all backends of expert parallel each pin accepts (k2_moe_a2a_backend), read from the
+# engines' own sources (wheels from pypi.org, ``pip download --no-deps``, 2026-11-26):
+A2A_BACKENDS: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
+    ("sglang", "0.5.23"): (("none", "deepep", "mooncake", "nixl", "mori", "ascend_fuseep", "flashinfer", "megamoe",
+                            "deepep_v2", "pplx", "ascend_tp", "flashinfer_megamoe"),
+                           "sglang 0.5.23 sglang/srt/arg_groups/fields/exec_.py, moe_a2a_backend choices"),
+    ("sglang", "0.5.4"): (("none", "deepep", "mooncake"), "sglang 0.5.4 sglang/srt/server_args.py, --moe-a2a-backend choices"),
+    ("sglang", "0.4.9"): (("none", "deepep"), "sglang 0.4.9 sglang/srt/server_args.py: no --moe-a2a-backend, "
+                          "only the bool --enable-deepep-moe"),
+    ("vllm", "0.33.0"): (("deepep_high_throughput", "deepep_low_latency", "deepep_v2", "mori_high_throughput",
+                          "mori_low_latency", "moonep", "nixl_ep", "allgather_reducescatter", "flashinfer_all2allv",
+                          "flashinfer_nvlink_two_sided", "flashinfer_nvlink_one_sided"),
+                         "vllm 0.33.0 vllm/config/parallel.py All2AllBackend less passthrough (vllm/engine/arg_utils.py "
+                         "removes it from --all2all-backend; naive and pplx are gone: parallel.py falls back from them)"),
+    ("vllm", "0.11.0"): (("naive", "pplx", "deepep_high_throughput", "deepep_low_latency", "allgather_reducescatter",
+                          "flashinfer_all2allv"), "vllm 0.11.0 vllm/envs.py VLLM_ALL2ALL_BACKEND choices"),
+    ("vllm", "0.10.0"): (("naive", "pplx", "deepep_high_throughput", "deepep_low_latency"),
+                         "vllm 0.10.0 vllm/envs.py VLLM_ALL2ALL_BACKEND (a free string there; "
+                         "vllm/distributed/device_communicators/cuda_communicator.py raises on any other)"),
+}
+
+
+def a2a_backend(dep: Deployment, pool: Pool) -> str | None:
+    """The all-to-all backend ``pool`` runs with (None: the engine's own default)."""
+    if dep.engine == "sglang":
+        return sglang.a2a_backend(dep, pool)
+    return pool.settings.moe_a2a_backend if pool.settings.ep > 1 else None
+
+
+def _check_a2a(dep: Deployment, pool: Pool) -> None:
+    """``k2_moe_a2a_backend`` per engine and pin; DeepEP across nodes only over RDMA."""
+    s = pool.settings
+    key = "k2_moe_a2a_backend"
+    if pool.role in ("router", "slurm-submit"):
+        return  # no engine of its own
+    if s.moe_a2a_backend is not None:
+        if dep.engine not in ("vllm", "sglang"):
+            where = ("its LLM API moe_config in k2_trtllm_config" if dep.engine == "trtllm"
+                     else "no all-to-all (no expert parallel across GPUs)")
+            raise SpecError(key, f"{dep.engine} takes no all-to-all backend from k2fleet ({where}); remove it")
+        known = A2A_BACKENDS.get((dep.engine, dep.version))
+        if known and s.moe_a2a_backend not in known[0]:
+            raise SpecError(key, f"{s.moe_a2a_backend} is not an all-to-all backend of {dep.engine} {dep.version} "
+                            f"(one of {', '.join(known[0])}; {known[1]})")
+        if dep.engine == "vllm" and vllm.ALL2ALL_ENV in s.env:
+            raise SpecError("k2_env", f"{vllm.ALL2ALL_ENV} is set by k2fleet from {key}; remove it from k2_env")
+    backend = a2a_backend(dep, pool)
+    if not backend or not backend.startswith("deepep"):
+        return
+    for nodes in pool.instances:
+        bare = [h.name for h in nodes if not h.settings.ib_hcas]
+        if len(nodes) > 1 and bare:
+            raise SpecError("k2_ib_hcas", f"{pool.role} instance {nodes[0].name}..{nodes[-1].name}: DeepEP ({backend}"
+                            + ("" if s.moe_a2a_backend else ", k2fleet's default for SGLang expert parallel")
+                            + f") across {len(nodes)} nodes needs RDMA, but {', '.join(bare)} list no HCA; set k2_ib_hcas "
+                            "on every host of the instance, or choose another k2_moe_a2a_backend")
+
+
+def _check_addresses(dep: Deployment, pool: Pool) -> None:
+    """TensorRT-LLM across nodes names its hosts in ``mpirun -H HOST:SLOTS``, a form Open MPI
+    splits at the colon: an IPv6 address has no spelling there that k2fleet has verified."""
+    if dep.engine != "trtllm":
+        return
+    for nodes in pool.instances:
+        v6 = [h.name for h in nodes if ":" in h.address]
+        if len(nodes) > 1 and v6:
+            raise SpecError("k2_address", f"{', '.join(v6)}: TensorRT-LLM across nodes runs mpirun -H HOST:SLOTS, "
+                            "which takes no IPv6 address; give these hosts IPv4 fleet addresses")
 
 
 
@@ -85,7 +176,8 @@ def _translated(engine: str, version: str, name: str, value: Any) -> list[str] |
     return [w for w in words if w.startswith("-")]
 
 
-def check_engine_args(engine: str, version: str, args: dict[str, Any], key: str = "k2_engine_args") -> None:
+def check_engine_args(engine: str, version: str, args: dict[str, Any], key: str = "k2_engine_args",
+                      owned: dict[str, str] | None = None) -> None:
     """Refuse unknown or k2fleet-owned flags in ``k2_engine_args``.
 
     >>> check_engine_args("vllm", "0.33.0", {"max-num-seqs": 256})
@@ -103,7 +195,7 @@ def check_engine_args(engine: str, version: str, args: dict[str, Any], key: str 
     ...
     k2fleet.inventory.spec.SpecError: k2_engine_args: --tensor_parallel_size is set by k2fleet from k2_tp (as --tp_size); remove it from k2_engine_args
     """
-    owners = _OWNER_KEYS.get(engine, {})
+    owners = _OWNER_KEYS.get(engine, {}) if owned is None else owned
     for name, value in args.items():
         bare = str(name).lstrip("-")
         flag = ("-" if name.startswith("-") and not name.startswith("--") else "--") + bare
@@ -117,7 +209,9 @@ def check_engine_args(engine: str, version: str, args: dict[str, Any], key: str 
                     if same in owners:
                         where = f" from {owners[same]}" if owners[same] else ""
                         alias = f" (as {same})" if same != form else ""
-                        raise SpecError(key, f"{form} is set by k2fleet{where}{alias}; remove it from {key}")
+                        shown = flag if words is not None and form != flag else form
+                        via = f" (as {form})" if shown != form and not alias else ""
+                        raise SpecError(key, f"{shown} is set by k2fleet{where}{alias}{via}; remove it from {key}")
             if not has_table(engine, version):
                 continue
             flags = known_flags(engine, version)
@@ -205,7 +299,9 @@ def check_deployment(dep: Deployment) -> None:
                               key=profiles.KEY)
         for pool in dep.pools.values():
             s = pool.settings
-            check_engine_args(dep.engine, dep.version, s.engine_args, key="k2_engine_args")
+            _check_a2a(dep, pool)
+            _check_addresses(dep, pool)
+            check_engine_args(dep.engine, dep.version, s.engine_args, key="k2_engine_args", owned=owned_flags(dep, pool))
             if dep.engine != "trtllm":
                 continue
             if s.trtllm_config and pool.tp:

@@ -32,7 +32,22 @@ OWNED_FLAGS = SGLANG_OWNED_FLAGS | {
     "--kt-threadpool-count": "k2_kt", "--kt-num-gpu-experts": "k2_kt",
     "--model_path": "k2_model", "--gguf_path": "k2_gguf_repo", "--optimize_config_path": "k2_kt",
     "--cache_lens": "k2_kt",
+    "--disable-shared-experts-fusion": "", "--model_name": "k2_served_model_name",
 }
+
+
+def keyed_flags(dep: Deployment, pool) -> dict[str, str]:
+    """Flags this renderer emits only when an inventory key asks (sglang-kt: SGLang's feature flags)."""
+    if version_tuple(dep.version) < SGLANG_KT_SINCE:
+        return {}
+    out: dict[str, str] = {}
+    if dep.tool_parser:
+        out["--tool-call-parser"] = "k2_tool_parser"
+    if dep.reasoning_parser:
+        out["--reasoning-parser"] = "k2_reasoning_parser"
+    if dep.s.max_model_len:
+        out["--context-length"] = "k2_max_model_len"
+    return out
 # The legacy server has no /health; it listens only once the model is loaded, and
 # GET /v1/models is its cheapest route (ktransformers/server/api/openai/endpoints/chat.py).
 LEGACY_READY_PATH = "/v1/models"

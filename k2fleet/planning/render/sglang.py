@@ -31,8 +31,52 @@ OWNED_FLAGS = {
     "--port": "k2_port", "--host": "", "--model-path": "k2_model", "--model": "k2_model",
     "--served-model-name": "k2_served_model_name",
     "--enable-metrics": "k2_metrics",
+    "--trust-remote-code": "",
+    "--moe-a2a-backend": "k2_moe_a2a_backend", "--enable-deepep-moe": "k2_moe_a2a_backend",
 }
 A2A_BACKEND_SINCE = (0, 5, 0)
+# SGLang's companions of DP attention for DeepSeek-V3-shaped models (Moonshot's K2 deployment guide
+# and SGLang's cookbook pair them with --enable-dp-attention): the dense MLP layers data parallel
+# like attention (--moe-dense-tp-size 1) and the LM head vocabulary-parallel within the attention TP
+# group (--enable-dp-lm-head, no all-gather across DP groups). Both exist at every SGLang pin, as read
+# from the wheels: 0.4.9 and 0.5.4 sglang/srt/server_args.py (add_argument "--moe-dense-tp-size",
+# "--enable-dp-lm-head"), 0.5.23 sglang/srt/arg_groups/fields/parallel.py (moe_dense_tp_size,
+# enable_dp_lm_head); the flag tables in k2fleet/planning/data/engine_flags list them.
+DP_ATTENTION_COMPANIONS = ["--moe-dense-tp-size", "1", "--enable-dp-lm-head"]
+
+
+def keyed_flags(dep: Deployment, pool: Pool) -> dict[str, str]:
+    """Flags this renderer emits for ``pool`` only when an inventory key asks (flag -> the key);
+    ``k2_engine_args`` may set them when k2fleet does not (the owned flags are refused always)."""
+    s = pool.settings
+    out: dict[str, str] = {}
+    if s.attn_dp and s.dp > 1:
+        out |= {"--moe-dense-tp-size": "k2_attn_dp", "--enable-dp-lm-head": "k2_attn_dp"}
+    if dep.tool_parser:
+        out["--tool-call-parser"] = "k2_tool_parser"
+    if dep.reasoning_parser:
+        out["--reasoning-parser"] = "k2_reasoning_parser"
+    if dep.s.max_model_len:
+        out["--context-length"] = "k2_max_model_len"
+    if s.gpu_memory_utilization:
+        out["--mem-fraction-static"] = "k2_gpu_memory_utilization"
+    if pool.role in ("prefill", "decode") and any(h.settings.ib_hcas for h in pool.hosts):
+        out["--disaggregation-ib-device"] = "k2_ib_hcas"
+    return out
+
+
+def a2a_backend(dep: Deployment, pool: Pool) -> str | None:
+    """The all-to-all backend of expert parallel: ``k2_moe_a2a_backend``, else DeepEP (k2fleet's
+    default since its first SGLang EP scenario, Moonshot's guide's --enable-deepep-moe)."""
+    if pool.settings.ep <= 1:
+        return None
+    return pool.settings.moe_a2a_backend or "deepep"
+
+
+def host_port(address: str, port: int) -> str:
+    """``HOST:PORT`` as SGLang parses it (sglang/srt/utils/network.py NetworkAddress.parse at 0.5.23,
+    server_args.py's configure_ipv6 at 0.5.4: an IPv6 address must be bracketed)."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
 def python_module(dep: Deployment, module: str, words: list[str], env: dict[str, str], name: str) -> list[str]:
@@ -53,11 +97,16 @@ def parallel_words(dep: Deployment, pool: Pool) -> list[str]:
             words += ["--attn-dp-size", str(s.dp)]
         else:
             words += ["--dp-size", str(s.dp), "--enable-dp-attention"]
+        words += DP_ATTENTION_COMPANIONS
     elif s.dp > 1:
         words += ["--dp-size", str(s.dp)]
     if s.ep > 1:
         words += ["--ep-size", str(s.ep)]
-        words += ["--moe-a2a-backend", "deepep"] if v >= A2A_BACKEND_SINCE else ["--enable-deepep-moe"]
+        backend = a2a_backend(dep, pool)
+        if v >= A2A_BACKEND_SINCE:
+            words += ["--moe-a2a-backend", str(backend)]
+        elif backend == "deepep":  # 0.4.9: a bool; "none" is its default (engine_flags checks the choice)
+            words += ["--enable-deepep-moe"]
     return words
 
 
@@ -80,7 +129,7 @@ def _server_words(dep: Deployment, pool: Pool, host: HostEntry, rank: int, nodes
     words += ["--host", "0.0.0.0", "--port", str(dep.s.port)]
     words += parallel_words(dep, pool)
     if len(nodes) > 1:
-        words += ["--dist-init-addr", f"{nodes[0].address}:{dep.s.dist_init_port}"]
+        words += ["--dist-init-addr", host_port(nodes[0].address, dep.s.dist_init_port)]
         words += ["--nnodes", str(len(nodes)), "--node-rank", str(rank)]
     if pool.role in ("prefill", "decode"):
         words += ["--disaggregation-mode", pool.role]
@@ -122,9 +171,9 @@ def _router(dep: Deployment) -> Iterator[tuple[str, Service]]:
     router = dep.pools["router"].hosts[0]
     words = ["--pd-disaggregation"]
     for nodes in dep.pools["prefill"].instances:
-        words += ["--prefill", f"http://{nodes[0].address}:{dep.s.port}", str(dep.s.bootstrap_port)]
+        words += ["--prefill", f"http://{host_port(nodes[0].address, dep.s.port)}", str(dep.s.bootstrap_port)]
     for nodes in dep.pools["decode"].instances:
-        words += ["--decode", f"http://{nodes[0].address}:{dep.s.port}"]
+        words += ["--decode", f"http://{host_port(nodes[0].address, dep.s.port)}"]
     words += ["--host", "0.0.0.0", "--port", str(dep.s.router_port)]
     env = {"PYTHONUNBUFFERED": "1"}
     yield router.name, Service(

@@ -29,6 +29,16 @@ OWNED_FLAGS = {
     "--host": "", "--port": "k2_port", "--config": "k2_trtllm_config",
     "--extra_llm_api_options": "k2_trtllm_config",
 }
+
+
+def keyed_flags(dep: Deployment, pool: Pool) -> dict[str, str]:
+    """Flags this renderer emits for ``pool`` only when an inventory key asks (flag -> the key)."""
+    out: dict[str, str] = {}
+    if dep.tool_parser:
+        out["--tool_parser"] = "k2_tool_parser"
+    if dep.s.reasoning_parser:
+        out["--reasoning_parser"] = "k2_reasoning_parser"
+    return out
 # The LLM API YAML keys it sets (api_options) -> the inventory key.
 LLM_API_OWNED = {
     "tensor_parallel_size": "k2_tp", "pipeline_parallel_size": "k2_pp",

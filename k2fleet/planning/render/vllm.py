@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 from k2fleet.planning.deployment import Deployment, Pool
 from k2fleet.planning.processes import Health, Service
-from k2fleet.planning.catalog import API_KEY_ENV
+from k2fleet.planning.catalog import API_KEY_ENV, version_tuple
 from k2fleet.planning.render.common import container_argv, engine_env, extra_flags, pool_engine_args, venv_bin
 from k2fleet.inventory.spec import HostEntry
 from k2fleet.planning.host_archive import host_argv
@@ -35,14 +35,53 @@ OWNED_FLAGS = {
     "--port": "k2_port", "--host": "", "--model": "k2_model",
     "--served-model-name": "k2_served_model_name",
     "--api-key": "k2_api_key_file",  # a secret: never in argv (VLLM_API_KEY from a root-only env file)
+    "--trust-remote-code": "", "--all2all-backend": "k2_moe_a2a_backend",
 }
+# vLLM 0.33.0 takes the all-to-all backend as --all2all-backend (vllm/engine/arg_utils.py, ParallelConfig);
+# 0.10.0 and 0.11.0 only from the environment (vllm/envs.py VLLM_ALL2ALL_BACKEND; their flag tables have no
+# --all2all-backend). k2fleet supports no pin between 0.11.0 and 0.33.0, so any version after 0.11 gets the flag.
+ALL2ALL_FLAG_SINCE = (0, 12, 0)
+ALL2ALL_ENV = "VLLM_ALL2ALL_BACKEND"
+
+
+def keyed_flags(dep: Deployment, pool: Pool) -> dict[str, str]:
+    """Flags this renderer emits for ``pool`` only when an inventory key asks (flag -> the key);
+    ``k2_engine_args`` may set them when k2fleet does not (the owned flags are refused always)."""
+    s = pool.settings
+    out: dict[str, str] = {}
+    if dep.s.max_model_len:
+        out["--max-model-len"] = "k2_max_model_len"
+    if s.gpu_memory_utilization:
+        out["--gpu-memory-utilization"] = "k2_gpu_memory_utilization"
+    if dep.tool_parser:
+        out["--tool-call-parser"] = "k2_tool_parser"
+        if dep.s.auto_tool_choice:
+            out["--enable-auto-tool-choice"] = "k2_auto_tool_choice"
+    if dep.reasoning_parser:
+        out["--reasoning-parser"] = "k2_reasoning_parser"
+    if dep.platform == "rocm":
+        out["--no-enable-prefix-caching"] = "k2_platform"
+        out["--enable-prefix-caching"] = "k2_platform"
+    return out
+
+
+def host_port(address: str, port: int) -> str:
+    """``HOST:PORT`` for Ray's ``--address`` (an IPv6 address bracketed)."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+def _a2a_env(dep: Deployment, pool: Pool) -> dict[str, str]:
+    backend = pool.settings.moe_a2a_backend
+    if backend and pool.settings.ep > 1 and version_tuple(dep.version) < ALL2ALL_FLAG_SINCE:
+        return {ALL2ALL_ENV: backend}
+    return {}
 RAY_GATE_MAX_S = 600  # a worker that has not joined in 10 minutes will not (its unit restarts every 5 s)
 
 
 def _ray_gate(dep: Deployment, nodes: tuple[HostEntry, ...]) -> list[str]:
     """Before ``vllm serve`` drives the cluster: every planned node alive in Ray with its
     GPUs, asked with the venv's Ray (fails naming the node that never joined)."""
-    argv = host_argv("raygate", "--address", f"{nodes[0].address}:{dep.s.ray_port}", "--unit", f"{UNIT}.service",
+    argv = host_argv("raygate", "--address", host_port(nodes[0].address, dep.s.ray_port), "--unit", f"{UNIT}.service",
                      "--timeout", str(min(dep.s.health_timeout, RAY_GATE_MAX_S)), python=venv_bin(dep, "python3"))
     for host in nodes:
         argv += ["--node", f"{host.name}={host.address}:{dep.gpus_per_node}"]
@@ -60,6 +99,8 @@ def _serve_words(dep: Deployment, pool: Pool) -> list[str]:
         words += ["--decode-context-parallel-size", str(s.dcp)]
     if s.ep > 1:
         words += ["--enable-expert-parallel"]
+        if s.moe_a2a_backend and version_tuple(dep.version) >= ALL2ALL_FLAG_SINCE:
+            words += ["--all2all-backend", s.moe_a2a_backend]
     if dep.s.max_model_len:
         words += ["--max-model-len", str(dep.s.max_model_len)]
     if s.gpu_memory_utilization:
@@ -137,7 +178,7 @@ def _ray_services(dep: Deployment, pool: Pool, nodes: tuple[HostEntry, ...]) -> 
         if rank == 0:
             words = ["start", "--head", "--port", str(dep.s.ray_port), *common]
         else:
-            words = ["start", "--address", f"{head.address}:{dep.s.ray_port}", *common]
+            words = ["start", "--address", host_port(head.address, dep.s.ray_port), *common]
         if dep.runtime == "container":  # the engine image's Ray, in the foreground under systemd
             argv = container_argv(dep, "k2-ray", words, env, entrypoint="ray", **_ray_container_files(env))
         else:
@@ -153,7 +194,8 @@ def _ray_services(dep: Deployment, pool: Pool, nodes: tuple[HostEntry, ...]) -> 
             needs_checkpoint=False,
             description=f"Ray {'head' if rank == 0 else 'worker'} for vLLM TP×PP across nodes",
         )
-    env = engine_env(dep, head, pool.settings.env) | {"VLLM_HOST_IP": head.address} | _platform_env(dep) | _ray_auth(dep)
+    env = (engine_env(dep, head, pool.settings.env) | {"VLLM_HOST_IP": head.address} | _platform_env(dep) | _ray_auth(dep)
+           | _a2a_env(dep, pool))
     words = _serve_words(dep, pool) + ["--distributed-executor-backend", "ray"]
     yield head.name, _service(
         dep, pool, head, 0, words, env,
@@ -168,7 +210,7 @@ def _dp_services(dep: Deployment, pool: Pool, nodes: tuple[HostEntry, ...]) -> I
     head = nodes[0]
     local = dep.gpus_per_node // (pool.tp * s.pp)
     for rank, host in enumerate(nodes):
-        env = engine_env(dep, host, s.env) | {"VLLM_HOST_IP": host.address} | _platform_env(dep)
+        env = engine_env(dep, host, s.env) | {"VLLM_HOST_IP": host.address} | _platform_env(dep) | _a2a_env(dep, pool)
         words = _serve_words(dep, pool)
         words += ["--data-parallel-size", str(s.dp), "--data-parallel-size-local", str(local)]
         if len(nodes) > 1:
@@ -191,7 +233,7 @@ def _dp_services(dep: Deployment, pool: Pool, nodes: tuple[HostEntry, ...]) -> I
 def _multinode_services(dep: Deployment, pool: Pool, nodes: tuple[HostEntry, ...]) -> Iterator[tuple[str, Service]]:
     head = nodes[0]
     for rank, host in enumerate(nodes):
-        env = engine_env(dep, host, pool.settings.env) | {"VLLM_HOST_IP": host.address} | _platform_env(dep)
+        env = engine_env(dep, host, pool.settings.env) | {"VLLM_HOST_IP": host.address} | _platform_env(dep) | _a2a_env(dep, pool)
         words = _serve_words(dep, pool)
         words += ["--nnodes", str(len(nodes)), "--node-rank", str(rank)]
         words += ["--master-addr", head.address, "--master-port", str(dep.s.master_port)]
@@ -218,7 +260,7 @@ def render(dep: Deployment) -> Iterator[tuple[str, Service]]:
                 yield from _dp_services(dep, pool, nodes)
             elif len(nodes) == 1:
                 host = nodes[0]
-                env = engine_env(dep, host, s.env) | _platform_env(dep)
+                env = engine_env(dep, host, s.env) | _platform_env(dep) | _a2a_env(dep, pool)
                 yield host.name, _service(
                     dep, pool, host, 0, _serve_words(dep, pool), env,
                     ports={"k2_port": dep.s.port}, stage=0, health=Health(dep.s.port),
