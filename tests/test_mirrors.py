@@ -225,7 +225,8 @@ def corp_resolver(name: str) -> list[str]:
 def every_mirror(tmp_path: Path, **more) -> dict:
     """A 4 × 8 H200 SGLang DP-attention + EP fleet with every mirror key, closed (mirrors-only)."""
     key = keyring(tmp_path, "corp.asc", ARMORED)
-    return dict(k2_engine="sglang", k2_tp=32, k2_dp=32, k2_ep=32, k2_attn_dp=True, k2_dist_init_port=50000,
+    return dict(k2_engine="sglang", k2_tp=32, k2_dp=32, k2_ep=32, k2_attn_dp=True, k2_max_model_len=32768,
+                k2_ib_hcas=["mlx5_0", "mlx5_1"], k2_dist_init_port=50000,
                 k2_os="ubuntu-24.04", k2_runtime="container",
                 k2_image="registry.corp.example:5000/lmsysorg/sglang:v0.5.23",
                 k2_os_mirror="https://mirror.corp.example/ubuntu", k2_os_mirror_keyring=key,
@@ -290,7 +291,8 @@ def test_a_four_node_plan_with_every_mirror_key_fetches_only_from_the_fleet_and_
 
 def test_plan_lists_the_vendors_servers_the_hosts_would_fetch_from_by_default(tmp_path: Path) -> None:
     """Without mirror keys the list names the vendors' own servers, each with the key that would move it."""
-    inv = write_inventory(tmp_path, hosts=SGLANG_4, k2_engine="sglang", k2_tp=32, k2_dp=32, k2_ep=32, k2_attn_dp=True,
+    inv = write_inventory(tmp_path, hosts=SGLANG_4, k2_engine="sglang", k2_tp=32, k2_dp=32, k2_ep=32, k2_attn_dp=True, k2_max_model_len=32768,
+                k2_ib_hcas=["mlx5_0", "mlx5_1"],
                           k2_os="rocky-9", k2_runtime="container", k2_image="lmsysorg/sglang:v0.5.23", k2_firewall=False)
     dep, plan = load_plan(inv)
     net = fw.network_json(dep, plan)
