@@ -162,15 +162,9 @@ def pin_manifest_from_hub(repo_id: str, revision: str, root: str, *, endpoint: s
     (pyinfra's gevent-patched process cannot import huggingface_hub's HTTP stack); the token
     is read by the child (env ``HF_TOKEN`` or ``token_file``), never in argv. At most 120 s.
     Raises RuntimeError with the child's last lines."""
-    argv = [sys.executable, "-m", "k2fleet.control.checkpoint_copy", "pin-manifest", repo_id, revision, root]
-    argv += ["--pattern", *patterns] if patterns else []
-    env = _with_this_checkout()
-    if endpoint:
-        env["HF_ENDPOINT"] = endpoint
-    if token_file:
-        env["K2FLEET_HUB_TOKEN_FILE"] = token_file
     try:
-        result = subprocess.run(argv, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=120)
+        result = _hub_child(["pin-manifest", repo_id, revision, root, *(["--pattern", *patterns] if patterns else [])],
+                            endpoint, token_file, timeout=120)
     except subprocess.TimeoutExpired:
         raise RuntimeError("the Hub did not answer with its file metadata within 120 s") from None
     if result.returncode:
@@ -274,21 +268,27 @@ def prepare_control_copy(
     cannot import huggingface_hub's HTTP stack, and hashing there would stall every
     host's connection). The endpoint goes in the child's environment, the token is
     read by the child (env ``HF_TOKEN`` or ``token_file``): neither is in argv."""
-    argv = [sys.executable, "-m", "k2fleet.control.checkpoint_copy", "control-copy", repo_id, revision, root]
-    argv += ["--hub"] if hub else []
-    argv += ["--pattern", *patterns] if patterns else []
-    env = _with_this_checkout()
-    if endpoint:
-        env["HF_ENDPOINT"] = endpoint
-    if token_file:
-        env["K2FLEET_HUB_TOKEN_FILE"] = token_file
-    result = subprocess.run(argv, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+    result = _hub_child(["control-copy", repo_id, revision, root, *(["--hub"] if hub else []),
+                         *(["--pattern", *patterns] if patterns else [])], endpoint, token_file)
     if result.returncode:
         raise RuntimeError(f"control copy of {repo_id}@{revision} failed:\n{result.stderr.strip()[-3000:]}")
     record = json.loads(result.stdout.strip().splitlines()[-1])
     if log_file:
         _append(log_file, {"step": "control-copy", **record})
     return record
+
+
+def _hub_child(args: list[str], endpoint: str | None, token_file: str | None,
+               timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m k2fleet.control.checkpoint_copy ARGS`` (this checkout's), the Hub endpoint in its
+    environment and the token only as a file it reads (env ``K2FLEET_HUB_TOKEN_FILE``), never in argv."""
+    env = _with_this_checkout()
+    if endpoint:
+        env["HF_ENDPOINT"] = endpoint
+    if token_file:
+        env["K2FLEET_HUB_TOKEN_FILE"] = token_file
+    return subprocess.run([sys.executable, "-m", "k2fleet.control.checkpoint_copy", *args], capture_output=True,
+                          text=True, env=env, stdin=subprocess.DEVNULL, timeout=timeout)
 
 
 def _with_this_checkout() -> dict[str, str]:
