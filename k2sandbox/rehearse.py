@@ -295,6 +295,8 @@ def sandbox_data(dep: Deployment, checkpoint: Path, size: int, gguf: Path | None
         data["k2_gguf_source"] = f"control:{gguf}"
     if any(h.settings.ib_hcas for h in dep.fleet.hosts):
         data["k2_ib_hcas"] = []  # sandbox hosts have no InfiniBand HCAs
+    if dep.s.checkpoint_fetcher != "control":  # a fetcher host downloads from the Hub, which the sandbox lacks:
+        data["k2_checkpoint_fetcher"] = "control"  # the synthetic copy comes from the control machine instead
     return data
 
 
@@ -734,6 +736,9 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
             say(f"rehearse {inventory}: deploying ({dep.engine} {dep.version}, the REAL engine (CPU build), simulated GPUs)")
         else:
             say(f"rehearse {inventory}: deploying ({dep.engine} {dep.version}, engine test doubles, simulated GPUs{source})")
+        if dep.s.checkpoint_fetcher != "control" and fleet_data.get("k2_checkpoint_fetcher") == "control":
+            say(f"  k2_checkpoint_fetcher: {dep.s.checkpoint_fetcher} -> control (the sandbox has no Hub: the synthetic "
+                "checkpoint comes from the control machine)")
         first = run_pyinfra(argv, env, DEPLOY_TIMEOUT_S)
         if first.returncode != 0:
             raise RehearsalError(failure_summary(first.log),
