@@ -20,6 +20,11 @@ The shape, on the sandbox bridge:
   (``--localise-queries``). The fleet hosts' ``/etc/resolv.conf`` names it, and the deploy's
   control process resolves through it (:meth:`CompanyNetwork.resolving`: a mount namespace
   whose ``/etc/resolv.conf`` names it), so names are resolved the way the inventory expects.
+- **the inventory's ssh_config**, rewritten (:func:`rewrite_ssh_config`): each name a connection
+  is looked up by (a host's ``ssh_hostname`` — IP or DNS name — and the ProxyJump's host) lands on
+  the sandbox address that stands for it, while the file's own ``Host`` patterns, ``ProxyJump``,
+  ``User`` and ``Port`` apply as written; a host addressed by IP takes its fleet address as
+  ``k2_address`` (an IP is not a name the resolver can move).
 """
 
 from __future__ import annotations
