@@ -185,9 +185,13 @@ def test_an_ip_pattern_bastion_inventory_rehearses_through_it(tmp_path) -> None:
     group = (ROOT / "inventories/group_data/corp-dp-ep.py").read_text()
     group = "\n".join(line for line in group.splitlines() if not line.startswith(("ssh_user", "ssh_port", "ssh_config_file")))
     (inv_dir / "group_data" / "corp-ip.py").write_text(group + f"\nssh_config_file = {str(config)!r}\n")
-    proc = subprocess.run([tool("k2fleet"), "rehearse", str(inv), "--keep"], cwd=ROOT, capture_output=True,
-                          text=True, stdin=subprocess.DEVNULL, timeout=900)
+    # the lock is held across the rehearsal (shared with it) and the checks, so no other sandbox
+    # user takes the kept hosts down or boots its own in between
+    lock = sandbox.hold_sandbox_lock()
     try:
+        proc = subprocess.run([tool("k2fleet"), "rehearse", str(inv), "--keep"], cwd=ROOT, capture_output=True,
+                              text=True, stdin=subprocess.DEVNULL, timeout=900, pass_fds=(lock.fileno(),),
+                              env={**os.environ, **sandbox.lock_env(lock)})
         out = proc.stdout
         assert proc.returncode == 0, out[-3000:] + proc.stderr[-2000:]
         assert out.strip().splitlines()[-1] == f"rehearsal {inv}: 1/1 endpoints healthy, re-run 0 changes", out
@@ -213,8 +217,10 @@ def test_an_ip_pattern_bastion_inventory_rehearses_through_it(tmp_path) -> None:
                              f"{sandbox.BRIDGE_ADDRESS} '", timeout=60)
         assert jumped.returncode == 0 and int(jumped.stdout.strip()) >= 3, (jumped.stdout, jumped.stderr)
     finally:
-        with sandbox.hold_sandbox_lock():
+        try:
             sandbox.down()
+        finally:
+            lock.close()
 
 
 def test_a_four_host_fleet_with_api_key_node_exporter_and_fetcher_rehearses_through_the_bastion(tmp_path) -> None:
