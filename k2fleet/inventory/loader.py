@@ -151,6 +151,8 @@ def check_inventory_groups(source: str, groups: Mapping[str, Any]) -> None:
                 first[name] = (group, data)
                 continue
             other, before = first[name]
+            if other == group:  # twice in one group: refused as such (build_fleet: "listed twice")
+                continue
             for key in sorted(set(before) & set(data), key=str):
                 if before[key] != data[key]:
                     raise SpecError("inventory", f"host {name} is in groups {other} and {group} with different "
