@@ -30,8 +30,21 @@ def _cmd_rehearse(args: argparse.Namespace) -> int:
         sys.stderr.write("k2fleet rehearse: --engine real installs vLLM's CPU build from the control machine's "
                          "engine wheelhouse; --bundle is not supported with it yet\n")
         return 2
-    return rehearse(args.inventory, args.data, keep=args.keep, bundle=args.bundle, offline=args.offline,
-                    engine=args.engine)
+    from k2fleet.control import ControlError
+    from k2fleet.inventory.spec import SpecError
+
+    try:
+        return rehearse(args.inventory, args.data, keep=args.keep, bundle=args.bundle, offline=args.offline,
+                        engine=args.engine)
+    except (SpecError, ControlError):
+        raise  # k2fleet's own one-line refusals (exit 2 / 1)
+    except Exception as exc:  # noqa: BLE001 - no failure of a rehearsal ends in a traceback
+        from k2fleet.control import failure_line
+
+        line = failure_line(exc)
+        line = line if line.startswith(type(exc).__name__) else f"{type(exc).__name__}: {line}"
+        sys.stderr.write(f"rehearse: {args.inventory}: failed: {line}\n")
+        return 1
 
 
 def add(sub: Any, inventory_arguments: Callable[[argparse.ArgumentParser], None]) -> None:

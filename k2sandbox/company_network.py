@@ -20,6 +20,11 @@ The shape, on the sandbox bridge:
   (``--localise-queries``). The fleet hosts' ``/etc/resolv.conf`` names it, and the deploy's
   control process resolves through it (:meth:`CompanyNetwork.resolving`: a mount namespace
   whose ``/etc/resolv.conf`` names it), so names are resolved the way the inventory expects.
+- **the inventory's ssh_config**, rewritten (:func:`rewrite_ssh_config`): each name a connection
+  is looked up by (a host's ``ssh_hostname`` — IP or DNS name — and the ProxyJump's host) lands on
+  the sandbox address that stands for it, while the file's own ``Host`` patterns, ``ProxyJump``,
+  ``User`` and ``Port`` apply as written; a host addressed by IP takes its fleet address as
+  ``k2_address`` (an IP is not a name the resolver can move).
 """
 
 from __future__ import annotations
@@ -49,11 +54,30 @@ class CompanyNetworkError(RuntimeError):
 
 @dataclass(frozen=True)
 class Hop:
-    """The bastion an inventory's ProxyJump names: its DNS name, user and port."""
+    """The bastion an inventory's ProxyJump names: its DNS name (or address), user and port, and
+    the host part of the ProxyJump as written (``token``: what ssh looks up in the config)."""
 
     name: str
     user: str
     port: int
+    token: str = ""
+
+
+DEFAULT_SSH_CONFIG = "~/.ssh/config"  # what pyinfra (and ssh) read when a host names no ssh_config_file
+
+
+def config_file(data: Mapping[str, Any]) -> str | None:
+    """The ssh_config a host's connection reads: its ``ssh_config_file``, else the user's own
+    ``~/.ssh/config`` when there is one (pyinfra reads it then, as ssh does)."""
+    path = data.get("ssh_config_file")
+    if path:
+        return str(path)
+    return DEFAULT_SSH_CONFIG if os.path.isfile(os.path.expanduser(DEFAULT_SSH_CONFIG)) else None
+
+
+def target(name: str, data: Mapping[str, Any]) -> str:
+    """What pyinfra looks a host up by in its ssh_config (``ssh_hostname``, else its name)."""
+    return str(data.get("ssh_hostname") or name)
 
 
 def _config(path: str) -> Any:
@@ -71,12 +95,12 @@ def jump_hosts(hosts: Sequence[tuple[str, Mapping[str, Any], Any]]) -> dict[str,
     hosts without one are left out. Several hops, or different bastions, are refused."""
     out: dict[str, Hop] = {}
     for name, data, _ in hosts:
-        path = data.get("ssh_config_file")
+        path = config_file(data)
         if not path:
             continue
         config = _config(str(path))
-        target = config.lookup(str(data.get("ssh_hostname") or name))
-        jump = target.get("proxyjump")
+        found = config.lookup(target(name, data))
+        jump = found.get("proxyjump")
         if not jump or jump.lower() == "none":
             continue
         if "," in jump:
@@ -89,7 +113,7 @@ def jump_hosts(hosts: Sequence[tuple[str, Mapping[str, Any], Any]]) -> dict[str,
                 or not re.fullmatch(r"[A-Za-z0-9.-]{1,253}", own.get("hostname", hop_name)):
             raise CompanyNetworkError(f"{name}: ProxyJump {jump!r}: a rehearsal takes a user name, a host name and "
                                       "a port 1-65535")
-        out[name] = Hop(own.get("hostname", hop_name), user, int(port))
+        out[name] = Hop(own.get("hostname", hop_name), user, int(port), hop_name)
     if len(set(out.values())) > 1:
         raise CompanyNetworkError("the inventory's hosts go through different bastions; a rehearsal makes one")
     return out
@@ -110,10 +134,70 @@ def fleet_address(sandbox_address: str) -> str:
 
 
 def planned_addresses(hosts: Sequence[tuple[str, Mapping[str, Any], Any]]) -> dict[str, str]:
-    """Each fleet host's DNS name (``ssh_hostname``, else its name) → the fleet address it will
-    have: the i-th inventory host is sandbox host i + 2 (the bastion is the first)."""
-    return {str(data.get("ssh_hostname") or name): fleet_address(sandbox.host_address(i + 2))
-            for i, (name, data, _) in enumerate(hosts)}
+    """Each fleet host's DNS name (``ssh_hostname``, else its name, and a ``k2_address`` that is a
+    name) → the fleet address it will have: the i-th inventory host is sandbox host i + 2 (the
+    bastion is the first)."""
+    out = {}
+    for i, (name, data, _) in enumerate(hosts):
+        for where in (data.get("k2_address"), target(name, data)):
+            if where and not is_ip(str(where)):
+                out[str(where)] = fleet_address(sandbox.host_address(i + 2))
+    return out
+
+
+def is_ip(text: str) -> bool:
+    """Is ``text`` an IP address (not a name)?
+
+    >>> is_ip("198.51.100.7"), is_ip("gpu-0.fleet.corp.example")
+    (True, False)
+    """
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def login(name: str, data: Mapping[str, Any]) -> dict[str, Any]:
+    """The user and port pyinfra logs into a host with: its ssh_config's ``User``/``Port`` for the
+    host when the file gives them (pyinfra's connector lets them win), else ``ssh_user``/``ssh_port``
+    (root, 22); and ``_sudo``.
+
+    >>> login("n1", {"ssh_user": "ops", "ssh_port": 2222, "_sudo": True})
+    {'user': 'ops', 'port': 2222, 'sudo': True}
+    """
+    user, port = str(data.get("ssh_user") or "root"), int(data.get("ssh_port") or 22)
+    path = config_file(data)
+    if path:
+        found = _config(path).lookup(target(name, data))
+        user, port = str(found.get("user") or user), int(found.get("port") or port)
+    return {"user": user, "port": port, "sudo": bool(data.get("_sudo"))}
+
+
+def rewrite_ssh_config(text: str, moves: Mapping[str, str], header: str = "") -> str:
+    """The inventory's ssh_config ``text`` made to land on the sandbox with its meaning kept.
+    ``moves``: each name ssh looks a connection up by — a fleet host's ``ssh_hostname`` (or host
+    name), be it an IP or a DNS name, and the ProxyJump's host — → the sandbox address that
+    stands for it. A ``Host NAME`` block giving ``HostName ADDRESS`` comes first for each (ssh and
+    pyinfra keep the first value obtained), then ``header`` (the sandbox's credentials), then the
+    file unchanged: its ``Host`` patterns (IPs, names, wildcards, negations) are still matched
+    against the names as written, so the same ``ProxyJump``, ``User``, ``Port`` and the rest apply,
+    and only where each connection lands moves.
+
+    >>> import paramiko
+    >>> text = ("Host bastion\\n    HostName 203.0.113.5\\n    User ops\\n    Port 2222\\n"
+    ...         "Host 198.51.100.* !198.51.100.99\\n    ProxyJump bastion\\n    User deploy\\n")
+    >>> moved = rewrite_ssh_config(text, {"198.51.100.10": "10.213.1.12", "bastion": "10.213.0.11"})
+    >>> cfg = paramiko.SSHConfig.from_text(moved)
+    >>> [cfg.lookup("198.51.100.10").get(k) for k in ("hostname", "proxyjump", "user")]
+    ['10.213.1.12', 'bastion', 'deploy']
+    >>> [cfg.lookup("bastion").get(k) for k in ("hostname", "user", "port")]
+    ['10.213.0.11', 'ops', '2222']
+    """
+    blocks = "".join(f"Host {name}\n    HostName {address}\n" for name, address in moves.items())
+    return f"# k2fleet rehearse: the sandbox's addresses, then the inventory's file unchanged\n{blocks}\n{header}\n{text}"
 
 
 @dataclass
@@ -220,8 +304,9 @@ def build(hosts: Sequence[tuple[str, Mapping[str, Any], Any]], kept: Mapping[str
         raise CompanyNetworkError(f"the unreachable route for {FLEET_SUBNET}.0/{sandbox.PREFIX_LEN}: {route.stderr.strip()}")
     # the resolver, in the bastion's network namespace
     hosts_file = work / "company-hosts"
+    bastion_names = [n for n in dict.fromkeys((hop.name, hop.token)) if n and not is_ip(n)]
     hosts_file.write_text("".join(f"{address} {name}\n" for name, address in names.items())
-                          + f"{bastion.address} {hop.name}\n{BASTION_FLEET_ADDRESS} {hop.name}\n")
+                          + "".join(f"{bastion.address} {n}\n{BASTION_FLEET_ADDRESS} {n}\n" for n in bastion_names))
     resolver = subprocess.Popen(
         ["ip", "netns", "exec", bastion.name, "dnsmasq", "--keep-in-foreground", "--no-resolv", "--no-hosts",
          "--no-poll", f"--addn-hosts={hosts_file}", f"--listen-address={bastion.address}",
@@ -234,29 +319,38 @@ def build(hosts: Sequence[tuple[str, Mapping[str, Any], Any]], kept: Mapping[str
     def pin(where: str, port: int, key: str) -> str:
         return f"[{where}]:{port} {key}" if port != 22 else f"{where} {key}"
 
-    known = [pin(hop.name, hop.port, pinned[bastion.address]), pin(bastion.address, hop.port, pinned[bastion.address])]
+    known = [pin(n, hop.port, pinned[bastion.address]) for n in dict.fromkeys((hop.name, hop.token, bastion.address)) if n]
     for (name, data, _), sb in zip(hosts, fleet):
-        port = kept[name]["port"]
-        known += [pin(str(data.get("ssh_hostname") or name), port, pinned[sb.address]),
-                  pin(fleet_address(sb.address), port, pinned[sb.address])]
+        for port in dict.fromkeys((kept[name]["port"], *kept[name].get("ports", ()))):
+            known += [pin(target(name, data), port, pinned[sb.address]), pin(fleet_address(sb.address), port, pinned[sb.address])]
     known_hosts = work / "company-known_hosts"
     known_hosts.write_text("\n".join(known) + "\n")
+    # every connection lands where it stands in the sandbox: the fleet hosts' names (IPs or DNS
+    # names, as the inventory looks them up) on their fleet addresses, the ProxyJump's host on the
+    # bastion's sandbox address
+    moves = {target(name, data): fleet_address(sb.address) for (name, data, _), sb in zip(hosts, fleet)}
+    moves[hop.token or hop.name] = bastion.address
     copies: dict[str, Path] = {}
     for _, data, _ in hosts:
-        original = str(data.get("ssh_config_file") or "")
+        original = config_file(data) or ""
         if original and original not in copies:
             copy = work / f"ssh_config.{len(copies)}"
             body = Path(os.path.expanduser(original)).read_text()
-            # first obtained value wins (ssh_config(5)): the sandbox's credentials, then the inventory's file
-            copy.write_text(f"Host *\n    IdentityFile {bastion.ssh_key}\n    IdentitiesOnly yes\n"
-                            f"    UserKnownHostsFile {known_hosts}\n    StrictHostKeyChecking yes\n\n{body}")
+            # first obtained value wins (ssh_config(5)): the sandbox's addresses and credentials, then
+            # the inventory's file
+            copy.write_text(rewrite_ssh_config(body, moves, f"Host *\n    IdentityFile {bastion.ssh_key}\n"
+                                               f"    IdentitiesOnly yes\n    UserKnownHostsFile {known_hosts}\n"
+                                               "    StrictHostKeyChecking yes\n"))
             copies[original] = copy
     net = CompanyNetwork(bastion, hop, names, resolv_conf, known_hosts, copies, cursors, resolver)
-    for name, data, _ in hosts:
+    for (name, data, _), sb in zip(hosts, fleet):
         net.overlay[name] = {"ssh_key": bastion.ssh_key, "ssh_known_hosts_file": str(known_hosts),
                              "ssh_strict_host_key_checking": "yes", "k2_nic": sandbox.HOST_NIC}
-        if data.get("ssh_config_file"):
-            net.overlay[name]["ssh_config_file"] = str(copies[str(data["ssh_config_file"])])
+        where = str(data.get("k2_address") or target(name, data))
+        if is_ip(where):  # an address of the real network: the host's fleet address stands for it
+            net.overlay[name]["k2_address"] = fleet_address(sb.address)
+        if config_file(data):
+            net.overlay[name]["ssh_config_file"] = str(copies[config_file(data) or ""])
     return net
 
 

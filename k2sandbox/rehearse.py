@@ -295,6 +295,8 @@ def sandbox_data(dep: Deployment, checkpoint: Path, size: int, gguf: Path | None
         data["k2_gguf_source"] = f"control:{gguf}"
     if any(h.settings.ib_hcas for h in dep.fleet.hosts):
         data["k2_ib_hcas"] = []  # sandbox hosts have no InfiniBand HCAs
+    if dep.s.checkpoint_fetcher != "control":  # a fetcher host downloads from the Hub, which the sandbox lacks:
+        data["k2_checkpoint_fetcher"] = "control"  # the synthetic copy comes from the control machine instead
     return data
 
 
@@ -574,6 +576,36 @@ def slurm_endpoints(job: dict[str, Any], login: sandbox.SandboxHost, hosts: Sequ
 # the command
 
 
+def prefetch(generated: Path, overlay_args: Sequence[str], resolve: Any, env: Mapping[str, str], say: Any) -> None:
+    """The control machine's step for the deploy about to run (``generated`` with
+    ``overlay_args``), run here before the deploy enters the company network's resolver: the
+    packages, wheels and images it downloads come from the control machine's own network, and
+    the deploy's own step then finds them made (each is cached by what it holds). A failure is a
+    :class:`RehearsalError` (one line)."""
+    import os
+
+    from k2fleet.control import failure_line
+    from k2fleet.control.artifacts import prepare_control_artifacts
+
+    pairs = [overlay_args[i + 1] for i in range(0, len(overlay_args), 2) if overlay_args[i] == "--data"]
+    dep, plan = check_hosts(str(generated), inventory_host_data(generated, parse_data_overrides(pairs)), resolve)
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    started = time.monotonic()
+    try:
+        prepare_control_artifacts(dep, plan)
+    except Exception as exc:  # noqa: BLE001 - a download or build: the rehearsal's one line
+        raise RehearsalError(f"the control machine's step (before the company network): {failure_line(exc)}") from None
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    say(f"rehearse: the control machine's packages and wheels made before the company network "
+        f"({time.monotonic() - started:.0f}s)")
+
+
 def bundle_data(dep: Deployment, bundle: Path) -> dict[str, Any]:
     """The fleet-wide overlay of a rehearsal from a bundle (``--bundle DIR``): what
     ``k2fleet bundle --rehearsal`` computed the bundle with, plus ``k2_bundle`` (the
@@ -710,7 +742,9 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         # the inventory's group data beside the generated file, as beside the original: pyinfra and
         # k2fleet's own commands (status, bench, eval on a kept rehearsal) load the same data
         (generated.parent / "group_data").symlink_to(inv_path.parent / "group_data", target_is_directory=True)
-        kept = {name: kept_connection(host_data) for name, host_data, _ in hosts}
+        # through a bastion: the user and port pyinfra will log in with (the ssh_config's win)
+        kept = {name: company_network.login(name, host_data) if hop else kept_connection(host_data)
+                for name, host_data, _ in hosts}
         if hop:
             assert bastion is not None
             company = company_network.build(hosts, kept, hop, [bastion, *sb_hosts], work)
@@ -730,9 +764,12 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
                 f"the sandbox bridge {sandbox.BRIDGE} ({sandbox.OFFLINE_ADDRESS}, no route out)")
         overlay_args = [*data_args(overlay), *[a for item in data for a in ("--data", item)]]
         argv = [*netns, tool("pyinfra"), "-y", "--json", *overlay_args, str(generated), DEPLOY_FILE]
-        if company is not None:
-            argv = company.resolving(argv)
         env = {"K2FLEET_STATE_DIR": str(work / "state")}
+        if company is not None:
+            # what the control machine fetches (packages, wheels) it fetches now, from here: inside
+            # the company's resolver the public archives do not resolve
+            prefetch(generated, overlay_args, company.resolve, env, say)
+            argv = company.resolving(argv)
         for host_name, sb in zip(names, sb_hosts):
             say(f"  {host_name} -> {sb.name} "
                 + (company_network.fleet_address(sb.address) if company is not None else sb.address))
@@ -743,6 +780,9 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
             say(f"rehearse {inventory}: deploying ({dep.engine} {dep.version}, the REAL engine (CPU build), simulated GPUs)")
         else:
             say(f"rehearse {inventory}: deploying ({dep.engine} {dep.version}, engine test doubles, simulated GPUs{source})")
+        if dep.s.checkpoint_fetcher != "control" and fleet_data.get("k2_checkpoint_fetcher") == "control":
+            say(f"  k2_checkpoint_fetcher: {dep.s.checkpoint_fetcher} -> control (the sandbox has no Hub: the synthetic "
+                "checkpoint comes from the control machine)")
         first = run_pyinfra(argv, env, DEPLOY_TIMEOUT_S)
         if first.returncode != 0:
             raise RehearsalError(failure_summary(first.log),
@@ -814,8 +854,7 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
             return 1
         say(last)
         return 0
-    except (RehearsalError, sandbox.SandboxError, sandbox_slurm.SlurmSiteError,
-            company_network.CompanyNetworkError) as exc:
+    except Exception as exc:  # noqa: BLE001 - every failure of a rehearsal is one line, never a traceback
         if isinstance(exc, sandbox_slurm.SlurmSiteError):
             exc = RehearsalError(f"slurm site: {exc}")
         if isinstance(exc, company_network.CompanyNetworkError):
@@ -823,8 +862,10 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         if isinstance(exc, RehearsalError):
             say(exc.detail)
             summary = exc.summary
-        else:
+        elif isinstance(exc, sandbox.SandboxError):
             summary = "sandbox: " + " ".join(str(exc).split())[:300]
+        else:
+            summary = f"{type(exc).__name__}: " + " ".join(str(exc).split())[:300]
         if keep and booted:
             say("--keep: sandbox hosts left up (k2fleet sandbox down removes them)")
         say(f"rehearse {inventory}: {time.monotonic() - started:.0f}s")

@@ -149,3 +149,107 @@ def test_the_company_inventory_bundled_from_its_mirrors_deploys_offline(tmp_path
     assert f"everything from bundle {bundle}" in out and f"--offline: the deploy runs in netns {sandbox.OFFLINE_NS}" in out
     counted = re.findall(r"^  (gpu-\d): (\d+) SSH logins, (\d+) of them through the bastion$", out, re.M)
     assert sorted(h for h, _, _ in counted) == ["gpu-0", "gpu-1"] and all(n == t for _, n, t in counted), out
+
+
+IP_SSH_CONFIG = """\
+# the fleet behind the company's jump host, by address (issue #33: the rehearsal moved the hosts
+# and this pattern stopped matching, so pyinfra went direct: "Network is unreachable")
+Host jump
+    HostName 203.0.113.5
+    User ops
+    Port 2222
+
+Host 198.51.100.*
+    ProxyJump jump
+    User ops
+    Port 2222
+    ConnectTimeout 15
+"""
+
+
+def test_an_ip_pattern_bastion_inventory_rehearses_through_it(tmp_path) -> None:
+    """#33: hosts by IP, reached through a jump host that an ssh_config pattern on their IPs
+    names (``Host 198.51.100.*`` → ``ProxyJump jump``, the jump host itself by IP), the login
+    user and port from the file alone. The rehearsal rewrites that file onto the sandbox's
+    addresses; the evidence that every login went through the bastion is read here from the
+    hosts' own sshd journals (not from the rehearsal's verdict): every login the fleet hosts
+    accepted came from the bastion's fleet address, and the bastion's sshd accepted ``ops`` from
+    the control machine."""
+    inv_dir = tmp_path / "inv"
+    (inv_dir / "group_data").mkdir(parents=True)
+    config = inv_dir / "corp-ip.ssh_config"
+    config.write_text(IP_SSH_CONFIG)
+    inv = inv_dir / "corp-ip.py"
+    inv.write_text('gpu_nodes = [("gpu-0", {"ssh_hostname": "198.51.100.10"}), '
+                   '("gpu-1", {"ssh_hostname": "198.51.100.11"})]\n')
+    group = (ROOT / "inventories/group_data/corp-dp-ep.py").read_text()
+    group = "\n".join(line for line in group.splitlines() if not line.startswith(("ssh_user", "ssh_port", "ssh_config_file")))
+    (inv_dir / "group_data" / "corp-ip.py").write_text(group + f"\nssh_config_file = {str(config)!r}\n")
+    # the lock is held across the rehearsal (shared with it) and the checks, so no other sandbox
+    # user takes the kept hosts down or boots its own in between
+    lock = sandbox.hold_sandbox_lock()
+    try:
+        proc = subprocess.run([tool("k2fleet"), "rehearse", str(inv), "--keep"], cwd=ROOT, capture_output=True,
+                              text=True, stdin=subprocess.DEVNULL, timeout=900, pass_fds=(lock.fileno(),),
+                              env={**os.environ, **sandbox.lock_env(lock)})
+        out = proc.stdout
+        assert proc.returncode == 0, out[-3000:] + proc.stderr[-2000:]
+        assert out.strip().splitlines()[-1] == f"rehearsal {inv}: 1/1 endpoints healthy, re-run 0 changes", out
+        bastion, *fleet = sandbox.load_hosts()
+        for host in fleet:  # the control machine has no way to the fleet subnet
+            with pytest.raises(OSError):
+                socket.create_connection((company_network.fleet_address(host.address), 2222), timeout=3)
+        ssh_config = tmp_path / "ssh_config"
+        ssh_config.write_text(f"Host *\n    IdentityFile {bastion.ssh_key}\n    IdentitiesOnly yes\n    BatchMode yes\n"
+                              "    StrictHostKeyChecking no\n    UserKnownHostsFile /dev/null\n    LogLevel ERROR\n"
+                              f"Host {company_network.FLEET_SUBNET}.*\n    ProxyJump ops@{bastion.address}:2222\n"
+                              "    Port 2222\n")
+        for host in fleet:
+            where = company_network.fleet_address(host.address)
+            got = subprocess.run(["ssh", "-F", str(ssh_config), f"ops@{where}",
+                                  "sudo -n journalctl -q -o cat -u ssh --no-pager | grep 'Accepted publickey for ops'"],
+                                 capture_output=True, text=True, timeout=60)
+            assert got.returncode == 0, got.stderr
+            sources = [line.split(" from ", 1)[1].split()[0] for line in got.stdout.splitlines()]
+            # the deploy's logins (pyinfra's and k2fleet's own side channels) plus this one, all from the bastion
+            assert len(sources) >= 3 and set(sources) == {company_network.BASTION_FLEET_ADDRESS}, (host.name, sources)
+        jumped = sandbox.ssh(bastion, "journalctl -q -o cat -u ssh --no-pager | grep -c 'Accepted publickey for ops from "
+                             f"{sandbox.BRIDGE_ADDRESS} '", timeout=60)
+        assert jumped.returncode == 0 and int(jumped.stdout.strip()) >= 3, (jumped.stdout, jumped.stderr)
+    finally:
+        try:
+            sandbox.down()
+        finally:
+            lock.close()
+
+
+def test_a_four_host_fleet_with_api_key_node_exporter_and_fetcher_rehearses_through_the_bastion(tmp_path) -> None:
+    """#33's second finding: 4 hosts behind a bastion by DNS names, an API key, the node exporter
+    and a ``k2_checkpoint_fetcher`` host ended its rehearsal in a traceback (the control step's
+    ``apt-get download`` ran inside the company network's resolver, where deb.debian.org does not
+    resolve). The control step now runs before the deploy enters that resolver; the sandbox has
+    no Hub, so the fetcher host is said to be replaced by the control machine's synthetic copy."""
+    inv_dir = tmp_path / "inv"
+    (inv_dir / "group_data").mkdir(parents=True)
+    key = inv_dir / "api-key"
+    key.write_text("k2-rehearsal-api-key-0123456789\n")
+    key.chmod(0o600)
+    inv = inv_dir / "corp-four.py"
+    inv.write_text("gpu_nodes = [" + ", ".join(f'("gpu-{i}", {{"ssh_hostname": "gpu-{i}.fleet.corp.example"}})'
+                                               for i in range(4)) + "]\n")
+    group = (ROOT / "inventories/group_data/corp-dp-ep.py").read_text()
+    group = "\n".join(line for line in group.splitlines() if not line.startswith(("ssh_config_file", "k2_dp ", "k2_ep ")))
+    (inv_dir / "group_data" / "corp-four.py").write_text(
+        group + f"\nssh_config_file = {str(ROOT / 'inventories/corp.ssh_config')!r}\nk2_dp = 32\nk2_ep = 32\n"
+        f"k2_api_key_file = {str(key)!r}\nk2_metrics = True\nk2_node_exporter = True\nk2_checkpoint_fetcher = 'gpu-1'\n")
+    proc = subprocess.run([tool("k2fleet"), "rehearse", str(inv)], cwd=ROOT, capture_output=True,
+                          text=True, stdin=subprocess.DEVNULL, timeout=1500)
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out, out[-4000:]
+    assert proc.returncode == 0, out[-4000:]
+    assert "rehearse: the control machine's packages and wheels made before the company network" in out, out
+    assert "k2_checkpoint_fetcher: gpu-1 -> control" in out, out
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"rehearsal {inv}: ") and last.endswith("endpoints healthy, re-run 0 changes"), out[-3000:]
+    counted = re.findall(r"^  (gpu-\d): (\d+) SSH logins, (\d+) of them through the bastion$", proc.stdout, re.M)
+    assert sorted(h for h, _, _ in counted) == [f"gpu-{i}" for i in range(4)] and all(n == t for _, n, t in counted), out

@@ -135,6 +135,9 @@ def _plan(inventory: str, state_dir: Path, *data: str, **env: str) -> subprocess
 @pytest.fixture
 def recorded_fleet(tmp_path: Path) -> Path:
     """A state dir whose hosts.json records 3 hosts (nothing booted: plans only)."""
+    from k2sandbox.checkpoint_cache import ensure_sandbox_checkpoint
+
+    ensure_sandbox_checkpoint()  # the sandbox inventories' control: source must exist to validate
     hosts = [sandbox.SandboxHost(sandbox.host_name(i), sandbox.host_address(i), "root", str(tmp_path / "id_ed25519"),
                                  str(tmp_path / "known_hosts")) for i in (1, 2, 3)]
     (tmp_path / "hosts.json").write_text(json.dumps([h.__dict__ for h in hosts]))

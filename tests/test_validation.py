@@ -62,6 +62,21 @@ def _token_file(mode: int, content: bytes = b"hf_token_for_validation_tests\n") 
 
 
 TOKEN_FILE = _token_file(0o600)  # a good one: the twins use it
+
+
+def _control_copy(manifest: bool = True) -> str:
+    """A control-machine checkpoint directory (``control:`` source), with or without its manifest."""
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="k2control-")) / "kimi-k2+v1"
+    (root / ".k2fleet").mkdir(parents=True)
+    if manifest:
+        (root / ".k2fleet" / "manifest.json").write_text("{}\n")
+    return str(root)
+
+
+CONTROL_COPY = _control_copy()
+CONTROL_COPY_BARE = _control_copy(manifest=False)
 KEYRING_FILE = _token_file(0o644, b"\x99\x01\x0d" + b"k" * 64)  # a binary OpenPGP key (a public key: any mode)
 HF = "hf_" + "Q7xk2LmN9pR4sT6vW8yZ1aB3cD5eF7gH"  # token-shaped, not a real token
 GH = "ghp_" + "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
@@ -79,6 +94,7 @@ class Case:
     cli_data: tuple[str, ...] = ()  # --data KEY=VALUE, given to every entry
     secret: str = ""  # must not appear in any output
     group_py: str = ""  # Python appended to the group-data file (shared references, raising, ...)
+    inventory_py: str = ""  # Python appended to the inventory file (more groups)
     family: str = field(default="", compare=False)
 
 
@@ -424,6 +440,20 @@ TOPOLOGY = family("topology", [
          hosts=[("a", {"k2_port": 8000}), ("b", {"k2_port": 8001})]),
     Case("unknown-gpu", {"k2_gpu": "rtx4090"}, "k2_gpu", "unknown GPU type"),
     Case("bad-checkpoint-source", {"k2_checkpoint_source": "s3://bucket/k2"}, "k2_checkpoint_source", "neither `hub`"),
+    # issue #33: a control: source is a directory of this control machine holding the manifest
+    Case("control-source-missing", {"k2_checkpoint_source": "control:/nonexistent/k2fleet/kimi-k2"},
+         "k2_checkpoint_source", "/nonexistent/k2fleet/kimi-k2 does not exist on this control machine"),
+    Case("control-source-a-file", {"k2_checkpoint_source": f"control:{TOKEN_FILE}"}, "k2_checkpoint_source",
+         "is not a directory"),
+    Case("control-source-without-manifest", {"k2_checkpoint_source": f"control:{CONTROL_COPY_BARE}"},
+         "k2_checkpoint_source", "has no .k2fleet/manifest.json"),
+    Case("gguf-source-missing", KT_FLEET | {"k2_gguf_source": "control:/nonexistent/k2fleet/gguf"}, "k2_gguf_source",
+         "does not exist on this control machine"),
+    # k2_checkpoint_bytes of a catalog model: within ½-2× of its known size (memory fit, disk checks)
+    Case("checkpoint-bytes-far-below", {"k2_checkpoint_bytes": 8_000_000}, "k2_checkpoint_bytes",
+         "below half the 594 GB checkpoint of moonshotai/Kimi-K2-Thinking"),
+    Case("checkpoint-bytes-far-above", INSTRUCT | {"k2_tp": 16, "k2_checkpoint_bytes": 5 * 10**12}, "k2_checkpoint_bytes",
+         "over twice", hosts=2),
     Case("fetcher-not-a-host", {"k2_checkpoint_fetcher": "stager"}, "k2_checkpoint_fetcher", "nor a host of this inventory"),
     Case("fetcher-without-hub", {"k2_checkpoint_fetcher": "node-0", "k2_checkpoint_source": "control:/srv/k2"},
          "k2_checkpoint_fetcher", "downloads from the Hub"),
@@ -565,6 +595,30 @@ STRUCTURE = family("structure", [
     Case("group-data-bare-list", {}, "inventory", "holds a bare list", group_py="['k2_port', 9000]\n"),
     Case("group-data-all-not-a-list", {}, "inventory", "__all__ must be a list", group_py="__all__ = 5\n"),
     Case("group-data-all-names-nothing", {}, "inventory", "__all__ names k2_nope", group_py="__all__ = ['k2_nope']\n"),
+    # issue #33: an inventory's groups as pyinfra reads them (pyinfra ended in a traceback on these)
+    Case("group-data-is-a-list", {}, "inventory", "group extra's data is a list, not a dict",
+         inventory_py="extra = (['node-0'], ['k2_port', 9000])\n"),
+    Case("all-group-data-is-a-list", {}, "inventory", "group all's data is a list",
+         inventory_py="all = (['node-0'], [('k2_port', 9000)])\n"),
+    Case("host-data-is-a-list", {}, "inventory", "host node-0's data in group extra is a list",
+         inventory_py="extra = [('node-0', ['k2_port', 9000])]\n"),
+    Case("group-is-a-tuple-of-names", {}, "inventory", "group extra is a tuple but not ([hosts], data)",
+         inventory_py="extra = ('node-0', 'node-1')\n"),
+    Case("host-entry-three-items", {}, "inventory", "which is not a host", inventory_py="extra = [('node-0', {}, 1)]\n"),
+    # a host in two groups: pyinfra keeps one group's value silently
+    Case("host-in-two-groups-with-other-data", {}, "inventory", "node-0 is in groups nodes and heads with different k2_nic",
+         hosts=[("node-0", {"k2_nic": "eth0"})], inventory_py="heads = [('node-0', {'k2_nic': 'eth1'})]\n"),
+    Case("host-in-two-role-groups", {"k2_engine": "sglang", "k2_tp": 8}, "inventory",
+         "node-0 is in groups prefill and decode, whose data give k2_role different values",
+         hosts=[("node-0", {}), ("d0", {}), ("r0", {"k2_role": "router"})],
+         inventory_py="prefill = (['node-0'], {'k2_role': 'prefill'})\ndecode = (['node-0', 'd0'], {'k2_role': 'decode'})\n"),
+    # pyinfra's own keys, with pyinfra's own types (pyinfra refused them after the gate, exit 1)
+    Case("sudo-list", {"_sudo": ["yes"]}, "_sudo", "must be bool"),
+    Case("ssh-password-list", {}, "ssh_password", "must be str", hosts=[("node-0", {"ssh_password": ["hunter2hunter2"]})],
+         secret="hunter2hunter2"),
+    Case("strict-host-key-checking-bool", {"ssh_strict_host_key_checking": True}, "ssh_strict_host_key_checking",
+         "must be str"),
+    Case("su-user-int", {"_su_user": 0}, "_su_user", "must be str"),
     # flag and option names against the pinned engine's tables (k2fleet.planning.engine_flags)
     Case("engine-flag-typo", {"k2_engine_args": {"tensor-paralel-size": 8}}, "k2_engine_args", "did you mean"),
     Case("trtllm-option-contradicts-key", B200 | {"k2_trtllm_config": {"tensor_parallel_size": 4}},
@@ -725,7 +779,8 @@ class Listener:
         self.sock.close()
 
 
-def inventory(directory: Path, case_hosts: int | list, data: dict[str, Any], port: int, group_py: str = "") -> Path:
+def inventory(directory: Path, case_hosts: int | list, data: dict[str, Any], port: int, group_py: str = "",
+              inventory_py: str = "") -> Path:
     """The case's inventory: hosts at 127.0.0.1:port (the listener), each its own k2_address;
     ``group_py`` appended to its group-data file."""
     if isinstance(case_hosts, int):
@@ -738,6 +793,8 @@ def inventory(directory: Path, case_hosts: int | list, data: dict[str, Any], por
         merged = {k: v for k, v in (base | extra).items() if v is not None}
         hosts.append((name, merged))
     inv = write_inventory(directory, hosts=hosts, **data)
+    if inventory_py:
+        inv.write_text(inv.read_text() + inventory_py)
     if group_py:
         group_data = directory / "group_data" / inv.name
         group_data.write_text(group_data.read_text() + group_py)
@@ -874,7 +931,8 @@ def outcomes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         if case.id not in selected:
             continue
         listener = Listener()
-        inv = inventory(tmp_path_factory.mktemp(case.id[:40]), case.hosts, case.data, listener.port, case.group_py)
+        inv = inventory(tmp_path_factory.mktemp(case.id[:40]), case.hosts, case.data, listener.port, case.group_py,
+                        case.inventory_py)
         out[case.id] = Outcome(inv, listener, {})
         jobs += [(case.id, entry, entry_argv(entry, inv, case.cli_data)) for entry in ENTRIES]
     workers = (os.cpu_count() or 2) + 1
@@ -929,7 +987,8 @@ def test_the_fork_server_is_faithful(tmp_path: Path, outcomes, case: Case) -> No
     refusal as through the fork server, and still no connection."""
     listener = Listener()
     try:
-        inv = inventory(tmp_path, case.hosts, case.data, listener.port, case.group_py)
+        inv = inventory(tmp_path, case.hosts, case.data, listener.port, case.group_py,
+                        case.inventory_py)
         results = {entry: run(entry_argv(entry, inv, case.cli_data)) for entry in ENTRIES}
     finally:
         listener.close()
@@ -961,7 +1020,9 @@ TWINS: list[tuple[str, dict[str, Any], int | list]] = [
     ("injection", {**{f"k2_{k}": v for k, v in GOOD_STRINGS.items() if k != "bundle" and not k.startswith("tls_")},
                    "k2_checkpoint_fetcher": "node-0",
                    "k2_runtime": "container", "k2_tp": 8, "k2_metrics": True, "k2_gpu_exporter": True}, 1),
-    ("injection-control-source", {"k2_checkpoint_source": "control:/srv/k2fleet/staging/kimi-k2+v1"}, 1),
+    ("injection-control-source", {"k2_checkpoint_source": f"control:{CONTROL_COPY}"}, 1),
+    ("topology-checkpoint-bytes-near-catalog", {"k2_checkpoint_bytes": 400_000_000_000}, 1),
+    ("topology-checkpoint-bytes-other-quant", KT_FLEET | {"k2_checkpoint_bytes": 10**9}, 1),  # gguf: not the catalog's
     ("injection-slurm", SLURM_FLEET, 1),
     ("injection-kt", KT_FLEET, 1),
     ("identity", IDENTITY_TWIN, IDENTITY_TWIN_HOSTS),
@@ -1046,6 +1107,15 @@ def test_a_host_in_two_groups_is_one_host_not_a_duplicate(tmp_path: Path) -> Non
     inv.write_text(inv.read_text() + "heads = ['node-0']\n")
     dep, _ = load_plan(inv)
     assert [h.name for h in dep.fleet.hosts] == ["node-0"]
+    # its host data in both groups, agreeing, and two groups whose data agree, or that the host's
+    # own data decides: one host, no conflict
+    inv = inventory(tmp_path / "agree", [("node-0", {"k2_nic": "eth0"})], {}, 22)
+    inv.write_text(inv.read_text() + "heads = [('node-0', {'k2_nic': 'eth0', 'k2_ib_hcas': ['mlx5_0']})]\n"
+                   "a = (['node-0'], {'k2_health_timeout': 90})\nb = (['node-0'], {'k2_health_timeout': 90})\n"
+                   "c = (['node-0'], {'k2_nic': 'eth1'})\n")
+    dep, _ = load_plan(inv)
+    (host,) = dep.fleet.hosts
+    assert (host.settings.nic, host.settings.ib_hcas, host.settings.health_timeout) == ("eth0", ["mlx5_0"], 90)
 
 
 def test_every_string_key_has_an_injection_case() -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from k2fleet.control import ControlError
+from k2fleet.control import ControlError, failure_line
 from k2fleet.control.artifacts import prepare_control_artifacts, read_control_artifacts, relay_secret_path, state_dir
 from k2fleet.planning.host_actions import host_actions, reboot_steps, restart_steps
 from k2fleet.planning.host_bootstrap import reboot_reason
@@ -164,14 +164,20 @@ def refuse_without_gate(exc: SpecError) -> NoReturn:
 def side_channel(data: Any, name: str) -> tuple[str, list[str], list[str]]:
     """(``user@address``, ssh argv, become prefix) of the control machine's own SSH to a
     host, with the inventory's connection settings pyinfra also uses (user, port, key,
-    known_hosts, ``ssh_config_file`` — a ProxyJump there is honoured —, strict host key
+    known_hosts, ``ssh_config_file`` — a ProxyJump there is honoured, and its ``User`` and ``Port``
+    for the host win over ``ssh_user``/``ssh_port`` as they do in pyinfra's connection —, strict host key
     checking); the become prefix (``sudo -n -H [-u USER] --``) when the host's data sets
     ``_sudo``, for commands that must run as root (the relay's transfers ride on it).
 
     >>> side_channel({"ssh_user": "ops", "ssh_port": 2222, "_sudo": True, "ssh_config_file": "/c"}, "n1")
     ('ops@n1', ['ssh', '-o', 'BatchMode=yes', '-p', '2222', '-F', '/c'], ['sudo', '-n', '-H', '--'])
     """
-    ssh = ["ssh", "-o", "BatchMode=yes", "-p", str(data.get("ssh_port") or 22)]
+    user, port = data.get("ssh_user") or "root", data.get("ssh_port") or 22
+    target = data.get("ssh_hostname") or name
+    if data.get("ssh_config_file"):  # as pyinfra connects: the file's User and Port for the host win
+        looked = _ssh_config_lookup(str(data.get("ssh_config_file")), str(target))
+        user, port = looked.get("user") or user, looked.get("port") or port
+    ssh = ["ssh", "-o", "BatchMode=yes", "-p", str(port)]
     if data.get("ssh_config_file"):
         ssh += ["-F", str(data.get("ssh_config_file"))]
     if data.get("ssh_key"):
@@ -183,7 +189,19 @@ def side_channel(data: Any, name: str) -> tuple[str, list[str], list[str]]:
     become: list[str] = []
     if data.get("_sudo"):
         become = ["sudo", "-n", "-H", *(["-u", str(data.get("_sudo_user"))] if data.get("_sudo_user") else []), "--"]
-    return f"{data.get('ssh_user') or 'root'}@{data.get('ssh_hostname') or name}", ssh, become
+    return f"{user}@{target}", ssh, become
+
+
+def _ssh_config_lookup(path: str, target: str) -> dict[str, Any]:
+    """``target``'s settings in the ssh_config ``path``, read as pyinfra's SSH connector reads
+    it (its own parser; ``{}`` when the file cannot be read, as pyinfra then connects without it)."""
+    try:
+        from pyinfra.connectors.sshuserclient.client import get_ssh_config
+
+        config = get_ssh_config(os.path.expanduser(path))
+        return dict(config.lookup(target)) if config is not None else {}
+    except Exception:  # noqa: BLE001 - pyinfra's parser failing: ssh reads the file itself
+        return {}
 
 
 def fleet_run(state: Any, inventory: Any, dry: bool | None = None) -> FleetRun:
@@ -218,6 +236,10 @@ def _make_fleet_run(state: Any, inventory: Any, dry: bool | None) -> FleetRun:
         artifacts = read_control_artifacts(dep, plan, parts) if dry else prepare_control_artifacts(dep, plan, parts)
     except ControlError as exc:  # one line naming what and the fix, no traceback
         sys.stderr.write(f"k2fleet: {exc}\n")
+        sys.stderr.flush()
+        raise SystemExit(1) from None
+    except Exception as exc:  # noqa: BLE001 - a download, a build, a full disk: one line, no traceback
+        sys.stderr.write(f"k2fleet: the control machine's step failed: {failure_line(exc)}\n")
         sys.stderr.flush()
         raise SystemExit(1) from None
     run = FleetRun(dep=dep, plan=plan, artifacts=artifacts, dry=dry, state_dir=state_dir(dep),

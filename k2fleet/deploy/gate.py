@@ -26,7 +26,8 @@ from k2fleet.planning.fetches import refusal
 from k2fleet.planning.firewall import egress_names
 from k2fleet.planning.os_tables import OS_TABLES, host_os
 from k2fleet.planning.deployment import Deployment, resolve
-from k2fleet.inventory.loader import HostData, check_group_data, fleet_from_hosts, host_data, load_failure
+from k2fleet.inventory.loader import (HostData, check_group_conflicts, check_group_data, check_inventory_groups,
+                                     checked_groups, fleet_from_hosts, host_data, load_failure)
 from k2fleet.planning.processes import Plan
 from k2fleet.planning.planner import make_plan
 from k2fleet.inventory.spec import SpecError
@@ -63,7 +64,36 @@ def check_hosts(source: str, hosts: list[HostData], resolver: Resolver | None = 
                 "k2_docker_repo_keyring"):
         check_keyring_file(getattr(dep.s, key[3:]), source, key, armored=any(
             OS_TABLES[host_os(h)].manager == "dnf" for h in dep.fleet.hosts))
+    check_control_source(dep.s.checkpoint_source, source, "k2_checkpoint_source")
+    if dep.s.gguf_repo:
+        check_control_source(dep.s.gguf_source, source, "k2_gguf_source")
     return dep, plan
+
+
+CONTROL = "control:"
+MANIFEST = ".k2fleet/manifest.json"  # what a control: copy holds beside its files (k2fleet.hostprogs.manifest)
+
+
+def check_control_source(value: str, source: str, key: str) -> None:
+    """A ``control:/path`` weight source (``k2_checkpoint_source``, ``k2_gguf_source``): a
+    directory on this control machine holding the verified files' ``.k2fleet/manifest.json``
+    (the control step verifies the files against it; it fetches nothing). ``hub``: nothing here."""
+    if not value.startswith(CONTROL):
+        return
+    path = value[len(CONTROL):]
+    fix = (f"put the files and their {MANIFEST} there (e.g. `hf download REPO --revision SHA --local-dir {path}` "
+           "on a connected machine, then copy it here), or use `hub`")
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise SpecError(key, f"{path} does not exist on this control machine; {fix}", source) from None
+    except OSError as exc:
+        raise SpecError(key, f"{path} cannot be read: {exc.strerror}", source) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise SpecError(key, f"{path} is not a directory on this control machine; name the directory that holds "
+                        f"the files and their {MANIFEST}", source)
+    if not os.path.isfile(os.path.join(path, MANIFEST)):
+        raise SpecError(key, f"{path} has no {MANIFEST}; {fix}", source)
 
 
 def _regular_file(path: str, source: str, key: str, fix: str) -> os.stat_result:
@@ -240,8 +270,11 @@ def install_pyinfra_gate(state: Any) -> None:
     def gated_init(inventory: Any, config: Any, initial_limit: Any = None) -> None:
         params = _cli_params()
         state.k2fleet_dry = bool(params.get("dry"))  # read by k2fleet.deploy.fleet_run: no control step when dry
+        source = str(params.get("inventory", "inventory"))
         try:  # kept for k2fleet.deploy.fleet_run: the deploy plans from this, not a second time
-            state.k2fleet_checked = check_hosts(str(params.get("inventory", "inventory")), host_data(inventory))
+            if os.path.isfile(source):
+                check_group_conflicts(inventory, source)
+            state.k2fleet_checked = check_hosts(source, host_data(inventory))
         except SpecError as exc:
             refuse(exc)
         original_init(inventory, config, initial_limit=initial_limit)
@@ -258,11 +291,17 @@ def install_at_inventory_load(state: Any, inventory: str) -> None:
     (as :func:`_gate_inventory_load` does), one that raises when pyinfra executes it is the
     same one line naming it, and :func:`install_pyinfra_gate` checks the whole inventory
     in ``State.init`` before any connection."""
+    loader = sys.modules.get("pyinfra_cli.inventory")
     if os.path.isfile(inventory):
         try:
             check_group_data(inventory, state.cwd)
+            # pyinfra has run the inventory file and is building its hosts: its groups, read
+            # again (the same file, run a second time), are checked before pyinfra trips on them
+            check_inventory_groups(inventory, loader._get_groups_from_filename(inventory) if loader else {})
         except SpecError as exc:
             refuse(exc)
+        except (SystemExit, Exception) as exc:  # noqa: BLE001 - user Python: report, don't trace
+            refuse(SpecError("inventory", f"could not be loaded: {load_failure(exc)}", inventory))
     loader = sys.modules.get("pyinfra_cli.inventory")
     if loader is not None and not getattr(loader._get_group_data, "_k2fleet_gate", False):
         original = loader._get_group_data
@@ -292,7 +331,8 @@ def _gate_inventory_load(state: Any) -> None:
         try:
             if os.path.isfile(str(inventory)):
                 check_group_data(str(inventory), kwargs.get("cwd") or state.cwd)
-            return original(inventory, *args, **kwargs)
+            with checked_groups(str(inventory)):
+                return original(inventory, *args, **kwargs)
         except SpecError as exc:
             problem = exc
         except Exception as exc:  # noqa: BLE001 - user Python in the inventory: report, don't trace

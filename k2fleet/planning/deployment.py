@@ -181,6 +181,9 @@ def _fail(key: str, msg: str, fleet: Fleet) -> SpecError:
     return SpecError(key, msg, fleet.source)
 
 
+SIZE_SLACK = (0.5, 2.0)  # k2_checkpoint_bytes of a catalog model: within these factors of its known size
+
+
 def _check_model(fleet: Fleet) -> tuple[int, str, bool]:
     s = fleet.settings
     if not SHA_RE.match(s.revision):
@@ -199,6 +202,17 @@ def _check_model(fleet: Fleet) -> tuple[int, str, bool]:
         raise _fail(
             "k2_checkpoint_bytes" if size is None else "k2_quantization",
             f"{s.model} is not in k2fleet's catalog; set k2_checkpoint_bytes and k2_quantization",
+            fleet,
+        )
+    if known and s.checkpoint_bytes and not s.simulated_gpus and quant == known.quantization \
+            and not known.bytes * SIZE_SLACK[0] <= s.checkpoint_bytes <= known.bytes * SIZE_SLACK[1]:
+        # (the sandbox's synthetic checkpoints are tiny: simulated GPUs only; another weight format
+        # of the same repo, k2_quantization, is another size)
+        raise _fail(
+            "k2_checkpoint_bytes",
+            f"{s.checkpoint_bytes:,} bytes is {'below half' if s.checkpoint_bytes < known.bytes else 'over twice'} "
+            f"the {known.bytes / 1e9:,.0f} GB checkpoint of {s.model} (k2fleet's catalog), so the memory-fit and "
+            f"disk checks would be wrong; set its real size in bytes, or leave k2_checkpoint_bytes unset",
             fleet,
         )
     # k2_checkpoint_source's grammar (hub | control:/PATH) is owned by spec.checkpoint_source
