@@ -295,7 +295,8 @@ def sandbox_data(dep: Deployment, checkpoint: Path, size: int, gguf: Path | None
         data["k2_gguf_source"] = f"control:{gguf}"
     if any(h.settings.ib_hcas for h in dep.fleet.hosts):
         data["k2_ib_hcas"] = []  # sandbox hosts have no InfiniBand HCAs
-    if dep.s.checkpoint_fetcher != "control":  # a fetcher host downloads from the Hub, which the sandbox lacks:
+    if dep.s.checkpoint_fetcher not in ("control", "auto"):  # a fetcher host downloads from the Hub, which the sandbox lacks
+        # (auto: a control: source is the control machine's already)
         data["k2_checkpoint_fetcher"] = "control"  # the synthetic copy comes from the control machine instead
     return data
 
@@ -780,7 +781,7 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
             say(f"rehearse {inventory}: deploying ({dep.engine} {dep.version}, the REAL engine (CPU build), simulated GPUs)")
         else:
             say(f"rehearse {inventory}: deploying ({dep.engine} {dep.version}, engine test doubles, simulated GPUs{source})")
-        if dep.s.checkpoint_fetcher != "control" and fleet_data.get("k2_checkpoint_fetcher") == "control":
+        if dep.s.checkpoint_fetcher not in ("control", "auto") and fleet_data.get("k2_checkpoint_fetcher") == "control":
             say(f"  k2_checkpoint_fetcher: {dep.s.checkpoint_fetcher} -> control (the sandbox has no Hub: the synthetic "
                 "checkpoint comes from the control machine)")
         first = run_pyinfra(argv, env, DEPLOY_TIMEOUT_S)
