@@ -1,6 +1,7 @@
 """One real chat completion from the control machine through the fleet's endpoint (what a
 client sees: the router or API front when there is one), for ``k2fleet status --completion``.
-The API key (``k2_api_key_file``) is sent as ``Authorization: Bearer``, never printed."""
+The API key (``k2_api_key_file``) is sent as ``Authorization: Bearer``, never printed, and only
+to a server that is not another local user's (:func:`k2fleet.hostprogs.health.check_server`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ def endpoint_completion(base: str, model: str, key: bytes | None = None) -> tupl
     what came back (the first words of the answer, or why there was none)."""
     try:
         answer = health.chat(base, model, None if key is None else key.decode("ascii").strip())
+    except health.Impostor as exc:  # a port of this machine held by another local user: no key was sent
+        return False, " ".join(str(exc).split())[:300]
     except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
         return False, " ".join(f"chat completion failed: {exc}".split())[:200]
     if not answer:

@@ -26,23 +26,112 @@ from k2fleet.hostprogs.quick_args import quick_args
 MAX_BODY = 8 << 20  # bytes of an answer read at most (a larger one is refused, not buffered)
 
 
-def request(url: str, body: bytes | None = None, timeout: float = 30, key: str | None = None) -> tuple[int, bytes]:
+class Impostor(Exception):
+    """The socket that answers is not root's: another local user holds the port (nothing was sent)."""
+
+
+LISTENER_UID = 0  # k2fleet's units (engines, the API front, the router, the relay) run as root
+_TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
+
+
+def _proc_hex(family: int, address: str) -> tuple[str, ...]:
+    """How /proc/net/tcp{,6} writes ``address``: each 32-bit word in host byte order, in hex;
+    an IPv4 address also as its IPv4-mapped IPv6 form (a dual-stack listener's sockets)."""
+    def words(raw: bytes) -> str:
+        out = ""
+        for i in range(0, len(raw), 4):
+            word = raw[i:i + 4]
+            out += (word[::-1] if sys.byteorder == "little" else word).hex().upper()
+        return out
+    raw = _socket.inet_pton(family, address)
+    if family == _socket.AF_INET:
+        return words(raw), words(b"\0" * 10 + b"\xff\xff" + raw)
+    return (words(raw),)
+
+
+def server_uid(sock) -> int | None:
+    """The uid owning the server end of the connected TCP socket ``sock`` (an SO_PEERCRED for
+    TCP): the /proc/net/tcp{,6} entry whose local address is ``sock``'s peer and whose remote
+    address is ``sock`` itself. An accepted (or still queued) connection carries its listener's
+    owner. None when the server end is not in this network namespace (another host)."""
+    mine, peer = sock.getsockname(), sock.getpeername()
+    wants = set()
+    for here, there in zip(_proc_hex(sock.family, mine[0]), _proc_hex(sock.family, peer[0])):
+        wants.add((f"{there}:{peer[1]:04X}", f"{here}:{mine[1]:04X}"))
+    for table in _TCP_TABLES:
+        try:
+            with open(table, encoding="ascii") as fh:
+                next(fh, None)
+                for line in fh:
+                    fields = line.split()
+                    if len(fields) > 7 and (fields[1], fields[2]) in wants:
+                        return int(fields[7])
+        except OSError:
+            continue
+    return None
+
+
+def check_server(sock, host: str, port: int, required: bool) -> None:
+    """Raise :class:`Impostor` unless root (:data:`LISTENER_UID`) owns the listener ``sock`` is
+    connected to: nothing (no key, no request) is sent to another local user's socket.
+    ``required``: the server must be on this host (the health gate runs where its service
+    does); otherwise a server elsewhere (not in this host's tables) passes."""
+    uid = server_uid(sock)
+    for _ in range(20):  # the server end of a loopback connection may show a moment after connect()
+        if uid is not None or not required:
+            break
+        time.sleep(0.005)
+        uid = server_uid(sock)
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if uid is None and required:
+        raise Impostor(f"port {where}: no socket of this host answers (cannot tell its owner); nothing was sent")
+    if uid is not None and uid != LISTENER_UID:
+        raise Impostor(f"port {where} is held by uid {uid}, not root: another local user's listener, not k2fleet's "
+                       f"unit; nothing was sent to it (no API key). Stop that process and make ports below "
+                       f"net.ipv4.ip_unprivileged_port_start privileged (k2fleet's sysctl drop-in does)")
+
+
+def check_listener(base: str, timeout: float = 5) -> None:
+    """Raise :class:`Impostor` when ``base`` (``http://HOST:PORT``) is served on this machine by
+    a socket that is not root's (a client about to hand it the key: ``k2fleet bench``/``eval``
+    when the control machine is a fleet host); a server elsewhere passes. OSError: no answer."""
+    host, port = _host_port(base[len("http://"):].partition("/")[0]) if base.startswith("http://") else (base, 80)
+    sock = connect(ascii_host(host), port, timeout)
+    try:
+        check_server(sock, host, port, required=False)
+    finally:
+        sock.close()
+
+
+def _host_port(hostport: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port``) of a URL → (host, port); port 80 when none.
+
+    >>> _host_port("[::1]:8000"), _host_port("10.0.0.1:80"), _host_port("gpu-1")
+    (('::1', 8000), ('10.0.0.1', 80), ('gpu-1', 80))
+    """
+    if hostport.startswith("["):  # [v6]:port
+        host, _, rest = hostport[1:].partition("]")
+        return host, int(rest[1:]) if rest.startswith(":") else 80
+    if ":" in hostport:
+        host, _, p = hostport.rpartition(":")
+        return host, int(p)
+    return hostport, 80
+
+
+def request(url: str, body: bytes | None = None, timeout: float = 30, key: str | None = None,
+            owner: str | None = None) -> tuple[int, bytes]:
     """(status, body) of one HTTP/1.1 request (POST with a JSON ``body``, else GET) on a
     fresh connection, standard library sockets only: the fact's quick check runs on every
     deploy and ``urllib.request`` alone costs ~90 ms of CPU to import. ``http://`` only
     (the engines and routers listen on the fleet's own addresses); at most :data:`MAX_BODY`
     bytes; chunked or length-delimited answers; ``key``: sent as ``Authorization: Bearer KEY``.
-    Raises OSError or ValueError."""
+    ``owner``: ``"required"`` (the server is on this host and root's), ``"local"`` (root's when
+    it is on this host) or None (not checked): :func:`check_server` before anything is sent.
+    Raises OSError or ValueError, or :class:`Impostor` (no retry can help: a server not root's)."""
     if not url.startswith("http://"):
         raise ValueError(f"not an http:// URL: {url!r}")
     hostport, _, path = url[len("http://"):].partition("/")
-    host, port = hostport, 80
-    if hostport.startswith("["):  # [v6]:port
-        host, _, rest = hostport[1:].partition("]")
-        port = int(rest[1:]) if rest.startswith(":") else 80
-    elif ":" in hostport:
-        host, _, p = hostport.rpartition(":")
-        port = int(p)
+    host, port = _host_port(hostport)
     head = [f"{'POST' if body is not None else 'GET'} /{path} HTTP/1.1", f"Host: {hostport}", "Connection: close",
             "Accept: application/json", "User-Agent: k2fleet-health"]
     if key is not None:
@@ -52,6 +141,8 @@ def request(url: str, body: bytes | None = None, timeout: float = 30, key: str |
     deadline = time.monotonic() + timeout
     sock = connect(ascii_host(host), port, timeout)
     try:
+        if owner is not None:
+            check_server(sock, host, port, owner == "required")
         sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + (body or b""))
         data = b""
         while True:
@@ -120,28 +211,30 @@ def ascii_host(host: str) -> str | bytes:
     return host
 
 
-def get_status(url: str) -> int | None:
+def get_status(url: str, owner: str | None = None) -> int | None:
     try:
-        return request(url, timeout=5)[0]
+        return request(url, timeout=5, owner=owner)[0]
     except (OSError, ValueError):
         return None
 
 
-def get_json(url: str, timeout: float = 30, key: str | None = None):
-    status, body = request(url, timeout=timeout, key=key)
+def get_json(url: str, timeout: float = 30, key: str | None = None, owner: str | None = None):
+    status, body = request(url, timeout=timeout, key=key, owner=owner)
     if status != 200:
         raise ValueError(f"{url} answered {status}")
     return json_loads(body)
 
 
-def chat(base: str, model: str, key: str | None = None, timeout: float = 120) -> str:
+def chat(base: str, model: str, key: str | None = None, timeout: float = 120, owner: str | None = "local") -> str:
+    """One chat completion's answer (``owner``: :func:`request`'s; by default a server on
+    this machine must be root's before the key goes to it)."""
     body = json_dumps({
         "model": model,
         "messages": [{"role": "user", "content": "Reply with one word: ready?"}],
         "max_tokens": 16,
         "temperature": 0,
     }).encode()
-    status, answer = request(f"{base}/v1/chat/completions", body, timeout=timeout, key=key)
+    status, answer = request(f"{base}/v1/chat/completions", body, timeout=timeout, key=key, owner=owner)
     if status != 200:
         raise ValueError(f"chat completion answered {status}: {answer[:200]!r}")
     message = json_loads(answer)["choices"][0]["message"]
@@ -175,10 +268,10 @@ def counter(text: str, family: str) -> float | None:
     return total if seen else None
 
 
-def read_counter(base: str, family: str, key: str | None = None) -> float | None:
+def read_counter(base: str, family: str, key: str | None = None, owner: str | None = "required") -> float | None:
     """``family``'s total in the service's ``/metrics`` (None: no /metrics, or not in it)."""
     try:
-        status, body = request(f"{base}/metrics", timeout=10, key=key)
+        status, body = request(f"{base}/metrics", timeout=10, key=key, owner=owner)
     except (OSError, ValueError):
         return None
     return counter(body.decode("utf-8", "replace"), family) if status == 200 else None
@@ -194,7 +287,7 @@ class NotHealthy(Exception):
 def world_mismatch(base: str, expected: dict, key: str | None = None, timeout: float = 30) -> str | None:
     """Compare the topology the engine reports in ``/v1/models`` metadata (k2fleet's
     engine test doubles report their parallel sizes there) with the planned one."""
-    data = get_json(f"{base}/v1/models", timeout=timeout, key=key)
+    data = get_json(f"{base}/v1/models", timeout=timeout, key=key, owner="required")
     reported = (data.get("data") or [{}])[0].get("metadata") or {}
     for key, want in sorted(expected.items()):
         if key not in reported:
@@ -262,12 +355,13 @@ def wait_healthy(base: str, model: str, timeout: float, expected: dict | None = 
     deadline = time.monotonic() + timeout
     last = "no answer"
     while time.monotonic() < deadline:
-        status = get_status(f"{base}{ready_path}")
+        status = get_status(f"{base}{ready_path}", owner="required")  # the service runs here, as root
         if status == 200:
             try:
                 before = read_counter(base, counted, key) if counted else None
                 # each request within the gate's own timeout (the fact's quick look: 5 s, not 120)
-                answer = chat(base, model, key, timeout=min(120.0, max(1.0, deadline - time.monotonic())))
+                answer = chat(base, model, key, timeout=min(120.0, max(1.0, deadline - time.monotonic())),
+                              owner="required")
                 if answer and counted:
                     problem = counter_moved(base, counted, before, key)
                     if problem:
@@ -325,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
                               args.expect_pd, key, args.expect_counter)
     except (OSError, ValueError) as exc:  # the key file itself
         print(f"{_socket.gethostname()}: {args.unit}: API key: {exc}", file=sys.stderr)
+        return 1
+    except Impostor as exc:  # loudly, at once: one line naming the host, the port and the squatter's uid
+        print(f"{_socket.gethostname()}: {args.unit}: {exc}", file=sys.stderr)
         return 1
     except NotHealthy as exc:
         print(f"{_socket.gethostname()}: {args.unit}: {exc}", file=sys.stderr)
