@@ -29,6 +29,7 @@ from k2fleet.inventory.spec import SpecError, keys_markdown
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning import profiles
 from k2fleet.planning.firewall import format_firewall
+from k2fleet.planning import privileged_ports
 from k2fleet.planning.processes import Plan
 from k2fleet.planning.quoting import curl_line, shell_line
 
@@ -134,6 +135,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         sys.stdout.write(format_plan(plan, dep.s.api_key_file, dep.api_model_name, resolved))
         sys.stdout.write(format_profile(dep))
         sys.stdout.write(format_firewall(dep, plan))  # every port with who may reach it
+        sys.stdout.write(privileged_ports.format_section(dep, plan))  # ports no local user may bind
     return 0
 
 
