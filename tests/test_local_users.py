@@ -175,3 +175,51 @@ def test_a_state_dir_others_may_write_is_refused(tmp_path: Path, monkeypatch) ->
         read_control_artifacts(dep, plan)
     os.chmod(planted, 0o700)
     assert read_control_artifacts(dep, plan).relay_secret == b"planted-relay-secret\n"  # its own: read
+
+
+# --------------------------------------------------------------------------- the role (@fake hosts)
+
+
+def test_the_role_raises_the_value_only_where_the_check_fails(tmp_path: Path) -> None:
+    """tests/test_roles_offline.py's harness: a host whose kernel value is below the plan's gets
+    the drop-in and the write; its settled peer gets nothing (the settled case: that module's
+    every-role test)."""
+    import dataclasses
+
+    from tests.test_roles_offline import H200, planned, run_roles, settled_fleet
+
+    dep, plan, desired = planned(str(H200))
+    value = desired["h200-1"].port_start
+    assert value == privileged_ports.port_start(dep, plan) > dep.s.relay_port
+    assert desired["h200-1"].files[privileged_ports.GROUP][privileged_ports.SYSCTL_PATH].content == \
+        privileged_ports.sysctl_file(value).encode()
+    facts = settled_fleet(dep, desired)
+    facts["h200-1"] = dataclasses.replace(facts["h200-1"], checks={**facts["h200-1"].checks, privileged_ports.CHECK: 1},
+                                          files={**facts["h200-1"].files, privileged_ports.SYSCTL_PATH: None})
+    out = run_roles(dep, plan, desired, facts, tmp_path, [])
+    raised = out.op("h200-1", "make ports below")
+    assert raised.changed and raised.commands == [privileged_ports.apply_argv(value)]
+    assert f"<upload> {privileged_ports.SYSCTL_PATH}" in out.op("h200-1", "sysctl drop-in").commands
+    assert not [c for c in out.commands("h200-0") if "ip_unprivileged_port_start" in c]
+
+
+def test_the_node_exporter_gets_the_capability_to_bind_its_port() -> None:
+    from tests.test_roles_offline import planned
+
+    dep, plan, desired = planned("inventories/h200.py", ("k2_metrics=true", "k2_node_exporter=true"))
+    for d in desired.values():
+        dropin = d.files[privileged_ports.GROUP][privileged_ports.NODE_EXPORTER_DROPIN]
+        assert b"AmbientCapabilities=CAP_NET_BIND_SERVICE\n" in dropin.content and dropin.mode == "644"
+    dep, plan, desired = planned("inventories/h200.py")
+    assert all(privileged_ports.NODE_EXPORTER_DROPIN not in d.files[privileged_ports.GROUP] for d in desired.values())
+
+
+def test_a_host_k2fleet_serves_nothing_on_keeps_its_sysctl() -> None:
+    """The Slurm login host belongs to its site (slurmctld binds 6817 as user slurm): no drop-in."""
+    from tests.test_roles_offline import artifacts
+    from k2fleet.planning.desired import desired_state
+
+    dep, plan = load_plan("inventories/gb200-trtllm-disagg.py")
+    desired = desired_state(dep, plan, artifacts(dep, plan))
+    for d in desired.values():
+        assert privileged_ports.GROUP not in d.files and privileged_ports.CHECK not in d.checks

@@ -873,9 +873,10 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts,
         if dep.runtime == "venv" and not dep.s.simulated_gpus and not bundled:
             d.venv_install = venv_install_argv(dep, d.python)
         d.firewall = parts.firewalls[h.name]
-        d.files[privileged_ports.GROUP] = dict(port_files)  # no local user binds a port k2fleet serves on
-        d.checks[privileged_ports.CHECK] = privileged_ports.check_argv(port_start)
-        d.port_start = port_start
+        if privileged_ports.serves(dep, hp):  # no local user binds a port k2fleet serves on
+            d.files[privileged_ports.GROUP] = dict(port_files)
+            d.checks[privileged_ports.CHECK] = privileged_ports.check_argv(port_start)
+            d.port_start = port_start
         if gpu_exporter.runs_on(dep, hp.role):  # dcgm-exporter: its unit and image (the gpu_exporter role)
             d.gpu_exporter, d.files["gpu_exporter"] = gpu_exporter_files(dep, h.address, art)
             d.units.append(gpu_exporter.UNIT)

@@ -25,6 +25,8 @@ it: a host whose operator chose a higher one keeps it, and its check passes).
   systemd drop-in, :data:`NODE_EXPORTER_DROPIN`, with ``AmbientCapabilities=CAP_NET_BIND_SERVICE``.
   Anything else on the host that binds a port below the value as an ordinary user (a
   Prometheus server on 9090, a user's notebook on 8888) needs the same, or its own port above it.
+  A host where k2fleet listens on nothing (a Slurm login host: its site's ``slurmctld`` binds
+  6817 as user slurm) gets no drop-in (:func:`serves`).
 
 >>> print(sysctl_file(29701), end="")
 # k2fleet: ports below 29701 need CAP_NET_BIND_SERVICE (root): no local user can take a port
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.metrics import NODE_EXPORTER_PORT
-from k2fleet.planning.processes import Plan
+from k2fleet.planning.processes import HostPlan, Plan
 
 SYSCTL = "net.ipv4.ip_unprivileged_port_start"
 PROC_PATH = "/proc/sys/net/ipv4/ip_unprivileged_port_start"
@@ -48,6 +50,19 @@ CHECK = "privileged-ports"  # the HostState check: the running kernel's value is
 GROUP = "privileged_ports"  # the desired state's file group
 
 
+def _own(what: str) -> bool:
+    return not what.startswith(("ssh_port", "ephemeral"))
+
+
+def serves(dep: Deployment, hp: HostPlan) -> bool:
+    """Does k2fleet listen on some port of host ``hp``? Only such a host gets the drop-in: a
+    host where k2fleet runs nothing that listens (a Slurm login host, which belongs to its site
+    and whose ``slurmctld`` binds 6817 as user slurm) is left as it is."""
+    from k2fleet.planning.firewall import host_openings
+
+    return any(_own(o.what) for o in host_openings(dep, hp))
+
+
 def served_ports(dep: Deployment, plan: Plan) -> list[tuple[int, int, str]]:
     """Every (first, last, what) port range k2fleet's processes listen on, on any host (not
     the ephemeral range nor SSH: they are not k2fleet's listeners)."""
@@ -56,7 +71,7 @@ def served_ports(dep: Deployment, plan: Plan) -> list[tuple[int, int, str]]:
     out = []
     for hp in plan.hosts.values():
         for o in host_openings(dep, hp):
-            if o.what.startswith(("ssh_port", "ephemeral")):
+            if not _own(o.what):
                 continue
             out.append((o.first, o.last, f"{o.what} on {hp.name}"))
     return out
@@ -114,7 +129,7 @@ def apply_argv(value: int) -> str:
 def format_section(dep: Deployment, plan: Plan) -> str:
     """``k2fleet plan``'s line on the privileged ports."""
     value = port_start(dep, plan)
-    out = [f"\n== privileged ports: {SYSCTL} = {value} ({SYSCTL_PATH}, every host): "
+    out = [f"\n== privileged ports: {SYSCTL} = {value} ({SYSCTL_PATH}, every host k2fleet serves on): "
            f"only root binds a port below {value}; the running kernel's value is raised to it, never lowered"]
     if dep.s.metrics and dep.s.node_exporter and NODE_EXPORTER_PORT < value:
         out.append(f"  {NODE_EXPORTER_UNIT} (user prometheus, port {NODE_EXPORTER_PORT}): "
