@@ -91,6 +91,22 @@ def unprotected(dep: Deployment, plan: Plan) -> list[str]:
                    for first, last, what in served_ports(dep, plan) if last >= value})
 
 
+def tunnel_port(value: int, relay_port: int, root_login: bool) -> int:
+    """The host's end of the reverse tunnel that carries the control machine's copy
+    (``ssh -R 127.0.0.1:PORT:...``): sshd binds it as the SSH login's user. A root login keeps
+    ``k2_relay_port`` (privileged: no other user takes it); a non-root login (``_sudo``) could
+    not bind a port below ``value``, so its tunnel takes ``value``, the first unprivileged port
+    (another user who holds it first makes the tunnel, and so the fetch, fail at once:
+    ``ExitOnForwardFailure``; the relay's secret and pinned digest are the fetch's defence).
+
+    >>> tunnel_port(29701, 29700, True), tunnel_port(29701, 29700, False), tunnel_port(1024, 29700, False)
+    (29700, 29701, 29700)
+    """
+    if root_login or relay_port >= value:
+        return relay_port
+    return value
+
+
 def sysctl_file(value: int) -> str:
     return (f"# k2fleet: ports below {value} need CAP_NET_BIND_SERVICE (root): no local user can take a port\n"
             "# k2fleet serves on (IPv4 and IPv6). Rendered from the fleet plan; edits are overwritten.\n"
