@@ -223,3 +223,30 @@ def test_a_host_k2fleet_serves_nothing_on_keeps_its_sysctl() -> None:
     desired = desired_state(dep, plan, artifacts(dep, plan))
     for d in desired.values():
         assert privileged_ports.GROUP not in d.files and privileged_ports.CHECK not in d.checks
+
+
+@pytest.mark.parametrize("sudo", [False, True], ids=["root-login", "sudo-login"])
+def test_the_control_copys_tunnel_is_a_port_the_login_may_bind(tmp_path: Path, monkeypatch, sudo: bool) -> None:
+    """sshd binds the reverse tunnel (``ssh -R 127.0.0.1:PORT:...``) as the login's user: a
+    root login keeps the privileged k2_relay_port; a ``_sudo`` login, which may not bind a
+    port below the value any more, gets the first unprivileged one (and the fetch is told so)."""
+    import dataclasses
+
+    from k2fleet.deploy import pipeline
+    from k2fleet.planning.deployment import CHECKPOINT_CHECK
+    from tests.test_roles_offline import H200, ControlCalls, checkpoint, fanout, planned, run_roles, settled_fleet
+
+    calls = ControlCalls()
+    for module, name in ((fanout, "prepare_control_copy"), (fanout, "relay_to_host"), (checkpoint, "send_token")):
+        monkeypatch.setattr(module, name, lambda *a, _n=name, **k: calls.record(_n, k))
+    become = ["sudo", "-n", "-H", "--"] if sudo else []
+    monkeypatch.setattr(pipeline, "side_channel", lambda data, name: (f"ops@{name}", ["ssh"], become))
+    dep, plan, desired = planned(str(H200))
+    facts = settled_fleet(dep, desired)
+    facts["h200-1"] = dataclasses.replace(facts["h200-1"], checks={**facts["h200-1"].checks, CHECKPOINT_CHECK: 1})
+    run_roles(dep, plan, desired, facts, tmp_path, calls)
+    call = calls.kwargs[calls.index("relay_to_host")]
+    want = desired["h200-1"].port_start if sudo else dep.s.relay_port
+    assert want == (29701 if sudo else 29700)
+    assert call["tunnel_port"] == want and call["fetch_argv"][-2] == f"http://127.0.0.1:{want}"
+    assert call["fetch_argv"][:len(become)] == become
