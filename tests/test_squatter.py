@@ -129,3 +129,38 @@ def test_the_control_clients_hand_a_squatter_no_key(squatter) -> None:
     with pytest.raises(ControlError, match=f"uid {NOBODY}"):
         _check_endpoint(base, b"sk-control-key")
     assert "AUTH" not in _seen(proc)
+
+
+def test_both_lookups_name_the_squatter(squatter, monkeypatch) -> None:
+    """sock_diag's exact lookup and, where it is missing, /proc/net/tcp find the same owner."""
+    port, proc = squatter
+    sock = health.connect(b"127.0.0.1", port, 5)
+    try:
+        assert health.server_uid(sock) == NOBODY
+        assert health.diag_uid(sock) == NOBODY
+
+        def no_diag(_sock):
+            raise OSError(93, "no sock_diag")
+
+        monkeypatch.setattr(health, "diag_uid", no_diag)
+        assert health.server_uid(sock) == NOBODY
+    finally:
+        sock.close()
+    assert "AUTH" not in _seen(proc)
+
+
+def test_a_server_elsewhere_has_no_owner_here(monkeypatch) -> None:
+    """No owner found (the server end lives in another network namespace: another host): the
+    gate, whose service runs where it does, refuses; a control client passes."""
+    srv = __import__("socket").socket()
+    srv.bind((LOCAL, 0))
+    srv.listen()
+    sock = health.connect(b"127.0.0.1", srv.getsockname()[1], 5)
+    try:
+        monkeypatch.setattr(health, "server_uid", lambda _sock: None)
+        with pytest.raises(health.Impostor, match="cannot tell its owner"):
+            health.check_server(sock, LOCAL, 8000, required=True)
+        health.check_server(sock, LOCAL, 8000, required=False)
+    finally:
+        sock.close()
+        srv.close()
