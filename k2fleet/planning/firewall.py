@@ -468,8 +468,11 @@ def host_firewall(dep: Deployment, hp: HostPlan) -> HostFirewall | None:
 def format_firewall(dep: Deployment, plan: Plan) -> str:
     """``k2fleet plan``'s firewall section: every host's ports and who may reach them."""
     if not dep.s.firewall:
+        fronted = any(BACKEND_KEY in svc.ports for hp in plan.hosts.values() for svc in hp.services)
         return ("\n== firewall: off (k2_firewall: False): k2fleet's table inet k2fleet and "
-                f"{UNIT} are removed; every port is as the hosts' own rules leave it\n")
+                f"{UNIT} are removed; every port is as the hosts' own rules leave it"
+                + (f"; the engine behind the API front ({BACKEND_KEY}, no key) is open to every local user"
+                   if fronted else "") + "\n")
     clients = "anyone (k2_api_clients unset)" if dep.s.api_clients is None else \
         "k2_api_clients " + ", ".join(dep.s.api_clients) + " and the fleet"
     scrapers = "k2_metrics_scrapers " + ", ".join(dep.s.metrics_scrapers) + " and the fleet" if dep.s.metrics_scrapers \
