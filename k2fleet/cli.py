@@ -30,6 +30,7 @@ from k2fleet.planning.deployment import Deployment
 from k2fleet.planning import profiles
 from k2fleet.planning.api_front import address
 from k2fleet.planning.firewall import format_firewall, format_network, network_json
+from k2fleet.planning import privileged_ports
 from k2fleet.planning.processes import Plan
 from k2fleet.planning.quoting import curl_line, shell_line
 
@@ -155,6 +156,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         sys.stdout.write(format_profile(dep))
         sys.stdout.write(format_firewall(dep, plan))  # every port with who may reach it
         sys.stdout.write(format_network(dep, plan))  # every place each host fetches from, its ports in and out
+        sys.stdout.write(privileged_ports.format_section(dep, plan))  # ports no local user may bind
     return 0
 
 

@@ -680,8 +680,9 @@ def start_host(index: int, lower: Path, state_dir: Path, docker: bool) -> int:
     (hostdir / "docker").mkdir(parents=True, exist_ok=True)
     paths["shared"].mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    if docker:
-        env["SYSTEMD_NSPAWN_API_VFS_WRITABLE"] = "1"
+    # /proc/sys/net writable, as on a real host (root sets its network namespace's sysctls:
+    # k2fleet's net.ipv4.ip_unprivileged_port_start); nspawn keeps all of /proc/sys read-only otherwise
+    env["SYSTEMD_NSPAWN_API_VFS_WRITABLE"] = "1" if docker else "network"
     pidfile = paths["run"] / f"{name}.pid"
     pidfile.unlink(missing_ok=True)
     # the file itself, not `-m k2sandbox.nspawn`: stdlib only, whatever the caller's sys.path

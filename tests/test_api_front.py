@@ -184,6 +184,9 @@ def test_without_a_key_no_front(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- the real HAProxy, on loopback
 
 HAPROXY = shutil.which("haproxy") or api_front.HAPROXY
+# SGLang's HTTP server serves these beside the OpenAI routes (sglang/srt/entrypoints/http_server.py):
+# weights swapped, caches flushed, profiling started, the server's arguments read
+ADMIN_ROUTES = ("/update_weights_from_disk", "/flush_cache", "/start_profile", "/get_server_info", "/generate")
 STREAM = [f'data: {{"choices": [{{"delta": {{"content": "tok{i}"}}}}]}}\n\n' for i in range(5)] + ["data: [DONE]\n\n"]
 
 
@@ -197,6 +200,9 @@ class OpenAIStandIn(http.server.ThreadingHTTPServer):
         super().__init__((LOCAL, port), _Handler)
         self.release = threading.Event()
         self.seen_auth: list[str | None] = []
+        self.seen_paths: list[str] = []
+        self.upgraded: list[str] = []  # paths answered 101
+        self.tunnelled: list[bytes] = []  # bytes read after a 101
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -213,8 +219,37 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def _tunnel(self) -> bool:
+        """An engine that answers ``Upgrade`` with 101 and then reads raw bytes (what a
+        websocket route does): every later byte on the connection is recorded."""
+        if not self.headers.get("Upgrade"):
+            return False
+        self.send_response(101)
+        self.send_header("Upgrade", self.headers["Upgrade"])
+        self.send_header("Connection", "Upgrade")
+        if self.headers.get("Sec-WebSocket-Key"):  # RFC 6455's handshake (HAProxy checks it)
+            import base64
+            import hashlib
+
+            magic = (self.headers["Sec-WebSocket-Key"] + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()
+            self.send_header("Sec-WebSocket-Accept", base64.b64encode(hashlib.sha1(magic).digest()).decode())
+        self.end_headers()
+        self.wfile.flush()
+        self.server.upgraded.append(self.path)
+        self.connection.settimeout(3)
+        try:
+            while chunk := self.connection.recv(65536):
+                self.server.tunnelled.append(chunk)
+        except OSError:
+            pass
+        self.close_connection = True
+        return True
+
     def do_GET(self) -> None:
         self.server.seen_auth.append(self.headers.get("Authorization"))
+        self.server.seen_paths.append(self.path)
+        if self._tunnel():
+            return
         if self.path == "/health":
             self._send(200, b"")
         elif self.path == "/metrics":
@@ -226,6 +261,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         self.server.seen_auth.append(self.headers.get("Authorization"))
+        self.server.seen_paths.append(self.path)
+        if self._tunnel():
+            return
+        if self.path in ADMIN_ROUTES:  # SGLang-style admin routes: answered as the engine would
+            self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            self._send(200, b'{"success": true}')
+            return
         req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
         if self.path != "/v1/chat/completions":
             self._send(404, b'{"error": "not found"}')
@@ -274,6 +316,7 @@ def front(tmp_path: Path):
         except OSError:
             time.sleep(0.1)
     engine.seen_auth.clear()  # the readiness probe's /health
+    engine.seen_paths.clear()
     try:
         yield port, key, engine, proc, cfg, keys
     finally:
@@ -336,6 +379,75 @@ def test_the_front_passes_the_key_and_leaves_health_and_metrics_open(front) -> N
     status, _, data = _request(port, "POST", "/v1/chat/completions", CHAT, f"Bearer {key}")
     assert status == 200 and json.loads(data)["choices"][0]["message"]["content"] == "ready"
     assert _get(port, "/v1/models", f"Bearer {key}")[0] == 200
+
+
+def _raw(port: int, data: bytes, then: bytes = b"", wait: float = 1.0) -> bytes:
+    """Send ``data`` on one connection, read the answer's head, send ``then`` on the same
+    connection (what a client does in a tunnel after a 101) and read what comes back."""
+    import socket
+
+    with socket.create_connection((LOCAL, port), timeout=5) as sock:
+        sock.sendall(data)
+        got = b""
+        while b"\r\n\r\n" not in got:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+        if then:
+            try:
+                sock.sendall(then)
+                sock.settimeout(wait)
+                while chunk := sock.recv(65536):
+                    got += chunk
+            except OSError:
+                pass
+        return got
+
+
+ADMIN_PATHS = [*ADMIN_ROUTES, "/v1/../flush_cache", "/v1/%2e%2e/flush_cache", "/v1/%2E%2E/flush_cache",
+               "//flush_cache", "/v1/./../flush_cache", "/health/../flush_cache", "/v1%2f..%2fflush_cache",
+               "/v1/..%2fflush_cache", "/V1/chat/completions/../../flush_cache", "/flush_cache?x=/v1/"]
+
+
+def test_exploit_a_keyed_client_reaches_no_engine_admin_route(front) -> None:
+    """SGLang's HTTP server serves admin routes (weights from disk, cache flush, profiling)
+    beside the OpenAI API: the front passes only the routes the deployment serves, with the key
+    too, and no dot segment or encoded separator sneaks one through."""
+    port, key, engine, *_ = front
+    for path in ADMIN_PATHS:
+        for auth in (f"Bearer {key}", None):
+            status, _, data = _request(port, "POST", path, b"{}", auth)
+            assert status in (401, 404) and (status == 401) == (auth is None), (path, auth, status)
+            if status == 404:
+                assert json.loads(data) == {"error": "Not Found"}
+    assert engine.seen_paths == []  # nothing reached the engine
+    assert _request(port, "POST", "/v1/chat/completions", CHAT, f"Bearer {key}")[0] == 200  # the API still passes
+
+
+def test_exploit_no_upgrade_and_no_tunnel_after_it(front) -> None:
+    """An ``Upgrade`` answered 101 turns HAProxy's connection into a tunnel: later requests on
+    it are never checked. The front refuses ``Upgrade`` (without the key: 401; with it, 400:
+    the deployment serves no websocket) and never passes a 101 on."""
+    port, key, engine, *_ = front
+    smuggled = b"POST /flush_cache HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+    for path, auth, want in (("/health", None, b" 400 "), ("/metrics", None, b" 400 "),
+                             ("/v1/models", None, b" 401 "), ("/v1/models", f"Bearer {key}", b" 400 ")):
+        head = f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n" \
+               f"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        head += f"Authorization: {auth}\r\n" if auth else ""
+        got = _raw(port, (head + "\r\n").encode(), smuggled)
+        status_line = got.split(b"\r\n", 1)[0]
+        assert want in status_line and b"101" not in status_line, (path, auth, got[:200])
+    for method in ("CONNECT", "GET"):  # a CONNECT tunnel, an h2c upgrade
+        extra = "Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n" \
+            if method == "GET" else ""
+        target = "127.0.0.1:22" if method == "CONNECT" else "/health"
+        got = _raw(port, f"{method} {target} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n{extra}\r\n".encode(),
+                   smuggled)
+        assert b" 101 " not in got.split(b"\r\n", 1)[0] and b" 200 " not in got.split(b"\r\n", 1)[0], got[:200]
+    assert engine.upgraded == [] and engine.tunnelled == []
+    assert not [p for p in engine.seen_paths if "flush" in p]
 
 
 def test_a_streamed_answer_passes_through_intact_and_unbuffered(front) -> None:

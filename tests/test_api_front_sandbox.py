@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shlex
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -66,6 +67,22 @@ def test_rehearse_sglang_pd_behind_the_api_front(tmp_path: Path) -> None:
         assert "/usr/sbin/haproxy -Ws -f /etc/k2fleet/api-front.cfg" in seen
         # the router renames its process (sglang::router): its address is read from its unit's ExecStart
         assert "--host 127.0.0.1 --port 8001" in seen and "127.0.0.1:8001" in seen, seen
+        # another local user (uid 65534) on the router's host: binds none of k2fleet's ports,
+        # cannot reach the router behind the front, still reaches the front (which wants the key)
+        probe = ("import errno, socket\n"
+                 "def go(what, fn):\n"
+                 "    try:\n        fn(); print(what, 'ok')\n"
+                 "    except OSError as e:\n        print(what, errno.errorcode[e.errno])\n"
+                 "for port in (8000, 8001, 29700):\n"
+                 "    go(f'bind {port}', lambda: socket.socket().bind(('127.0.0.1', port)))\n"
+                 "go('backend', lambda: socket.create_connection(('127.0.0.1', 8001), 5))\n"
+                 f"go('front', lambda: socket.create_connection(({address!r}, 8000), 5))\n")
+        seen = sandbox.ssh(router, "cat /proc/sys/net/ipv4/ip_unprivileged_port_start /etc/sysctl.d/60-k2fleet-privileged-ports.conf; "
+                                   f"setpriv --reuid=65534 --regid=65534 --clear-groups python3 -c {shlex.quote(probe)}",
+                           timeout=60).stdout
+        assert seen.startswith("29701\n") and "net.ipv4.ip_unprivileged_port_start = 29701\n" in seen, seen
+        for line in ("bind 8000 EACCES", "bind 8001 EACCES", "bind 29700 EACCES", "backend ECONNREFUSED", "front ok"):
+            assert line in seen.splitlines(), seen
     finally:
         subprocess.run([tool("k2fleet"), "sandbox", "down"], cwd=ROOT, capture_output=True, timeout=300)
     assert sandbox_is_down()

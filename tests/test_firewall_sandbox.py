@@ -93,3 +93,22 @@ def test_a_flushed_table_comes_back_and_off_removes_it(fleet: SandboxFleet) -> N
         assert ssh(host, "ls /etc/systemd/system/k2-firewall.service /etc/k2fleet/firewall.nft", check=False).returncode != 0
     assert from_control(one["address"], MESH_PORT) == "open"
     ssh(one, f"systemctl stop k2fw-probe-{MESH_PORT}", check=False)
+
+
+def test_no_local_user_binds_a_port_k2fleet_serves_on(fleet: SandboxFleet) -> None:
+    """Hosts booted without the Docker flags (/proc/sys/net writable as on a real host, nothing
+    more): the deploy raised net.ipv4.ip_unprivileged_port_start (k2fleet's drop-in), so uid
+    65534 binds neither the API port nor the relay's, even while the engine is stopped (a
+    rolling restart's window); a port above the value stays an ordinary user's."""
+    fleet.ensure_deployed()
+    one = fleet.hosts[0]
+    probe = ("import errno, socket\n"
+             "for port in (8000, 29700, 29701):\n"
+             "    try:\n        socket.socket().bind(('127.0.0.1', port)); print(port, 'ok')\n"
+             "    except OSError as e:\n        print(port, errno.errorcode[e.errno])\n")
+    seen = ssh(one, "cat /proc/sys/net/ipv4/ip_unprivileged_port_start; systemctl stop k2-vllm.service; "
+                    f"setpriv --reuid=65534 --regid=65534 --clear-groups python3 -c {quote(probe)}; "
+                    "systemctl start k2-vllm.service").stdout.splitlines()
+    assert seen == ["29701", "8000 EACCES", "29700 EACCES", "29701 ok"], seen
+    again = fleet.deploy()  # the engine back, healthy; the value settled: no operation for it
+    assert again.returncode == 0 and not [o for o in again.changed_operations if "privileged" in o], again.tail()

@@ -15,11 +15,13 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
+import pytest
+
 from k2fleet.cli import load_plan
 from k2fleet.planning.desired import ControlArtifacts, HostDesired, desired_state
 from k2fleet.planning.firewall import RAY_CLIENT_AND_WORKERS, RAY_DASHBOARD, host_firewall
 from k2fleet.planning.render.common import DOCKER
-from k2fleet.planning.render.vllm import RAY_SESSION_DIR, RAY_TOKEN
+from k2fleet.planning.render.vllm import RAY_DIR_ARGV, RAY_ROOT, RAY_SESSION_DIR, RAY_TOKEN
 from k2fleet.planning.units import env_file, unit_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,7 +52,7 @@ def test_ray_head_worker_and_driver_run_in_the_image_with_the_token_file_bound_r
         image = argv.index(dep.image)
         options, command = argv[:image], argv[image + 1:]
         # the token file, read-only at its own path; Ray's session directory shared from the host
-        assert f"{RAY_TOKEN}:{RAY_TOKEN}:ro" in options and f"{RAY_SESSION_DIR}:{RAY_SESSION_DIR}" in options
+        assert f"{RAY_TOKEN}:{RAY_TOKEN}:ro" in options and f"{RAY_ROOT}:{RAY_ROOT}" in options
         assert options[options.index(f"{RAY_TOKEN}:{RAY_TOKEN}:ro") - 1] == "-v"
         # the variables by name only; their values (paths and a mode) in the plan's env
         names = [options[i + 1] for i, w in enumerate(options) if w == "-e"]
@@ -60,8 +62,26 @@ def test_ray_head_worker_and_driver_run_in_the_image_with_the_token_file_bound_r
         entry = options[options.index("--entrypoint") + 1]
         assert (entry, command[0]) == (("ray", "start") if svc.name == "k2-ray" else ("vllm", "serve"))
     head = dict((s.name, s) for h, s in procs if h == "h800-0")["k2-ray"]
-    assert head.argv[head.argv.index(dep.image) + 1:] == ["start", "--head", "--port", "6379", "--node-ip-address",
+    assert head.argv[head.argv.index(dep.image) + 1:] == ["start", "--head", "--port", "6379", "--temp-dir",
+                                                          RAY_SESSION_DIR, "--node-ip-address",
                                                           "192.0.2.20", "--num-gpus", "8", "--block"]
+
+
+@pytest.mark.parametrize("data", [CONTAINER, ()], ids=["container", "venv"])
+def test_ray_keeps_its_files_under_a_root_only_directory_and_the_driver_names_its_cluster(data) -> None:
+    """Not the shared /tmp/ray (another local user can make it first, or reach the sockets Ray
+    leaves there): every Ray process's temp root is RAY_ROOT, made 0700 by root before each
+    unit starts; the vLLM driver finds the cluster by RAY_ADDRESS, not by a file in a temp dir."""
+    dep, plan, _ = planned(data)
+    for host, svc in ray_processes(plan):
+        assert svc.env["RAY_TMPDIR"] == RAY_ROOT and svc.pre_start[0] == RAY_DIR_ARGV, (host, svc.name)
+        assert f"ExecStartPre=/usr/bin/install -d -m 0700 -o root -g root {RAY_ROOT}" in unit_file(dep, svc)
+        assert "/tmp/ray" not in json.dumps([svc.argv, svc.env]) + unit_file(dep, svc)
+        if svc.name == "k2-vllm":
+            assert svc.env["RAY_ADDRESS"] == f"192.0.2.20:{dep.s.ray_port}"
+        else:
+            assert "RAY_ADDRESS" not in svc.env
+    assert RAY_SESSION_DIR.startswith(RAY_ROOT + "/") and RAY_ROOT.startswith("/var/lib/k2fleet/")
 
 
 def test_the_token_is_only_in_its_root_only_file() -> None:
@@ -96,7 +116,7 @@ def test_the_firewall_still_closes_rays_ports_of_the_containers() -> None:
 def test_the_venv_runtime_is_unchanged_and_other_containers_get_no_ray_files() -> None:
     _, venv_plan, _ = planned(())
     for _, svc in ray_processes(venv_plan):
-        assert svc.argv[0] != DOCKER and RAY_SESSION_DIR not in " ".join(svc.argv)
+        assert svc.argv[0] != DOCKER and f"{RAY_ROOT}:{RAY_ROOT}" not in " ".join(svc.argv)
         assert svc.env["RAY_AUTH_TOKEN_PATH"] == RAY_TOKEN
     dep, plan = load_plan(str(REPO / "inventories" / "h200.py"), data=["k2_runtime=container"])
     for hp in plan.hosts.values():

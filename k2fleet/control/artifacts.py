@@ -15,7 +15,8 @@ machine) is filled later, by the checkpoint role's first operation, and only whe
 host's checkpoint gate fails — a settled fleet never asks the Hub.
 
 Generated state lives under ``$K2FLEET_STATE_DIR/<deployment id>`` (default
-``~/.local/state/k2fleet``), caches under ``/var/cache/k2fleet``.
+``~/.local/state/k2fleet``; both this user's and writable by no one else, checked before
+anything is read from them: :func:`owned_state_dir`), caches under ``/var/cache/k2fleet``.
 
 >>> deployment_id("m/x", "0" * 40, ["10.0.0.2", "10.0.0.1"]) == deployment_id("m/x", "0" * 40, ["10.0.0.1", "10.0.0.2"])
 True
@@ -26,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import stat
 import subprocess
 import uuid
 from pathlib import Path
@@ -61,6 +63,31 @@ def state_dir(dep: Deployment) -> Path:
     """Control-machine directory of this deployment's generated state (not created here)."""
     base = Path(os.environ.get("K2FLEET_STATE_DIR", Path.home() / ".local/state/k2fleet"))
     return base / dep_id(dep)
+
+
+def owned_state_dir(dep: Deployment, create: bool) -> Path | None:
+    """:func:`state_dir`, checked as the control cache is
+    (:func:`k2fleet.control.checkpoint_copy.owned_cache`): it and the directory above it
+    (``$K2FLEET_STATE_DIR``) are this user's, real directories, writable by no one else, so
+    no other local user can have planted the relay secret, the Ray token or the mesh keys
+    read from there. ``create``: make what is missing (0700); otherwise None when it does not
+    exist yet. Raises ControlError naming the directory and the fix."""
+    path = state_dir(dep)
+    for directory in (path.parent, path):
+        if not os.path.lexists(directory):
+            if not create:
+                return None
+            directory.mkdir(mode=0o700, parents=True)
+        st = directory.lstat()
+        if not stat.S_ISDIR(st.st_mode):
+            raise ControlError(f"the control state directory {directory} is not a directory of its own (a symlink?): "
+                               "remove it, or set K2FLEET_STATE_DIR to a directory of yours (chmod 700)")
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise ControlError(f"the control state directory {directory} is owned by uid {st.st_uid} with mode "
+                               f"{st.st_mode & 0o777:o}: another user could have planted the relay secret, Ray token "
+                               "or mesh keys there; make it yours and 0700 (chown; chmod 700; remove files you did "
+                               "not make) or set K2FLEET_STATE_DIR to such a directory")
+    return path
 
 
 def _mesh_paths(dep: Deployment, plan: Plan) -> tuple[dict[str, Path], dict[str, Path]]:
@@ -245,6 +272,7 @@ def _from_bundle(dep: Deployment, plan: Plan, clients: dict[str, tuple[bytes, by
 def read_control_artifacts(dep: Deployment, plan: Plan, parts: FleetParts | None = None) -> ControlArtifacts:
     """What exists already (read only; missing pieces stay None/absent); ``parts``: the
     run's :class:`~k2fleet.planning.desired.FleetParts` (default: made here)."""
+    owned_state_dir(dep, create=False)  # read nothing another local user could have planted
     client_paths, host_paths = _mesh_paths(dep, plan)
     clients = {name: pair for name, path in client_paths.items() if (pair := _read_pair(path)) is not None}
     hosts = {name: pair for name, path in host_paths.items() if (pair := _read_pair(path)) is not None}
@@ -294,7 +322,7 @@ def prepare_control_artifacts(dep: Deployment, plan: Plan, parts: FleetParts | N
     ``parts``: the run's :class:`~k2fleet.planning.desired.FleetParts` (default: made here)."""
     parts = parts.of(dep, plan) if parts else FleetParts(dep, plan)
     client_paths, host_paths = _mesh_paths(dep, plan)
-    state_dir(dep).mkdir(parents=True, exist_ok=True, mode=0o700)
+    owned_state_dir(dep, create=True)
     clients = {name: _keypair(path, f"k2fleet-mesh-{dep_id(dep)}-{name}") for name, path in client_paths.items()}
     hosts = {name: _keypair(path, name) for name, path in host_paths.items()}
     relay_secret = _make_secret(relay_secret_path(dep))

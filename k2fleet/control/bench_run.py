@@ -92,6 +92,22 @@ def _tail(log: Path) -> str:
     return _read_end(log)
 
 
+def _check_endpoint(base: str, key: bytes | None) -> None:
+    """Before the client gets the key: an endpoint served on this machine (the control machine
+    is a fleet host) must be root's listener, not another local user's (ControlError naming
+    the port and its owner); one elsewhere, or one that does not answer, is the client's to meet."""
+    if key is None:
+        return
+    from k2fleet.hostprogs import health
+
+    try:
+        health.check_listener(base)
+    except health.Impostor as exc:
+        raise ControlError(f"{base}: {exc}") from None
+    except (OSError, ValueError):
+        pass
+
+
 def run_bench(dep: Deployment, plan: Plan, key: bytes | None, out: Path, concurrency: tuple[int, ...],
               num_prompts: int | None, input_len: int, output_len: int, client: str | None, tokenizer: str | None,
               replicas: bool = False, timeout: float | None = None,
@@ -117,6 +133,7 @@ def run_bench(dep: Deployment, plan: Plan, key: bytes | None, out: Path, concurr
             result = raw / bp.result_filename(ep.label, c, plan.engine)
             result.unlink(missing_ok=True)
             t = time.monotonic()
+            _check_endpoint(ep.base, key)
             rc = _run(argv, env, log, timeout)
             if rc != 0 or not result.is_file():
                 raise ControlError(f"bench: {ep.label} ({ep.base}) at concurrency {c}: the client exited {rc}"
@@ -160,6 +177,7 @@ def run_eval(dep: Deployment, plan: Plan, key: bytes | None, dataset: Path, fews
     argv = bp.eval_argv(exe, ep.base, dep.api_model_name, tasks, results, limit, num_concurrent, max_gen_toks)
     log = out / "eval.log"
     started = time.time()
+    _check_endpoint(ep.base, key)
     rc = _run(argv, _client_env(key, offline=True, ca_file=dep.s.tls_ca_file), log, timeout)
     found = sorted((p for p in results.rglob("results_*.json") if p.stat().st_mtime >= started - 1),
                    key=lambda p: p.stat().st_mtime)

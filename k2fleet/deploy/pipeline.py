@@ -16,7 +16,7 @@ from k2fleet.planning.host_packages import bundle_apt_options
 from k2fleet.planning.host_fact import HostReport
 from k2fleet.deploy.fleet_run import FleetRun, side_channel
 from k2fleet.deploy.roles import (bootstrap, checkpoint, engine, firewall, gpu_exporter, health_gate, hub_client, mesh,
-                                  packages, preflight, reach, services)
+                                  packages, preflight, privileged_ports, reach, services)
 from k2fleet.planning.firewall import rules_path
 from k2fleet.planning.rollout import Step
 
@@ -29,7 +29,7 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
                 weights_wanted: dict[str, list[str]], unsettled: dict[str, str] | None = None,
                 reboot_steps: list[Step] | None = None, restart_steps: list[Step] | None = None,
                 starting: bool = False) -> None:
-    """Carry out one host's desired state: preflight → packages → bootstrap → firewall → SSH mesh →
+    """Carry out one host's desired state: preflight → packages → bootstrap → firewall → privileged ports → SSH mesh →
     engine → GPU exporter → Hub client → checkpoint → reachability → services → health gate (→ the mesh stopped, under
     ``k2_mesh_after_deploy: stop``).
 
@@ -85,6 +85,7 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
                            bundle_apt_options() if dep.s.package_source == "bundle" else "",
                            reboots.get(desired.name), run.tracked, steps=reboot_steps, desired=desired)
     firewall.configure(desired, fact, run.tracked, rules_path=rules_path(dep))
+    privileged_ports.configure(desired, fact, run.tracked)
     mesh.configure(desired, fact, run.tracked)
     engine.install(desired, fact, run.tracked)
     gpu_exporter.run(desired, fact, run.tracked)

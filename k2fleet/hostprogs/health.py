@@ -51,8 +51,157 @@ def tls_context(ca_file: str | None):
     return ctx
 
 
+class Impostor(Exception):
+    """The socket that answers is not root's: another local user holds the port (nothing was sent)."""
+
+
+LISTENER_UID = 0  # k2fleet's units (engines, the API front, the router, the relay) run as root
+_TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
+
+
+def _proc_hex(family: int, address: str) -> tuple[str, ...]:
+    """How /proc/net/tcp{,6} writes ``address``: each 32-bit word in host byte order, in hex;
+    an IPv4 address also as its IPv4-mapped IPv6 form (a dual-stack listener's sockets)."""
+    def words(raw: bytes) -> str:
+        out = ""
+        for i in range(0, len(raw), 4):
+            word = raw[i:i + 4]
+            out += (word[::-1] if sys.byteorder == "little" else word).hex().upper()
+        return out
+    raw = _socket.inet_pton(family, address)
+    if family == _socket.AF_INET:
+        return words(raw), words(b"\0" * 10 + b"\xff\xff" + raw)
+    return (words(raw),)
+
+
+_SYN_RECV = (3, 12)  # TCP_SYN_RECV, TCP_NEW_SYN_RECV: a request socket, whose uid sock_diag reports as 0
+
+
+def diag_uid(sock) -> int | None:
+    """:func:`server_uid` by one exact NETLINK_SOCK_DIAG lookup (``inet_diag_req_v2`` without
+    NLM_F_DUMP: the kernel finds the one socket by its four-tuple, whatever the number of
+    connections; /proc/net/tcp costs a line per socket: ~120 ms with 1,500 of them). -1 while the
+    server end is still a request socket (the handshake's last ACK not yet processed: sock_diag
+    reports uid 0 for those, so it is not trusted); None when the kernel has no such socket.
+    Raises OSError or ValueError (no sock_diag)."""
+    order = sys.byteorder
+    mine, peer = sock.getsockname(), sock.getpeername()
+    family = sock.family
+    size = 4 if family == _socket.AF_INET else 16
+    src = _socket.inet_pton(family, peer[0]).ljust(16, b"\0")  # the server end's own address: our peer
+    dst = _socket.inet_pton(family, mine[0]).ljust(16, b"\0")
+    assert len(src) == 16 and size in (4, 16)
+    sockid = peer[1].to_bytes(2, "big") + mine[1].to_bytes(2, "big") + src + dst + bytes(4) + b"\xff" * 8  # no cookie
+    req = bytes([family, _socket.IPPROTO_TCP, 0, 0]) + (0xFFFFFFFF).to_bytes(4, order) + sockid
+    nl = _socket.socket(16, _socket.SOCK_RAW, 4)  # AF_NETLINK, NETLINK_SOCK_DIAG
+    try:
+        nl.settimeout(2)
+        nl.bind((0, 0))
+        # nlmsghdr: length, SOCK_DIAG_BY_FAMILY (20), NLM_F_REQUEST (1), seq, pid
+        nl.send((16 + len(req)).to_bytes(4, order) + (20).to_bytes(2, order) + (1).to_bytes(2, order)
+                + (1).to_bytes(4, order) + bytes(4) + req)
+        data = nl.recv(1 << 16)
+    finally:
+        nl.close()
+    if len(data) < 20:
+        raise ValueError("sock_diag: a short answer")
+    kind = int.from_bytes(data[4:6], order)
+    if kind == 2:  # NLMSG_ERROR: ENOENT (no such socket here), or sock_diag refused
+        errno = -int.from_bytes(data[16:20], order, signed=True)
+        if errno == 2:
+            return None
+        raise OSError(errno, "sock_diag refused the lookup")
+    if kind != 20 or len(data) < 16 + 72:
+        raise ValueError("sock_diag: not an inet_diag_msg")
+    msg = data[16:]
+    if msg[1] in _SYN_RECV:
+        return -1
+    return int.from_bytes(msg[64:68], order)
+
+
+def server_uid(sock) -> int | None:
+    """The uid owning the server end of the connected TCP socket ``sock`` (an SO_PEERCRED for
+    TCP): an accepted (or still queued) connection carries its listener's owner. By
+    :func:`diag_uid`; where sock_diag is missing, the /proc/net/tcp{,6} entry whose local
+    address is ``sock``'s peer and whose remote address is ``sock`` itself. None when the
+    server end is not in this network namespace (another host)."""
+    try:
+        uid = diag_uid(sock)
+        for _ in range(50):  # the handshake's last ACK is processed a moment after connect() returns
+            if uid != -1:
+                return uid
+            time.sleep(0.002)
+            uid = diag_uid(sock)
+        return None
+    except (OSError, ValueError):
+        pass
+    mine, peer = sock.getsockname(), sock.getpeername()
+    wants = set()
+    for here, there in zip(_proc_hex(sock.family, mine[0]), _proc_hex(sock.family, peer[0])):
+        wants.add((f"{there}:{peer[1]:04X}", f"{here}:{mine[1]:04X}"))
+    for table in _TCP_TABLES:
+        try:
+            with open(table, encoding="ascii") as fh:
+                next(fh, None)
+                for line in fh:
+                    fields = line.split()
+                    if len(fields) > 7 and (fields[1], fields[2]) in wants:
+                        return int(fields[7])
+        except OSError:
+            continue
+    return None
+
+
+def check_server(sock, host: str, port: int, required: bool) -> None:
+    """Raise :class:`Impostor` unless root (:data:`LISTENER_UID`) owns the listener ``sock`` is
+    connected to: nothing (no key, no request) is sent to another local user's socket.
+    ``required``: the server must be on this host (the health gate runs where its service
+    does); otherwise a server elsewhere (not in this host's tables) passes."""
+    uid = server_uid(sock)
+    for _ in range(20):  # the server end of a loopback connection may show a moment after connect()
+        if uid is not None or not required:
+            break
+        time.sleep(0.005)
+        uid = server_uid(sock)
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if uid is None and required:
+        raise Impostor(f"port {where}: no socket of this host answers (cannot tell its owner); nothing was sent")
+    if uid is not None and uid != LISTENER_UID:
+        raise Impostor(f"port {where} is held by uid {uid}, not root: another local user's listener, not k2fleet's "
+                       f"unit; nothing was sent to it (no API key). Stop that process and make ports below "
+                       f"net.ipv4.ip_unprivileged_port_start privileged (k2fleet's sysctl drop-in does)")
+
+
+def check_listener(base: str, timeout: float = 5) -> None:
+    """Raise :class:`Impostor` when ``base`` (``http[s]://HOST:PORT``) is served on this machine by
+    a socket that is not root's (a client about to hand it the key: ``k2fleet bench``/``eval``
+    when the control machine is a fleet host); a server elsewhere passes. OSError: no answer."""
+    scheme, _, rest = base.partition("://")
+    host, port = _host_port(rest.partition("/")[0], 443 if scheme == "https" else 80)
+    sock = connect(ascii_host(host), port, timeout)
+    try:
+        check_server(sock, host, port, required=False)
+    finally:
+        sock.close()
+
+
+def _host_port(hostport: str, default: int = 80) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port``) of a URL → (host, port); ``default`` when none.
+
+    >>> _host_port("[::1]:8000"), _host_port("10.0.0.1:80"), _host_port("gpu-1"), _host_port("[::1]", 443)
+    (('::1', 8000), ('10.0.0.1', 80), ('gpu-1', 80), ('::1', 443))
+    """
+    if hostport.startswith("["):  # [v6]:port
+        host, _, rest = hostport[1:].partition("]")
+        return host, int(rest[1:]) if rest.startswith(":") else default
+    if ":" in hostport:
+        host, _, p = hostport.rpartition(":")
+        return host, int(p)
+    return hostport, default
+
+
 def request(url: str, body: bytes | None = None, timeout: float = 30, key: str | None = None,
-            tls: tuple[str | None, str | None] | None = None) -> tuple[int, bytes]:
+            tls: tuple[str | None, str | None] | None = None, owner: str | None = None) -> tuple[int, bytes]:
     """(status, body) of one HTTP/1.1 request (POST with a JSON ``body``, else GET) on a
     fresh connection, standard library sockets only: the fact's quick check runs on every
     deploy and ``urllib.request`` alone costs ~90 ms of CPU to import. ``http://`` or
@@ -60,20 +209,17 @@ def request(url: str, body: bytes | None = None, timeout: float = 30, key: str |
     length-delimited answers; ``key``: sent as ``Authorization: Bearer KEY``. ``tls``: (CA
     file, the name the certificate must hold: an IP address or DNS name; None: the URL's
     host) for ``https://``, which it requires; a plain ``http://`` URL is refused with it
-    (no silent downgrade). Raises OSError, ValueError or :class:`Untrusted`."""
+    (no silent downgrade). ``owner``: ``"required"`` (the server is on this host and root's),
+    ``"local"`` (root's when it is on this host) or None (not checked): :func:`check_server`
+    before the TLS handshake and before anything is sent. Raises OSError, ValueError,
+    :class:`Untrusted` or :class:`Impostor` (no retry can help: a server not root's)."""
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in ("http", "https"):
         raise ValueError(f"not an http:// or https:// URL: {url!r}")
     if (scheme == "https") != (tls is not None):
         raise ValueError(f"{url}: TLS expected (a CA file is given)" if tls else f"{url}: https:// needs a CA file")
     hostport, _, path = rest.partition("/")
-    host, port = hostport, 443 if scheme == "https" else 80
-    if hostport.startswith("["):  # [v6]:port
-        host, _, tail = hostport[1:].partition("]")
-        port = int(tail[1:]) if tail.startswith(":") else port
-    elif ":" in hostport:
-        host, _, p = hostport.rpartition(":")
-        port = int(p)
+    host, port = _host_port(hostport, 443 if scheme == "https" else 80)
     head = [f"{'POST' if body is not None else 'GET'} /{path} HTTP/1.1", f"Host: {hostport}", "Connection: close",
             "Accept: application/json", "User-Agent: k2fleet-health"]
     if key is not None:
@@ -82,6 +228,12 @@ def request(url: str, body: bytes | None = None, timeout: float = 30, key: str |
         head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
     deadline = time.monotonic() + timeout
     sock = connect(ascii_host(host), port, timeout)
+    if owner is not None:
+        try:
+            check_server(sock, host, port, owner == "required")
+        except BaseException:
+            sock.close()
+            raise
     if tls is not None:
         sock = _wrap(sock, tls, host, url)
     try:
@@ -169,29 +321,32 @@ def ascii_host(host: str) -> str | bytes:
     return host
 
 
-def get_status(url: str, tls: tuple[str | None, str | None] | None = None) -> int | None:
+def get_status(url: str, tls: tuple[str | None, str | None] | None = None, owner: str | None = None) -> int | None:
     try:
-        return request(url, timeout=5, tls=tls)[0]
+        return request(url, timeout=5, tls=tls, owner=owner)[0]
     except (OSError, ValueError):
         return None
 
 
-def get_json(url: str, timeout: float = 30, key: str | None = None, tls: tuple[str | None, str | None] | None = None):
-    status, body = request(url, timeout=timeout, key=key, tls=tls)
+def get_json(url: str, timeout: float = 30, key: str | None = None, tls: tuple[str | None, str | None] | None = None,
+             owner: str | None = None):
+    status, body = request(url, timeout=timeout, key=key, tls=tls, owner=owner)
     if status != 200:
         raise ValueError(f"{url} answered {status}")
     return json_loads(body)
 
 
 def chat(base: str, model: str, key: str | None = None, timeout: float = 120,
-         tls: tuple[str | None, str | None] | None = None) -> str:
+         tls: tuple[str | None, str | None] | None = None, owner: str | None = "local") -> str:
+    """One chat completion's answer (``tls``, ``owner``: :func:`request`'s; by default a server
+    on this machine must be root's before the key goes to it)."""
     body = json_dumps({
         "model": model,
         "messages": [{"role": "user", "content": "Reply with one word: ready?"}],
         "max_tokens": 16,
         "temperature": 0,
     }).encode()
-    status, answer = request(f"{base}/v1/chat/completions", body, timeout=timeout, key=key, tls=tls)
+    status, answer = request(f"{base}/v1/chat/completions", body, timeout=timeout, key=key, tls=tls, owner=owner)
     if status != 200:
         raise ValueError(f"chat completion answered {status}: {answer[:200]!r}")
     message = json_loads(answer)["choices"][0]["message"]
@@ -225,10 +380,11 @@ def counter(text: str, family: str) -> float | None:
     return total if seen else None
 
 
-def read_counter(base: str, family: str, key: str | None = None, tls: tuple[str | None, str | None] | None = None) -> float | None:
+def read_counter(base: str, family: str, key: str | None = None, tls: tuple[str | None, str | None] | None = None,
+                 owner: str | None = "required") -> float | None:
     """``family``'s total in the service's ``/metrics`` (None: no /metrics, or not in it)."""
     try:
-        status, body = request(f"{base}/metrics", timeout=10, key=key, tls=tls)
+        status, body = request(f"{base}/metrics", timeout=10, key=key, tls=tls, owner=owner)
     except (OSError, ValueError):
         return None
     return counter(body.decode("utf-8", "replace"), family) if status == 200 else None
@@ -245,7 +401,7 @@ def world_mismatch(base: str, expected: dict, key: str | None = None, timeout: f
                    tls: tuple[str | None, str | None] | None = None) -> str | None:
     """Compare the topology the engine reports in ``/v1/models`` metadata (k2fleet's
     engine test doubles report their parallel sizes there) with the planned one."""
-    data = get_json(f"{base}/v1/models", timeout=timeout, key=key, tls=tls)
+    data = get_json(f"{base}/v1/models", timeout=timeout, key=key, tls=tls, owner="required")
     reported = (data.get("data") or [{}])[0].get("metadata") or {}
     for key, want in sorted(expected.items()):
         if key not in reported:
@@ -323,12 +479,13 @@ def _wait_healthy(base: str, model: str, timeout: float, expected: dict | None, 
     deadline = time.monotonic() + timeout
     last = "no answer"
     while time.monotonic() < deadline:
-        status = get_status(f"{base}{ready_path}", tls)
+        status = get_status(f"{base}{ready_path}", tls, owner="required")  # the service runs here, as root
         if status == 200:
             try:
                 before = read_counter(base, counted, key, tls) if counted else None
                 # each request within the gate's own timeout (the fact's quick look: 5 s, not 120)
-                answer = chat(base, model, key, timeout=min(120.0, max(1.0, deadline - time.monotonic())), tls=tls)
+                answer = chat(base, model, key, timeout=min(120.0, max(1.0, deadline - time.monotonic())), tls=tls,
+                              owner="required")
                 if answer and counted:
                     problem = counter_moved(base, counted, before, key, tls)
                     if problem:
@@ -393,6 +550,9 @@ def main(argv: list[str] | None = None) -> int:
                               args.expect_pd, key, args.expect_counter, tls)
     except (OSError, ValueError) as exc:  # the key file itself
         print(f"{_socket.gethostname()}: {args.unit}: API key: {exc}", file=sys.stderr)
+        return 1
+    except Impostor as exc:  # loudly, at once: one line naming the host, the port and the squatter's uid
+        print(f"{_socket.gethostname()}: {args.unit}: {exc}", file=sys.stderr)
         return 1
     except NotHealthy as exc:
         print(f"{_socket.gethostname()}: {args.unit}: {exc}", file=sys.stderr)

@@ -12,7 +12,13 @@ OS package's HAProxy (``haproxy -Ws -f /etc/k2fleet/api-front.cfg``, not the pac
 
 HAProxy answers 401 (``{"error": "Unauthorized"}``, as vLLM does) to every request whose
 ``Authorization`` header is not exactly ``Bearer KEY``, except ``GET``/``HEAD`` of
-``/health`` and ``/metrics`` (open in vLLM too). The key is matched against a pattern file
+``/health`` and ``/metrics`` (open in vLLM too; trtllm-serve's ``/prometheus/metrics`` too:
+:func:`open_paths`). It passes only the routes the deployment serves: the OpenAI routes under
+``/v1/`` and those open paths; any other path (the engines' admin routes: SGLang's
+``/update_weights_from_disk``, ``/flush_cache``, ...; a path with a dot segment or an encoded
+separator) is answered 404, with the key too. ``Upgrade`` (and ``CONNECT``) is answered 400 and a
+101 from the engine is never passed on: HAProxy would tunnel the connection's later bytes
+unchecked (exploit tests in tests/test_api_front.py, on the real HAProxy). The key is matched against a pattern file
 (``/etc/k2fleet/api-front.keys``: the one line ``Bearer KEY``, root-only 0600, written like
 the other key files) and so is in no config text, argv or log; HAProxy logs no request
 (no ``log`` line). Timeouts suit LLM streaming: a response may run (and its first token
@@ -51,6 +57,12 @@ LOOPBACK = "127.0.0.1"
 OPEN_PATHS = ("/health", "/metrics")  # what vLLM leaves open too (GET/HEAD only)
 MAXCONN = 4096
 UNAUTHORIZED = '{"error": "Unauthorized"}'
+NOT_FOUND = '{"error": "Not Found"}'
+NO_UPGRADE = '{"error": "Upgrade is not served"}'
+API_PREFIX = "/v1/"  # the OpenAI routes: chat/completions, completions, models, embeddings, ...
+# a path holding any of these is refused (404): a dot segment or an encoded separator could reach
+# another route once the engine decodes or normalizes it (HAProxy's ``path`` is not normalized)
+ODD_PATH = ("/.", "%2e", "%2f", "%5c", "%00")
 # HAProxy 2.6 timeouts. ``server`` is the engine's inactivity: a streamed (SSE) answer resets
 # it with every chunk, but a long prompt may wait minutes in the engine's queue before its
 # first byte (and a non-streamed answer sends nothing until it is done), so an hour.
@@ -133,14 +145,18 @@ def address(host: str, port: int) -> str:
 
 
 def config(bind_host: str, port: int, backend_port: int, keys: str | None, engine: str = "the engine",
-           pem: str | None = None) -> str:
+           pem: str | None = None, open_paths: tuple[str, ...] = OPEN_PATHS) -> str:
     """HAProxy's config: listen on ``bind_host:port`` (HTTPS with ``pem``: :func:`bind_line`),
-    forward authenticated requests (and the open paths) to ``127.0.0.1:backend_port``, answer
-    401 to the rest. ``keys``: the pattern file's path (the key is never in this text); None:
-    the engine checks the key itself, or there is none (a TLS-only front)."""
+    forward authenticated requests to the routes the deployment serves (``/v1/...``) and
+    ``open_paths`` (GET/HEAD without the key too) to ``127.0.0.1:backend_port``; 401 without the
+    key, 404 for any other route, 400 for an ``Upgrade`` or ``CONNECT``, and a 101 from the engine
+    never passed on (no tunnel). ``keys``: the pattern file's path (the key is never in this text);
+    None: the engine checks the key itself, or there is none (a TLS-only front: routes and
+    upgrades are still refused)."""
     assert keys is None or ("\n" not in keys and " " not in keys)
+    assert all(p.startswith("/") and " " not in p for p in open_paths)
     timeouts = "".join(f"    timeout {name} {value}\n" for name, value in TIMEOUTS.items())
-    open_paths = " ".join(OPEN_PATHS)
+    open_paths_ = " ".join(open_paths)
     return (
         "# Rendered by k2fleet from the fleet plan; edits are overwritten.\n"
         + (f"# The API front of {engine}: Authorization: Bearer KEY, matched against the root-only\n"
@@ -160,12 +176,20 @@ def config(bind_host: str, port: int, backend_port: int, keys: str | None, engin
         "frontend k2-api\n"
         f"    {bind_line(bind_host, port, pem)}\n"
         f"    maxconn {MAXCONN}\n"
-        f"    acl open_path path {open_paths}\n"
+        f"    acl open_path path {open_paths_}\n"
         "    acl open_method method GET HEAD\n"
-        + (f"    acl has_key req.hdr(authorization) -m str -f {keys}\n"
-           f"    http-request return status 401 content-type application/json string '{UNAUTHORIZED}' "
+        + (f"    acl has_key req.hdr(authorization) -m str -f {keys}\n" if keys else "")
+        + f"    acl served_path path_beg {API_PREFIX}\n"
+        f"    acl served_path path {open_paths_}\n"
+        f"    acl odd_path path_sub -i {' '.join(ODD_PATH)}\n"
+        "    acl upgrade req.hdr(upgrade) -m found\n"
+        "    acl upgrade method CONNECT\n"
+        + (f"    http-request return status 401 content-type application/json string '{UNAUTHORIZED}' "
            "hdr WWW-Authenticate Bearer unless has_key || open_path open_method\n" if keys else "")
-        +
+        + f"    http-request return status 404 content-type application/json string '{NOT_FOUND}' "
+        "if !served_path || odd_path\n"
+        f"    http-request return status 400 content-type application/json string '{NO_UPGRADE}' if upgrade\n"
+        "    http-response deny deny_status 502 if { status 101 }\n"
         "    default_backend engine\n"
         "\n"
         "backend engine\n"
@@ -209,6 +233,16 @@ def unit_file(dep: Deployment, svc: Service, env_file: str, path: str | None = N
     ])
 
 
+def open_paths(dep: Deployment) -> tuple[str, ...]:
+    """The paths the front serves without the key (GET/HEAD): :data:`OPEN_PATHS` and the
+    engine's Prometheus route where it is another (trtllm-serve's ``/prometheus/metrics``,
+    :data:`k2fleet.planning.metrics.ENGINE_METRICS`), which the scrapers call without a key."""
+    from k2fleet.planning.metrics import ENGINE_METRICS
+
+    path = ENGINE_METRICS[dep.engine].path if dep.engine in ENGINE_METRICS else None
+    return OPEN_PATHS + ((path,) if path and path not in OPEN_PATHS else ())
+
+
 def fronts(svc: Service) -> bool:
     """Is ``svc`` an endpoint clients call (a chat-serving instance's HTTP server or the PD
     router)? PD prefill/decode servers are the router's backends, closed to the fleet."""
@@ -250,7 +284,7 @@ def add_fronts(dep: Deployment, plan: Plan) -> None:
             host.services.append(Service(
                 name=FRONT,
                 argv=[HAPROXY, "-Ws", "-f", config_path(dep)],
-                files={config_path(dep): config(bind, port, backend, keys, svc.name, pem)},
+                files={config_path(dep): config(bind, port, backend, keys, svc.name, pem, open_paths(dep))},
                 ports={key: port},
                 stage=svc.stage,
                 role=svc.role,

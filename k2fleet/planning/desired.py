@@ -34,6 +34,7 @@ from k2fleet.planning.host_bootstrap import BootstrapPlan, bootstrap_plan
 from k2fleet.planning.os_tables import OS_TABLES
 from k2fleet.planning import mirrors, relay_plan
 from k2fleet.planning import firewall as fleet_firewall
+from k2fleet.planning import privileged_ports
 from k2fleet.planning import gpu_exporter
 from k2fleet.planning.reach_plan import ReachCheck, reach_checks
 from k2fleet.hostprogs import swarm
@@ -202,6 +203,7 @@ class HostDesired:
     rollout: Rollout = field(default_factory=Rollout)  # the fleet's instances, k2_rollout, its load balancer
     reach: ReachCheck | None = None  # the peers' rendezvous ports checked before the engines start
     gpus_proven_by: list[str] = field(default_factory=list)  # checks whose pass proves every GPU here works
+    port_start: int = 0  # net.ipv4.ip_unprivileged_port_start the host holds at least (k2fleet.planning.privileged_ports)
 
     def all_paths(self) -> list[str]:
         paths = {p for files in self.files.values() for p in files}
@@ -831,6 +833,9 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts,
     pd = pd_servers(plan)
     rollout = fleet_rollout(dep, plan)
     reach = reach_checks(plan)
+    port_start = privileged_ports.port_start(dep, plan)
+    port_files = {p: FileSpec(c.encode(), "644") for p, c in
+                  privileged_ports.files(dep, port_start, node_exporter=dep.s.metrics and dep.s.node_exporter).items()}
     out: dict[str, HostDesired] = {}
     for h in dep.fleet.hosts:
         hp = plan.hosts[h.name]
@@ -892,6 +897,10 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts,
         if dep.runtime == "venv" and not dep.s.simulated_gpus and not bundled:
             d.venv_install = venv_install_argv(dep, d.python)
         d.firewall = parts.firewalls[h.name]
+        if privileged_ports.serves(dep, hp):  # no local user binds a port k2fleet serves on
+            d.files[privileged_ports.GROUP] = dict(port_files)
+            d.checks[privileged_ports.CHECK] = privileged_ports.check_argv(port_start)
+            d.port_start = port_start
         if gpu_exporter.runs_on(dep, hp.role):  # dcgm-exporter: its unit and image (the gpu_exporter role)
             d.gpu_exporter, d.files["gpu_exporter"] = gpu_exporter_files(dep, h.address, art)
             d.units.append(gpu_exporter.UNIT)

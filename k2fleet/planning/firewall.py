@@ -8,7 +8,9 @@ may reach it, and renders k2fleet's own table ``inet k2fleet`` from that list:
 - the API port (``k2_port``; the PD router's ``k2_router_port``): ``k2_api_clients``
   (and the fleet), or anyone when the key is unset. Behind the API front
   (:mod:`k2fleet.planning.api_front`) it is HAProxy's; the engine's own
-  ``k2_api_backend_port`` listens on 127.0.0.1 only and is closed to all but the fleet too. Metrics are served on the API
+  ``k2_api_backend_port`` listens on 127.0.0.1 only and is closed to all but the fleet too;
+  the table's output chain resets a loopback connection to it from any socket not root's
+  (another local user: the engine takes no key, the front is its only client). Metrics are served on the API
   port (vLLM and SGLang ``/metrics``); k2fleet plans no separate metrics port, so a
   scraper is an API client;
 - every rendezvous and control port, only from the fleet's own addresses: Ray's GCS
@@ -135,6 +137,7 @@ class HostFirewall:
     egress: tuple[str, ...] | None = None  # k2_egress: mirrors-only: the mirrors' IPs (None: outbound untouched)
     egress_names: tuple[str, ...] = ()  # the names those IPs were resolved from
     scrapers: tuple[str, ...] = ()  # k2_metrics_scrapers (k2_metrics): the exporter ports' and /metrics' clients
+    root_only: tuple[int, ...] = ()  # loopback ports only root's sockets may connect to (the engine behind the API front)
 
     def closed(self) -> list[Opening]:
         return [o for o in self.openings if o.who != ANYONE]
@@ -172,6 +175,7 @@ class HostFirewall:
         return {"table": TABLE, "unit": UNIT, "fleet": list(self.fleet),
                 "api_clients": None if self.clients is None else list(self.clients),
                 **({"metrics_scrapers": list(self.scrapers)} if self.scrapers else {}),
+                **({"root_only": list(self.root_only)} if self.root_only else {}),
                 "ports": [o.to_json() for o in self.openings],
                 "egress": None if self.egress is None else {"names": list(self.egress_names), "addresses": list(self.egress),
                                                             "also": [what for _, what in EGRESS_ALWAYS]}}
@@ -284,9 +288,22 @@ def _table_body(fw: HostFirewall) -> str:
     out += "\tchain input {\n\t\ttype filter hook input priority filter; policy accept;\n"
     out += "".join(f"\t\t{rule}\n" for rule in rules)
     out += "\t}\n"
+    if fw.root_only:
+        out += _root_only_chain(fw)
     if fw.egress is not None:
         out += _egress_chain(fw)
     return out
+
+
+def _root_only_chain(fw: HostFirewall) -> str:
+    """The engine behind the API front listens on 127.0.0.1 without a key: a connection to
+    its port over loopback from a socket that is not root's (another local user) is reset;
+    the front (HAProxy, run as root by its unit) and root's own tools pass."""
+    ports = _ports([Opening(p, p, FLEET, "") for p in fw.root_only])
+    rule = (f'oif "lo" tcp dport {ports} meta skuid != 0 reject with tcp reset '
+            f'comment "{BACKEND_KEY}: root only (the API front), no other local user"')
+    return ("\tchain output_root_only {\n\t\ttype filter hook output priority filter; policy accept;\n"
+            f"\t\t{rule}\n\t}}\n")
 
 
 def _egress_chain(fw: HostFirewall) -> str:
@@ -367,9 +384,10 @@ def _runs_ray_start(argv: list[str]) -> bool:
 
 
 def host_openings(dep: Deployment, hp: HostPlan) -> tuple[Opening, ...]:
-    """Every TCP port k2fleet's processes listen on, on host ``hp``, with who may reach it,
-    whether or not ``k2_firewall`` enforces it (``k2fleet plan`` lists them for the network
-    team: :mod:`k2fleet.planning.fetches`)."""
+    """Every TCP port k2fleet's processes listen on (and SSH's), on host ``hp``, with who may
+    reach it, whether or not ``k2_firewall`` enforces it: what the table closes, what
+    :mod:`k2fleet.planning.privileged_ports` keeps from local users, and what ``k2fleet plan``
+    lists for the network team (:mod:`k2fleet.planning.fetches`)."""
     name = hp.name
     entry = next(h for h in dep.fleet.hosts if h.name == name)
     api_who = ANYONE if dep.s.api_clients is None else CLIENTS
@@ -425,14 +443,18 @@ def host_firewall(dep: Deployment, hp: HostPlan) -> HostFirewall | None:
     return HostFirewall(host=name, openings=openings, fleet=dep.fleet_ips,
                         clients=None if dep.s.api_clients is None else tuple(dep.s.api_clients),
                         before=tuple(dict.fromkeys(units)), egress=egress, egress_names=egress_names_ or (),
-                        scrapers=tuple(dep.s.metrics_scrapers or ()) if dep.s.metrics else ())
+                        scrapers=tuple(dep.s.metrics_scrapers or ()) if dep.s.metrics else (),
+                        root_only=tuple(sorted({svc.ports[BACKEND_KEY] for svc in hp.services if BACKEND_KEY in svc.ports})))
 
 
 def format_firewall(dep: Deployment, plan: Plan) -> str:
     """``k2fleet plan``'s firewall section: every host's ports and who may reach them."""
     if not dep.s.firewall:
+        fronted = any(BACKEND_KEY in svc.ports for hp in plan.hosts.values() for svc in hp.services)
         return ("\n== firewall: off (k2_firewall: False): k2fleet's table inet k2fleet and "
-                f"{UNIT} are removed; every port is as the hosts' own rules leave it\n")
+                f"{UNIT} are removed; every port is as the hosts' own rules leave it"
+                + (f"; the engine behind the API front ({BACKEND_KEY}, no key) is open to every local user"
+                   if fronted else "") + "\n")
     clients = "anyone (k2_api_clients unset)" if dep.s.api_clients is None else \
         "k2_api_clients " + ", ".join(dep.s.api_clients) + " and the fleet"
     scrapers = "k2_metrics_scrapers " + ", ".join(dep.s.metrics_scrapers) + " and the fleet" if dep.s.metrics_scrapers \
@@ -455,6 +477,9 @@ def format_firewall(dep: Deployment, plan: Plan) -> str:
         for o in fw.openings:
             reach = "anyone (never closed)" if o.what.startswith("ssh_port") else who[o.who]
             out.append(f"    {o.ports + '/tcp':<18} {reach:<22} {o.what}")
+        for port in fw.root_only:
+            out.append(f"    {str(port) + '/tcp':<18} {'loopback: root only':<22} {BACKEND_KEY}: another local user's "
+                       "connection is reset (the API front is its client)")
     return "\n".join(out) + "\n"
 
 

@@ -46,7 +46,7 @@ from pyinfra.api import deploy
 from pyinfra.operations import python
 
 from k2fleet.control import checkpoint_copy
-from k2fleet.planning import relay_plan
+from k2fleet.planning import privileged_ports, relay_plan
 from k2fleet.hostprogs.manifest import read_token
 from k2fleet.planning.deployment import Deployment, WeightSet
 from k2fleet.planning.desired import CHECKPOINT_CHECK, HUB_ENV, HostDesired
@@ -215,17 +215,19 @@ def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fac
             argv=relay_plan.relay_serve_argv(path, desired.address, dep.s.relay_port) if serving else ["true"],
             _if=lambda: serving)
     control_copy = None if on_host else source_dir
-    tunnel = [relay_plan.relay_url("127.0.0.1", dep.s.relay_port)] if control_copy else []
+    target, ssh, become = side_channel
+    # sshd binds the tunnel as the login's user: below net.ipv4.ip_unprivileged_port_start only root may
+    tport = privileged_ports.tunnel_port(desired.port_start or 1024, dep.s.relay_port, root_login=not become)
+    tunnel = [relay_plan.relay_url("127.0.0.1", tport)] if control_copy else []
     fetch_argv = relay_plan.relay_fetch_argv(path, list(fan.relays), fan.position or 0, fan.relay_fanout, tunnel,
                                              pin=(ws.repo, ws.revision), digest=ws.manifest_sha256) if receiving else ["true"]
-    target, ssh, become = side_channel
     download = [*become, "sh", "-c", host_download_command(dep, xet_disabled, ws)] if root_download else None
     python.call(
         name=f"{what}: receive shard by shard, each verified before it is passed on "
              "(the fetcher host: its Hub download, feeding its relay file by file)",
         function=transfer,
         control=control_relay, source=control_copy, target=target,
-        ssh=ssh, fetch_argv=[*become, *fetch_argv], tunnel_port=dep.s.relay_port, log_file=log_file,
+        ssh=ssh, fetch_argv=[*become, *fetch_argv], tunnel_port=tport, log_file=log_file,
         download=download, _if=lambda: receiving or root_download,
     )
     tracked.append(command(name=f"{what}: check every file (index, headers; hashed by the relay as it arrived)",

@@ -149,16 +149,24 @@ RAY_TOKEN = "/etc/k2fleet/ray/auth_token"  # the deployment's Ray token (root-on
 RAY_AUTH_ENV = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": RAY_TOKEN}
 
 
-# Ray's session directory (its sockets: raylet, object store, the current cluster's address).
-# In the container runtime the Ray head/worker and the vLLM driver are separate containers of
-# one host: they share it from the host, as processes of a venv host share /tmp/ray.
-RAY_SESSION_DIR = "/tmp/ray"
+# Ray's temporary root (its session directories: the raylet's and object store's sockets, the
+# current cluster's address, logs). Not the shared /tmp/ray: any local user can make /tmp/ray
+# first (Ray then uses theirs) or read and connect to the sockets Ray leaves there (Ray makes
+# its temp dir 0777 for sharing). Under RAY_ROOT, a directory only root may enter (0700, made
+# by each Ray unit before it starts), what Ray opens inside is out of other users' reach.
+# ``RAY_TMPDIR`` (ray._private.utils.get_user_temp_dir) puts every Ray process's temp dir at
+# RAY_ROOT/ray; the head's ``--temp-dir`` says so explicitly (worker nodes take the head's). In
+# the container runtime the Ray head/worker and the vLLM driver are separate containers of one
+# host: they share it from the host, as processes of a venv host do.
+RAY_ROOT = "/var/lib/k2fleet/ray"
+RAY_SESSION_DIR = f"{RAY_ROOT}/ray"
+RAY_DIR_ARGV = ["/usr/bin/install", "-d", "-m", "0700", "-o", "root", "-g", "root", RAY_ROOT]
 
 
 def _ray_auth(dep: Deployment) -> dict[str, str]:
-    """Ray's token authentication, venv and container runtimes alike: names and the token
-    file's path only (a container gets the file bound read-only, :func:`_ray_container_files`)."""
-    return dict(RAY_AUTH_ENV)
+    """Ray's token authentication and temp root, venv and container runtimes alike: names and
+    paths only (a container gets the token file bound read-only, :func:`_ray_container_files`)."""
+    return dict(RAY_AUTH_ENV) | {"RAY_TMPDIR": RAY_ROOT}
 
 
 def _ray_container_files(env: dict[str, str]) -> dict[str, list[str]]:
@@ -167,7 +175,7 @@ def _ray_container_files(env: dict[str, str]) -> dict[str, list[str]]:
     a container that does not use Ray (no ``RAY_AUTH_TOKEN_PATH`` in its env)."""
     if "RAY_AUTH_TOKEN_PATH" not in env:
         return {}
-    return {"mounts": [env["RAY_AUTH_TOKEN_PATH"]], "shared": [RAY_SESSION_DIR]}
+    return {"mounts": [env["RAY_AUTH_TOKEN_PATH"]], "shared": [RAY_ROOT]}
 
 
 def _ray_services(dep: Deployment, pool: Pool, nodes: tuple[HostEntry, ...]) -> Iterator[tuple[str, Service]]:
@@ -176,7 +184,7 @@ def _ray_services(dep: Deployment, pool: Pool, nodes: tuple[HostEntry, ...]) -> 
         env = engine_env(dep, host, pool.settings.env) | {"VLLM_HOST_IP": host.address} | _ray_auth(dep)
         common = ["--node-ip-address", host.address, "--num-gpus", str(dep.gpus_per_node), "--block"]
         if rank == 0:
-            words = ["start", "--head", "--port", str(dep.s.ray_port), *common]
+            words = ["start", "--head", "--port", str(dep.s.ray_port), "--temp-dir", RAY_SESSION_DIR, *common]
         else:
             words = ["start", "--address", host_port(head.address, dep.s.ray_port), *common]
         if dep.runtime == "container":  # the engine image's Ray, in the foreground under systemd
@@ -192,16 +200,18 @@ def _ray_services(dep: Deployment, pool: Pool, nodes: tuple[HostEntry, ...]) -> 
             rank=rank,
             role=pool.role,
             needs_checkpoint=False,
+            pre_start=[list(RAY_DIR_ARGV)],
             description=f"Ray {'head' if rank == 0 else 'worker'} for vLLM TP×PP across nodes",
         )
     env = (engine_env(dep, head, pool.settings.env) | {"VLLM_HOST_IP": head.address} | _platform_env(dep) | _ray_auth(dep)
            | _a2a_env(dep, pool))
+    env["RAY_ADDRESS"] = f"{head.address}:{dep.s.ray_port}"  # the cluster's GCS, not whatever /tmp/ray names
     words = _serve_words(dep, pool) + ["--distributed-executor-backend", "ray"]
     yield head.name, _service(
         dep, pool, head, 0, words, env,
         ports={"k2_port": dep.s.port}, stage=2, health=Health(dep.s.port),
         description="vLLM API server driving the Ray cluster",
-        pre_start=[_ray_gate(dep, nodes)] if dep.runtime == "venv" else [],
+        pre_start=[list(RAY_DIR_ARGV), *([_ray_gate(dep, nodes)] if dep.runtime == "venv" else [])],
     )
 
 
