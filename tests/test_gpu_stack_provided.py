@@ -213,3 +213,13 @@ def test_validate_refuses_a_bad_value_and_a_flavour_in_one_line(tmp_path: Path) 
     assert err.value.key == "k2_driver_flavour" and "taken as delivered" in err.value.message
     ok = run_cli("validate", str(inv), "--data", "k2_gpu_stack=provided")
     assert ok.returncode == 0, ok.stderr
+
+
+def test_plan_says_what_the_provided_stack_must_be(tmp_path: Path) -> None:
+    inv = write_inventory(tmp_path, 1)
+    out = run_cli("plan", str(inv), "--data", "k2_gpu_stack=provided")
+    assert out.returncode == 0, out.stderr
+    assert ("# note: k2_gpu_stack: provided: the hosts keep their own GPU stack (k2fleet installs, removes, holds and "
+            "starts none of it, and never reboots for it); preflight refuses a host whose stack cannot serve: a loaded "
+            "NVIDIA driver 580.65.06 or newer (vllm 0.33.0 is built with CUDA 13.0") in out.stdout
+    assert "k2_gpu_stack" not in run_cli("plan", str(inv)).stdout

@@ -480,6 +480,20 @@ def cuda_of_driver(version: str) -> str | None:
     return max(fits, key=version_key) if fits else None
 
 
+def provided_note(driver: "DriverChoice | None", gpu: str) -> str:
+    """``k2fleet plan``'s note under ``k2_gpu_stack: provided``: what the hosts' own stack must be.
+
+    >>> provided_note(None, "mi300x")
+    'k2_gpu_stack: provided: the hosts keep their own GPU stack (k2fleet installs, removes, holds and starts none of it, and never reboots for it); preflight refuses a host whose stack cannot serve'
+    """
+    head = ("k2_gpu_stack: provided: the hosts keep their own GPU stack (k2fleet installs, removes, holds and starts "
+            "none of it, and never reboots for it); preflight refuses a host whose stack cannot serve")
+    if driver is None:
+        return head
+    need = minimum_driver_version(driver.cuda, NVIDIA_GPUS[gpu].min_branch)
+    return f"{head}: a loaded NVIDIA driver {need} or newer ({driver.minimum_reason})"
+
+
 def default_branch(minimum: int) -> int:
     """The first data-center production/LTS branch at or above ``minimum``.
 
