@@ -50,7 +50,7 @@ def pre_image(host: dict, branch: int) -> None:
                     "-o", "BatchMode=yes", *(str(repo / d) for d in debs), f"root@{host['address']}:/var/tmp/image/"],
                    check=True, timeout=120)
     ssh(host, "dpkg -i /var/tmp/image/*.deb >/dev/null && rm -rf /var/tmp/image && "
-              f"systemctl start {nd.MODULE_UNIT} && systemctl enable --now --quiet nvidia-persistenced nvidia-fabricmanager")
+              f"systemctl start {nd.MODULE_UNIT} && systemctl enable --now nvidia-persistenced nvidia-fabricmanager 2>&1")
 
 
 def packages(host: dict) -> set[str]:

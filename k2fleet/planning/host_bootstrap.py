@@ -12,6 +12,10 @@ it out. The decisions that need the host's state (which packages are pending, wh
 obsolete, whether a reboot is needed, what refuses the host) are pure functions of the
 plan and the HostState fact's :class:`~k2fleet.planning.preflight_checks.BootState` below.
 
+``k2_gpu_stack: provided`` (hosts as delivered): :func:`provided_plan` instead — no NVIDIA,
+AMD or Docker package, repository, hold, module load, service start or reboot; what the
+host must already have, which :func:`provided_problems` compares with the fact in preflight.
+
 Simulated GPUs (the sandbox): NVIDIA's and AMD's repositories are replaced by k2fleet's
 TEST DOUBLE repository (:mod:`k2sandbox.driver_doubles`, same package names, installed
 through the same apt path from the offline bundle) and ``modprobe`` by the double's
