@@ -117,7 +117,7 @@ def _bundle_sources(dep: Deployment, parts: FleetParts) -> AptRoot | None:
     standing in for NVIDIA's / AMD's (:mod:`k2sandbox.driver_doubles`)."""
     from k2fleet.control import aptroot
 
-    gpu_stack = any(boot.vendor for boot in parts.bootstraps.values())
+    gpu_stack = any(boot.vendor and not boot.provided for boot in parts.bootstraps.values())  # provided: none to bundle
     if not gpu_stack:
         return None
     if not dep.s.simulated_gpus:

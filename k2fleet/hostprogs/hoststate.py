@@ -14,8 +14,9 @@ NVML is asked once per probe (one ``nvidia-smi -q`` on NVLink hosts) unless the 
 is not asked again at every re-run (see :func:`gpus`, :func:`nvidia_problems`).
 
 ``--gate JSON`` runs the same probe after the bootstrap and compares it with the
-expectations in JSON (GPU count and type, driver branch, loaded module = installed
-driver, NVLink fabric state, services); it prints one line per mismatch and exits 1
+expectations in JSON (GPU count and type, driver branch — any when ``branch`` is null —,
+the oldest driver version, loaded module = installed driver when a ``driver_package`` is
+named, NVLink fabric state, services); it prints one line per mismatch and exits 1
 (0: every expectation holds). Still read-only.
 
 Simulated GPUs (the sandbox, TEST DOUBLES): a host whose ``/etc/k2fleet-doubles/gpus.json``
@@ -1208,16 +1209,20 @@ def nvidia_problems(want: dict, smi=None, dpkg=None) -> list:
             problems.append(f"GPU type {', '.join(wrong)}, the plan is for {want['name']}")
         driver = rows[0][2] if rows and len(rows[0]) > 2 else ""
     major = int(driver.split(".")[0]) if driver[:3].isdigit() else 0
-    if major != want["branch"]:
+    if want["branch"] is not None and major != want["branch"]:  # None: any branch (a provided driver)
         problems.append(f"driver {driver} is not of branch {want['branch']}")
     if major < want["minimum"]:
         problems.append(f"driver {driver} is older than the minimum branch {want['minimum']}")
+    least = want.get("minimum_version")
+    if least and _version_key(driver) < _version_key(least):
+        problems.append(f"driver {driver} is older than {least}, the oldest the engine's CUDA build runs on")
     if want.get("version") and driver != want["version"]:
         problems.append(f"driver {driver}, the plan pins {want['version']}")
-    installed = package_versions([want["driver_package"]], dpkg).get(want["driver_package"], "")
-    loaded = module_version("nvidia", hardware()["simulated"])
-    if installed.split(":")[-1].split("-")[0] != loaded:
-        problems.append(f"loaded kernel module {loaded} differs from the installed driver {installed} (reboot)")
+    if want.get("driver_package"):  # None: a provided driver, installed by whatever means
+        installed = package_versions([want["driver_package"]], dpkg).get(want["driver_package"], "")
+        loaded = module_version("nvidia", hardware()["simulated"])
+        if installed.split(":")[-1].split("-")[0] != loaded:
+            problems.append(f"loaded kernel module {loaded} differs from the installed driver {installed} (reboot)")
     if want.get("fabric") and not proven:
         code, out = smi(["-q"])
         states = fabric_states(out) if code == 0 else []
@@ -1227,6 +1232,23 @@ def nvidia_problems(want: dict, smi=None, dpkg=None) -> list:
                             f"({bad[0] if bad else 'no Fabric block'}): CUDA would fail with error 802; "
                             "check nvidia-fabricmanager (its version must equal the driver's)")
     return problems
+
+
+def _version_key(version: str) -> tuple:
+    """``580.65.06`` → (580, 65, 6), for ordering driver versions.
+
+    >>> _version_key("580.65.06") < _version_key("580.95.05"), _version_key("")
+    (True, (0,))
+    """
+    out = []
+    for part in version.split("."):
+        digits = ""
+        for c in part:
+            if not c.isdigit():
+                break
+            digits += c
+        out.append(int(digits or 0))
+    return tuple(out)
 
 
 def amd_problems(want: dict) -> list:

@@ -1043,6 +1043,17 @@ class HostSettings(BaseModel):
         "`rolling` (one host at a time).",
         default="if-needed",
     )
+    # --- k2_gpu_stack: hosts as delivered (one block) ----------------------------------
+    gpu_stack: Literal["install", "provided"] = _key(
+        FLEET,
+        "Who owns the GPU stack: `install` (k2fleet installs the driver at its branch, fabric manager, container "
+        "toolkit and Docker, holds them and reboots for a driver change) or `provided` (hosts as delivered: DGX OS, "
+        "a cloud GPU image, a golden image): k2fleet installs, removes, holds and starts none of them and never "
+        "reboots for them; it reads the loaded driver against the engine's CUDA build (and `k2_driver_branch`/"
+        "`k2_driver_version` when set), the fabric manager, the toolkit, Docker and the kernel modules, and refuses "
+        "a host that cannot serve in one line. The GPU gate and the fabric gate run as with `install`.",
+        default="install",
+    )
     imex_address: Address | None = _key(
         HOST,
         "GB200/GB300: this host's IP in IMEX's nodes_config.cfg; default `k2_address` (must be an IP).",

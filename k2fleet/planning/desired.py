@@ -225,7 +225,8 @@ class HostDesired:
         boot = self.bootstrap
         units = self.units + [f"{s}.service" for s in (boot.services if boot else ())]
         query = {"disk_path": disk_path, "files": self.all_paths(), "units": units, "checks": self.checks,
-                 "exists": self.exists + self.absent + ([self.bundle_repo] if self.bundle_repo else []),
+                 "exists": self.exists + self.absent + ([self.bundle_repo] if self.bundle_repo else [])
+                 + list(boot.reads if boot else ()),  # k2_gpu_stack: provided reads the toolkit, Docker, ib_umad
                  "globs": [UNIT_GLOB], "packages": self.packages,
                  "package_versions": bootstrap.fact_patterns(boot) if boot else []}
         if self.gpus_proven_by and not full_gpu_look:

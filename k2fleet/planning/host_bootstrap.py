@@ -12,6 +12,10 @@ it out. The decisions that need the host's state (which packages are pending, wh
 obsolete, whether a reboot is needed, what refuses the host) are pure functions of the
 plan and the HostState fact's :class:`~k2fleet.planning.preflight_checks.BootState` below.
 
+``k2_gpu_stack: provided`` (hosts as delivered): :func:`provided_plan` instead — no NVIDIA,
+AMD or Docker package, repository, hold, module load, service start or reboot; what the
+host must already have, which :func:`provided_problems` compares with the fact in preflight.
+
 Simulated GPUs (the sandbox): NVIDIA's and AMD's repositories are replaced by k2fleet's
 TEST DOUBLE repository (:mod:`k2sandbox.driver_doubles`, same package names, installed
 through the same apt path from the offline bundle) and ``modprobe`` by the double's
@@ -41,7 +45,7 @@ from k2fleet.planning.host_archive import host_argv
 from k2fleet.planning import mirrors
 from k2fleet.planning import os_tables as t
 from k2fleet.planning.deployment import Deployment
-from k2fleet.planning.host_fact import BootState
+from k2fleet.planning.host_fact import BootState, HostReport
 from k2fleet.inventory.spec import HostEntry
 
 CUDA_REPO_URL = t.NVIDIA_REPO_BASE + "/{os}/{arch}/"
@@ -153,6 +157,10 @@ class BootstrapPlan:
     modprobe: tuple[str, ...] = ()  # further modules loaded now (ib_umad) besides modules-load.d
     simulated: bool = False
     gate_expect: dict[str, Any] = field(default_factory=dict)  # `hoststate.py --gate` input
+    # k2_gpu_stack: provided — the host's GPU stack is taken as delivered: what it must have
+    # (see provided_plan; empty: k2fleet installs it) and paths the fact reports as existing
+    provided: dict[str, Any] = field(default_factory=dict)
+    reads: tuple[str, ...] = ()
 
     def package(self, name: str) -> Package | None:
         return next((p for p in self.packages if p.name == name), None)
@@ -187,6 +195,7 @@ class BootstrapPlan:
             "gates": [g.to_json() for g in self.gates],
             "driver_package": self.driver_package, "module_load": list(self.module_load),
             "modprobe": list(self.modprobe), "simulated": self.simulated, "gate_expect": self.gate_expect,
+            "provided": dict(self.provided), "reads": list(self.reads),
         }
 
 
@@ -331,6 +340,8 @@ def bootstrap_plan(dep: Deployment, host: HostEntry, host_os: str | None = None,
     common = dict(host=host.name, os=os_name, os_from=os_from, manager=manager, vendor=vendor, arch=arch,
                   package_source=dep.s.package_source, reboot=dep.s.reboot, simulated=simulated)
     container = dep.runtime == "container" if docker is None else docker
+    if dep.s.gpu_stack == "provided":
+        return provided_plan(dep, host, common, table, vendor, container)
     if vendor is None:  # router / SLURM login node: no GPU stack (Docker if it runs containers)
         if not container:
             return BootstrapPlan(**common)
@@ -400,6 +411,118 @@ def bootstrap_plan(dep: Deployment, host: HostEntry, host_os: str | None = None,
                          modprobe=() if simulated else tuple(modules), gate_expect=gate_expect)
 
 
+# --------------------------------------------------------------------------- k2_gpu_stack: provided
+
+# What Docker's ``--gpus`` runs (moby: the ``nvidia-container-runtime-hook`` prestart hook,
+# looked up on PATH), from NVIDIA's ``nvidia-container-toolkit`` package; sandbox hosts
+# pass no ``--gpus`` (their GPUs are simulated) and the TEST DOUBLE toolkit has ``nvidia-ctk``.
+TOOLKIT_PATH = {False: "/usr/bin/nvidia-container-runtime-hook", True: "/usr/bin/nvidia-ctk"}
+DOCKER_PATH = "/usr/bin/docker"
+IB_UMAD_PATH = "/sys/module/ib_umad"  # NVLink5: fabric manager + NVLSM talk to the switches through it ([gdc])
+PROVIDED = "the GPU stack is provided (k2_gpu_stack: provided) and cannot serve"
+
+
+def provided_plan(dep: Deployment, host: HostEntry, common: dict[str, Any], table: t.OsTable, vendor: str | None,
+                  container: bool) -> BootstrapPlan:
+    """``k2_gpu_stack: provided``: the host arrives with its GPU stack (driver, fabric manager,
+    container toolkit, Docker) and k2fleet installs, removes, holds and starts none of it and
+    never reboots for it (no repositories, no unattended-upgrades blacklist, no module load).
+    The plan says what the host must already have (``provided``: the oldest driver the
+    engine's CUDA build runs on, ``k2_driver_branch``/``k2_driver_version`` when set, the
+    fabric's service, the toolkit, Docker, the kernel modules), which
+    :func:`provided_problems` compares with the fact before any change; the GPU gate (count,
+    type, driver, NVLink fabric, services) runs after, as with ``install``. Only the RDMA user
+    space of ``k2_ib_hcas`` (no NVIDIA or Docker package) is still installed."""
+    s = dep.s
+    packages = tuple(Package(n) for n in table.rdma) if host.settings.ib_hcas and vendor else ()
+    services: list[str] = []
+    reads: list[str] = []
+    provided: dict[str, Any] = {"toolkit": None, "docker": container, "modules": []}
+    gates: list[Gate] = []
+    gate_expect: dict[str, Any] = {}
+    groups: dict[str, tuple[str, ...]] = {}
+    fabric = None
+    if vendor == "nvidia":
+        d, needs = dep.driver, t.NVIDIA_GPUS[dep.gpu.name]
+        assert d is not None
+        fabric = needs.fabric if needs.fabric != t.NVSWITCH or dep.gpus_per_node == t.HGX_GPUS else None
+        services = {None: [], t.IMEX: ["nvidia-imex"]}.get(fabric, ["nvidia-fabricmanager"])
+        minimum = t.minimum_driver_version(d.cuda, needs.min_branch)
+        provided |= {"module": "nvidia", "minimum_version": minimum, "minimum_reason": d.minimum_reason,
+                     "cuda": d.cuda, "branch": s.driver_branch, "version": s.driver_version, "fabric": fabric,
+                     "modules": ["nvidia"] + (["ib_umad"] if fabric == t.NVLINK5 else [])}
+        if fabric == t.NVLINK5 and not common["simulated"]:
+            reads.append(IB_UMAD_PATH)
+        if container:
+            provided["toolkit"] = TOOLKIT_PATH[common["simulated"]]
+            reads.append(provided["toolkit"])
+        smi = "nvidia-smi --query-gpu={} --format=csv,noheader"
+        gates = [Gate("gpu-count", dep.gpus_per_node, smi.format("index")),
+                 Gate("gpu-type", needs.marketing, smi.format("name")),
+                 Gate("driver-minimum-version", minimum, smi.format("driver_version") + " (at least)")]
+        if s.driver_branch is not None:
+            gates.append(Gate("driver-branch", s.driver_branch, smi.format("driver_version") + " (major)"))
+        if s.driver_version:
+            gates.append(Gate("driver-version", s.driver_version, smi.format("driver_version")))
+        if fabric:
+            gates += [Gate("fabric-state", "Completed", "nvidia-smi -q: Fabric > State of every GPU"),
+                      Gate("fabric-status", "Success", "nvidia-smi -q: Fabric > Status of every GPU")]
+        gate_expect = {"vendor": "nvidia", "count": dep.gpus_per_node, "name": needs.marketing,
+                       "branch": s.driver_branch, "minimum": d.minimum, "minimum_version": minimum,
+                       "version": s.driver_version, "driver_package": None, "fabric": fabric is not None,
+                       "services": services, "timeout": GATE_TIMEOUT_S[common["simulated"]]}
+    elif vendor == "amd":
+        provided |= {"module": "amdgpu", "modules": ["amdgpu"]}
+        groups[s.mesh_user] = ("video", "render")
+        gates = amd_gates(dep, t.AMD_MARKETING.get(dep.gpu.name, dep.gpu.name.upper()))
+        gate_expect = {"vendor": "amd", "count": dep.gpus_per_node, "services": services,
+                       "timeout": GATE_TIMEOUT_S[common["simulated"]]}
+    if container:
+        services.append("docker")
+        reads.append(DOCKER_PATH)
+    gates += [Gate(f"service-{u}", "active", f"systemctl is-active {u}") for u in services]
+    return BootstrapPlan(**common, driver=dep.driver if vendor == "nvidia" else None, fabric=fabric,
+                         packages=packages, services=tuple(services), groups=groups, gates=tuple(gates),
+                         gate_expect=gate_expect, provided=provided, reads=tuple(reads))
+
+
+def provided_problems(plan: BootstrapPlan, fact: HostReport) -> list[str]:
+    """Why a host whose GPU stack is provided cannot serve (empty: it can), each naming what
+    the fact found and what is needed; one entry, the host's one line, or none."""
+    if not plan.provided:
+        return []
+    want, boot, found = plan.provided, fact.boot, []
+    module = want.get("module")
+    loaded = boot.modules.get(module) if module else None
+    if module and loaded is None:
+        found.append(f"no {module} kernel module is loaded" + (" (nouveau drives the GPUs)" if boot.nouveau else ""))
+    elif module == "nvidia" and loaded:
+        need = want["minimum_version"]
+        if t.version_key(loaded) < t.version_key(need):
+            cuda = t.cuda_of_driver(loaded)
+            runs = f"CUDA {cuda} at most" if cuda else f"older than CUDA {min(t.CUDA_DRIVER, key=t.version_key)}"
+            found.append(f"driver {loaded} is loaded ({runs}), {need} or newer is needed: {want['minimum_reason']}")
+        if want.get("branch") is not None and t.version_key(loaded)[0] != want["branch"]:
+            found.append(f"driver {loaded} is loaded, k2_driver_branch is {want['branch']}")
+        if want.get("version") and loaded != want["version"]:
+            found.append(f"driver {loaded} is loaded, k2_driver_version is {want['version']}")
+        fm = {n: v for n, v in boot.package_versions.items() if re.fullmatch(r"nvidia-fabricmanager(-[0-9]{3})?", n)}
+        if want.get("fabric") and want["fabric"] != t.IMEX and fm and all(upstream(v) != loaded for v in fm.values()):
+            name, version = sorted(fm.items())[0]
+            found.append(f"{name} {upstream(version)} is installed, the driver is {loaded}: they must be equal "
+                         "(CUDA error 802)")
+    for path, what in ((IB_UMAD_PATH, "the ib_umad kernel module is not loaded (NVLink5's fabric manager needs it)"),
+                       (want.get("toolkit"), f"no NVIDIA container toolkit ({want.get('toolkit')} is missing)"),
+                       (DOCKER_PATH, f"no Docker ({DOCKER_PATH} is missing)")):
+        if path in plan.reads and not fact.exists.get(path):
+            found.append(what)
+    for unit in plan.services:
+        if not (unit == "docker" and not fact.exists.get(DOCKER_PATH)) and not fact.unit_active(f"{unit}.service"):
+            state = fact.units.get(f"{unit}.service", {}).get("ActiveState") or "not there"
+            found.append(f"{unit}.service is {state}")
+    return [f"{PROVIDED}: " + "; ".join(found)] if found else []
+
+
 # --------------------------------------------------------------------------- decisions on the host's state
 
 
@@ -466,6 +589,8 @@ def pending_packages(plan: BootstrapPlan, boot: BootState) -> list[Package]:
 def obsolete_packages(plan: BootstrapPlan, boot: BootState) -> list[str]:
     """Installed packages named after another driver branch than the plan's (removed when
     the branch changes; e.g. ``nvidia-open-580`` on the way to 590)."""
+    if plan.provided:  # the host's own packages: never removed
+        return []
     wanted = {p.name for p in plan.packages}
     return sorted(n for n in boot.package_versions if BRANCH_NAMED.match(n) and n not in wanted)
 
@@ -485,7 +610,7 @@ def reboot_reason(plan: BootstrapPlan, boot: BootState) -> str | None:
     """Why this host must reboot in this bootstrap (None: it need not): the loaded GPU
     module differs from the driver it will run (a driver change, or one installed before
     without its reboot), nouveau holds the GPUs, or a new kernel waits."""
-    if plan.vendor is None:
+    if plan.vendor is None or plan.provided:  # a provided stack: k2fleet never reboots for it
         return None
     loaded = boot.modules.get(KERNEL_MODULE[plan.vendor])
     kernel = [p for p in boot.reboot_required if p.startswith(("linux-image", "linux-base", "kernel"))]

@@ -455,6 +455,60 @@ def minimum_branch(engine: str, version: str, gpu: str) -> tuple[int, str, str]:
     return needs.min_branch, f"{gpu} needs driver branch {needs.min_branch} or newer", ec.cuda
 
 
+def version_key(version: str) -> tuple[int, ...]:
+    """A driver version as numbers, for ordering (``580.65.06`` < ``580.95.05``).
+
+    >>> version_key("580.65.06") < version_key("580.95.05") < version_key("590")
+    True
+    """
+    out = []
+    for part in version.split("."):
+        digits = ""
+        for c in part:
+            if not c.isdigit():
+                break
+            digits += c
+        out.append(int(digits or 0))
+    return tuple(out)
+
+
+def minimum_driver_version(cuda: str, min_branch: int) -> str:
+    """The oldest driver that serves an engine built with ``cuda`` on a GPU that needs
+    ``min_branch`` ([cuda-rn] for the CUDA side): the toolkit driver's exact version,
+    or the GPU's branch when that is higher.
+
+    >>> minimum_driver_version("13.0", 520), minimum_driver_version("12.8", 580)
+    ('580.65.06', '580')
+    """
+    toolkit = CUDA_DRIVER[cuda].version
+    return toolkit if version_key(toolkit) >= version_key(str(min_branch)) else str(min_branch)
+
+
+def cuda_of_driver(version: str) -> str | None:
+    """The newest CUDA release of :data:`CUDA_DRIVER` that driver ``version`` runs (None:
+    older than all of them).
+
+    >>> cuda_of_driver("570.195.03"), cuda_of_driver("580.95.05"), cuda_of_driver("535.247.01")
+    ('12.8', '13.0', None)
+    """
+    fits = [c for c, d in CUDA_DRIVER.items() if version_key(version) >= version_key(d.version)]
+    return max(fits, key=version_key) if fits else None
+
+
+def provided_note(driver: "DriverChoice | None", gpu: str) -> str:
+    """``k2fleet plan``'s note under ``k2_gpu_stack: provided``: what the hosts' own stack must be.
+
+    >>> provided_note(None, "mi300x")
+    'k2_gpu_stack: provided: the hosts keep their own GPU stack (k2fleet installs, removes, holds and starts none of it, and never reboots for it); preflight refuses a host whose stack cannot serve'
+    """
+    head = ("k2_gpu_stack: provided: the hosts keep their own GPU stack (k2fleet installs, removes, holds and starts "
+            "none of it, and never reboots for it); preflight refuses a host whose stack cannot serve")
+    if driver is None:
+        return head
+    need = minimum_driver_version(driver.cuda, NVIDIA_GPUS[gpu].min_branch)
+    return f"{head}: a loaded NVIDIA driver {need} or newer ({driver.minimum_reason})"
+
+
 def default_branch(minimum: int) -> int:
     """The first data-center production/LTS branch at or above ``minimum``.
 
@@ -482,6 +536,9 @@ def choose_driver(fleet: Fleet, gpu: catalog.GpuType, engine: str, version: str)
         raise SpecError("k2_driver_branch", f"{branch} is below the minimum {minimum}: {reason}; set "
                         f"k2_driver_branch to {minimum} or newer (default {default})", src)
     needs = NVIDIA_GPUS[gpu.name]
+    if s.gpu_stack == "provided" and s.driver_flavour is not None:
+        raise SpecError("k2_driver_flavour", "chooses the driver k2fleet installs; with k2_gpu_stack: provided the "
+                        "hosts' driver is taken as delivered (remove k2_driver_flavour)", src)
     flavour = s.driver_flavour or "open"
     if flavour == "proprietary" and needs.open_required:
         raise SpecError("k2_driver_flavour", f"{gpu.name} (Blackwell) runs only the open kernel modules; "

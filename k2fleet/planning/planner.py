@@ -8,7 +8,7 @@ share a port. Nothing here connects to a host or writes a file.
 
 from __future__ import annotations
 
-from k2fleet.planning.os_tables import reserved_ports
+from k2fleet.planning.os_tables import provided_note, reserved_ports
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.processes import HostPlan, Plan, Service
 from k2fleet.planning import api_front, engine_flags, load_balancer
@@ -65,7 +65,8 @@ def make_plan(dep: Deployment) -> Plan:
         checkpoint_path=dep.serve_path,
         hosts=hosts,
         capacity=dict(dep.capacity),
-        notes=list(dep.notes),
+        notes=list(dep.notes) + ([provided_note(dep.driver, dep.gpu.name)]  # k2_gpu_stack: provided
+                                 if dep.s.gpu_stack == "provided" and dep.gpu else []),
     )
     reserved = reserved_ports(dep.gpu.name) if dep.gpu else {}
     if dep.s.bind_address == "fleet":

@@ -19,6 +19,11 @@ In order, each step only when the fact says the host differs:
 6. the GPU gate: GPU count and type, driver branch and pin, loaded module = installed
    driver, every GPU's NVLink fabric Completed (CUDA error 802 otherwise), services
    active. A host that fails stops here, named, before any engine starts.
+
+Under ``k2_gpu_stack: provided`` the plan has no NVIDIA, AMD or Docker package, hold,
+repository, module load or toolkit command, :func:`~k2fleet.planning.host_bootstrap.reboot_reason`
+is None and no service is started here: steps 2–5 do nothing for the GPU stack (preflight
+refused a host whose stack cannot serve) and step 6, the gate, runs as with ``install``.
 """
 
 from __future__ import annotations
@@ -121,7 +126,7 @@ def bring_up(plan: BootstrapPlan, fact: HostReport, files: dict, gate_argv: list
     if plan.kernel_headers and plan.vendor and not plan.simulated and plan.package_source == "apt":
         wanted = plan.kernel_headers.format(kernel=boot.kernel)  # DKMS builds against the running kernel
         headers = [] if wanted in boot.package_versions else [wanted]
-    if plan.simulated and plan.package_source != "bundle" and plan.vendor:
+    if plan.simulated and plan.package_source != "bundle" and plan.vendor and not plan.provided:
         raise BootstrapError(f"{plan.host}: the TEST DOUBLE driver packages travel only in the offline bundle; "
                              "set k2_package_source: bundle")
     changed = bool(pending or obsolete or headers)
@@ -156,6 +161,8 @@ def bring_up(plan: BootstrapPlan, fact: HostReport, files: dict, gate_argv: list
     units = [f"{u}.service" for u in plan.services]
     inactive = [u for u in units if not fact.unit_active(u)]
     active = [u for u in units if fact.unit_active(u)]
+    if plan.provided:  # k2_gpu_stack: provided: read (preflight refused a stopped one), never started here
+        inactive = active = []
     tracked.append(command(name="enable and start the GPU services", _if=lambda: bool(inactive),
                            argv=" && ".join(f"( {start_or_explain(u, 'enable --now')} )" for u in inactive) or "true"))
     tracked.append(command(name="restart the running GPU services whose packages changed",

@@ -315,8 +315,19 @@ def persistenced(argv: list[str]) -> int:
     return _daemonize("/run/nvidia-persistenced/nvidia-persistenced.pid")
 
 
+def _own_version(package: str) -> str:
+    """The version a daemon double's package shipped: ``LIB/<package>/version``, or before
+    branch 580 the branch-named package's (``nvidia-fabricmanager-570``)."""
+    named = sorted(d for d in (os.listdir(LIB) if os.path.isdir(LIB) else ()) if d.startswith(package + "-"))
+    for name in [package, *named]:
+        text = read_text(_join(LIB, name, "version"))
+        if text:
+            return text
+    return "unknown"
+
+
 def fabricmanager(argv: list[str]) -> int:
-    own = read_text(_join(LIB, "nvidia-fabricmanager", "version")) or "unknown"
+    own = _own_version("nvidia-fabricmanager")
     loaded = read_text(NV_MODULE)
     hw = hardware("nvidia")
     if loaded is None or hw is None:
@@ -336,7 +347,7 @@ def fabricmanager(argv: list[str]) -> int:
 
 
 def imex(argv: list[str]) -> int:
-    own = read_text(_join(LIB, "nvidia-imex", "version")) or "unknown"
+    own = _own_version("nvidia-imex")
     error = _module_matches(own, "nvidia-imex")
     if error:
         print(error, file=sys.stderr)
