@@ -36,7 +36,7 @@ case "${1:-}" in
   test)
     setup
     shift
-    python -m pytest -q -p no:cacheprovider "$@"
+    python -m pytest -q -p no:cacheprovider --durations=30 "$@"
     ;;
   *)
     echo "usage: $0 demo|test" >&2
