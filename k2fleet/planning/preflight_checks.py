@@ -79,7 +79,8 @@ def check_host(dep: Deployment, entry: HostEntry, report: HostReport, checkpoint
     nic = entry.settings.nic
     if nic and nic not in report.nics:
         problems.append(f"k2_nic {nic} does not exist (NICs: {', '.join(sorted(report.nics))})")
-    problems += check_fabric(entry, report, sandbox=s.simulated_gpus)
+    if serves_gpus:  # a router's or SLURM submit host's k2_ib_hcas (set fleet-wide) carry no NCCL/NVSHMEM traffic
+        problems += check_fabric(entry, report, sandbox=s.simulated_gpus)
     problems += check_fleet_address(entry, report.nics)
     return problems
 
