@@ -156,8 +156,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         sys.stdout.write(format_fetcher(dep, plan))
         sys.stdout.write(format_profile(dep))
         sys.stdout.write(format_firewall(dep, plan))  # every port with who may reach it
-        sys.stdout.write(format_network(dep, plan))  # every place each host fetches from, its ports in and out
         sys.stdout.write(format_fabric(dep))  # the RDMA fabric: packages, GPUDirect, devices, env, fabric gate
+        sys.stdout.write(format_network(dep, plan))  # every place each host fetches from, its ports in and out
     return 0
 
 

@@ -4,7 +4,6 @@ k2_model = "moonshotai/Kimi-K2-Thinking"
 k2_revision = "a51ccc050d73dab088bf7b0e2dd9b30ae85a4e55"
 k2_engine = "sglang"
 k2_gpu = "h200"
-k2_os = "ubuntu-24.04"
 k2_runtime = "container"
 k2_image = "lmsysorg/sglang:v0.5.23"
 k2_tp = 32
