@@ -144,6 +144,8 @@ def format_fetcher(dep: Deployment, plan: Plan) -> str:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from k2fleet.planning.fabric_plan import format_fabric
+
     dep, plan = load_plan(args.inventory, args.data)
     if args.json:
         sys.stdout.write(json.dumps(plan_document(dep, plan)))  # one line: the C encoder (indent is pure Python: 2.4 s of 1,024 hosts)
@@ -155,6 +157,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         sys.stdout.write(format_fetcher(dep, plan))
         sys.stdout.write(format_profile(dep))
         sys.stdout.write(format_firewall(dep, plan))  # every port with who may reach it
+        sys.stdout.write(format_fabric(dep))  # the RDMA fabric: packages, GPUDirect, devices, env, fabric gate
         sys.stdout.write(format_network(dep, plan))  # every place each host fetches from, its ports in and out
         sys.stdout.write(privileged_ports.format_section(dep, plan))  # ports no local user may bind
     return 0

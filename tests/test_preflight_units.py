@@ -12,12 +12,14 @@ from k2fleet.planning.units import env_file, unit_file
 from tests.inventory_factory import write_inventory
 
 GIB = 1024**3
+ACTIVE_PORT = {"state": "4: ACTIVE", "phys_state": "5: LinkUp", "link_layer": "InfiniBand", "rate": "400 Gb/sec (4X NDR)"}
 H200 = Gpus("nvidia", tuple(["NVIDIA H200"] * 8), tuple([143771] * 8), "570.148.08")
 
 
 def report(**kw) -> HostReport:
     base = dict(gpus=H200, disk_free=2000 * GIB, mem_total=1024 * GIB, shm_size=512 * GIB,
-                nics={"lo": ["127.0.0.1"], "ens10f0np0": ["192.0.2.10"]}, ib_hcas=("mlx5_0",))
+                nics={"lo": ["127.0.0.1"], "ens10f0np0": ["192.0.2.10"]}, ib_hcas=("mlx5_0",),
+                ib_ports={"mlx5_0": {"1": ACTIVE_PORT}})
     return HostReport(**(base | kw))
 
 

@@ -60,6 +60,7 @@ DP_EP = REPO / "inventories" / "h200-dp-ep.py"
 ENGINE_FLAG = 'k2_engine_args={"max-num-seqs": 64}'
 
 # --------------------------------------------------------------------------- desired state + fact
+ACTIVE_PORT = {"state": "4: ACTIVE", "phys_state": "5: LinkUp", "link_layer": "InfiniBand", "rate": "400 Gb/sec (4X NDR)"}
 
 
 def artifacts(dep: Deployment, plan: Plan) -> ControlArtifacts:
@@ -104,7 +105,8 @@ def settled(dep: Deployment, d: HostDesired) -> HostReport:
         "gpus": {"vendor": "nvidia", "names": ["NVIDIA H200"] * dep.gpus_per_node,
                  "memory_mib": [143771] * dep.gpus_per_node, "driver": "570.86.15"},
         "disk_free": 4 * 10**12, "mem_total": 2 * 2**40, "shm_size": 64 * 2**30,
-        "nics": {"lo": ["127.0.0.1"], nic: [d.address]}, "ib_hcas": list(entry.settings.ib_hcas),
+        "nics": {"lo": ["127.0.0.1"], nic: [d.address]}, "ib_hcas": sorted({h.partition(":")[0] for h in entry.settings.ib_hcas}),
+        "ib_ports": {h.partition(":")[0]: {"1": ACTIVE_PORT} for h in entry.settings.ib_hcas},
         "files": digests(d),
         "exists": {p: True for p in d.exists},
         "globs": {UNIT_GLOB: sorted(f"/etc/systemd/system/{u}" for u in d.units)},

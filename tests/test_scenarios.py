@@ -18,6 +18,7 @@ SCENARIOS = [
     "h200", "h200-dcp", "h800-pp", "h200-dp-ep", "h200-sglang-tp16", "h200-sglang-pd",
     "b200-trtllm", "h200-trtllm-mpi", "gb200-trtllm-disagg", "ktransformers", "mi300x",
     "h200-k2-0905", "h200-k25", "h200-k26", "h200-k3-sglang",  # issue #25's models
+    "h200-sglang-dpa-ep",  # issue #34: DP attention + EP over 4 nodes, RDMA
 ]
 
 
@@ -273,3 +274,37 @@ def test_issue_25_models_render_their_parsers_and_notes() -> None:
     doc = plan_json("h200-k2-0905")
     argv = services(doc, "h200-0")["k2-vllm"]["argv"]
     assert flag(argv, "--tool-call-parser") == "kimi_k2" and "--reasoning-parser" not in argv
+
+
+def test_sglang_dp_attention_ep_over_rdma() -> None:
+    """4 × 8 H200, one SGLang DP-attention + DeepEP instance: the containers get the verbs
+    devices and IPC_LOCK, the engines NCCL's and NVSHMEM's HCAs, and the plan shows the RDMA
+    packages, GPUDirect RDMA and the fabric gate."""
+    doc = plan_json("h200-sglang-dpa-ep")
+    hcas = ",".join(f"mlx5_{i}" for i in range(8))
+    for rank in range(4):
+        svc = services(doc, f"h200-{rank}")["k2-sglang"]
+        argv = svc["argv"]
+        assert flag(argv, "--moe-a2a-backend") == "deepep" and flag(argv, "--node-rank") == str(rank)
+        assert flag(argv, "--device") == "/dev/infiniband" and flag(argv, "--cap-add") == "IPC_LOCK"
+        assert "memlock=-1" in argv
+        assert svc["env"]["NCCL_IB_HCA"] == svc["env"]["NVSHMEM_HCA_LIST"] == hcas
+        assert svc["env"]["NCCL_SOCKET_IFNAME"] == svc["env"]["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"] == "ens10f0np0"
+        assert "NVSHMEM_IB_ENABLE_IBGDA" not in svc["env"]  # DeepEP's Buffer sets it itself
+        packages = {p["name"] for p in doc["hosts"][f"h200-{rank}"]["desired"]["bootstrap"]["packages"]}
+        assert {"rdma-core", "ibverbs-utils", "infiniband-diags", "perftest"} <= packages
+    text = subprocess.run([sys.executable, "-m", "k2fleet.cli", "plan", str(INV / "h200-sglang-dpa-ep.py")],
+                          check=True, capture_output=True, text=True, cwd=ROOT).stdout
+    section = text[text.index("== RDMA fabric"):]
+    for words in ("rdma-core, ibverbs-utils, infiniband-diags, perftest", "GPUDirect RDMA: dma-buf",
+                  "PeerMappingOverride=1", "GDRCopy", "--device /dev/infiniband --cap-add IPC_LOCK --ulimit memlock=-1",
+                  f"NCCL_IB_HCA={hcas}", "fabric gate (preflight, before any change or engine start)",
+                  "link layer InfiniBand, >= 400 Gb/s"):
+        assert words in section, (words, section)
+
+
+def test_rdma_without_hcas_adds_nothing() -> None:
+    doc = plan_json("h200-sglang-tp16")
+    argv = services(doc, "h200-0")["k2-sglang"]["argv"]
+    assert "IPC_LOCK" not in argv and "/dev/infiniband" not in argv
+    assert not any(k.startswith(("NCCL_IB", "NVSHMEM")) for k in services(doc, "h200-0")["k2-sglang"]["env"])

@@ -4,7 +4,8 @@ This file is run ON THE HOST by the :class:`k2fleet.deploy.facts.HostState` fact
 host archive when the host's copy is the pinned one, else from its source carried in the
 fact's command (a bare host), so it is standard-library only and imports nothing from
 k2fleet. Input: one JSON document (argv[1]) naming what to look at; output: one JSON
-document with hardware facts (GPUs, driver, disk, RAM, /dev/shm, NICs, IB HCAs) and the
+document with hardware facts (GPUs, driver, disk, RAM, /dev/shm, NICs, RDMA devices and their
+ports: :func:`ib_ports`) and the
 state of the files, units, packages and health endpoints the deploy manages, plus what
 the bootstrap decides on (OS release, kernel, Secure Boot, the GPUs on the PCI bus, the
 loaded kernel module's version, installed package versions and holds).
@@ -639,11 +640,64 @@ def netlink_attributes(data: bytes) -> dict:
     return found
 
 
-def ib_hcas() -> list:
+IB_SYSFS = "/sys/class/infiniband"  # Documentation/ABI/stable/sysfs-class-infiniband (the kernel's)
+SIMULATED_IB = "/etc/k2fleet-doubles/infiniband"  # a sandbox host's TEST DOUBLE of that tree (k2sandbox.fabric_doubles)
+ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
+IB_MAX_NAME = 64
+IB_MAX_DEVICES = 64  # ports read of at most this many RDMA devices (a host has ~10)
+
+
+def ib_root() -> tuple:
+    """(the RDMA devices' sysfs directory, simulated): the sandbox's TEST DOUBLE tree where it
+    exists (the preflight refuses it outside a sandbox inventory), else the kernel's."""
+    return (SIMULATED_IB, True) if os.path.isdir(SIMULATED_IB) else (IB_SYSFS, False)
+
+
+def _listdir(path: str) -> list:
     try:
-        return sorted(os.listdir("/sys/class/infiniband"))
+        return sorted(n for n in os.listdir(path) if len(n) <= IB_MAX_NAME)
     except OSError:
         return []
+
+
+def ib_hcas(root: str | None = None) -> list:
+    return _listdir(root if root is not None else ib_root()[0])
+
+
+def ib_port(path: str) -> dict:
+    """One port of an RDMA device (``<root>/<dev>/ports/<n>``), as ``ibstat``/``ibv_devinfo`` see
+    it: ``state`` ("4: ACTIVE"), ``phys_state`` ("5: LinkUp"), ``link_layer`` (InfiniBand or
+    Ethernet), ``rate`` ("400 Gb/sec (4X NDR)"); on an Ethernet (RoCE) port also ``gids``:
+    index → [GID, type ("RoCE v2", "IB/RoCE v1"), netdev] of every non-zero GID (an IB port's
+    GID table is not read: the gate needs none there). Read-only; a file that cannot be read is
+    left out."""
+    port = {}
+    for name in ("state", "phys_state", "link_layer", "rate"):
+        value = _read(f"{path}/{name}")
+        if value is not None:
+            port[name] = value[:IB_MAX_NAME]
+    if port.get("link_layer") == "Ethernet":
+        gids = {}
+        for index in _listdir(f"{path}/gids"):
+            gid = _read(f"{path}/gids/{index}")
+            if index.isdigit() and gid and gid != ZERO_GID:
+                gids[index] = [gid[:IB_MAX_NAME], (_read(f"{path}/gid_attrs/types/{index}") or "")[:IB_MAX_NAME],
+                               (_read(f"{path}/gid_attrs/ndevs/{index}") or "")[:IB_MAX_NAME]]
+        port["gids"] = gids
+    return port
+
+
+def ib_ports(devices: list, root: str | None = None) -> dict:
+    """Device → port number → :func:`ib_port`, for each of ``devices`` present under ``root``
+    (default :func:`ib_root`): what the preflight's fabric gate decides on
+    (:func:`k2fleet.planning.preflight_checks.check_fabric`)."""
+    root = root if root is not None else ib_root()[0]
+    found = {}
+    for dev in devices:
+        if "/" in dev or dev in (".", "..") or not os.path.isdir(f"{root}/{dev}"):
+            continue
+        found[dev] = {n: ib_port(f"{root}/{dev}/ports/{n}") for n in _listdir(f"{root}/{dev}/ports") if n.isdigit()}
+    return found
 
 
 def sha256_of(path: str) -> str | None:
@@ -1297,12 +1351,16 @@ def main(argv: list | None = None) -> int:
         running = start_checks(checks, smi, dpkg, systemd)  # they run while the rest is read
     finally:
         smi.prove_by(proof, running)
+    ib_dir, ib_simulated = ib_root()
+    ib_devices = ib_hcas(ib_dir)
     report = {
         "disk_free": disk_free(query.get("disk_path", "/")),
         "mem_total": mem_total(),
         "shm_size": shm_size(),
         "nics": nics(),
-        "ib_hcas": ib_hcas(),
+        "ib_hcas": ib_devices,
+        "ib_ports": ib_ports(ib_devices[:IB_MAX_DEVICES], ib_dir),
+        "ib_simulated": ib_simulated,
         "files": {p: sha256_of(p) for p in query.get("files", [])},
         "exists": {p: os.path.exists(p) for p in query.get("exists", [])},
         "globs": {g: sorted(glob_list(g)) for g in query.get("globs", [])},

@@ -613,6 +613,7 @@ Port = Annotated[int, Strict(), Field(ge=1, le=65535)]
 PosInt = Annotated[int, Strict(), Field(ge=1)]
 NonNegInt = Annotated[int, Strict(), Field(ge=0)]
 DriverBranch = Annotated[int, Strict(), Field(ge=450, le=999)]
+IbGidIndex = Annotated[int, Strict(), Field(ge=0, le=255)]  # a port's GID table index (sysfs ports/N/gids/<k>)
 DriverVersion = Annotated[SafeStr, AfterValidator(_pattern(re.compile(r"[0-9]{3}\.[0-9]{1,3}(?:\.[0-9]{1,3})?"),
                                                            "an NVIDIA driver version like 580.95.05"))]
 Fraction = Annotated[float, AfterValidator(fraction)]
@@ -1314,6 +1315,18 @@ class HostSettings(BaseModel):
     nic: IfName | None = _key(HOST, "Interface for NCCL/Gloo sockets (`NCCL_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME`).", default=None)
     ib_hcas: IbHcas = _key(HOST, "InfiniBand HCAs (`NCCL_IB_HCA`, SGLang `--disaggregation-ib-device`), each once.",
                            default_factory=list)
+    # --- the RDMA fabric (issue 34 item 2): what the preflight's fabric gate expects of each k2_ib_hcas port ---
+    ib_link_layer: Literal["InfiniBand", "Ethernet"] | None = _key(
+        HOST, "Link layer every `k2_ib_hcas` port must have (sysfs `ports/N/link_layer`: `InfiniBand`, or "
+        "`Ethernet` for RoCE); unset: either. An Ethernet (RoCE) port always needs a non-zero RoCE v2 GID.",
+        default=None)
+    ib_rate_gbps: PosInt | None = _key(
+        HOST, "Least rate in Gb/s every `k2_ib_hcas` port must run at (sysfs `ports/N/rate`, e.g. 400 for "
+        "`400 Gb/sec (4X NDR)`): a link trained down is refused before any engine starts; unset: any rate.",
+        default=None)
+    ib_gid_index: IbGidIndex | None = _key(
+        HOST, "RoCE GID index (`NCCL_IB_GID_INDEX`, `NVSHMEM_IB_GID_INDEX`): the gate needs a non-zero RoCE v2 "
+        "GID there on every Ethernet port; unset: NCCL and NVSHMEM pick one themselves.", default=None)
 
 
 def scope_of(name: str) -> str:

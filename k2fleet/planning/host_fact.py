@@ -66,6 +66,9 @@ class HostReport:
     shm_size: int
     nics: dict[str, list[str]]
     ib_hcas: tuple[str, ...]
+    # RDMA device → port number → state, phys_state, link_layer, rate, (RoCE) gids: index → [gid, type, netdev]
+    ib_ports: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    ib_simulated: bool = False  # read from the sandbox's TEST DOUBLE tree (/etc/k2fleet-doubles/infiniband)
     files: dict[str, str | None] = field(default_factory=dict)
     exists: dict[str, bool] = field(default_factory=dict)
     globs: dict[str, list[str]] = field(default_factory=dict)
@@ -84,6 +87,8 @@ class HostReport:
             shm_size=data["shm_size"],
             nics=data["nics"],
             ib_hcas=tuple(data["ib_hcas"]),
+            ib_ports=data.get("ib_ports", {}),
+            ib_simulated=bool(data.get("ib_simulated")),
             files=data.get("files", {}),
             exists=data.get("exists", {}),
             globs=data.get("globs", {}),

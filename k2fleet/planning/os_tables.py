@@ -244,7 +244,7 @@ UBUNTU_2204 = OsTable(
                   "sbsa": ("linux-generic", "linux-image-generic", "linux-headers-generic")},
     kernel_headers="linux-headers-{kernel}",
     docker=("docker.io",),
-    rdma=("rdma-core", "ibverbs-utils", "infiniband-diags"),
+    rdma=("rdma-core", "ibverbs-utils", "infiniband-diags", "perftest"),
     amdgpu_repo=f"https://repo.radeon.com/amdgpu/{AMDGPU_RELEASE}/ubuntu jammy main",
 )
 UBUNTU_2404 = OsTable(
@@ -255,7 +255,7 @@ UBUNTU_2404 = OsTable(
     kernel_holds=UBUNTU_2204.kernel_holds,
     kernel_headers="linux-headers-{kernel}",
     docker=("docker.io",),
-    rdma=("rdma-core", "ibverbs-utils", "infiniband-diags"),
+    rdma=("rdma-core", "ibverbs-utils", "infiniband-diags", "perftest"),
     amdgpu_repo=f"https://repo.radeon.com/amdgpu/{AMDGPU_RELEASE}/ubuntu noble main",
 )
 DEBIAN_12 = OsTable(
@@ -274,7 +274,7 @@ DEBIAN_12 = OsTable(
                   "sbsa": ("linux-image-arm64", "linux-headers-arm64")},
     kernel_headers="linux-headers-{kernel}",
     docker=("docker.io",),
-    rdma=("rdma-core", "ibverbs-utils", "infiniband-diags"),
+    rdma=("rdma-core", "ibverbs-utils", "infiniband-diags", "perftest"),
     # AMD's Debian 12 instructions use the Ubuntu 22.04 (jammy) amdgpu packages (not verified for 7.x)
     amdgpu_repo=f"https://repo.radeon.com/amdgpu/{AMDGPU_RELEASE}/ubuntu jammy main",
 )
@@ -289,7 +289,7 @@ DEBIAN_13 = OsTable(
     kernel_holds=DEBIAN_12.kernel_holds,
     kernel_headers="linux-headers-{kernel}",
     docker=("docker.io",),
-    rdma=("rdma-core", "ibverbs-utils", "infiniband-diags"),
+    rdma=("rdma-core", "ibverbs-utils", "infiniband-diags", "perftest"),
     amdgpu_repo=f"https://repo.radeon.com/amdgpu/{AMDGPU_RELEASE}/ubuntu noble main",
 )
 RHEL_9 = OsTable(
@@ -310,7 +310,7 @@ RHEL_9 = OsTable(
     # from Docker's own repository rather than switching runtimes per OS.
     docker=("docker-ce", "docker-ce-cli", "containerd.io"),
     docker_repo="https://download.docker.com/linux/rhel/docker-ce.repo",
-    rdma=("rdma-core", "libibverbs-utils", "infiniband-diags"),
+    rdma=("rdma-core", "libibverbs-utils", "infiniband-diags", "perftest"),
     hold_tool=("python3-dnf-plugin-versionlock",),
     amdgpu_repo=f"https://repo.radeon.com/amdgpu/{AMDGPU_RELEASE}/el/9.6/main/x86_64/",
 )
@@ -585,3 +585,46 @@ def imex_addresses(fleet: Fleet) -> list[str]:
                             "network", fleet.source) from None
         out.append(addr)
     return out
+
+
+# --------------------------------------------------------------------------- GPUDirect RDMA (issue 34 item 2)
+# How the HCA reaches GPU memory, per kernel-module flavour and kernel, with its source:
+# [gpu-operator-rdma] NVIDIA GPU Operator, "GPUDirect RDMA and GPUDirect Storage"
+#   (docs.nvidia.com/datacenter/cloud-native/gpu-operator/latest/gpu-operator-rdma.html): "The kernel mode
+#   support is provided by one of two approaches: DMA-BUF from the Linux kernel or the legacy nvidia-peermem
+#   kernel module. NVIDIA recommends using the DMA-BUF"; DMA-BUF needs the open GPU kernel modules (driver
+#   R515 and later) and Linux 5.12 or later; nvidia-peermem ships with the driver since R470/CUDA 11.4
+#   ([gpu-operator 1.8] same page) and needs the HCA's peer-memory support (MLNX_OFED/DOCA, not inbox rdma-core).
+# [nccl-env] NCCL environment variables: NCCL_DMABUF_ENABLE (default 1 since NCCL 2.19) uses DMA-BUF when
+#   the kernel and driver support it; vLLM's Kimi-K3 recipe sets NCCL_DMABUF_ENABLE=0 on mlx5 for errno 524.
+# [deepep] deepseek-ai/DeepEP: deep_ep/buffer.py sets NVSHMEM_IB_ENABLE_IBGDA=1 and
+#   NVSHMEM_IBGDA_NIC_HANDLER=gpu itself when the buffer spans RDMA ranks; third-party/README.md "Enable
+#   NVSHMEM IBGDA support": either the driver option
+#   ``options nvidia NVreg_EnableStreamMemOPs=1 NVreg_RegistryDwords="PeerMappingOverride=1;"`` (then
+#   update-initramfs and reboot) or GDRCopy with its gdrdrv kernel module (CPU-assisted IBGDA).
+DMABUF_MIN_KERNEL = (5, 12)  # [gpu-operator-rdma]
+DMABUF_MIN_BRANCH = 515  # [gpu-operator-rdma]: the open kernel modules with DMA-BUF export
+OS_KERNEL = {  # each release's GA kernel (the distributions' own; not fetched here)
+    "ubuntu-22.04": (5, 15), "ubuntu-24.04": (6, 8), "debian-12": (6, 1), "rhel-9": (5, 14), "rocky-9": (5, 14)}
+GDRCOPY = "GDRCopy (gdrdrv kernel module, libgdrapi): NVIDIA's .debs/.rpms (developer.download.nvidia.com/compute/redist/gdrcopy/)"
+DEEPEP_IBGDA_DRIVER_OPTION = 'options nvidia NVreg_EnableStreamMemOPs=1 NVreg_RegistryDwords="PeerMappingOverride=1;"'
+
+
+def gpudirect_rdma(os_name: str, branch: int, open_modules: bool = True) -> tuple[str, str]:
+    """(mechanism, why) of GPUDirect RDMA on ``os_name`` with driver ``branch``: ``dma-buf``
+    (nothing to load: NCCL and NVSHMEM register GPU memory through the kernel) or
+    ``nvidia-peermem`` (the driver's module, ``modprobe nvidia-peermem``), per [gpu-operator-rdma].
+
+    >>> gpudirect_rdma("ubuntu-24.04", 580)
+    ('dma-buf', 'open kernel modules of branch 580 (>= 515) on kernel 6.8 (>= 5.12) [gpu-operator-rdma]')
+    >>> gpudirect_rdma("ubuntu-22.04", 570, open_modules=False)[0]
+    'nvidia-peermem'
+    """
+    kernel = OS_KERNEL.get(os_name, (0, 0))
+    shown = ".".join(map(str, kernel))
+    if open_modules and branch >= DMABUF_MIN_BRANCH and kernel >= DMABUF_MIN_KERNEL:
+        return "dma-buf", (f"open kernel modules of branch {branch} (>= {DMABUF_MIN_BRANCH}) on kernel {shown} "
+                           f"(>= {'.'.join(map(str, DMABUF_MIN_KERNEL))}) [gpu-operator-rdma]")
+    return "nvidia-peermem", (f"{'open' if open_modules else 'proprietary'} modules of branch {branch} on kernel "
+                              f"{shown}: DMA-BUF needs open modules >= {DMABUF_MIN_BRANCH} and kernel >= 5.12; "
+                              "load the driver's nvidia-peermem (needs MLNX_OFED/DOCA peer memory) [gpu-operator-rdma]")

@@ -2,7 +2,9 @@
 
 The deploy's preflight role gathers a :class:`HostReport` per host (one fact) and calls
 :func:`check_host`; any problem stops the deploy before the first change, naming the
-host and the reason.
+host and the reason. The fabric gate (:func:`check_fabric`) is one of them: every
+``k2_ib_hcas`` port present, ACTIVE, of the declared link layer and rate, with a RoCE v2
+GID on Ethernet, so no engine starts on a fleet whose RDMA fabric is down.
 """
 
 from __future__ import annotations
@@ -77,9 +79,8 @@ def check_host(dep: Deployment, entry: HostEntry, report: HostReport, checkpoint
     nic = entry.settings.nic
     if nic and nic not in report.nics:
         problems.append(f"k2_nic {nic} does not exist (NICs: {', '.join(sorted(report.nics))})")
-    missing = [h for h in entry.settings.ib_hcas if h not in report.ib_hcas]
-    if missing:
-        problems.append(f"IB HCAs {', '.join(missing)} not present (found: {', '.join(report.ib_hcas) or 'none'})")
+    if serves_gpus:  # a router's or SLURM submit host's k2_ib_hcas (set fleet-wide) carry no NCCL/NVSHMEM traffic
+        problems += check_fabric(entry, report, sandbox=s.simulated_gpus)
     problems += check_fleet_address(entry, report.nics)
     return problems
 
@@ -117,3 +118,105 @@ def check_fleet_address(entry: HostEntry, nics: dict[str, list[str]]) -> list[st
         return [f"fleet address {entry.address} is on {', '.join(on)}, not on k2_nic {nic} ({nic} has {has}); "
                 f"set k2_nic: {on[0]}, or k2_address to {nic}'s address"]
     return []
+
+
+IB_ACTIVE = "4: ACTIVE"  # the kernel's ports/N/state for IB_PORT_ACTIVE (drivers/infiniband/core/sysfs.c state_show)
+ROCE_V2 = "RoCE v2"  # ports/N/gid_attrs/types/K of a RoCE v2 GID (drivers/infiniband/core/cache.c gid_type_str)
+
+
+def _shown(text: object) -> str:
+    """A host-reported value fit for one line: printable ASCII, at most 40 characters."""
+    out = "".join(c if " " <= c <= "~" else "?" for c in str(text))
+    return out[:40] + ("..." if len(out) > 40 else "")
+
+
+def _port_order(number: str) -> tuple[int, str]:
+    return len(number), number  # numeric order of digit strings, and no error on anything else
+
+
+def rate_gbps(rate: str) -> float | None:
+    """Gb/s of a sysfs ``rate`` ("400 Gb/sec (4X NDR)", "2.5 Gb/sec (1X SDR)"; None: not one).
+
+    >>> rate_gbps("400 Gb/sec (4X NDR)"), rate_gbps("2.5 Gb/sec (1X SDR)"), rate_gbps("fast")
+    (400.0, 2.5, None)
+    """
+    head = rate.split(" ", 1)[0]
+    try:
+        return float(head) if rate[len(head):].startswith(" Gb/sec") else None
+    except ValueError:
+        return None
+
+
+def hca_ports(hca: str, found: dict[str, dict]) -> tuple[str, list[str]]:
+    """(device, the ports the gate checks) of one ``k2_ib_hcas`` entry: ``mlx5_0:1`` that port,
+    ``mlx5_0`` every port the device has (NCCL uses all of a device named without a port).
+
+    >>> hca_ports("mlx5_0:2", {}), hca_ports("mlx5_1", {"mlx5_1": {"2": {}, "1": {}}})
+    (('mlx5_0', ['2']), ('mlx5_1', ['1', '2']))
+    """
+    device, _, port = hca.partition(":")
+    if port:
+        return device, [str(int(port))]
+    return device, sorted((p for p in found.get(device, {}) if p.isdigit() and len(p) <= 3), key=_port_order)
+
+
+def port_problems(entry: HostEntry, device: str, number: str, port: dict) -> list[str]:
+    """What keeps one RDMA port (:func:`k2fleet.hostprogs.hoststate.ib_port`) from the
+    inventory's fabric (empty: it serves)."""
+    where = f"HCA {device} port {number}"
+    s = entry.settings
+    problems = []
+    state = port.get("state", "")
+    if state != IB_ACTIVE:
+        word = state.partition(": ")[2] or state or "unreadable"
+        physical = port.get("phys_state")
+        problems.append(f"{where} is {_shown(word)}" + (f" (physical state {_shown(physical)})" if physical else "")
+                        + ", needs ACTIVE: check the cable, the switch port and the subnet manager (ibstat)")
+    layer = port.get("link_layer", "")
+    if s.ib_link_layer and layer != s.ib_link_layer:
+        problems.append(f"{where} link layer is {_shown(layer or 'unreadable')}, k2_ib_link_layer is {s.ib_link_layer}")
+    rate = rate_gbps(port.get("rate", ""))
+    if s.ib_rate_gbps and (rate is None or rate < s.ib_rate_gbps):
+        problems.append(f"{where} runs at {_shown(port.get('rate') or 'an unreadable rate')}, below k2_ib_rate_gbps "
+                        f"{s.ib_rate_gbps}: a link trained down (cable, transceiver or switch port)")
+    if layer == "Ethernet":
+        gids = port.get("gids") or {}
+        v2 = sorted((int(k) for k, g in gids.items() if str(k).isdigit() and len(g) > 1 and g[1] == ROCE_V2))
+        if s.ib_gid_index is not None and s.ib_gid_index not in v2:
+            has = f"RoCE v2 GIDs at {', '.join(map(str, v2))}" if v2 else "no RoCE v2 GID"
+            problems.append(f"{where} (RoCE) has no RoCE v2 GID at k2_ib_gid_index {s.ib_gid_index} ({has})")
+        elif not v2:
+            problems.append(f"{where} (RoCE) has no RoCE v2 GID: give its netdev an IP address "
+                            "(NCCL and NVSHMEM cannot connect over RoCE without one)")
+    return problems
+
+
+def check_fabric(entry: HostEntry, report: HostReport, sandbox: bool = False) -> list[str]:
+    """The fabric gate: every ``k2_ib_hcas`` device present, each of its ports (or the one
+    named, ``HCA:PORT``) ACTIVE, of ``k2_ib_link_layer`` and at least ``k2_ib_rate_gbps``, and
+    an Ethernet (RoCE) port with a RoCE v2 GID (at ``k2_ib_gid_index`` when set); one line
+    per port that fails, naming HCA and port. ``sandbox``: the inventory is a sandbox's
+    (simulated GPUs), whose RDMA devices are the TEST DOUBLE tree; elsewhere that tree is refused."""
+    hcas = entry.settings.ib_hcas
+    if not hcas:
+        return []
+    if report.ib_simulated and not sandbox:
+        return ["the host's RDMA devices are TEST DOUBLES (/etc/k2fleet-doubles/infiniband): a sandbox host"]
+    missing = [h for h in hcas if h.partition(":")[0] not in report.ib_hcas]
+    problems = [f"IB HCAs {', '.join(missing)} not present (found: {', '.join(map(_shown, report.ib_hcas)) or 'none'})"] \
+        if missing else []
+    for hca in hcas:
+        device, numbers = hca_ports(hca, report.ib_ports)
+        if hca in missing:
+            continue
+        ports = report.ib_ports.get(device)
+        if not ports:
+            problems.append(f"HCA {device}: the probe read no port of it (/sys/class/infiniband/{device}/ports)")
+            continue
+        for number in numbers:
+            if number not in ports:
+                problems.append(f"HCA {device} port {number} does not exist (ports: "
+                                f"{', '.join(_shown(p) for p in sorted(ports, key=_port_order))})")
+            else:
+                problems += port_problems(entry, device, number, ports[number])
+    return problems
