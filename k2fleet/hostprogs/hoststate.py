@@ -1268,7 +1268,7 @@ def nvidia_problems(want: dict, smi=None, dpkg=None) -> list:
     if major < want["minimum"]:
         problems.append(f"driver {driver} is older than the minimum branch {want['minimum']}")
     least = want.get("minimum_version")
-    if least and _version_key(driver) < _version_key(least):
+    if least and version_key(driver) < version_key(least):
         problems.append(f"driver {driver} is older than {least}, the oldest the engine's CUDA build runs on")
     if want.get("version") and driver != want["version"]:
         problems.append(f"driver {driver}, the plan pins {want['version']}")
@@ -1288,10 +1288,11 @@ def nvidia_problems(want: dict, smi=None, dpkg=None) -> list:
     return problems
 
 
-def _version_key(version: str) -> tuple:
-    """``580.65.06`` → (580, 65, 6), for ordering driver versions.
+def version_key(version: str) -> tuple:
+    """``580.65.06`` → (580, 65, 6), for ordering driver versions (the planning tables use it too:
+    :func:`k2fleet.planning.os_tables.version_key`).
 
-    >>> _version_key("580.65.06") < _version_key("580.95.05"), _version_key("")
+    >>> version_key("580.65.06") < version_key("580.95.05"), version_key("")
     (True, (0,))
     """
     out = []

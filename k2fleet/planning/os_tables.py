@@ -71,6 +71,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
+from k2fleet.hostprogs.hoststate import version_key  # one ordering of driver versions, host and plan (re-exported)
 from k2fleet.planning import catalog
 from k2fleet.inventory.spec import Fleet, HostEntry, SpecError
 
@@ -453,23 +454,6 @@ def minimum_branch(engine: str, version: str, gpu: str) -> tuple[int, str, str]:
     if cd.branch >= needs.min_branch:
         return cd.branch, f"{engine} {version} is built with CUDA {ec.cuda} (driver {cd.version} or newer)", ec.cuda
     return needs.min_branch, f"{gpu} needs driver branch {needs.min_branch} or newer", ec.cuda
-
-
-def version_key(version: str) -> tuple[int, ...]:
-    """A driver version as numbers, for ordering (``580.65.06`` < ``580.95.05``).
-
-    >>> version_key("580.65.06") < version_key("580.95.05") < version_key("590")
-    True
-    """
-    out = []
-    for part in version.split("."):
-        digits = ""
-        for c in part:
-            if not c.isdigit():
-                break
-            digits += c
-        out.append(int(digits or 0))
-    return tuple(out)
 
 
 def minimum_driver_version(cuda: str, min_branch: int) -> str:
