@@ -301,12 +301,29 @@ def sandbox_data(dep: Deployment, checkpoint: Path, size: int, gguf: Path | None
     return data
 
 
+HUB_PLACEHOLDER = "http://hub-test-double.invalid"  # replaced by the double's URL once the bridge is up
+
+
+def fetcher_rehearsable(dep: Deployment, through_bastion: bool) -> bool:
+    """A named ``k2_checkpoint_fetcher`` host rehearses as written — it downloads from a Hub TEST
+    DOUBLE on the sandbox bridge, pinned like a real one — unless the fleet is behind a bastion
+    (its hosts reach only the company network) or it needs GGUF weights (the double serves one repo)."""
+    return dep.s.checkpoint_fetcher not in ("control", "auto") and not through_bastion and not dep.s.gguf_repo
+
+
+def fetcher_data(dep: Deployment) -> dict[str, Any]:
+    """The overlay keeping a fetcher host: the Hub source, the double's endpoint (set once it runs)."""
+    return {"k2_checkpoint_source": "hub", "k2_hub_endpoint": HUB_PLACEHOLDER,
+            "k2_checkpoint_fetcher": dep.s.checkpoint_fetcher}
+
+
 # why a rehearsal changes a fleet-wide value (#34: each change is named in its first lines)
 CHANGE_REASONS = {
     "k2_os": "the sandbox hosts' OS",
     "k2_simulated_gpus": "sandbox hosts have no GPUs",
     "k2_engine_doubles": "the engine TEST DOUBLES serve",
     "k2_checkpoint_source": "a synthetic rehearsal checkpoint, no Hub",
+    "k2_hub_endpoint": "the Hub TEST DOUBLE on the sandbox bridge serves the synthetic checkpoint",
     "k2_gguf_source": "a synthetic rehearsal GGUF, no Hub",
     "k2_checkpoint_bytes": "the rehearsal checkpoint's size",
     "k2_package_source": "packages from the offline bundle: sandbox hosts have no route out",
@@ -701,6 +718,8 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         checkpoint, size = rehearsal_checkpoint(dep.s.model, dep.s.revision)
         gguf = rehearsal_gguf(dep.s.gguf_repo, str(dep.s.gguf_revision), dep.s.gguf_pattern) if dep.s.gguf_repo else None
         fleet_data = sandbox_data(dep, checkpoint, size, gguf)
+        if fetcher_rehearsable(dep, bool(hop)):
+            fleet_data = {**fleet_data, **fetcher_data(dep)}
     else:
         from k2fleet.control.airgap import checkpoint_rel
 
@@ -711,6 +730,7 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
     work = Path(tempfile.mkdtemp(prefix="k2rehearse-"))
     booted = False
     company: company_network.CompanyNetwork | None = None
+    hub = None  # the Hub TEST DOUBLE a fetcher host downloads from (fetcher_data)
     waiting = time.monotonic()
     lock = sandbox.hold_sandbox_lock()  # one sandbox user at a time; released at exit
     waited = time.monotonic() - waiting
@@ -758,6 +778,14 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
             known_hosts = prepare_connections(names, sb_hosts, kept, work)
             conn = connection_overlay(names, sb_hosts, kept, known_hosts)
         generated.write_text(generated_inventory(str(inventory), groups, conn))
+        if fleet_data.get("k2_hub_endpoint") == HUB_PLACEHOLDER:  # the fetcher host's Hub: on the bridge, now up
+            from k2sandbox.hub_double import HubDouble
+
+            hub = HubDouble(host=sandbox.BRIDGE_ADDRESS).start()
+            hub.add_commit(dep.s.model, checkpoint, sha=dep.s.revision)
+            fleet_data = {**fleet_data, "k2_hub_endpoint": hub.url}
+            say(f"rehearse {inventory}: the Hub TEST DOUBLE at {hub.url} serves {dep.s.model}@{dep.s.revision[:12]} "
+                f"(the synthetic checkpoint); {dep.s.checkpoint_fetcher} downloads it, pinned by the control machine")
         overlay = {**fleet_data, **slurm_overlay}
         netns = sandbox.offline_control_netns() if offline else []
         if offline:
@@ -873,6 +901,8 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         say(f"rehearsal {inventory}: failed: {summary}")
         return 1
     finally:
+        if hub is not None:
+            hub.stop()
         if company is not None and not keep:  # kept: its resolver stays up with the hosts (sandbox down ends it)
             company.close()
         if not keep:

@@ -190,6 +190,26 @@ def test_bad_inventory_is_refused_before_anything_boots() -> None:
 
 @pytest.mark.sandbox
 @needs_root
+def test_rehearse_a_fetcher_host_pinned() -> None:
+    """#33: ``k2_checkpoint_fetcher: h200-1`` rehearses as written: h200-1 downloads from a Hub
+    TEST DOUBLE on the sandbox bridge and feeds h200-0; the control machine pinned the manifest
+    from the double's metadata, so every host's checkpoint gate names that digest."""
+    def pinned(proc: subprocess.CompletedProcess) -> None:
+        digests = set()
+        for host in sandbox.load_hosts():
+            pre = sandbox.ssh(host, "systemctl show -p ExecStartPre --value k2-vllm.service").stdout
+            found = re.findall(r"--manifest-digest ([0-9a-f]{64})", pre)
+            assert found, pre[-2000:]
+            digests.update(found)
+        assert len(digests) == 1, digests  # one pin for the whole fleet
+
+    proc = rehearse_kept("inventories/h200.py", 2, "--data", "k2_checkpoint_fetcher=h200-1", check=pinned)
+    assert "the Hub TEST DOUBLE at http://10.213.0.1:" in proc.stdout and "h200-1 downloads it" in proc.stdout
+    assert "-> control" not in proc.stdout  # the fetcher host is kept
+
+
+@pytest.mark.sandbox
+@needs_root
 def test_rehearse_h200() -> None:
     """As written, and (#22) the way the inventory goes in — here a user with sudo on port
     2222 (only the address and key are the sandbox's): the sandbox hosts' sshd logs show that
