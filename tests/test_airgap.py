@@ -26,6 +26,7 @@ from k2fleet.control import airgap
 from k2sandbox import engine_double_wheel as engine_wheel, nspawn as sandbox
 from k2fleet.cli import load_plan
 from k2fleet.control import ControlError
+from k2fleet.control.checkpoint_copy import manifest_pins
 from k2fleet.control.artifacts import prepare_control_artifacts, read_control_artifacts
 from k2fleet.control.stand_ins import engine_doubles_for
 from k2fleet.planning.relay_plan import RELAY_SECRET
@@ -252,6 +253,7 @@ def managed_files(inventory: str, bundle: Path) -> dict[str, dict[str, str]]:
     sb_hosts = sandbox.load_hosts()
     conn = connection_overlay([n for n, _, _ in hosts], sb_hosts)
     dep, plan = check_hosts(inventory, [(n, {**d, **conn[n], **overlay}, g) for n, d, g in hosts])
+    dep = dep.pinned(manifest_pins(dep, fetch=False))  # the bundle's checkpoint manifest: the deploy's pin
     desired = desired_state(dep, plan, read_control_artifacts(dep, plan))  # the bundle's artifacts, verified
     found: dict[str, dict[str, str]] = {}
     for (name, _, _), sb in zip(hosts, sb_hosts):
