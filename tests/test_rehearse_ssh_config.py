@@ -120,7 +120,8 @@ def test_a_failing_control_step_is_one_line_not_a_traceback(monkeypatch, capsys,
 
     from k2fleet.cli import load_plan
 
-    dep, plan = load_plan(write_inventory(tmp_path, hosts=1))
+    # the control machine fetches (the fetcher is not asked of hosts: this State has no inventory)
+    dep, plan = load_plan(write_inventory(tmp_path, hosts=1, k2_checkpoint_fetcher="control"))
 
     def fails(*args, **kwargs):
         raise deb_bundles.BundleError("command failed (100): apt-get download -q haproxy prometheus-node-exporter\n"
@@ -129,6 +130,7 @@ def test_a_failing_control_step_is_one_line_not_a_traceback(monkeypatch, capsys,
                                       "'deb.debian.org'\n")
 
     monkeypatch.setattr(fleet_run, "prepare_control_artifacts", fails)
+    monkeypatch.setattr(fleet_run, "manifest_pins", lambda dep, fetch: {})  # no Hub here: the pin is not this test's
     monkeypatch.setenv("K2FLEET_STATE_DIR", str(tmp_path / "state"))
 
     class State:
