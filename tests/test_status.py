@@ -17,6 +17,7 @@ import pytest
 
 from k2fleet import cli
 from k2fleet.control import artifacts as control_artifacts
+from k2fleet.control import checkpoint_copy
 from k2fleet.deploy import status as gathering
 from k2fleet.planning.deployment import CHECKPOINT_CHECK
 from k2fleet.planning.desired import HEALTH_CHECK, FileSpec, HostDesired
@@ -156,6 +157,8 @@ def seam(monkeypatch: pytest.MonkeyPatch, fleet: Any) -> dict[str, Any]:
 
     monkeypatch.setattr(gathering, "gather_facts", gather)
     monkeypatch.setattr(control_artifacts, "read_control_artifacts", lambda dep, plan: artifacts(dep, plan))
+    # the fixture's desired state holds no manifest pin: so does the command's (whatever this machine's cache holds)
+    monkeypatch.setattr(checkpoint_copy, "manifest_pins", lambda dep, fetch: {})
     return got
 
 

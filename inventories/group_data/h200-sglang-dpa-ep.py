@@ -10,7 +10,10 @@ k2_tp = 32
 k2_dp = 32
 k2_ep = 32
 k2_attn_dp = True
-# SGLang's own mem_fraction_static is low under DP attention: a context its KV cache holds
+# SGLang's own mem_fraction_static is low under DP attention (its CUDA-graph reserve grows with the
+# DP size): set it as Moonshot's deploy guidance does for TP32 DP32 (--mem-fraction-static 0.85, seed
+# 001's 4-node prefill), and a context its KV cache holds under every profile
+k2_gpu_memory_utilization = 0.85
 k2_max_model_len = 32768
 k2_dist_init_port = 50000
 k2_nic = "ens10f0np0"
