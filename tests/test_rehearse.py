@@ -57,31 +57,36 @@ def served_model(base: str) -> str:
         return inside.stdout.strip()
 
 
+def check_serving(proc: subprocess.CompletedProcess, inventory: str, endpoints: int) -> None:
+    """A kept rehearsal (``--keep``) as the TEST sees the fleet itself, from the control machine,
+    rather than taking "healthy" from the command's own last line: every endpoint the rehearsal
+    reported ``ok`` answers ``GET /v1/models`` with the served model, and the main endpoint answers
+    a real chat completion with a non-empty message."""
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert last_line(proc) == f"rehearsal {inventory}: {endpoints}/{endpoints} endpoints healthy, re-run 0 changes"
+    ok = re.findall(r"^  ok   \S+ \S+: (http://\S+/v1)$", proc.stdout, re.M)
+    assert len(ok) == endpoints, proc.stdout
+    main = re.search(r"^endpoint: (http://\S+/v1)$", proc.stdout, re.M)
+    model = re.search(r"^try: curl .* -d '(\{.*\})'$", proc.stdout, re.M)
+    assert main and model, proc.stdout
+    name = json.loads(model.group(1))["model"]
+    for base in ok:
+        assert served_model(base), f"{base}/models lists no model"
+    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 32}).encode()
+    request = urllib.request.Request(f"{main.group(1)}/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        message = json.load(answer)["choices"][0]["message"]
+    assert (message.get("content") or message.get("reasoning") or message.get("reasoning_content") or "").strip()
+
+
 def rehearse_kept(inventory: str, endpoints: int, *args: str, check=None) -> subprocess.CompletedProcess:
-    """``k2fleet rehearse INVENTORY --keep``; then the TEST calls the fleet itself, from the
-    control machine, rather than taking "healthy" from the command's own last line: every
-    endpoint the rehearsal reported ``ok`` answers ``GET /v1/models`` with the served model,
-    and the main endpoint answers a real chat completion with a non-empty message. The
-    sandbox is brought down afterwards (``k2fleet sandbox down``) and must be down."""
+    """``k2fleet rehearse INVENTORY --keep``, :func:`check_serving`, then ``check(proc)`` on the kept
+    fleet. The sandbox is brought down afterwards (``k2fleet sandbox down``) and must be down."""
     proc, seconds = rehearse(inventory, "--keep", *args)
     print(f"rehearse {inventory}: {seconds:.0f}s")
     try:
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert last_line(proc) == f"rehearsal {inventory}: {endpoints}/{endpoints} endpoints healthy, re-run 0 changes"
-        ok = re.findall(r"^  ok   \S+ \S+: (http://\S+/v1)$", proc.stdout, re.M)
-        assert len(ok) == endpoints, proc.stdout
-        main = re.search(r"^endpoint: (http://\S+/v1)$", proc.stdout, re.M)
-        model = re.search(r"^try: curl .* -d '(\{.*\})'$", proc.stdout, re.M)
-        assert main and model, proc.stdout
-        name = json.loads(model.group(1))["model"]
-        for base in ok:
-            assert served_model(base), f"{base}/models lists no model"
-        body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 32}).encode()
-        request = urllib.request.Request(f"{main.group(1)}/chat/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as answer:
-            message = json.load(answer)["choices"][0]["message"]
-        assert (message.get("content") or message.get("reasoning") or message.get("reasoning_content") or "").strip()
+        check_serving(proc, inventory, endpoints)
         if check is not None:
             check(proc)
     finally:
@@ -230,15 +235,10 @@ def test_rehearse_h200() -> None:
 
 @pytest.mark.sandbox
 @needs_root
-def test_rehearse_h200_dp_ep() -> None:
-    proc = rehearse_kept("inventories/h200-dp-ep.py", 1)
-    assert '"model": "kimi-k2"' in proc.stdout  # k2_served_model_name, what clients send
-
-
-@pytest.mark.sandbox
-@needs_root
-@pytest.mark.parametrize("inventory, endpoints", [("inventories/h200-dcp.py", 2), ("inventories/h200-sglang-tp16.py", 1),
-                                                  ("inventories/h200-sglang-pd.py", 3),
+@pytest.mark.parametrize("inventory, endpoints", [("inventories/h200-dcp.py", 2),
+                                                  # h200-dp-ep, h200-sglang-tp16, h200-sglang-pd and
+                                                  # h200-trtllm-mpi: rehearsed as written, and called, by
+                                                  # tests/test_rehearse_restart.py (one rehearsal each)
                                                   # the newer Kimi models (issue #25): K2.5/K2.6 with vLLM's
                                                   # --mm-encoder-tp-mode data, K2-Instruct-0905 over TP8xPP2,
                                                   # K3 on SGLang TP16 over two nodes
@@ -275,17 +275,6 @@ def test_rehearse_container_scenario(inventory: str, image: str) -> None:
     """Docker from the offline bundle, the double image docker-loaded under the
     inventory's own reference, the planned ``docker run`` under systemd."""
     rehearse_kept(inventory, 1)
-
-
-@pytest.mark.sandbox
-@needs_root
-def test_rehearse_h200_trtllm_mpi_in_containers() -> None:
-    """As written: on each host a container holding the (simulated) GPUs runs the mesh's
-    sshd on 2233 (the host's mesh sshd yields the port to it); the head ``docker exec``s the
-    real OpenMPI ``mpirun`` into its container, which starts ``orted`` in the other host's
-    container over SSH; 16 ranks meet with mpi4py, the gate sees TP16 = world 16."""
-    proc = rehearse_kept("inventories/h200-trtllm-mpi.py", 1)
-    assert "ok   h200-0 k2-trtllm: http://10.213.0.11:8000/v1" in proc.stdout
 
 
 # ---------------------------------------------------------------- the rehearsal's own probe, against loopback servers

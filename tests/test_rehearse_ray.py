@@ -130,28 +130,8 @@ def test_engine_side_check_names_what_differs(monkeypatch: pytest.MonkeyPatch) -
 # ---------------------------------------------------------------- sandbox
 
 
-@pytest.mark.sandbox
-@needs_root
-def test_rehearse_h800_pp_on_a_real_ray_cluster() -> None:
-    """Healthy on a real Ray cluster with Ray's token authentication on (#21): a client on a
-    fleet host without the deployment's token is refused by the head's GCS, with it joins."""
-    rc, lines, stderr, seconds = run_rehearsal(INVENTORY, "--keep")
-    try:
-        out = "\n".join(lines)
-        assert rc == 0, out + stderr
-        assert lines[-1] == f"rehearsal {INVENTORY}: 1/1 endpoints healthy, re-run 0 changes", out
-        print(f"rehearsal of {INVENTORY}: {seconds:.0f}s")
-        head, worker = sandbox.load_hosts()[:2]
-        probe = (f"/opt/k2fleet/venv/bin/python -c \"import ray; ray.init(address='{head.address}:6379'); "
-                 "print('nodes', len(ray.nodes()))\"")
-        without = sandbox.ssh(worker, f"RAY_AUTH_MODE=disabled timeout 60 {probe}", timeout=90)
-        assert without.returncode != 0 and "nodes" not in without.stdout, without.stdout + without.stderr
-        token = "RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=/etc/k2fleet/ray/auth_token"
-        joined = sandbox.ssh(worker, f"{token} timeout 60 {probe}", timeout=90)
-        assert joined.returncode == 0 and "nodes 2" in joined.stdout, joined.stdout + joined.stderr
-        assert sandbox.ssh(worker, "stat -c %a /etc/k2fleet/ray/auth_token").stdout.strip() == "600"
-    finally:
-        subprocess.run([tool("k2fleet"), "sandbox", "down"], cwd=ROOT, capture_output=True, timeout=300)
+# h800-pp rehearsed healthy on a real Ray cluster with token authentication: in
+# tests/test_rehearse_restart.py (one rehearsal of this inventory in the suite)
 
 
 @pytest.mark.sandbox

@@ -29,6 +29,7 @@ import pytest
 from k2sandbox import nspawn as sandbox
 from k2sandbox.pyinfra_cli import run_pyinfra
 from k2sandbox.harness import ROOT, http_json, ssh, tool
+from tests.test_rehearse import check_serving
 
 pytestmark = pytest.mark.sandbox
 REHEARSAL_TIMEOUT_S = 600
@@ -49,11 +50,14 @@ def lock() -> Iterator:
 class Kept:
     """A rehearsal left up with ``--keep``: its hosts and its deploy command."""
 
-    def __init__(self, lock, inventory: str) -> None:
+    def __init__(self, lock, inventory: str, endpoints: int) -> None:
+        """Rehearsed as written, then called by the test (:func:`tests.test_rehearse.check_serving`):
+        these are the only rehearsals of these seed inventories in the suite."""
         proc = subprocess.run([tool("k2fleet"), "rehearse", inventory, "--keep"], cwd=ROOT, capture_output=True,
                               text=True, stdin=subprocess.DEVNULL, timeout=REHEARSAL_TIMEOUT_S,
                               env={**os.environ, **sandbox.lock_env(lock)}, pass_fds=(lock.fileno(),))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+        check_serving(proc, inventory, endpoints)
         self.output = proc.stdout
         lines = proc.stdout.splitlines()
         words = shlex.split(lines[lines.index(next(x for x in lines if "deploy again with:" in x)) + 1])
@@ -129,7 +133,8 @@ def edit_group_engine_args(inventory: Path, group: str, key: str, value) -> None
 
 
 def test_dp_ep_flag_change_restarts_head_then_ranks_and_a_killed_rank_restarts_the_instance(lock) -> None:
-    kept = Kept(lock, "inventories/h200-dp-ep.py")
+    kept = Kept(lock, "inventories/h200-dp-ep.py", 1)
+    assert '"model": "kimi-k2"' in kept.output  # k2_served_model_name, what clients send
     before = kept.units()
     assert serving(before) == {("h200-0", "k2-vllm.service"), ("h200-1", "k2-vllm.service")}
 
@@ -165,7 +170,7 @@ def test_dp_ep_flag_change_restarts_head_then_ranks_and_a_killed_rank_restarts_t
 
 
 def test_sglang_pd_decode_flag_change_restarts_only_the_decode_instance_in_order(lock) -> None:
-    kept = Kept(lock, "inventories/h200-sglang-pd.py")
+    kept = Kept(lock, "inventories/h200-sglang-pd.py", 3)
     before = kept.units()
     edit_group_engine_args(kept.inventory, "decode", "max-running-requests", 4096)
     changed = kept.deploy()
@@ -180,7 +185,7 @@ def test_sglang_pd_decode_flag_change_restarts_only_the_decode_instance_in_order
 
 
 def test_sglang_tp16_flag_change_restarts_node0_then_node1(lock) -> None:
-    kept = Kept(lock, "inventories/h200-sglang-tp16.py")
+    kept = Kept(lock, "inventories/h200-sglang-tp16.py", 1)
     before = kept.units()
     assert len(serving(before)) == 2
     changed = kept.deploy("k2_gpu_memory_utilization=0.8")
@@ -194,7 +199,18 @@ def test_sglang_tp16_flag_change_restarts_node0_then_node1(lock) -> None:
 
 
 def test_h800_pp_vllm_flag_change_restarts_only_the_api_server_not_the_ray_cluster(lock) -> None:
-    kept = Kept(lock, "inventories/h800-pp.py")
+    kept = Kept(lock, "inventories/h800-pp.py", 1)
+    # a real Ray cluster with Ray's token authentication on (#21): a client on a fleet host
+    # without the deployment's token is refused by the head's GCS, with it joins
+    head, worker = kept.hosts["h800-0"], kept.hosts["h800-1"]
+    probe = (f"/opt/k2fleet/venv/bin/python -c \"import ray; ray.init(address='{head['address']}:6379'); "
+             "print('nodes', len(ray.nodes()))\"")
+    without = ssh(worker, f"RAY_AUTH_MODE=disabled timeout 60 {probe}", check=False)
+    assert without.returncode != 0 and "nodes" not in without.stdout, without.stdout + without.stderr
+    token = "RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=/etc/k2fleet/ray/auth_token"
+    joined = ssh(worker, f"{token} timeout 60 {probe}", check=False)
+    assert joined.returncode == 0 and "nodes 2" in joined.stdout, joined.stdout + joined.stderr
+    assert ssh(worker, "stat -c %a /etc/k2fleet/ray/auth_token").stdout.strip() == "600"
     before = kept.units()
     assert serving(before) == {("h800-0", "k2-ray.service"), ("h800-0", "k2-vllm.service"), ("h800-1", "k2-ray.service")}
     changed = kept.deploy("k2_max_model_len=1024")
@@ -207,7 +223,10 @@ def test_h800_pp_vllm_flag_change_restarts_only_the_api_server_not_the_ray_clust
 
 
 def test_trtllm_mpi_containers_config_change_restarts_nodes_then_the_mpirun_launcher(lock) -> None:
-    kept = Kept(lock, "inventories/h200-trtllm-mpi.py")
+    kept = Kept(lock, "inventories/h200-trtllm-mpi.py", 1)
+    # as written: the head docker-execs the real OpenMPI mpirun into its container, which starts
+    # orted in the other host's container over SSH on the mesh port; the gate sees TP16 = world 16
+    assert "ok   h200-0 k2-trtllm: http://10.213.0.11:8000/v1" in kept.output
     before = kept.units()
     assert serving(before) == {("h200-0", "k2-trtllm-node.service"), ("h200-1", "k2-trtllm-node.service"),
                                ("h200-0", "k2-trtllm.service")}
