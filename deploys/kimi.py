@@ -5,8 +5,9 @@
     inventory ──gate (config.py, before any connection)──▶ Deployment + Plan
       ──control-machine step (k2fleet.control.artifacts; skipped under --dry)──▶ desired state
     per host: HostState fact (one read-only round trip), then k2fleet.deploy.pipeline.deploy_kimi:
-      preflight → packages → bootstrap (driver, fabric, Docker; reboot) → mesh → engine
-      → Hub client → checkpoint → services → health
+      preflight → packages → bootstrap (driver, fabric, Docker; reboot) → firewall
+      → privileged ports → mesh → engine → GPU exporter → Hub client → checkpoint
+      → reach → services → health
 
 pyinfra runs this file once per host; every host gets the same operation sequence, so
 stages start in plan order across the fleet, and a rolling change's steps (one instance at a

@@ -295,13 +295,13 @@ def test_imex_port_is_reserved_on_gb200(tmp_path: Path) -> None:
     assert plans(tmp_path / "c", 2, **data | {"k2_gpu": "b200", "k2_tp": 16})["node-0"].fabric == t.NVLINK5
 
 
-def test_readme_compatibility_table_is_the_code_table() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_docs_compatibility_table_is_the_code_table() -> None:
+    readme = (ROOT / "docs" / "bootstrap.md").read_text()
     for (engine, version), ec in t.ENGINE_CUDA.items():
         cd = t.CUDA_DRIVER[ec.cuda]
         row = (f"| {engine} {version} | {ec.cuda} | {cd.branch} ({cd.version}) | {t.default_branch(cd.branch)} | "
                f"{'yes' if ec.verified else 'no'} |")
-        assert row in readme, f"README's compatibility table is stale: {row}"
+        assert row in readme, f"docs/bootstrap.md's compatibility table is stale: {row}"
 
 
 def test_arm64_gpus_need_an_sbsa_repository_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -41,7 +41,7 @@ def _engine_words(argv: list[str]) -> list[str]:
     return []
 
 
-# model × engine × GPU pairs the sources list (README "Kimi models"): (id, data, hosts)
+# model × engine × GPU pairs the sources list (docs/engines.md, "Kimi models"): (id, data, hosts)
 PAIRS = [
     ("0905-vllm-h200-tp8pp2", K0905 | {"k2_tp": 8, "k2_pp": 2, "k2_multinode_backend": "mp",
                                        "k2_max_model_len": 131072}, 2),

@@ -252,8 +252,8 @@ def _make_fleet_run(state: Any, inventory: Any, dry: bool | None) -> FleetRun:
 
 
 def endpoint_lines(dep: Deployment, plan: Plan) -> list[str]:
-    """Where the fleet serves and a line to try it (the load balancer's, the router's or the
-    first healthy service's endpoint; with ``k2_api_key_file`` the key is read from that file
+    """Where the fleet serves and a line to try it (:meth:`Plan.endpoint`: the load balancer's,
+    the router's or the first health-checked service's endpoint; with ``k2_api_key_file`` the key is read from that file
     when the line runs)."""
     main = plan.endpoint()
     if main is None:

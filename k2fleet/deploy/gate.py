@@ -98,7 +98,8 @@ def check_control_source(value: str, source: str, key: str) -> None:
 
 def _regular_file(path: str, source: str, key: str, fix: str) -> os.stat_result:
     """``path``'s stat on the control machine, not following a symlink; SpecError naming
-    ``key`` when it is missing (``fix``: what to put there), unreadable or not a regular file."""
+    ``key`` when it is missing (``fix``: what to put there), cannot be stat'ed (a directory on its
+    path not searchable) or is not a regular file."""
     try:
         st = os.stat(path, follow_symlinks=False)
     except FileNotFoundError:

@@ -28,8 +28,9 @@ def synced_files(files: dict[str, FileSpec], current: dict[str, str | None]):
     + files: :class:`~k2fleet.planning.desired.FileSpec` (content, octal mode) per absolute path
     + current: sha256 per path as the HostState fact saw it (None: missing)
 
-    A spec without content (a control artifact not made yet, only under ``--dry``) is
-    reported as a change with no command.
+    A spec without content (a control artifact not made yet, only under ``--dry``) yields
+    one no-op command, ``true`` with a comment naming the path, so pyinfra reports a change
+    and uploads nothing.
 
     **Example:**
 

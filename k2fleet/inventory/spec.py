@@ -8,7 +8,7 @@ host's data (host data, group data, ``group_data/*.py`` — pyinfra's own merge)
 - ``pool``: must be the same on every host of one role (prefill, decode, serve, ...);
 - ``host``: may differ per host (address, NIC).
 
-``k2fleet keys`` prints the table below as Markdown; README's key table is that output.
+``k2fleet keys`` prints the table below as Markdown; docs/inventory-keys.md holds that output.
 """
 
 from __future__ import annotations
@@ -1072,7 +1072,7 @@ class HostSettings(BaseModel):
     max_model_len: PosInt | None = _key(FLEET, "Context length cap (`--max-model-len`, `--context-length`).", default=None)
     profile: Literal["default", "latency", "throughput", "long-context"] = _key(
         FLEET,
-        "Tuning profile from the seeds, rendered per engine and pinned version (README \"Tuning profiles\"): "
+        "Tuning profile from the seeds, rendered per engine and pinned version (docs/engines.md, \"Tuning profiles\"): "
         "`default` (the engine's defaults), `latency`, `throughput` or `long-context` (batch, chunked-prefill "
         "and CUDA-graph sizes; TRT-LLM LLM API options). `k2_engine_args` / `k2_trtllm_config` win over it; "
         "it never changes the context length (`k2_max_model_len`).",
@@ -1155,7 +1155,7 @@ class HostSettings(BaseModel):
     )
     metrics: bool = _key(
         FLEET,
-        "Metrics on (README \"Metrics\"): SGLang (and sglang-kt) get `--enable-metrics` (vLLM and TRT-LLM serve "
+        "Metrics on (docs/operations.md, \"Metrics\"): SGLang (and sglang-kt) get `--enable-metrics` (vLLM and TRT-LLM serve "
         "`/metrics` on the API port anyway), GPU hosts' dcgm-exporter port 9400 (real GPUs, or `k2_gpu_exporter`) and, with `k2_node_exporter`, "
         "port 9100 are opened to `k2_metrics_scrapers` and the fleet; `k2fleet metrics` writes the scrape "
         "configuration.",
@@ -1563,7 +1563,7 @@ def build_fleet(source: str, entries: list[HostEntry]) -> Fleet:
 
 
 def keys_markdown() -> str:
-    """The README table of every inventory key."""
+    """The Markdown table of every inventory key (docs/inventory-keys.md holds it)."""
     lines = ["| key | scope | default | meaning |", "|---|---|---|---|"]
     for name, info in HostSettings.model_fields.items():
         if info.is_required():

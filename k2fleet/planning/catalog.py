@@ -331,7 +331,7 @@ def version_tuple(version: str) -> tuple[int, ...]:
 
 # How each engine takes the endpoint API key of ``k2_api_key_file`` without argv: the
 # environment variable its server reads (hosts hold it in a root-only EnvironmentFile=).
-# Read at the pins (README "Protected endpoints"): vLLM 0.33.0
+# Read at the pins (docs/endpoints.md, "Protected endpoints"): vLLM 0.33.0
 # vllm/entrypoints/serve/middleware/register.py reads ``args.api_key or envs.VLLM_API_KEY``
 # (the same variable since 0.2.x, so the older pins too).
 API_KEY_ENV: dict[str, str] = {"vllm": "VLLM_API_KEY"}

@@ -1,4 +1,4 @@
-"""The desired state: everything each host must hold, computed from the plan (pure).
+"""The desired state: everything each host must hold, computed from the plan.
 
 :func:`desired_state` turns a validated :class:`~k2fleet.planning.deployment.Deployment`, its
 :class:`~k2fleet.planning.processes.Plan` and a read-only view of the control machine's artifacts
@@ -8,8 +8,11 @@ that writes them, systemd units, Debian packages, read-only checks the HostState
 runs, paths whose existence matters, and the host's place in the checkpoint distribution.
 ``k2fleet plan --json`` prints it; the deploy's roles only carry it out.
 
-Computing it connects to nothing and writes nothing. A control artifact that does not
-exist yet (first run under ``--dry``) is a file with unknown content (``sha256`` None),
+Computing it connects to nothing and writes nothing, but it is not a function of its
+arguments alone: it reads files on the control machine — k2fleet's host-program sources and
+this interpreter's bytecode cache of them (``__pycache__``, for the host archive:
+:func:`k2fleet.planning.host_archive.archive_bytes`) and the image archives
+:class:`ControlArtifacts` names. A control artifact that does not exist yet (first run under ``--dry``) is a file with unknown content (``sha256`` None),
 made by :func:`k2fleet.control.artifacts.prepare_control_artifacts`.
 
 >>> FileSpec(b"hi\\n", "644").sha256[:12]
@@ -819,8 +822,11 @@ def fleet_rollout(dep: Deployment, plan: Plan) -> Rollout:
 
 def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts,
                   parts: FleetParts | None = None) -> dict[str, HostDesired]:
-    """One :class:`HostDesired` per host, in inventory order (pure); ``parts``: the run's
-    :class:`FleetParts` of ``dep`` and ``plan`` (default: made here)."""
+    """One :class:`HostDesired` per host, in inventory order; ``parts``: the run's
+    :class:`FleetParts` of ``dep`` and ``plan`` (default: made here). Connects to nothing and
+    writes nothing; reads the host archive's sources and their ``__pycache__`` bytecode
+    (:func:`~k2fleet.planning.host_archive.archive_bytes`, once per process) and the image
+    archives ``art.images`` names."""
     parts = parts.of(dep, plan) if parts else FleetParts(dep, plan)
     slots = sorted({(svc.stage, svc.name) for _, svc in plan.services()})
     fan = fanout_plan(dep, plan)

@@ -577,7 +577,7 @@ def installed_driver(plan: BootstrapPlan, boot: BootState) -> str | None:
 
 
 def pending_packages(plan: BootstrapPlan, boot: BootState) -> list[Package]:
-    """The plan's packages not installed at the planned version (all: nothing to do).
+    """The plan's packages not installed at the planned version (empty: nothing to do).
 
     A package pinned to the driver's version is pending until it has the installed
     driver's exact version, so a fabric manager one patch away is reinstalled.

@@ -91,7 +91,8 @@ class Plan:
 
     def endpoint(self) -> tuple[str, int] | None:
         """The address clients use: the replicas' load balancer if any (``k2_load_balancer``),
-        else the router, else the first healthy service."""
+        else the router, else the first service in plan order that has a health check (planned,
+        not observed: nothing is contacted)."""
         for host, svc in self.services():
             if "k2_load_balancer_port" in svc.ports:
                 return host.address, svc.ports["k2_load_balancer_port"]

@@ -180,7 +180,8 @@ def bring_up(plan: BootstrapPlan, fact: HostReport, files: dict, gate_argv: list
 
 
 def _repo_line(repo: b.Repo) -> str:
-    """Shell line making a package repository known to apt/dnf (``k2_package_source: apt``)."""
+    """Shell line making a package repository known to apt/dnf (``k2_package_source: apt``);
+    ``true`` for k2fleet's own mirror source files, which the package-sources step writes."""
     if repo.kind == "apt-keyring-deb":
         return (f"{{ test -e /usr/share/keyrings/cuda-archive-keyring.gpg || {{ curl -fsSL -o /tmp/k2-keyring.deb "
                 f"{shell_word(repo.source)} && dpkg -i /tmp/k2-keyring.deb; }}; }}")

@@ -124,7 +124,9 @@ def transfer(control: checkpoint_copy.ControlRelay, source: str | None, target: 
 
 
 def host_download_command(dep: Deployment, xet_disabled: bool, ws: WeightSet | None = None) -> str:
-    """Shell line of the fetcher's Hub download; the token file is removed however it ends."""
+    """Shell line of the fetcher's Hub download; an ``EXIT`` trap removes the token file when
+    the shell exits, whether the download succeeded or failed (a shell killed by a signal leaves
+    it in its root-only directory under /run, until :func:`send_token` runs again or a reboot)."""
     argv = shell_line(download_argv(dep, xet_disabled, ws))
     return (f"trap 'rm -f {TOKEN_PATH}' EXIT; if [ -f {TOKEN_PATH} ]; then set -- --token-file {TOKEN_PATH}; fi; "
             f'{argv} "$@"')

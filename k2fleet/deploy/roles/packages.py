@@ -29,7 +29,9 @@ def bundle_source_line(repo_dir: str) -> str:
 
 
 def extract_command(tar: str, repo_dir: str) -> str:
-    """Shell command unpacking ``tar`` into ``repo_dir`` atomically (tmp + mv)."""
+    """Shell command unpacking ``tar`` into ``repo_dir``: into ``repo_dir.tmp`` first, then the old
+    directory is removed and the new one moved into place (a failed unpack leaves the old one;
+    not atomic: between the ``rm`` and the ``mv`` there is no ``repo_dir``)."""
     tmp = f"{repo_dir}.tmp"
     return (f"rm -rf {tmp} && mkdir -p {tmp} && tar -xf {tar} -C {tmp} && "
             f"rm -rf {repo_dir} && mv {tmp} {repo_dir}")
