@@ -381,8 +381,14 @@ def real_engine_data(dep: Deployment, given: Mapping[str, Any] | None = None) ->
     pools = list(dep.pools.values())
     for key in ("tp", "pp", "dp", "ep", "dcp"):
         sizes = sorted({getattr(p, key, 1) or 1 for p in pools})
+        # TP over hosts keeps its shape: one rank on each host the instance spans
+        spans = sorted({p.nodes_per_instance for p in pools}) if key == "tp" else [1]
         if f"k2_{key}" in given:
             said.append(f"kept k2_{key}: {given[f'k2_{key}']} (--data)")
+        elif spans != [1] and len(spans) == 1:
+            data[f"k2_{key}"] = spans[0]
+            said.append(f"scaled k2_{key}: {'/'.join(map(str, sizes))} -> {spans[0]} "
+                        f"(one rank on each of the {spans[0]} hosts an instance spans)")
         elif sizes != [1]:
             data[f"k2_{key}"] = 1
             said.append(f"scaled k2_{key}: {'/'.join(map(str, sizes))} -> 1 (a CPU host runs one rank)")
@@ -390,7 +396,7 @@ def real_engine_data(dep: Deployment, given: Mapping[str, Any] | None = None) ->
         said.append(f"kept k2_gpus_per_node: {given['k2_gpus_per_node']} (--data)")
     elif dep.gpus_per_node != 1:
         data["k2_gpus_per_node"] = 1
-        said.append(f"scaled k2_gpus_per_node: {dep.gpus_per_node} -> 1 (one instance per host)")
+        said.append(f"scaled k2_gpus_per_node: {dep.gpus_per_node} -> 1 (one rank per host)")
     args = {**dep.s.engine_args, "enforce-eager": True}
     data["k2_engine_args"] = args
     said.append("added --enforce-eager (no graph capture on CPU)")

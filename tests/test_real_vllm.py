@@ -236,24 +236,7 @@ def _loopback_inventory(served: Served, directory: Path) -> Path:
                            k2_port=int(served.url.rsplit(":", 1)[1]), k2_served_model_name=SERVED_ALIAS)
 
 
-@pytest.mark.real_engine
-def test_k2fleet_bench_runs_vllm_bench_serve_over_a_sweep(served: Served, tmp_path: Path,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "bench"
-    rc = cli.main(["bench", str(_loopback_inventory(served, tmp_path / "inv")), "--concurrency", "1,2",
-                   "--num-prompts", "4", "--input-len", "64", "--output-len", "16", "--tokenizer", served.model,
-                   "--client", str(served.venv / "bin" / "python"), "--out", str(out), "--timeout", "600"])
-    printed = capsys.readouterr().out
-    assert rc == 0, printed
-    doc = json.loads((out / "bench.json").read_text())
-    assert [(p["endpoint"], p["concurrency"], p["completed"], p["failed"]) for p in doc["points"]] == [
-        ("endpoint", 1, 4, 0), ("endpoint", 2, 4, 0)]
-    assert all(p["output_throughput"] > 0 and p["mean_ttft_ms"] > 0 and p["mean_tpot_ms"] > 0 for p in doc["points"])
-    raw = json.loads((out / "results" / "endpoint-c2.json").read_text())
-    assert (raw["max_concurrency"], raw["total_output_tokens"]) == (2, 4 * 16)  # --ignore-eos: every token produced
-    png = (out / "bench.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
-    assert "OUT TOK/S" in printed and "OUT TOK/S" in (out / "bench.txt").read_text()
+# `k2fleet bench` against a real vLLM: tests/test_rehearse_real_engine.py (the rehearsed fleet, --replicas)
 
 
 GSM8K_LINES = [  # gsm8k's format (question, answer ending in "#### N"); made up here, not the data set's

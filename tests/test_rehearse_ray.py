@@ -19,7 +19,6 @@ import pytest
 
 from k2fleet.planning.os_tables import OS_TABLES
 from k2sandbox import nspawn as sandbox
-from k2fleet.control import wheelhouse
 from k2fleet.control.artifacts import read_control_artifacts
 from k2fleet.planning.desired import ENGINE_SIDE_CHECK, desired_state, engine_side_check
 from k2fleet.deploy.gate import check_hosts
