@@ -152,14 +152,11 @@ def _existing_units(names: list[str]) -> list[str]:
     if not names:
         return []
     code, out = _run(["systemctl", "show", "--property=Id,LoadState", "--", *names])
-    known, unit = [], None
-    for line in out.splitlines():
-        if line.startswith("Id="):
-            unit = line[3:]
-        elif line.startswith("LoadState=") and unit:
-            if line[10:] not in ("not-found", ""):
-                known.append(unit)
-            unit = None
+    known = []
+    for block in out.split("\n\n"):  # one block a unit, its properties in systemd's order
+        props = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+        if props.get("Id") and props.get("LoadState") not in (None, "", "not-found"):
+            known.append(props["Id"])
     return known
 
 
