@@ -1,11 +1,13 @@
 """``k2fleet`` command line: validate and plan inventories offline, report a fleet's status and
-drift (read-only), gather an air-gapped bundle;
+drift (read-only), read its journals, take it down, gather an air-gapped bundle;
 with the sandbox package installed, also rehearse an inventory and run the sandbox fleet
 (commands it adds through the entry-point group ``k2fleet.commands``).
 
     k2fleet validate inventories/h200.py [--data KEY=VALUE ...]
     k2fleet plan inventories/h200.py [--json] [--data KEY=VALUE ...]
     k2fleet status inventories/h200.py [--json] [--completion]   # read-only: drift and health, exit 1 on either
+    k2fleet logs inventories/h200.py [--service S] [--since T] [--follow]   # the fleet's journals, each line prefixed by its host
+    k2fleet down inventories/h200.py [--purge]   # remove what k2fleet placed on every host (checkpoints stay unless --purge)
     k2fleet keys                      # every inventory key, as Markdown
     k2fleet rehearse inventories/h200.py [--keep] [--bundle DIR --offline] [--engine real] [--data KEY=VALUE ...]
     k2fleet bundle inventories/h200.py --out DIR [--rehearsal] [--locked LOCK] [--only PART]
@@ -262,6 +264,96 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0 if doc["ok"] else 1
 
 
+def _fleet_desired(args: argparse.Namespace) -> tuple[Deployment, Plan, dict]:
+    """The validated inventory (a bad one: one line, exit 2, before any connection) and every
+    host's desired state, control artifacts only read (nothing is made), as ``status`` has them."""
+    from k2fleet.control.artifacts import read_control_artifacts
+    from k2fleet.control.checkpoint_copy import manifest_pins
+    from k2fleet.planning.desired import desired_state
+
+    dep, plan = load_plan(args.inventory, args.data)
+    dep = dep.pinned(manifest_pins(dep, fetch=False))
+    return dep, plan, desired_state(dep, plan, read_control_artifacts(dep, plan))
+
+
+def format_down(name: str, result, purge: bool) -> list[str]:
+    """``k2fleet down``'s lines for one host: what was removed and kept, then one line naming
+    the packages k2fleet installed (left installed)."""
+    if result.error or not result.stdout.strip():
+        why = result.error or (result.stderr.strip().splitlines() or ["no report"])[-1]
+        return [f"{name}: down FAILED: {why}"]
+    try:
+        r = json.loads(result.stdout.strip().splitlines()[-1])
+    except ValueError:
+        return [f"{name}: down FAILED: no report from the host ({result.stdout.strip()[-200:]})"]
+    parts = [f"stopped and disabled {len(r['units'])} units", f"removed {len(r['removed'])} paths"]
+    parts += [f"deleted nftables table {t}" for t in r["nft_tables"]]
+    parts += [f"{k} back to {v}" for k, v in r["sysctl"].items()]
+    parts += [f"removed images {', '.join(r['images'])}"] if r["images"] else []
+    parts += [f"purged {', '.join(r['purged'])}"] if r["purged"] else []
+    parts += [f"kept {', '.join(r['kept'])} (--purge removes)"] if r["kept"] and not purge else []
+    out = [f"{name}: down: " + "; ".join(parts)]
+    out += [f"{name}: error: {e}" for e in r["errors"]]
+    pkgs = r["packages_installed"] + [f"{p} (version changed)" for p in r["packages_changed"]]
+    origin = "" if r["packages_from"] == "record" else f" [from the plan: {r['packages_from']}]"
+    out.append(f"{name}: packages k2fleet installed (left installed){origin}: {' '.join(pkgs) or 'none'}")
+    return out
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    from k2fleet.deploy.fleet_shell import run_on_hosts
+    from k2fleet.planning.teardown import placed, program_argv
+
+    dep, plan, desired = _fleet_desired(args)
+    commands = {name: program_argv("down", placed(dep, plan.hosts[name], d).down_spec(args.purge))
+                for name, d in desired.items()}
+    results = run_on_hosts(str(args.inventory), args.data, commands, reason="k2fleet down")
+    failed = []
+    for name in commands:
+        lines = format_down(name, results[name], args.purge)
+        print("\n".join(lines), flush=True)
+        if any(" FAILED: " in line or ": error: " in line for line in lines):
+            failed.append(name)
+    print(f"down: {len(commands)} hosts, " + (f"{len(failed)} failed: {', '.join(failed)}" if failed else
+                                              "k2fleet's units, files and rules removed"
+                                              + ("" if args.purge else "; checkpoints kept")))
+    return 1 if failed else 0
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    from k2fleet.planning.fleet_logs import LogsError, check_since, choose, fleet_units, journal_argv
+
+    try:  # the arguments first: nothing is read or loaded for a bad --since
+        since = None if args.since is None else check_since(args.since)
+    except LogsError as exc:
+        sys.stderr.write(f"k2fleet logs: {exc}\n")
+        return 2
+    dep, plan, desired = _fleet_desired(args)
+    try:
+        chosen = choose(fleet_units(desired), args.service)
+    except LogsError as exc:
+        sys.stderr.write(f"k2fleet logs: {exc}\n")
+        return 2
+    from k2fleet.deploy.fleet_shell import stream_on_hosts
+
+    width = max(map(len, chosen), default=0)
+
+    def emit(host: str, line: str) -> None:
+        sys.stdout.write(f"{host.ljust(width)} | {line}\n")
+        sys.stdout.flush()
+
+    commands = {h: journal_argv(units, since, args.follow) for h, units in chosen.items()}
+    try:
+        results = stream_on_hosts(str(args.inventory), args.data, commands, emit, reason="k2fleet logs")
+    except KeyboardInterrupt:
+        return 130 if args.follow else 1
+    bad = {h: r.error or (r.stderr.strip().splitlines() or ["journalctl failed"])[-1]
+           for h, r in results.items() if not r.ok}
+    for host, why in bad.items():
+        sys.stderr.write(f"k2fleet logs: {host}: {why}\n")
+    return 1 if bad else 0
+
+
 def _cmd_keys(args: argparse.Namespace) -> int:
     sys.stdout.write(keys_markdown())
     return 0
@@ -385,6 +477,27 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--completion", action="store_true",
                     help="also send one real chat completion through the fleet's endpoint from this machine")
     st.set_defaults(func=_cmd_status)
+    lo = sub.add_parser("logs", help="the journals of the fleet's units from every host (through the deploy's "
+                        "connections: bastion and sudo included), each line prefixed by its host",
+                        description="journalctl on every host for k2fleet's units there (or the one --service names), "
+                        "through the deploy's own connections. A bad inventory, service or time: one line, exit 2, "
+                        "no host contacted.")
+    _inventory_arguments(lo)
+    lo.add_argument("--service", metavar="S", help="one of the fleet's units (k2-vllm or k2-vllm.service); "
+                    "only the hosts that run it are read")
+    lo.add_argument("--since", metavar="T", help="journalctl --since: YYYY-MM-DD [HH:MM[:SS]], HH:MM[:SS], today, "
+                    "yesterday, @EPOCH, -1h, -30min, '2 hours ago'")
+    lo.add_argument("--follow", action="store_true", help="stream new lines from every host at once until interrupted")
+    lo.set_defaults(func=_cmd_logs)
+    dn = sub.add_parser("down", help="stop and remove every unit, firewall table, sysctl drop-in, mesh key, load "
+                        "balancer and file k2fleet placed on each host; checkpoints stay unless --purge",
+                        description="Through the deploy's own connections. Units are stopped and disabled first; "
+                        "what the deploy changed is given back from the record it kept on each host before its "
+                        "first change; packages k2fleet installed stay installed and are listed, one line a host. "
+                        "A bad inventory: one line, exit 2, no host contacted. Exit 1 when a host failed.")
+    _inventory_arguments(dn)
+    dn.add_argument("--purge", action="store_true", help="also remove the checkpoints (and engine caches)")
+    dn.set_defaults(func=_cmd_down)
     k = sub.add_parser("keys", help="print the inventory key reference (Markdown)")
     k.set_defaults(func=_cmd_keys)
     me = sub.add_parser("metrics", help="write DIR/prometheus.yml, DIR/targets/*.json (file_sd) and DIR/dashboards/ "

@@ -16,9 +16,10 @@ from k2fleet.planning.host_packages import bundle_apt_options
 from k2fleet.planning.host_fact import HostReport
 from k2fleet.deploy.fleet_run import FleetRun, side_channel
 from k2fleet.deploy.roles import (bootstrap, checkpoint, engine, firewall, gpu_exporter, health_gate, hub_client, mesh,
-                                  packages, preflight, privileged_ports, reach, services)
+                                  packages, preflight, privileged_ports, reach, record, services)
 from k2fleet.planning.firewall import rules_path
 from k2fleet.planning.rollout import Step
+from k2fleet.planning.teardown import program_argv, record_spec
 
 
 class RebootRefused(Exception):
@@ -29,7 +30,7 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
                 weights_wanted: dict[str, list[str]], unsettled: dict[str, str] | None = None,
                 reboot_steps: list[Step] | None = None, restart_steps: list[Step] | None = None,
                 starting: bool = False) -> None:
-    """Carry out one host's desired state: preflight → packages → bootstrap → firewall → privileged ports → SSH mesh →
+    """Carry out one host's desired state: preflight → the record of the host before k2fleet → packages → bootstrap → firewall → privileged ports → SSH mesh →
     engine → GPU exporter → Hub client → checkpoint → reachability → services → health gate (→ the mesh stopped, under
     ``k2_mesh_after_deploy: stop``).
 
@@ -76,6 +77,7 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
     preflight.check(dep, desired, fact)
     if unsettled == {}:  # every host holds its desired state: no operation anywhere
         return
+    record.keep(program_argv("record", record_spec(dep, run.plan.hosts[desired.name], desired)), fact)
     packages.package_sources(desired.files.get("package_sources", {}), fact.files)
     packages.install_packages(desired.packages, dep.s.package_source, installed=list(fact.packages),
                               bundle=run.artifacts.bundle_for(desired.bundle_request), bootstrap_pending=pending,

@@ -18,6 +18,25 @@ from k2fleet.inventory.loader import _import_pyinfra_cli_inventory, parse_data_o
 from k2fleet.planning.host_fact import HostReport
 
 
+def pyinfra_state(inventory: str, data: list[str] | tuple[str, ...]) -> Any:
+    """A pyinfra ``State`` holding ``inventory`` loaded as ``pyinfra INVENTORY deploys/kimi.py``
+    loads it (host data, group data, ``--data``); no host is connected yet. pyinfra's CLI
+    patches the socket module for its greenlets: so is it here, when not yet."""
+    from gevent import monkey
+
+    if not monkey.is_module_patched("socket"):  # as pyinfra_cli does: parallel SSH in greenlets
+        monkey.patch_all()
+    from pyinfra.api import Config, State
+    from pyinfra.context import ctx_state
+
+    make_inventory_from_files = _import_pyinfra_cli_inventory().make_inventory_from_files
+    state = State()
+    with ctx_state.use(state):
+        loaded = make_inventory_from_files(inventory, parse_data_overrides(data) or None)
+    state.init(loaded, Config())
+    return state
+
+
 def gather_facts(inventory: str, data: list[str] | tuple[str, ...],
                  queries: dict[str, dict[str, Any]]) -> dict[str, HostReport | str]:
     """Host name → its HostState (``queries[name]`` is its fact query), or why it could not
@@ -28,14 +47,9 @@ def gather_facts(inventory: str, data: list[str] | tuple[str, ...],
     if not monkey.is_module_patched("socket"):  # as pyinfra_cli does: parallel SSH in greenlets
         monkey.patch_all()
     import gevent
-    from pyinfra.api import Config, State
     from pyinfra.context import ctx_host, ctx_state
 
-    make_inventory_from_files = _import_pyinfra_cli_inventory().make_inventory_from_files
-    state = State()
-    with ctx_state.use(state):
-        loaded = make_inventory_from_files(inventory, parse_data_overrides(data) or None)
-    state.init(loaded, Config())
+    state = pyinfra_state(inventory, data)
 
     def one(host: Any) -> HostReport | str:
         with ctx_state.use(state), ctx_host.use(host):

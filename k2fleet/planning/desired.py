@@ -58,6 +58,7 @@ HUB_ENV = "/opt/k2fleet/hubenv"
 WHEEL_DIR = "/var/cache/k2fleet/wheelhouse"
 ENGINE_WHEEL_DIR = "/var/cache/k2fleet/engine-wheelhouse"
 UNIT_GLOB = "/etc/systemd/system/k2-*.service"
+RECORD = "/var/lib/k2fleet/before.json"  # the host before k2fleet's first change (k2fleet.planning.teardown)
 MESH_UNIT_PATH = f"/etc/systemd/system/{mesh_config.UNIT}"
 HEALTH_CHECK = "healthy"
 HUB_CLIENT_CHECK = "hub-client"
@@ -898,7 +899,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts,
             d.checks[ENGINE_SIDE_CHECK] = engine_side_check(dep, engine_side, python)
             d.engine_side_install = engine_side_install_argv(dep, engine_side, python, d.python)
         d.engine_entry = f"{dep.s.venv}/bin/{ENGINE_ENTRY[dep.engine]}"
-        d.exists = [*d.exists, d.engine_entry, *d.device_doubles]
+        d.exists = [*d.exists, d.engine_entry, *d.device_doubles, RECORD]  # RECORD: kept before the first change
         if dep.s.model_type_override:
             d.exists.append(f"{dep.serve_path}/config.json")
         if dep.runtime == "venv" and not dep.s.simulated_gpus and not bundled:

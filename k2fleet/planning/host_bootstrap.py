@@ -115,6 +115,21 @@ class Repo:
         return {"name": self.name, "kind": self.kind, "source": self.source, "key": self.key}
 
 
+def repo_paths(repo: Repo) -> tuple[str, ...]:
+    """The files the bootstrap writes to make ``repo`` known (``k2_package_source: apt``): an apt
+    sources list and its keyring, or a dnf ``.repo`` file (the bootstrap role writes them,
+    ``k2fleet down`` removes them). The others come from packages or the package manager.
+
+    >>> repo_paths(Repo("cuda", "apt", "deb https://x/ /", "https://x/key"))
+    ('/etc/apt/sources.list.d/cuda.list', '/usr/share/keyrings/cuda-keyring.gpg')
+    """
+    if repo.kind == "apt":
+        return (f"/etc/apt/sources.list.d/{repo.name}.list", f"/usr/share/keyrings/{repo.name}-keyring.gpg")
+    if repo.kind == "dnf-baseurl":
+        return (f"/etc/yum.repos.d/{repo.name}.repo",)
+    return ()
+
+
 @dataclass(frozen=True)
 class Gate:
     """A check after bootstrap: ``what`` must equal/contain ``expect``, read by ``how``."""

@@ -186,12 +186,12 @@ def _repo_line(repo: b.Repo) -> str:
         return (f"{{ test -e /usr/share/keyrings/cuda-archive-keyring.gpg || {{ curl -fsSL -o /tmp/k2-keyring.deb "
                 f"{shell_word(repo.source)} && dpkg -i /tmp/k2-keyring.deb; }}; }}")
     if repo.kind == "apt":
-        keyring = f"/usr/share/keyrings/{repo.name}-keyring.gpg"
+        sources, keyring = b.repo_paths(repo)
         line = repo.source.replace("$(ARCH)", "$(dpkg --print-architecture)")
         if not line.startswith("deb "):  # a bare "URL suite component" (AMD's amdgpu repository)
             line = f"deb [signed-by={keyring}] {line}"
         return (f"{{ test -e {shell_word(keyring)} || curl -fsSL {shell_word(repo.key or '')} | gpg --dearmor -o "
-                f"{shell_word(keyring)}; echo \"{line}\" > /etc/apt/sources.list.d/{repo.name}.list; }}")
+                f"{shell_word(keyring)}; echo \"{line}\" > {sources}; }}")
     if repo.kind == "k2fleet-file":  # a mirror's source file and keyring: synced with the package mirrors
         return "true"
     if repo.kind == "dnf-repo":
@@ -200,5 +200,5 @@ def _repo_line(repo: b.Repo) -> str:
         return f"dnf -y module enable {shell_word(repo.source)}"
     if repo.kind == "dnf-baseurl":
         return (f"printf '[{repo.name}]\\nname={repo.name}\\nbaseurl=%s\\ngpgkey=%s\\ngpgcheck=1\\n' "
-                f"{shell_word(repo.source)} {shell_word(repo.key or '')} > /etc/yum.repos.d/{repo.name}.repo")
+                f"{shell_word(repo.source)} {shell_word(repo.key or '')} > {b.repo_paths(repo)[0]}")
     raise BootstrapError(f"repository {repo.name}: kind {repo.kind} is not installable with k2_package_source: apt")
