@@ -6,9 +6,9 @@ under the engine process's ``$HOME`` or ``/tmp`` (``/tmp/torchinductor_root``,
 ``~/.cache/vllm``, ``~/.triton``), which a container's ``--rm`` and a host's tmp cleaning throw
 away. k2fleet points every cache at :func:`cache_dir` (``/var/cache/k2fleet/engine-cache/<engine>``,
 made ``root:root 0700`` by each engine unit before it starts: the units run as root, and what
-the engine loads from there is code no other user may plant), binds it read-write into
-containers at the same path, and ``k2fleet bundle --engine-cache DIR`` carries an operator's
-warmed copy to an air-gapped fleet.
+the engine loads from there is code no other user may plant) and binds it read-write into
+containers at the same path. (Not yet: carrying an operator's warmed copy in the air-gapped
+bundle.)
 
 The variables, as the engines read them (checked in their sources at the pins):
 
