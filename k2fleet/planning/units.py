@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from k2fleet.planning import api_front, load_balancer
+from k2fleet.planning import api_front, instance_watch, load_balancer
 from k2fleet.planning.catalog import API_KEY_ENV
 from k2fleet.planning.deployment import Deployment, WeightSet
 from k2fleet.planning.host_archive import host_argv
@@ -136,6 +136,8 @@ def unit_file(dep: Deployment, svc: Service, image_id: str | None = None) -> str
     lines += post
     if svc.workdir:
         lines.append(f"WorkingDirectory={systemd_value(svc.workdir, path=True)}")
+    if instance_watch.watched(svc):
+        lines += instance_watch.unit_lines(svc)
     if not svc.oneshot:
         lines += ["Restart=on-failure", "RestartSec=5"]
     if not dep.s.simulated_gpus:

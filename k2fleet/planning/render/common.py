@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from k2fleet.planning import engine_cache
 from k2fleet.planning.catalog import version_tuple
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.profiles import merged_args
@@ -88,13 +89,16 @@ def rdma_env(host: HostEntry) -> dict[str, str]:
 
 
 def engine_env(dep: Deployment, host: HostEntry, pool_env: dict[str, str]) -> dict[str, str]:
-    """Environment every engine process gets: sockets on the right NIC, offline Hub."""
+    """Environment every engine process gets: sockets on the right NIC, offline Hub, the
+    compile and JIT caches in the host's persistent engine cache (:mod:`k2fleet.planning.engine_cache`;
+    the pool's ``k2_env`` may point one elsewhere)."""
     env: dict[str, str] = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     nic = host.settings.nic
     if nic:
         env["NCCL_SOCKET_IFNAME"] = nic
         env["GLOO_SOCKET_IFNAME"] = nic
     env.update(rdma_env(host))
+    env.update(engine_cache.cache_env(dep.engine))
     env.update({k: str(v) for k, v in pool_env.items()})
     return env
 
@@ -141,7 +145,7 @@ def container_argv(
     ``mounts``: host paths bound read-only at the same path (a secret file among them is
     read there by name: its content never reaches argv); ``shared``: host directories bound
     read-write at the same path (state containers of one host share, e.g. Ray's session
-    directory); ``secret_env``: variables passed by name only from the unit's root-only
+    directory; the host's engine cache when ``env`` points there); ``secret_env``: variables passed by name only from the unit's root-only
     ``EnvironmentFile=`` (the API key), never in the plan's env."""
     assert dep.image is not None
     argv = [DOCKER, "run", "--rm", "--name", name, "--network", "host", "--ipc", "host"]
@@ -156,7 +160,8 @@ def container_argv(
     paths = sorted({dep.serve_path, dep.checkpoint_path, *mounts})
     for path in paths:
         argv += ["-v", f"{path}:{path}:ro"]
-    for path in sorted(set(shared)):
+    cache = engine_cache.cache_dir_of(env)
+    for path in sorted({*shared, *([cache] if cache else [])}):
         argv += ["-v", f"{path}:{path}"]
     for key in sorted({*env, *secret_env}):
         argv += ["-e", key]  # value comes from the unit's Environment=, not argv
