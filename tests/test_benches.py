@@ -37,7 +37,7 @@ def test_bench_short_mode_prints_its_ratios(bench: str) -> None:
     if bench in NEEDS_ROOT and os.geteuid() != 0:
         pytest.skip("this bench needs root (sandbox hosts, cache drops or apt)")
     out = subprocess.run([sys.executable, f"bench/{bench}", "--short"], cwd=ROOT, capture_output=True, text=True,
-                         stdin=subprocess.DEVNULL, timeout=3600 if bench in REAL_ENGINE else 900)
+                         stdin=subprocess.DEVNULL, timeout=900)
     lines = out.stdout.strip().splitlines()
     assert out.returncode == 0 and lines, f"{bench} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     assert RATIOS.match(lines[-1]), f"{bench} ended with {lines[-1]!r}"
