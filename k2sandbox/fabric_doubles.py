@@ -31,6 +31,11 @@ What the files hold, and where each value's form comes from:
 ('4: ACTIVE', '5: LinkUp', '400 Gb/sec (4X NDR)', 'InfiniBand')
 >>> down().state, roce().gids[3]
 ('1: DOWN', ('0000:0000:0000:0000:0000:ffff:0a00:000b', 'RoCE v2', 'ens10f0np0'))
+
+A rehearsal (``k2fleet rehearse``) lays on every sandbox host the tree its inventory declares
+(:func:`host_spec`, :func:`devices_of`: the ``k2_ib_hcas`` devices, their ports ACTIVE, of
+``k2_ib_link_layer`` and ``k2_ib_rate_gbps``, a RoCE v2 GID at ``k2_ib_gid_index``), with the
+ports ``--fabric-down HOST:HCA:PORT`` names DOWN (:func:`down`).
 """
 
 from __future__ import annotations
@@ -130,6 +135,65 @@ def healthy(names: list[str] | tuple[str, ...], port: PortDouble | None = None) 
 def write_host_doubles(upper: Path, devices: dict[str, PortDouble | dict[int, PortDouble]]) -> Path:
     """Lay the tree at :data:`DOUBLE_DIR` in a sandbox host's overlay upper dir (before it boots)."""
     return write_tree(upper / DOUBLE_DIR.lstrip("/"), devices)
+
+
+# ``rate`` as the kernel prints it for a 4X link of each speed (drivers/infiniband/core/sysfs.c
+# rate_show: the IB_RATE's Gb/s and the width/speed names of ib_width_enum_to_int / speed)
+RATES = {100: "100 Gb/sec (4X EDR)", 200: "200 Gb/sec (4X HDR)", 400: "400 Gb/sec (4X NDR)",
+         800: "800 Gb/sec (4X XDR)"}
+
+
+def host_spec(hcas: list[str] | tuple[str, ...], link_layer: str | None = None, rate_gbps: int | None = None,
+              gid_index: int | None = None, down_ports: list[tuple[str, int]] | tuple = ()) -> dict[str, object]:
+    """The JSON description of one sandbox host's RDMA devices (what :func:`k2sandbox.nspawn.up`
+    records and :func:`devices_of` lays): its inventory's fabric keys and the ports to show DOWN.
+
+    >>> host_spec(["mlx5_0", "mlx5_1:1"], "InfiniBand", 400, down_ports=[("mlx5_1", 1)])["down"]
+    [['mlx5_1', 1]]
+    """
+    return {"hcas": list(hcas), "link_layer": link_layer, "rate_gbps": rate_gbps, "gid_index": gid_index,
+            "down": sorted([device, int(port)] for device, port in down_ports)}
+
+
+def ports_of(hca: str) -> tuple[str, list[int]]:
+    """(device, its ports in the double) of one ``k2_ib_hcas`` entry: port 1, and the port an
+    ``HCA:PORT`` entry names.
+
+    >>> ports_of("mlx5_0"), ports_of("mlx5_1:2")
+    (('mlx5_0', [1]), ('mlx5_1', [1, 2]))
+    """
+    device, _, port = hca.partition(":")
+    return device, sorted({1, int(port)} if port else {1})
+
+
+def devices_of(spec: dict[str, object]) -> dict[str, dict[int, PortDouble]]:
+    """The devices a host of ``spec`` (:func:`host_spec`) has: every port healthy as the
+    inventory declares it (InfiniBand unless ``link_layer`` is Ethernet; the rate of
+    ``rate_gbps``, NDR when unset; on Ethernet a RoCE v2 GID at ``gid_index`` too), the ``down``
+    ones :func:`down`.
+
+    >>> tree = devices_of(host_spec(["mlx5_0", "mlx5_1"], "InfiniBand", 200, down_ports=[("mlx5_1", 1)]))
+    >>> tree["mlx5_0"][1].rate, tree["mlx5_0"][1].state, tree["mlx5_1"][1].state
+    ('200 Gb/sec (4X HDR)', '4: ACTIVE', '1: DOWN')
+    >>> sorted(devices_of(host_spec(["mlx5_0"], "Ethernet", gid_index=5))["mlx5_0"][1].gids)
+    [0, 1, 2, 3, 5]
+    """
+    rate_gbps = spec.get("rate_gbps")
+    rate = RATES[min((r for r in RATES if r >= int(rate_gbps)), default=max(RATES))] if rate_gbps else RATES[400]
+    if spec.get("link_layer") == "Ethernet":
+        port = replace(roce(), rate=rate)
+        gid_index = spec.get("gid_index")
+        if gid_index is not None and gid_index not in port.gids:
+            port = replace(port, gids={**port.gids, int(gid_index): port.gids[3]})
+    else:
+        port = replace(PortDouble(), rate=rate)
+    off = {(str(device), int(number)) for device, number in spec.get("down", [])}  # type: ignore[union-attr]
+    devices: dict[str, dict[int, PortDouble]] = {}
+    for hca in spec.get("hcas", []):  # type: ignore[union-attr]
+        device, numbers = ports_of(str(hca))
+        for number in numbers:
+            devices.setdefault(device, {})[number] = down() if (device, number) in off else port
+    return devices
 
 
 def sysfs_tree_of(path: str | os.PathLike[str]) -> dict[str, list[str]]:

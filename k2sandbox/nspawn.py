@@ -35,7 +35,10 @@ timestamps still compare across hosts.
 
 Simulated hardware: ``up(..., hardware=simulated_hardware("h200", 8))`` writes the GPU
 description the NVIDIA/AMD TEST DOUBLE packages read to every host's
-``/etc/k2fleet-doubles/gpus.json`` (:data:`HARDWARE_FILE`) before it boots.
+``/etc/k2fleet-doubles/gpus.json`` (:data:`HARDWARE_FILE`) before it boots; ``up(...,
+fabric=[spec, ...])`` lays, per host, the TEST DOUBLE ``/sys/class/infiniband`` tree of
+:func:`k2sandbox.fabric_doubles.devices_of` at ``/etc/k2fleet-doubles/infiniband`` (the host
+probe reads it there), so each host may have its own ports (one DOWN, say).
 
 Inventories: ``inventories/sandbox.py`` (every host) and
 ``inventories/sandbox-trtllm-mpi.py`` (the first 2) take their hosts from ``hosts.json``
@@ -904,23 +907,36 @@ def lock_env(handle) -> dict[str, str]:
     return {LOCK_FD_ENV: str(handle.fileno())}
 
 
-def _is_up(state_dir: Path, n: int, hardware: dict[str, object] | None = None) -> bool:
-    """True if exactly ``n`` recorded hosts, booted with ``hardware``, have a live
+def recorded_fabric(state_dir: Path = DEFAULT_STATE_DIR) -> list[dict[str, object] | None]:
+    """Per recorded host, the RDMA double it was booted with (a :func:`k2sandbox.fabric_doubles.host_spec`; None: none)."""
+    return [entry.get("fabric") for entry in _host_entries(state_dir)]
+
+
+def _is_up(state_dir: Path, n: int, hardware: dict[str, object] | None = None,
+           fabric: list[dict[str, object] | None] | None = None) -> bool:
+    """True if exactly ``n`` recorded hosts, booted with ``hardware`` and ``fabric``, have a live
     supervised nspawn and answer on :22."""
-    if recorded_hardware(state_dir) != [hardware] * n:
+    if recorded_hardware(state_dir) != [hardware] * n or recorded_fabric(state_dir) != (fabric or [None] * n):
         return False
     return all(entry["running"] and entry["supervised"] and entry["ssh"] for entry in status(state_dir))
 
 
 def up(n: int, state_dir: Path = DEFAULT_STATE_DIR, docker: bool = True,
-       hardware: dict[str, object] | None = None) -> list[SandboxHost]:
+       hardware: dict[str, object] | None = None,
+       fabric: list[dict[str, object] | None] | None = None) -> list[SandboxHost]:
     """Bring up ``n`` sandbox hosts (no-op if exactly those are already up), each with
-    ``hardware`` (:func:`simulated_hardware`) at :data:`HARDWARE_FILE` if given."""
+    ``hardware`` (:func:`simulated_hardware`) at :data:`HARDWARE_FILE` if given, and the i-th
+    with the RDMA TEST DOUBLE tree of ``fabric[i]`` (:func:`k2sandbox.fabric_doubles.host_spec`;
+    None: no RDMA device) if given."""
+    from k2sandbox import fabric_doubles
+
     _require_root()
     if not 1 <= n <= MAX_HOSTS:
         raise SandboxError(f"host count must be 1..{MAX_HOSTS}, got {n}")
+    if fabric is not None and len(fabric) != n:
+        raise SandboxError(f"fabric describes {len(fabric)} hosts, booting {n}")
     state_dir = state_dir.resolve()
-    if _is_up(state_dir, n, hardware):
+    if _is_up(state_dir, n, hardware, fabric):
         return load_hosts(state_dir)
     ensure_tools()
     down(state_dir)
@@ -937,6 +953,9 @@ def up(n: int, state_dir: Path = DEFAULT_STATE_DIR, docker: bool = True,
         hostkey = prepare_upper(paths["hosts"] / host_name(index) / "upper", index, n, pubkey)
         if hardware is not None:
             write_hardware(paths["hosts"] / host_name(index) / "upper", hardware)
+        if fabric is not None and fabric[index - 1] is not None:
+            fabric_doubles.write_host_doubles(paths["hosts"] / host_name(index) / "upper",
+                                              fabric_doubles.devices_of(fabric[index - 1]))
         known.append(f"{host_address(index)} {hostkey}\n")
         hosts.append(SandboxHost(host_name(index), host_address(index), "root", str(key),
                                  str(paths["known_hosts"])))
@@ -950,7 +969,9 @@ def up(n: int, state_dir: Path = DEFAULT_STATE_DIR, docker: bool = True,
     except BaseException:
         down(state_dir)
         raise
-    entries = [{**asdict(h), **({"hardware": hardware} if hardware is not None else {})} for h in hosts]
+    entries = [{**asdict(h), **({"hardware": hardware} if hardware is not None else {}),
+                **({"fabric": fabric[i]} if fabric is not None and fabric[i] is not None else {})}
+               for i, h in enumerate(hosts)]
     _write(paths["hosts_json"], json.dumps(entries, indent=2) + "\n")
     return hosts
 

@@ -16,7 +16,15 @@ the sandbox fleet before touching a real one.
      (``k2_checkpoint_source=control:DIR``, ``k2_checkpoint_bytes`` its real size), and
      for GGUF engines synthetic ``.gguf`` files of ``k2_gguf_repo`` matching
      ``k2_gguf_pattern`` (``k2_gguf_source=control:DIR``),
-     ``k2_package_source=bundle``, a modest ``k2_health_timeout`` and no IB HCAs.
+     ``k2_package_source=bundle`` and a modest ``k2_health_timeout``.
+
+   ``k2_ib_hcas`` is kept: every host listing HCAs boots with a TEST DOUBLE
+   ``/sys/class/infiniband`` tree of them (:mod:`k2sandbox.fabric_doubles`, every port ACTIVE
+   as ``k2_ib_link_layer``/``k2_ib_rate_gbps``/``k2_ib_gid_index`` declare it), so the fabric
+   gate runs on it; ``--fabric-down HOST:HCA:PORT`` (repeatable) shows that port DOWN on that
+   inventory host, and the preflight stops the deploy before any change. The first lines
+   name every value changed and the fabric doubles laid (a ``--bundle`` rehearsal is
+   planned without HCAs, as its bundle was).
 
 4. The deploy's health role waits for every health gate; the deploy runs a second time and
    its changes are read from pyinfra's ``--json`` (:mod:`k2sandbox.pyinfra_cli`).
@@ -105,6 +113,7 @@ from k2sandbox.pyinfra_cli import DEPLOY_FILE, ROOT, run_pyinfra, tool
 from k2fleet.hostprogs.health import counter
 from k2fleet.inventory.spec import SpecError
 from k2sandbox.checkpoint_cache import gguf_file_names, rehearsal_checkpoint, rehearsal_gguf
+from k2sandbox import fabric_doubles
 
 HEALTH_TIMEOUT_S = 120
 REAL_HEALTH_TIMEOUT_S = 900  # the real engine: a venv install, then vLLM's start on a shared 2-core machine
@@ -293,8 +302,6 @@ def sandbox_data(dep: Deployment, checkpoint: Path, size: int, gguf: Path | None
     }
     if gguf is not None:
         data["k2_gguf_source"] = f"control:{gguf}"
-    if any(h.settings.ib_hcas for h in dep.fleet.hosts):
-        data["k2_ib_hcas"] = []  # sandbox hosts have no InfiniBand HCAs
     if dep.s.checkpoint_fetcher not in ("control", "auto"):  # a fetcher host downloads from the Hub, which the sandbox lacks
         # (auto: a control: source is the control machine's already)
         data["k2_checkpoint_fetcher"] = "control"  # the synthetic copy comes from the control machine instead
@@ -328,7 +335,7 @@ CHANGE_REASONS = {
     "k2_checkpoint_bytes": "the rehearsal checkpoint's size",
     "k2_package_source": "packages from the offline bundle: sandbox hosts have no route out",
     "k2_health_timeout": "capped for the sandbox",
-    "k2_ib_hcas": "sandbox hosts have no InfiniBand HCAs",
+    "k2_ib_hcas": "a rehearsal bundle is planned without HCAs",
     "k2_bundle": "--bundle",
 }
 
@@ -358,6 +365,76 @@ def changed_values(dep: Deployment, overlay: Mapping[str, Any], given: Mapping[s
         was = (f"unset ({DEFAULT_OS})" if key == "k2_os" else "unset") if old is None else repr(old)
         lines.append(f"{key}: {was} -> {new!r} ({CHANGE_REASONS.get(key, 'the sandbox')})")
     return lines
+
+
+class FabricDownError(ValueError):
+    """A ``--fabric-down`` that names no port of the inventory."""
+
+
+def parse_fabric_down(dep: Deployment, items: Sequence[str]) -> dict[str, list[tuple[str, int]]]:
+    """``--fabric-down HOST:HCA:PORT`` items → inventory host → (device, port) to show DOWN;
+    each must name a port the host's TEST DOUBLE tree has (:func:`k2sandbox.fabric_doubles.ports_of`
+    of its ``k2_ib_hcas``).
+
+    >>> from types import SimpleNamespace as N
+    >>> dep = N(fleet=N(hosts=[N(name="h200-1", settings=N(ib_hcas=("mlx5_0", "mlx5_3:1")))]))
+    >>> parse_fabric_down(dep, ["h200-1:mlx5_3:1"])
+    {'h200-1': [('mlx5_3', 1)]}
+    >>> parse_fabric_down(dep, ["h200-1:mlx5_9:1"])
+    Traceback (most recent call last):
+    ...
+    k2sandbox.rehearse.FabricDownError: --fabric-down h200-1:mlx5_9:1: h200-1 lists no HCA mlx5_9 in k2_ib_hcas (mlx5_0, mlx5_3:1)
+    """
+    hosts = {h.name: h for h in dep.fleet.hosts}
+    out: dict[str, list[tuple[str, int]]] = {}
+    for item in items:
+        parts = item.rsplit(":", 2)
+        if len(parts) != 3 or not parts[2].isdigit():
+            raise FabricDownError(f"--fabric-down wants HOST:HCA:PORT, got {item!r}")
+        host, device, port = parts
+        if host not in hosts:
+            raise FabricDownError(f"--fabric-down {item}: no host {host!r} in the inventory ({', '.join(hosts)})")
+        hcas = hosts[host].settings.ib_hcas
+        ports = {d: numbers for d, numbers in (fabric_doubles.ports_of(h) for h in hcas)}
+        if device not in ports:
+            raise FabricDownError(f"--fabric-down {item}: {host} lists no HCA {device} in k2_ib_hcas "
+                                  f"({', '.join(hcas) or 'none'})")
+        if int(port) not in ports[device]:
+            raise FabricDownError(f"--fabric-down {item}: the double of {device} has ports "
+                                  f"{', '.join(map(str, ports[device]))}")
+        out.setdefault(host, []).append((device, int(port)))
+    return out
+
+
+def fabric_specs(dep: Deployment, names: Sequence[str], down: Mapping[str, list[tuple[str, int]]]) -> list[dict[str, Any] | None]:
+    """Per inventory host (``names`` order), its RDMA TEST DOUBLE (:func:`k2sandbox.fabric_doubles.host_spec`
+    of its own fabric keys and ``down`` ports), None where it lists no HCA."""
+    hosts = {h.name: h for h in dep.fleet.hosts}
+    specs: list[dict[str, Any] | None] = []
+    for name in names:
+        s = hosts[name].settings
+        specs.append(fabric_doubles.host_spec(s.ib_hcas, s.ib_link_layer, s.ib_rate_gbps, s.ib_gid_index,
+                                              down.get(name, ())) if s.ib_hcas else None)
+    return specs
+
+
+def fabric_lines(dep: Deployment, names: Sequence[str], specs: Sequence[dict[str, Any] | None]) -> list[str]:
+    """What the rehearsal says of the fabric doubles, in its first lines: the HCAs kept, per
+    group of hosts alike, and every port shown DOWN."""
+    groups: dict[str, list[str]] = {}
+    downs = []
+    for name, spec in zip(names, specs):
+        if spec is None:
+            continue
+        rate = f", {spec['rate_gbps']} Gb/s" if spec["rate_gbps"] else ""
+        what = (f"k2_ib_hcas {','.join(spec['hcas'])} ({spec['link_layer'] or 'InfiniBand'}{rate}"
+                + (f", RoCE v2 GID {spec['gid_index']}" if spec["gid_index"] is not None else "") + ")")
+        groups.setdefault(what, []).append(name)
+        downs += [f"fabric double: {name} {device} port {port} DOWN (--fabric-down; state 1: DOWN, phys_state 2: Polling)"
+                  for device, port in spec["down"]]
+    lines = [f"keeps {what} on {', '.join(hosts)}: TEST DOUBLE /sys/class/infiniband trees at "
+             f"{fabric_doubles.DOUBLE_DIR} on the sandbox hosts, every port ACTIVE" for what, hosts in groups.items()]
+    return lines + downs
 
 
 def real_engine_refusal(dep: Deployment) -> str | None:
@@ -652,13 +729,15 @@ def bundle_data(dep: Deployment, bundle: Path) -> dict[str, Any]:
 
 
 def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: TextIO = sys.stdout,
-             bundle: Path | None = None, offline: bool = False, engine: str = "doubles") -> int:
+             bundle: Path | None = None, offline: bool = False, engine: str = "doubles",
+             fabric_down: Sequence[str] = ()) -> int:
     """The ``k2fleet rehearse`` command; SpecError (exit 2) before anything is booted.
 
     ``bundle``: deploy from that ``k2fleet bundle --rehearsal`` directory alone
     (``k2_bundle``); ``offline``: run the deploy (pyinfra and its control step) in a
     network namespace whose only link is the sandbox bridge; ``engine``: ``doubles`` (the engine
-    TEST DOUBLES) or ``real`` (vLLM's CPU build: :func:`real_engine_data`)."""
+    TEST DOUBLES) or ``real`` (vLLM's CPU build: :func:`real_engine_data`); ``fabric_down``:
+    ``HOST:HCA:PORT`` ports shown DOWN in those inventory hosts' RDMA doubles (:func:`parse_fabric_down`)."""
     overrides = parse_data_overrides(list(data))
     hosts = inventory_host_data(inventory, overrides)
     try:
@@ -688,6 +767,14 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
             return 2
     if missing:
         sys.stderr.write(f"rehearse: {inventory} needs {missing} in sandbox hosts, not supported yet\n")
+        sys.stderr.flush()
+        return 2
+    try:
+        down = parse_fabric_down(dep, fabric_down)
+        if down and bundle is not None:
+            raise FabricDownError("--fabric-down with --bundle: a rehearsal bundle is planned without HCAs")
+    except FabricDownError as exc:
+        sys.stderr.write(f"rehearse: {inventory}: {exc}\n")
         sys.stderr.flush()
         return 2
     groups = inventory_groups(inventory)
@@ -733,6 +820,9 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         checkpoint = bundle.resolve() / checkpoint_rel(dep.s.model, dep.s.revision)  # (a Slurm site's shared storage)
     for line in changed_values(dep, {**fleet_data, **slurm_overlay}, overrides):  # the first lines: what changes
         say(f"rehearse {inventory}: changes {line}")
+    fabric = fabric_specs(dep, names, down) if "k2_ib_hcas" not in fleet_data else [None] * len(names)
+    for line in fabric_lines(dep, names, fabric):
+        say(f"rehearse {inventory}: {line}")
     work = Path(tempfile.mkdtemp(prefix="k2rehearse-"))
     booted = False
     company: company_network.CompanyNetwork | None = None
@@ -750,7 +840,8 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         booted = True
         sb_hosts = sandbox.up(len(names) + computes + (1 if hop else 0),
                               docker=dep.runtime == "container" and job is None,
-                              hardware=sandbox.simulated_hardware(dep.gpu.name, dep.gpus_per_node))
+                              hardware=sandbox.simulated_hardware(dep.gpu.name, dep.gpus_per_node),
+                              fabric=[*([None] if hop else []), *fabric, *[None] * computes])
         bastion = sb_hosts[0] if hop else None
         if hop:
             sb_hosts = sb_hosts[1:]

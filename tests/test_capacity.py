@@ -199,3 +199,12 @@ def test_engine_flags_count(tmp_path: Path) -> None:
     assert fp8.kv_bytes_per_token == 35_136
     low = serve_capacity(write_inventory(tmp_path / "low", k2_engine_args={"gpu-memory-utilization": 0.8}))
     assert low.fraction == 0.8
+
+
+def test_ktransformers_plan_says_its_capacity_is_unverified() -> None:
+    """#34: every engine's prediction is verified against a cited log line or the plan says it is
+    not; KTransformers gets none (experts in host RAM), and its plan says so."""
+    dep, _ = load_plan(str(REPO / "inventories/ktransformers.py"))
+    assert dep.capacity == {}
+    assert any(n.startswith("ktransformers: no KV cache prediction") and n.endswith("capacity unverified")
+               for n in dep.notes), dep.notes

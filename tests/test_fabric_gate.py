@@ -49,7 +49,8 @@ def test_active_ports_pass(tmp_path: Path) -> None:
 
 
 def test_a_down_port_is_refused_naming_hca_and_port(tmp_path: Path) -> None:
-    dep, entry = entry_of(tmp_path)
+    """Only its state: the rate a DOWN port reads (10 Gb/sec SDR) is not a link trained down."""
+    dep, entry = entry_of(tmp_path, k2_ib_rate_gbps=400)
     report = probe(tmp_path, fd.healthy(HCAS) | {"mlx5_1": fd.down()})
     problems = check_host(dep, entry, report, checkpoint_present=True)
     assert problems == ["HCA mlx5_1 port 1 is DOWN (physical state 2: Polling), needs ACTIVE: check the cable, "

@@ -391,6 +391,28 @@ def module_version(module: str, simulated: bool) -> str | None:
     return _read(f"/sys/module/{module}/version") or "loaded"
 
 
+NVIDIA_PROC = "/proc/driver/nvidia"  # the loaded NVIDIA module's own files (version, params)
+NVIDIA_PARAMS = ("EnableStreamMemOPs", "RegistryDwords")  # DeepEP's IBGDA option ([deepep] in os_tables)
+RDMA_MODULES = ("nvidia_peermem", "gdrdrv")  # GPUDirect RDMA (legacy) and GDRCopy (os_tables [nvidia-peermem], [gdrcopy])
+
+
+def nvidia_driver(simulated: bool, proc: str = NVIDIA_PROC) -> dict:
+    """What GPUDirect RDMA depends on in the loaded NVIDIA module: ``open`` (True: the open
+    kernel modules, whose ``version`` file reads ``NVIDIA UNIX Open Kernel Module``; False: the
+    proprietary ones; None: no module loaded, or a sandbox host) and ``params``: the
+    :data:`NVIDIA_PARAMS` lines of its ``params`` file (``EnableStreamMemOPs: 1``,
+    ``RegistryDwords: "PeerMappingOverride=1;"``), each capped."""
+    if simulated:
+        return {"open": None, "params": {}}
+    version = _read(f"{proc}/version")
+    params = {}
+    for line in (_read(f"{proc}/params") or "").splitlines()[:400]:
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in NVIDIA_PARAMS:
+            params[key.strip()] = value.strip()[:200]
+    return {"open": None if version is None else "Open Kernel Module" in version.splitlines()[0], "params": params}
+
+
 def os_release() -> dict:
     out = {}
     for line in (_read("/etc/os-release") or "").splitlines():
@@ -515,7 +537,8 @@ def bootstrap_state(query: dict, dpkg=None) -> dict:
         "kernel": os.uname().release,
         "secure_boot": secure_boot(),
         "hardware": hw,
-        "modules": {m: module_version(m, hw["simulated"]) for m in ("nvidia", "amdgpu")},
+        "modules": {m: module_version(m, hw["simulated"]) for m in ("nvidia", "amdgpu", *RDMA_MODULES)},
+        "nvidia_driver": nvidia_driver(hw["simulated"]),
         "nouveau": os.path.isdir("/sys/module/nouveau"),
         "package_versions": package_versions(query.get("package_versions", []), dpkg),
         "holds": holds(dpkg),

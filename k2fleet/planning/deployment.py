@@ -230,7 +230,7 @@ def _check_model(fleet: Fleet) -> tuple[int, str, bool]:
 def _check_model_serving(fleet: Fleet, gpu: catalog.GpuType | None, version: str) -> list[str]:
     """The catalog's engines, minimum versions and GPU families for ``k2_model`` (one line
     naming the key when this deployment cannot serve it); returns the plan's notes on what
-    the catalog does not know."""
+    the catalog does not know and on a capacity k2fleet does not predict (KTransformers)."""
     s = fleet.settings
     known = catalog.CHECKPOINTS.get(s.model)
     if known is None:
@@ -258,6 +258,9 @@ def _check_model_serving(fleet: Fleet, gpu: catalog.GpuType | None, version: str
         notes.append(f"{s.model}: no KV cache prediction — its {', '.join(u for u in known.unknown if u in ('layers', 'kv_lora_rank', 'KDA state size'))} "
                      "are not in k2fleet's sources (MLA every 4th layer caches per token, the KDA layers a fixed "
                      "state per sequence); only the checkpoint size and published node shapes were checked")
+    if s.engine == "ktransformers":  # _check_fit predicts nothing: the experts live in host RAM (preflight checks it)
+        notes.append("ktransformers: no KV cache prediction (the routed experts run from host RAM and KTransformers "
+                     "sizes its GPU KV cache itself): capacity unverified")
     if known.heads is None:
         notes.append(f"{s.model}: its attention heads are not in k2fleet's sources; k2_tp was not checked against them")
     if known.max_context is None:

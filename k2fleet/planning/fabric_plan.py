@@ -27,7 +27,8 @@ def gate_line(host: HostEntry) -> str:
     return f"{ports}: {', '.join(wants)}"
 
 
-def _deepep_hosts(dep: Deployment) -> set[str]:
+def deepep_hosts(dep: Deployment) -> set[str]:
+    """Hosts whose engine runs DeepEP (or vLLM's pplx) as its all-to-all: NVSHMEM over the HCAs."""
     names: set[str] = set()
     for pool in dep.pools.values():
         if pool.role in ("router", "slurm-submit"):
@@ -47,15 +48,26 @@ def format_fabric(dep: Deployment) -> str:
     os_name = dep.s.os or t.DEFAULT_OS
     table = t.OS_TABLES[os_name]
     out.append(f"  packages ({os_name}): {', '.join(table.rdma)}")
+    provided = dep.s.gpu_stack == "provided"
     if dep.driver is not None:
         how, why = t.gpudirect_rdma(os_name, dep.driver.branch, dep.driver.flavour == "open")
-        out.append(f"  GPUDirect RDMA: {how}: {why}")
-    deepep = _deepep_hosts(dep)
+        load = ""
+        if how == "nvidia-peermem":
+            load = ("; the fabric gate checks it is loaded (k2_gpu_stack: provided)" if provided else
+                    f"; k2fleet loads it (modprobe {t.PEERMEM_MODPROBE}, /etc/modules-load.d)")
+        out.append(f"  GPUDirect RDMA: {how}: {why}{load}")
+        if provided:
+            out.append("  (k2_gpu_stack: provided: the fabric gate decides on the host's own kernel and loaded driver)")
+    deepep = deepep_hosts(dep)
     if deepep:
+        cuda = dep.driver.cuda if dep.driver is not None else "13.0"
         out.append("  DeepEP/NVSHMEM IBGDA (DeepEP's Buffer sets NVSHMEM_IB_ENABLE_IBGDA=1 and "
                    "NVSHMEM_IBGDA_NIC_HANDLER=gpu itself): needs the driver option "
-                   f"`{t.DEEPEP_IBGDA_DRIVER_OPTION}` (then a reboot) or {t.GDRCOPY}; planned, NOT installed by "
-                   "k2fleet yet: put one in the host image [deepep third-party/README.md]")
+                   f"`{t.DEEPEP_IBGDA_DRIVER_OPTION}` (then a reboot) or GDRCopy (module {t.GDRCOPY_MODULE}: "
+                   f"{t.gdrcopy_source(os_name, table.manager, cuda)}) [deepep third-party/README.md, gdrcopy]; "
+                   + ("the fabric gate checks one is in effect" if provided else
+                      "NOT installed by k2fleet (NVIDIA publishes GDRCopy as files, not a repository): put one in "
+                      "the host image"))
     if dep.runtime == "container":
         out.append(f"  containers: {' '.join(rdma_docker_args(dep.s.simulated_gpus))} --ulimit memlock=-1 "
                    "(every engine container of these hosts)")

@@ -57,6 +57,7 @@ CTK_DNF = "https://nvidia.github.io/libnvidia-container/stable/rpm/nvidia-contai
 ROCM_KEY = "https://repo.radeon.com/rocm/rocm.gpg.key"
 IMEX_NODES = "/etc/nvidia-imex/nodes_config.cfg"
 IB_UMAD_CONF = "/etc/modules-load.d/k2fleet-ib_umad.conf"
+PEERMEM_CONF = "/etc/modules-load.d/k2fleet-nvidia-peermem.conf"  # GPUDirect RDMA by nvidia-peermem, at every boot
 CDI_SPEC = "/etc/cdi/nvidia.yaml"
 HOLD_PATTERNS = {"apt": ("nvidia-*", "libnvidia-*", "libnvsdm*"), "dnf": ("*nvidia*{branch}*",)}
 DOUBLE_REPO = "k2fleet TEST DOUBLE repository of {vendor}'s packages (k2sandbox.driver_doubles), in the offline bundle"
@@ -413,6 +414,13 @@ def bootstrap_plan(dep: Deployment, host: HostEntry, host_os: str | None = None,
         services.append("docker")
     if host.settings.ib_hcas or fabric == t.NVLINK5:
         packages += [Package(name) for name in table.rdma if not any(p.name == name for p in packages)]
+    peermem: tuple[str, ...] = ()
+    if vendor == "nvidia" and host.settings.ib_hcas and dep.driver is not None and not simulated:
+        # GPUDirect RDMA where DMA-BUF is out of reach: the driver's nvidia-peermem, loaded now and at boot
+        # (os_tables [gpu-operator-rdma], [nvidia-peermem])
+        if t.gpudirect_rdma(os_name, dep.driver.branch, dep.driver.flavour == "open")[0] == "nvidia-peermem":
+            peermem = (t.PEERMEM_MODPROBE,)
+            files[PEERMEM_CONF] = t.PEERMEM_MODPROBE + "\n"
     kernel = (table.kernel_holds or {}).get(arch, ())
     holds = tuple(p.name for p in packages if p.hold) + kernel
     if manager == "apt":
@@ -423,7 +431,7 @@ def bootstrap_plan(dep: Deployment, host: HostEntry, host_os: str | None = None,
                          services=tuple(services), files=files, commands=tuple(commands), groups=groups,
                          gates=tuple(gates), driver_package=driver_package,
                          module_load=MODULE_LOADERS[(vendor, simulated)],
-                         modprobe=() if simulated else tuple(modules), gate_expect=gate_expect)
+                         modprobe=() if simulated else tuple(modules) + peermem, gate_expect=gate_expect)
 
 
 # --------------------------------------------------------------------------- k2_gpu_stack: provided

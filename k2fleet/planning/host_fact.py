@@ -38,7 +38,8 @@ class BootState:
     kernel: str = ""
     secure_boot: bool | None = None
     hardware: dict[str, Any] = field(default_factory=dict)  # vendor, count, name, simulated
-    modules: dict[str, str | None] = field(default_factory=dict)  # loaded version of nvidia / amdgpu
+    modules: dict[str, str | None] = field(default_factory=dict)  # loaded version of nvidia / amdgpu / nvidia_peermem / gdrdrv
+    nvidia_driver: dict[str, Any] = field(default_factory=dict)  # open (modules), params (hoststate.nvidia_driver)
     nouveau: bool = False
     package_versions: dict[str, str] = field(default_factory=dict)
     holds: tuple[str, ...] = ()
@@ -48,6 +49,7 @@ class BootState:
     def from_json(cls, data: dict[str, Any]) -> "BootState":
         return cls(os=data.get("os", {}), kernel=data.get("kernel", ""), secure_boot=data.get("secure_boot"),
                    hardware=data.get("hardware", {}), modules=data.get("modules", {}),
+                   nvidia_driver=data.get("nvidia_driver") or {},
                    nouveau=bool(data.get("nouveau")), package_versions=data.get("package_versions", {}),
                    holds=tuple(data.get("holds", [])), reboot_required=tuple(data.get("reboot_required", [])))
 

@@ -590,8 +590,39 @@ DMABUF_MIN_KERNEL = (5, 12)  # [gpu-operator-rdma]
 DMABUF_MIN_BRANCH = 515  # [gpu-operator-rdma]: the open kernel modules with DMA-BUF export
 OS_KERNEL = {  # each release's GA kernel (the distributions' own; not fetched here)
     "ubuntu-22.04": (5, 15), "ubuntu-24.04": (6, 8), "debian-12": (6, 1), "rhel-9": (5, 14), "rocky-9": (5, 14)}
-GDRCOPY = "GDRCopy (gdrdrv kernel module, libgdrapi): NVIDIA's .debs/.rpms (developer.download.nvidia.com/compute/redist/gdrcopy/)"
 DEEPEP_IBGDA_DRIVER_OPTION = 'options nvidia NVreg_EnableStreamMemOPs=1 NVreg_RegistryDwords="PeerMappingOverride=1;"'
+# [gdrcopy] NVIDIA/gdrcopy: packages/build-deb-packages.sh builds gdrdrv-dkms (the gdrdrv kernel module, DKMS),
+#   libgdrapi (the library), gdrcopy-tests and the gdrcopy meta package; packages/gdrcopy.spec builds
+#   gdrcopy-kmod (DKMS), gdrcopy and gdrcopy-devel. NVIDIA publishes them prebuilt, as files (not an apt/dnf
+#   repository), under developer.download.nvidia.com/compute/redist/gdrcopy/CUDA <x.y>/<os>/<arch>/ (index pages
+#   seen: "CUDA 13.0/ubuntu24_04" gdrdrv-dkms_2.6-1_arm64.Ubuntu24_04.deb, libgdrapi_2.6-1..., "CUDA 12.0/
+#   ubuntu20_04", "CUDA 13.0/rhel10" gdrcopy-kmod-2.6-1dkms.el10.noarch.rpm). The module is gdrdrv (/dev/gdrdrv).
+# [nvidia-peermem] the driver's GPUDirect RDMA module ``nvidia-peermem.ko`` (since R470), loaded with
+#   ``modprobe nvidia-peermem``, seen as /sys/module/nvidia_peermem ([gpu-operator-rdma]: the legacy mechanism).
+GDRCOPY_PACKAGES = {"apt": ("gdrdrv-dkms", "libgdrapi", "gdrcopy-tests"),  # [gdrcopy] per package manager
+                    "dnf": ("gdrcopy-kmod", "gdrcopy")}
+GDRCOPY_REDIST = "https://developer.download.nvidia.com/compute/redist/gdrcopy/CUDA {cuda}/{os}/{arch}/"  # [gdrcopy]
+GDRCOPY_REDIST_OS = {"ubuntu-22.04": "ubuntu22_04", "ubuntu-24.04": "ubuntu24_04", "rhel-9": "rhel9",
+                     "rocky-9": "rhel9"}  # [gdrcopy] the directory names' pattern; Debian: none published (build it)
+GDRCOPY_MODULE = "gdrdrv"  # [gdrcopy] /sys/module/gdrdrv, /dev/gdrdrv
+PEERMEM_MODULE = "nvidia_peermem"  # [nvidia-peermem] /sys/module name of `modprobe nvidia-peermem`
+PEERMEM_MODPROBE = "nvidia-peermem"
+
+
+def gdrcopy_source(os_name: str, manager: str, cuda: str, arch: str = "x64") -> str:
+    """Where GDRCopy's packages for ``os_name`` come from, in words ([gdrcopy]).
+
+    >>> gdrcopy_source("ubuntu-24.04", "apt", "13.0")
+    'gdrdrv-dkms, libgdrapi, gdrcopy-tests from https://developer.download.nvidia.com/compute/redist/gdrcopy/CUDA 13.0/ubuntu24_04/x64/'
+    >>> gdrcopy_source("debian-12", "apt", "13.0")
+    'gdrdrv-dkms, libgdrapi, gdrcopy-tests: NVIDIA publishes none for debian-12 (build them: NVIDIA/gdrcopy packages/build-deb-packages.sh)'
+    """
+    names = ", ".join(GDRCOPY_PACKAGES.get(manager, GDRCOPY_PACKAGES["apt"]))
+    where = GDRCOPY_REDIST_OS.get(os_name)
+    if where is None:
+        script = "build-rpm-packages.sh" if manager == "dnf" else "build-deb-packages.sh"
+        return f"{names}: NVIDIA publishes none for {os_name} (build them: NVIDIA/gdrcopy packages/{script})"
+    return f"{names} from {GDRCOPY_REDIST.format(cuda=cuda, os=where, arch=arch)}"
 
 
 def gpudirect_rdma(os_name: str, branch: int, open_modules: bool = True) -> tuple[str, str]:
@@ -604,7 +635,24 @@ def gpudirect_rdma(os_name: str, branch: int, open_modules: bool = True) -> tupl
     >>> gpudirect_rdma("ubuntu-22.04", 570, open_modules=False)[0]
     'nvidia-peermem'
     """
-    kernel = OS_KERNEL.get(os_name, (0, 0))
+    return gpudirect_on(OS_KERNEL.get(os_name, (0, 0)), branch, open_modules)
+
+
+def kernel_of(release: str) -> tuple[int, int]:
+    """(major, minor) of a ``uname -r`` release ((0, 0): not one).
+
+    >>> kernel_of("6.8.0-45-generic"), kernel_of("5.14.0-427.el9.x86_64"), kernel_of("x")
+    ((6, 8), (5, 14), (0, 0))
+    """
+    parts = release.split("-", 1)[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return 0, 0
+
+
+def gpudirect_on(kernel: tuple[int, int], branch: int, open_modules: bool) -> tuple[str, str]:
+    """:func:`gpudirect_rdma` on a given kernel (a host's own, :func:`kernel_of`)."""
     shown = ".".join(map(str, kernel))
     if open_modules and branch >= DMABUF_MIN_BRANCH and kernel >= DMABUF_MIN_KERNEL:
         return "dma-buf", (f"open kernel modules of branch {branch} (>= {DMABUF_MIN_BRANCH}) on kernel {shown} "

@@ -81,6 +81,7 @@ def check_host(dep: Deployment, entry: HostEntry, report: HostReport, checkpoint
         problems.append(f"k2_nic {nic} does not exist (NICs: {', '.join(sorted(report.nics))})")
     if serves_gpus:  # a router's or SLURM submit host's k2_ib_hcas (set fleet-wide) carry no NCCL/NVSHMEM traffic
         problems += check_fabric(entry, report, sandbox=s.simulated_gpus)
+        problems += check_gpudirect(dep, entry, report)
     problems += check_fleet_address(entry, report.nics)
     return problems
 
@@ -176,7 +177,7 @@ def port_problems(entry: HostEntry, device: str, number: str, port: dict) -> lis
     if s.ib_link_layer and layer != s.ib_link_layer:
         problems.append(f"{where} link layer is {_shown(layer or 'unreadable')}, k2_ib_link_layer is {s.ib_link_layer}")
     rate = rate_gbps(port.get("rate", ""))
-    if s.ib_rate_gbps and (rate is None or rate < s.ib_rate_gbps):
+    if s.ib_rate_gbps and state == IB_ACTIVE and (rate is None or rate < s.ib_rate_gbps):  # a down port has no rate
         problems.append(f"{where} runs at {_shown(port.get('rate') or 'an unreadable rate')}, below k2_ib_rate_gbps "
                         f"{s.ib_rate_gbps}: a link trained down (cable, transceiver or switch port)")
     if layer == "Ethernet":
@@ -219,4 +220,67 @@ def check_fabric(entry: HostEntry, report: HostReport, sandbox: bool = False) ->
                                 f"{', '.join(_shown(p) for p in sorted(ports, key=_port_order))})")
             else:
                 problems += port_problems(entry, device, number, ports[number])
+    return problems
+
+
+def _param_on(params: dict[str, str], key: str, word: str | None = None) -> bool:
+    """Is ``key`` of /proc/driver/nvidia/params set to 1 (or, with ``word``, does its string set ``word=1``)?
+
+    >>> _param_on({"EnableStreamMemOPs": "1"}, "EnableStreamMemOPs")
+    True
+    >>> _param_on({"RegistryDwords": '"PeerMappingOverride=0x1;"'}, "RegistryDwords", "PeerMappingOverride")
+    True
+    >>> _param_on({"RegistryDwords": '""'}, "RegistryDwords", "PeerMappingOverride")
+    False
+    """
+    value = params.get(key, "").strip().strip('"')
+    if word is None:
+        return value == "1"
+    for item in value.split(";"):
+        name, _, number = item.partition("=")
+        if name.strip() == word:
+            try:
+                return int(number.strip(), 0) == 1
+            except ValueError:
+                return False
+    return False
+
+
+def check_gpudirect(dep: Deployment, entry: HostEntry, report: HostReport) -> list[str]:
+    """GPUDirect RDMA on a host whose GPU stack is provided (``k2_gpu_stack: provided``; with
+    ``install`` k2fleet loads nvidia-peermem itself where needed) and that lists HCAs: on the
+    host's own kernel and loaded driver, DMA-BUF (open modules >= 515, kernel >= 5.12) or
+    else the driver's nvidia-peermem module loaded; where the engine runs DeepEP, NVSHMEM's
+    IBGDA prerequisite: GDRCopy's gdrdrv module loaded, or the driver option
+    (``EnableStreamMemOPs=1``, ``PeerMappingOverride=1``) in effect. Sources:
+    :mod:`k2fleet.planning.os_tables` [gpu-operator-rdma], [nvidia-peermem], [gdrcopy], [deepep].
+    Nothing to read without HCAs, on a sandbox host or before an NVIDIA module is loaded."""
+    from k2fleet.planning import os_tables as t
+    from k2fleet.planning.fabric_plan import deepep_hosts
+
+    boot = report.boot
+    loaded = boot.modules.get("nvidia")
+    if (not entry.settings.ib_hcas or dep.s.gpu_stack != "provided" or dep.s.simulated_gpus or boot.simulated
+            or dep.gpu is None or dep.gpu.vendor != "nvidia" or not loaded):
+        return []
+    problems = []
+    open_modules = boot.nvidia_driver.get("open")
+    branch = t.version_key(loaded)[0] if loaded[:1].isdigit() else 0
+    kernel = t.kernel_of(boot.kernel)
+    how, _ = t.gpudirect_on(kernel, branch, bool(open_modules))
+    if how == "nvidia-peermem" and not boot.modules.get(t.PEERMEM_MODULE):
+        found = f"{'open' if open_modules else 'proprietary'} modules of branch {branch} on kernel {kernel[0]}.{kernel[1]}"
+        problems.append(f"GPUDirect RDMA: the {t.PEERMEM_MODPROBE} module is not loaded ({found}: "
+                        f"DMA-BUF needs open modules >= {t.DMABUF_MIN_BRANCH} on kernel >= 5.12): modprobe "
+                        f"{t.PEERMEM_MODPROBE}, or run the open modules")
+    params = boot.nvidia_driver.get("params") or {}
+    option = _param_on(params, "EnableStreamMemOPs") and _param_on(params, "RegistryDwords", "PeerMappingOverride")
+    if entry.name in deepep_hosts(dep) and not boot.modules.get(t.GDRCOPY_MODULE) and not option:
+        table = t.OS_TABLES.get(entry.settings.os or t.DEFAULT_OS)
+        manager = table.manager if table is not None else "apt"
+        cuda = dep.driver.cuda if dep.driver is not None else "13.0"
+        problems.append(f"DeepEP's NVSHMEM IBGDA: GDRCopy's {t.GDRCOPY_MODULE} module is not loaded and the driver "
+                        f"option is not in effect (/proc/driver/nvidia/params): install GDRCopy "
+                        f"({t.gdrcopy_source(entry.settings.os or t.DEFAULT_OS, manager, cuda)}), or set "
+                        f"`{t.DEEPEP_IBGDA_DRIVER_OPTION}` and reboot")
     return problems
