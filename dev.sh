@@ -36,7 +36,9 @@ case "${1:-}" in
   test)
     setup
     shift
-    python -m pytest -q -p no:cacheprovider --durations=30 "$@"
+    # two workers: the sandbox stream (and what shares the machine with it: tests/conftest.py
+    # SERIAL_MODULES) in one, in order; every other test beside it in the other
+    python -m pytest -q -p no:cacheprovider --durations=30 -n 2 --dist loadgroup "$@"
     ;;
   *)
     echo "usage: $0 demo|test" >&2

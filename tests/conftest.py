@@ -26,12 +26,30 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+# Modules whose tests change or take what the whole machine shares beyond the sandbox lock (local
+# users and sudoers, the control machine's apt and dpkg, the engine and checkpoint caches built on
+# first use, the real vLLM's CPU time): under ``pytest -n 2 --dist loadgroup`` (dev.sh test) they
+# run in the one "serial" worker with every sandbox test, one at a time; the rest run beside them.
+SERIAL_MODULES = {
+    "test_sudo_uploads", "test_local_users", "test_squatter", "test_airgap", "test_aptroot", "test_bundle",
+    "test_package_mirror", "test_real_vllm", "test_benches", "test_gate_outside_checkout", "test_relay",
+    "test_relay_trust", "test_relay_hostile", "test_checkpoint_fleet", "test_company_network", "test_ktransformers",
+    "test_container_image", "test_doubles", "test_nvidia_doubles", "test_dry_run",
+}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that asks for the sandbox fleet is a ``sandbox`` test, marked or not (so that
-    ``-m "not sandbox"`` never boots or takes down the fleet another run is using)."""
+    ``-m "not sandbox"`` never boots or takes down the fleet another run is using). Sandbox,
+    real-engine and :data:`SERIAL_MODULES` tests share one xdist group (one worker, in order)."""
     for item in items:
         if "sandbox_fleet" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.sandbox)
+        module = getattr(item, "module", None)
+        name = module.__name__.rsplit(".", 1)[-1] if module is not None else ""
+        if item.get_closest_marker("sandbox") or item.get_closest_marker("real_engine") or name in SERIAL_MODULES \
+                or name.startswith("test_rehearse") or "sandbox" in name:
+            item.add_marker(pytest.mark.xdist_group("serial"))
 
 
 @pytest.hookimpl(hookwrapper=True)
