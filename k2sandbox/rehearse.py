@@ -126,7 +126,6 @@ REAL_TOOL = {"type": "function", "function": {
 DEPLOY_TIMEOUT_S = 1200
 PROBE_TIMEOUT_S = 30
 SLURM_MAX_HOSTS = 16  # login + compute hosts of a Slurm rehearsal (memory of the 2-core, 24 GiB machine)
-MULTI_HOST_CONTAINER_ENGINES = ("trtllm",)  # engines whose containers across hosts rehearse (mpirun between them)
 CONNECTION_KEYS = ("ssh_hostname", "ssh_user", "ssh_key", "ssh_known_hosts_file", "ssh_strict_host_key_checking")
 
 
@@ -151,7 +150,8 @@ def unsupported(dep: Deployment, plan: Plan) -> str | None:
         if hosts > SLURM_MAX_HOSTS:
             return f"{hosts} hosts (login + Slurm compute nodes; the sandbox boots at most {SLURM_MAX_HOSTS})"
         return None
-    if dep.runtime == "container" and len(dep.fleet.hosts) > 1 and dep.engine not in MULTI_HOST_CONTAINER_ENGINES:
+    # engines whose containers across hosts rehearse: those meeting through mpirun between them (TensorRT-LLM)
+    if dep.runtime == "container" and len(dep.fleet.hosts) > 1 and not dep.engine_impl.launches_with_mpirun:
         return f"{dep.engine} in containers across hosts (only TensorRT-LLM's mpirun between containers is rehearsed)"
     if dep.s.gguf_repo and gguf_file_names(dep.s.gguf_pattern, dep.s.gguf_repo) is None:
         return f"GGUF files matching k2_gguf_pattern {dep.s.gguf_pattern!r} (no synthetic .gguf name matches it)"
@@ -160,10 +160,8 @@ def unsupported(dep: Deployment, plan: Plan) -> str | None:
 
 def slurm_job_config(dep: Deployment) -> dict[str, Any] | None:
     """The config.yaml k2fleet renders for submit.py, or None without a slurm-submit host."""
-    from k2fleet.planning.render.trtllm import slurm_config
-
     pool = dep.pools.get("slurm-submit")
-    return slurm_config(dep, pool) if pool is not None and dep.engine == "trtllm" else None
+    return dep.engine_impl.slurm_config(dep, pool) if pool is not None else None
 
 
 # --------------------------------------------------------------------------
@@ -439,7 +437,7 @@ def fabric_lines(dep: Deployment, names: Sequence[str], specs: Sequence[dict[str
 
 def real_engine_refusal(dep: Deployment) -> str | None:
     """Why ``--engine real`` cannot rehearse ``dep`` (None: it can)."""
-    if dep.engine != "vllm" or dep.runtime != "venv":
+    if not dep.engine_impl.has_cpu_build or dep.runtime != "venv":
         return f"--engine real runs vLLM's CPU build in a venv; this inventory is {dep.engine} in a {dep.runtime}"
     return None
 

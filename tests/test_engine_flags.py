@@ -155,7 +155,7 @@ def test_trtllm_table_provenance():
 from pathlib import Path  # noqa: E402
 
 from k2fleet.planning.engine_flags import A2A_BACKENDS, owned_flags  # noqa: E402
-from k2fleet.planning.render.common import extra_flags, flag_words, pool_engine_args  # noqa: E402
+from k2fleet.planning.render.common import extra_flags, pool_engine_args  # noqa: E402
 from tests.inventory_factory import write_inventory  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

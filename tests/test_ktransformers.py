@@ -83,7 +83,8 @@ def test_plan_gates_on_the_gguf_weights_and_the_legacy_ready_route() -> None:
     host = legacy.hosts["kt-0"]
     svc = host.services[0]
     assert svc.health.path == "/v1/models"  # the legacy server has no /health
-    pre = [line for line in unit_file(dep, svc).splitlines() if line.startswith("ExecStartPre=")]
+    pre = [line for line in unit_file(dep, svc).splitlines()
+           if line.startswith("ExecStartPre=") and " verify " in line]  # the two weight gates (not the cache dir's)
     assert len(pre) == 2 and pre[1].endswith(dep.gguf_path)
     sets = {ws.check: ws for ws in dep.weight_sets}
     assert sets["gguf-verified"].patterns == ("UD-Q3_K_XL/*",) and sets["gguf-verified"].path == dep.gguf_path

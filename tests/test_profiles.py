@@ -62,7 +62,7 @@ def _check(dep, plan, profile):
     for name in profiles.flags(dep.engine, dep.version, profile):
         spelt = "--" + name
         if dep.engine == "sglang" and dep.version == "0.5.23" and name == "cuda-graph-max-bs":
-            spelt = "--cuda-graph-max-bs-decode"  # renamed at 0.5.23 (render.common.RENAMED_FLAGS)
+            spelt = "--cuda-graph-max-bs-decode"  # renamed at 0.5.23 (the SGLang engine's renamed_flags)
         assert spelt in rendered, (dep.engine, dep.version, profile, spelt)
 
 
@@ -100,7 +100,7 @@ def test_inventory_flags_win(tmp_path):
     argv = plan.hosts[next(iter(plan.hosts))].services[0].argv
     assert argv.count("--max-num-batched-tokens") + argv.count("--max_num_batched_tokens") == 1
     assert profiles.overridden("vllm", "0.33.0", "throughput", {"max_num_batched_tokens": 4096}, {}) == ["max-num-batched-tokens"]
-    merged = profiles.merged_llm_api("1.2.0", "throughput", {"kv_cache_config": {"free_gpu_memory_fraction": 0.9}})
+    merged = profiles.merged_llm_api("trtllm", "1.2.0", "throughput", {"kv_cache_config": {"free_gpu_memory_fraction": 0.9}})
     assert merged["kv_cache_config"] == {"free_gpu_memory_fraction": 0.9, "dtype": "fp8"}
 
 

@@ -21,7 +21,7 @@ from k2fleet.cli import load_plan
 from k2fleet.planning.desired import ControlArtifacts, HostDesired, desired_state
 from k2fleet.planning.firewall import RAY_CLIENT_AND_WORKERS, RAY_DASHBOARD, host_firewall
 from k2fleet.planning.render.common import DOCKER
-from k2fleet.planning.render.vllm import RAY_DIR_ARGV, RAY_ROOT, RAY_SESSION_DIR, RAY_TOKEN
+from k2fleet.planning.engines.vllm.render import RAY_DIR_ARGV, RAY_ROOT, RAY_SESSION_DIR, RAY_TOKEN
 from k2fleet.planning.units import env_file, unit_file
 
 REPO = Path(__file__).resolve().parents[1]

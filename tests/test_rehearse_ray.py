@@ -80,7 +80,7 @@ def test_every_ray_process_authenticates_with_the_deployments_token() -> None:
     talks to the cluster — both ``ray start`` units and the vLLM driver (its Ray gate runs in
     its unit) — with the token in a root-only file, never in argv or the environment."""
     from k2fleet.planning.desired import ControlArtifacts
-    from k2fleet.planning.render.vllm import RAY_TOKEN
+    from k2fleet.planning.engines.vllm.render import RAY_TOKEN
 
     dep, plan = sandbox_plan()
     token = b"f" * 64 + b"\n"

@@ -49,15 +49,38 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _type_checking(node: ast.AST) -> bool:
+    """An ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``) block with no ``else``: imports for
+    annotations only, never executed."""
+    if not isinstance(node, ast.If) or node.orelse:
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` outside ``if TYPE_CHECKING:`` blocks (:func:`_type_checking`)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        todo.extend(child for child in ast.iter_child_nodes(node) if not _type_checking(child))
+
+
 def imported_names(tree: ast.AST) -> set[str]:
-    """Every module name ``tree`` imports: statements anywhere in the body, and calls of
-    ``import_module``/``__import__`` with a literal name.
+    """Every module name ``tree`` imports when it runs: statements anywhere in the body, and calls
+    of ``import_module``/``__import__`` with a literal name; not the imports of an ``if
+    TYPE_CHECKING:`` block (annotations only: they never run, so they make no cycle and cross no
+    layer at run time).
 
     >>> sorted(imported_names(ast.parse("import a.b\\nfrom c import d\\ndef f():\\n    importlib.import_module('e.f')")))
     ['a.b', 'c', 'c.d', 'e.f']
+    >>> sorted(imported_names(ast.parse("if TYPE_CHECKING:\\n    import t\\nif typing.TYPE_CHECKING:\\n    import u\\nimport v")))
+    ['v']
     """
     names: set[str] = set()
-    for node in ast.walk(tree):
+    for node in _runtime_nodes(tree):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -171,3 +194,75 @@ def test_role_is_a_documented_deploy(path: Path) -> None:
         params = [p for p in inspect.signature(func.__wrapped__).parameters if p != "_inner"]
         for name in params:
             assert f"+ {name}:" in doc, (func.__name__, name)
+
+
+# --------------------------------------------------------------------------
+# one folder per engine (k2fleet/planning/engines/<name>/): nothing else compares an engine's name
+
+ENGINES_DIR = REPO / "k2fleet" / "planning" / "engines"
+
+
+def engine_name_comparisons(tree: ast.AST, names: set[str]) -> list[int]:
+    """Lines of ``tree`` that compare a string with an engine name: ``x == "vllm"``, ``x != "sglang"``,
+    ``x in ("vllm", "sglang")`` (a tuple, list or set holding one), ``case "trtllm":``.
+
+    >>> code = 'a == "vllm"\\nb in ("x", "sglang")\\nc != d\\nmatch e:\\n    case "trtllm": pass\\nf = {"vllm": 1}["vllm"]'
+    >>> engine_name_comparisons(ast.parse(code), {"vllm", "sglang", "trtllm"})
+    [1, 2, 5]
+    """
+    def named(node: ast.AST) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in names
+        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(named(e) for e in node.elts)
+
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(named(n) for n in (node.left, *node.comparators)):
+            found.add(node.lineno)
+        elif isinstance(node, ast.MatchValue) and named(node.value):
+            found.add(node.lineno)
+    return sorted(found)
+
+
+def test_no_engine_name_comparison_outside_the_engines() -> None:
+    """Callers ask the engine object (``dep.engine_impl``, ``engines.get(name)``), never compare
+    ``k2_engine``'s value: an engine's knowledge is its folder's. The sandbox's engine test doubles
+    (k2sandbox/files) are the engines' stand-ins themselves and run on hosts without k2fleet."""
+    from k2fleet.planning.engines import ENGINES
+
+    names = set(ENGINES)
+    paths = [*_modules().values(), REPO / "config.py", *(REPO / "deploys").glob("*.py")]
+    found = {str(path.relative_to(REPO)): lines for path in sorted(paths)
+             if ENGINES_DIR not in path.parents
+             and (lines := engine_name_comparisons(ast.parse(path.read_text()), names))}
+    assert found == {}
+    scanned = {str(p.relative_to(REPO)) for p in paths}  # the product, the sandbox package, the deploy entry points
+    assert {"k2fleet/planning/deployment.py", "k2fleet/control/bench_run.py", "k2sandbox/rehearse.py",
+            "config.py", "deploys/kimi.py"} <= scanned
+    assert not any(p.startswith("k2sandbox/files/") for p in scanned)
+
+
+def test_each_engine_is_one_folder_registered_once() -> None:
+    """``k2fleet/planning/engines/<name>/`` per engine: its ``__init__`` defines ``ENGINE`` (an
+    :class:`~k2fleet.planning.engines.base.Engine` named as its folder, whose renderer is its own
+    ``render.py``), the registry holds each folder's engine once, and ``k2_engine`` takes exactly
+    the registered names."""
+    import importlib
+    import typing
+
+    from k2fleet.inventory.spec import HostSettings
+    from k2fleet.planning import engines
+    from k2fleet.planning.engines.base import Engine
+
+    folders = sorted(p.name for p in ENGINES_DIR.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert folders == sorted(engines.ENGINES)
+    for name in folders:
+        package = importlib.import_module(f"k2fleet.planning.engines.{name}")
+        engine = package.ENGINE
+        assert isinstance(engine, Engine) and type(engine) is not Engine, name
+        assert engine.name == name and engines.get(name) is engine
+        assert (ENGINES_DIR / name / "render.py").is_file(), name
+        assert type(engine).render is not Engine.render, name  # renders with its own module
+        assert engine.label and engine.unit and engine.package and engine.entry, name
+    assert len({id(e) for e in engines.ENGINES.values()}) == len(engines.ENGINES)
+    assert set(typing.get_args(typing.get_type_hints(HostSettings)["engine"])) == set(engines.ENGINES)

@@ -196,7 +196,7 @@ def relay_secret_path(dep: Deployment) -> Path:
 
 def ray_token_path(dep: Deployment) -> Path:
     """The deployment's Ray authentication token on the control machine (hosts that run
-    Ray get it as a root-only file: :data:`k2fleet.planning.render.vllm.RAY_TOKEN`)."""
+    Ray get it as a root-only file: :data:`k2fleet.planning.engines.vllm.render.RAY_TOKEN`)."""
     return state_dir(dep) / "ray.token"
 
 

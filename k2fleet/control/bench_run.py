@@ -20,7 +20,7 @@ from pathlib import Path
 
 from k2fleet.control import ControlError
 from k2fleet.control import bench_report as report
-from k2fleet.planning import api_front
+from k2fleet.planning import api_front, engines
 from k2fleet.planning import bench_plan as bp
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.processes import Plan
@@ -29,6 +29,14 @@ from k2fleet.planning.quoting import shell_line
 LOG_TAIL = 3000
 EVAL_LOG_READ = 1 << 20  # bytes of the eval log read for lm-eval's table at its end
 
+
+# How each engine's bench client writes one point (Engine.bench_format): vLLM's ``bench serve`` one JSON
+# document, SGLang's ``bench_serving`` JSON lines (the last is this run's).
+POINT_READERS: dict[str, Callable[[Path, str, int, int], report.Point]] = {
+    "vllm-bench-serve-json": lambda result, label, c, n: report.vllm_point(report.read_json_capped(result), label, c, result),
+    "sglang-bench-serving-jsonl": lambda result, label, c, n: report.sglang_point(report.read_last_json_line(result), label,
+                                                                                  c, n, result),
+}
 
 CA_ENV = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE")  # the CA file the clients' TLS verifies against
 CA_CLEARED = ("SSL_CERT_DIR", "CURL_CA_BUNDLE")  # no other trust store beside it
@@ -116,7 +124,8 @@ def run_bench(dep: Deployment, plan: Plan, key: bytes | None, out: Path, concurr
     ``bench.txt`` and ``bench.png`` in ``out``."""
     if plan.engine not in bp.BENCH_ENGINES:
         raise ControlError(f"bench: engine {plan.engine}: {bp.NOT_WIRED}")
-    exe = _resolve_client(client, "vllm" if plan.engine == "vllm" else "python3", "bench")
+    engine = engines.get(plan.engine)
+    exe = _resolve_client(client, str(engine.bench_client), "bench")
     eps = bp.endpoints(plan, replicas, api_front.scheme(dep))
     model = dep.api_model_name
     tok = tokenizer or dep.s.model
@@ -139,8 +148,7 @@ def run_bench(dep: Deployment, plan: Plan, key: bytes | None, out: Path, concurr
                 raise ControlError(f"bench: {ep.label} ({ep.base}) at concurrency {c}: the client exited {rc}"
                                    f" (log {log}):\n{_tail(log)}")
             try:
-                p = (report.vllm_point(report.read_json_capped(result), ep.label, c, result) if plan.engine == "vllm"
-                     else report.sglang_point(report.read_last_json_line(result), ep.label, c, n, result))
+                p = POINT_READERS[str(engine.bench_format)](result, ep.label, c, n)
             except report.ReportError as exc:
                 raise ControlError(f"bench: {exc}") from None
             points.append(p)

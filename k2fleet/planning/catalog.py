@@ -307,13 +307,7 @@ ENGINE_VERSIONS: dict[str, tuple[str, ...]] = {
     "ktransformers": ("0.7.2", "0.3.2"),
 }
 
-DEFAULT_IMAGES: dict[tuple[str, str], str] = {
-    ("trtllm", "cuda"): "nvcr.io/nvidia/tensorrt-llm/release:{version}",
-    ("vllm", "rocm"): "vllm/vllm-openai-rocm:v{version}",
-    ("vllm", "cuda"): "vllm/vllm-openai:v{version}",
-    ("sglang", "cuda"): "lmsysorg/sglang:v{version}",
-    ("sglang", "rocm"): "lmsysorg/sglang:v{version}-rocm700-mi30x",
-}
+# Their default container images (per platform) are each engine's own: k2fleet.planning.engines.<name>.
 
 BLACKWELL = "blackwell"
 
@@ -329,21 +323,8 @@ def version_tuple(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-# How each engine takes the endpoint API key of ``k2_api_key_file`` without argv: the
-# environment variable its server reads (hosts hold it in a root-only EnvironmentFile=).
-# Read at the pins (docs/endpoints.md, "Protected endpoints"): vLLM 0.33.0
-# vllm/entrypoints/serve/middleware/register.py reads ``args.api_key or envs.VLLM_API_KEY``
-# (the same variable since 0.2.x, so the older pins too).
-API_KEY_ENV: dict[str, str] = {"vllm": "VLLM_API_KEY"}
-# Engines that cannot take it without argv, logs or a weaker check: why, in one line. Their
-# endpoints get k2fleet's authenticating front instead (k2fleet.planning.api_front: HAProxy on
-# the API port, the engine on 127.0.0.1), and the engine is never given the key.
-API_KEY_FRONTED: dict[str, str] = {
-    "sglang": "SGLang takes its API key only as --api-key (or in its --config YAML) and logs every server "
-              "argument, the key included, at start (server_args=...); its PD router (sglang-router 0.3.2) "
-              "has --api-key in argv only",
-    "trtllm": "trtllm-serve 1.2.0 has no API key option at all",
-    "ktransformers": "KTransformers takes its API key only as --api-key (0.7.2, sglang-kt, which logs it at start) "
-                     "or --api_key / ~/.ktransformers/config.yaml (0.3.2, checked by an assert on "
-                     "/v1/chat/completions alone)",
-}
+# How each engine takes the endpoint API key of ``k2_api_key_file`` without argv (the variable its
+# server reads: ``Engine.api_key_env``), or why it cannot (``Engine.api_key_fronted``: its endpoints get
+# k2fleet's authenticating front instead, k2fleet.planning.api_front) is each engine's own
+# (k2fleet.planning.engines.<name>). vLLM 0.33.0 vllm/entrypoints/serve/middleware/register.py reads
+# ``args.api_key or envs.VLLM_API_KEY`` (the same variable since 0.2.x, so the older pins too).

@@ -22,44 +22,21 @@ from __future__ import annotations
 
 import json
 
+from k2fleet.planning import engines
+
 PROVENANCE = ("Written by k2fleet (k2fleet/planning/dashboards.py) from the metric names the engine documents "
               "at its pinned version; not the engine's published dashboard.")
 
-# engine -> (title, [(panel title, unit, [PromQL])])
-_PANELS = {
-    "vllm": ("vLLM", [
-        ("Requests running / waiting", "short", ["sum by (instance) (vllm:num_requests_running)",
-                                                 "sum by (instance) (vllm:num_requests_waiting)"]),
-        ("KV cache usage", "percentunit", ["avg by (instance) (vllm:kv_cache_usage_perc)"]),
-        ("Token throughput (tokens/s)", "short", ["sum by (instance) (rate(vllm:prompt_tokens_total[1m]))",
-                                                  "sum by (instance) (rate(vllm:generation_tokens_total[1m]))"]),
-        ("Time to first token p50 / p99", "s", [
-            "histogram_quantile(0.5, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket[5m])))",
-            "histogram_quantile(0.99, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket[5m])))"]),
-        ("Inter-token latency (TPOT) p50 / p99", "s", [
-            "histogram_quantile(0.5, sum by (le) (rate(vllm:inter_token_latency_seconds_bucket[5m])))",
-            "histogram_quantile(0.99, sum by (le) (rate(vllm:inter_token_latency_seconds_bucket[5m])))"]),
-    ]),
-    "sglang": ("SGLang", [
-        ("Requests running / queued", "short", ["sum by (instance) (sglang:num_running_reqs)",
-                                                "sum by (instance) (sglang:num_queue_reqs)"]),
-        ("KV cache (token) usage", "percentunit", ["avg by (instance) (sglang:token_usage)"]),
-        ("Token throughput (tokens/s)", "short", ["sum by (instance) (rate(sglang:prompt_tokens_total[1m]))",
-                                                  "sum by (instance) (rate(sglang:generation_tokens_total[1m]))"]),
-        ("Time to first token p50 / p99", "s", [
-            "histogram_quantile(0.5, sum by (le) (rate(sglang:time_to_first_token_seconds_bucket[5m])))",
-            "histogram_quantile(0.99, sum by (le) (rate(sglang:time_to_first_token_seconds_bucket[5m])))"]),
-        ("Inter-token latency p50 / p99", "s", [
-            "histogram_quantile(0.5, sum by (le) (rate(sglang:inter_token_latency_seconds_bucket[5m])))",
-            "histogram_quantile(0.99, sum by (le) (rate(sglang:inter_token_latency_seconds_bucket[5m])))"]),
-    ]),
+# dashboard -> (title, [(panel title, unit, [PromQL])]): each engine's own (``Engine.dashboard_panels``,
+# under its ``Engine.dashboard`` key) and the hosts'
+_PANELS = {key: panels for key, panels in ((e.dashboard, e.dashboard_panels) for e in engines.ENGINES.values())
+           if key and panels} | {
     "hosts": ("hosts (node_exporter, dcgm-exporter)", [
         ("Load (1m)", "short", ["node_load1"]),
         ("GPU utilisation", "percent", ["avg by (instance) (DCGM_FI_DEV_GPU_UTIL)"]),
         ("GPU memory used", "decmbytes", ["sum by (instance) (DCGM_FI_DEV_FB_USED)"]),
     ]),
 }
-ENGINE_DASHBOARD = {"vllm": "vllm", "sglang": "sglang", "ktransformers": "sglang"}  # sglang-kt: SGLang's names
 
 
 def _dashboard(key: str) -> dict:
@@ -86,7 +63,7 @@ def _dashboard(key: str) -> dict:
 def dashboards(engine: str) -> dict[str, str]:
     """File name → Grafana dashboard JSON for ``engine`` (TRT-LLM: hosts only) and the hosts."""
     out = {}
-    key = ENGINE_DASHBOARD.get(engine)
+    key = engines.get(engine).dashboard
     if key:
         out[f"k2fleet-{key}.json"] = json.dumps(_dashboard(key), indent=2) + "\n"
     out["k2fleet-hosts.json"] = json.dumps(_dashboard("hosts"), indent=2) + "\n"
@@ -97,6 +74,6 @@ def metric_names(engine: str) -> set[str]:
     """The engine metric names the dashboard queries (tests compare them with a scrape)."""
     import re
 
-    key = ENGINE_DASHBOARD.get(engine)
+    key = engines.get(engine).dashboard
     exprs = [e for _, _, es in _PANELS.get(key or "", ("", []))[1] for e in es]
     return {re.sub(r"_bucket$", "", m) for e in exprs for m in re.findall(r"[a-z]+:[a-z_]+", e)}

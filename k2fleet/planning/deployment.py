@@ -18,7 +18,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from k2fleet.planning.engine_side import engine_min_python, host_python
-from k2fleet.planning import capacity, catalog, profiles
+from k2fleet.planning import capacity, catalog, engines, profiles
+from k2fleet.planning.engines.base import Engine, arg as _arg
 from k2fleet.planning.os_tables import DriverChoice, choose_driver, host_os
 from k2fleet.inventory.spec import SHA_RE, Fleet, HostEntry, HostSettings, SpecError
 
@@ -28,7 +29,9 @@ PD_ROLES = ("prefill", "decode", "router")
 
 @dataclass(frozen=True)
 class Pool:
-    """Hosts of one role and how they split into engine instances."""
+    """Hosts of one role and how they split into engine instances: the parallel sizes resolved
+    once (:func:`resolve`, by the engine's rules); renderers and checks read them here, never
+    from the raw settings. ``dcp`` is 1 for engines without decode context parallel."""
 
     role: str
     hosts: tuple[HostEntry, ...]
@@ -36,6 +39,10 @@ class Pool:
     tp: int
     instance_gpus: int
     nodes_per_instance: int
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    dcp: int = 1
 
     @property
     def instances(self) -> list[tuple[HostEntry, ...]]:
@@ -88,6 +95,7 @@ class Deployment:
     reasoning_parser: str | None
     served_model_name: str
     pools: dict[str, Pool]
+    engine_impl: Engine  # k2_engine's engine (k2fleet.planning.engines): everything engine-specific is asked of it
     driver: DriverChoice | None = None  # NVIDIA driver the bootstrap installs (None: AMD)
     capacity: dict[str, capacity.Capacity] = field(default_factory=dict)  # per role (or disagg side): the KV prediction
     tool_parser: str | None = None  # k2_tool_parser, the catalog's parser for its default (kimi_k3 for Kimi-K3)
@@ -166,8 +174,8 @@ class Deployment:
 
     @property
     def api_model_name(self) -> str:
-        """The ``model`` clients send: trtllm-serve names the model by its path."""
-        return self.serve_path if self.engine == "trtllm" else self.served_model_name
+        """The ``model`` clients send (trtllm-serve names the model by its path)."""
+        return self.engine_impl.api_model_name(self)
 
     @property
     def serve_path(self) -> str:
@@ -258,8 +266,9 @@ def _check_model_serving(fleet: Fleet, gpu: catalog.GpuType | None, version: str
         notes.append(f"{s.model}: no KV cache prediction — its {', '.join(u for u in known.unknown if u in ('layers', 'kv_lora_rank', 'KDA state size'))} "
                      "are not in k2fleet's sources (MLA every 4th layer caches per token, the KDA layers a fixed "
                      "state per sequence); only the checkpoint size and published node shapes were checked")
-    if s.engine == "ktransformers":  # _check_fit predicts nothing: the experts live in host RAM (preflight checks it)
-        notes.append("ktransformers: no KV cache prediction (the routed experts run from host RAM and KTransformers "
+    engine = engines.get(s.engine)
+    if engine.experts_in_host_ram:  # _check_fit predicts nothing: the experts live in host RAM (preflight checks it)
+        notes.append(f"{s.engine}: no KV cache prediction (the routed experts run from host RAM and {engine.label} "
                      "sizes its GPU KV cache itself): capacity unverified")
     if known.heads is None:
         notes.append(f"{s.model}: its attention heads are not in k2fleet's sources; k2_tp was not checked against them")
@@ -331,7 +340,7 @@ def _check_parsers(fleet: Fleet, version: str, tool_parser: str | None, reasonin
 def _check_size(fleet: Fleet, pool: Pool, gpu: catalog.GpuType, size: int) -> None:
     """Enough GPU memory for the weights: one instance's GPUs must hold the checkpoint, and a
     model with published node shapes (``catalog.Checkpoint.min_gpus``) gets at least those."""
-    if pool.instance_gpus == 0 or fleet.settings.engine == "ktransformers":
+    if pool.instance_gpus == 0 or engines.get(fleet.settings.engine).experts_in_host_ram:
         return
     s = fleet.settings
     known = catalog.CHECKPOINTS.get(s.model)
@@ -364,7 +373,7 @@ def _check_hardware(fleet: Fleet) -> tuple[catalog.GpuType | None, int, str]:
     if s.engine_cpu_build and (not s.simulated_gpus or s.engine_doubles):
         raise _fail("k2_engine_cpu_build", "the engine's CPU build is for the sandbox's simulated GPUs (k2_simulated_gpus: "
                     "true) instead of the engine test doubles (k2_engine_doubles: false)", fleet)
-    if s.engine_cpu_build and s.engine != "vllm":
+    if s.engine_cpu_build and not engines.get(s.engine).has_cpu_build:
         raise _fail("k2_engine_cpu_build", f"the sandbox has a CPU build of vLLM only, not of {s.engine}", fleet)
     gpu = catalog.GPUS.get(s.gpu.lower())
     if gpu is None:
@@ -389,6 +398,7 @@ def _check_hardware(fleet: Fleet) -> tuple[catalog.GpuType | None, int, str]:
 
 def _check_engine(fleet: Fleet, platform: str) -> tuple[str, str, str | None]:
     s = fleet.settings
+    engine = engines.get(s.engine)
     versions = catalog.ENGINE_VERSIONS[s.engine]
     version = s.engine_version or versions[0]
     if version not in versions:
@@ -397,63 +407,48 @@ def _check_engine(fleet: Fleet, platform: str) -> tuple[str, str, str | None]:
             f"{s.engine} {version} is not supported; supported pins: {', '.join(versions)}",
             fleet,
         )
-    if platform == "rocm" and s.engine not in ("vllm", "sglang"):
-        raise _fail("k2_engine", f"{s.engine} has no ROCm build; use vllm or sglang on AMD GPUs", fleet)
-    runtime = s.runtime or ("container" if s.engine == "trtllm" or platform == "rocm" else "venv")
+    if platform not in engine.platforms:
+        builds = " or ".join(n for n, e in engines.ENGINES.items() if platform in e.platforms)
+        raise _fail("k2_engine", f"{s.engine} has no ROCm build; use {builds} on AMD GPUs", fleet)
+    runtime = s.runtime or engine.default_runtime(platform)
     if s.engine_cpu_build and runtime != "venv":
         raise _fail("k2_engine_cpu_build", "vLLM's CPU build runs in a venv (k2_runtime: venv)", fleet)
-    if s.engine == "trtllm" and runtime == "venv" and not s.engine_doubles:
-        raise _fail("k2_runtime", "TensorRT-LLM ships as a container image (the PyPI package is a stub); use container", fleet)
+    if engine.container_only and runtime == "venv" and not s.engine_doubles:
+        raise _fail("k2_runtime", engine.container_only, fleet)
     if s.image_id and runtime != "container":
         raise _fail("k2_image_id", "pins a container image; it needs k2_runtime container", fleet)
     image = s.image
     if runtime == "container" and image is None:
-        template = catalog.DEFAULT_IMAGES.get((s.engine, platform))
-        if template is None:
+        image = engine.image(platform, version)
+        if image is None:
             raise _fail("k2_image", f"no default image for {s.engine} on {platform}; set k2_image", fleet)
-        image = template.format(version=version)
     return version, runtime, image
 
 
-def _instance_gpus(s: HostSettings, engine: str, tp: int) -> int:
-    if engine == "vllm":
-        return tp * s.pp * s.dp
-    if engine == "sglang" and not s.attn_dp:
-        return tp * s.pp * s.dp
-    return tp * s.pp  # SGLang DP attention / TRT-LLM attention DP run inside the TP group
-
-
-def _check_pool(fleet: Fleet, role: str, hosts: list[HostEntry], engine: str, per_node: int) -> Pool:
+def _check_pool(fleet: Fleet, role: str, hosts: list[HostEntry], engine: Engine, per_node: int) -> Pool:
+    """The pool's parallel sizes by ``engine``'s rules, resolved onto :class:`Pool` once."""
     s = hosts[0].settings
     where = f"{role} pool ({', '.join(h.name for h in hosts)})"
+    sizes = {"pp": s.pp, "dp": s.dp, "ep": s.ep, "dcp": engine.resolved_dcp(s)}
     if role in ("router", "slurm-submit"):
-        return Pool(role, tuple(hosts), s, tp=0, instance_gpus=0, nodes_per_instance=1)
+        return Pool(role, tuple(hosts), s, tp=0, instance_gpus=0, nodes_per_instance=1, **sizes)
     tp = s.tp or per_node
-    if engine == "vllm":
-        if s.dcp > 1 and tp % s.dcp:
-            divisors = [d for d in range(1, tp + 1) if tp % d == 0]
-            raise _fail("k2_dcp", f"k2_dcp={s.dcp} does not divide k2_tp={tp}; use one of {divisors}", fleet)
-        if s.dp > 1 and s.pp > 1:
-            raise _fail("k2_pp", f"vLLM data parallel (k2_dp={s.dp}) cannot be combined with k2_pp={s.pp}; set k2_pp: 1 or k2_dp: 1", fleet)
-        if s.ep > 1 and s.ep != tp * s.dp:
-            raise _fail("k2_ep", f"vLLM expert parallel spans tp×dp = {tp * s.dp}; set k2_ep to {tp * s.dp} (or 1 for off)", fleet)
-    elif s.dcp > 1:
-        raise _fail("k2_dcp", f"decode context parallel is a vLLM feature; remove it for {engine}", fleet)
-    if engine == "sglang" and s.attn_dp and tp % s.dp:
-        raise _fail("k2_dp", f"SGLang DP attention needs k2_dp ({s.dp}) to divide k2_tp ({tp})", fleet)
-    gpus = _instance_gpus(s, engine, tp)
+    refused = engine.parallel_refusal(s, tp)
+    if refused:
+        raise _fail(*refused, fleet)
+    gpus = engine.instance_gpus(s, tp)
     if gpus > per_node and gpus % per_node:
         raise _fail(
             "k2_tp",
             f"{where}: parallel sizes use {gpus} GPUs per instance, not a whole number of "
-            f"{per_node}-GPU nodes; make tp×pp{'×dp' if engine == 'vllm' else ''} a multiple of {per_node}",
+            f"{per_node}-GPU nodes; make {engine.parallel_product()} a multiple of {per_node}",
             fleet,
         )
     if gpus < per_node:
         raise _fail(
             "k2_tp",
             f"{where}: parallel sizes multiply to {gpus} GPUs but each node has {per_node}; "
-            f"make tp×pp{'×dp' if engine == 'vllm' else ''} = {per_node} (or a multiple) or set k2_gpus_per_node",
+            f"make {engine.parallel_product()} = {per_node} (or a multiple) or set k2_gpus_per_node",
             fleet,
         )
     nodes = math.ceil(gpus / per_node)
@@ -471,28 +466,10 @@ def _check_pool(fleet: Fleet, role: str, hosts: list[HostEntry], engine: str, pe
             f"list a multiple of {nodes} hosts",
             fleet,
         )
-    if engine == "vllm" and s.dp > 1 and nodes > 1:
-        hybrid = any(k.lstrip("-") in ("data-parallel-hybrid-lb", "dph") for k in s.engine_args)
-        if hybrid:
-            raise _fail(
-                "k2_engine_args",
-                "--data-parallel-hybrid-lb starts an API server on every node, which conflicts "
-                "with the headless ranks k2fleet plans; remove it",
-                fleet,
-            )
-    if engine == "vllm" and s.multinode_backend == "ray" and s.dp > 1 and nodes > 1:
-        raise _fail("k2_multinode_backend", "vLLM DP across nodes uses headless ranks, not Ray; set mp", fleet)
-    return Pool(role, tuple(hosts), s, tp=tp, instance_gpus=gpus, nodes_per_instance=nodes)
-
-
-def _arg(args: dict[str, Any], *names: str) -> Any:
-    """The value of an engine flag in ``k2_engine_args`` or an LLM API option, however spelt
-    (``--max-model-len``, ``max_model_len``); None when absent."""
-    wanted = {n.replace("_", "-") for n in names}
-    for key, value in args.items():
-        if key.lstrip("-").replace("_", "-") in wanted:
-            return value
-    return None
+    refused = engine.instance_refusal(s, nodes)
+    if refused:
+        raise _fail(*refused, fleet)
+    return Pool(role, tuple(hosts), s, tp=tp, instance_gpus=gpus, nodes_per_instance=nodes, **sizes)
 
 
 def _length(value: Any) -> int | None:
@@ -514,19 +491,19 @@ def _length(value: Any) -> int | None:
     return None
 
 
-def _context(fleet: Fleet, s: HostSettings, engine: str) -> tuple[int | None, str]:
+def _context(fleet: Fleet, s: HostSettings, engine: Engine) -> tuple[int | None, str]:
     """The context length an instance must hold and the key it comes from: ``k2_max_model_len``,
     else the engine's own flag in ``k2_engine_args`` (or TRT-LLM's ``max_seq_len``), else the
     model's context (catalog)."""
     if fleet.settings.max_model_len:
         return fleet.settings.max_model_len, "k2_max_model_len"
-    flag = {"vllm": "max-model-len", "sglang": "context-length", "trtllm": "max_seq_len",
-            "ktransformers": "context-length"}[engine]
+    flag = engine.context_flag
     value = _arg(s.engine_args, flag)
     if value is not None:
         return _length(value), f"k2_engine_args.{next(k for k in s.engine_args if k.lstrip('-').replace('_', '-') == flag.replace('_', '-'))}"
-    if engine == "trtllm" and s.trtllm_config.get("max_seq_len") is not None:
-        return _length(s.trtllm_config["max_seq_len"]), "k2_trtllm_config.max_seq_len"
+    configured = engine.config_context(s)
+    if configured is not None:
+        return _length(configured[0]), configured[1]
     known = catalog.CHECKPOINTS.get(fleet.settings.model)
     return (known.max_context if known else None), "k2_max_model_len"
 
@@ -537,27 +514,15 @@ def _kv_dtype_bytes(value: Any) -> int:
     return 1 if isinstance(value, str) and value.lower().startswith("fp8") else 2
 
 
-def _layout(fleet: Fleet, pool: Pool, engine: str, version: str) -> capacity.Layout:
+def _layout(fleet: Fleet, pool: Pool, engine: Engine, version: str) -> capacity.Layout:
     """How ``pool``'s instances use GPU memory, from its keys and engine flags (``k2_profile``'s
     under ``k2_engine_args`` / ``k2_trtllm_config``, as the renderers merge them)."""
     s = pool.settings
     profile = fleet.settings.profile
-    args = profiles.merged_args(engine, version, profile, s.engine_args)
+    args = engine.merged_args(version, profile, s.engine_args)
     max_len, _ = _context(fleet, s, engine)
-    if engine == "trtllm":
-        kv_config = profiles.merged_llm_api(version, profile, s.trtllm_config).get("kv_cache_config") or {}
-        fraction = kv_config.get("free_gpu_memory_fraction")
-        if fraction is None:
-            fraction = _arg(args, "kv_cache_free_gpu_memory_fraction")
-        kv_dtype = kv_config.get("dtype")
-    else:  # the engine flag is rendered after k2_gpu_memory_utilization: it wins
-        fraction = _arg(args, "gpu-memory-utilization" if engine == "vllm" else "mem-fraction-static")
-        if fraction is None:
-            fraction = s.gpu_memory_utilization
-        kv_dtype = _arg(args, "kv-cache-dtype")
-    dense_tp = _arg(args, "moe-dense-tp-size") if engine == "sglang" else None
-    if engine == "sglang" and s.attn_dp and s.dp > 1:
-        dense_tp = 1  # render.sglang.DP_ATTENTION_COMPANIONS: --moe-dense-tp-size 1
+    fraction, kv_dtype = engine.fraction_and_kv_dtype(args, s, version, profile)
+    dense_tp = engine.dense_tp(args, s)
     known = catalog.CHECKPOINTS.get(fleet.settings.model)
 
     def _int(*names: str) -> int | None:
@@ -566,7 +531,7 @@ def _layout(fleet: Fleet, pool: Pool, engine: str, version: str) -> capacity.Lay
 
     off = bool(_arg(args, "disable-cuda-graph"))
     return capacity.Layout(
-        engine=engine, tp=pool.tp, pp=s.pp, dp=s.dp, ep=s.ep, dcp=s.dcp if engine == "vllm" else 1,
+        engine=engine.name, tp=pool.tp, pp=pool.pp, dp=pool.dp, ep=pool.ep, dcp=pool.dcp,
         attn_dp=s.attn_dp, dense_tp=dense_tp if isinstance(dense_tp, int) and dense_tp > 0 else None,
         fraction=float(fraction) if isinstance(fraction, (int, float)) and not isinstance(fraction, bool) else None,
         kv_dtype_bytes=_kv_dtype_bytes(kv_dtype), max_len=max_len, concurrency=s.expected_concurrency,
@@ -576,7 +541,7 @@ def _layout(fleet: Fleet, pool: Pool, engine: str, version: str) -> capacity.Lay
         max_running=_int("max-running-requests"),
         decode_graph=not (off or _arg(args, "disable-decode-cuda-graph")),
         prefill_graph=not (off or _arg(args, "disable-prefill-cuda-graph") or _arg(args, "enable-two-batch-overlap")),
-        a2a_backend=(s.moe_a2a_backend or "deepep") if engine == "sglang" and s.ep > 1 else s.moe_a2a_backend,
+        a2a_backend=engine.a2a_backend(pool) if pool.ep > 1 else s.moe_a2a_backend,
         multimodal=bool(known and known.multimodal),
     )
 
@@ -590,20 +555,22 @@ def _fits(cap: capacity.Capacity) -> bool:
 def _least_gpus(gpu: catalog.GpuType, arch: catalog.Architecture, quant: str, size: int,
                 layout: capacity.Layout, gpus: int) -> int | None:
     """The fewest GPUs per instance (whole multiples of this instance) whose weights leave a KV
-    cache that holds the context: more data-parallel MoE ranks for vLLM DP, more TP otherwise."""
+    cache that holds the context (:meth:`~k2fleet.planning.engines.base.Engine.wider`: more
+    data-parallel MoE ranks for vLLM DP, more TP otherwise)."""
+    engine = engines.get(layout.engine)
     for k in range(2, 65):
-        wider = replace(layout, dp=layout.dp * k) if layout.engine == "vllm" and layout.dp > 1 else replace(layout, tp=layout.tp * k)
+        wider = engine.wider(layout, k)
         if _fits(capacity.predict(gpu, arch, quant, size, wider)):
             return gpus * k
     return None
 
 
 def _check_fit(fleet: Fleet, pool: Pool, gpu: catalog.GpuType, size: int, quant: str,
-               engine: str, version: str) -> capacity.Capacity | None:
+               engine: Engine, version: str) -> capacity.Capacity | None:
     """The memory-fit rule (one owner, :func:`k2fleet.planning.capacity.predict`): weights per
     GPU must leave a KV cache that holds ``k2_expected_concurrency`` requests of the context
     length. Returns the prediction ``k2fleet plan`` shows."""
-    if engine == "ktransformers" or pool.instance_gpus == 0:
+    if engine.experts_in_host_ram or pool.instance_gpus == 0:
         return None  # KTransformers keeps experts in host RAM; preflight checks RAM instead
     s = pool.settings
     known = catalog.CHECKPOINTS.get(fleet.settings.model)
@@ -615,12 +582,12 @@ def _check_fit(fleet: Fleet, pool: Pool, gpu: catalog.GpuType, size: int, quant:
     if _fits(cap):
         return cap
     _, len_key = _context(fleet, s, engine)
-    where = f"{pool.role} pool ({pool.instance_gpus} × {gpu.name}, TP{pool.tp}" + (f" PP{s.pp}" if s.pp > 1 else "") + (
-        f" DP{s.dp}" if s.dp > 1 else "") + (f" EP{s.ep}" if s.ep > 1 else "") + (f" DCP{layout.dcp}" if layout.dcp > 1 else "") + ")"
+    where = f"{pool.role} pool ({pool.instance_gpus} × {gpu.name}, TP{pool.tp}" + (f" PP{pool.pp}" if pool.pp > 1 else "") + (
+        f" DP{pool.dp}" if pool.dp > 1 else "") + (f" EP{pool.ep}" if pool.ep > 1 else "") + (f" DCP{layout.dcp}" if layout.dcp > 1 else "") + ")"
     weights = (f"{cap.weights_gib:.1f} GiB of {quant} weights per GPU ({cap.non_expert_gib:.1f} attention/dense/embedding "
                f"+ {cap.experts_gib:.1f} routed experts over {layout.moe_ranks * layout.pp} GPUs)")
     least = None  # the least utilisation (up to 0.95) that would fit, for vLLM and SGLang
-    if engine in ("vllm", "sglang"):
+    if engine.fraction_tunable:
         least = next((h / 100 for h in range(math.floor(cap.fraction * 100) + 1, 96)
                       if _fits(capacity.predict(gpu, arch, quant, size, replace(layout, fraction=h / 100)))), None)
     if cap.kv_gib <= 0 and least is not None:
@@ -655,7 +622,7 @@ def _check_fit(fleet: Fleet, pool: Pool, gpu: catalog.GpuType, size: int, quant:
         + (f" per cache × {groups}" if groups > 1 else "")
         + f"; lower {len_key} to at most {longest:,}"
         + (" or k2_expected_concurrency" if cap.concurrency > 1 else "")
-        + ", raise k2_tp" + ("/k2_dcp" if engine == "vllm" else "") + ", or use more GPUs"
+        + ", raise k2_tp" + ("/k2_dcp" if engine.dcp else "") + ", or use more GPUs"
         + (f" (or k2_gpu_memory_utilization {least:.2f})" if least is not None else ""),
         fleet,
     )
@@ -714,15 +681,15 @@ def _check_metrics(fleet: Fleet, gpu: Any = None) -> None:
 
 
 def _check_api_key(fleet: Fleet) -> None:
-    """``k2_api_key_file``: vLLM takes the key itself (catalog.API_KEY_ENV), the other engines'
-    endpoints get the API front (k2fleet.planning.api_front, catalog.API_KEY_FRONTED); only
+    """``k2_api_key_file``: vLLM takes the key itself (its engine's ``api_key_env``), the other engines'
+    endpoints get the API front (k2fleet.planning.api_front, the engine's ``api_key_fronted``); only
     a fleet with no endpoint on its hosts (TRT-LLM's Slurm submit host: the servers run in
     Slurm jobs k2fleet does not place) has nowhere to put the front."""
     s = fleet.settings
     if s.api_key_file is not None and "slurm-submit" in fleet.pools:
         raise _fail("k2_api_key_file", "not supported with k2_role: slurm-submit: the TRT-LLM servers run in "
                     "SLURM jobs on nodes k2fleet does not configure, so no host of this inventory serves the API "
-                    f"to put the authenticating front before ({catalog.API_KEY_FRONTED['trtllm']})", fleet)
+                    f"to put the authenticating front before ({engines.get(s.engine).api_key_fronted})", fleet)
 
 
 TLS_KEYS = ("k2_tls_cert_file", "k2_tls_key_file", "k2_tls_ca_file")
@@ -806,12 +773,12 @@ def _check_bundle(fleet: Fleet) -> None:
                     f"`k2fleet bundle INVENTORY --out {s.bundle}` on a connected machine and copy it here", fleet)
 
 
-def _check_roles(fleet: Fleet, engine: str) -> None:
+def _check_roles(fleet: Fleet, engine: Engine) -> None:
     roles = set(fleet.pools)
     pd = roles & set(PD_ROLES)
     if pd:
-        if engine != "sglang":
-            raise _fail("k2_role", f"prefill/decode/router roles are planned for SGLang; {engine} cannot use them", fleet)
+        if not engine.pd_disaggregation:
+            raise _fail("k2_role", f"prefill/decode/router roles are planned for SGLang; {engine.name} cannot use them", fleet)
         missing = [r for r in PD_ROLES if r not in roles]
         if missing:
             raise _fail(
@@ -825,14 +792,15 @@ def _check_roles(fleet: Fleet, engine: str) -> None:
         if len(fleet.pools["router"]) != 1:
             raise _fail("k2_role", "exactly one router host is planned", fleet)
     if "slurm-submit" in roles:
-        if engine != "trtllm":
+        if not engine.slurm_disaggregation:
             raise _fail("k2_role", "slurm-submit is the TRT-LLM SLURM disaggregated path", fleet)
         s = fleet.pools["slurm-submit"][0].settings
         if not s.slurm or not s.disagg or not {"ctx", "gen"} <= set(s.disagg):
             raise _fail("k2_disagg", "a slurm-submit host needs k2_slurm and k2_disagg with ctx and gen worker configs", fleet)
 
 
-def _check_slurm(fleet: Fleet, gpu: catalog.GpuType, per_node: int, size: int, quant: str) -> dict[str, capacity.Capacity]:
+def _check_slurm(fleet: Fleet, engine: Engine, gpu: catalog.GpuType, per_node: int, size: int,
+                 quant: str) -> dict[str, capacity.Capacity]:
     s = fleet.pools["slurm-submit"][0].settings
     assert s.slurm is not None and s.disagg is not None
     hardware = s.slurm.get("hardware", {})
@@ -849,16 +817,16 @@ def _check_slurm(fleet: Fleet, gpu: catalog.GpuType, per_node: int, size: int, q
         ep = int(worker.get("moe_expert_parallel_size", 1))
         if tp % per_node and per_node % tp:
             raise _fail("k2_disagg", f"{side}.tensor_parallel_size {tp} does not fit {per_node}-GPU nodes", fleet)
-        _check_shape(fleet, "trtllm", tp, ep, f"k2_disagg.{side}.tensor_parallel_size",
+        _check_shape(fleet, engine, tp, ep, f"k2_disagg.{side}.tensor_parallel_size",
                      f"k2_disagg.{side}.moe_expert_parallel_size")
-        cap = _check_side_fit(fleet, gpu, size, quant, side, worker, tp, ep)
+        cap = _check_side_fit(fleet, engine, gpu, size, quant, side, worker, tp, ep)
         if cap is not None:
             caps[side] = cap
     return caps
 
 
-def _check_side_fit(fleet: Fleet, gpu: catalog.GpuType, size: int, quant: str, side: str, worker: dict[str, Any],
-                    tp: int, ep: int) -> capacity.Capacity | None:
+def _check_side_fit(fleet: Fleet, engine: Engine, gpu: catalog.GpuType, size: int, quant: str, side: str,
+                    worker: dict[str, Any], tp: int, ep: int) -> capacity.Capacity | None:
     """The memory-fit rule for one TRT-LLM disaggregated side (its LLM API options)."""
     known = catalog.CHECKPOINTS.get(fleet.settings.model)
     arch = known.arch if known else catalog.KIMI_K2
@@ -868,7 +836,7 @@ def _check_side_fit(fleet: Fleet, gpu: catalog.GpuType, size: int, quant: str, s
     fraction = kv_config.get("free_gpu_memory_fraction")
     max_len = _length(worker.get("max_seq_len")) or (known.max_context if known else None)
     layout = capacity.Layout(
-        engine="trtllm", tp=tp, pp=int(worker.get("pipeline_parallel_size") or 1), ep=ep,
+        engine=engine.name, tp=tp, pp=int(worker.get("pipeline_parallel_size") or 1), ep=ep,
         attn_dp=bool(worker.get("enable_attention_dp")),
         fraction=float(fraction) if isinstance(fraction, (int, float)) and not isinstance(fraction, bool) else None,
         kv_dtype_bytes=_kv_dtype_bytes(kv_config.get("dtype")), max_len=max_len,
@@ -890,7 +858,7 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def _check_shape(fleet: Fleet, engine: str, tp: int, ep: int, tp_key: str = "k2_tp", ep_key: str = "k2_ep") -> None:
+def _check_shape(fleet: Fleet, engine: Engine, tp: int, ep: int, tp_key: str = "k2_tp", ep_key: str = "k2_ep") -> None:
     """Parallel sizes against the model's shape (catalog): tensor parallel splits the
     attention heads, expert parallel the routed experts; in SGLang and TRT-LLM the EP ranks
     subdivide the TP group (MoE tp × ep = tp), so EP must divide TP there."""
@@ -903,17 +871,9 @@ def _check_shape(fleet: Fleet, engine: str, tp: int, ep: int, tp_key: str = "k2_
     if ep > 1 and known.experts % ep:
         raise _fail(ep_key, f"{ep} does not divide the {known.experts} routed experts of {known.repo_id}; "
                     f"use one of {_divisors(known.experts)}", fleet)
-    if ep > 1 and engine in ("sglang", "trtllm") and tp % ep:
-        raise _fail(ep_key, f"{ep} does not divide the tensor parallel size {tp}: {engine} splits each TP group "
+    if ep > 1 and engine.ep_within_tp and tp % ep:
+        raise _fail(ep_key, f"{ep} does not divide the tensor parallel size {tp}: {engine.name} splits each TP group "
                     f"into MoE tp × ep ranks; use one of {_divisors(tp)}", fleet)
-
-
-def _check_ktransformers(fleet: Fleet, pool: Pool) -> None:
-    """KTransformers has no multi-node mode: one instance lives on one host."""
-    if pool.nodes_per_instance > 1:
-        raise _fail("k2_tp", f"{pool.role} pool: KTransformers runs on one host, but tp×pp = {pool.instance_gpus} "
-                    f"GPUs spans {pool.nodes_per_instance} hosts of {pool.instance_gpus // pool.nodes_per_instance}; "
-                    "set k2_tp×k2_pp to at most k2_gpus_per_node (more hosts serve as separate replicas)", fleet)
 
 
 GPU_LIST_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
@@ -1031,6 +991,7 @@ def resolve(fleet: Fleet) -> Deployment:
             "use an FP8/INT4 checkpoint on this hardware",
             fleet,
         )
+    engine = engines.get(s.engine)
     version, runtime, image = _check_engine(fleet, platform)
     why = profiles.refusal(s.engine, version, s.profile)
     if why:
@@ -1041,11 +1002,11 @@ def resolve(fleet: Fleet) -> Deployment:
     # k2_tool_parser's default names K2's parser: a known model's own parser replaces it (kimi_k3 for Kimi-K3)
     tool_parser = known.tool_parser if known and s.tool_parser == "kimi_k2" else s.tool_parser
     _check_parsers(fleet, version, tool_parser, reasoning_parser)
-    if s.engine == "ktransformers" and not s.gguf_repo:
+    if engine.needs_gguf and not s.gguf_repo:
         raise _fail("k2_gguf_repo", "KTransformers serves GGUF weights; set k2_gguf_repo, k2_gguf_revision and k2_gguf_pattern", fleet)
     _check_hub_transport(fleet)
     _check_mirrors(fleet, runtime, image)
-    _check_roles(fleet, s.engine)
+    _check_roles(fleet, engine)
     _check_fetcher(fleet)
     _check_bundle(fleet)
     _check_api_key(fleet)
@@ -1057,17 +1018,18 @@ def resolve(fleet: Fleet) -> Deployment:
     pools = {}
     capacities: dict[str, capacity.Capacity] = {}
     for role, hosts in fleet.pools.items():
-        pools[role] = _check_pool(fleet, role, hosts, s.engine, per_node)
-        _check_shape(fleet, s.engine, pools[role].tp, pools[role].settings.ep)
-        if s.engine == "ktransformers":
-            _check_ktransformers(fleet, pools[role])
+        pools[role] = _check_pool(fleet, role, hosts, engine, per_node)
+        _check_shape(fleet, engine, pools[role].tp, pools[role].ep)
+        refused = engine.pool_refusal(pools[role])
+        if refused:
+            raise _fail(*refused, fleet)
         if gpu is not None:
             _check_size(fleet, pools[role], gpu, size)
-            cap = _check_fit(fleet, pools[role], gpu, size, quant, s.engine, version)
+            cap = _check_fit(fleet, pools[role], gpu, size, quant, engine, version)
             if cap is not None:
                 capacities[role] = cap
     if "slurm-submit" in pools and gpu is not None:
-        capacities |= {f"disagg.{side}": cap for side, cap in _check_slurm(fleet, gpu, per_node, size, quant).items()}
+        capacities |= {f"disagg.{side}": cap for side, cap in _check_slurm(fleet, engine, gpu, per_node, size, quant).items()}
     _check_env(fleet, per_node)
     driver = choose_driver(fleet, gpu, s.engine, version) if gpu is not None else None
     model_args = (known.engine_args or {}).get(s.engine, ()) if known else ()
@@ -1085,6 +1047,7 @@ def resolve(fleet: Fleet) -> Deployment:
         reasoning_parser=reasoning_parser,
         served_model_name=s.served_model_name or s.model,
         pools=pools,
+        engine_impl=engine,
         driver=driver,
         capacity=capacities,
         tool_parser=tool_parser,

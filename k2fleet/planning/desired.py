@@ -30,7 +30,7 @@ from typing import Any
 
 from k2fleet.planning.host_archive import ARCHIVE as HOST_ARCHIVE, archive_bytes, host_argv
 from k2fleet.planning.engine_side import HOST_ARCH, engine_side_requirements as venv_side_requirements, host_python, requirement_version
-from k2fleet.planning import api_front, load_balancer, mesh_config
+from k2fleet.planning import api_front, engines, load_balancer, mesh_config
 from k2fleet.planning.rollout import INSTANCE_ROLES, Balancer, Instance, Rollout
 from k2fleet.planning import host_bootstrap as bootstrap
 from k2fleet.planning.host_bootstrap import BootstrapPlan, bootstrap_plan
@@ -42,15 +42,13 @@ from k2fleet.planning import gpu_exporter
 from k2fleet.planning.reach_plan import ReachCheck, reach_checks
 from k2fleet.hostprogs import swarm
 from k2fleet.planning.deployment import CHECKPOINT_CHECK, Deployment, WeightSet
-from k2fleet.planning.render.vllm import RAY_TOKEN
+from k2fleet.planning.engines.vllm.render import RAY_TOKEN
 from k2fleet.planning.host_packages import bundle_repo_dir, required_packages
 from k2fleet.planning.processes import HostPlan, Plan, Service
 from k2fleet.planning.units import (pin_args, api_key_paths, container_name, env_file, env_path, holds_api_key, image_pin_argv,
                            sends_api_key, unit_file, unit_name, unit_path)
-from k2fleet.planning.catalog import API_KEY_ENV
 from k2fleet.planning.quoting import env_file_line, shell_line, shell_word
 from k2fleet.planning.render.common import DOCKER
-from k2fleet.planning.render.ktransformers import SGLANG_KT_SINCE
 
 DOUBLES_DIR = "/opt/k2fleet/doubles"
 GPU_STACK_DOUBLES = "gpu_stack"  # the doubles' gpu_stack/: inside the TEST DOUBLE driver packages, not shipped
@@ -69,7 +67,6 @@ IMAGE_DIR = "/var/cache/k2fleet/images"  # where hosts keep the image archive th
 DEVICE_DOUBLES_CONF = "/etc/tmpfiles.d/k2fleet-device-doubles.conf"
 DEVICE_DOUBLES = {"rocm": ("/dev/kfd", "/dev/dri/renderD128")}
 ENGINE_SIDE_CHECK = "engine-side"
-ENGINE_ENTRY = {"vllm": "vllm", "sglang": "python", "ktransformers": "python", "trtllm": "trtllm-serve"}
 
 
 @dataclass(frozen=True)
@@ -282,8 +279,7 @@ def gpus_proven_by(dep: Deployment, hp: HostPlan) -> list[str]:
     data-parallel replicas in one instance, or more than one service.
 
     >>> from k2fleet.planning.processes import Health, Service
-    >>> class Settings: pp = 1
-    >>> class Pool: nodes_per_instance, tp, instance_gpus, settings = 1, 8, 8, Settings()
+    >>> class Pool: nodes_per_instance, tp, pp, instance_gpus = 1, 8, 1, 8
     >>> class Dep: pools = {"serve": Pool()}
     >>> one = HostPlan("n1", "10.0.0.1", "serve", [Service("k2-vllm", ["vllm"], health=Health(8000))])
     >>> gpus_proven_by(Dep(), one)
@@ -297,7 +293,7 @@ def gpus_proven_by(dep: Deployment, hp: HostPlan) -> list[str]:
     """
     pool = dep.pools.get(hp.role)
     if pool is None or hp.role in ("router", "slurm-submit") or pool.instance_gpus <= 0 \
-            or pool.nodes_per_instance != 1 or pool.tp * pool.settings.pp != pool.instance_gpus \
+            or pool.nodes_per_instance != 1 or pool.tp * pool.pp != pool.instance_gpus \
             or len(hp.services) != 1 or not hp.services[0].health:
         return []
     return [HEALTH_CHECK]
@@ -367,15 +363,12 @@ def engine_side_requirements(dep: Deployment, hp: HostPlan) -> list[str]:
     return venv_side_requirements(dep.engine, dep.s.venv, [svc.argv for svc in hp.services])
 
 
-ENGINE_PIP = {"vllm": "vllm", "sglang": "sglang[all]", "ktransformers": "ktransformers", "trtllm": "tensorrt_llm"}
-
-
 def engine_pin(dep: Deployment, doubles: EngineDoubles | None) -> str:
     """The requirement that installs the engine into ``k2_venv``: its release, or with
     engine test doubles the doubles' wheel (``doubles``, from the control step)."""
     if dep.s.engine_doubles:
         return doubles.requirement if doubles else ENGINE_DOUBLES_UNREAD
-    return f"{ENGINE_PIP[dep.engine]}=={dep.version}"
+    return f"{dep.engine_impl.package}=={dep.version}"
 
 
 def engine_requirements(dep: Deployment, hp: HostPlan, bundled: bool, doubles: EngineDoubles | None) -> list[str]:
@@ -405,10 +398,10 @@ def engine_files(dep: Deployment, doubles: EngineDoubles | None, real_venv: bool
         files[f"{DOUBLES_DIR}/"] = FileSpec(None, "644", "engine-doubles")
         return files
     sources = sorted(doubles.files.items())
-    if dep.engine == "ktransformers":  # the legacy server's rule files, where a source install keeps them
-        for rel, data in sources:
-            if rel.startswith("ktransformers/optimize/") and rel.endswith(".yaml"):
-                files[f"{venv}/src/ktransformers/{rel}"] = FileSpec(data, "644", "engine-doubles")
+    for rel, data in sources:  # KTransformers: the legacy server's rule files, where a source install keeps them
+        path = dep.engine_impl.double_file(venv, rel)
+        if path is not None:
+            files[path] = FileSpec(data, "644", "engine-doubles")
     if from_wheel:
         return files
     for rel, data in sources:
@@ -549,7 +542,7 @@ def api_key_files(dep: Deployment, hp: HostPlan, art: ControlArtifacts) -> dict[
         reader, content = api_front.keys_path(dep), None if key is None else api_front.keys_file(key)
     else:
         reader = env_path_
-        content = None if key is None else (env_file_line(API_KEY_ENV[dep.engine], key) + "\n").encode()
+        content = None if key is None else (env_file_line(str(dep.engine_impl.api_key_env), key) + "\n").encode()
     return {key_path: FileSpec(None if key is None else (key + "\n").encode(), "600", "api-key", secret=True),
             reader: FileSpec(content, "600", "api-key", secret=True)}
 
@@ -578,29 +571,20 @@ def service_files(dep: Deployment, svc: Service, pin: ImagePin | None = None) ->
     return files
 
 
-# What each engine's test double reports in /v1/models metadata, from the planned pool.
-WORLD_KEYS = {
-    "vllm": lambda pool: {"tensor_parallel_size": pool.tp, "pipeline_parallel_size": pool.settings.pp,
-                          "data_parallel_size": pool.settings.dp},
-    "sglang": lambda pool: {"tp_size": pool.tp},
-    "trtllm": lambda pool: {"tp_size": pool.tp, "pp_size": pool.settings.pp},
-}
-
-
 def expected_world(dep: Deployment, svc: Service, host: str) -> dict[str, Any] | None:
     """The topology the health gate checks (sandbox: the engine test doubles report it):
     the planned parallel sizes and, for vLLM and SGLang rendezvous (not Ray), the
     addresses of the other hosts of ``host``'s instance, as the head saw them join.
     KTransformers ≥ 0.4 serves through sglang-kt; the legacy server reports none."""
     pool = dep.pools.get(svc.role)
-    server = "sglang" if dep.engine == "ktransformers" and dep.version_tuple >= SGLANG_KT_SINCE else dep.engine
-    if not dep.s.engine_doubles or pool is None or not pool.tp or server not in WORLD_KEYS:
+    server = dep.engine_impl.server(dep.version)  # what each engine's test double reports (Engine.world_keys)
+    world = server.world(pool) if dep.s.engine_doubles and pool is not None and pool.tp else None
+    if world is None:
         return None
-    world: dict[str, Any] = WORLD_KEYS[server](pool)
     if pool.settings.multinode_backend == "ray" and pool.nodes_per_instance > 1:
         # the Ray cluster the engine joined: every node of the instance with all its GPUs
         world |= {"ray_nodes": pool.nodes_per_instance, "ray_gpus": pool.nodes_per_instance * dep.gpus_per_node}
-    elif server in ("vllm", "sglang"):
+    elif server.reports_members():
         nodes = next((n for n in pool.instances if n[0].name == host), None)
         if nodes is not None:
             world["members"] = sorted({h.address for h in nodes[1:]} - {nodes[0].address})
@@ -616,12 +600,10 @@ def pd_servers(plan: Plan) -> dict[str, list[str]]:
     return pools
 
 
-# the request counter each engine's /metrics moves with every completed request, which the
-# deploy's health gate reads before and after its completion. Sources: vLLM
-# vllm/v1/metrics/loggers.py (``vllm:request_success_total``); SGLang
-# sglang/srt/metrics/collector.py (``sglang:num_requests_total``). A service whose /metrics
-# lacks it (another release, a router) is not held to it.
-REQUEST_COUNTERS = {"vllm": "vllm:request_success_total", "sglang": "sglang:num_requests_total"}
+# the request counter each engine's /metrics moves with every completed request (its own:
+# ``Engine.request_counter``, with its source), which the deploy's health gate reads before and
+# after its completion. A service whose /metrics lacks it (another release, a router) is not held to it.
+REQUEST_COUNTERS: dict[str, str] = {name: e.request_counter for name, e in engines.ENGINES.items() if e.request_counter}
 
 
 def health_argv(dep: Deployment, hp: HostPlan, timeout: int, pd: dict[str, list[str]] | None = None,
@@ -648,8 +630,8 @@ def health_argv(dep: Deployment, hp: HostPlan, timeout: int, pd: dict[str, list[
             argv += ["--expect-world", json.dumps(world, sort_keys=True)] if world else []
             if dep.s.engine_doubles and svc.role == "router" and pd and len(pd) == 2:
                 argv += ["--expect-pd", json.dumps(pd, sort_keys=True)]
-            if metrics and svc.role == "serve" and dep.engine in REQUEST_COUNTERS:
-                argv += ["--expect-counter", REQUEST_COUNTERS[dep.engine]]
+            if metrics and svc.role == "serve" and dep.engine_impl.request_counter:
+                argv += ["--expect-counter", dep.engine_impl.request_counter]
             return argv
     return None
 
@@ -898,7 +880,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts,
         if engine_side:
             d.checks[ENGINE_SIDE_CHECK] = engine_side_check(dep, engine_side, python)
             d.engine_side_install = engine_side_install_argv(dep, engine_side, python, d.python)
-        d.engine_entry = f"{dep.s.venv}/bin/{ENGINE_ENTRY[dep.engine]}"
+        d.engine_entry = f"{dep.s.venv}/bin/{dep.engine_impl.entry}"
         d.exists = [*d.exists, d.engine_entry, *d.device_doubles, RECORD]  # RECORD: kept before the first change
         if dep.s.model_type_override:
             d.exists.append(f"{dep.serve_path}/config.json")

@@ -7,11 +7,11 @@ The tables (``k2fleet/planning/data/engine_flags/<engine>-<version>.json``) are 
 A pin without a table is not checked for unknown flags; owned flags are refused everywhere.
 
 Every flag a renderer emits is one ``k2_engine_args`` may not set (:func:`owned_flags`): the
-renderer's ``OWNED_FLAGS`` always, its ``keyed_flags(dep, pool)`` where the key that renders them
+engine's ``owned_flags`` always (its renderer's ``OWNED_FLAGS``), its ``keyed_flags(dep, pool)`` where the key that renders them
 is set (``--max-model-len`` with ``k2_max_model_len``, SGLang's DP-attention companions with
 ``k2_attn_dp``...), and the model's own deployment flags; the refusal is one line naming the flag
-and the key that owns it. ``k2_moe_a2a_backend`` is checked against :data:`A2A_BACKENDS` (read
-from each pin's source), and DeepEP across nodes needs ``k2_ib_hcas`` on every host of the instance.
+and the key that owns it. ``k2_moe_a2a_backend`` is checked against the engine's ``a2a_backends``
+(:data:`A2A_BACKENDS`, read from each pin's source), and DeepEP across nodes needs ``k2_ib_hcas`` on every host of the instance.
 """
 
 from __future__ import annotations
@@ -23,63 +23,37 @@ from pathlib import Path
 from typing import Any
 
 from k2fleet.inventory.spec import SpecError
-from k2fleet.planning import catalog, profiles
+from k2fleet.planning import catalog, engines, profiles
 from k2fleet.planning.deployment import Deployment, Pool
-from k2fleet.planning.render import ktransformers, sglang, trtllm, vllm
-from k2fleet.planning.render.common import RENAMED_FLAGS, flag_words
+from k2fleet.planning.engines.trtllm.render import LLM_API_OWNED, RENAMED_KEYS
 
 DATA = Path(__file__).parent / "data" / "engine_flags"
 
-# Each renderer declares the flags it owns beside the words it emits (flag -> the inventory key
+# Each engine declares the flags its renderer owns beside the words it emits (flag -> the inventory key
 # that controls it, "" = k2fleet renders it, no key); this module only checks against them.
-_OWNER_KEYS: dict[str, dict[str, str]] = {
-    "vllm": vllm.OWNED_FLAGS, "sglang": sglang.OWNED_FLAGS, "ktransformers": ktransformers.OWNED_FLAGS,
-    "trtllm": trtllm.OWNED_FLAGS,
-}
-OWNED_FLAGS: dict[str, frozenset[str]] = {e: frozenset(m) for e, m in _OWNER_KEYS.items()}
-# Flags a renderer emits only when an inventory key asks (``keyed_flags(dep, pool)``: flag -> key).
-_KEYED = {"vllm": vllm.keyed_flags, "sglang": sglang.keyed_flags, "ktransformers": ktransformers.keyed_flags,
-          "trtllm": trtllm.keyed_flags}
+OWNED_FLAGS: dict[str, frozenset[str]] = {name: frozenset(e.owned_flags) for name, e in engines.ENGINES.items()}
 
 
 def owned_flags(dep: Deployment, pool: Pool) -> dict[str, str]:
     """Every flag k2fleet renders for ``pool`` (flag -> the inventory key that sets it, "" none):
     the renderer's owned flags, those its keys turn on for this pool, and the model's deployment
     flags (catalog ``engine_args``). ``k2_engine_args`` may set none of them."""
-    out = dict(_OWNER_KEYS.get(dep.engine, {})) | _KEYED[dep.engine](dep, pool)
+    out = dict(dep.engine_impl.owned_flags) | dep.engine_impl.keyed_flags(dep, pool)
     for word in dep.model_args:
         if word.startswith("-"):
             out.setdefault(word, "k2_model")
     return out
 
 
-# The all-to-all backends of expert parallel each pin accepts (k2_moe_a2a_backend), read from the
-# engines' own sources (wheels from pypi.org, ``pip download --no-deps``, 2026-11-26):
+# The all-to-all backends of expert parallel each pin accepts (k2_moe_a2a_backend): (engine, version) ->
+# (choices, source), each engine's own table (``Engine.a2a_backends``, read from its source).
 A2A_BACKENDS: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
-    ("sglang", "0.5.23"): (("none", "deepep", "mooncake", "nixl", "mori", "ascend_fuseep", "flashinfer", "megamoe",
-                            "deepep_v2", "pplx", "ascend_tp", "flashinfer_megamoe"),
-                           "sglang 0.5.23 sglang/srt/arg_groups/fields/exec_.py, moe_a2a_backend choices"),
-    ("sglang", "0.5.4"): (("none", "deepep", "mooncake"), "sglang 0.5.4 sglang/srt/server_args.py, --moe-a2a-backend choices"),
-    ("sglang", "0.4.9"): (("none", "deepep"), "sglang 0.4.9 sglang/srt/server_args.py: no --moe-a2a-backend, "
-                          "only the bool --enable-deepep-moe"),
-    ("vllm", "0.33.0"): (("deepep_high_throughput", "deepep_low_latency", "deepep_v2", "mori_high_throughput",
-                          "mori_low_latency", "moonep", "nixl_ep", "allgather_reducescatter", "flashinfer_all2allv",
-                          "flashinfer_nvlink_two_sided", "flashinfer_nvlink_one_sided"),
-                         "vllm 0.33.0 vllm/config/parallel.py All2AllBackend less passthrough (vllm/engine/arg_utils.py "
-                         "removes it from --all2all-backend; naive and pplx are gone: parallel.py falls back from them)"),
-    ("vllm", "0.11.0"): (("naive", "pplx", "deepep_high_throughput", "deepep_low_latency", "allgather_reducescatter",
-                          "flashinfer_all2allv"), "vllm 0.11.0 vllm/envs.py VLLM_ALL2ALL_BACKEND choices"),
-    ("vllm", "0.10.0"): (("naive", "pplx", "deepep_high_throughput", "deepep_low_latency"),
-                         "vllm 0.10.0 vllm/envs.py VLLM_ALL2ALL_BACKEND (a free string there; "
-                         "vllm/distributed/device_communicators/cuda_communicator.py raises on any other)"),
-}
+    (name, version): known for name, e in engines.ENGINES.items() for version, known in e.a2a_backends.items()}
 
 
 def a2a_backend(dep: Deployment, pool: Pool) -> str | None:
     """The all-to-all backend ``pool`` runs with (None: the engine's own default)."""
-    if dep.engine == "sglang":
-        return sglang.a2a_backend(dep, pool)
-    return pool.settings.moe_a2a_backend if pool.settings.ep > 1 else None
+    return dep.engine_impl.a2a_backend(pool)
 
 
 def _check_a2a(dep: Deployment, pool: Pool) -> None:
@@ -88,17 +62,16 @@ def _check_a2a(dep: Deployment, pool: Pool) -> None:
     key = "k2_moe_a2a_backend"
     if pool.role in ("router", "slurm-submit"):
         return  # no engine of its own
+    engine = dep.engine_impl
     if s.moe_a2a_backend is not None:
-        if dep.engine not in ("vllm", "sglang"):
-            where = ("its LLM API moe_config in k2_trtllm_config" if dep.engine == "trtllm"
-                     else "no all-to-all (no expert parallel across GPUs)")
-            raise SpecError(key, f"{dep.engine} takes no all-to-all backend from k2fleet ({where}); remove it")
-        known = A2A_BACKENDS.get((dep.engine, dep.version))
+        if engine.a2a_refusal is not None:
+            raise SpecError(key, f"{dep.engine} takes no all-to-all backend from k2fleet ({engine.a2a_refusal}); remove it")
+        known = engine.a2a_backends.get(dep.version)
         if known and s.moe_a2a_backend not in known[0]:
             raise SpecError(key, f"{s.moe_a2a_backend} is not an all-to-all backend of {dep.engine} {dep.version} "
                             f"(one of {', '.join(known[0])}; {known[1]})")
-        if dep.engine == "vllm" and vllm.ALL2ALL_ENV in s.env:
-            raise SpecError("k2_env", f"{vllm.ALL2ALL_ENV} is set by k2fleet from {key}; remove it from k2_env")
+        if engine.a2a_env is not None and engine.a2a_env in s.env:
+            raise SpecError("k2_env", f"{engine.a2a_env} is set by k2fleet from {key}; remove it from k2_env")
     backend = a2a_backend(dep, pool)
     if not backend or not backend.startswith("deepep") or dep.s.simulated_gpus:
         return  # simulated GPUs (the sandbox): the engine test doubles run no all-to-all, and hosts have no HCA
@@ -112,15 +85,12 @@ def _check_a2a(dep: Deployment, pool: Pool) -> None:
 
 
 def _check_addresses(dep: Deployment, pool: Pool) -> None:
-    """TensorRT-LLM across nodes names its hosts in ``mpirun -H HOST:SLOTS``, a form Open MPI
-    splits at the colon: an IPv6 address has no spelling there that k2fleet has verified."""
-    if dep.engine != "trtllm":
-        return
+    """Each instance's addresses against what the engine can name them in (TensorRT-LLM's
+    ``mpirun -H HOST:SLOTS`` takes no IPv6 address)."""
     for nodes in pool.instances:
-        v6 = [h.name for h in nodes if ":" in h.address]
-        if len(nodes) > 1 and v6:
-            raise SpecError("k2_address", f"{', '.join(v6)}: TensorRT-LLM across nodes runs mpirun -H HOST:SLOTS, "
-                            "which takes no IPv6 address; give these hosts IPv4 fleet addresses")
+        refused = dep.engine_impl.instance_address_refusal(nodes)
+        if refused:
+            raise SpecError(*refused)
 
 
 
@@ -168,11 +138,12 @@ def _same_option(engine: str, version: str, flag: str) -> list[str]:
 
 
 def _translated(engine: str, version: str, name: str, value: Any) -> list[str] | None:
-    """The words ``render.common.flag_words`` emits when ``name`` is a known rename."""
+    """The words the engine renders for ``name`` when it is a known rename (``Engine.flag_words``)."""
     bare = name.lstrip("-")
-    if not any(e == engine and old == bare for e, old, _, _ in RENAMED_FLAGS):
+    eng = engines.get(engine)
+    if not any(old == bare for old, _, _ in eng.renamed_flags):
         return None
-    words = flag_words(engine, version, bare, True if value in (None, False) else value)
+    words = eng.flag_words(version, bare, True if value in (None, False) else value)
     return [w for w in words if w.startswith("-")]
 
 
@@ -195,16 +166,17 @@ def check_engine_args(engine: str, version: str, args: dict[str, Any], key: str 
     ...
     k2fleet.inventory.spec.SpecError: k2_engine_args: --tensor_parallel_size is set by k2fleet from k2_tp (as --tp_size); remove it from k2_engine_args
     """
-    owners = _OWNER_KEYS.get(engine, {}) if owned is None else owned
+    eng = engines.get(engine)
+    owners = eng.owned_flags if owned is None else owned
     for name, value in args.items():
         bare = str(name).lstrip("-")
         flag = ("-" if name.startswith("-") and not name.startswith("--") else "--") + bare
-        if flag.startswith("--") and engine == "trtllm":
+        if flag.startswith("--") and eng.flag_dash == "_":
             flag = "--" + bare.replace("-", "_")
         words = _translated(engine, version, name, value)
         candidates = words if words is not None else [flag]
         for word in candidates:
-            for form in (word, word.replace("_", "-") if engine == "vllm" else word):
+            for form in eng.flag_forms(word):
                 for same in _same_option(engine, version, form):
                     if same in owners:
                         where = f" from {owners[same]}" if owners[same] else ""
@@ -215,9 +187,7 @@ def check_engine_args(engine: str, version: str, args: dict[str, Any], key: str 
             if not has_table(engine, version):
                 continue
             flags = known_flags(engine, version)
-            check = word.replace("_", "-") if engine == "vllm" and word.startswith("--") else word
-            if engine == "vllm" and "." in check:  # --compilation-config.mode=...
-                check = check.split(".", 1)[0]
+            check = eng.table_flag(word)
             if check in flags:
                 continue
             close = difflib.get_close_matches(check, sorted(flags), n=1, cutoff=0.6)
@@ -235,7 +205,7 @@ def check_llm_api_config(
 ) -> None:
     """Walk a TensorRT-LLM LLM API options dict against the extracted model tree.
 
-    Keys that k2fleet renames before writing the YAML (``render.trtllm.RENAMED_KEYS``) are
+    Keys that k2fleet renames before writing the YAML (``engines.trtllm.render.RENAMED_KEYS``) are
     checked under their new name; a key in ``owned_values`` must equal its value.
 
     >>> tree = {"extra": "forbid", "fields": {"cuda_graph_config": {"extra": "forbid", "fields": {"enable_padding": None}}}}
@@ -255,13 +225,13 @@ def check_llm_api_config(
     for name, value in config.items():
         dotted = f"{path}.{name}" if path else name
         if not path and owned_values and name in owned_values and value != owned_values[name]:
-            owner = trtllm.LLM_API_OWNED.get(name, "k2fleet")
+            owner = LLM_API_OWNED.get(name, "k2fleet")
             raise SpecError(key, f"{name}: {value!r} contradicts {owner}={owned_values[name]!r}; remove it")
         if schema is None:
             continue
         fields = schema.get("fields", {})
         section = path.rsplit(".", 1)[-1] if path else ""
-        real = trtllm.RENAMED_KEYS.get((section, name), name) if path else name
+        real = RENAMED_KEYS.get((section, name), name) if path else name
         if real not in fields:
             if schema.get("extra") != "forbid":
                 continue
@@ -292,8 +262,8 @@ def check_deployment(dep: Deployment) -> None:
     raises SpecError naming the key (the planner's first step)."""
     try:
         _check_model_args(dep)
-        if dep.engine == "trtllm":
-            check_llm_api_config(dep.version, profiles.llm_api(dep.version, dep.s.profile), key=profiles.KEY)
+        if dep.engine_impl.llm_api:
+            check_llm_api_config(dep.version, profiles.llm_api(dep.engine, dep.version, dep.s.profile), key=profiles.KEY)
         else:
             check_engine_args(dep.engine, dep.version, profiles.flags(dep.engine, dep.version, dep.s.profile),
                               key=profiles.KEY)
@@ -302,11 +272,11 @@ def check_deployment(dep: Deployment) -> None:
             _check_a2a(dep, pool)
             _check_addresses(dep, pool)
             check_engine_args(dep.engine, dep.version, s.engine_args, key="k2_engine_args", owned=owned_flags(dep, pool))
-            if dep.engine != "trtllm":
+            if not dep.engine_impl.llm_api:
                 continue
             if s.trtllm_config and pool.tp:
-                owned = {"tensor_parallel_size": pool.tp, "pipeline_parallel_size": s.pp,
-                         "moe_expert_parallel_size": s.ep, "enable_attention_dp": s.attn_dp}
+                owned = {"tensor_parallel_size": pool.tp, "pipeline_parallel_size": pool.pp,
+                         "moe_expert_parallel_size": pool.ep, "enable_attention_dp": s.attn_dp}
                 check_llm_api_config(dep.version, s.trtllm_config, key="k2_trtllm_config", owned_values=owned)
             for side in ("ctx", "gen"):
                 if s.disagg and side in s.disagg:

@@ -34,7 +34,7 @@ def deepep_hosts(dep: Deployment) -> set[str]:
         if pool.role in ("router", "slurm-submit"):
             continue
         backend = a2a_backend(dep, pool) or ""
-        if backend.startswith("deepep") or (dep.engine == "vllm" and "pplx" in backend):
+        if backend and dep.engine_impl.rdma_a2a(backend):
             names |= {h.name for h in pool.hosts}
     return names
 

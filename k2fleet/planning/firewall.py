@@ -70,7 +70,6 @@ ANYONE, FLEET, CLIENTS, SCRAPERS = "anyone", "fleet", "api-clients", "metrics-sc
 EPHEMERAL = (32768, 60999)  # Linux's default net.ipv4.ip_local_port_range
 RAY_CLIENT_AND_WORKERS = (10001, 19999)  # ray start: --ray-client-server-port 10001, --min/--max-worker-port 10002-19999
 RAY_DASHBOARD = 8265
-SGLANG_NCCL_WINDOW = (100, 1100)  # SGLang picks its NCCL/torch store port at API + randint(100, 1000), stepping by 42
 API_KEYS = ("k2_port", "k2_router_port", "k2_load_balancer_port")  # the API: k2_api_clients
 PORT_WHAT = {
     "k2_ray_port": "Ray GCS",
@@ -403,14 +402,15 @@ def host_openings(dep: Deployment, hp: HostPlan) -> tuple[Opening, ...]:
                 found.append(Opening(port, port, FLEET, f"{key}: {PORT_WHAT.get(key, key)} ({svc.name})"))
             if key == "k2_dist_init_port":
                 pool = dep.pools.get(svc.role)
-                dp = pool.settings.dp if pool else 1
+                dp = pool.dp if pool else 1
                 found.append(Opening(port + 1, min(65535, port + 8 + dp), FLEET,
                                      f"SGLang ZMQ ports derived from k2_dist_init_port ({svc.name})"))
         if _runs_ray_start(svc.argv):
             found.append(Opening(*RAY_CLIENT_AND_WORKERS, FLEET, f"Ray client server and worker ports ({svc.name})"))
             found.append(Opening(RAY_DASHBOARD, RAY_DASHBOARD, FLEET, f"Ray dashboard ({svc.name})"))
-        if dep.engine in ("sglang", "ktransformers") and svc.needs_checkpoint and svc.argv:
-            lo, hi = SGLANG_NCCL_WINDOW
+        window = dep.engine_impl.torch_store_window
+        if window and svc.needs_checkpoint and svc.argv:
+            lo, hi = window
             # relative to the engine's own --port: behind the API front, k2_api_backend_port
             port, key = (svc.ports[BACKEND_KEY], BACKEND_KEY) if BACKEND_KEY in svc.ports else (dep.s.port, "k2_port")
             found.append(Opening(min(65535, port + lo), min(65535, port + hi), FLEET,

@@ -25,7 +25,7 @@ def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool, firewall
     if mesh:
         needed |= {"openssh-server", "openssh-client"}
     uses_mpirun = any(s.argv and s.argv[0].endswith("mpirun") for s in host_plan.services)
-    if dep.engine == "trtllm" and dep.runtime != "container" and len(dep.fleet.hosts) > 1:
+    if dep.engine_impl.launches_with_mpirun and dep.runtime != "container" and len(dep.fleet.hosts) > 1:
         uses_mpirun = True  # every rank host needs orted
     if uses_mpirun:
         needed |= {"openmpi-bin"}

@@ -9,7 +9,8 @@ heads' addresses; a known_hosts file pins every mesh host's key, so mpirun never
 
 from __future__ import annotations
 
-from k2fleet.planning.deployment import Deployment
+from typing import TYPE_CHECKING
+
 from k2fleet.planning.processes import Plan
 from k2fleet.planning.quoting import (
     authorized_keys_from,
@@ -22,6 +23,9 @@ from k2fleet.planning.quoting import (
     systemd_exec,
 )
 from k2fleet.inventory.spec import HostEntry
+
+if TYPE_CHECKING:  # types only: the engines' renderers import this module
+    from k2fleet.planning.deployment import Deployment
 
 UNIT = "k2-mesh-sshd.service"
 

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import yaml
 
-from k2fleet.planning.catalog import version_tuple
+from k2fleet.planning import engines
 from k2fleet.planning.deployment import Deployment
+from k2fleet.planning.engines.base import EngineMetrics
 from k2fleet.planning.processes import Plan
 
 NODE_EXPORTER_PORT = 9100  # prometheus-node-exporter's default --web.listen-address (:9100)
@@ -31,25 +32,8 @@ SCRAPE_INTERVAL = "15s"
 API_KEYS = ("k2_port", "k2_router_port")
 
 
-@dataclass(frozen=True)
-class EngineMetrics:
-    path: str | None  # None: the engine publishes none k2fleet can scrape
-    needs_flag: bool  # only with k2_metrics (SGLang's --enable-metrics)
-    source: str
-
-
-ENGINE_METRICS = {
-    "vllm": EngineMetrics("/metrics", False, "vLLM's API server mounts prometheus_client's app at /metrics on the "
-                          "API port, always (vllm/entrypoints/serve; open without the API key)"),
-    "sglang": EngineMetrics("/metrics", True, "SGLang's HTTP server exposes /metrics on the API port only with "
-                            "--enable-metrics (flag in the 0.4.9/0.5.4/0.5.23 tables; k2fleet renders it with k2_metrics)"),
-    "ktransformers": EngineMetrics("/metrics", True, "KTransformers >= 0.7 serves through sglang-kt: SGLang's "
-                                   "--enable-metrics (in the 0.7.2 table); the 0.3.x legacy server has no metrics route"),
-    "trtllm": EngineMetrics("/prometheus/metrics", False, "trtllm-serve: /metrics answers JSON iteration stats, "
-                            "not the Prometheus format; its Prometheus route is /prometheus/metrics (not verified "
-                            "at 1.2.0 from a source in this repository: a target that stays down says so)"),
-}
-LEGACY_KT_BEFORE = (0, 4, 0)
+# Where each engine publishes Prometheus metrics: its own (``Engine.metrics``, ``Engine.metrics_path``).
+ENGINE_METRICS: dict[str, EngineMetrics] = {name: e.metrics for name, e in engines.ENGINES.items()}
 
 
 @dataclass(frozen=True)
@@ -68,12 +52,7 @@ class Target:
 
 
 def _engine_path(dep: Deployment) -> str | None:
-    em = ENGINE_METRICS[dep.engine]
-    if dep.engine == "ktransformers" and version_tuple(dep.version) < LEGACY_KT_BEFORE:
-        return None
-    if em.needs_flag and not dep.s.metrics:
-        return None
-    return em.path
+    return dep.engine_impl.metrics_path(dep)
 
 
 def scrape_targets(dep: Deployment, plan: Plan) -> list[Target]:

@@ -1,6 +1,6 @@
 """The planner: a resolved Deployment → a :class:`~k2fleet.planning.processes.Plan` (pure).
 
-Each engine's renderer (:mod:`k2fleet.planning.render`) yields ``(host name, Service)`` pairs
+Each engine's renderer (``k2fleet/planning/engines/<name>/render.py``, asked through the engine) yields ``(host name, Service)`` pairs
 (or ``(host name, {path: content})`` for files a host needs without a service of its
 own); the planner collects them per host and checks that no two processes of one host
 share a port. Nothing here connects to a host or writes a file.
@@ -12,10 +12,7 @@ from k2fleet.planning.os_tables import provided_note, reserved_ports
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.processes import HostPlan, Plan, Service
 from k2fleet.planning import api_front, engine_cache, engine_flags, instance_watch, load_balancer
-from k2fleet.planning.render import ktransformers, sglang, trtllm, vllm
 from k2fleet.inventory.spec import SpecError
-
-RENDERERS = {"vllm": vllm, "sglang": sglang, "trtllm": trtllm, "ktransformers": ktransformers}
 
 
 def _check_ports(plan: Plan, host_ports: dict[str, int]) -> None:
@@ -51,7 +48,7 @@ def make_plan(dep: Deployment) -> Plan:
     hosts = {
         h.name: HostPlan(name=h.name, address=h.address, role=h.settings.role) for h in dep.fleet.hosts
     }
-    for host_name, item in RENDERERS[dep.engine].render(dep):
+    for host_name, item in dep.engine_impl.render(dep):
         if isinstance(item, Service):
             hosts[host_name].services.append(item)
         else:

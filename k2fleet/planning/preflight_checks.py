@@ -68,7 +68,7 @@ def check_host(dep: Deployment, entry: HostEntry, report: HostReport, checkpoint
     if serves_gpus and report.shm_size < min_shm:
         problems.append(f"/dev/shm is {_gib(report.shm_size)}, needs at least {_gib(min_shm)} (NCCL and engine IPC)")
     min_ram = SIMULATED_MIN_RAM if s.simulated_gpus else REAL_MIN_RAM
-    if dep.engine == "ktransformers":
+    if dep.engine_impl.experts_in_host_ram:  # KTransformers: the routed experts live in RAM
         min_ram = max(min_ram, dep.checkpoint_bytes)
     if serves_gpus and report.mem_total < min_ram:
         problems.append(f"RAM is {_gib(report.mem_total)}, needs at least {_gib(min_ram)}")

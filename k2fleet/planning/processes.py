@@ -7,9 +7,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from k2fleet.planning.capacity import Capacity
+if TYPE_CHECKING:  # types only: the engines' renderers import this module
+    from k2fleet.planning.capacity import Capacity
 
 
 @dataclass

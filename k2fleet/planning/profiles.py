@@ -7,7 +7,7 @@ renderers put a profile's flags *under* the pool's ``k2_engine_args`` (TRT-LLM: 
 under ``k2_trtllm_config``, merged per section): a flag or option the inventory sets itself
 wins, and ``k2fleet plan`` lists what it overrode. Flags k2fleet owns (parallelism, port,
 model, ``k2_gpu_memory_utilization``, ``enable_attention_dp``) are never in a profile. Flag
-names renamed between pins are translated by :func:`k2fleet.planning.render.common.flag_words`
+names renamed between pins are translated by the engine (:meth:`~k2fleet.planning.engines.base.Engine.flag_words`)
 (SGLang 0.5.23: ``--cuda-graph-max-bs`` → ``--cuda-graph-max-bs-decode``), and every
 rendered flag is checked against the pin's flag table (:mod:`k2fleet.planning.engine_flags`,
 key ``k2_profile``). No profile changes the context length: ``long-context`` keeps the
@@ -29,92 +29,30 @@ seeds: its rows say so where the value is k2fleet's own.
 {}
 >>> merged_args("vllm", "0.33.0", "throughput", {"--max-num-batched-tokens": 65536})
 {'--max-num-batched-tokens': 65536}
->>> merged_llm_api("1.2.0", "throughput", {"kv_cache_config": {"dtype": "auto"}})["kv_cache_config"]
+>>> merged_llm_api("trtllm", "1.2.0", "throughput", {"kv_cache_config": {"dtype": "auto"}})["kv_cache_config"]
 {'free_gpu_memory_fraction': 0.75, 'dtype': 'auto'}
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
-from k2fleet.planning.catalog import version_tuple
+from k2fleet.planning import engines
+from k2fleet.planning.engines.base import norm_flag as _norm
 
 PROFILES = ("default", "latency", "throughput", "long-context")
 KEY = "k2_profile"
-LEGACY_KT_BEFORE = (0, 4, 0)  # KTransformers' legacy server (render.ktransformers.SGLANG_KT_SINCE)
-
-# (engine, profile) -> [(flag, value, source)]; flags spelt as the oldest supported pin spells them.
-_VLLM = {
-    "latency": [
-        ("max-num-batched-tokens", 8192, "[vllm-k2] Additional flags: reduce --max-num-batched-tokens to 16k and 8k "
-         "to decrease latency (8k)"),
-    ],
-    "throughput": [
-        ("max-num-batched-tokens", 32768, "[vllm-k2] Additional flags: --max-num-batched-tokens=32768, higher means "
-         "higher throughput"),
-    ],
-    "long-context": [
-        ("max-num-batched-tokens", 16384, "[k2-thinking-summary] Optional Tuning, For maximum context: "
-         "--max-num-batched-tokens 16384 (smaller batches)"),
-        ("enable-chunked-prefill", True, "[k2-thinking-summary] Configuration Details: --enable-chunked-prefill, "
-         "essential for long-context processing"),
-    ],
-}
-_SGLANG = {
-    "latency": [
-        ("cuda-graph-max-bs", 64, "k2fleet's choice (no SGLang latency values in the seeds): decode batches "
-         "up to 64 stay inside CUDA graphs"),
-        ("max-running-requests", 64, "k2fleet's choice: no more running requests than the CUDA-graph batch"),
-    ],
-    "throughput": [
-        ("max-running-requests", 1024, "[moonshot-deploy] SGLang Deployment, prefill node: --max-running-requests 1024"),
-        ("chunked-prefill-size", 16384, "k2fleet's choice: twice SGLang's large-GPU default (8192) per instance, "
-         "the seed's 131072 being for a DP32 prefill server"),
-    ],
-    "long-context": [
-        ("chunked-prefill-size", 16384, "[k2-thinking-summary] Optional Tuning, For maximum context: 16384-token "
-         "prefill chunks (vLLM's --max-num-batched-tokens, SGLang's equivalent)"),
-    ],
-}
-# TensorRT-LLM 1.2.0: LLM API options (the --config YAML), never enable_attention_dp (k2_attn_dp owns it).
-_CUDA_GRAPH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]  # [moonshot-deploy] TensorRT-LLM Deployment, cuda_graph_config
-_TRTLLM = {
-    "latency": [
-        ("max_batch_size", 32, "k2fleet's choice: the seed's CUDA-graph batch list cut at 32"),
-        ("max_num_tokens", 4096, "[moonshot-deploy] TensorRT-LLM Deployment: --max_num_tokens 4096"),
-        ("cuda_graph_config", {"enable_padding": True, "batch_sizes": _CUDA_GRAPH_SIZES[:6]},
-         "[moonshot-deploy] TensorRT-LLM Deployment: cuda_graph_config padding_enabled (1.2: enable_padding), "
-         "batch_sizes up to 32"),
-    ],
-    "throughput": [
-        ("max_batch_size", 128, "[trtllm-blackwell] Launch the TensorRT LLM Server: max_batch_size: 128"),
-        ("max_num_tokens", 8448, "[trtllm-blackwell] Launch the TensorRT LLM Server: max_num_tokens: 8448"),
-        ("kv_cache_config", {"free_gpu_memory_fraction": 0.75, "dtype": "fp8"},
-         "[trtllm-blackwell] Launch the TensorRT LLM Server: kv_cache_config free_gpu_memory_fraction 0.75, dtype fp8"),
-        ("cuda_graph_config", {"enable_padding": True, "batch_sizes": _CUDA_GRAPH_SIZES},
-         "[moonshot-deploy] TensorRT-LLM Deployment: cuda_graph_config, batch_sizes 1..128"),
-    ],
-    "long-context": [
-        ("enable_chunked_prefill", True, "[k2-thinking-summary] chunked prefill, essential for long contexts "
-         "(TRT-LLM's enable_chunked_prefill)"),
-        ("max_num_tokens", 8448, "[trtllm-blackwell] SLURM worker_config ctx: max_num_tokens 8448"),
-        ("kv_cache_config", {"dtype": "fp8"}, "[trtllm-blackwell] kv_cache_config dtype fp8: half the KV bytes per token"),
-    ],
-}
-TABLES: dict[str, dict[str, list[tuple[str, Any, str]]]] = {
-    "vllm": _VLLM, "sglang": _SGLANG, "ktransformers": _SGLANG, "trtllm": _TRTLLM,
-}
+# Each engine's rows are its own (``PROFILE_ROWS`` of k2fleet.planning.engines.<name>, asked as
+# ``Engine.profile_rows``): (flag or option, value, source), flags spelt as the oldest supported pin
+# spells them; KTransformers >= 0.7 takes SGLang's (sglang-kt), TensorRT-LLM LLM API options.
+TABLES: dict[str, dict[str, list[tuple[str, Any, str]]]] = {name: e.profile_rows for name, e in engines.ENGINES.items()}
 
 
 def refusal(engine: str, version: str, profile: str) -> str | None:
     """Why ``profile`` cannot be rendered for this pin (one line), or None."""
     if profile == "default":
         return None
-    if engine == "ktransformers" and version_tuple(version) < LEGACY_KT_BEFORE:
-        return (f"{profile}: KTransformers {version}'s legacy server has no tuning flags k2fleet renders "
-                "(only --cache_lens, k2_kt.cache_lens); use default, or pin KTransformers >= 0.7 (sglang-kt)")
-    return None
+    return engines.get(engine).profile_refusal(version, profile)
 
 
 def rows(engine: str, profile: str) -> list[tuple[str, Any, str]]:
@@ -124,47 +62,29 @@ def rows(engine: str, profile: str) -> list[tuple[str, Any, str]]:
 
 def flags(engine: str, version: str, profile: str) -> dict[str, Any]:
     """The profile's engine flags (``{name: value}``, as ``k2_engine_args`` spells them)."""
-    if engine == "trtllm" or refusal(engine, version, profile):
-        return {}
-    return {name: copy.deepcopy(value) for name, value, _ in rows(engine, profile)}
+    return engines.get(engine).profile_flags(version, profile)
 
 
-def llm_api(version: str, profile: str) -> dict[str, Any]:
-    """TensorRT-LLM: the profile's LLM API options."""
-    return {name: copy.deepcopy(value) for name, value, _ in rows("trtllm", profile)}
-
-
-def _norm(name: str) -> str:
-    return name.lstrip("-").replace("_", "-")
+def llm_api(engine: str, version: str, profile: str) -> dict[str, Any]:
+    """The profile's LLM API options (TensorRT-LLM; none for engines that take flags)."""
+    return engines.get(engine).profile_llm_api(version, profile)
 
 
 def merged_args(engine: str, version: str, profile: str, user: dict[str, Any]) -> dict[str, Any]:
     """The profile's flags under the inventory's ``k2_engine_args``: a flag set there (however spelt) wins."""
-    mine = {_norm(k) for k in user}
-    base = {k: v for k, v in flags(engine, version, profile).items() if _norm(k) not in mine}
-    return base | dict(user)
+    return engines.get(engine).merged_args(version, profile, user)
 
 
-def _deep(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-def merged_llm_api(version: str, profile: str, user: dict[str, Any]) -> dict[str, Any]:
+def merged_llm_api(engine: str, version: str, profile: str, user: dict[str, Any]) -> dict[str, Any]:
     """The profile's LLM API options under ``k2_trtllm_config``, merged per section (a
     ``cuda_graph_config: null`` there removes the profile's section)."""
-    return _deep(llm_api(version, profile), user)
+    return engines.get(engine).merged_llm_api(version, profile, user)
 
 
 def overridden(engine: str, version: str, profile: str, user_args: dict[str, Any],
                user_config: dict[str, Any]) -> list[str]:
     """Profile settings the inventory overrides (``k2fleet plan`` names them)."""
-    if engine == "trtllm":
+    if engines.get(engine).llm_api:
         out = []
         for name, value, _ in rows(engine, profile):
             if name in user_config:

@@ -39,7 +39,7 @@ from k2fleet.planning.host_bootstrap import repo_paths
 from k2fleet.planning.host_packages import BUNDLE_LIST, REMOTE_REPO_ROOT, REMOTE_TAR_DIR
 from k2fleet.planning.processes import HostPlan
 from k2fleet.planning.relay_plan import HOST_LOG, RELAY_UNIT
-from k2fleet.planning.render.vllm import RAY_ROOT
+from k2fleet.planning.engines.vllm.render import RAY_ROOT
 from k2fleet.planning.units import container_name
 
 # Trees k2fleet alone fills on a host (removed whole, kept paths inside them excepted).

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from k2fleet.planning import api_front, instance_watch, load_balancer
-from k2fleet.planning.catalog import API_KEY_ENV
 from k2fleet.planning.deployment import Deployment, WeightSet
 from k2fleet.planning.host_archive import host_argv
 from k2fleet.planning.processes import Service
@@ -106,8 +105,7 @@ def unit_file(dep: Deployment, svc: Service, image_id: str | None = None) -> str
     if svc.name == load_balancer.LB:
         return api_front.unit_file(dep, svc, env_path(dep, svc), load_balancer.config_path(dep), load_balancer.RUNTIME_DIR)
     after = ["network-online.target"]
-    if dep.engine == "trtllm":
-        after.append("k2-mesh-sshd.service")
+    after += dep.engine_impl.after_units  # TensorRT-LLM: the mesh sshd mpirun logs in through
     pre, post = container_lines(svc, dep.image, image_id)
     if pre:
         after.append("docker.service")
@@ -124,7 +122,7 @@ def unit_file(dep: Deployment, svc: Service, image_id: str | None = None) -> str
         f"Type={'oneshot' if svc.oneshot else 'simple'}",
         f"EnvironmentFile={systemd_value(env_path(dep, svc), path=True)}",
     ]
-    if holds_api_key(dep, svc) and dep.engine in API_KEY_ENV:  # the key's own root-only file: never in the plan's env, argv or this unit
+    if holds_api_key(dep, svc) and dep.engine_impl.api_key_env:  # the key's own root-only file: never in the plan's env, argv or this unit
         lines.append(f"EnvironmentFile={systemd_value(api_key_paths(dep)[1], path=True)}")
     if svc.oneshot:
         lines.append("RemainAfterExit=yes")

@@ -3,69 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k2fleet.planning import engine_cache
-from k2fleet.planning.catalog import version_tuple
-from k2fleet.planning.deployment import Deployment
-from k2fleet.planning.profiles import merged_args
 from k2fleet.inventory.spec import HostEntry
 
-# (engine, old flag, first version where it is gone, replacement flags or None = drop)
-# A replacement may use "{value}" for the old flag's value.
-RENAMED_FLAGS: list[tuple[str, str, str, list[str] | None]] = [
-    ("vllm", "disable-log-requests", "0.12.0", None),  # logging is off by default now
-    ("vllm", "disable-log-stats", "99.0.0", ["--disable-log-stats"]),
-    ("sglang", "enable-deepep-moe", "0.5.0", ["--moe-a2a-backend", "deepep"]),
-    ("sglang", "tp", "0.0.0", ["--tp-size", "{value}"]),
-    ("sglang", "nccl-init-addr", "0.4.0", ["--dist-init-addr", "{value}"]),
-    ("sglang", "cuda-graph-bs", "0.5.23", ["--cuda-graph-bs-decode", "{value}"]),
-    ("sglang", "cuda-graph-max-bs", "0.5.23", ["--cuda-graph-max-bs-decode", "{value}"]),
-]
-
-
-def _value_words(value: Any) -> list[str]:
-    if isinstance(value, (list, tuple)):
-        return [str(v) for v in value]
-    return [str(value)]
-
-
-def flag_words(engine: str, version: str, name: str, value: Any, dash: str = "-") -> list[str]:
-    """One extra flag as argv words, translated for ``version`` when it was renamed.
-
-    >>> flag_words("sglang", "0.5.23", "enable-deepep-moe", True)
-    ['--moe-a2a-backend', 'deepep']
-    >>> flag_words("vllm", "0.33.0", "max-num-seqs", 256)
-    ['--max-num-seqs', '256']
-    """
-    name = name.lstrip("-")
-    if value is False or value is None:
-        return []
-    for eng, old, gone_in, replacement in RENAMED_FLAGS:
-        if eng == engine and name == old and version_tuple(version) >= version_tuple(gone_in):
-            if replacement is None:
-                return []
-            words: list[str] = []
-            for word in replacement:
-                words.extend(_value_words(value) if word == "{value}" else [word])
-            return words
-    if dash == "_":
-        name = name.replace("-", "_")
-    if value is True:
-        return [f"--{name}"]
-    return [f"--{name}", *_value_words(value)]
+if TYPE_CHECKING:  # types only: the engines' renderers import this module
+    from k2fleet.planning.deployment import Deployment
 
 
 def extra_flags(dep: Deployment, engine_args: dict[str, Any], dash: str = "-") -> list[str]:
+    """``k2_engine_args`` as argv words, each translated for the pin when it was renamed
+    (:meth:`~k2fleet.planning.engines.base.Engine.flag_words`)."""
     words: list[str] = []
     for name, value in engine_args.items():
-        words += flag_words(dep.engine, dep.version, name, value, dash)
+        words += dep.engine_impl.flag_words(dep.version, name, value, dash)
     return words
 
 
 def pool_engine_args(dep: Deployment, settings: Any) -> dict[str, Any]:
     """A pool's engine flags: ``k2_profile``'s table under its ``k2_engine_args`` (which win)."""
-    return merged_args(dep.engine, dep.version, dep.s.profile, settings.engine_args)
+    return dep.engine_impl.merged_args(dep.version, dep.s.profile, settings.engine_args)
 
 
 def rdma_env(host: HostEntry) -> dict[str, str]:

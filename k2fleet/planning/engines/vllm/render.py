@@ -2,19 +2,22 @@
 headless ranks, decode context parallel; CUDA venv or container, ROCm container.
 
 Flag names are vLLM 0.33's (``vllm serve --help``); ``k2_engine_args`` renamed since
-older pins are translated by :func:`k2fleet.planning.render.common.flag_words`.
+older pins are translated by the engine's ``renamed_flags`` (:meth:`~k2fleet.planning.engines.base.Engine.flag_words`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from k2fleet.planning.deployment import Deployment, Pool
 from k2fleet.planning.processes import Health, Service
-from k2fleet.planning.catalog import API_KEY_ENV, version_tuple
+from k2fleet.planning.catalog import version_tuple
 from k2fleet.planning.render.common import container_argv, engine_env, extra_flags, pool_engine_args, venv_bin
 from k2fleet.inventory.spec import HostEntry
 from k2fleet.planning.host_archive import host_argv
+
+if TYPE_CHECKING:
+    from k2fleet.planning.deployment import Deployment, Pool
 
 UNIT = "k2-vllm"
 # The flags this renderer emits and so owns: flag -> the inventory key that sets it ("": none);
@@ -72,7 +75,7 @@ def host_port(address: str, port: int) -> str:
 
 def _a2a_env(dep: Deployment, pool: Pool) -> dict[str, str]:
     backend = pool.settings.moe_a2a_backend
-    if backend and pool.settings.ep > 1 and version_tuple(dep.version) < ALL2ALL_FLAG_SINCE:
+    if backend and pool.ep > 1 and version_tuple(dep.version) < ALL2ALL_FLAG_SINCE:
         return {ALL2ALL_ENV: backend}
     return {}
 RAY_GATE_MAX_S = 600  # a worker that has not joined in 10 minutes will not (its unit restarts every 5 s)
@@ -93,11 +96,11 @@ def _serve_words(dep: Deployment, pool: Pool) -> list[str]:
     words = [dep.serve_path, "--served-model-name", dep.served_model_name, "--trust-remote-code"]
     words += ["--host", "0.0.0.0", "--port", str(dep.s.port)]
     words += ["--tensor-parallel-size", str(pool.tp)]
-    if s.pp > 1:
-        words += ["--pipeline-parallel-size", str(s.pp)]
-    if s.dcp > 1:
-        words += ["--decode-context-parallel-size", str(s.dcp)]
-    if s.ep > 1:
+    if pool.pp > 1:
+        words += ["--pipeline-parallel-size", str(pool.pp)]
+    if pool.dcp > 1:
+        words += ["--decode-context-parallel-size", str(pool.dcp)]
+    if pool.ep > 1:
         words += ["--enable-expert-parallel"]
         if s.moe_a2a_backend and version_tuple(dep.version) >= ALL2ALL_FLAG_SINCE:
             words += ["--all2all-backend", s.moe_a2a_backend]
@@ -125,7 +128,7 @@ def _platform_env(dep: Deployment) -> dict[str, str]:
 
 def _command(dep: Deployment, words: list[str], env: dict[str, str], name: str) -> list[str]:
     if dep.runtime == "container":
-        secret = [API_KEY_ENV[dep.engine]] if dep.s.api_key_file else []
+        secret = [str(dep.engine_impl.api_key_env)] if dep.s.api_key_file else []
         return container_argv(dep, name, ["serve", *words], env, entrypoint="vllm", secret_env=secret,
                               **_ray_container_files(env))
     return [venv_bin(dep, "vllm"), "serve", *words]
@@ -218,25 +221,25 @@ def _ray_services(dep: Deployment, pool: Pool, nodes: tuple[HostEntry, ...]) -> 
 def _dp_services(dep: Deployment, pool: Pool, nodes: tuple[HostEntry, ...]) -> Iterator[tuple[str, Service]]:
     s = pool.settings
     head = nodes[0]
-    local = dep.gpus_per_node // (pool.tp * s.pp)
+    local = dep.gpus_per_node // (pool.tp * pool.pp)
     for rank, host in enumerate(nodes):
         env = engine_env(dep, host, s.env) | {"VLLM_HOST_IP": host.address} | _platform_env(dep) | _a2a_env(dep, pool)
         words = _serve_words(dep, pool)
-        words += ["--data-parallel-size", str(s.dp), "--data-parallel-size-local", str(local)]
+        words += ["--data-parallel-size", str(pool.dp), "--data-parallel-size-local", str(local)]
         if len(nodes) > 1:
             words += ["--data-parallel-address", head.address, "--data-parallel-rpc-port", str(dep.s.dp_rpc_port)]
         if rank == 0:
             ports = {"k2_port": dep.s.port} | ({"k2_dp_rpc_port": dep.s.dp_rpc_port} if len(nodes) > 1 else {})
             yield host.name, _service(
                 dep, pool, host, 0, words, env, ports=ports, stage=0, health=Health(dep.s.port),
-                description=f"vLLM DP head: ranks 0-{local - 1} of {s.dp} and the API server",
+                description=f"vLLM DP head: ranks 0-{local - 1} of {pool.dp} and the API server",
             )
         else:
             start = rank * local
             words = [words[0], "--headless", "--data-parallel-start-rank", str(start), *words[1:]]
             yield host.name, _service(
                 dep, pool, host, rank, words, env, stage=1,
-                description=f"vLLM headless DP ranks {start}-{start + local - 1} of {s.dp}",
+                description=f"vLLM headless DP ranks {start}-{start + local - 1} of {pool.dp}",
             )
 
 
@@ -266,7 +269,7 @@ def render(dep: Deployment) -> Iterator[tuple[str, Service]]:
     for pool in dep.pools.values():
         for nodes in pool.instances:
             s = pool.settings
-            if s.dp > 1:
+            if pool.dp > 1:
                 yield from _dp_services(dep, pool, nodes)
             elif len(nodes) == 1:
                 host = nodes[0]
@@ -274,9 +277,9 @@ def render(dep: Deployment) -> Iterator[tuple[str, Service]]:
                 yield host.name, _service(
                     dep, pool, host, 0, _serve_words(dep, pool), env,
                     ports={"k2_port": dep.s.port}, stage=0, health=Health(dep.s.port),
-                    description=f"vLLM replica, TP{pool.tp}" + (f"×PP{s.pp}" if s.pp > 1 else ""),
+                    description=f"vLLM replica, TP{pool.tp}" + (f"×PP{pool.pp}" if pool.pp > 1 else ""),
                 )
-            elif s.multinode_backend == "ray":
+            elif dep.engine_impl.needs_ray(pool):
                 yield from _ray_services(dep, pool, nodes)
             else:
                 yield from _multinode_services(dep, pool, nodes)

@@ -17,12 +17,15 @@ legacy server reads only its config and tokenizer).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from k2fleet.planning.catalog import version_tuple
-from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.processes import Health, Service
 from k2fleet.planning.render.common import engine_env, extra_flags, pool_engine_args, venv_bin
-from k2fleet.planning.render.sglang import OWNED_FLAGS as SGLANG_OWNED_FLAGS, feature_words
+from k2fleet.planning.engines.sglang.render import OWNED_FLAGS as SGLANG_OWNED_FLAGS, feature_words
+
+if TYPE_CHECKING:
+    from k2fleet.planning.deployment import Deployment
 
 LEGACY_AMX_RULES = "ktransformers/optimize/optimize_rules/DeepSeek-V3-Chat-fp8-linear-ggml-experts-serve-amx.yaml"
 SGLANG_KT_SINCE = (0, 4, 0)

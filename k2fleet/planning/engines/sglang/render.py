@@ -9,12 +9,15 @@ abbreviation), ``--attn-dp-size N`` for DP attention (older pins: ``--dp-size N
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from k2fleet.planning.catalog import version_tuple
-from k2fleet.planning.deployment import Deployment, Pool
 from k2fleet.planning.processes import Health, Service
 from k2fleet.planning.render.common import container_argv, engine_env, extra_flags, pool_engine_args, venv_bin
 from k2fleet.inventory.spec import HostEntry
+
+if TYPE_CHECKING:
+    from k2fleet.planning.deployment import Deployment, Pool
 
 ATTN_DP_SIZE_SINCE = (0, 5, 23)
 # The flags this renderer emits and so owns: flag -> the inventory key that sets it ("": none);
@@ -50,7 +53,7 @@ def keyed_flags(dep: Deployment, pool: Pool) -> dict[str, str]:
     ``k2_engine_args`` may set them when k2fleet does not (the owned flags are refused always)."""
     s = pool.settings
     out: dict[str, str] = {}
-    if s.attn_dp and s.dp > 1:
+    if s.attn_dp and pool.dp > 1:
         out |= {"--moe-dense-tp-size": "k2_attn_dp", "--enable-dp-lm-head": "k2_attn_dp"}
     if dep.tool_parser:
         out["--tool-call-parser"] = "k2_tool_parser"
@@ -65,10 +68,10 @@ def keyed_flags(dep: Deployment, pool: Pool) -> dict[str, str]:
     return out
 
 
-def a2a_backend(dep: Deployment, pool: Pool) -> str | None:
+def a2a_backend(pool: Pool) -> str | None:
     """The all-to-all backend of expert parallel: ``k2_moe_a2a_backend``, else DeepEP (k2fleet's
     default since its first SGLang EP scenario, Moonshot's guide's --enable-deepep-moe)."""
-    if pool.settings.ep <= 1:
+    if pool.ep <= 1:
         return None
     return pool.settings.moe_a2a_backend or "deepep"
 
@@ -90,19 +93,19 @@ def parallel_words(dep: Deployment, pool: Pool) -> list[str]:
     s = pool.settings
     v = version_tuple(dep.version)
     words = ["--tp-size", str(pool.tp)]
-    if s.pp > 1:
-        words += ["--pp-size", str(s.pp)]
-    if s.attn_dp and s.dp > 1:
+    if pool.pp > 1:
+        words += ["--pp-size", str(pool.pp)]
+    if s.attn_dp and pool.dp > 1:
         if v >= ATTN_DP_SIZE_SINCE:
-            words += ["--attn-dp-size", str(s.dp)]
+            words += ["--attn-dp-size", str(pool.dp)]
         else:
-            words += ["--dp-size", str(s.dp), "--enable-dp-attention"]
+            words += ["--dp-size", str(pool.dp), "--enable-dp-attention"]
         words += DP_ATTENTION_COMPANIONS
-    elif s.dp > 1:
-        words += ["--dp-size", str(s.dp)]
-    if s.ep > 1:
-        words += ["--ep-size", str(s.ep)]
-        backend = a2a_backend(dep, pool)
+    elif pool.dp > 1:
+        words += ["--dp-size", str(pool.dp)]
+    if pool.ep > 1:
+        words += ["--ep-size", str(pool.ep)]
+        backend = a2a_backend(pool)
         if v >= A2A_BACKEND_SINCE:
             words += ["--moe-a2a-backend", str(backend)]
         elif backend == "deepep":  # 0.4.9: a bool; "none" is its default (engine_flags checks the choice)

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from k2fleet.planning.deployment import Deployment, Pool
 from k2fleet.planning.mesh_config import UNIT as MESH_UNIT
 from k2fleet.planning.mesh_config import mesh_dir
 from k2fleet.planning.processes import Health, Service
-from k2fleet.planning.profiles import merged_llm_api
 from k2fleet.planning.render.common import container_argv, engine_env, extra_flags, venv_bin
 from k2fleet.inventory.spec import HostEntry
+
+if TYPE_CHECKING:
+    from k2fleet.planning.deployment import Deployment, Pool
 
 RENAMED_KEYS = {("cuda_graph_config", "padding_enabled"): "enable_padding"}
 # The flags this renderer emits and so owns: flag -> the inventory key that sets it ("": none).
@@ -66,14 +67,14 @@ def api_options(dep: Deployment, pool: Pool) -> dict[str, Any]:
     s = pool.settings
     base: dict[str, Any] = {
         "tensor_parallel_size": pool.tp,
-        "pipeline_parallel_size": s.pp,
-        "moe_expert_parallel_size": s.ep,
+        "pipeline_parallel_size": pool.pp,
+        "moe_expert_parallel_size": pool.ep,
         "enable_attention_dp": s.attn_dp,
         "trust_remote_code": True,
     }
     if dep.s.max_model_len:
         base["max_seq_len"] = dep.s.max_model_len
-    return base | merged_llm_api(dep.version, dep.s.profile, _translate(s.trtllm_config))
+    return base | dep.engine_impl.merged_llm_api(dep.version, dep.s.profile, _translate(s.trtllm_config))
 
 
 def dump_yaml(data: dict[str, Any]) -> str:
@@ -84,9 +85,9 @@ def _serve_words(dep: Deployment, pool: Pool, config_path: str, cli_parallel: bo
     s = pool.settings
     words = ["serve", dep.serve_path, "--host", "0.0.0.0", "--port", str(dep.s.port)]
     if cli_parallel:
-        words += ["--tp_size", str(pool.tp), "--ep_size", str(s.ep)]
-        if s.pp > 1:
-            words += ["--pp_size", str(s.pp)]
+        words += ["--tp_size", str(pool.tp), "--ep_size", str(pool.ep)]
+        if pool.pp > 1:
+            words += ["--pp_size", str(pool.pp)]
     words += ["--config", config_path]
     if dep.tool_parser:
         words += ["--tool_parser", dep.tool_parser]
@@ -105,7 +106,7 @@ def _single_node(dep: Deployment, pool: Pool, host: HostEntry, config_path: str,
     return Service(
         name="k2-trtllm", argv=argv, env=env, files=files, ports={"k2_port": dep.s.port},
         role=pool.role, health=Health(dep.s.port),
-        description=f"trtllm-serve, TP{pool.tp} EP{pool.settings.ep}",
+        description=f"trtllm-serve, TP{pool.tp} EP{pool.ep}",
     )
 
 
@@ -157,7 +158,7 @@ def _multi_node(dep: Deployment, pool: Pool, nodes: tuple[HostEntry, ...], confi
     yield head.name, Service(
         name="k2-trtllm", argv=argv, env=env, files=files, ports={"k2_port": dep.s.port},
         stage=1, role=pool.role, health=Health(dep.s.port), ssh_to=tuple(h.name for h in nodes[1:]),
-        description=f"mpirun of trtllm-serve over {len(nodes)} nodes (TP{pool.tp} EP{pool.settings.ep})",
+        description=f"mpirun of trtllm-serve over {len(nodes)} nodes (TP{pool.tp} EP{pool.ep})",
     )
 
 
