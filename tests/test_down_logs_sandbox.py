@@ -137,7 +137,7 @@ def test_logs_then_down_gives_each_host_back_as_it_was_bar_the_listed_packages(f
     # --since: a time before the deploy's units started gives their lines; one after them, fewer, none older
     time.sleep(2)
     later = ssh(fleet.hosts[0], "date '+%Y-%m-%d %H:%M:%S'").stdout.strip()
-    since_old = k2fleet(fleet, "logs", INVENTORY, *data_args, "--service", "k2-vllm.service", "--since", "-1h")
+    since_old = k2fleet(fleet, "logs", INVENTORY, *data_args, "--service", "k2-vllm.service", "--since=-1h")
     since_new = k2fleet(fleet, "logs", INVENTORY, *data_args, "--service", "k2-vllm.service", "--since", later)
     assert since_old.returncode == 0 and since_new.returncode == 0, (since_old.stderr, since_new.stderr)
     assert len(since_new.stdout.splitlines()) < len(since_old.stdout.splitlines()), (since_new.stdout, started)
