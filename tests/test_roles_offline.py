@@ -31,9 +31,10 @@ from typing import Any
 
 import pytest
 from pyinfra.api import BaseStateCallback, Config, Inventory, State
+import pyinfra
 from pyinfra.api.connect import connect_all
-from pyinfra.api.deploy import add_deploy
 from pyinfra.api.operations import run_ops
+from pyinfra.api.state import StateStage
 from pyinfra.context import ctx_host, ctx_state
 
 from k2fleet.planning.host_bootstrap import reboot_reason
@@ -229,7 +230,7 @@ def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], fact
         deploy_kimi(run, mine, facts[mine.name], reboots=reboots, weights_wanted=weights_wanted, unsettled=unsettled,
                     reboot_steps=rolling_reboots, restart_steps=restarts, starting=starting)
 
-    add_deploy(state, pipeline)
+    plan_as_the_cli(state, pipeline)
 
     # Prepare-time view: commands each op yields with _if ignored; which of them have no _if.
     unconditional: dict[str, list[str]] = {}
@@ -258,6 +259,23 @@ def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], fact
             ops[name][op_name] = Op(op_name, meta.did_change(), sliced.get(op_hash, []))
     timeline = [(h.name.removeprefix("@fake/"), _name(state, op_hash)) for h, op_hash in trace.timeline]
     return Outcome(ops=ops, planned_unconditional=unconditional, control_calls=list(control_calls), timeline=timeline)
+
+
+def plan_as_the_cli(state: State, pipeline: Any) -> None:
+    """Plan ``pipeline`` on every host as ``pyinfra deploys/kimi.py`` does: in CLI mode an
+    operation is identified by its call site (the stack's line numbers, ``host.loop``'s
+    position), so a host that skips an operation (a plain ``if``) keeps the others aligned
+    with the fleet's; pyinfra's API mode (``add_deploy``) would number them by position."""
+    was = pyinfra.is_cli
+    pyinfra.is_cli = True
+    try:
+        state.set_stage(StateStage.Prepare)
+        with ctx_state.use(state):
+            for h in state.inventory:
+                with ctx_host.use(h):
+                    pipeline()
+    finally:
+        pyinfra.is_cli = was
 
 
 def _name(state: State, op_hash: str) -> str:
