@@ -18,7 +18,6 @@ from k2fleet.planning.role_actions import role_actions
 from k2fleet.deploy.fleet_run import FleetRun, side_channel
 from k2fleet.deploy.roles import (bootstrap, checkpoint, engine, firewall, gpu_exporter, health_gate, hub_client, mesh,
                                   packages, preflight, privileged_ports, reach, record, services)
-from k2fleet.planning.firewall import rules_path
 from k2fleet.planning.rollout import Step
 from k2fleet.planning.teardown import program_argv, record_spec
 
@@ -82,16 +81,18 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
     packages.install(actions.packages, bundle=run.artifacts.bundle_for(desired.bundle_request))
     if actions.bootstrap is not None:
         bootstrap.bring_up(actions.bootstrap, run.tracked, steps=reboot_steps, desired=desired)
-    firewall.configure(desired, fact, run.tracked, rules_path=rules_path(dep))
-    privileged_ports.configure(desired, fact, run.tracked)
-    mesh.configure(desired, fact, run.tracked)
-    engine.install(desired, fact, run.tracked)
-    gpu_exporter.run(desired, fact, run.tracked)
-    hub_client.install(desired, fact, requirement=run.artifacts.hub_requirement)
-    checkpoint.ensure(dep, desired, fact, run.tracked, log_file=str(run.state_dir / "checkpoint-transfers.jsonl"),
-                      control_relay=run.control_relay, fleet_wanted=weights_wanted,
-                      side_channel=side_channel(host.data, host.name), xet_disabled=run.xet_disabled)
-    reach.check(desired, starting=starting, probes=run.reach_probes)
-    services.start(desired, fact, run.tracked, restart_all=bool(reboots) and not reboot_steps, steps=restart_steps)
-    health_gate.gate(desired, fact, changed=run.fleet_changed)
-    mesh.rest(desired, fact)
+    firewall.configure(actions.firewall, run.tracked)
+    privileged_ports.configure(actions.ports, run.tracked)
+    mesh.configure(actions.mesh, run.tracked)
+    engine.install(actions.engine, run.tracked)
+    gpu_exporter.run(actions.exporter, run.tracked)
+    hub_client.install(actions.hub_client, requirement=run.artifacts.hub_requirement)
+    if actions.checkpoint is not None:
+        checkpoint.ensure(dep, actions.checkpoint, run.tracked, log_file=str(run.state_dir / "checkpoint-transfers.jsonl"),
+                          control_relay=run.control_relay, fleet_wanted=weights_wanted,
+                          side_channel=side_channel(host.data, host.name), become=checkpoint.become_args(host.data),
+                          xet_disabled=run.xet_disabled)
+    reach.check(actions.reach, starting=starting, probes=run.reach_probes, host_name=desired.name)
+    services.start(actions.services, desired, run.tracked, steps=restart_steps)
+    health_gate.gate(actions.health, changed=run.fleet_changed)
+    mesh.rest(actions.mesh)
