@@ -72,11 +72,12 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
         raise RebootRefused("k2_reboot is never and these hosts need a reboot for their driver: " + "; ".join(
             f"{name} ({why})" for name, why in sorted(reboots.items())) + "; nothing was changed. Set k2_reboot: "
             "rolling (or if-needed), or reboot them yourself after the install")
-    actions = role_actions(dep, desired, fact, restart_all=bool(reboots) and not reboot_steps)
+    actions = role_actions(dep, desired, fact, restart_all=bool(reboots) and not reboot_steps,
+                           record_argv=program_argv("record", record_spec(dep, run.plan.hosts[desired.name], desired)))
     preflight.check(actions.preflight)
     if unsettled == {}:  # every host holds its desired state: no operation anywhere
         return
-    record.keep(program_argv("record", record_spec(dep, run.plan.hosts[desired.name], desired)), fact)
+    record.keep(list(actions.record) if actions.record is not None else None)
     packages.package_sources(actions.packages.sources)
     packages.install(actions.packages, bundle=run.artifacts.bundle_for(desired.bundle_request))
     if actions.bootstrap is not None:

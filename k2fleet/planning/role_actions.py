@@ -31,7 +31,7 @@ from k2fleet.planning import host_bootstrap as b
 from k2fleet.planning import privileged_ports as plan_ports
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.desired import (CHECKPOINT_CHECK, ENGINE_SIDE_CHECK, HEALTH_CHECK,
-                                      HUB_CLIENT_CHECK, IMAGE_CHECK, UNIT_GLOB, FanoutPlace, FileSpec, HostDesired,
+                                      HUB_CLIENT_CHECK, IMAGE_CHECK, RECORD, UNIT_GLOB, FanoutPlace, FileSpec, HostDesired,
                                       ImagePin)
 from k2fleet.planning.host_bootstrap import BootstrapPlan, Package
 from k2fleet.planning.host_fact import HostReport
@@ -198,6 +198,7 @@ class RoleActions:
     """Every role's record for one host (see the module doc)."""
 
     preflight: PreflightActions
+    record: tuple[str, ...] | None  # the record of the host before k2fleet is missing: its program's argv
     packages: PackagesActions
     bootstrap: BootstrapActions | None
     firewall: FirewallActions
@@ -271,10 +272,13 @@ def services_actions(desired: HostDesired, fact: HostReport, restart_all: bool =
                            changed=frozenset(changed), reload=reload)
 
 
-def role_actions(dep: Deployment, desired: HostDesired, fact: HostReport, restart_all: bool = False) -> RoleActions:
+def role_actions(dep: Deployment, desired: HostDesired, fact: HostReport, restart_all: bool = False,
+                 record_argv: list[str] | None = None) -> RoleActions:
     """Every role's record for this host (see the module doc). ``restart_all``: hosts of the
     fleet reboot at once or host by host in this run, so every running unit restarts in stage
-    order (:meth:`k2fleet.deploy.fleet_run.FleetRun.restart_all`)."""
+    order (:meth:`k2fleet.deploy.fleet_run.FleetRun.restart_all`); ``record_argv``: the program
+    that keeps the record of the host before k2fleet (:func:`k2fleet.planning.teardown.program_argv`),
+    run when the fact did not see the record."""
     seen = fact.files
     entry = next(h for h in dep.fleet.hosts if h.name == desired.name)
     problems = check_host(dep, entry, fact, checkpoint_present=fact.passed(CHECKPOINT_CHECK))
@@ -365,7 +369,9 @@ def role_actions(dep: Deployment, desired: HostDesired, fact: HostReport, restar
                                        and (refetched or overlay_missing))
 
     return RoleActions(
-        preflight=PreflightActions(desired.name, tuple(problems)), packages=packages, bootstrap=boot, firewall=firewall, ports=ports,
+        preflight=PreflightActions(desired.name, tuple(problems)),
+        record=tuple(record_argv) if record_argv is not None and not fact.exists.get(RECORD) else None,
+        packages=packages, bootstrap=boot, firewall=firewall, ports=ports,
         mesh=mesh, engine=engine, exporter=exporter, hub_client=hub, checkpoint=checkpoint, reach=desired.reach,
         services=services_actions(desired, fact, restart_all),
         health=HealthActions(tuple(desired.health_argv) if desired.health_argv is not None else None,
