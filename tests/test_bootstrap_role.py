@@ -159,3 +159,35 @@ def test_online_hosts_refresh_with_their_own_package_manager() -> None:
 
     assert PACKAGE_MANAGERS["apt"].refresh == "DEBIAN_FRONTEND=noninteractive apt-get -q -y update"
     assert PACKAGE_MANAGERS["dnf"].refresh == "dnf -y makecache"  # not apt-get on RHEL
+
+
+def test_missing_kernel_headers_alone_are_a_difference_and_are_installed(tmp_path: Path,
+                                                                          control_calls: list[str]) -> None:
+    """A host with the driver stack settled but without the running kernel's headers (DKMS
+    builds against them; e.g. a new kernel booted since): not settled, and the bootstrap record
+    carries the headers to the install, then (as after any install) the running GPU services
+    restart and the gate runs; no hold, module load or reboot."""
+    from k2fleet.planning.host_actions import host_actions
+    from k2fleet.planning.role_actions import role_actions
+
+    dep, plan, desired = planned(str(H200))
+    facts = settled_fleet(dep, desired)
+    report = facts["h200-1"]
+    versions = {n: v for n, v in report.boot.package_versions.items() if n != "linux-headers-6.8.0-60-generic"}
+    facts["h200-1"] = dataclasses.replace(report, boot=dataclasses.replace(report.boot, package_versions=versions))
+    assert host_actions(desired["h200-1"], facts["h200-1"]).describe() == \
+        "bootstrap packages: linux-headers-6.8.0-60-generic"
+    record = role_actions(dep, desired["h200-1"], facts["h200-1"]).bootstrap
+    assert record is not None and record.headers == ("linux-headers-6.8.0-60-generic",)
+    assert record.pending == () and record.obsolete == () and record.reboot is None
+    out = run_roles(dep, plan, desired, facts, tmp_path, control_calls)
+    (install,) = out.op("h200-1", "install the GPU stack").commands
+    assert install.startswith("DEBIAN_FRONTEND=noninteractive apt-get ") and " && " not in install
+    assert install.endswith(" install linux-headers-6.8.0-60-generic"), install
+    bootstrap_ops = [n for n in out.ops["h200-1"] if n in {
+        "install the GPU stack at its pins", "hold the driver, fabric and kernel packages", "load the GPU kernel module",
+        "enable and start the GPU services", "restart the running GPU services whose packages changed",
+        "GPU gate: count, type, driver, module, NVLink fabric, services"} or n.startswith(("reboot", "rolling reboot"))]
+    assert bootstrap_ops == ["install the GPU stack at its pins", "restart the running GPU services whose packages changed",
+                             "GPU gate: count, type, driver, module, NVLink fabric, services"], bootstrap_ops
+    assert out.absent("h200-0", "install the GPU stack")

@@ -147,14 +147,19 @@ from pyinfra.facts.deb import DebPackages
 from pyinfra.facts.files import Directory
 
 from k2fleet.control.deb_bundles import ensure_bundle
-from k2fleet.deploy.roles.packages import install_packages
+from k2fleet.deploy.roles.packages import install
 from k2fleet.planning.host_packages import bundle_repo_dir
+from k2fleet.planning.role_actions import PackagesActions
 
-# the role takes what is installed and whether the bundle is extracted from its caller
-# (k2fleet's deploy passes its HostState fact; this plain deploy asks pyinfra's facts)
+# the role takes its record: what is missing and whether the bundle is extracted (k2fleet's
+# deploy makes it from its HostState fact; this plain deploy asks pyinfra's facts)
 tar = ensure_bundle({SANDBOX_PACKAGES!r})
-install_packages({SANDBOX_PACKAGES!r}, "bundle", bundle=str(tar), installed=sorted(host.get_fact(DebPackages) or {{}}),
-                 have_repo=bool(host.get_fact(Directory, path=bundle_repo_dir(tar.name))))
+installed = host.get_fact(DebPackages) or {{}}
+missing = tuple(p for p in {SANDBOX_PACKAGES!r} if p not in installed)
+install(PackagesActions(source="bundle", install=tuple({SANDBOX_PACKAGES!r}) if missing else (), missing=missing,
+                        ship_bundle=bool(missing),
+                        have_repo=bool(host.get_fact(Directory, path=bundle_repo_dir(tar.name)))),
+        bundle=str(tar))
 """
 
 

@@ -49,6 +49,16 @@ def test_dry_run_leaves_hosts_and_control_machine_byte_identical(fleet: SandboxF
     # no operation at all, as the dry run without the change shows), and made none
     assert dry.payload is not None and dry.payload["results"] is None, dry.tail()
     assert [op for op in dry.payload["plan"] if "unit, env and config of k2-vllm" in op["name"]], dry.payload["plan"]
+    # and only what it needs: the roles plan from their records, so the dry plan names the engine
+    # unit's write, systemd's reload and the restarts (instance by instance, gated), the steps of
+    # the fleet's order (every host plans them, commands only where needed) and the health gate —
+    # no other role's operation (before the records, every role's operation was planned on every
+    # host, gated by _if at execution time, and the dry plan listed them all)
+    fleet_steps = ("k2-vllm", "reload systemd units", "health gate", "load balancer",
+                   "checkpoint: check every file", "reachability: open every peer's rendezvous ports")
+    names = [op["name"] for op in dry.payload["plan"]]
+    print("\n".join(names))
+    assert all(any(w in name for w in fleet_steps) for name in names), names
     settled = fleet.deploy(extra=("--dry",))
     assert settled.returncode == 0 and settled.payload is not None and settled.payload["plan"] == [], settled.tail()
     assert host_snapshot(fleet) == hosts_before

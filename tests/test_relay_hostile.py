@@ -519,6 +519,6 @@ def test_the_hub_token_upload_keeps_the_hosts_sudo(monkeypatch: pytest.MonkeyPat
     token.write_text("hf_secret_token\n")
     monkeypatch.setattr(checkpoint, "host", FakeHost())
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    checkpoint.send_token(str(token))
+    checkpoint.send_token(str(token), checkpoint.become_args(FakeHost.data))  # as the pipeline passes the host's data
     assert [c for c, _ in calls][1] == f"put {checkpoint.TOKEN_PATH}"
     assert all(kw == {"_sudo": True, "_sudo_user": "root"} for _, kw in calls), calls

@@ -1,8 +1,9 @@
-"""k2fleet's own pyinfra operations: decided from the one HostState fact
-(:mod:`k2fleet.deploy.facts`), so a no-op re-run costs no extra round trips.
+"""k2fleet's own pyinfra operations, for what pyinfra's own do not do without facts of their
+own: the roles decide from their records (:mod:`k2fleet.planning.role_actions`, made from the
+one HostState fact), so a no-op re-run costs no extra round trips.
 
-Each operation yields commands only when the host differs from the plan; gate
-follow-ups on them with ``_if=`` (evaluated at execution time).
+Each operation yields commands only when its arguments say the host differs; ``_if=`` is left
+for what the run itself decides (another host's outcome).
 """
 
 from __future__ import annotations
@@ -22,8 +23,13 @@ from k2fleet.planning.quoting import shell_line, shell_word
 
 
 @operation()
-def synced_files(files: dict[str, FileSpec], current: dict[str, str | None]):
-    """Upload every file of the desired state whose sha256 differs from ``current[path]``.
+def synced_files(files: dict[str, FileSpec], current: dict[str, str | None] | None = None):
+    """Upload every file of ``files`` whose sha256 differs from ``current[path]`` (every one
+    without ``current``: a role record's files are those that differ already).
+
+    Not ``files.put``: that operation asks the host for each file's digest (two facts per
+    file) where the HostState fact saw them already, and a private file (mode ``?00``) here
+    has its final mode before any byte lands (below).
 
     + files: :class:`~k2fleet.planning.desired.FileSpec` (content, octal mode) per absolute path
     + current: sha256 per path as the HostState fact saw it (None: missing)
@@ -36,8 +42,7 @@ def synced_files(files: dict[str, FileSpec], current: dict[str, str | None]):
 
     .. code:: python
 
-        synced_files(name="mesh files", files={"/etc/k2fleet/x": FileSpec(b"hi\\n", "600")},
-                     current=fact.files)
+        synced_files(name="mesh files", files=actions.mesh.files)
     """
     for path in sorted(files):
         spec = files[path]
@@ -45,7 +50,7 @@ def synced_files(files: dict[str, FileSpec], current: dict[str, str | None]):
             yield StringCommand(f"true  # {shell_word(path)}: made by the control-machine step")
             continue
         data, mode = spec.content, spec.mode
-        if current.get(path) == spec.sha256:
+        if current is not None and current.get(path) == spec.sha256:
             continue
         directory = posixpath.dirname(path)
         temp = host.get_temp_filename()  # a random name: nobody can plant a link at it beforehand
@@ -64,29 +69,38 @@ def synced_files(files: dict[str, FileSpec], current: dict[str, str | None]):
 
 
 @operation(is_idempotent=False)
-def command(argv: list[str] | str):
-    """Run one command (use with ``_if=`` to make it conditional).
+def command(argv: list[str] | str, run: bool = True):
+    """Run one command: a k2fleet program or a shell line nothing in pyinfra's operations does.
+
+    + argv: the command (a list is quoted word by word; a string is one shell line)
+    + run: False: yield nothing. For a step of the fleet's order (a stage's start, a relay
+      that must serve before any host fetches): the operation exists on every host, so that
+      pyinfra runs it on all of them before any host's next one, and the hosts that need
+      nothing from it (known before the run) get no command, and no change under ``--dry``
 
     **Example:**
 
     .. code:: python
 
-        command(name="reload units", argv=["systemctl", "daemon-reload"], _if=unit_op.did_change)
+        command(name="stage 0: stop k2-vllm", argv=["systemctl", "stop", "k2-vllm.service"],
+                run=(0, "k2-vllm") in actions.changed)
     """
-    yield StringCommand(argv if isinstance(argv, str) else shell_line(argv))
+    if run:
+        yield StringCommand(argv if isinstance(argv, str) else shell_line(argv))
 
 
 @operation()
-def unit_running(unit: str, active: bool):
-    """Enable and start ``unit`` unless the HostState fact saw it active; when it fails
-    to start (e.g. an ``ExecStartPre`` gate failed), its last journal lines say why.
+def unit_running(unit: str, active: bool = False):
+    """Enable and start ``unit`` unless ``active`` (the HostState fact saw it active and
+    enabled); when it fails to start (e.g. an ``ExecStartPre`` gate failed), its last journal
+    lines say why.
 
     **Example:**
 
     .. code:: python
 
         unit_running(name="start k2-vllm", unit="k2-vllm.service",
-                     active=report.unit_active("k2-vllm.service"))
+                     active=(0, "k2-vllm") not in actions.start)
     """
     if not active:
         yield StringCommand(start_or_explain(unit, "enable --now"))
@@ -111,7 +125,7 @@ REBOOT_MARKER = "/run/k2fleet-reboot-pending"
 
 
 @operation(is_idempotent=False)
-def rebooted(reason: str, reboot_timeout: float = 600, interval: float = 1.0):
+def rebooted(reason: str, reboot_timeout: float = 600, interval: float = 1.0, run: bool = True):
     """Reboot the host, wait until it is back and carry on (the deploy goes on with it).
 
     "Back" means it answers over SSH and a marker written to ``/run`` before the reboot
@@ -123,6 +137,7 @@ def rebooted(reason: str, reboot_timeout: float = 600, interval: float = 1.0):
     + reason: why (shown in the operation's name and in a timeout's error)
     + reboot_timeout: seconds to wait for the host before failing
     + interval: seconds between reconnection attempts
+    + run: False: yield nothing (a step of a rolling change on a host it does not reboot)
 
     **Example:**
 
@@ -130,6 +145,8 @@ def rebooted(reason: str, reboot_timeout: float = 600, interval: float = 1.0):
 
         rebooted(name="reboot: driver 580.95.05 is loaded", reason="driver change", _serial=True)
     """
+    if not run:
+        return
     yield StringCommand(f"touch {REBOOT_MARKER}")
     yield StringCommand("( sleep 1 && systemctl reboot ) </dev/null >/dev/null 2>&1 &")
 
@@ -156,7 +173,7 @@ def rebooted(reason: str, reboot_timeout: float = 600, interval: float = 1.0):
 def rolling_step(desired: HostDesired, step: Step, tag: str, tracked: list, reason: str = "",
                  reboot_timeout: float = 600) -> None:
     """One step of a rolling change (:mod:`k2fleet.planning.rollout`), the same operations on
-    every host, each restricted to the step's hosts with ``_if``: drain the instance at the
+    every host, each yielding commands only on the step's hosts (``run``): drain the instance at the
     load balancer (on its host; ``lbctl`` waits, capped, for its requests in flight), reboot
     the step's hosts (``step.reboot``, with ``reason``), stop its units (reverse stage order),
     start them (stage order), its health gate (the hosts of ``step.gate``), put it back at
@@ -173,24 +190,25 @@ def rolling_step(desired: HostDesired, step: Step, tag: str, tracked: list, reas
     lb = desired.rollout.balancer
     me = desired.name
     mine = set(step.units.get(me, ()))
+    at_lb = lb is not None and me == lb.host
     if step.server and lb:
         command(name=f"{tag}: drain {step.server} at the load balancer (its requests in flight finish)",
-                argv=lb.argv("drain", step.server) if me == lb.host else ["true"], _if=lambda: me == lb.host)
+                argv=lb.argv("drain", step.server), run=at_lb)
     if step.reboot:
         tracked.append(rebooted(name=f"{tag}: reboot (the loaded driver module changes)", reason=reason,
-                                reboot_timeout=reboot_timeout, _if=lambda: me in step.reboot))
+                                reboot_timeout=reboot_timeout, run=me in step.reboot))
     for stage, name in reversed(desired.slots):
         command(name=f"{tag}: stop {name} (stage {stage})", argv=["systemctl", "stop", f"{name}.service"],
-                _if=lambda slot=(stage, name): slot in mine)
+                run=(stage, name) in mine)
     for stage, name in desired.slots:
         tracked.append(command(name=f"{tag}: start {name} (stage {stage})", argv=start_or_explain(f"{name}.service"),
-                               _if=lambda slot=(stage, name): slot in mine))
+                               run=(stage, name) in mine))
     gate = me in step.gate and desired.health_argv is not None
     command(name=f"{tag}: health gate of {step.instance}: /health 200 and a real chat completion",
-            argv=desired.health_argv if gate and desired.health_argv else ["true"], _if=lambda: gate)
+            argv=desired.health_argv or ["true"], run=gate)
     if step.server and lb:
         command(name=f"{tag}: put {step.server} back at the load balancer (UP in its health checks)",
-                argv=lb.argv("ready", step.server) if me == lb.host else ["true"], _if=lambda: me == lb.host)
+                argv=lb.argv("ready", step.server), run=at_lb)
 
 
 @operation(is_idempotent=False)

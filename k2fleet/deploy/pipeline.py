@@ -1,7 +1,9 @@
 """The Kimi-K2 pipeline: every role, in order, for one host.
 
 Not a role itself (a plain function, so each role's operations keep their own names):
-the one place that composes them (no role imports another).
+the one place that composes them (no role imports another). It makes the host's role
+records once (:func:`k2fleet.planning.role_actions.role_actions`: plan → diff) and hands
+each role its own (apply).
 ``deploys/kimi.py`` gathers the host's fact and calls :func:`deploy_kimi`; the offline
 role tests call it with a fact they construct.
 """
@@ -10,14 +12,12 @@ from __future__ import annotations
 
 from pyinfra import host
 
-from k2fleet.planning import host_bootstrap as boot
 from k2fleet.planning.desired import HostDesired
-from k2fleet.planning.host_packages import bundle_apt_options
 from k2fleet.planning.host_fact import HostReport
+from k2fleet.planning.role_actions import role_actions
 from k2fleet.deploy.fleet_run import FleetRun, side_channel
 from k2fleet.deploy.roles import (bootstrap, checkpoint, engine, firewall, gpu_exporter, health_gate, hub_client, mesh,
                                   packages, preflight, privileged_ports, reach, record, services)
-from k2fleet.planning.firewall import rules_path
 from k2fleet.planning.rollout import Step
 from k2fleet.planning.teardown import program_argv, record_spec
 
@@ -72,30 +72,28 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
         raise RebootRefused("k2_reboot is never and these hosts need a reboot for their driver: " + "; ".join(
             f"{name} ({why})" for name, why in sorted(reboots.items())) + "; nothing was changed. Set k2_reboot: "
             "rolling (or if-needed), or reboot them yourself after the install")
-    plan = desired.bootstrap
-    pending = bool(plan and (boot.pending_packages(plan, fact.boot) or boot.obsolete_packages(plan, fact.boot)))
-    preflight.check(dep, desired, fact)
+    actions = role_actions(dep, desired, fact, restart_all=bool(reboots) and not reboot_steps,
+                           record_argv=program_argv("record", record_spec(dep, run.plan.hosts[desired.name], desired)))
+    preflight.check(actions.preflight)
     if unsettled == {}:  # every host holds its desired state: no operation anywhere
         return
-    record.keep(program_argv("record", record_spec(dep, run.plan.hosts[desired.name], desired)), fact)
-    packages.package_sources(desired.files.get("package_sources", {}), fact.files)
-    packages.install_packages(desired.packages, dep.s.package_source, installed=list(fact.packages),
-                              bundle=run.artifacts.bundle_for(desired.bundle_request), bootstrap_pending=pending,
-                              have_repo=bool(desired.bundle_repo and fact.exists.get(desired.bundle_repo)))
-    if plan is not None:
-        bootstrap.bring_up(plan, fact, desired.files.get("bootstrap", {}), desired.gpu_gate or [],
-                           bundle_apt_options() if dep.s.package_source == "bundle" else "",
-                           reboots.get(desired.name), run.tracked, steps=reboot_steps, desired=desired)
-    firewall.configure(desired, fact, run.tracked, rules_path=rules_path(dep))
-    privileged_ports.configure(desired, fact, run.tracked)
-    mesh.configure(desired, fact, run.tracked)
-    engine.install(desired, fact, run.tracked)
-    gpu_exporter.run(desired, fact, run.tracked)
-    hub_client.install(desired, fact, requirement=run.artifacts.hub_requirement)
-    checkpoint.ensure(dep, desired, fact, run.tracked, log_file=str(run.state_dir / "checkpoint-transfers.jsonl"),
-                      control_relay=run.control_relay, fleet_wanted=weights_wanted,
-                      side_channel=side_channel(host.data, host.name), xet_disabled=run.xet_disabled)
-    reach.check(desired, starting=starting, probes=run.reach_probes)
-    services.start(desired, fact, run.tracked, restart_all=bool(reboots) and not reboot_steps, steps=restart_steps)
-    health_gate.gate(desired, fact, changed=run.fleet_changed)
-    mesh.rest(desired, fact)
+    record.keep(list(actions.record) if actions.record is not None else None)
+    packages.package_sources(actions.packages.sources)
+    packages.install(actions.packages, bundle=run.artifacts.bundle_for(desired.bundle_request))
+    if actions.bootstrap is not None:
+        bootstrap.bring_up(actions.bootstrap, run.tracked, steps=reboot_steps, desired=desired)
+    firewall.configure(actions.firewall, run.tracked)
+    privileged_ports.configure(actions.ports, run.tracked)
+    mesh.configure(actions.mesh, run.tracked)
+    engine.install(actions.engine, run.tracked)
+    gpu_exporter.run(actions.exporter, run.tracked)
+    hub_client.install(actions.hub_client, requirement=run.artifacts.hub_requirement)
+    if actions.checkpoint is not None:
+        checkpoint.ensure(dep, actions.checkpoint, run.tracked, log_file=str(run.state_dir / "checkpoint-transfers.jsonl"),
+                          control_relay=run.control_relay, fleet_wanted=weights_wanted,
+                          side_channel=side_channel(host.data, host.name), become=checkpoint.become_args(host.data),
+                          xet_disabled=run.xet_disabled)
+    reach.check(actions.reach, starting=starting, probes=run.reach_probes, host_name=desired.name)
+    services.start(actions.services, desired, run.tracked, steps=restart_steps)
+    health_gate.gate(actions.health, changed=run.fleet_changed)
+    mesh.rest(actions.mesh)

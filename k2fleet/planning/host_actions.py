@@ -3,7 +3,7 @@
 :func:`host_actions` lists every difference between what the host must hold
 (:class:`~k2fleet.planning.desired.HostDesired`) and what the one HostState fact saw
 (:class:`~k2fleet.planning.host_fact.HostReport`): files to write, packages to install,
-the bootstrap's pending and obsolete packages and its reboot, stale units to remove,
+the bootstrap's pending and obsolete packages (and missing kernel headers) and its reboot, stale units to remove,
 units to start or enable, packages to hold, checks that fail (GPU gate, checkpoint, image pin, Hub client, engine-side
 wheels, health) and paths that must exist. A host with none is *settled*.
 
@@ -11,7 +11,8 @@ Over the whole fleet's facts, :func:`restart_steps` and :func:`reboot_steps` dec
 running instances restart (or reboot) in this run and in what order: instance by instance
 under ``k2_rollout: rolling`` (:mod:`k2fleet.planning.rollout`).
 
-The roles carry out the differences; when every host of the fleet is settled the deploy
+The roles carry out the differences, each from its own record of them
+(:func:`k2fleet.planning.role_actions.role_actions`, decided by the same functions); when every host of the fleet is settled the deploy
 plans no operation at all (``deploys/kimi.py``), so a no-op re-run costs the fact and
 nothing else. The decision is conservative: anything the fact cannot prove (a control
 artifact not made yet, a unit not active, a check that did not pass) is a difference.
@@ -45,7 +46,7 @@ class HostActions:
 
     files: tuple[str, ...] = ()  # paths whose content differs, is missing, or is not made yet
     packages: tuple[str, ...] = ()  # host packages not installed
-    bootstrap_packages: tuple[str, ...] = ()  # driver/fabric/runtime packages pending or obsolete
+    bootstrap_packages: tuple[str, ...] = ()  # driver/fabric/runtime packages pending or obsolete, kernel headers missing
     reboot: str | None = None  # why the bootstrap reboots the host
     stale_units: tuple[str, ...] = ()  # k2fleet units the plan no longer has
     start: tuple[str, ...] = ()  # planned units not active
@@ -86,7 +87,8 @@ def host_actions(desired: HostDesired, fact: HostReport) -> HostActions:
     reboot = None
     if boot is not None:
         bootstrap_packages = tuple(sorted({p.name for p in bootstrap.pending_packages(boot, fact.boot)}
-                                          | set(bootstrap.obsolete_packages(boot, fact.boot))))
+                                          | set(bootstrap.obsolete_packages(boot, fact.boot))
+                                          | set(bootstrap.missing_headers(boot, fact.boot))))
         holds = tuple(bootstrap.missing_holds(boot, fact.boot))
         reboot = bootstrap.reboot_reason(boot, fact.boot)
     start = tuple(u for u in desired.units if not fact.unit_active(u) and u not in yielded)

@@ -618,6 +618,15 @@ def obsolete_packages(plan: BootstrapPlan, boot: BootState) -> list[str]:
     return sorted(n for n in boot.package_versions if BRANCH_NAMED.match(n) and n not in wanted)
 
 
+def missing_headers(plan: BootstrapPlan, boot: BootState) -> list[str]:
+    """The running kernel's headers package, when the plan's driver is built by DKMS against it
+    (``kernel_headers``; online installs of real GPUs only) and the host does not have it."""
+    if not plan.kernel_headers or not plan.vendor or plan.simulated or plan.package_source != "apt":
+        return []
+    wanted = plan.kernel_headers.format(kernel=boot.kernel)
+    return [] if wanted in boot.package_versions else [wanted]
+
+
 def missing_holds(plan: BootstrapPlan, boot: BootState) -> list[str]:
     """Held-to-be packages that are (or will be) installed and not held yet, or that this
     run installs (apt drops the hold of a package it changes with

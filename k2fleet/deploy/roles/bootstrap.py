@@ -1,14 +1,17 @@
 """Bootstrap role: a bare host → GPU-ready (driver, fabric, container runtime), from the
-host's :class:`~k2fleet.planning.host_bootstrap.BootstrapPlan` and the HostState fact.
+host's bootstrap record (:class:`~k2fleet.planning.role_actions.BootstrapActions`: its
+:class:`~k2fleet.planning.host_bootstrap.BootstrapPlan` and what the HostState fact shows differs).
 
-In order, each step only when the fact says the host differs:
+In order, each step only when the record says the host differs (a plain ``if``: a host
+that needs none of it gets no operation):
 
 1. files: the unattended-upgrades blacklist, IMEX's nodes_config.cfg, ib_umad's
    modules-load.d entry, and the GPU gate program (``k2fleet-host.pyz hoststate --gate``);
 2. NVIDIA's / Docker's repositories (``k2_package_source: apt``; the bundle carries its own);
 3. packages: packages of another driver branch removed, the driver installed at its pin,
    then the fabric packages at exactly the version the driver installed (from its
-   package, at execution time), then the rest; held (``apt-mark hold``);
+   package, at execution time), then the rest and the running kernel's headers (DKMS);
+   held (``apt-mark hold``);
 4. the kernel module loaded (first install) — or, when the loaded module will differ
    from the installed driver, a reboot: ``if-needed`` reboots this host now, ``rolling``
    one host at a time across the fleet — under ``k2_rollout: rolling``, one instance at a
@@ -33,10 +36,10 @@ from pyinfra.api import deploy
 from k2fleet.planning import host_bootstrap as b
 from k2fleet.planning.host_bootstrap import BootstrapPlan, Package
 from k2fleet.planning.os_tables import OS_TABLES, PACKAGE_MANAGERS
-from k2fleet.deploy.operations import command, rebooted, rolling_step, start_or_explain, synced_files, unit_running
+from k2fleet.deploy.operations import command, rebooted, rolling_step, start_or_explain, synced_files
 from k2fleet.planning.desired import HostDesired
-from k2fleet.planning.host_fact import HostReport
 from k2fleet.planning.quoting import shell_line, shell_word
+from k2fleet.planning.role_actions import BootstrapActions
 from k2fleet.planning.rollout import Step
 
 REBOOT_TIMEOUT_S = 600
@@ -89,18 +92,15 @@ def install_line(plan: BootstrapPlan, pending: list[Package], obsolete: list[str
 
 
 @deploy("k2fleet: bootstrap")
-def bring_up(plan: BootstrapPlan, fact: HostReport, files: dict, gate_argv: list[str], apt_options: str,
-             reboot: str | None, tracked: list, steps: list[Step] | None = None,
+def bring_up(actions: BootstrapActions, tracked: list, steps: list[Step] | None = None,
              desired: HostDesired | None = None) -> None:
     """
-    Bring this host to GPU-ready as its bootstrap plan says (see the module doc).
+    Bring this host to GPU-ready as its bootstrap record says (see the module doc).
 
-    + plan: this host's :class:`~k2fleet.planning.host_bootstrap.BootstrapPlan` (``desired.bootstrap``)
-    + fact: this host's HostState (``boot``: packages, holds, loaded module; ``checks``)
-    + files: the bootstrap's files (``desired.files["bootstrap"]``: path → FileSpec)
-    + gate_argv: the GPU gate (``k2fleet-host.pyz hoststate --gate``) this host runs after any change
-    + apt_options: apt options restricting apt to the offline bundle ("" for ``apt``)
-    + reboot: why this host reboots in this run (``k2fleet.planning.host_bootstrap.reboot_reason``), or None
+    + actions: this host's bootstrap record (``role_actions(...).bootstrap``): its
+      :class:`~k2fleet.planning.host_bootstrap.BootstrapPlan`, the files to write, the packages
+      pending, obsolete and held, the kernel headers missing, the reboot's reason, the GPU
+      services to start or restart, whether the toolkit configures Docker and the gate runs
     + tracked: the run's changed-operation list (a reboot re-runs the health gate)
     + steps: the run's rolling reboot steps, the same on every host
       (:func:`k2fleet.planning.host_actions.reboot_steps`: ``k2_reboot: rolling`` under ``k2_rollout:
@@ -112,71 +112,52 @@ def bring_up(plan: BootstrapPlan, fact: HostReport, files: dict, gate_argv: list
 
     .. code:: python
 
-        bootstrap.bring_up(mine.bootstrap, fact, mine.files["bootstrap"], mine.gpu_gate,
-                           bundle_apt_options(), reboot_reason(mine.bootstrap, fact.boot), run.tracked)
+        bootstrap.bring_up(role_actions(run.dep, mine, fact).bootstrap, run.tracked)
     """
-    boot = fact.boot  # preflight refused what the bootstrap must not touch (bootstrap_problems)
-    # Every host plans the same operation sequence (pyinfra orders operations across hosts
-    # by it); what a host does not need is skipped with _if.
-    wrote = synced_files(name="bootstrap files (unattended-upgrades blacklist, fabric config, GPU gate)",
-                         files=files, current=fact.files)
-    pending = b.pending_packages(plan, boot)
-    obsolete = b.obsolete_packages(plan, boot)
-    headers = []
-    if plan.kernel_headers and plan.vendor and not plan.simulated and plan.package_source == "apt":
-        wanted = plan.kernel_headers.format(kernel=boot.kernel)  # DKMS builds against the running kernel
-        headers = [] if wanted in boot.package_versions else [wanted]
-    if plan.simulated and plan.package_source != "bundle" and plan.vendor and not plan.provided:
-        raise BootstrapError(f"{plan.host}: the TEST DOUBLE driver packages travel only in the offline bundle; "
-                             "set k2_package_source: bundle")
-    changed = bool(pending or obsolete or headers)
-    online = changed and plan.package_source == "apt"
-    command(name="package repositories (NVIDIA, Docker)",
-            argv=" && ".join(map(_repo_line, plan.repos)) if online and plan.repos else "true",
-            _if=lambda: online and bool(plan.repos))
-    command(name="update the package lists", argv=PACKAGE_MANAGERS[plan.manager].refresh, _if=lambda: online)
-    installed = command(name="install the GPU stack at its pins", _if=lambda: changed,
-                        argv=install_line(plan, pending, obsolete, apt_options, headers) or "true")
-    tracked.append(installed)
-    holds = b.missing_holds(plan, boot)
-    command(name="hold the driver, fabric and kernel packages", _if=lambda: bool(holds),
-            argv=shell_line([*PACKAGE_MANAGERS[plan.manager].hold, *holds]) if holds else "true")
+    a = actions
+    plan = a.plan
+    manager = PACKAGE_MANAGERS[plan.manager]
+    if a.files:
+        synced_files(name="bootstrap files (unattended-upgrades blacklist, fabric config, GPU gate)", files=a.files)
+    if a.refused:
+        raise BootstrapError(a.refused)
+    if a.online and plan.repos:
+        command(name="package repositories (NVIDIA, Docker)", argv=" && ".join(map(_repo_line, plan.repos)))
+    if a.online:
+        command(name="update the package lists", argv=manager.refresh)
+    if a.installs:
+        tracked.append(command(name="install the GPU stack at its pins",
+                               argv=install_line(plan, list(a.pending), list(a.obsolete), a.apt_options,
+                                                 list(a.headers))))
+    if a.holds:
+        command(name="hold the driver, fabric and kernel packages", argv=[*manager.hold, *a.holds])
     groups = sorted({g for gs in plan.groups.values() for g in gs})  # udev makes `render`; a host without it: here
     joins = [f"{{ getent group {g} >/dev/null || groupadd --system {g}; }}" for g in groups]
     joins += [shell_line(["usermod", "-aG", ",".join(g), u]) for u, g in plan.groups.items()]
-    command(name="GPU users join the device groups", argv=" && ".join(joins) or "true",
-            _if=lambda: changed and bool(joins))
-    module = boot.modules.get(b.KERNEL_MODULE.get(plan.vendor or "", ""))
-    load = [shell_line(list(plan.module_load))] + [shell_line(["modprobe", m]) for m in plan.modprobe]
-    command(name="load the GPU kernel module", argv=" && ".join(load) if plan.module_load else "true",
-            _if=lambda: reboot is None and bool(plan.module_load) and module is None)
-    if steps and desired is not None:
+    if a.installs and joins:
+        command(name="GPU users join the device groups", argv=" && ".join(joins))
+    if a.load_module:
+        load = [shell_line(list(plan.module_load))] + [shell_line(["modprobe", m]) for m in plan.modprobe]
+        command(name="load the GPU kernel module", argv=" && ".join(load))
+    if steps and desired is not None:  # every host plans them (a fleet-ordered change), each reboots its own
         for k, step in enumerate(steps, 1):
             rolling_step(desired, step, f"rolling reboot {k}/{len(steps)} ({step.instance})", tracked,
-                         reason=reboot or "", reboot_timeout=REBOOT_TIMEOUT_S)
-    else:
+                         reason=a.reboot or "", reboot_timeout=REBOOT_TIMEOUT_S)
+    elif a.reboot is not None:  # under ``rolling`` pyinfra runs it host by host (_serial)
         tracked.append(rebooted(name=f"reboot ({plan.reboot}): the loaded driver module changes",
-                                reason=reboot or "", reboot_timeout=REBOOT_TIMEOUT_S,
-                                _serial=plan.reboot == "rolling", _if=lambda: reboot is not None))
-    units = [f"{u}.service" for u in plan.services]
-    inactive = [u for u in units if not fact.unit_active(u)]
-    active = [u for u in units if fact.unit_active(u)]
-    if plan.provided:  # k2_gpu_stack: provided: read (preflight refused a stopped one), never started here
-        inactive = active = []
-    tracked.append(command(name="enable and start the GPU services", _if=lambda: bool(inactive),
-                           argv=" && ".join(f"( {start_or_explain(u, 'enable --now')} )" for u in inactive) or "true"))
-    tracked.append(command(name="restart the running GPU services whose packages changed",
-                           argv=" && ".join(f"( {start_or_explain(u, 'restart')} )" for u in active) or "true",
-                           _if=lambda: reboot is None and bool(active) and installed.did_change()))
-    toolkit = plan.package("nvidia-container-toolkit") is not None
-    configured = fact.passed(b.DOCKER_RUNTIME_CHECK) and fact.exists.get(b.CDI_SPEC, False)
-    command(name="container toolkit: Docker's nvidia runtime and the CDI spec",
-            argv=" && ".join(shell_line(list(c)) for c in plan.commands) or "true",
-            _if=lambda: toolkit and (not configured or installed.did_change() or reboot is not None))
-    settled = fact.passed(b.GPU_GATE_CHECK) and not changed and reboot is None
-    command(name="GPU gate: count, type, driver, module, NVLink fabric, services",
-            argv=shell_line(gate_argv) if gate_argv else "true",
-            _if=lambda: bool(plan.vendor) and (not settled or wrote.did_change()))
+                                reason=a.reboot, reboot_timeout=REBOOT_TIMEOUT_S, _serial=plan.reboot == "rolling"))
+    if a.start:
+        tracked.append(command(name="enable and start the GPU services",
+                               argv=" && ".join(f"( {start_or_explain(u, 'enable --now')} )" for u in a.start)))
+    if a.restart:
+        tracked.append(command(name="restart the running GPU services whose packages changed",
+                               argv=" && ".join(f"( {start_or_explain(u, 'restart')} )" for u in a.restart)))
+    if a.toolkit:
+        command(name="container toolkit: Docker's nvidia runtime and the CDI spec",
+                argv=" && ".join(shell_line(list(c)) for c in plan.commands) or "true")
+    if a.gate:
+        command(name="GPU gate: count, type, driver, module, NVLink fabric, services",
+                argv=shell_line(list(a.gate_argv)) if a.gate_argv else "true")
 
 
 def _repo_line(repo: b.Repo) -> str:

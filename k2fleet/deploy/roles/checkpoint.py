@@ -30,7 +30,7 @@ the first host that loads weights (or the fetcher host downloads it); the others
 from verified peers over the SSH mesh in doubling rounds. A host whose gate fails
 re-receives only the files ``verify.py --json`` names. With ``k2_shared_storage`` only the first host fetches.
 Every step runs at execution time and only on hosts whose gate failed in the one
-HostState fact, so ``--dry`` and no-op runs transfer (and ask) nothing.
+HostState fact (the record's ``wanted``), so ``--dry`` and no-op runs transfer (and ask) nothing.
 
 """
 
@@ -49,10 +49,10 @@ from k2fleet.control import checkpoint_copy
 from k2fleet.planning import privileged_ports, relay_plan
 from k2fleet.hostprogs.manifest import read_token
 from k2fleet.planning.deployment import Deployment, WeightSet
-from k2fleet.planning.desired import CHECKPOINT_CHECK, HUB_ENV, HostDesired
+from k2fleet.planning.desired import HUB_ENV
 from k2fleet.planning.host_archive import host_argv
 from k2fleet.deploy.operations import command
-from k2fleet.planning.host_fact import HostReport
+from k2fleet.planning.role_actions import CheckpointActions
 from k2fleet.planning.units import gate_argv, pin_args
 from k2fleet.planning.quoting import shell_line
 
@@ -78,12 +78,11 @@ def become_args(data) -> dict:
     return {k: data.get(k) for k in BECOME_ARGS if data.get(k)}
 
 
-def send_token(token_file: str | None) -> None:
+def send_token(token_file: str | None, become: dict) -> None:
     """Put the Hub token (env ``HF_TOKEN`` or ``token_file``, read now) on the current
     host as ``/run/k2fleet/hf_token``, root-only (as the host's ``_sudo`` user, like its
-    operations); nothing when there is no token."""
+    operations: ``become``, :func:`become_args` of its data); nothing when there is no token."""
     token = read_token(token_file)
-    become = become_args(host.data)
     ok = host.run_shell_command(f"install -d -m 700 {TOKEN_DIR} && rm -f {TOKEN_PATH}", **become)[0]
     if ok and token:
         ok = (host.put_file(BytesIO(token.encode()), TOKEN_PATH, **become)
@@ -133,58 +132,55 @@ def host_download_command(dep: Deployment, xet_disabled: bool, ws: WeightSet | N
 
 
 @deploy("k2fleet: checkpoint")
-def ensure(dep: Deployment, desired: HostDesired, fact: HostReport, tracked: list, log_file: str,
+def ensure(dep: Deployment, actions: CheckpointActions, tracked: list, log_file: str,
            control_relay: checkpoint_copy.ControlRelay, fleet_wanted: dict[str, list[str]], side_channel: tuple[str, list[str], list[str]],
-           xet_disabled: bool = False) -> None:
+           become: dict, xet_disabled: bool = False) -> None:
     """
     Bring this host's copy of the pinned checkpoint (and of the GGUF weights, for GGUF
     engines) to verified: the root from the control machine's copy or the Hub, every host
     shard by shard through the relay, each shard verified before it is passed on.
 
     + dep: the validated deployment (model, revision, source, paths, fetcher, relay port)
-    + desired: this host's desired state (``fanout``: its place, the fleet's relay URLs)
-    + fact: this host's HostState (the read-only ``checkpoint-verified``/``gguf-verified`` checks)
+    + actions: this host's record (``role_actions(...).checkpoint``: its place in the fan-out,
+      address, the weight sets whose check it fails, whether the model_type overlay is made)
     + tracked: list the run's health gate watches; verify operations are appended
     + log_file: control-machine JSON-lines log of checkpoint transfers
     + control_relay: the run's relay of the control machine's copies (started on first use)
     + fleet_wanted: weight set check → the hosts whose copy failed it (every host's fact)
     + side_channel: (``user@address``, ssh argv, become prefix) of the control machine's own SSH
       to this host, for the relay's transfers (:func:`k2fleet.deploy.fleet_run.side_channel`)
+    + become: the host's own privilege arguments (:func:`become_args` of its data), for the
+      Hub token's upload to the fetcher host
     + xet_disabled: pass ``HF_HUB_DISABLE_XET=1`` to the fetcher host's download
 
     **Example:**
 
     .. code:: python
 
-        checkpoint.ensure(run.dep, run.desired[host.name], fact, run.tracked,
+        checkpoint.ensure(run.dep, role_actions(run.dep, mine, fact).checkpoint, run.tracked,
                           log_file="/root/.local/state/k2fleet/ID/checkpoint-transfers.jsonl",
                           control_relay=run.control_relay, fleet_wanted=run.weights_wanted(inventory),
-                          side_channel=side_channel(host.data, host.name))
+                          side_channel=side_channel(host.data, host.name), become=become_args(host.data))
     """
-    fan = desired.fanout
-    assert fan is not None
     for ws in dep.weight_sets:
-        _ensure_weight_set(dep, ws, desired, fact, tracked, log_file, control_relay,
-                           fleet_wanted.get(ws.check, []), side_channel, xet_disabled)
-    path = dep.checkpoint_path
-    wanted = fan.loads_weights and not fact.passed(CHECKPOINT_CHECK)
-
+        _ensure_weight_set(dep, ws, actions, tracked, log_file, control_relay, fleet_wanted.get(ws.check, []),
+                           side_channel, become, xet_disabled)
     # model_type fallback: a config overlay over the verified files, never an edit of them.
     override = dep.s.model_type_override
-    overlay_missing = bool(override) and not fact.exists.get(f"{dep.serve_path}/config.json", False)
-    tracked.append(command(name=f"config overlay with model_type {override or '(none)'}",
-                           argv=host_argv("overlay", path, dep.serve_path, "--model-type", str(override)),
-                           _if=lambda: bool(override) and fan.loads_weights and (wanted or overlay_missing)))
+    if actions.overlay:
+        tracked.append(command(name=f"config overlay with model_type {override}",
+                               argv=host_argv("overlay", dep.checkpoint_path, dep.serve_path, "--model-type", str(override))))
 
 
-def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fact: HostReport, tracked: list,
+def _ensure_weight_set(dep: Deployment, ws: WeightSet, actions: CheckpointActions, tracked: list,
                        log_file: str, control_relay: checkpoint_copy.ControlRelay, wanted_hosts: list[str],
-                       side_channel: tuple[str, list[str], list[str]], xet_disabled: bool) -> None:
-    """The distribution of one weight set (same operation sequence on every host)."""
-    fan = desired.fanout
-    assert fan is not None
+                       side_channel: tuple[str, list[str], list[str]], become: dict, xet_disabled: bool) -> None:
+    """The distribution of one weight set: what only this host does is planned where it needs
+    it; the check after the transfers is on every host (a step of the fleet's order: no relay
+    stops before every host's transfer ended)."""
+    fan = actions.fanout
     source_dir, from_hub = relay_plan.control_source(dep, ws)
-    wanted = fan.loads_weights and not fact.passed(ws.check)
+    wanted = ws.check in actions.wanted
     on_host = dep.s.checkpoint_fetcher not in ("control", "auto")  # auto: resolved before the deploy (else control)
     root_download = wanted and fan.is_root and on_host  # the fetcher host downloads from the Hub itself
     distributing = bool(wanted_hosts) and not fan.shared  # some host of the fleet receives: relays run
@@ -196,49 +192,51 @@ def _ensure_weight_set(dep: Deployment, ws: WeightSet, desired: HostDesired, fac
 
     # The control machine's copy (Hub download or control: dir, verified there), once per
     # fleet: the root's source, and every host's last fallback.
-    python.call(
-        name=f"fetch + verify the {what} on the control machine (once per fleet)",
-        function=checkpoint_copy.prepare_control_copy,
-        repo_id=ws.repo, revision=ws.revision, root=source_dir, hub=from_hub,
-        endpoint=dep.s.hub_endpoint, token_file=dep.s.hub_token_file, log_file=log_file,
-        patterns=list(ws.patterns) if ws.patterns else None,
-        _if=lambda: control_needed,
-    )
+    if control_needed:
+        python.call(
+            name=f"fetch + verify the {what} on the control machine (once per fleet)",
+            function=checkpoint_copy.prepare_control_copy,
+            repo_id=ws.repo, revision=ws.revision, root=source_dir, hub=from_hub,
+            endpoint=dep.s.hub_endpoint, token_file=dep.s.hub_token_file, log_file=log_file,
+            patterns=list(ws.patterns) if ws.patterns else None,
+        )
     # Or the fetcher host downloads from the Hub itself (resumable, verified, repaired).
-    python.call(name=f"Hub token to the fetcher host (root-only file){ws.label}", function=send_token,
-                token_file=dep.s.hub_token_file, _if=lambda: root_download)
+    if root_download:
+        python.call(name=f"Hub token to the fetcher host (root-only file){ws.label}", function=send_token,
+                    token_file=dep.s.hub_token_file, become=become)
 
     # Pipelined: every host that loads weights serves what it has verified on the mesh;
     # every host whose gate failed receives shard by shard (parent, ancestors, then the
     # control machine's copy through its SSH connection), each verified before it is
     # served onward, while the fetcher host's Hub download (same operation, so at the same
     # time) feeds its relay file by file as each passes its check; then the relays stop.
-    command(name=f"{what}: start this host's relay of its verified files (while the fleet receives)",
-            argv=relay_plan.relay_serve_argv(path, desired.address, dep.s.relay_port) if serving else ["true"],
-            _if=lambda: serving)
-    control_copy = None if on_host else source_dir
-    target, ssh, become = side_channel
-    # sshd binds the tunnel as the login's user: below net.ipv4.ip_unprivileged_port_start only root may
-    tport = privileged_ports.tunnel_port(desired.port_start or 1024, dep.s.relay_port, root_login=not become)
-    tunnel = [relay_plan.relay_url("127.0.0.1", tport)] if control_copy else []
-    fetch_argv = relay_plan.relay_fetch_argv(path, list(fan.relays), fan.position or 0, fan.relay_fanout, tunnel,
-                                             pin=(ws.repo, ws.revision), digest=ws.manifest_sha256) if receiving else ["true"]
-    download = [*become, "sh", "-c", host_download_command(dep, xet_disabled, ws)] if root_download else None
-    python.call(
-        name=f"{what}: receive shard by shard, each verified before it is passed on "
-             "(the fetcher host: its Hub download, feeding its relay file by file)",
-        function=transfer,
-        control=control_relay, source=control_copy, target=target,
-        ssh=ssh, fetch_argv=[*become, *fetch_argv], tunnel_port=tport, log_file=log_file,
-        download=download, _if=lambda: receiving or root_download,
-    )
+    if serving:
+        command(name=f"{what}: start this host's relay of its verified files (while the fleet receives)",
+                argv=relay_plan.relay_serve_argv(path, actions.address, dep.s.relay_port))
+    if receiving or root_download:
+        control_copy = None if on_host else source_dir
+        target, ssh, sudo = side_channel
+        # sshd binds the tunnel as the login's user: below net.ipv4.ip_unprivileged_port_start only root may
+        tport = privileged_ports.tunnel_port(actions.port_start or 1024, dep.s.relay_port, root_login=not sudo)
+        tunnel = [relay_plan.relay_url("127.0.0.1", tport)] if control_copy else []
+        fetch_argv = relay_plan.relay_fetch_argv(path, list(fan.relays), fan.position or 0, fan.relay_fanout, tunnel,
+                                                 pin=(ws.repo, ws.revision), digest=ws.manifest_sha256) if receiving else ["true"]
+        download = [*sudo, "sh", "-c", host_download_command(dep, xet_disabled, ws)] if root_download else None
+        python.call(
+            name=f"{what}: receive shard by shard, each verified before it is passed on "
+                 "(the fetcher host: its Hub download, feeding its relay file by file)",
+            function=transfer,
+            control=control_relay, source=control_copy, target=target,
+            ssh=ssh, fetch_argv=[*sudo, *fetch_argv], tunnel_port=tport, log_file=log_file,
+            download=download,
+        )
     tracked.append(command(name=f"{what}: check every file (index, headers; hashed by the relay as it arrived)",
-                           argv=gate_argv(ws), _if=lambda: receiving or root_download))
-    command(name=f"{what}: stop this host's relay", argv=relay_plan.relay_stop_argv(),
-            _if=lambda: serving)
-    python.call(name=f"{what}: stop the control machine's relay", function=control_relay.stop,
-                _if=lambda: control_needed)
+                           argv=gate_argv(ws), run=receiving or root_download))
+    if serving:
+        command(name=f"{what}: stop this host's relay", argv=relay_plan.relay_stop_argv())
+    if control_needed:
+        python.call(name=f"{what}: stop the control machine's relay", function=control_relay.stop)
 
     # Shared storage: the root fetched into the shared path; the others only pass the gate.
-    command(name=f"{what} gate on shared storage",
-            argv=gate_argv(ws), _if=lambda: fan.shared and wanted and not fan.is_root)
+    if fan.shared and wanted and not fan.is_root:
+        command(name=f"{what} gate on shared storage", argv=gate_argv(ws))

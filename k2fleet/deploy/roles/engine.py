@@ -24,55 +24,43 @@ from __future__ import annotations
 
 from pyinfra.api import deploy
 
-from k2fleet.planning.desired import DEVICE_DOUBLES_CONF, ENGINE_SIDE_CHECK, IMAGE_CHECK, HostDesired
+from k2fleet.planning.desired import DEVICE_DOUBLES_CONF
 from k2fleet.deploy.operations import command, synced_files
-from k2fleet.planning.host_fact import HostReport
-from k2fleet.planning.quoting import shell_line
-from k2fleet.planning.units import image_pin_argv
+from k2fleet.planning.role_actions import EngineActions
 
 
 @deploy("k2fleet: engine runtime")
-def install(desired: HostDesired, fact: HostReport, tracked: list) -> None:
+def install(actions: EngineActions, tracked: list) -> None:
     """
     Sync the host programs (and doubles), install the engine venv when it is missing,
     load the pinned container image when it is not there, and the engine-side wheels
     when they are not installed as pinned.
 
-    + desired: this host's desired state (files of groups ``engine``, ``image`` and
-      ``engine_side``, ``venv_install``, ``engine_side_install``, ``image``, ``device_doubles``)
-    + fact: this host's HostState (file digests, whether the engine entry point and the
-      device nodes exist, the image-pin and ``engine-side`` checks)
-    + tracked: list the run's health gate watches; the file operation is appended
+    + actions: this host's engine record (``role_actions(...).engine``: the files of groups
+      ``engine``, ``image`` and ``engine_side`` to write, whether the TEST DOUBLE device nodes
+      are made, the image loaded, the venv and the engine-side wheels installed)
+    + tracked: list the run's health gate watches; the file operations are appended
 
     **Example:**
 
     .. code:: python
 
-        engine.install(run.desired[host.name], fact, run.tracked)
+        engine.install(role_actions(run.dep, mine, fact).engine, run.tracked)
     """
-    programs = synced_files(name="k2fleet host programs and engine files",
-                            files=desired.files.get("engine", {}), current=fact.files)
-    tracked.append(programs)
-    devices = desired.device_doubles
-    command(name="create the TEST DOUBLE device nodes of the simulated GPUs",
-            argv=["systemd-tmpfiles", "--create", DEVICE_DOUBLES_CONF],
-            _if=lambda: bool(devices) and (programs.did_change() or not all(fact.exists.get(d) for d in devices)))
-    pin = desired.image
-    tracked.append(synced_files(name="container image archive", files=desired.files.get("image", {}),
-                                current=fact.files))
-    load = "true"
-    if pin is not None and pin.image_id:
-        get = ["docker", "load", "--input", pin.archive] if pin.archive else ["docker", "pull", pin.ref]
-        load = f"{shell_line(get)} && {shell_line(image_pin_argv(pin.ref, pin.image_id))}"
-    tracked.append(command(name="docker load (or pull) the pinned container image", argv=load,
-                           _if=lambda: pin is not None and not fact.passed(IMAGE_CHECK)))
-    argv = desired.venv_install
-    needed = argv is not None and not fact.exists.get(desired.engine_entry)
-    venv = desired.engine_entry.rsplit('/bin/', 1)[0]
-    command(name=f"install the engine into {venv}", argv=argv or ["true"], _if=lambda: needed)
-    side = desired.files.get("engine_side", {})
-    upload = synced_files(name="engine-side wheelhouse (hosts have no package index)", files=side, current=fact.files)
-    side_ok = fact.passed(ENGINE_SIDE_CHECK)
-    tracked.append(command(name=f"engine-side wheels into {venv} (no package index), versions checked",
-                           argv=desired.engine_side_install or ["true"],
-                           _if=lambda: bool(side) and (not side_ok or upload.did_change())))
+    a = actions
+    if a.files:
+        tracked.append(synced_files(name="k2fleet host programs and engine files", files=a.files))
+    if a.create_devices:
+        command(name="create the TEST DOUBLE device nodes of the simulated GPUs",
+                argv=["systemd-tmpfiles", "--create", DEVICE_DOUBLES_CONF])
+    if a.image_files:
+        tracked.append(synced_files(name="container image archive", files=a.image_files))
+    if a.load_image is not None:
+        tracked.append(command(name="docker load (or pull) the pinned container image", argv=a.load_image))
+    if a.venv_install is not None:
+        command(name=f"install the engine into {a.venv}", argv=list(a.venv_install))
+    if a.side_files:
+        synced_files(name="engine-side wheelhouse (hosts have no package index)", files=a.side_files)
+    if a.side_install is not None:
+        tracked.append(command(name=f"engine-side wheels into {a.venv} (no package index), versions checked",
+                               argv=list(a.side_install)))

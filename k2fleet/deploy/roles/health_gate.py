@@ -12,27 +12,29 @@ from collections.abc import Callable
 
 from pyinfra.api import deploy
 
-from k2fleet.planning.desired import HEALTH_CHECK, HostDesired
 from k2fleet.deploy.operations import command
-from k2fleet.planning.host_fact import HostReport
+from k2fleet.planning.role_actions import HealthActions
 
 
 @deploy("k2fleet: health gate")
-def gate(desired: HostDesired, fact: HostReport, changed: Callable[[], bool]) -> None:
+def gate(actions: HealthActions, changed: Callable[[], bool]) -> None:
     """
     Prove this host's endpoint serves (a real completion), when anything changed.
 
-    + desired: this host's desired state (``health_argv``: None on hosts without an endpoint)
-    + fact: this host's HostState (whether the quick health check passed)
+    The operation is on every host, after every other (a fleet-wide step: ``changed`` looks at
+    every host's operations), with commands only where there is an endpoint; when the fact's
+    quick check passed, ``_if=`` asks at execution time whether any host changed anything.
+
+    + actions: this host's record (``role_actions(...).health``: the gate's argv, None on hosts
+      without an endpoint; whether the quick health check passed)
     + changed: called at execution time: did any tracked operation on any host change?
 
     **Example:**
 
     .. code:: python
 
-        health.gate(run.desired[host.name], fact, changed=run.fleet_changed)
+        health_gate.gate(role_actions(run.dep, mine, fact).health, changed=run.fleet_changed)
     """
-    argv = desired.health_argv
-    healthy_before = fact.passed(HEALTH_CHECK)
-    command(name="health gate: /health 200 and a real chat completion",
-            argv=argv or ["true"], _if=lambda: argv is not None and (changed() or not healthy_before))
+    argv = actions.argv
+    command(name="health gate: /health 200 and a real chat completion", argv=list(argv or ["true"]),
+            run=argv is not None, _if=[changed] if actions.healthy else [])

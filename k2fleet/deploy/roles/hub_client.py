@@ -14,32 +14,32 @@ from __future__ import annotations
 
 from pyinfra.api import deploy
 
-from k2fleet.planning.desired import HUB_CLIENT_CHECK, HUB_ENV, WHEEL_DIR, HostDesired
+from k2fleet.planning.desired import HUB_ENV, WHEEL_DIR
 from k2fleet.deploy.operations import command, synced_files
-from k2fleet.planning.host_fact import HostReport
 from k2fleet.planning.quoting import shell_line, shell_word
+from k2fleet.planning.role_actions import HubClientActions
 
 
 @deploy("k2fleet: Hub client on the checkpoint fetcher")
-def install(desired: HostDesired, fact: HostReport, requirement: str | None) -> None:
+def install(actions: HubClientActions, requirement: str | None) -> None:
     """
     Upload the downloader and the wheels, then make the Hub-client venv if needed.
 
-    + desired: this host's desired state (files of group ``hub_client``: empty unless
-      this host is ``k2_checkpoint_fetcher``)
-    + fact: this host's HostState (digests, the ``hub-client`` check)
+    + actions: this host's record (``role_actions(...).hub_client``: the files of group
+      ``hub_client`` to write, empty unless this host is ``k2_checkpoint_fetcher``; whether the
+      venv is made: its check failed or a wheel changed)
     + requirement: ``huggingface_hub==VERSION`` to install (None: no fetcher host)
 
     **Example:**
 
     .. code:: python
 
-        hub_client.install(run.desired[host.name], fact, "huggingface_hub==2.4.0")
+        hub_client.install(role_actions(run.dep, mine, fact).hub_client, "huggingface_hub==2.4.0")
     """
-    files = desired.files.get("hub_client", {})
-    upload = synced_files(name="Hub client: downloader and offline wheelhouse", files=files, current=fact.files)
-    pip = shell_line([f"{HUB_ENV}/bin/pip", "install", "--quiet", "--no-index", "--find-links", WHEEL_DIR,
-                      requirement or "huggingface_hub"])
-    command(name=f"Hub client: venv {HUB_ENV} with {requirement or 'huggingface_hub'} (no package index)",
-            argv=["sh", "-c", f"{shell_word(desired.python)} -m venv {HUB_ENV} && {pip}"],
-            _if=lambda: bool(files) and (not fact.passed(HUB_CLIENT_CHECK) or upload.did_change()))
+    if actions.files:
+        synced_files(name="Hub client: downloader and offline wheelhouse", files=actions.files)
+    if actions.install:
+        pip = shell_line([f"{HUB_ENV}/bin/pip", "install", "--quiet", "--no-index", "--find-links", WHEEL_DIR,
+                          requirement or "huggingface_hub"])
+        command(name=f"Hub client: venv {HUB_ENV} with {requirement or 'huggingface_hub'} (no package index)",
+                argv=["sh", "-c", f"{shell_word(actions.python)} -m venv {HUB_ENV} && {pip}"])

@@ -7,63 +7,57 @@ the sshd/ssh configs and the unit are in the desired state (group ``mesh``).
 from __future__ import annotations
 
 from pyinfra.api import deploy
+from pyinfra.operations import systemd
 
-from k2fleet.planning.desired import HostDesired
 from k2fleet.planning.mesh_config import UNIT
 from k2fleet.deploy.operations import command, synced_files, unit_running
-from k2fleet.planning.host_fact import HostReport
+from k2fleet.planning.role_actions import MeshActions
 
 
 @deploy("k2fleet: SSH mesh")
-def configure(desired: HostDesired, fact: HostReport, tracked: list) -> None:
+def configure(actions: MeshActions, tracked: list) -> None:
     """
-    Remove mesh keys the host must no longer hold (``desired.absent``), write the mesh files
-    and run the mesh sshd; restart it only when its files changed.
-    While a unit that takes the mesh port runs (``desired.mesh_yields_to``: the TRT-LLM
-    node container, whose sshd serves the mesh), the host's mesh sshd is left stopped.
+    Remove mesh keys the host must no longer hold, write the mesh files and run the mesh
+    sshd; restart it only when its files changed. While a unit that takes the mesh port runs
+    (the TRT-LLM node container, whose sshd serves the mesh), the host's mesh sshd is left
+    stopped (the record does not start it).
 
-    + desired: this host's desired state (files of group ``mesh``; none on a one-host fleet)
-    + fact: this host's HostState
+    + actions: this host's mesh record (``role_actions(...).mesh``: keys to remove, files to
+      write, whether the sshd starts or restarts; none of it on a host off the mesh)
     + tracked: list the run's health gate watches; the file operation is appended
 
     **Example:**
 
     .. code:: python
 
-        mesh.configure(run.desired[host.name], fact, run.tracked)
+        mesh.configure(role_actions(run.dep, mine, fact).mesh, run.tracked)
     """
-    files = desired.files.get("mesh", {})
-    held = [path for path in desired.absent if fact.exists.get(path)]
-    command(name="remove the SSH keys of the mesh this host no longer holds", argv=["rm", "-f", "--", *held] if held else ["true"],
-            _if=lambda: bool(held))
-    written = synced_files(name="mesh keys, known_hosts and sshd config", files=files, current=fact.files)
-    tracked.append(written)
-    was_active = fact.unit_active(UNIT)
-    yielded = any(fact.unit_active(unit) for unit in desired.mesh_yields_to)
-    command(name="reload systemd for the mesh unit", argv=["systemctl", "daemon-reload"],
-            _if=lambda: bool(files) and written.did_change())
-    unit_running(name="start the mesh sshd", unit=UNIT,
-                 active=(was_active and fact.unit_enabled(UNIT)) or not files or yielded)
-    command(name="restart the mesh sshd (config changed)", argv=["systemctl", "restart", UNIT],
-            _if=lambda: bool(files) and was_active and written.did_change())
+    if actions.remove:
+        command(name="remove the SSH keys of the mesh this host no longer holds", argv=["rm", "-f", "--", *actions.remove])
+    if actions.files:
+        tracked.append(synced_files(name="mesh keys, known_hosts and sshd config", files=actions.files))
+        systemd.daemon_reload(name="reload systemd for the mesh unit")
+    if actions.start:
+        unit_running(name="start the mesh sshd", unit=UNIT)
+    if actions.restart:
+        command(name="restart the mesh sshd (config changed)", argv=["systemctl", "restart", UNIT])
 
 
 @deploy("k2fleet: SSH mesh after the deploy")
-def rest(desired: HostDesired, fact: HostReport) -> None:
+def rest(actions: MeshActions) -> None:
     """
     ``k2_mesh_after_deploy: stop``: stop the mesh sshd once every health gate has passed (its
     unit has ``KillMode=process``: the running job's sessions stay); the next deploy that
     runs the roles starts it again for its duration. Nothing under ``keep`` or off the mesh.
 
-    + desired: this host's desired state (``mesh_between_deploys``, the mesh's files)
-    + fact: this host's HostState
+    + actions: this host's mesh record (``stop_after``)
 
     **Example:**
 
     .. code:: python
 
-        mesh.rest(run.desired[host.name], fact)
+        mesh.rest(role_actions(run.dep, mine, fact).mesh)
     """
-    if desired.files.get("mesh") and not desired.mesh_between_deploys:
+    if actions.stop_after:
         command(name="stop the mesh sshd until the next deploy (k2_mesh_after_deploy: stop)",
                 argv=["systemctl", "stop", UNIT])

@@ -11,11 +11,7 @@ from __future__ import annotations
 
 from pyinfra.api import deploy
 
-from k2fleet.planning.host_bootstrap import bootstrap_problems, provided_problems
-from k2fleet.planning.deployment import Deployment
-from k2fleet.planning.desired import CHECKPOINT_CHECK, HostDesired
-from k2fleet.planning.host_fact import HostReport
-from k2fleet.planning.preflight_checks import check_host
+from k2fleet.planning.role_actions import PreflightActions
 
 
 class PreflightError(Exception):
@@ -23,24 +19,19 @@ class PreflightError(Exception):
 
 
 @deploy("k2fleet: preflight")
-def check(dep: Deployment, desired: HostDesired, fact: HostReport) -> None:
+def check(actions: PreflightActions) -> None:
     """
     Stop the deploy, naming the host and every reason, if this host cannot run its part.
 
-    + dep: the validated deployment (``k2fleet.deploy.fleet_run.FleetRun.dep``)
-    + desired: this host's desired state (its name picks its inventory entry)
-    + fact: this host's :class:`~k2fleet.deploy.facts.HostState`
+    + actions: this host's preflight record (``role_actions(...).preflight``: the problems
+      :func:`~k2fleet.planning.preflight_checks.check_host`, ``bootstrap_problems`` and
+      ``provided_problems`` found in its HostState fact)
 
     **Example:**
 
     .. code:: python
 
-        preflight.check(run.dep, run.desired[host.name], fact)
+        preflight.check(role_actions(run.dep, run.desired[host.name], fact).preflight)
     """
-    entry = next(h for h in dep.fleet.hosts if h.name == desired.name)
-    problems = check_host(dep, entry, fact, checkpoint_present=fact.passed(CHECKPOINT_CHECK))
-    if desired.bootstrap is not None:
-        problems += bootstrap_problems(desired.bootstrap, fact.boot)
-        problems += provided_problems(desired.bootstrap, fact)  # k2_gpu_stack: provided
-    if problems:
-        raise PreflightError(f"{desired.name}: preflight failed: " + "; ".join(problems))
+    if actions.problems:
+        raise PreflightError(f"{actions.host}: preflight failed: " + "; ".join(actions.problems))

@@ -9,24 +9,22 @@ from __future__ import annotations
 from pyinfra.api import deploy
 
 from k2fleet.deploy.operations import command
-from k2fleet.planning.desired import RECORD
-from k2fleet.planning.host_fact import HostReport
 
 
 @deploy("k2fleet: record of the host before k2fleet")
-def keep(argv: list[str], fact: HostReport) -> None:
+def keep(argv: list[str] | None) -> None:
     """
-    Write the record unless the HostState fact saw it (the host program keeps an existing one too).
+    Write the record when the HostState fact did not see it (the host program keeps an existing one too).
 
     + argv: :func:`k2fleet.planning.teardown.program_argv` ``record`` with this host's
-      :func:`~k2fleet.planning.teardown.record_spec`
-    + fact: this host's HostState (whether the record exists)
+      :func:`~k2fleet.planning.teardown.record_spec` when the record is missing
+      (``role_actions(...).record``); None: the host holds it, no operation
 
     **Example:**
 
     .. code:: python
 
-        record.keep(program_argv("record", record_spec(dep, plan.hosts[host.name], mine)), fact)
+        record.keep(role_actions(dep, mine, fact, record_argv=program_argv("record", spec)).record)
     """
-    command(name="keep a record of the host before k2fleet's first change (for k2fleet down)", argv=argv,
-            _if=lambda: not fact.exists.get(RECORD))
+    if argv is not None:
+        command(name="keep a record of the host before k2fleet's first change (for k2fleet down)", argv=argv)
