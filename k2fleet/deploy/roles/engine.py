@@ -17,7 +17,11 @@
   sandbox (engine test doubles), ``docker load``-ed from the image archive the
   control-machine step built and tagged as ``k2_image``; then checked once more. Simulated
   ROCm hosts get TEST DOUBLE ``/dev/kfd`` and ``/dev/dri`` nodes (systemd-tmpfiles) for
-  ``--device``.
+  ``--device``;
+- ``k2_bundle`` with a warmed engine cache (``k2fleet bundle --engine-cache``): its archive,
+  root-only, and the host program that checks its sha256 against the bundle lock's and
+  unpacks it into the engine's cache directory only when that is absent or empty (never
+  over the host's own cache), run when the archive changed or the directory is missing.
 """
 
 from __future__ import annotations
@@ -39,9 +43,10 @@ def install(desired: HostDesired, fact: HostReport, tracked: list) -> None:
     when they are not installed as pinned.
 
     + desired: this host's desired state (files of groups ``engine``, ``image`` and
-      ``engine_side``, ``venv_install``, ``engine_side_install``, ``image``, ``device_doubles``)
-    + fact: this host's HostState (file digests, whether the engine entry point and the
-      device nodes exist, the image-pin and ``engine-side`` checks)
+      ``engine_side``, ``engine_cache``, ``venv_install``, ``engine_side_install``, ``engine_cache_unpack``,
+      ``image``, ``device_doubles``)
+    + fact: this host's HostState (file digests, whether the engine entry point, the
+      device nodes and the engine cache directory exist, the image-pin and ``engine-side`` checks)
     + tracked: list the run's health gate watches; the file operation is appended
 
     **Example:**
@@ -76,3 +81,10 @@ def install(desired: HostDesired, fact: HostReport, tracked: list) -> None:
     tracked.append(command(name=f"engine-side wheels into {venv} (no package index), versions checked",
                            argv=desired.engine_side_install or ["true"],
                            _if=lambda: bool(side) and (not side_ok or upload.did_change())))
+    unpack = desired.engine_cache_unpack
+    shipped = synced_files(name="the bundle's engine cache archive", files=desired.files.get("engine_cache", {}),
+                           current=fact.files)
+    tracked.append(shipped)
+    cold = unpack is not None and not fact.exists.get(unpack[-1])
+    command(name="the bundle's engine cache into an empty cache directory (sha256 checked; never over the host's own)",
+            argv=unpack or ["true"], _if=lambda: unpack is not None and (cold or shipped.did_change()))
