@@ -316,7 +316,7 @@ def _cmd_down(args: argparse.Namespace) -> int:
             failed.append(name)
     print(f"down: {len(commands)} hosts, " + (f"{len(failed)} failed: {', '.join(failed)}" if failed else
                                               "k2fleet's units, files and rules removed"
-                                              + ("" if args.purge else "; checkpoints kept")))
+                                              + ("" if args.purge else "; checkpoints and engine caches kept")))
     return 1 if failed else 0
 
 
@@ -385,7 +385,9 @@ def _cmd_bundle(args: argparse.Namespace) -> int:
 
     try:
         _, drifted = airgap.make_bundle(dep, plan, args.out.resolve(), inventory=args.inventory, rehearsal=rehearsal,
-                                        locked=locked, caches=airgap.Caches(args.cache), only=args.only, say=say)
+                                        locked=locked, caches=airgap.Caches(args.cache), only=args.only,
+                                        engine_cache_src=args.engine_cache, drop_engine_cache=args.no_engine_cache,
+                                        say=say)
     except airgap.AirgapError as exc:
         sys.stderr.write(f"k2fleet bundle: {exc}\n")
         return 1
@@ -514,6 +516,12 @@ def parser() -> argparse.ArgumentParser:
     bu.add_argument("--cache", type=Path, default=Path("/var/cache/k2fleet"), help="download/build cache")
     bu.add_argument("--only", action="append", default=[], choices=["debs", "wheels", "images", "checkpoints"],
                     help="build only this part (repeatable)")
+    cache = bu.add_mutually_exclusive_group()
+    cache.add_argument("--engine-cache", type=Path, metavar="SRC",
+                       help="a warmed copy of a host's /var/cache/k2fleet/engine-cache/<engine>/ to carry: archived "
+                       "(links refused, sizes capped) and unpacked on hosts whose cache directory is empty")
+    cache.add_argument("--no-engine-cache", action="store_true",
+                       help="drop the engine cache a previous build put in the bundle (kept otherwise)")
     bu.set_defaults(func=_cmd_bundle)
     be = sub.add_parser("bench", help="run the engine's own benchmark client (vLLM: `vllm bench serve`, SGLang: "
                         "`python -m sglang.bench_serving`) from this "

@@ -17,6 +17,7 @@ import pytest
 
 from k2fleet.cli import _fleet_desired
 from k2fleet.hostprogs import teardown as host_teardown
+from k2fleet.planning.engine_cache import CACHE_ROOT as ENGINE_CACHE_ROOT
 from k2fleet.planning.fleet_logs import LogsError, check_since, choose, journal_argv
 from k2fleet.planning.teardown import placed, program_argv, safe_tree
 
@@ -81,7 +82,7 @@ def test_placed_holds_every_file_of_the_desired_state_and_what_the_roles_make_be
         assert set(d.units) <= set(p.units) and "k2-firewall.service" in p.units
         assert "/etc/sysctl.d/60-k2fleet-privileged-ports.conf" in p.files
         assert "/etc/k2fleet" in p.trees and "/var/lib/k2fleet" in p.trees and "/opt/k2fleet/venv" in p.trees
-        assert p.nft_tables == ["inet k2fleet"] and p.kept == [ws.path for ws in dep.weight_sets]
+        assert p.nft_tables == ["inet k2fleet"] and p.kept == sorted([ws.path for ws in dep.weight_sets] + [ENGINE_CACHE_ROOT])
         assert not any(t in ("/etc", "/opt", "/srv", "/var/lib", "/usr") for t in p.trees)
         spec = p.down_spec(purge=True)
         assert spec["kept"] == [] and spec["purge"] == p.kept

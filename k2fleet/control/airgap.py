@@ -18,6 +18,11 @@ architecture (not the control machine's):
 - ``checkpoint/<org>--<name>/<revision>/`` with ``.k2fleet/manifest.json`` when the
   inventory's source is the Hub fetched by the control machine (``--rehearsal``: the
   synthetic checkpoint of the inventory's model and revision);
+- ``engine-cache/<engine>.tar.gz`` with ``--engine-cache SRC``: an operator's warmed copy of
+  the engine's compile/JIT cache directory (:mod:`k2fleet.planning.engine_cache`), archived
+  deterministically with links refused and sizes capped (:mod:`k2fleet.hostprogs.cache_archive`);
+  a later build without ``--engine-cache`` keeps the bundle's archive (``--no-engine-cache``
+  drops it);
 - ``k2fleet.lock`` (:mod:`k2fleet.control.lockfile`): every artifact with name, version, sha256
   (images also their ID) and origin.
 
@@ -28,7 +33,9 @@ every artifact that drifted from LOCK.
 With ``k2_bundle: DIR`` in the inventory, :func:`read_bundle` is the deploy's only
 source of packages, wheels and images (nothing is fetched, by the control machine or
 any host): each artifact is hashed as it is read and a file whose sha256 is not the
-lock's is refused by name.
+lock's is refused by name. The engine cache's archive goes to each host that runs the
+engine, where the deploy unpacks it (its sha256 checked against the lock again, on the host)
+only into an absent or empty cache directory.
 """
 
 from __future__ import annotations
@@ -49,12 +56,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from k2fleet.hostprogs import cache_archive
 from k2fleet.planning.engine_side import host_python
 from k2fleet.control import aptroot, deb_bundles as bundle, wheelhouse
 from k2fleet.planning.host_bootstrap import Repo
 from k2fleet.control.deb_bundles import sha256_file
 from k2fleet.planning.os_tables import MIRROR_LAYOUTS, OS_TABLES
-from k2fleet.planning import gpu_exporter, mirrors
+from k2fleet.planning import engine_cache, gpu_exporter, mirrors
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.desired import (bundle_request, engine_requirements, host_arch, host_bootstrap,
                              package_set)
@@ -68,8 +76,11 @@ UBUNTU_KEYRING = Path("/usr/share/keyrings/ubuntu-archive-keyring.gpg")  # Debia
 UBUNTU_MIRROR = "http://archive.ubuntu.com/ubuntu"
 UBUNTU_PORTS = "http://ports.ubuntu.com/ubuntu-ports"
 CHECKPOINT_DIR = "checkpoint"
+ENGINE_CACHE_DIR = "engine-cache"
 PART_KINDS = {"debs": ("deb", "deb-repo"), "wheels": ("wheel",), "images": ("image",),
-              "checkpoints": ("checkpoint-manifest", "checkpoint-file")}  # bundle part → its artifacts' kinds
+              "checkpoints": ("checkpoint-manifest", "checkpoint-file"),
+              "engine_caches": ("engine-cache",)}  # bundle part → its artifacts' kinds
+BUILT_PARTS = ("debs", "wheels", "images", "checkpoints")  # what a build makes from the inventory (--only)
 Say = Callable[[str], None]
 
 
@@ -178,6 +189,15 @@ def bundle_needs(dep: Deployment, plan: Plan) -> Needs:
     checkpoints = tuple((ws.repo, ws.revision, ws.patterns) for ws in dep.weight_sets
                         if ws.source == "hub" and dep.s.checkpoint_fetcher in ("control", "auto"))
     return Needs(tuple(sorted(debs, key=repr)), tuple(sorted(wheels, key=repr)), images, checkpoints)
+
+
+def engine_cache_rel(engine: str) -> str:
+    """Where an engine's cache archive sits in a bundle.
+
+    >>> engine_cache_rel("vllm")
+    'engine-cache/vllm.tar.gz'
+    """
+    return f"{ENGINE_CACHE_DIR}/{engine}.tar.gz"
 
 
 def checkpoint_rel(repo: str, revision: str) -> str:
@@ -308,7 +328,7 @@ class _Builder:
         self.out, self.caches, self.say = out, caches, say
         self.index = index  # k2_pypi_index (None: pip's own configuration)
         self.artifacts: list[Artifact] = []
-        self.parts: dict[str, list[dict[str, Any]]] = {"debs": [], "wheels": [], "images": [], "checkpoints": []}
+        self.parts: dict[str, list[dict[str, Any]]] = {part: [] for part in PART_KINDS}
         self.copied = self.kept = 0
 
     def add(self, rel: str, src: Path | bytes, kind: str, name: str, version: str, origin: str, **extra: str) -> None:
@@ -414,6 +434,50 @@ class _Builder:
         self.say(f"checkpoint: {repo}@{revision[:12]}: {len(manifest['files'])} files, {_size(total)} "
                  f"({time.monotonic() - t0:.0f}s)")
 
+    def engine_cache(self, dep: Deployment, src: Path) -> None:
+        """``--engine-cache SRC``: ``SRC`` archived (:func:`k2fleet.hostprogs.cache_archive.pack`)
+        as ``engine-cache/<engine>.tar.gz``; AirgapError naming the entry that breaks a rule."""
+        t0 = time.monotonic()
+        rel = engine_cache_rel(dep.engine)
+        dest = self.out / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
+        self.say(f"engine cache: archiving {src} for {dep.engine} (links refused, at most "
+                 f"{_size(cache_archive.MAX_TOTAL_BYTES)})")
+        try:
+            with tmp.open("wb") as out:
+                files, total = cache_archive.pack(str(src), out, allowed_top=engine_cache.cache_subdirs(dep.engine))
+            digest = sha256_file(tmp)
+            same = dest.is_file() and sha256_file(dest) == digest  # deterministic: an unchanged SRC, unchanged bytes
+            if not same:
+                tmp.replace(dest)
+            self.copied, self.kept = self.copied + (not same), self.kept + same
+            self.artifacts.append(Artifact(rel, "engine-cache", dep.engine, dep.version, digest, dest.stat().st_size,
+                                           f"k2fleet bundle --engine-cache {src}"))
+        except (cache_archive.CacheArchiveError, OSError) as exc:
+            raise AirgapError(f"--engine-cache: {exc}") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        self.parts["engine_caches"].append({"engine": dep.engine, "files": files, "bytes": total, "path": rel})
+        self.say(f"engine cache: {dep.engine}: {files} files, {_size(total)} → {_size(dest.stat().st_size)} "
+                 f"({time.monotonic() - t0:.0f}s)")
+
+    def keep_engine_cache(self, dep: Deployment, previous: Lock) -> None:
+        """No ``--engine-cache``: the previous build's archive stays when it is this engine's and
+        still has the lock's sha256 (otherwise it is dropped, said)."""
+        for part in previous.part("engine_caches"):
+            entry = previous.by_path().get(part.get("path", ""))
+            path = self.out / str(part.get("path", ""))
+            if part.get("engine") != dep.engine:
+                self.say(f"engine cache: dropped {part.get('path')} ({part.get('engine')}'s; the fleet runs {dep.engine})")
+            elif entry is None or not path.is_file() or sha256_file(path) != entry.sha256:
+                self.say(f"engine cache: dropped {path}: missing or not the lock's sha256")
+            else:
+                self.parts["engine_caches"].append(part)
+                self.artifacts.append(entry)
+                self.kept += 1
+                self.say(f"engine cache: kept {path} ({entry.origin}; --no-engine-cache drops it)")
+
     def remove_stale(self) -> int:
         """Delete files of ``out`` no artifact names (a previous build's), except the
         checkpoint role's own records under ``.k2fleet``; return how many."""
@@ -464,15 +528,20 @@ def save_image(ref: str, image_id: str | None, cache: Path, say: Say) -> tuple[P
 
 def make_bundle(dep: Deployment, plan: Plan, out: Path, *, inventory: str, rehearsal: bool,
                 locked: Lock | None = None, caches: Caches = Caches(), only: Iterable[str] = (),
+                engine_cache_src: Path | None = None, drop_engine_cache: bool = False,
                 say: Say = print) -> tuple[Lock, list[str]]:
     """Build (or bring up to date) the bundle ``out`` for ``dep``; write ``out/k2fleet.lock``.
 
     ``locked``: the lock to reproduce (wheels resolved with its versions as constraints);
     returns (the new lock, what drifted from ``locked``; empty when identical).
-    ``only``: build just these parts (debs, wheels, images, checkpoints).
+    ``only``: build just these parts (debs, wheels, images, checkpoints); the others stay.
+    ``engine_cache_src``: an operator's warmed engine cache directory to archive into the
+    bundle; without it the bundle's previous archive stays unless ``drop_engine_cache``.
     """
     needs = bundle_needs(dep, plan)
-    wanted = set(only) or set(PART_KINDS)
+    wanted = set(only) or set(BUILT_PARTS)
+    if engine_cache_src is not None or drop_engine_cache:
+        wanted.add("engine_caches")
     out.mkdir(parents=True, exist_ok=True)
     b = _Builder(out, caches, say, index=dep.s.pypi_index)
     t0 = time.monotonic()
@@ -487,6 +556,8 @@ def make_bundle(dep: Deployment, plan: Plan, out: Path, *, inventory: str, rehea
             b.image(dep, plan, ref, rehearsal)
         for repo, revision, patterns in needs.checkpoints if "checkpoints" in wanted else ():
             b.checkpoint(dep, repo, revision, patterns, rehearsal)
+        if engine_cache_src is not None:
+            b.engine_cache(dep, engine_cache_src)
     except (bundle.BundleError, RuntimeError) as exc:
         raise AirgapError(str(exc)) from None
     if wanted != set(PART_KINDS) and (out / LOCK_NAME).is_file():  # --only: the other parts stay as they were
@@ -494,8 +565,11 @@ def make_bundle(dep: Deployment, plan: Plan, out: Path, *, inventory: str, rehea
             previous = Lock.from_text((out / LOCK_NAME).read_text())
         except LockError:
             previous = None
-        for part in (set(PART_KINDS) - wanted) if previous else ():
+        for part in sorted(set(PART_KINDS) - wanted) if previous else ():
             assert previous is not None
+            if part == "engine_caches":  # checked: this engine's, its bytes the lock's
+                b.keep_engine_cache(dep, previous)
+                continue
             b.parts[part] = previous.part(part)
             b.artifacts += [a for a in previous.artifacts if a.kind in PART_KINDS[part]]
     lock = Lock(inventory, rehearsal, b.parts, tuple(sorted(b.artifacts)))
@@ -570,6 +644,7 @@ class BundleArtifacts:
     engine_wheels: dict[tuple[str, ...], dict[str, bytes]]
     hub_wheels: dict[str, bytes] | None
     images: dict[str, tuple[str, str]]
+    engine_cache: tuple[str, str] | None = None  # the engine's cache archive: (path, the lock's sha256)
 
 
 def read_bundle(dep: Deployment, plan: Plan, bundle_dir: str | Path) -> BundleArtifacts:
@@ -613,7 +688,11 @@ def read_bundle(dep: Deployment, plan: Plan, bundle_dir: str | Path) -> BundleAr
         if part is None:
             raise AirgapError(f"bundle {root} has no checkpoint {repo}@{revision}; {fix}")
         verified(root, f"{part['path']}/.k2fleet/manifest.json", lock)
-    return BundleArtifacts(debs, engine, hub, images)
+    cache = None
+    part = _matching(lock.part("engine_caches"), engine=dep.engine)  # another engine's: of no use here
+    if part is not None:
+        cache = (str(verified(root, part["path"], lock)), lock.by_path()[part["path"]].sha256)
+    return BundleArtifacts(debs, engine, hub, images, cache)
 
 
 # ----------------------------------------------------------------------------- CLI

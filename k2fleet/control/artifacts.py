@@ -253,8 +253,9 @@ def _make_secret(path: Path) -> bytes:
 def _from_bundle(dep: Deployment, plan: Plan, clients: dict[str, tuple[bytes, bytes]],
                  hosts: dict[str, tuple[bytes, bytes]], relay_secret: bytes | None,
                  ray_token: bytes | None) -> ControlArtifacts:
-    """``k2_bundle``: packages, wheels and images from the bundle alone, each sha256-checked
-    against its lock as it is read (:func:`k2fleet.control.airgap.read_bundle`); nothing is fetched."""
+    """``k2_bundle``: packages, wheels, images and the engine cache archive (when the bundle
+    carries one for this engine) from the bundle alone, each sha256-checked against its lock as
+    it is read (:func:`k2fleet.control.airgap.read_bundle`); nothing is fetched."""
     assert dep.s.bundle is not None
     from k2fleet.control import airgap
 
@@ -266,7 +267,7 @@ def _from_bundle(dep: Deployment, plan: Plan, clients: dict[str, tuple[bytes, by
                             wheels=found.hub_wheels, bundles=found.debs, images=found.images,
                             engine_wheels=found.engine_wheels, engine_doubles=engine_doubles_for(dep),
                             relay_secret=relay_secret, api_key=read_api_key(dep), tls=read_tls(dep), ray_token=ray_token,
-                            keyrings=read_keyrings(dep))
+                            keyrings=read_keyrings(dep), engine_cache=found.engine_cache)
 
 
 def read_control_artifacts(dep: Deployment, plan: Plan, parts: FleetParts | None = None) -> ControlArtifacts:

@@ -11,7 +11,8 @@
         "wheels":      [{"use": "engine" | "hub", "requirements": [...], "pythons": [...],
                          "archs": [...], "path": "wheels/<key>"}],
         "images":      [{"ref", "image_id", "path": "images/<name>.tar.gz"}],
-        "checkpoints": [{"repo", "revision", "patterns", "path": "checkpoint/<org>--<name>/<revision>"}]
+        "checkpoints": [{"repo", "revision", "patterns", "path": "checkpoint/<org>--<name>/<revision>"}],
+        "engine_caches": [{"engine", "files", "bytes", "path": "engine-cache/<engine>.tar.gz"}]   # --engine-cache
       },
       "artifacts": [                          # every file, sorted by path
         {"path", "kind", "name", "version", "sha256", "bytes", "origin", "in"?, "image_id"?}
@@ -21,9 +22,12 @@
 ``kind`` is ``deb`` (``in`` names the tar holding it), ``deb-repo`` (that tar),
 ``wheel``, ``image`` (``docker save`` archive; ``image_id`` its config digest),
 ``checkpoint-manifest`` and ``checkpoint-file`` (the Hub's sha256 of each file, checked
-by the checkpoint role, not on every read). ``origin`` says where the bytes came from: an
-apt source line, ``pypi:<requirement>``, ``docker save <ref>``, ``hub:<repo>@<revision>``,
-or ``k2fleet`` for what k2fleet builds itself (the TEST DOUBLE wheel, image and packages).
+by the checkpoint role, not on every read), ``engine-cache`` (an operator's warmed compile/JIT
+cache of the engine ``name``, a deterministic tar.gz: :mod:`k2fleet.hostprogs.cache_archive`;
+``version`` is the engine's pin it was bundled for). ``origin`` says where the bytes came
+from: an apt source line, ``pypi:<requirement>``, ``docker save <ref>``,
+``hub:<repo>@<revision>``, ``k2fleet bundle --engine-cache <dir>``, or ``k2fleet`` for what
+k2fleet builds itself (the TEST DOUBLE wheel, image and packages).
 
 >>> a = Artifact("wheels/k/ray-2.60.0-cp311-none-any.whl", "wheel", "ray", "2.60.0", "ab" * 32, 10, "pypi:ray")
 >>> lock = Lock("inv.py", False, {"wheels": []}, (a,))
@@ -41,8 +45,8 @@ from typing import Any, NamedTuple
 
 LOCK_NAME = "k2fleet.lock"
 LOCK_FORMAT = 1
-KINDS = ("deb", "deb-repo", "wheel", "image", "checkpoint-manifest", "checkpoint-file")
-VERIFIED_ON_READ = frozenset({"deb-repo", "wheel", "image", "checkpoint-manifest"})  # hashed whenever the deploy reads them
+KINDS = ("deb", "deb-repo", "wheel", "image", "checkpoint-manifest", "checkpoint-file", "engine-cache")
+VERIFIED_ON_READ = frozenset({"deb-repo", "wheel", "image", "checkpoint-manifest", "engine-cache"})  # hashed whenever the deploy reads them
 
 
 class LockError(ValueError):

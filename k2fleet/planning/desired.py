@@ -30,7 +30,7 @@ from typing import Any
 
 from k2fleet.planning.host_archive import ARCHIVE as HOST_ARCHIVE, archive_bytes, host_argv
 from k2fleet.planning.engine_side import HOST_ARCH, engine_side_requirements as venv_side_requirements, host_python, requirement_version
-from k2fleet.planning import api_front, engines, load_balancer, mesh_config
+from k2fleet.planning import api_front, engine_cache, engines, load_balancer, mesh_config
 from k2fleet.planning.rollout import INSTANCE_ROLES, Balancer, Instance, Rollout
 from k2fleet.planning import host_bootstrap as bootstrap
 from k2fleet.planning.host_bootstrap import BootstrapPlan, bootstrap_plan
@@ -129,6 +129,7 @@ class ControlArtifacts:
     api_key: bytes | None = None  # k2_api_key_file's key, read on the control machine (None: no key file)
     tls: tuple[bytes, bytes] | None = None  # k2_tls_*: (certificate chain + key as one PEM, the CA's PEM); None: no TLS
     keyrings: dict[str, bytes] = field(default_factory=dict)  # mirror keyring control path → its bytes (absent: not read)
+    engine_cache: tuple[str, str] | None = None  # k2_bundle's engine cache archive: (control path, the lock's sha256)
 
     def bundle_for(self, packages: list[str]) -> str | None:
         """The bundle tar made for ``packages`` (None: none made, e.g. under ``--dry``)."""
@@ -194,6 +195,7 @@ class HostDesired:
     venv_install: list[str] | None = None
     python: str = "python3"  # the interpreter venvs are made with (the OS table's)
     engine_side_install: list[str] | None = None
+    engine_cache_unpack: list[str] | None = None  # the bundle's engine cache into an absent or empty cache dir (last word)
     engine_entry: str = ""
     bootstrap: BootstrapPlan | None = None  # driver, fabric, container runtime (k2fleet.planning.host_bootstrap)
     image: ImagePin | None = None
@@ -826,6 +828,9 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts,
     port_start = privileged_ports.port_start(dep, plan)
     port_files = {p: FileSpec(c.encode(), "644") for p, c in
                   privileged_ports.files(dep, port_start, node_exporter=dep.s.metrics and dep.s.node_exporter).items()}
+    cache_spec = None  # k2_bundle with a warmed engine cache: one archive for every host that runs the engine
+    if art.engine_cache is not None:
+        cache_spec = FileSpec(Path(art.engine_cache[0]).read_bytes(), "600", "engine-cache")
     out: dict[str, HostDesired] = {}
     for h in dep.fleet.hosts:
         hp = plan.hosts[h.name]
@@ -882,6 +887,12 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts,
             d.engine_side_install = engine_side_install_argv(dep, engine_side, python, d.python)
         d.engine_entry = f"{dep.s.venv}/bin/{dep.engine_impl.entry}"
         d.exists = [*d.exists, d.engine_entry, *d.device_doubles, RECORD]  # RECORD: kept before the first change
+        cache_dir = engine_cache.cache_dir(dep.engine)
+        if cache_spec is not None and art.engine_cache and any(engine_cache.cache_dir_of(s.env) == cache_dir
+                                                               for s in hp.services):
+            d.files["engine_cache"] = {engine_cache.archive_path(dep.engine): cache_spec}
+            d.engine_cache_unpack = engine_cache.unpack_argv(dep.engine, art.engine_cache[1])
+            d.exists.append(cache_dir)
         if dep.s.model_type_override:
             d.exists.append(f"{dep.serve_path}/config.json")
         if dep.runtime == "venv" and not dep.s.simulated_gpus and not bundled:

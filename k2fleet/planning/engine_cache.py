@@ -7,8 +7,10 @@ under the engine process's ``$HOME`` or ``/tmp`` (``/tmp/torchinductor_root``,
 away. k2fleet points every cache at :func:`cache_dir` (``/var/cache/k2fleet/engine-cache/<engine>``,
 made ``root:root 0700`` by each engine unit before it starts: the units run as root, and what
 the engine loads from there is code no other user may plant) and binds it read-write into
-containers at the same path. (Not yet: carrying an operator's warmed copy in the air-gapped
-bundle.)
+containers at the same path. An operator's warmed copy of that directory travels in the
+air-gapped bundle (``k2fleet bundle INVENTORY --out DIR --engine-cache SRC``,
+:mod:`k2fleet.control.airgap`) and is unpacked on each host whose directory is empty
+(:func:`unpack_argv`).
 
 The variables, as the engines read them (checked in their sources at the pins):
 
@@ -28,9 +30,11 @@ The engine-specific names are :data:`ENGINE_VARS` (one line per engine).
 
 from __future__ import annotations
 
+from k2fleet.planning.host_archive import host_argv
 from k2fleet.planning.processes import Plan
 
 CACHE_ROOT = "/var/cache/k2fleet/engine-cache"
+ARCHIVE_DIR = "/var/cache/k2fleet/engine-cache-archive"  # the bundle's archive on a host (k2_bundle)
 # every engine: subdirectory of the engine's cache directory per variable
 COMMON_VARS = {
     "TORCHINDUCTOR_CACHE_DIR": "inductor",
@@ -66,6 +70,15 @@ def cache_env(engine: str, root: str = CACHE_ROOT) -> dict[str, str]:
     return {var: f"{base}/{sub}" for var, sub in sorted(names.items())}
 
 
+def cache_subdirs(engine: str) -> frozenset[str]:
+    """The entries of :func:`cache_dir` the engine's variables point at (what a warmed copy holds).
+
+    >>> sorted(cache_subdirs("sglang"))
+    ['cuda', 'deep_gemm', 'flashinfer', 'inductor', 'triton']
+    """
+    return frozenset(COMMON_VARS.values()) | frozenset(ENGINE_VARS.get(engine, {}).values())
+
+
 def cache_dir_of(env: dict[str, str]) -> str | None:
     """The cache directory ``env`` points the engine at (None: the process keeps no engine cache).
 
@@ -82,6 +95,23 @@ def make_dir_argv(path: str) -> list[str]:
     """The unit's ``ExecStartPre``: the cache root and ``path`` exist, root-only (``install -d``
     also resets the mode and owner of a directory that was there)."""
     return ["/usr/bin/install", "-d", "-m", "0700", "-o", "root", "-g", "root", CACHE_ROOT, path]
+
+
+def archive_path(engine: str) -> str:
+    """Where a host keeps the bundle's archive of ``engine``'s cache (outside the cache root:
+    ``k2fleet down`` removes it, keeps the caches).
+
+    >>> archive_path("vllm")
+    '/var/cache/k2fleet/engine-cache-archive/vllm.tar.gz'
+    """
+    return f"{ARCHIVE_DIR}/{engine}.tar.gz"
+
+
+def unpack_argv(engine: str, sha256: str) -> list[str]:
+    """The host program that unpacks the bundle's archive (:func:`archive_path`) into
+    :func:`cache_dir` when that is absent or empty, after checking the archive's sha256 is
+    ``sha256`` (the bundle lock's): :mod:`k2fleet.hostprogs.cache_archive`."""
+    return host_argv("cache_archive", "unpack", archive_path(engine), sha256, cache_dir(engine))
 
 
 def add_cache_dirs(plan: Plan) -> None:

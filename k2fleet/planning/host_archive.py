@@ -48,7 +48,7 @@ from k2fleet.hostprogs.hoststate import IN_PROCESS
 
 ARCHIVE = "/opt/k2fleet/lib/k2fleet-host.pyz"
 SOURCES = Path(__file__).resolve().parents[1] / "hostprogs"
-PROGRAMS = ("download", "groupwatch", "health", "hoststate", "image_pin", "lbctl", "manifest", "overlay", "raygate", "reach", "relay",
+PROGRAMS = ("cache_archive", "download", "groupwatch", "health", "hoststate", "image_pin", "lbctl", "manifest", "overlay", "raygate", "reach", "relay",
             "verify")
 PROBE_IMPORTS = ("quick_args",)  # host modules the probe's programs import (their bytecode ships too)
 ZIP_TIME = (1980, 1, 1, 0, 0, 0)

@@ -144,6 +144,8 @@ class EngineActions:
     venv_install: tuple[str, ...] | None = None  # the engine's entry point is missing
     side_files: Files = field(default_factory=dict)  # engine-side wheelhouse
     side_install: tuple[str, ...] | None = None  # engine-side wheels not as pinned (or a wheel changes)
+    cache_files: Files = field(default_factory=dict)  # the bundle's engine cache archive
+    cache_unpack: tuple[str, ...] | None = None  # its cache dir is missing, or the archive changes
 
 
 @dataclass(frozen=True)
@@ -328,6 +330,8 @@ def role_actions(dep: Deployment, desired: HostDesired, fact: HostReport, restar
     side_written = differing(side, seen)
     devices = desired.device_doubles
     pin = desired.image
+    unpack = desired.engine_cache_unpack
+    cache_written = differing(desired.files.get("engine_cache", {}), seen)
     engine = EngineActions(
         files=programs,
         create_devices=bool(devices) and (bool(programs) or not all(fact.exists.get(d) for d in devices)),
@@ -338,7 +342,10 @@ def role_actions(dep: Deployment, desired: HostDesired, fact: HostReport, restar
         and not fact.exists.get(desired.engine_entry) else None,
         side_files=side_written,
         side_install=tuple(desired.engine_side_install or ["true"]) if side
-        and (not fact.passed(ENGINE_SIDE_CHECK) or side_written) else None)
+        and (not fact.passed(ENGINE_SIDE_CHECK) or side_written) else None,
+        cache_files=cache_written,
+        cache_unpack=tuple(unpack) if unpack is not None and (not fact.exists.get(unpack[-1]) or cache_written)
+        else None)
 
     ex_files = desired.files.get("gpu_exporter", {})
     ex_pin = desired.gpu_exporter

@@ -31,7 +31,7 @@ from functools import lru_cache
 from typing import Any
 
 from k2fleet.inventory.spec import SYSTEM_DIRS, SYSTEM_TREES
-from k2fleet.planning import firewall, privileged_ports
+from k2fleet.planning import engine_cache, firewall, privileged_ports
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.desired import (HOST_ARCHIVE, HUB_ENV, RECORD, UNIT_GLOB, HostDesired)
 from k2fleet.planning.host_archive import SOURCES
@@ -44,8 +44,9 @@ from k2fleet.planning.units import container_name
 
 # Trees k2fleet alone fills on a host (removed whole, kept paths inside them excepted).
 STATE_TREES = ("/opt/k2fleet", posixpath.dirname(RECORD), posixpath.dirname(HOST_LOG), REMOTE_TAR_DIR, "/run/k2fleet")
-# Engine compile/JIT caches on hosts, kept by ``down`` like the checkpoint (none is planned yet).
-ENGINE_CACHES: tuple[str, ...] = ()
+# Engine compile/JIT caches on hosts (every engine's, :mod:`k2fleet.planning.engine_cache`), kept by
+# ``down`` like the checkpoint; the bundle's archive of one (engine_cache.ARCHIVE_DIR) is removed.
+ENGINE_CACHES: tuple[str, ...] = (engine_cache.CACHE_ROOT,)
 
 
 def safe_tree(path: str) -> bool:

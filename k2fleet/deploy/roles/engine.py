@@ -17,7 +17,11 @@
   sandbox (engine test doubles), ``docker load``-ed from the image archive the
   control-machine step built and tagged as ``k2_image``; then checked once more. Simulated
   ROCm hosts get TEST DOUBLE ``/dev/kfd`` and ``/dev/dri`` nodes (systemd-tmpfiles) for
-  ``--device``.
+  ``--device``;
+- ``k2_bundle`` with a warmed engine cache (``k2fleet bundle --engine-cache``): its archive,
+  root-only, and the host program that checks its sha256 against the bundle lock's and
+  unpacks it into the engine's cache directory only when that is absent or empty (never
+  over the host's own cache), run when the archive changed or the directory is missing.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ def install(actions: EngineActions, tracked: list) -> None:
 
     + actions: this host's engine record (``role_actions(...).engine``: the files of groups
       ``engine``, ``image`` and ``engine_side`` to write, whether the TEST DOUBLE device nodes
-      are made, the image loaded, the venv and the engine-side wheels installed)
+      are made, the image loaded, the venv and the engine-side wheels installed, the bundle's
+      engine cache archive written and unpacked)
     + tracked: list the run's health gate watches; the file operations are appended
 
     **Example:**
@@ -64,3 +69,8 @@ def install(actions: EngineActions, tracked: list) -> None:
     if a.side_install is not None:
         tracked.append(command(name=f"engine-side wheels into {a.venv} (no package index), versions checked",
                                argv=list(a.side_install)))
+    if a.cache_files:
+        tracked.append(synced_files(name="the bundle's engine cache archive", files=a.cache_files))
+    if a.cache_unpack is not None:
+        command(name="the bundle's engine cache into an empty cache directory (sha256 checked; never over the host's own)",
+                argv=list(a.cache_unpack))
