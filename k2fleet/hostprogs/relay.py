@@ -92,6 +92,7 @@ CHUNK = 64 << 20  # the largest range one stream asks for at once
 MIN_CHUNK = 1 << 20
 BLOCK = 1 << 20
 PIPE_BYTES = 1 << 20
+SOCKET_BUFFER = 16 << 20  # a data connection's send/receive buffer: bytes keep flowing while a busy host's relay waits for a core
 HASH_STEP = 8 << 20
 SENDFILE_BLOCK = 8 << 20
 POLL_S = 0.1
@@ -337,6 +338,7 @@ def make_handler(root, secret=None):
                 if start > end or start >= size:
                     return self._send(416, b"", [("Content-Range", f"bytes */{size}")])
             length = max(0, end - start + 1)
+            big_buffer(self.connection, socket.SO_SNDBUF)
             self.server.watch(self.connection, time.monotonic() + SEND_TIMEOUT_S)
             self.send_response(206 if rng else 200)
             self.send_header("Content-Length", str(length))
@@ -367,6 +369,25 @@ def make_handler(root, secret=None):
                 return 0.0
 
     return Handler
+
+
+def big_buffer(sock, option):
+    """Give ``sock`` a :data:`SOCKET_BUFFER` send or receive buffer (``option``): as root past
+    ``net.core.[rw]mem_max`` (SO_*BUFFORCE), else up to it; never smaller than the kernel's
+    own (autotuned) size. On a link at its limit the bytes already queued carry it through
+    the moments this process waits for a core or the disk instead of idling it."""
+    force = {socket.SO_RCVBUF: 33, socket.SO_SNDBUF: 32}[option]  # SO_RCVBUFFORCE, SO_SNDBUFFORCE (Linux)
+    try:
+        if sock.getsockopt(socket.SOL_SOCKET, option) >= 2 * SOCKET_BUFFER:
+            return
+        for opt in (force, option):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+                return
+            except OSError:
+                continue
+    except OSError:
+        pass
 
 
 def _await_marker(root, rel, until):
@@ -641,6 +662,7 @@ class Source:
             for c in stale:
                 c[0].close()
         sock, auth = self.connect(time.monotonic() + DATA_TIMEOUT_S)
+        big_buffer(sock, socket.SO_RCVBUF)
         sock.settimeout(None)  # blocking (splice needs it); a silent peer still times out:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(min(self.slow_after, DATA_TIMEOUT_S)))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(DATA_TIMEOUT_S))
