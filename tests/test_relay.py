@@ -143,6 +143,72 @@ def test_a_parent_holds_the_request_until_it_has_verified_the_file(source: Path,
         server.kill()
 
 
+def test_the_next_file_asked_ahead_on_one_connection_is_served_only_once_verified(source: Path, tmp_path: Path,
+                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receiver asks for its next file while the current one streams, on the same
+    connection (HTTP/1.1 pipelining): the current file's bytes come whole (the head is read
+    to its end and not a byte beyond, so nothing of the answer behind it is taken for them),
+    and the next one comes on that connection — no second connection — only once the
+    parent has verified it, not before."""
+    from k2fleet.hostprogs import relay as relay_mod
+
+    first, second = "config.json", VICTIM
+    parent = tmp_path / "parent"
+    (parent / ".k2fleet").mkdir(parents=True)
+    for rel in (".k2fleet/manifest.json", first, second):
+        shutil.copy(source / rel, parent / rel)
+    assert relay("mark", str(parent)).returncode == 1  # marks the two files it holds (the rest are missing)
+    os.unlink(parent / f".k2fleet/relay/{second}.ok")  # the second: landed, not verified yet
+    (parent / ".k2fleet/relay-fetching").write_text("1")  # a fetch runs there: requests are held
+    connects: list[float] = []
+    real_connect = relay_mod.Source.connect
+
+    def counted(self, deadline):  # the real handshake, counted
+        connects.append(time.monotonic())
+        return real_connect(self, deadline)
+
+    monkeypatch.setattr(relay_mod.Source, "connect", counted)
+    port = free_port()
+    server = serve(parent, port)
+    try:
+        src = relay_mod.Source(f"http://127.0.0.1:{port}")
+        size1, size2 = (source / first).stat().st_size, (source / second).stat().st_size
+        fd1 = os.open(tmp_path / "one", os.O_RDWR | os.O_CREAT, 0o644)
+        fd2 = os.open(tmp_path / "two", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            real_head = relay_mod.read_head
+
+            def late_head(*args, **kw):  # read only once both answers sit in the socket, back to back
+                time.sleep(0.5)
+                return real_head(*args, **kw)
+
+            monkeypatch.setattr(relay_mod, "read_head", late_head)
+            for ahead in ((first, 0, size1 - 1), (second, 0, size2 - 1)):  # the first, answered twice
+                os.ftruncate(fd1, 0)
+                src.get_range(first, fd1, 0, size1 - 1, ahead=ahead)
+                assert os.pread(fd1, size1 + 10, 0) == (source / first).read_bytes()
+            monkeypatch.setattr(relay_mod, "read_head", real_head)
+
+            def verify_later() -> None:
+                time.sleep(1.0)
+                relay("mark", str(parent))
+
+            marking = threading.Thread(target=verify_later)
+            started = time.monotonic()
+            marking.start()
+            src.get_range(second, fd2, 0, size2 - 1)
+            took = time.monotonic() - started
+            marking.join()
+            assert os.pread(fd2, size2 + 10, 0) == (source / second).read_bytes()
+        finally:
+            os.close(fd1)
+            os.close(fd2)
+    finally:
+        server.kill()
+    assert len(connects) == 1, connects  # both files on one connection
+    assert took >= 1.0, took  # held until verified: not a byte before
+
+
 def test_a_fetch_whose_sources_never_answer_fails_instead_of_hanging(tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
@@ -163,9 +229,9 @@ def test_files_land_one_after_another_while_earlier_ones_are_still_checked(
     events: list[tuple[float, str, str]] = []
     real_land, real_finish = relay_mod.land_file, relay_mod.finish_file
 
-    def land(src, root, manifest, rel, streams, chunk):
+    def land(src, root, manifest, rel, streams, chunk, after=None):
         events.append((time.monotonic(), "land", rel))
-        return real_land(src, root, manifest, rel, streams, chunk)
+        return real_land(src, root, manifest, rel, streams, chunk, after)
 
     def slow_finish(landed, root, manifest, rel):  # double: slow hashing and checks
         time.sleep(0.1)

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import hashlib
-import http.server
 import json
 import os
 import socket
@@ -27,6 +26,7 @@ import pytest
 
 from k2fleet.hostprogs import relay, verify
 from k2sandbox.checkpoint_cache import ensure_synthetic_checkpoint
+from tests.test_relay_trust import FakePeer
 
 RELAY_ARGV = [sys.executable, "-m", "k2fleet.hostprogs.relay"]
 VERIFY_ARGV = [sys.executable, "-m", "k2fleet.hostprogs.verify"]
@@ -67,34 +67,6 @@ def report_of(out: subprocess.CompletedProcess) -> dict:
 
 def digest_of(root: Path) -> str:
     return verify.manifest_digest(verify.load_manifest(str(root / ".k2fleet" / "manifest.json")))
-
-
-class FakePeer:
-    """A loopback HTTP server answering ``/manifest`` with ``body`` (no secret asked)."""
-
-    def __init__(self, body: bytes) -> None:
-        self.requests: list[str] = []
-        peer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                peer.requests.append(self.path)
-                data = body if self.path == "/manifest" else b"nope"
-                self.send_response(200 if self.path == "/manifest" else 404)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 # ---------------------------------------------------------------- slow clients and a dripping parent

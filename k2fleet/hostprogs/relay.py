@@ -44,7 +44,11 @@ Rules it keeps:
   then the source: a source that has not answered for ``--dead-after`` seconds is skipped.
 - **One transfer near the wire.** Plain HTTP/1.1 range requests on kept-alive TCP
   connections over the private mesh (no per-byte cipher, unlike one rsync-over-SSH
-  stream; the checks above are the integrity guarantee, the weights are not secret). The
+  stream; the checks above are the integrity guarantee, the weights are not secret). A
+  receiver asks for its next file while the current one streams (HTTP/1.1 pipelining on
+  the same connection); the source holds that request until the file is verified there
+  and sends it at once, so a file leaves each host within milliseconds of its check and
+  the link does not idle between files. The
   bytes never pass through Python: the server ``sendfile``s them, the receiver
   ``splice``s socket → pipe → file, and a thread hashes the landed prefix meanwhile, so a
   file is verified a moment after its last byte. The next file starts landing at once:
@@ -56,7 +60,8 @@ Rules it keeps:
 Prints one JSON line at the end of ``fetch`` (files, bytes, kept, seconds — and, summed
 over files, ``transfer_seconds`` landing bytes and ``verify_seconds`` finishing checks,
 which overlap —, files and bytes per source, failovers, bad shards, when it ``started``
-(epoch seconds) and each file's ``ready_at``, seconds after that) and appends it to
+(epoch seconds), each file's ``ready_at`` — verified, marked and served from then —, and
+``landed_at`` — its last byte in —, seconds after that) and appends it to
 ``--log``.
 """
 
@@ -91,11 +96,13 @@ CHUNK = 64 << 20  # the largest range one stream asks for at once
 MIN_CHUNK = 1 << 20
 BLOCK = 1 << 20
 PIPE_BYTES = 1 << 20
+SOCKET_BUFFER = 16 << 20  # a data connection's send/receive buffer: bytes keep flowing while a busy host's relay waits for a core
 HASH_STEP = 8 << 20
 SENDFILE_BLOCK = 8 << 20
 POLL_S = 0.1
 WAIT_S = 5.0  # how long a peer is asked to hold a request for a file it has not verified yet (X-K2-Wait)
-WAIT_POLL_S = 0.02
+WAIT_POLL_S = 0.005  # how often a held request looks for its file's marker (one stat: a trigger, never a verdict)
+WAIT_RECHECK_S = 0.25  # and re-checks in full (the marker's record, the fetch's heartbeat) at least this often
 DATA_TIMEOUT_S = 20.0  # a data connection silent this long is dropped (its source is treated as dead)
 DEAD_AFTER_S = 10.0  # a source that does not answer (or idles without the file) this long is skipped
 GIVE_UP_S = 300.0  # no source of a file answered this long: the fetch fails (it does not hang a deploy)
@@ -136,8 +143,14 @@ def expected(entry):
 
 
 def write_mark(root, rel, entry, stat):
-    """Record that ``rel`` hashed right while its file had ``stat``: from now on it is served."""
-    verify.write_beneath(root, mark_rel(rel), json.dumps({"sha256": expected(entry), "stat": stat}).encode())
+    """Record that ``rel`` hashed right while its file had ``stat``: from now on it is served.
+    Atomic but not fsynced: it is on every file's path down the fleet (an fsync here waited
+    for the journal, with every host's dirty shards in it), and it never made the file's
+    bytes durable, only the record; a record lost in a crash costs a re-hash (a fetch drops
+    and re-hashes every marker anyway), and one that outlives the file's bytes no longer
+    matches the file's stat."""
+    verify.write_beneath(root, mark_rel(rel), json.dumps({"sha256": expected(entry), "stat": stat}).encode(),
+                         durable=False)
 
 
 def drop_marks(root, manifest):
@@ -307,7 +320,7 @@ def make_handler(root, secret=None):
                 fetching = is_fetching(root)
                 if time.monotonic() >= deadline or not fetching:
                     return self._send(409, b"not verified here yet", [("X-K2-Fetching", "1" if fetching else "0")])
-                time.sleep(WAIT_POLL_S)
+                _await_marker(root, rel, min(deadline, time.monotonic() + WAIT_RECHECK_S))
             try:
                 fd = verify.open_beneath(root, rel)  # never read through a symlink
             except OSError:
@@ -329,6 +342,7 @@ def make_handler(root, secret=None):
                 if start > end or start >= size:
                     return self._send(416, b"", [("Content-Range", f"bytes */{size}")])
             length = max(0, end - start + 1)
+            big_buffer(self.connection, socket.SO_SNDBUF)
             self.server.watch(self.connection, time.monotonic() + SEND_TIMEOUT_S)
             self.send_response(206 if rng else 200)
             self.send_header("Content-Length", str(length))
@@ -359,6 +373,45 @@ def make_handler(root, secret=None):
                 return 0.0
 
     return Handler
+
+
+def big_buffer(sock, option):
+    """Give ``sock`` a :data:`SOCKET_BUFFER` send or receive buffer (``option``), past
+    ``net.core.[rw]mem_max`` (SO_*BUFFORCE: root, as the deploy's relay runs); nothing when
+    that is refused (a plain SO_*BUF would be capped at [rw]mem_max, below what the
+    kernel's autotuning may reach) or the kernel already gave it as much. On a link at its
+    limit the bytes already queued carry it through the moments this process waits for a
+    core or the disk instead of idling it."""
+    force = {socket.SO_RCVBUF: 33, socket.SO_SNDBUF: 32}[option]  # SO_RCVBUFFORCE, SO_SNDBUFFORCE (Linux)
+    try:
+        if sock.getsockopt(socket.SOL_SOCKET, option) < 2 * SOCKET_BUFFER:  # the kernel reports twice the size set
+            sock.setsockopt(socket.SOL_SOCKET, force, SOCKET_BUFFER)
+    except OSError:
+        pass
+
+
+def _await_marker(root, rel, until):
+    """Sleep until ``rel``'s relay marker or verify.py's marker appears or changes, or
+    ``until`` (monotonic). One ``stat`` of each every :data:`WAIT_POLL_S`: only a trigger to
+    look again — whether the file may be served is :func:`is_verified_here`'s call alone
+    (which follows no symlink), so a file is passed on within milliseconds of being verified."""
+    paths = (os.path.join(root, mark_rel(rel)), os.path.join(root, verify.STATE_DIR, verify.MARKER_NAME))
+
+    def seen():
+        out = []
+        for path in paths:
+            try:
+                st = os.stat(path, follow_symlinks=False)
+                out.append((st.st_ino, st.st_mtime_ns, st.st_size))
+            except OSError:
+                out.append(None)
+        return out
+
+    before = seen()
+    while time.monotonic() < until:
+        time.sleep(WAIT_POLL_S)
+        if seen() != before:
+            return
 
 
 class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
@@ -589,35 +642,59 @@ class Source:
         with self._lock:
             return any(t is not None and now - t > dead_after for t in (self.dead_since, self.idle_since.get(rel)))
 
-    def _take(self):
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
+    def _take(self, want=None):
+        """An authenticated data connection: the idle one whose request already sent is
+        ``want`` (a range asked ahead), else an idle one with nothing asked, else a new one.
+        (socket, client proof, the request it carries or None). An idle connection whose
+        request ahead has been waiting longer than the source holds one is closed."""
+        stale = []
+        try:
+            with self._lock:
+                now = time.monotonic()
+                stale = [c for c in self._idle if c[2] is not None and c[2] != want and now - c[3] > WAIT_S + 1]
+                self._idle = [c for c in self._idle if c not in stale]
+                for asked in (want, None):
+                    for c in reversed(self._idle):
+                        if c[2] == asked:
+                            self._idle.remove(c)
+                            return c[:3]
+        finally:
+            for c in stale:
+                c[0].close()
         sock, auth = self.connect(time.monotonic() + DATA_TIMEOUT_S)
+        big_buffer(sock, socket.SO_RCVBUF)
         sock.settimeout(None)  # blocking (splice needs it); a silent peer still times out:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(min(self.slow_after, DATA_TIMEOUT_S)))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(DATA_TIMEOUT_S))
-        return sock, auth
+        return sock, auth, None
 
-    def _give(self, conn):
+    def _give(self, sock, proof, asked):
         with self._lock:
-            self._idle.append(conn)
+            self._idle.append((sock, proof, asked, time.monotonic()))
 
-    def get_range(self, rel, fd, start, end, landed=None, wait=WAIT_S):
+    def _ask(self, sock, proof, rel, start, end, wait):
+        auth = f"{AUTH_HEADER}: {proof}\r\n" if proof else ""
+        sock.sendall((f"GET {urllib.parse.quote('/file/' + rel)} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+                      f"Range: bytes={start}-{end}\r\nX-K2-Wait: {wait}\r\n{auth}\r\n").encode())
+
+    def get_range(self, rel, fd, start, end, landed=None, wait=WAIT_S, ahead=None):
         """Write bytes ``start..end`` of ``rel`` at the same offsets of ``fd``, calling
         ``landed(offset)`` as they land (in order within the range). One HTTP/1.1 request
-        on a kept-alive connection, asked ahead: the source holds it up to ``wait`` seconds
-        until it has verified the file (then :class:`NotReady`), so the next shard leaves
-        the moment it is verified, with no round trip through a busy link. The body goes
+        on a kept-alive connection: the source holds it up to ``wait`` seconds until it has
+        verified the file (then :class:`NotReady`). ``ahead`` (file, start, end): the range
+        this lane wants next, asked at once on the same connection (HTTP/1.1 pipelining),
+        so the source, which answers in order, starts on it the moment this body is out and
+        the file is verified there — no round trip, no idle link between files. The body goes
         socket → pipe → file inside the kernel (splice), or through one buffer where splice
         is missing (Python < 3.10). The head must come within ``wait`` + DATA_TIMEOUT_S
         seconds, the body at least :data:`SLOW_MIN_BYTES` every ``slow_after`` seconds
         (:class:`Slow` otherwise)."""
-        (sock, proof), ok = self._take(), False
+        (sock, proof, asked), ok = self._take((rel, start, end)), False
         try:
-            auth = f"{AUTH_HEADER}: {proof}\r\n" if proof else ""
-            sock.sendall((f"GET {urllib.parse.quote('/file/' + rel)} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-                          f"Range: bytes={start}-{end}\r\nX-K2-Wait: {wait}\r\n{auth}\r\n").encode())
+            if asked is None:
+                self._ask(sock, proof, rel, start, end, wait)
+            if ahead is not None:
+                self._ask(sock, proof, *ahead, wait)
             status, length, body, headers = read_head(sock, time.monotonic() + wait + DATA_TIMEOUT_S)
             if status == 409:
                 raise NotReady(self.url, rel, headers.get("x-k2-fetching", "1") == "1")
@@ -638,7 +715,7 @@ class Source:
             raise OSError(f"{self.url}: {exc!r} for {rel}") from exc
         finally:
             if ok:
-                self._give((sock, proof))
+                self._give(sock, proof, ahead)
             else:
                 sock.close()
 
@@ -653,19 +730,21 @@ HEAD_MAX = 64 << 10
 def read_head(sock, deadline, keep_body=False):
     """Read an HTTP/1.1 response head from ``sock``, all of it by ``deadline`` (monotonic;
     OSError after it, however slowly the bytes come): (status, Content-Length, the body
-    bytes that came with the head, the headers by lower-case name). The socket is left
-    blocking."""
+    bytes that came with the head — none: the head is read to its end and not a byte
+    beyond, so a body, and the answers pipelined behind it, stay in the socket —, the
+    headers by lower-case name). The socket is left blocking."""
     data = b""
     try:
-        while b"\r\n\r\n" not in data:
+        while not data.endswith(b"\r\n\r\n"):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise OSError("no complete response head in time")
             sock.settimeout(left)
-            got = sock.recv(HEAD_MAX)
-            if not got or len(data) > HEAD_MAX:
+            seen = sock.recv(HEAD_MAX, socket.MSG_PEEK)  # look, then take the head's bytes only
+            if not seen or len(data) > HEAD_MAX:
                 raise OSError("connection closed before a response head")
-            data += got
+            end = (data[-3:] + seen).find(b"\r\n\r\n")
+            data += sock.recv(len(seen) if end < 0 else end + 4 - len(data[-3:]))
     finally:
         sock.settimeout(None)
     head, _, body = data.partition(b"\r\n\r\n")
@@ -836,9 +915,12 @@ class Landed:
         self.part, self.fd, self.hashing, self.seconds = part, fd, hashing, seconds
 
 
-def land_file(source, root, manifest, rel, streams, chunk):
+def land_file(source, root, manifest, rel, streams, chunk, after=None):
     """Receive ``rel`` from ``source`` into a partial file over ``streams`` range streams,
-    hashing it as it lands; return once its last byte landed (the hash may lag behind)."""
+    hashing it as it lands; return once its last byte landed (the hash may lag behind).
+    ``after``: the file this lane takes next from the same source; with one stream, each
+    range asks for the one after it ahead (:meth:`Source.get_range`), the last for
+    ``after``'s first."""
     t0 = time.monotonic()
     part = os.path.join(root, PARTIAL, rel)
     size = manifest["files"][rel]["size"]
@@ -849,8 +931,11 @@ def land_file(source, root, manifest, rel, streams, chunk):
         hashing = LandingHash(fd, verify.new_hasher(manifest["files"][rel]), ranges)
         try:
             if streams <= 1 or len(ranges) <= 1:
+                following = [(rel, a, b) for a, b in ranges[1:]]
+                if after is not None and streams <= 1:
+                    following += [(after, a, b) for a, b in plan_ranges(manifest["files"][after]["size"], 1, chunk)[:1]]
                 for i, (a, b) in enumerate(ranges):
-                    source.get_range(rel, fd, a, b, hashing.landed_at(i))
+                    source.get_range(rel, fd, a, b, hashing.landed_at(i), ahead=following[i] if i < len(following) else None)
             else:
                 with ThreadPoolExecutor(max_workers=min(streams, len(ranges))) as pool:
                     for f in [pool.submit(source.get_range, rel, fd, a, b, hashing.landed_at(i))
@@ -985,7 +1070,7 @@ class _Fetch:
         self.failed_over = set()
         self.clock = {"transfer": 0.0, "verify": 0.0}  # seconds receiving bytes, finishing checks
         self.report = {"files": 0, "bytes": 0, "kept": 0, "bad_shards": [], "sources": {}, "bytes_from": {},
-                       "failovers": 0, "ready_at": {}}
+                       "failovers": 0, "ready_at": {}, "landed_at": {}}
         self.t0 = t0  # the fetch's start: ready_at counts from it
         self.abort = threading.Event()
 
@@ -995,8 +1080,9 @@ class _Fetch:
                 self.sources[url] = Source(url, self.secret, self.slow_after)
             return self.sources[url]
 
-    def pick(self, rel):
-        """The source to take ``rel`` from now: the first of its list not skipped."""
+    def pick(self, rel, count=True):
+        """The source to take ``rel`` from now: the first of its list not skipped
+        (``count``: a failover is recorded when that is not its first)."""
         candidates = [self.source(u) for u in (self.plan.get(rel) or self.urls)]
         if not candidates:
             raise SystemExit(f"{rel}: no source to fetch it from")
@@ -1014,7 +1100,7 @@ class _Fetch:
                 raise SystemExit(f"{rel}: no source has it or is fetching it for {self.give_up_after:.0f}s "
                                  f"({', '.join(c.url for c in candidates)})")
             live = candidates[-1:]
-        if live[0] is not candidates[0]:
+        if live[0] is not candidates[0] and count:
             with self.lock:
                 if rel not in self.failed_over:
                     self.failed_over.add(rel)
@@ -1030,9 +1116,9 @@ class _Fetch:
         behind = threading.BoundedSemaphore(self.verify_behind + 1)  # + the file landing
         with ThreadPoolExecutor(max_workers=self.verify_behind + 1) as finishers:
             checks = []
-            for rel, entry in files:
+            for i, (rel, entry) in enumerate(files):
                 behind.acquire()
-                got = self.land(rel)
+                got = self.land(rel, files[i + 1][0] if i + 1 < len(files) else None)
                 if got is None:  # the fetch was aborted
                     behind.release()
                     break
@@ -1040,13 +1126,18 @@ class _Fetch:
             for check in checks:
                 check.result()
 
-    def land(self, rel):
+    def land(self, rel, after=None):
         """(source, :class:`Landed`) of ``rel``, from the first source :meth:`pick` allows
-        that has verified it; None once the fetch is aborted."""
+        that has verified it; None once the fetch is aborted. ``after``: the lane's next
+        file, asked for ahead when it would come from the same source."""
         while not self.abort.is_set():
             src = self.pick(rel)
             try:
-                landed = land_file(src, self.root, self.manifest, rel, self.streams, self.chunk)
+                nxt = after if after is not None and self.pick(after, count=False) is src else None
+            except SystemExit:
+                nxt = None
+            try:
+                landed = land_file(src, self.root, self.manifest, rel, self.streams, self.chunk, nxt)
             except NotReady as exc:  # held for WAIT_S: ask again, or go on if no fetch runs there
                 src.note_idle(rel, not exc.fetching)
                 if not exc.fetching:
@@ -1062,6 +1153,8 @@ class _Fetch:
                 continue
             src.note_idle(rel, False)
             src.note_alive()
+            with self.lock:
+                self.report["landed_at"][rel] = round(time.monotonic() - self.t0, 3)
             return src, landed
         return None
 

@@ -440,9 +440,11 @@ def stat_beneath(root: str, rel: str) -> dict[str, int] | None:
     return _stat_record(st) if _stat.S_ISREG(st.st_mode) else None
 
 
-def write_beneath(root: str, rel: str, data: bytes) -> None:
+def write_beneath(root: str, rel: str, data: bytes, durable: bool = True) -> None:
     """Write ``data`` to ``ROOT/rel`` atomically (temp file, fsync, rename in the same
-    directory, fsync of it), no component below ``root`` followed if a symlink."""
+    directory, fsync of it), no component below ``root`` followed if a symlink.
+    ``durable=False``: no fsync (still atomic: a reader sees the old file or the whole new
+    one), for a record whose loss after a crash costs only work done again."""
     head, _, name = rel.rpartition("/")
     dfd = open_dir_beneath(root, head, create=True)
     try:
@@ -453,7 +455,8 @@ def write_beneath(root: str, rel: str, data: bytes) -> None:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         try:
@@ -461,7 +464,8 @@ def write_beneath(root: str, rel: str, data: bytes) -> None:
         except BaseException:
             os.unlink(tmp, dir_fd=dfd)
             raise
-        os.fsync(dfd)
+        if durable:
+            os.fsync(dfd)
     finally:
         os.close(dfd)
 
