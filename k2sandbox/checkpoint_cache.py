@@ -45,7 +45,11 @@ def sandbox_checkpoint_dir() -> Path:
     >>> sandbox_checkpoint_dir().parent.name
     'k2fleet-test--Kimi-K2-Thinking-synthetic'
     """
-    return synthetic_checkpoint_dir(CHECKPOINTS / SANDBOX_MODEL.replace("/", "--") / SANDBOX_REVISION)
+    return synthetic_checkpoint_dir(_sandbox_base())
+
+
+def _sandbox_base() -> Path:
+    return CHECKPOINTS / SANDBOX_MODEL.replace("/", "--") / SANDBOX_REVISION
 
 
 def _build_once(root: Path, repo: str, revision: str, make: Callable[[Path], list]) -> Path:
@@ -85,8 +89,11 @@ def ensure_synthetic_gguf(root: Path, repo: str, revision: str, names: list[str]
 
 
 def ensure_sandbox_checkpoint() -> Path:
-    """Create the sandbox inventories' synthetic checkpoint once; return its directory."""
-    return ensure_synthetic_checkpoint(sandbox_checkpoint_dir(), SANDBOX_MODEL, SANDBOX_REVISION)
+    """Create the sandbox inventories' synthetic checkpoint once; return its directory
+    (:func:`sandbox_checkpoint_dir`, the one they name)."""
+    root = ensure_synthetic_checkpoint(_sandbox_base(), SANDBOX_MODEL, SANDBOX_REVISION)
+    assert root == sandbox_checkpoint_dir(), (root, sandbox_checkpoint_dir())
+    return root
 
 
 if __name__ == "__main__":

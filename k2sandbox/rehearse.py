@@ -727,7 +727,7 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         checkpoint = bundle.resolve() / checkpoint_rel(dep.s.model, dep.s.revision)  # (a Slurm site's shared storage)
     for line in changed_values(dep, {**fleet_data, **slurm_overlay}, overrides):  # the first lines: what changes
         say(f"rehearse {inventory}: changes {line}")
-    work = Path(tempfile.mkdtemp(prefix="k2rehearse-"))
+    work = Path(tempfile.mkdtemp(prefix=sandbox.KEPT_WORK_PREFIX))
     booted = False
     company: company_network.CompanyNetwork | None = None
     hub = None  # the Hub TEST DOUBLE a fetcher host downloads from (fetcher_data)
@@ -905,7 +905,9 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
             hub.stop()
         if company is not None and not keep:  # kept: its resolver stays up with the hosts (sandbox down ends it)
             company.close()
-        if not keep:
+        if keep and booted:
+            sandbox.keep_work(work)  # the kept hosts' inventory and state: `k2fleet sandbox down` removes it
+        else:
             if booted:
                 sandbox.down()
             shutil.rmtree(work, ignore_errors=True)
