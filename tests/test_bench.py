@@ -7,7 +7,6 @@ vLLM: tests/test_real_vllm.py."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
