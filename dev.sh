@@ -6,12 +6,27 @@ set -euo pipefail
 cd "$(dirname "$0")"
 VENV=.venv
 
+# Every Debian package the demo and the whole suite use on this machine, installed up front in
+# one apt-get (nothing is apt-get installed in the middle of a test run): the sandbox (debootstrap,
+# systemd-nspawn, iproute2, OpenSSH), the real tools tests drive (sudo, dash, nft, haproxy,
+# prometheus/promtool, dnsmasq, OpenMPI), strace, and dpkg-dev (dpkg-scanpackages, for the
+# bundle's and the NVIDIA test doubles' apt repositories).
+PACKAGES="debootstrap systemd systemd-container iproute2 openssh-client openssh-server dash rsync openmpi-bin
+  python3-mpi4py apt-utils python3-venv nftables haproxy prometheus sudo dnsmasq-base ca-certificates strace dpkg-dev"
+# Debian's ubuntu-keyring (the Ubuntu archive's key, for bundles of Ubuntu hosts) is not in every
+# release's archive (bookworm's has none): installed where the archive carries it.
+OPTIONAL_PACKAGES="ubuntu-keyring"
+
 setup() {
   export DEBIAN_FRONTEND=noninteractive
-  if ! dpkg -s debootstrap systemd systemd-container iproute2 openssh-client openssh-server dash rsync openmpi-bin python3-mpi4py apt-utils python3-venv nftables haproxy prometheus sudo dnsmasq-base >/dev/null 2>&1; then
+  # shellcheck disable=SC2086 # the package lists are word lists
+  if ! dpkg -s $PACKAGES >/dev/null 2>&1; then
     apt-get update -qq
-    apt-get install -y -qq --no-install-recommends debootstrap systemd systemd-container iproute2 openssh-client openssh-server dash \
-      rsync openmpi-bin python3-mpi4py apt-utils python3-venv nftables haproxy prometheus sudo dnsmasq-base ca-certificates >/dev/null
+    optional=""
+    for pkg in $OPTIONAL_PACKAGES; do
+      if apt-cache show "$pkg" >/dev/null 2>&1; then optional="$optional $pkg"; fi
+    done
+    apt-get install -y -qq --no-install-recommends $PACKAGES $optional >/dev/null
   fi
   if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"

@@ -268,8 +268,8 @@ def main() -> int:
     args = p.parse_args()
     if args.short:
         args.shards, args.shard_mib, args.rate = 8, 1, "100mbit"
-    # one directory per shape: the synthetic checkpoint is built once per path, whatever is asked later
-    src = ensure_synthetic_checkpoint(args.workdir / f"source-{args.shards}x{args.shard_mib}MiB", REPO, REVISION,
+    # one directory per shape (ensure_synthetic_checkpoint keys it): a --short run never moves a full run's
+    src = ensure_synthetic_checkpoint(args.workdir / "source", REPO, REVISION,
                                       num_shards=args.shards, shard_bytes=args.shard_mib << 20)
     manifest = json.loads((src / ".k2fleet/manifest.json").read_text())
     files = sorted(manifest["files"])

@@ -13,8 +13,9 @@ Generates a ~3 GB synthetic Kimi-K2-layout checkpoint (62 shards) under
 * warm cache: one core's hashlib sha256 rate, full verify, and an unchanged
   re-verify (marker hit, no hashing).
 
-* fan-out egress (root only; takes /tmp/k2sb.lock and brings the 3-host sandbox up,
-  and down again if it was down): a ``--fanout-mb`` synthetic checkpoint served by the
+* fan-out egress (root only; takes /tmp/k2sb.lock and brings the 3-host sandbox up with the
+  sandbox inventories' simulated GPUs — the deploy's preflight refuses hosts without them —
+  and down again if it was not up so): a ``--fanout-mb`` synthetic checkpoint served by the
   Hub TEST DOUBLE on loopback, deployed with ``pyinfra -y --data k2_checkpoint_source=hub
   --data k2_hub_endpoint=... --data k2_checkpoint_cache=... inventories/sandbox.py
   deploys/kimi.py`` (the ``hub`` source); then every host's copy is removed and the
@@ -40,7 +41,8 @@ still varied by 40%; with 2.5x, ``cat`` and verify vary by a few percent and
 ``sha256sum`` itself gets 15% faster.
 
 Ends with ``ratios: verify_vs_read=X verify_vs_sha256sum=X verify_vs_cores=X reverify_vs_full=X egress_vs_size=X``
-(``egress_vs_size`` only where the fan-out was measured; ``--short``: 50 MB, one round, no fan-out)
+(``--no-fanout``: without ``egress_vs_size``; ``--short``: 50 MB, one round, a 4 MB fan-out;
+a fan-out asked for and not measured prints why and exits 1 after the other ratios)
 where verify_vs_cores = warm verify rate / (cores × one core's sha256 rate),
 1.0 meaning every core hashes flat out.
 
@@ -212,6 +214,7 @@ def fanout_egress(workdir: Path, mb: float) -> float:  # noqa: C901 - one linear
     from k2sandbox.checkpoint_cache import SANDBOX_MODEL, SANDBOX_REVISION
     from k2sandbox.harness import deploy, ssh
     from k2sandbox.hub_double import HubDouble
+    from k2sandbox.inventory_data import k2_gpu as SANDBOX_GPU
 
     if os.geteuid() != 0:
         raise RuntimeError("the sandbox fleet needs root")
@@ -220,11 +223,12 @@ def fanout_egress(workdir: Path, mb: float) -> float:  # noqa: C901 - one linear
     make_checkpoint(src, num_shards=NUM_SHARDS, shard_bytes=int(mb * 1e6 / NUM_SHARDS))
     size = sum(f.size for f in describe_dir(src))
     tx = Path("/sys/class/net/k2sb0/statistics/tx_bytes")
+    hardware = sandbox.parse_gpus(SANDBOX_GPU)  # the simulated GPUs the sandbox inventory's k2_gpu asks for
     lock = sandbox.hold_sandbox_lock()
-    was_up = sandbox._is_up(sandbox.DEFAULT_STATE_DIR.resolve(), 3)
+    was_up = sandbox._is_up(sandbox.DEFAULT_STATE_DIR.resolve(), 3, hardware)
     try:
         hosts = [{"name": h.name, "address": h.address, "ssh_key": h.ssh_key,
-                  "ssh_known_hosts_file": h.ssh_known_hosts_file} for h in sandbox.up(3)]
+                  "ssh_known_hosts_file": h.ssh_known_hosts_file} for h in sandbox.up(3, hardware=hardware)]
         with HubDouble() as hub:
             hub.add_commit(SANDBOX_MODEL, src, sha=SANDBOX_REVISION)
             data = {"k2_checkpoint_source": "hub", "k2_hub_endpoint": hub.url,
@@ -265,10 +269,10 @@ def main(argv: list[str] | None = None) -> int:
                     "without prefaulting free memory (see the module doc)")
     ap.add_argument("--fanout-mb", type=float, default=128.0, help="checkpoint size of the fan-out egress measurement")
     ap.add_argument("--no-fanout", action="store_true", help="skip the fan-out egress measurement (no sandbox)")
-    ap.add_argument("--short", action="store_true", help="50 MB, one round, no fan-out (the test suite's run)")
+    ap.add_argument("--short", action="store_true", help="50 MB, one round, a 4 MB fan-out (the test suite's run)")
     args = ap.parse_args(argv)
     if args.short:
-        args.gb, args.rounds, args.no_fanout = 0.05, 1, True
+        args.gb, args.rounds, args.fanout_mb = 0.05, 1, 4.0
     workdir = Path(args.dir)
     root, manifest = prepare(workdir, args.gb)
     files = [root / rel for rel in sorted(manifest["files"])]
@@ -309,12 +313,17 @@ def main(argv: list[str] | None = None) -> int:
         "verify_vs_cores": (total / warm_full_s) / (cores * core_rate),
         "reverify_vs_full": reverify_s / warm_full_s,
     }
+    failed = None
     if not args.no_fanout:
         try:
             ratios["egress_vs_size"] = fanout_egress(workdir, args.fanout_mb)
         except Exception as e:  # noqa: BLE001 - a bench reports, it does not hide the other ratios
-            print(f"fan-out egress not measured: {e}")
+            failed = f"fan-out egress not measured: {type(e).__name__}: {e}"
+            print(failed)
     print("ratios: " + " ".join(f"{k}={v:.3f}" for k, v in ratios.items()))
+    if failed:
+        print(failed.splitlines()[0], file=sys.stderr)
+        return 1
     return 0
 
 

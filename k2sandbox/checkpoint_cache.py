@@ -26,6 +26,18 @@ REHEARSAL_SHARD_BYTES = 16 * 1024
 GGUF_SPLITS = 3  # synthetic GGUF split files per repository
 
 
+def synthetic_checkpoint_dir(base: Path, num_shards: int = SHARDS, shard_bytes: int = SHARD_BYTES,
+                             style: str = "thinking") -> Path:
+    """Where :func:`ensure_synthetic_checkpoint` builds the checkpoint asked for at ``base``:
+    ``base``'s name followed by its shape, so that each shard count, shard size and naming
+    gets its own directory (a small run never reuses, or ships, a large one built there before).
+
+    >>> synthetic_checkpoint_dir(Path("/c/rev"), 8, 1 << 20)
+    PosixPath('/c/rev-8x1048576-thinking')
+    """
+    return base.with_name(f"{base.name}-{num_shards}x{shard_bytes}-{style}")
+
+
 def sandbox_checkpoint_dir() -> Path:
     """Where the sandbox checkpoint lives on the control machine (fixed: the sandbox
     inventories name it, and they read no environment).
@@ -33,6 +45,10 @@ def sandbox_checkpoint_dir() -> Path:
     >>> sandbox_checkpoint_dir().parent.name
     'k2fleet-test--Kimi-K2-Thinking-synthetic'
     """
+    return synthetic_checkpoint_dir(_sandbox_base())
+
+
+def _sandbox_base() -> Path:
     return CHECKPOINTS / SANDBOX_MODEL.replace("/", "--") / SANDBOX_REVISION
 
 
@@ -47,10 +63,21 @@ def _build_once(root: Path, repo: str, revision: str, make: Callable[[Path], lis
     return build_once(root, ".k2fleet/manifest.json", build, lock=False)
 
 
-def ensure_synthetic_checkpoint(root: Path, model: str, revision: str, num_shards: int = SHARDS,
+def ensure_synthetic_checkpoint(base: Path, model: str, revision: str, num_shards: int = SHARDS,
                                 shard_bytes: int = SHARD_BYTES, style: str = "thinking") -> Path:
-    """Create a synthetic checkpoint of ``model``@``revision`` and its manifest at
-    ``root`` once (built beside it, renamed into place); return ``root``."""
+    """Create a synthetic checkpoint of ``model``@``revision`` (``num_shards`` shards of
+    ``shard_bytes``, ``style`` naming) and its manifest once, in the directory
+    :func:`synthetic_checkpoint_dir` keys by those parameters beside ``base`` (built beside it,
+    renamed into place); return that directory.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     small = ensure_synthetic_checkpoint(Path(tmp) / "src", "t/K2", "a" * 40, num_shards=2, shard_bytes=4096)
+    ...     large = ensure_synthetic_checkpoint(Path(tmp) / "src", "t/K2", "a" * 40, num_shards=2, shard_bytes=8192)
+    ...     small.name, large.name, (large / "model-00001-of-000002.safetensors").stat().st_size > 8192
+    ('src-2x4096-thinking', 'src-2x8192-thinking', True)
+    """
+    root = synthetic_checkpoint_dir(base, num_shards, shard_bytes, style)
     return _build_once(root, model, revision,
                        lambda tmp: make_checkpoint(tmp, num_shards=num_shards, shard_bytes=shard_bytes, style=style))
 
@@ -62,8 +89,11 @@ def ensure_synthetic_gguf(root: Path, repo: str, revision: str, names: list[str]
 
 
 def ensure_sandbox_checkpoint() -> Path:
-    """Create the sandbox inventories' synthetic checkpoint once; return its directory."""
-    return ensure_synthetic_checkpoint(sandbox_checkpoint_dir(), SANDBOX_MODEL, SANDBOX_REVISION)
+    """Create the sandbox inventories' synthetic checkpoint once; return its directory
+    (:func:`sandbox_checkpoint_dir`, the one they name)."""
+    root = ensure_synthetic_checkpoint(_sandbox_base(), SANDBOX_MODEL, SANDBOX_REVISION)
+    assert root == sandbox_checkpoint_dir(), (root, sandbox_checkpoint_dir())
+    return root
 
 
 if __name__ == "__main__":
@@ -99,7 +129,8 @@ def checkpoint_style(model: str) -> tuple[int, str]:
 
 def rehearsal_checkpoint(model: str, revision: str, cache: Path = REHEARSAL_CACHE) -> tuple[Path, int]:
     """Make (once, cached) a synthetic checkpoint for ``model``@``revision`` with its
-    manifest on the control machine; return (directory, total bytes of its files)."""
+    manifest on the control machine, shaped like the model's (:func:`checkpoint_style`); return
+    (directory, total bytes of its files)."""
     shards, style = checkpoint_style(model)
     root = ensure_synthetic_checkpoint(cache / model.replace("/", "--") / revision, model, revision,
                                        num_shards=shards, shard_bytes=REHEARSAL_SHARD_BYTES, style=style)

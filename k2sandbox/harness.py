@@ -143,7 +143,8 @@ class SandboxFleet:
     def deploy(self, data: Mapping[str, Any] | None = None, *, inventory: str = INVENTORY,
                env: Mapping[str, str] | None = None, extra: tuple[str, ...] = (),
                deploy_file: str = DEPLOY_FILE) -> DeployResult:
-        """Run the deploy and remember what the fleet now runs (dry runs change nothing)."""
+        """Run the deploy and remember what the fleet now runs (dry runs change nothing, nor does
+        a deploy that stopped before executing any operation: the fleet runs what it ran)."""
         full_env = {**self.env, **(env or {})}
         result = deploy(data, inventory=inventory, env=full_env, extra=extra, deploy_file=deploy_file)
         if "--dry" in extra:
@@ -151,10 +152,14 @@ class SandboxFleet:
         if result.returncode == 0 and deploy_file == DEPLOY_FILE:
             self._deployed = _deploy_key(inventory, data, full_env)
             self._touched = True
-        else:
-            self._deployed = None
-            self._touched = self._touched or result.ran_operations
+        elif result.ran_operations:
+            self._deployed, self._touched = None, True
         return result
+
+    def is_deployed(self, data: Mapping[str, Any] | None = None, *, inventory: str = INVENTORY,
+                    env: Mapping[str, str] | None = None) -> bool:
+        """Whether the fleet is up and exactly this (inventory, data, env) was its last successful deploy."""
+        return self._deployed == _deploy_key(inventory, data, {**self.env, **(env or {})}) and self.is_up()
 
     def ensure_deployed(self, data: Mapping[str, Any] | None = None, *, inventory: str = INVENTORY,
                         env: Mapping[str, str] | None = None) -> DeployResult | None:

@@ -976,8 +976,29 @@ def up(n: int, state_dir: Path = DEFAULT_STATE_DIR, docker: bool = True,
     return hosts
 
 
+KEPT_WORK = "kept-rehearsal"  # in the state dir: the work directory of a rehearsal left up (--keep)
+KEPT_WORK_PREFIX = "k2rehearse-"  # such directories' names (tempfile.mkdtemp's prefix in k2sandbox.rehearse)
+
+
+def keep_work(work: Path, state_dir: Path = DEFAULT_STATE_DIR) -> None:
+    """Record ``work``, the directory of a rehearsal left up with its hosts (``--keep``), for
+    :func:`down` to remove with them."""
+    _write(state_dir.resolve() / KEPT_WORK, f"{work}\n", 0o600)
+
+
+def _remove_kept_work(state_dir: Path) -> None:
+    record = state_dir / KEPT_WORK
+    if record.is_symlink() or not record.is_file():
+        return
+    work = Path(record.read_text().strip())
+    if work.name.startswith(KEPT_WORK_PREFIX) and work.is_dir() and not work.is_symlink():
+        shutil.rmtree(work, ignore_errors=True)
+    record.unlink()
+
+
 def down(state_dir: Path = DEFAULT_STATE_DIR) -> None:
-    """Stop all sandbox hosts and remove everything ``up`` made (idempotent).
+    """Stop all sandbox hosts and remove everything ``up`` made (idempotent), and the work
+    directory of a rehearsal kept up with them (:func:`keep_work`).
 
     Keeps the control key pair in ``state_dir`` and the root fs cache.
     """
@@ -990,6 +1011,7 @@ def down(state_dir: Path = DEFAULT_STATE_DIR) -> None:
         _unmount_all(state_dir)
     for key in ("hosts", "run", "logs", "hosts_json", "known_hosts", "shared"):
         _safe_rmtree(paths[key])
+    _remove_kept_work(state_dir)
 
 
 def status(state_dir: Path = DEFAULT_STATE_DIR) -> list[dict[str, object]]:

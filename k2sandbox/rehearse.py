@@ -821,7 +821,7 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
     fabric = fabric_specs(dep, names, down) if "k2_ib_hcas" not in fleet_data else [None] * len(names)
     for line in fabric_lines(dep, names, fabric):
         say(f"rehearse {inventory}: {line}")
-    work = Path(tempfile.mkdtemp(prefix="k2rehearse-"))
+    work = Path(tempfile.mkdtemp(prefix=sandbox.KEPT_WORK_PREFIX))
     booted = False
     company: company_network.CompanyNetwork | None = None
     hub = None  # the Hub TEST DOUBLE a fetcher host downloads from (fetcher_data)
@@ -1000,7 +1000,9 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
             hub.stop()
         if company is not None and not keep:  # kept: its resolver stays up with the hosts (sandbox down ends it)
             company.close()
-        if not keep:
+        if keep and booted:
+            sandbox.keep_work(work)  # the kept hosts' inventory and state: `k2fleet sandbox down` removes it
+        else:
             if booted:
                 sandbox.down()
             shutil.rmtree(work, ignore_errors=True)

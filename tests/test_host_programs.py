@@ -345,9 +345,13 @@ def _fake_systemd(answer) -> str:
     import socket
     import threading
 
+    import atexit
+    import shutil
     import tempfile
 
-    path = tempfile.mkdtemp(prefix="k2dbus", dir="/tmp") + "/private"  # a Unix socket's path is short
+    top = tempfile.mkdtemp(prefix="k2dbus", dir="/tmp")  # a Unix socket's path is short
+    atexit.register(shutil.rmtree, top, True)  # the socket's directory goes when the session ends
+    path = top + "/private"
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(1)

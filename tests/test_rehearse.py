@@ -12,16 +12,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import subprocess
 import time
-import urllib.request
 
 import pytest
 
 from k2sandbox import nspawn as sandbox
 from k2sandbox.rehearse import connection_overlay, failure_summary, generated_inventory, inventory_groups
 from k2sandbox.harness import ROOT, tool
+from tests.fleet_calls import call_kept_fleet
 
 REHEARSAL_TIMEOUT_S = 600
 
@@ -43,41 +42,13 @@ def sandbox_is_down() -> bool:
         return not sandbox.status() and not sandbox._sandbox_netns()
 
 
-def served_model(base: str) -> str:
-    """The first model ``base``/models lists, asked from the control machine, or — for an
-    endpoint k2fleet's firewall opens only to the fleet (a PD backend) — from inside the
-    first sandbox host, where the fleet's own clients are."""
-    try:
-        with urllib.request.urlopen(f"{base}/models", timeout=10) as answer:
-            return json.load(answer)["data"][0]["id"]
-    except OSError:
-        code = f"import json, urllib.request; print(json.load(urllib.request.urlopen({base + '/models'!r}, timeout=30))['data'][0]['id'])"
-        inside = sandbox.ssh(sandbox.load_hosts()[0], f"python3 -c {shlex.quote(code)}", timeout=60)
-        assert inside.returncode == 0, inside.stderr
-        return inside.stdout.strip()
-
-
 def check_serving(proc: subprocess.CompletedProcess, inventory: str, endpoints: int) -> None:
-    """A kept rehearsal (``--keep``) as the TEST sees the fleet itself, from the control machine,
-    rather than taking "healthy" from the command's own last line: every endpoint the rehearsal
-    reported ``ok`` answers ``GET /v1/models`` with the served model, and the main endpoint answers
-    a real chat completion with a non-empty message."""
+    """A kept rehearsal (``--keep``): it ended healthy with a settled re-run, and the TEST calls the
+    fleet itself (:func:`tests.fleet_calls.call_kept_fleet`) rather than taking "healthy" from the
+    command's own last line."""
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert last_line(proc) == f"rehearsal {inventory}: {endpoints}/{endpoints} endpoints healthy, re-run 0 changes"
-    ok = re.findall(r"^  ok   \S+ \S+: (http://\S+/v1)$", proc.stdout, re.M)
-    assert len(ok) == endpoints, proc.stdout
-    main = re.search(r"^endpoint: (http://\S+/v1)$", proc.stdout, re.M)
-    model = re.search(r"^try: curl .* -d '(\{.*\})'$", proc.stdout, re.M)
-    assert main and model, proc.stdout
-    name = json.loads(model.group(1))["model"]
-    for base in ok:
-        assert served_model(base), f"{base}/models lists no model"
-    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 32}).encode()
-    request = urllib.request.Request(f"{main.group(1)}/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as answer:
-        message = json.load(answer)["choices"][0]["message"]
-    assert (message.get("content") or message.get("reasoning") or message.get("reasoning_content") or "").strip()
+    call_kept_fleet(proc.stdout, endpoints)
 
 
 def rehearse_kept(inventory: str, endpoints: int, *args: str, check=None) -> subprocess.CompletedProcess:
@@ -255,10 +226,7 @@ def test_rehearse_gb200_slurm() -> None:
     slurmctld/slurmd/munge; the submit.py TEST DOUBLE's job (real sbatch/srun) serves the
     disaggregated front end + 4 ctx + 1 gen servers; topology as planned; re-run 0 changes."""
     inventory = "inventories/gb200-trtllm-disagg.py"
-    proc, seconds = rehearse(inventory)
-    print(f"rehearse {inventory}: {seconds:.0f}s")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert last_line(proc) == f"rehearsal {inventory}: 6/6 endpoints healthy, re-run 0 changes"
+    proc = rehearse_kept(inventory, 6)  # the front end and 4 ctx + 1 gen servers, each called by this test
     out = proc.stdout
     assert "booting 13 bare sandbox hosts (1 from the inventory + 12 Slurm compute hosts" in out
     assert "slurmctld on k2sb-1, slurmd on k2sb-2..k2sb-13, partition rehearsal" in out

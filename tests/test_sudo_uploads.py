@@ -23,50 +23,68 @@ from pathlib import Path
 
 import pytest
 
-USER = "k2sudotest"
-needs = pytest.mark.skipif(os.geteuid() != 0 or not all(shutil.which(t) for t in ("sudo", "sshd", "ssh-keygen", "useradd")),
-                           reason="needs root, sudo, sshd, ssh-keygen and useradd")
+USER = f"k2sudo{os.getpid()}"  # this run's own: created by the fixture, removed by it (with its home)
+needs = pytest.mark.skipif(os.geteuid() != 0 or not all(shutil.which(t) for t in ("sudo", "sshd", "ssh-keygen", "useradd",
+                                                                                  "userdel")),
+                           reason="needs root, sudo, sshd, ssh-keygen, useradd and userdel")
 SECRET = b"k2fleet-test-secret-0123456789\n"
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _user_exists(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def sudo_sshd(tmp_path_factory: pytest.TempPathFactory):
-    """A real sshd on 127.0.0.1 that lets ``USER`` (passwordless sudo) in with a fresh key."""
+    """A real sshd on 127.0.0.1 that lets ``USER`` (passwordless sudo) in with a fresh key.
+    Everything it adds to this machine — the user, its home, its sudoers file, the sshd — is
+    removed at teardown, however far the setup got and whether or not the test passed."""
     work = tmp_path_factory.mktemp("sudo-sshd")
     os.chmod(work, 0o755)
-    if subprocess.run(["id", USER], capture_output=True).returncode:
-        subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", USER], check=True)
-    subprocess.run(["usermod", "-p", "*", USER], check=True)  # no password, not locked (sshd refuses locked accounts)
+    assert not _user_exists(USER), f"{USER} exists already: not this run's to use or remove"
     sudoers = Path(f"/etc/sudoers.d/{USER}")
-    sudoers.write_text(f"{USER} ALL=(ALL) NOPASSWD:ALL\n")
-    sudoers.chmod(0o440)
-    home = Path(pwd.getpwnam(USER).pw_dir)
-    ssh_dir = home / ".ssh"
-    ssh_dir.mkdir(mode=0o700, exist_ok=True)
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(work / "id")], check=True)
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(work / "hostkey")], check=True)
-    (ssh_dir / "authorized_keys").write_bytes((work / "id.pub").read_bytes())
-    uid = pwd.getpwnam(USER).pw_uid
-    for p in (ssh_dir, ssh_dir / "authorized_keys"):
-        os.chown(p, uid, uid)
-    with socket_port() as port:
-        pass
-    os.makedirs("/run/sshd", exist_ok=True)
-    config = work / "sshd_config"
-    config.write_text(f"Port {port}\nListenAddress 127.0.0.1\nHostKey {work / 'hostkey'}\nPidFile {work / 'pid'}\n"
-                      f"AllowUsers {USER}\nPasswordAuthentication no\nPermitRootLogin no\n"
-                      "Subsystem sftp internal-sftp\nUsePAM no\n")
-    sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)], stderr=subprocess.DEVNULL)
-    host_pub = (work / "hostkey.pub").read_text().split()
-    (work / "known_hosts").write_text(f"[127.0.0.1]:{port} {host_pub[0]} {host_pub[1]}\n")
-    time.sleep(0.5)
+    sshd = None
     try:
+        subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", USER], check=True)
+        subprocess.run(["usermod", "-p", "*", USER], check=True)  # no password, not locked (sshd refuses locked accounts)
+        sudoers.write_text(f"{USER} ALL=(ALL) NOPASSWD:ALL\n")
+        sudoers.chmod(0o440)
+        home = Path(pwd.getpwnam(USER).pw_dir)
+        ssh_dir = home / ".ssh"
+        ssh_dir.mkdir(mode=0o700, exist_ok=True)
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(work / "id")], check=True)
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(work / "hostkey")], check=True)
+        (ssh_dir / "authorized_keys").write_bytes((work / "id.pub").read_bytes())
+        uid = pwd.getpwnam(USER).pw_uid
+        for p in (ssh_dir, ssh_dir / "authorized_keys"):
+            os.chown(p, uid, uid)
+        with socket_port() as port:
+            pass
+        os.makedirs("/run/sshd", exist_ok=True)
+        config = work / "sshd_config"
+        config.write_text(f"Port {port}\nListenAddress 127.0.0.1\nHostKey {work / 'hostkey'}\nPidFile {work / 'pid'}\n"
+                          f"AllowUsers {USER}\nPasswordAuthentication no\nPermitRootLogin no\n"
+                          "Subsystem sftp internal-sftp\nUsePAM no\n")
+        sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(config)], stderr=subprocess.DEVNULL)
+        host_pub = (work / "hostkey.pub").read_text().split()
+        (work / "known_hosts").write_text(f"[127.0.0.1]:{port} {host_pub[0]} {host_pub[1]}\n")
+        time.sleep(0.5)
         yield {"port": port, "key": work / "id", "known_hosts": work / "known_hosts", "work": work}
     finally:
-        sshd.terminate()
-        sshd.wait()
-        sudoers.unlink()
+        if sshd is not None:
+            sshd.terminate()
+            sshd.wait()
+        sudoers.unlink(missing_ok=True)
+        for _ in range(20):  # userdel refuses while a session of USER (ended with its connection) is still exiting
+            if not _user_exists(USER) or subprocess.run(["userdel", "--remove", USER], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.5)
+        assert not _user_exists(USER) and not sudoers.exists(), f"{USER} or its sudoers file is left behind"
 
 
 class socket_port:

@@ -49,10 +49,14 @@ INJECT = "\nExecStartPre=/bin/sh -c id"
 
 
 def _token_file(mode: int, content: bytes = b"hf_token_for_validation_tests\n") -> str:
-    """A control-machine token file of ``mode`` (made once per test session, in a private temp dir)."""
+    """A control-machine token file of ``mode`` (made once per test session, in a private temp dir
+    removed when the session's interpreter exits)."""
+    import atexit
+    import shutil
     import tempfile
 
     directory = Path(tempfile.mkdtemp(prefix="k2token-"))
+    atexit.register(shutil.rmtree, directory, True)
     path = directory / f"token-{mode:o}-{len(content)}"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, content)
@@ -65,10 +69,15 @@ TOKEN_FILE = _token_file(0o600)  # a good one: the twins use it
 
 
 def _control_copy(manifest: bool = True) -> str:
-    """A control-machine checkpoint directory (``control:`` source), with or without its manifest."""
+    """A control-machine checkpoint directory (``control:`` source), with or without its manifest
+    (in a temp dir removed when the session's interpreter exits)."""
+    import atexit
+    import shutil
     import tempfile
 
-    root = Path(tempfile.mkdtemp(prefix="k2control-")) / "kimi-k2+v1"
+    top = Path(tempfile.mkdtemp(prefix="k2control-"))
+    atexit.register(shutil.rmtree, top, True)
+    root = top / "kimi-k2+v1"
     (root / ".k2fleet").mkdir(parents=True)
     if manifest:
         (root / ".k2fleet" / "manifest.json").write_text("{}\n")
