@@ -6,6 +6,7 @@ running as nobody on loopback; the gate is the host program itself."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -131,31 +132,41 @@ def test_the_control_clients_hand_a_squatter_no_key(squatter) -> None:
     assert "AUTH" not in _seen(proc)
 
 
-def test_both_lookups_name_the_squatter(squatter, monkeypatch) -> None:
-    """sock_diag's exact lookup and, where it is missing, /proc/net/tcp find the same owner."""
+def test_ss_names_the_squatter(squatter) -> None:
+    """``ss`` finds the owner of the connection's server end (the squatter's uid) and, for the
+    message, the process listening on the port; a connection's own end is not taken for it."""
     port, proc = squatter
-    sock = health.connect(b"127.0.0.1", port, 5)
+    sock = socket.create_connection((LOCAL, port), 5)
     try:
         assert health.server_uid(sock) == NOBODY
-        assert health.diag_uid(sock) == NOBODY
-
-        def no_diag(_sock):
-            raise OSError(93, "no sock_diag")
-
-        monkeypatch.setattr(health, "diag_uid", no_diag)
-        assert health.server_uid(sock) == NOBODY
+        assert f"pid={proc.pid}" in health.listener_process(port)
     finally:
         sock.close()
     assert "AUTH" not in _seen(proc)
 
 
+def test_a_root_server_end_is_told_from_details_not_shown() -> None:
+    """A root-owned server end (ss prints no ``uid:`` for uid 0) is root's; a line without
+    ss's details is nobody's to trust."""
+    srv = socket.socket()
+    srv.bind((LOCAL, 0))
+    srv.listen()
+    sock = socket.create_connection((LOCAL, srv.getsockname()[1]), 5)
+    try:
+        assert health.server_uid(sock) == (0 if os.geteuid() == 0 else os.geteuid())
+        assert health._ss_uid(["sk:1"]) is None
+    finally:
+        sock.close()
+        srv.close()
+
+
 def test_a_server_elsewhere_has_no_owner_here(monkeypatch) -> None:
     """No owner found (the server end lives in another network namespace: another host): the
     gate, whose service runs where it does, refuses; a control client passes."""
-    srv = __import__("socket").socket()
+    srv = socket.socket()
     srv.bind((LOCAL, 0))
     srv.listen()
-    sock = health.connect(b"127.0.0.1", srv.getsockname()[1], 5)
+    sock = socket.create_connection((LOCAL, srv.getsockname()[1]), 5)
     try:
         monkeypatch.setattr(health, "server_uid", lambda _sock: None)
         with pytest.raises(health.Impostor, match="cannot tell its owner"):
