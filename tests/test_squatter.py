@@ -133,8 +133,8 @@ def test_the_control_clients_hand_a_squatter_no_key(squatter) -> None:
 
 
 def test_ss_names_the_squatter(squatter) -> None:
-    """``ss`` finds the owner of the connection's server end (the squatter's uid) and, for the
-    message, the process listening on the port; a connection's own end is not taken for it."""
+    """``ss`` names the owner of the listener the connection reached (the squatter's uid)
+    and, for the message, its process."""
     port, proc = squatter
     sock = socket.create_connection((LOCAL, port), 5)
     try:
@@ -145,16 +145,22 @@ def test_ss_names_the_squatter(squatter) -> None:
     assert "AUTH" not in _seen(proc)
 
 
-def test_a_root_server_end_is_told_from_details_not_shown() -> None:
-    """A root-owned server end (ss prints no ``uid:`` for uid 0) is root's; a line without
-    ss's details is nobody's to trust."""
-    srv = socket.socket()
-    srv.bind((LOCAL, 0))
+@pytest.mark.parametrize("bind", ["127.0.0.1", "0.0.0.0", "::"])
+def test_a_root_listener_is_told_by_its_address_or_wildcard(bind: str) -> None:
+    """The listener a connection to 127.0.0.1 reaches: bound to that address, to the IPv4
+    wildcard or dual-stack (``*`` in ss's list): root's (ss prints no ``uid:`` for uid 0). A
+    line without ss's details is nobody's to trust; an address not of this host has no
+    owner here."""
+    srv = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET)
+    if ":" in bind:
+        srv.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    srv.bind((bind, 0))
     srv.listen()
     sock = socket.create_connection((LOCAL, srv.getsockname()[1]), 5)
     try:
-        assert health.server_uid(sock) == (0 if os.geteuid() == 0 else os.geteuid())
+        assert health.server_uid(sock) == os.geteuid()
         assert health._ss_uid(["sk:1"]) is None
+        assert health.is_local(LOCAL) and not health.is_local("198.51.100.7")
     finally:
         sock.close()
         srv.close()

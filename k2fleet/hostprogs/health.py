@@ -91,35 +91,61 @@ def _ss_uid(details: list[str]) -> int | None:
     return 0 if any(field.startswith("ino:") for field in details) else None
 
 
-def server_uid(sock) -> int | None:
-    """The uid owning the server end of the connected TCP socket ``sock`` (an SO_PEERCRED for
-    TCP: an accepted, or still queued, connection carries its listener's owner), as
-    ``ss -tane`` reports the socket whose local end is ``sock``'s peer and whose remote end is
-    ``sock``. -1 while that is still a request socket (SYN-RECV: the handshake's last ACK not
-    yet processed; ss reports uid 0 for those, so it is not trusted); None when this host has
-    no such socket (the server is elsewhere). Raises OSError when ss cannot answer."""
-    mine, peer = sock.getsockname()[:2], sock.getpeername()[:2]
+def is_local(address: str) -> bool:
+    """Is ``address`` one of this host's own (``ip route get`` routes it as ``local``)?"""
+    out = subprocess.run(["ip", "-j", "route", "get", address], stdin=subprocess.DEVNULL, capture_output=True,
+                         text=True, timeout=SS_TIMEOUT_S).stdout
     try:
-        out = subprocess.run(["ss", "-Htane", f"( sport = :{peer[1]} and dport = :{mine[1]} )"],
-                             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=SS_TIMEOUT_S,
-                             check=True).stdout
+        return any(route.get("type") == "local" for route in json.loads(out or "[]"))
+    except (ValueError, AttributeError):
+        return False
+
+
+def listeners(port: int) -> list[tuple[str, int | None]]:
+    """(address, owner's uid: :func:`_ss_uid`) of every TCP socket listening on ``port`` here, as
+    ``ss -Htne state listening`` lists them (the kernel walks its listening sockets only)."""
+    out = subprocess.run(["ss", "-Htne", "state", "listening", f"( sport = :{port} )"], stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=SS_TIMEOUT_S, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        fields = line.split()  # Recv-Q Send-Q Local Peer details... (one state asked: no State column)
+        local = _ss_address(fields[2]) if len(fields) >= 4 else None
+        if local and local[1] == port:
+            found.append((local[0], _ss_uid(fields[4:])))
+    return found
+
+
+WILDCARDS = {socket.AF_INET: ("0.0.0.0", "*"), socket.AF_INET6: ("::", "*")}  # "*": a dual-stack listener
+
+
+def server_uid(sock) -> int | None:
+    """The uid owning the listener that the connected TCP socket ``sock`` reached (an
+    SO_PEERCRED for TCP): the listener on its peer's port bound to its peer's address, else
+    the wildcard one the kernel hands the connection to (``ss`` names the owners:
+    :func:`listeners`); a listener not root's among several is the answer. None when the
+    peer is not an address of this host (the server is elsewhere) or no listener there is
+    told (no ``ss`` details). Raises OSError when ``ip`` or ``ss`` cannot answer."""
+    try:
+        host, port = _ss_address(f"[{sock.getpeername()[0]}]:{sock.getpeername()[1]}") or ("", 0)
+        if not is_local(host):
+            return None
+        found = listeners(port)
     except subprocess.SubprocessError as exc:
         raise OSError(f"ss: {exc}") from None
-    want = (_ss_address(f"[{peer[0]}]:{peer[1]}"), _ss_address(f"[{mine[0]}]:{mine[1]}"))
-    for line in out.splitlines():
-        fields = line.split()
-        if len(fields) < 6 or (_ss_address(fields[3]), _ss_address(fields[4])) != want:
-            continue
-        return -1 if fields[0] == "SYN-RECV" else _ss_uid(fields[5:])
-    return None
+    family = socket.AF_INET if "." in host else socket.AF_INET6
+    owners = [uid for address, uid in found if address == host] \
+        or [uid for address, uid in found if address in WILDCARDS[family]]
+    if not owners or None in owners:
+        return None
+    return next((uid for uid in owners if uid != LISTENER_UID), LISTENER_UID)
 
 
 def listener_process(port: int) -> str:
-    """Who listens on TCP ``port`` here, as ``ss -Hltnp`` names the processes (its
+    """Who listens on TCP ``port`` here, as ``ss -p`` names the processes (its
     ``users:(...)``), or ""."""
     try:
-        out = subprocess.run(["ss", "-Hltnp", f"( sport = :{port} )"], stdin=subprocess.DEVNULL, capture_output=True,
-                             text=True, timeout=SS_TIMEOUT_S).stdout
+        out = subprocess.run(["ss", "-Htnp", "state", "listening", f"( sport = :{port} )"], stdin=subprocess.DEVNULL,
+                             capture_output=True, text=True, timeout=SS_TIMEOUT_S).stdout
     except (OSError, subprocess.SubprocessError):
         return ""
     return " ".join(sorted({f for line in out.splitlines() for f in line.split() if f.startswith("users:")}))
@@ -134,17 +160,11 @@ def check_server(sock, host: str, port: int, required: bool) -> None:
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         uid = server_uid(sock)
-        for _ in range(50):  # the server end may show (or finish its handshake) a moment after connect()
-            if uid != -1 and (uid is not None or not required):
-                break
-            time.sleep(0.005)
-            uid = server_uid(sock)
     except OSError as exc:
         if required:
             raise Impostor(f"port {where}: cannot tell the owner of the socket that answers ({exc}); "
                            "nothing was sent") from None
         return
-    uid = None if uid == -1 else uid
     if uid is None and required:
         raise Impostor(f"port {where}: no socket of this host answers (cannot tell its owner); nothing was sent")
     if uid is not None and uid != LISTENER_UID:
