@@ -35,9 +35,6 @@ setup() {
   # the checkout's bytecode, as pip writes it for an installed package (an editable install
   # gets none, and with PYTHONDONTWRITEBYTECODE set every pyinfra run would compile k2fleet again)
   "$VENV/bin/python" -m compileall -q k2fleet k2sandbox >/dev/null
-  # the host programs as checked hash-based pycs: the host archive takes its bytecode from them
-  # (planning/host_archive.py cached_code) instead of compiling it at every deploy
-  "$VENV/bin/python" -m compileall -q -f --invalidation-mode checked-hash k2fleet/hostprogs >/dev/null
   export PATH="$PWD/$VENV/bin:$PATH"
 }
 

@@ -10,7 +10,10 @@ through the same CLI. Measured side by side, alternating, after one full deploy:
 0 changes). Also printed: the first deploy's time per stage (from pyinfra's own log, each
 line timestamped as it arrives: start-up, connect, facts and planning up to "Beginning
 operation run", then each role's operations), so what grows with the fleet is visible. Last line:
-``ratios: noop_rerun_vs_floor=…`` (goal ≤ 1.3 on 3 hosts, ≤ 1.5 on 16).
+``ratios: noop_rerun_vs_floor=… control_cpu_s_per_host=… probe_wall_s=…`` (goal for the ratio:
+≤ 1.3 on 3 hosts, ≤ 1.5 on 16): beside the ratio, the control machine's CPU seconds per host
+of a no-op re-run (pyinfra and its SSH clients, ``getrusage`` of this bench's children; the
+sandbox hosts' processes are not among them) and one host's probe wall time (below).
 
 Before it, the HostState probe's cost on one host, where the no-op's extra time goes on hosts
 that share this machine's cores: the fact's own shell command (as the deploy sends it) run
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import resource
 import shlex
 import statistics
 import subprocess
@@ -41,13 +45,20 @@ from k2sandbox.pyinfra_cli import DeployResult  # noqa: E402
 GPUS = "h200"  # the sandbox inventories' k2_gpu
 
 
-def timed(argv: list[str]) -> tuple[float, DeployResult]:
-    start = time.perf_counter()
+def children_cpu() -> float:
+    """CPU seconds (user + system) of this process's finished children."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def timed(argv: list[str]) -> tuple[float, DeployResult, float]:
+    """(wall seconds, result, CPU seconds of the control machine's side: ``argv`` and its children)."""
+    cpu, start = children_cpu(), time.perf_counter()
     out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     elapsed = time.perf_counter() - start
     if out.returncode:
         raise SystemExit(f"{' '.join(argv)} failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
-    return elapsed, DeployResult(argv, out.returncode, out.stdout, out.stderr)
+    return elapsed, DeployResult(argv, out.returncode, out.stdout, out.stderr), children_cpu() - cpu
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -130,8 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     # checkout gets none from pip; ./dev.sh compiles it, and so does this, in case)
     subprocess.run([sys.executable, "-m", "compileall", "-q", "k2fleet", "k2sandbox"], cwd=ROOT, check=True,
                    stdout=subprocess.DEVNULL)
-    subprocess.run([sys.executable, "-m", "compileall", "-q", "-f", "--invalidation-mode", "checked-hash",
-                    "k2fleet/hostprogs"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)  # as ./dev.sh
     with nspawn.hold_sandbox_lock():
         nspawn.up(hosts, hardware=nspawn.parse_gpus(GPUS))
         ensure_sandbox_checkpoint()
@@ -141,21 +150,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"first deploy (or catch-up), {hosts} hosts: {first:.2f}s")
         for stage, seconds in stages.items():
             print(f"  {seconds:7.2f}s  {stage}")
-        floors, noops = [], []
+        floors, noops, floor_cpu, noop_cpu = [], [], [], []
         for _ in range(rounds):
-            floors.append(timed(floor)[0])
-            took, result = timed(deploy)
+            took, _, cpu = timed(floor)
+            floors.append(took)
+            floor_cpu.append(cpu)
+            took, result, cpu = timed(deploy)
             if result.changed:
                 raise SystemExit(f"the re-run changed {result.changed} (operation, host) pairs: not a no-op")
             noops.append(took)
+            noop_cpu.append(cpu)
         cost = probe_cost(3 if args.short else args.probe_runs)
     f, n = statistics.median(floors), statistics.median(noops)
     print(f"floor (connect + 1 fact, {hosts} hosts): median {f:.2f}s {[round(x, 2) for x in floors]}")
     print(f"no-op re-run of deploys/kimi.py:   median {n:.2f}s {[round(x, 2) for x in noops]}")
+    cpu_floor, cpu_noop = statistics.median(floor_cpu) / hosts, statistics.median(noop_cpu) / hosts
+    print(f"control machine's CPU per host: floor {cpu_floor:.3f} s, no-op re-run {cpu_noop:.3f} s")
     for label, (wall, cpu) in cost.items():
         what = "HostState probe" if label == "probe" else "floor fact (uname -n)"
         print(f"{what} on one host: median {wall * 1000:.0f} ms wall, {cpu * 1000:.0f} ms CPU")
-    print(f"ratios: noop_rerun_vs_floor={n / f:.2f}")
+    print(f"ratios: noop_rerun_vs_floor={n / f:.2f} control_cpu_s_per_host={cpu_noop:.3f} "
+          f"probe_wall_s={cost['probe'][0]:.3f}")
     return 0
 
 

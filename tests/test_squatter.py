@@ -6,6 +6,7 @@ running as nobody on loopback; the gate is the host program itself."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -131,31 +132,47 @@ def test_the_control_clients_hand_a_squatter_no_key(squatter) -> None:
     assert "AUTH" not in _seen(proc)
 
 
-def test_both_lookups_name_the_squatter(squatter, monkeypatch) -> None:
-    """sock_diag's exact lookup and, where it is missing, /proc/net/tcp find the same owner."""
+def test_ss_names_the_squatter(squatter) -> None:
+    """``ss`` names the owner of the listener the connection reached (the squatter's uid)
+    and, for the message, its process."""
     port, proc = squatter
-    sock = health.connect(b"127.0.0.1", port, 5)
+    sock = socket.create_connection((LOCAL, port), 5)
     try:
         assert health.server_uid(sock) == NOBODY
-        assert health.diag_uid(sock) == NOBODY
-
-        def no_diag(_sock):
-            raise OSError(93, "no sock_diag")
-
-        monkeypatch.setattr(health, "diag_uid", no_diag)
-        assert health.server_uid(sock) == NOBODY
+        assert f"pid={proc.pid}" in health.listener_process(port)
     finally:
         sock.close()
     assert "AUTH" not in _seen(proc)
 
 
+@pytest.mark.parametrize("bind", ["127.0.0.1", "0.0.0.0", "::"])
+def test_a_root_listener_is_told_by_its_address_or_wildcard(bind: str) -> None:
+    """The listener a connection to 127.0.0.1 reaches: bound to that address, to the IPv4
+    wildcard or dual-stack (``*`` in ss's list): root's (ss prints no ``uid:`` for uid 0). A
+    line without ss's details is nobody's to trust; an address not of this host has no
+    owner here."""
+    srv = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET)
+    if ":" in bind:
+        srv.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    srv.bind((bind, 0))
+    srv.listen()
+    sock = socket.create_connection((LOCAL, srv.getsockname()[1]), 5)
+    try:
+        assert health.server_uid(sock) == os.geteuid()
+        assert health._ss_uid(["sk:1"]) is None
+        assert health.is_local(LOCAL) and not health.is_local("198.51.100.7")
+    finally:
+        sock.close()
+        srv.close()
+
+
 def test_a_server_elsewhere_has_no_owner_here(monkeypatch) -> None:
     """No owner found (the server end lives in another network namespace: another host): the
     gate, whose service runs where it does, refuses; a control client passes."""
-    srv = __import__("socket").socket()
+    srv = socket.socket()
     srv.bind((LOCAL, 0))
     srv.listen()
-    sock = health.connect(b"127.0.0.1", srv.getsockname()[1], 5)
+    sock = socket.create_connection((LOCAL, srv.getsockname()[1]), 5)
     try:
         monkeypatch.setattr(health, "server_uid", lambda _sock: None)
         with pytest.raises(health.Impostor, match="cannot tell its owner"):

@@ -13,18 +13,18 @@ over TLS, the server's certificate verified against ``--ca-file`` alone and for
 not verify fails the gate at once (:class:`Untrusted`), the key never sent.
 
 On failure it exits 1 naming the host and unit, with the unit's last log lines.
-Standard library only (hosts have only python3).
+Standard library only (hosts have only python3), and ``ss`` (iproute2) for the owner of the
+socket that answers (:func:`check_server`).
 """
 
 from __future__ import annotations
 
-import _socket
+import argparse
+import json
+import socket
+import subprocess
 import sys
 import time
-
-# the probe's JSON helpers: json (re, enum) and socket (enum) are not imported on every probe
-from k2fleet.hostprogs.hoststate import json_dumps, json_loads  # in the host archive beside it
-from k2fleet.hostprogs.quick_args import quick_args
 
 MAX_BODY = 8 << 20  # bytes of an answer read at most (a larger one is refused, not buffered)
 
@@ -56,120 +56,123 @@ class Impostor(Exception):
 
 
 LISTENER_UID = 0  # k2fleet's units (engines, the API front, the router, the relay) run as root
-_TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
+SS_TIMEOUT_S = 5
 
 
-def _proc_hex(family: int, address: str) -> tuple[str, ...]:
-    """How /proc/net/tcp{,6} writes ``address``: each 32-bit word in host byte order, in hex;
-    an IPv4 address also as its IPv4-mapped IPv6 form (a dual-stack listener's sockets)."""
-    def words(raw: bytes) -> str:
-        out = ""
-        for i in range(0, len(raw), 4):
-            word = raw[i:i + 4]
-            out += (word[::-1] if sys.byteorder == "little" else word).hex().upper()
-        return out
-    raw = _socket.inet_pton(family, address)
-    if family == _socket.AF_INET:
-        return words(raw), words(b"\0" * 10 + b"\xff\xff" + raw)
-    return (words(raw),)
+def _ss_address(text: str) -> tuple[str, int] | None:
+    """(address, port) of one of ``ss -n``'s address columns; an IPv4-mapped IPv6 address as
+    its IPv4 form (a dual-stack listener's sockets), a scope (``%eth0``) left out.
+
+    >>> _ss_address("127.0.0.1:8000"), _ss_address("[::ffff:10.0.0.1]:443"), _ss_address("[fe80::1]%eth0:80")
+    (('127.0.0.1', 8000), ('10.0.0.1', 443), ('fe80::1', 80))
+    >>> _ss_address("*:*") is None
+    True
+    """
+    host, _, port = text.rpartition(":")
+    if not port.isdigit():
+        return None
+    host = host.split("%", 1)[0].strip("[]")
+    if host.startswith("::ffff:") and "." in host:
+        host = host[7:]
+    return host, int(port)
 
 
-_SYN_RECV = (3, 12)  # TCP_SYN_RECV, TCP_NEW_SYN_RECV: a request socket, whose uid sock_diag reports as 0
+def _ss_uid(details: list[str]) -> int | None:
+    """The socket owner's uid among ``ss -e``'s details: its ``uid:N``; none printed is root's
+    (ss prints the uid only when it is not 0), told apart from details not shown at all by the
+    ``ino:`` ss always prints with them.
+
+    >>> _ss_uid(["uid:65534", "ino:0", "sk:1"]), _ss_uid(["ino:0", "sk:1"]), _ss_uid([])
+    (65534, 0, None)
+    """
+    for field in details:
+        if field.startswith("uid:") and field[4:].isdigit():
+            return int(field[4:])
+    return 0 if any(field.startswith("ino:") for field in details) else None
 
 
-def diag_uid(sock) -> int | None:
-    """:func:`server_uid` by one exact NETLINK_SOCK_DIAG lookup (``inet_diag_req_v2`` without
-    NLM_F_DUMP: the kernel finds the one socket by its four-tuple, whatever the number of
-    connections; /proc/net/tcp costs a line per socket: ~120 ms with 1,500 of them). -1 while the
-    server end is still a request socket (the handshake's last ACK not yet processed: sock_diag
-    reports uid 0 for those, so it is not trusted); None when the kernel has no such socket.
-    Raises OSError or ValueError (no sock_diag)."""
-    order = sys.byteorder
-    mine, peer = sock.getsockname(), sock.getpeername()
-    family = sock.family
-    size = 4 if family == _socket.AF_INET else 16
-    src = _socket.inet_pton(family, peer[0]).ljust(16, b"\0")  # the server end's own address: our peer
-    dst = _socket.inet_pton(family, mine[0]).ljust(16, b"\0")
-    assert len(src) == 16 and size in (4, 16)
-    sockid = peer[1].to_bytes(2, "big") + mine[1].to_bytes(2, "big") + src + dst + bytes(4) + b"\xff" * 8  # no cookie
-    req = bytes([family, _socket.IPPROTO_TCP, 0, 0]) + (0xFFFFFFFF).to_bytes(4, order) + sockid
-    nl = _socket.socket(16, _socket.SOCK_RAW, 4)  # AF_NETLINK, NETLINK_SOCK_DIAG
+def is_local(address: str) -> bool:
+    """Is ``address`` one of this host's own (``ip route get`` routes it as ``local``)?"""
+    out = subprocess.run(["ip", "-j", "route", "get", address], stdin=subprocess.DEVNULL, capture_output=True,
+                         text=True, timeout=SS_TIMEOUT_S).stdout
     try:
-        nl.settimeout(2)
-        nl.bind((0, 0))
-        # nlmsghdr: length, SOCK_DIAG_BY_FAMILY (20), NLM_F_REQUEST (1), seq, pid
-        nl.send((16 + len(req)).to_bytes(4, order) + (20).to_bytes(2, order) + (1).to_bytes(2, order)
-                + (1).to_bytes(4, order) + bytes(4) + req)
-        data = nl.recv(1 << 16)
-    finally:
-        nl.close()
-    if len(data) < 20:
-        raise ValueError("sock_diag: a short answer")
-    kind = int.from_bytes(data[4:6], order)
-    if kind == 2:  # NLMSG_ERROR: ENOENT (no such socket here), or sock_diag refused
-        errno = -int.from_bytes(data[16:20], order, signed=True)
-        if errno == 2:
-            return None
-        raise OSError(errno, "sock_diag refused the lookup")
-    if kind != 20 or len(data) < 16 + 72:
-        raise ValueError("sock_diag: not an inet_diag_msg")
-    msg = data[16:]
-    if msg[1] in _SYN_RECV:
-        return -1
-    return int.from_bytes(msg[64:68], order)
+        return any(route.get("type") == "local" for route in json.loads(out or "[]"))
+    except (ValueError, AttributeError):
+        return False
+
+
+def listeners(port: int) -> list[tuple[str, int | None]]:
+    """(address, owner's uid: :func:`_ss_uid`) of every TCP socket listening on ``port`` here, as
+    ``ss -Htne state listening`` lists them (the kernel walks its listening sockets only)."""
+    out = subprocess.run(["ss", "-Htne", "state", "listening", f"( sport = :{port} )"], stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=SS_TIMEOUT_S, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        fields = line.split()  # Recv-Q Send-Q Local Peer details... (one state asked: no State column)
+        local = _ss_address(fields[2]) if len(fields) >= 4 else None
+        if local and local[1] == port:
+            found.append((local[0], _ss_uid(fields[4:])))
+    return found
+
+
+WILDCARDS = {socket.AF_INET: ("0.0.0.0", "*"), socket.AF_INET6: ("::", "*")}  # "*": a dual-stack listener
 
 
 def server_uid(sock) -> int | None:
-    """The uid owning the server end of the connected TCP socket ``sock`` (an SO_PEERCRED for
-    TCP): an accepted (or still queued) connection carries its listener's owner. By
-    :func:`diag_uid`; where sock_diag is missing, the /proc/net/tcp{,6} entry whose local
-    address is ``sock``'s peer and whose remote address is ``sock`` itself. None when the
-    server end is not in this network namespace (another host)."""
+    """The uid owning the listener that the connected TCP socket ``sock`` reached (an
+    SO_PEERCRED for TCP): the listener on its peer's port bound to its peer's address, else
+    the wildcard one the kernel hands the connection to (``ss`` names the owners:
+    :func:`listeners`); a listener not root's among several is the answer. None when the
+    peer is not an address of this host (the server is elsewhere) or no listener there is
+    told (no ``ss`` details). Raises OSError when ``ip`` or ``ss`` cannot answer."""
     try:
-        uid = diag_uid(sock)
-        for _ in range(50):  # the handshake's last ACK is processed a moment after connect() returns
-            if uid != -1:
-                return uid
-            time.sleep(0.002)
-            uid = diag_uid(sock)
+        host, port = _ss_address(f"[{sock.getpeername()[0]}]:{sock.getpeername()[1]}") or ("", 0)
+        if not is_local(host):
+            return None
+        found = listeners(port)
+    except subprocess.SubprocessError as exc:
+        raise OSError(f"ss: {exc}") from None
+    family = socket.AF_INET if "." in host else socket.AF_INET6
+    owners = [uid for address, uid in found if address == host] \
+        or [uid for address, uid in found if address in WILDCARDS[family]]
+    if not owners or None in owners:
         return None
-    except (OSError, ValueError):
-        pass
-    mine, peer = sock.getsockname(), sock.getpeername()
-    wants = set()
-    for here, there in zip(_proc_hex(sock.family, mine[0]), _proc_hex(sock.family, peer[0])):
-        wants.add((f"{there}:{peer[1]:04X}", f"{here}:{mine[1]:04X}"))
-    for table in _TCP_TABLES:
-        try:
-            with open(table, encoding="ascii") as fh:
-                next(fh, None)
-                for line in fh:
-                    fields = line.split()
-                    if len(fields) > 7 and (fields[1], fields[2]) in wants:
-                        return int(fields[7])
-        except OSError:
-            continue
-    return None
+    return next((uid for uid in owners if uid != LISTENER_UID), LISTENER_UID)
+
+
+def listener_process(port: int) -> str:
+    """Who listens on TCP ``port`` here, as ``ss -p`` names the processes (its
+    ``users:(...)``), or ""."""
+    try:
+        out = subprocess.run(["ss", "-Htnp", "state", "listening", f"( sport = :{port} )"], stdin=subprocess.DEVNULL,
+                             capture_output=True, text=True, timeout=SS_TIMEOUT_S).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return " ".join(sorted({f for line in out.splitlines() for f in line.split() if f.startswith("users:")}))
 
 
 def check_server(sock, host: str, port: int, required: bool) -> None:
     """Raise :class:`Impostor` unless root (:data:`LISTENER_UID`) owns the listener ``sock`` is
     connected to: nothing (no key, no request) is sent to another local user's socket.
     ``required``: the server must be on this host (the health gate runs where its service
-    does); otherwise a server elsewhere (not in this host's tables) passes."""
-    uid = server_uid(sock)
-    for _ in range(20):  # the server end of a loopback connection may show a moment after connect()
-        if uid is not None or not required:
-            break
-        time.sleep(0.005)
-        uid = server_uid(sock)
+    does); otherwise a server elsewhere (not in this host's tables), or a host without ss,
+    passes."""
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        uid = server_uid(sock)
+    except OSError as exc:
+        if required:
+            raise Impostor(f"port {where}: cannot tell the owner of the socket that answers ({exc}); "
+                           "nothing was sent") from None
+        return
     if uid is None and required:
         raise Impostor(f"port {where}: no socket of this host answers (cannot tell its owner); nothing was sent")
     if uid is not None and uid != LISTENER_UID:
-        raise Impostor(f"port {where} is held by uid {uid}, not root: another local user's listener, not k2fleet's "
-                       f"unit; nothing was sent to it (no API key). Stop that process and make ports below "
-                       f"net.ipv4.ip_unprivileged_port_start privileged (k2fleet's sysctl drop-in does)")
+        held_by = listener_process(port)
+        raise Impostor(f"port {where} is held by uid {uid}{f' ({held_by})' if held_by else ''}, not root: another "
+                       f"local user's listener, not k2fleet's unit; nothing was sent to it (no API key). Stop that "
+                       f"process and make ports below net.ipv4.ip_unprivileged_port_start privileged (k2fleet's "
+                       f"sysctl drop-in does)")
 
 
 def check_listener(base: str, timeout: float = 5) -> None:
@@ -178,7 +181,7 @@ def check_listener(base: str, timeout: float = 5) -> None:
     when the control machine is a fleet host); a server elsewhere passes. OSError: no answer."""
     scheme, _, rest = base.partition("://")
     host, port = _host_port(rest.partition("/")[0], 443 if scheme == "https" else 80)
-    sock = connect(ascii_host(host), port, timeout)
+    sock = socket.create_connection((host, port), timeout)
     try:
         check_server(sock, host, port, required=False)
     finally:
@@ -203,8 +206,8 @@ def _host_port(hostport: str, default: int = 80) -> tuple[str, int]:
 def request(url: str, body: bytes | None = None, timeout: float = 30, key: str | None = None,
             tls: tuple[str | None, str | None] | None = None, owner: str | None = None) -> tuple[int, bytes]:
     """(status, body) of one HTTP/1.1 request (POST with a JSON ``body``, else GET) on a
-    fresh connection, standard library sockets only: the fact's quick check runs on every
-    deploy and ``urllib.request`` alone costs ~90 ms of CPU to import. ``http://`` or
+    fresh connection, on a plain socket: the owner check (:func:`check_server`) comes between
+    the connection and the first byte sent, which ``urllib`` has no place for. ``http://`` or
     ``https://`` (``ssl`` imported only then); at most :data:`MAX_BODY` bytes; chunked or
     length-delimited answers; ``key``: sent as ``Authorization: Bearer KEY``. ``tls``: (CA
     file, the name the certificate must hold: an IP address or DNS name; None: the URL's
@@ -227,7 +230,7 @@ def request(url: str, body: bytes | None = None, timeout: float = 30, key: str |
     if body is not None:
         head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
     deadline = time.monotonic() + timeout
-    sock = connect(ascii_host(host), port, timeout)
+    sock = socket.create_connection((host, port), timeout)
     if owner is not None:
         try:
             check_server(sock, host, port, owner == "required")
@@ -287,40 +290,6 @@ def _wrap(sock, tls: tuple[str | None, str | None], host: str, url: str):
         raise
 
 
-def connect(host: str | bytes, port: int, timeout: float):
-    """``socket.create_connection((host, port), timeout)`` with ``_socket`` alone (the
-    ``socket`` module's import builds its enums: ~2 ms of every probe): each address
-    ``getaddrinfo`` gives, in its order, until one connects; the last error otherwise."""
-    error: OSError = OSError(f"no address for {host!r}")
-    for family, kind, proto, _, address in _socket.getaddrinfo(host, port, 0, _socket.SOCK_STREAM):
-        sock = _socket.socket(family, kind, proto)
-        try:
-            sock.settimeout(timeout)
-            sock.connect(address)
-            return sock
-        except OSError as exc:
-            error = exc
-            sock.close()
-    raise error
-
-
-def ascii_host(host: str) -> str | bytes:
-    """``host`` as getaddrinfo's bytes when it is one the ``idna`` codec would encode as ASCII
-    unchanged (an address, a plain name): the same lookup without the codec's import (~0.6 ms
-    of every deploy's host probe: encodings.idna, stringprep, unicodedata); any other ``host``
-    unchanged (idna encodes it, or refuses it, as before).
-
-    >>> ascii_host("127.0.0.1"), ascii_host("::1"), ascii_host("gpu-1.lan."), ascii_host("a..b"), ascii_host("bücher")
-    (b'127.0.0.1', b'::1', b'gpu-1.lan.', 'a..b', 'bücher')
-    """
-    if not host.isascii():
-        return host
-    labels = host.split(".")
-    if all(0 < len(label) < 64 for label in labels[:-1]) and len(labels[-1]) < 64:
-        return host.encode("ascii")
-    return host
-
-
 def get_status(url: str, tls: tuple[str | None, str | None] | None = None, owner: str | None = None) -> int | None:
     try:
         return request(url, timeout=5, tls=tls, owner=owner)[0]
@@ -333,14 +302,14 @@ def get_json(url: str, timeout: float = 30, key: str | None = None, tls: tuple[s
     status, body = request(url, timeout=timeout, key=key, tls=tls, owner=owner)
     if status != 200:
         raise ValueError(f"{url} answered {status}")
-    return json_loads(body)
+    return json.loads(body)
 
 
 def chat(base: str, model: str, key: str | None = None, timeout: float = 120,
          tls: tuple[str | None, str | None] | None = None, owner: str | None = "local") -> str:
     """One chat completion's answer (``tls``, ``owner``: :func:`request`'s; by default a server
     on this machine must be root's before the key goes to it)."""
-    body = json_dumps({
+    body = json.dumps({
         "model": model,
         "messages": [{"role": "user", "content": "Reply with one word: ready?"}],
         "max_tokens": 16,
@@ -349,7 +318,7 @@ def chat(base: str, model: str, key: str | None = None, timeout: float = 120,
     status, answer = request(f"{base}/v1/chat/completions", body, timeout=timeout, key=key, tls=tls, owner=owner)
     if status != 200:
         raise ValueError(f"chat completion answered {status}: {answer[:200]!r}")
-    message = json_loads(answer)["choices"][0]["message"]
+    message = json.loads(answer)["choices"][0]["message"]
     # a thinking model may spend its tokens thinking: vLLM returns that as ``reasoning``
     # (``reasoning_content`` in older releases and in SGLang), with ``content`` null
     return (message.get("content") or message.get("reasoning") or message.get("reasoning_content") or "").strip()
@@ -428,7 +397,6 @@ def pd_mismatch(pools: dict) -> str | None:
 
 
 def journal_tail(unit: str, lines: int = 30) -> str:
-    import subprocess
     try:
         out = subprocess.run(["journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "cat"],
                              capture_output=True, text=True, timeout=20)
@@ -510,8 +478,7 @@ def _wait_healthy(base: str, model: str, timeout: float, expected: dict | None, 
     raise NotHealthy(f"not healthy after {timeout:.0f}s: {last}")
 
 
-def _parser():
-    import argparse
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="health")
     ap.add_argument("--base", required=True)
     ap.add_argument("--model", required=True)
@@ -519,9 +486,9 @@ def _parser():
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--ready-path", default="/health",
                     help="readiness route that must answer 200 before the chat completion (default /health)")
-    ap.add_argument("--expect-world", type=json_loads, default=None,
+    ap.add_argument("--expect-world", type=json.loads, default=None,
                     help="JSON {key: value} the engine must report in /v1/models metadata (the planned topology)")
-    ap.add_argument("--expect-pd", type=json_loads, default=None,
+    ap.add_argument("--expect-pd", type=json.loads, default=None,
                     help='JSON {"prefill": [URL], "decode": [URL]}: the completion must reach both pools')
     ap.add_argument("--api-key-file", default=None,
                     help="root-only file holding the API key to send as Authorization: Bearer (never the key itself)")
@@ -535,31 +502,24 @@ def _parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = quick_args(argv, {"--base": (None, None), "--model": (None, None), "--unit": (None, None),
-                             "--timeout": (float, 600), "--ready-path": (None, "/health"),
-                             "--expect-world": (json_loads, None), "--expect-pd": (json_loads, None),
-                             "--api-key-file": (None, None), "--expect-counter": (None, None),
-                             "--ca-file": (None, None), "--tls-name": (None, None)},
-                      required=("--base", "--model", "--unit"))
-    if args is None:
-        args = _parser().parse_args(argv)
+    args = _parser().parse_args(argv)
     tls = (args.ca_file, args.tls_name) if args.ca_file or args.base.startswith("https://") else None
     try:
         key = read_key(args.api_key_file) if args.api_key_file else None
         answer = wait_healthy(args.base, args.model, args.timeout, args.expect_world, args.ready_path,
                               args.expect_pd, key, args.expect_counter, tls)
     except (OSError, ValueError) as exc:  # the key file itself
-        print(f"{_socket.gethostname()}: {args.unit}: API key: {exc}", file=sys.stderr)
+        print(f"{socket.gethostname()}: {args.unit}: API key: {exc}", file=sys.stderr)
         return 1
     except Impostor as exc:  # loudly, at once: one line naming the host, the port and the squatter's uid
-        print(f"{_socket.gethostname()}: {args.unit}: {exc}", file=sys.stderr)
+        print(f"{socket.gethostname()}: {args.unit}: {exc}", file=sys.stderr)
         return 1
     except NotHealthy as exc:
-        print(f"{_socket.gethostname()}: {args.unit}: {exc}", file=sys.stderr)
+        print(f"{socket.gethostname()}: {args.unit}: {exc}", file=sys.stderr)
         print(f"--- last log lines of {args.unit} ---", file=sys.stderr)
         print(journal_tail(args.unit), file=sys.stderr)
         return 1
-    print(f"{_socket.gethostname()}: {args.unit} healthy; completion: {answer[:60]!r}")
+    print(f"{socket.gethostname()}: {args.unit} healthy; completion: {answer[:60]!r}")
     return 0
 
 

@@ -38,22 +38,19 @@ Manifest (``DIR/.k2fleet/manifest.json``)::
 
 from __future__ import annotations
 
-import _thread
+import argparse
+import hashlib
+import json
 import os
+import stat as _stat
+import struct
 import sys
+import threading
 import time
-# Every deploy's host probe imports this module (its --marker-only check): typing and dataclasses
-# (~7 ms of import) are not imported at all; json, re and threading neither (the probe's JSON
-# helpers read the manifest and the marker); argparse (+ shutil for its help), hashlib (OpenSSL,
-# ~2 ms) and struct only where used (the probe's --marker-only check parses its argv by hand:
-# :func:`~k2fleet.hostprogs.quick_args.quick_args`, and hashes one small manifest with the builtin
-# sha256: :func:`~k2fleet.hostprogs.hoststate.new_sha256`)
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Any
 
-from k2fleet.hostprogs.hoststate import json_dumps, json_loads, new_sha256  # noqa: E402 - in the archive beside it
-from k2fleet.hostprogs.quick_args import quick_args  # noqa: E402
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing is not imported on the fact's path (every deploy's --marker-only check)
+    from typing import Any
 
 STATE_DIR = ".k2fleet"
 MANIFEST_NAME = "manifest.json"
@@ -208,20 +205,7 @@ def manifest_from_bytes(raw: bytes) -> Any:
     if raw.startswith(b"\xef\xbb\xbf"):
         raise ValueError("the manifest starts with a byte order mark (it must be plain UTF-8)")
     text = raw.decode("utf-8", "strict")  # UnicodeDecodeError is a ValueError
-    try:
-        from _json import make_scanner
-        scan = make_scanner(_StrictJson)
-    except (ImportError, TypeError):
-        import json
-        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
-    at = _skip_space(text, 0)
-    try:
-        value, end = scan(text, at)
-    except StopIteration as exc:
-        raise ValueError(f"no JSON value at {exc.value}") from None
-    if _skip_space(text, end) != len(text):
-        raise ValueError(f"extra data after the JSON value at {end}")
-    return value
+    return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -235,20 +219,6 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
-
-
-class _StrictJson:
-    """What ``_json.make_scanner`` reads from a ``json.JSONDecoder``: strict, no duplicate keys, no NaN."""
-
-    strict, object_hook = True, None
-    object_pairs_hook, parse_constant = _unique_keys, _no_constant
-    parse_float, parse_int = float, int
-
-
-def _skip_space(text: str, at: int) -> int:
-    while at < len(text) and text[at] in " \t\n\r":
-        at += 1
-    return at
 
 
 def manifest_problems(manifest: Any) -> list[Problem]:
@@ -320,10 +290,7 @@ def manifest_digest(manifest: dict[str, Any]) -> str:
         64
     """
     core = {k: manifest.get(k) for k in ("repo_id", "revision", "files")}
-    blob = json_dumps(core, sort_keys=True).encode()
-    h = new_sha256(len(blob))  # the builtin sha256 for a small blob: no OpenSSL load
-    h.update(blob)
-    return h.hexdigest()
+    return hashlib.sha256(json.dumps(core, separators=(",", ":"), sort_keys=True).encode()).hexdigest()
 
 
 # --------------------------------------------------------------------------- files beneath the root
@@ -373,7 +340,6 @@ def _open_dir_part(root: str, done: list[str], part: str, fd: int, error: OSErro
             return os.open(part, _DIR_FLAGS, dir_fd=fd)
         except OSError as e:
             error = e
-    import stat as _stat
     try:
         mode = os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode
     except OSError:
@@ -436,7 +402,6 @@ def stat_beneath(root: str, rel: str) -> dict[str, int] | None:
         return None
     finally:
         os.close(dfd)
-    import stat as _stat
     return _stat_record(st) if _stat.S_ISREG(st.st_mode) else None
 
 
@@ -448,7 +413,7 @@ def write_beneath(root: str, rel: str, data: bytes, durable: bool = True) -> Non
     head, _, name = rel.rpartition("/")
     dfd = open_dir_beneath(root, head, create=True)
     try:
-        tmp = f".{name}.tmp.{os.getpid()}.{_thread.get_ident()}"
+        tmp = f".{name}.tmp.{os.getpid()}.{threading.get_ident()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644,
                      dir_fd=dfd)
         try:
@@ -501,7 +466,7 @@ def _stat_record(st: os.stat_result) -> dict[str, int]:
 def load_marker(root: str, manifest: dict[str, Any]) -> dict[str, dict[str, int]]:
     """Per-file stat records of a marker that matches ``manifest`` ({} if none/stale)."""
     try:
-        marker = json_loads(read_beneath(root, os.path.join(STATE_DIR, MARKER_NAME)))
+        marker = json.loads(read_beneath(root, os.path.join(STATE_DIR, MARKER_NAME)))
     except (OSError, ValueError):
         return {}
     if (
@@ -525,7 +490,6 @@ def write_marker(root: str, manifest: dict[str, Any], stats: dict[str, dict[str,
         "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "files": stats,
     }
-    import json
     write_beneath(root, os.path.join(STATE_DIR, MARKER_NAME), (json.dumps(marker, indent=1, sort_keys=True) + "\n").encode())
 
 
@@ -538,8 +502,7 @@ def atomic_write_json(path: str, obj: Any) -> None:
     """Write JSON to ``path`` atomically (same-directory temp file + ``os.replace``)."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
-    import json
-    tmp = f"{path}.tmp.{os.getpid()}.{_thread.get_ident()}"
+    tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=1, sort_keys=True)
@@ -586,7 +549,6 @@ def safetensors_header_problem(fd: int, size: int) -> str | None:
         ...     safetensors_header_problem(f.fileno(), 10) is None
         True
     """
-    import struct
     if size < 8:
         return f"file is {size} bytes, shorter than the 8-byte header length"
     (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
@@ -594,7 +556,7 @@ def safetensors_header_problem(fd: int, size: int) -> str | None:
         return f"header length {n} does not fit a {size}-byte file"
     raw = os.pread(fd, n, 8)
     try:
-        header = json_loads(raw.decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         return f"header is not valid JSON ({e.__class__.__name__})"
     if not isinstance(header, dict):
@@ -638,7 +600,6 @@ def new_hasher(entry: dict[str, Any]) -> Any:
 
 def _new_hasher(entry: dict[str, Any], size: int) -> tuple[Any, str, str]:
     """(hasher, algorithm label, expected hex) for a manifest entry."""
-    import hashlib
     if entry.get("sha256"):
         return hashlib.sha256(), "sha256", entry["sha256"]
     h = hashlib.sha1()
@@ -696,7 +657,6 @@ class _Verifier:
         self.files: dict[str, dict[str, Any]] = manifest["files"]
         self.prior = {} if full else load_marker(root, manifest)
         self.hashed = hashed or {}  # rel → (hex digest, stat record) of a hash the caller took of the file
-        import threading
         self._local = threading.local()
 
     def _buffer(self) -> bytearray:
@@ -801,7 +761,7 @@ def index_problems(root: str, manifest: dict[str, Any], file_symlinks: bool = Fa
 def _one_index_problems(root: str, index_rel: str, files: dict[str, Any], file_symlinks: bool = False) -> list[Problem]:
     prefix = index_rel[: -len(INDEX_NAME)]
     try:
-        weight_map = json_loads(read_beneath(root, index_rel, follow_last=file_symlinks).decode("utf-8"))["weight_map"]
+        weight_map = json.loads(read_beneath(root, index_rel, follow_last=file_symlinks).decode("utf-8"))["weight_map"]
         if not isinstance(weight_map, dict):
             raise ValueError("weight_map is not an object")
     except FileNotFoundError:
@@ -925,7 +885,6 @@ def pin_problem(manifest: Any, repo: str | None, revision: str | None, digest: s
 
 
 def _parser() -> Any:
-    import argparse
     ap = argparse.ArgumentParser(prog="verify.py", description="Verify a checkpoint directory against its manifest.")
     ap.add_argument("dir")
     ap.add_argument("--manifest", help="manifest path (default DIR/.k2fleet/manifest.json)")
@@ -949,11 +908,7 @@ def main(argv: list[str] | None = None) -> int:
         $ python3 /opt/k2fleet/lib/k2fleet-host.pyz verify /models/k2 --full
         OK revision 6126...: 67 files, ...
     """
-    args = quick_args(argv, {"--manifest": (None, None), "--workers": (int, None), "--repo": (None, None),
-                             "--revision": (None, None), "--manifest-digest": (None, None)},
-                      ("--full", "--json", "--marker-only"), ("dir",))
-    if args is None:
-        args = _parser().parse_args(argv)
+    args = _parser().parse_args(argv)
     root = os.path.abspath(args.dir)
     mpath = args.manifest or os.path.join(state_dir(root), MANIFEST_NAME)
     if args.marker_only:
@@ -977,8 +932,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             report = verify(root, manifest, full=args.full, workers=args.workers)
     if args.json:
-        import json
-        print(json.dumps(report.to_dict(), indent=1, sort_keys=True))
+            print(json.dumps(report.to_dict(), indent=1, sort_keys=True))
     else:
         for line in report.lines():
             print(line)
