@@ -26,14 +26,14 @@ REHEARSAL_SHARD_BYTES = 16 * 1024
 GGUF_SPLITS = 3  # synthetic GGUF split files per repository
 
 
-def sandbox_checkpoint_dir() -> Path:
-    """Where the sandbox checkpoint lives on the control machine (fixed: the sandbox
-    inventories name it, and they read no environment).
+def sandbox_checkpoint_dir(revision: str = SANDBOX_REVISION) -> Path:
+    """Where the sandbox checkpoint (at ``revision``) lives on the control machine (fixed:
+    the sandbox inventories name it, and they read no environment).
 
     >>> sandbox_checkpoint_dir().parent.name
     'k2fleet-test--Kimi-K2-Thinking-synthetic'
     """
-    return CHECKPOINTS / SANDBOX_MODEL.replace("/", "--") / SANDBOX_REVISION
+    return CHECKPOINTS / SANDBOX_MODEL.replace("/", "--") / revision
 
 
 def _build_once(root: Path, repo: str, revision: str, make: Callable[[Path], list]) -> Path:
@@ -48,11 +48,12 @@ def _build_once(root: Path, repo: str, revision: str, make: Callable[[Path], lis
 
 
 def ensure_synthetic_checkpoint(root: Path, model: str, revision: str, num_shards: int = SHARDS,
-                                shard_bytes: int = SHARD_BYTES, style: str = "thinking") -> Path:
+                                shard_bytes: int = SHARD_BYTES, style: str = "thinking", seed: int = 0) -> Path:
     """Create a synthetic checkpoint of ``model``@``revision`` and its manifest at
-    ``root`` once (built beside it, renamed into place); return ``root``."""
-    return _build_once(root, model, revision,
-                       lambda tmp: make_checkpoint(tmp, num_shards=num_shards, shard_bytes=shard_bytes, style=style))
+    ``root`` once (built beside it, renamed into place); return ``root``. ``seed``: its shard
+    bytes (:func:`~k2sandbox.synthetic_checkpoint.make_checkpoint`)."""
+    return _build_once(root, model, revision, lambda tmp: make_checkpoint(
+        tmp, num_shards=num_shards, shard_bytes=shard_bytes, style=style, seed=seed))
 
 
 def ensure_synthetic_gguf(root: Path, repo: str, revision: str, names: list[str], file_bytes: int = SHARD_BYTES) -> Path:
@@ -61,9 +62,22 @@ def ensure_synthetic_gguf(root: Path, repo: str, revision: str, names: list[str]
     return _build_once(root, repo, revision, lambda tmp: make_gguf_files(tmp, names, file_bytes))
 
 
-def ensure_sandbox_checkpoint() -> Path:
-    """Create the sandbox inventories' synthetic checkpoint once; return its directory."""
-    return ensure_synthetic_checkpoint(sandbox_checkpoint_dir(), SANDBOX_MODEL, SANDBOX_REVISION)
+def revision_seed(revision: str) -> int:
+    """The shard bytes' seed of a sandbox checkpoint revision: 0 for the sandbox inventories'
+    own, else from the revision itself (another revision holds other bytes).
+
+    >>> revision_seed(SANDBOX_REVISION), revision_seed("00000000000000000000000000000000000000ff")
+    (0, 256)
+    """
+    return 0 if revision == SANDBOX_REVISION else 1 + int(revision[-6:], 16)
+
+
+def ensure_sandbox_checkpoint(revision: str = SANDBOX_REVISION) -> Path:
+    """Create the sandbox inventories' synthetic checkpoint at ``revision`` (default: theirs)
+    once; return its directory (a ``control:`` source for ``k2_revision: REVISION``). Another
+    revision has the same layout and other shard bytes."""
+    return ensure_synthetic_checkpoint(sandbox_checkpoint_dir(revision), SANDBOX_MODEL, revision,
+                                       seed=revision_seed(revision))
 
 
 if __name__ == "__main__":

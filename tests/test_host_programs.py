@@ -42,7 +42,7 @@ def test_the_archive_holds_every_host_program_and_nothing_else() -> None:
         sources = {"__main__.py", "k2fleet/__init__.py", *(f"k2fleet/hostprogs/{p.name}" for p in SOURCES.glob("*.py"))}
         # the probe's programs and the modules they import, with their bytecode
         probe = {f"k2fleet/hostprogs/{p}.pyc" for p in (*IN_PROCESS, *PROBE_IMPORTS)}
-        assert set(names) == sources | probe and len(probe) == 5
+        assert set(names) == sources | probe and len(probe) == 6
         assert zf.read("k2fleet/__init__.py") == b""  # not the product's package: nothing of it but the programs
         assert {info.date_time for info in zf.infolist()} == {(1980, 1, 1, 0, 0, 0)}
         assert {info.compress_type for info in zf.infolist()} == {zipfile.ZIP_STORED}  # the probe inflates nothing

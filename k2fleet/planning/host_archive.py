@@ -49,7 +49,7 @@ from k2fleet.hostprogs.hoststate import IN_PROCESS
 ARCHIVE = "/opt/k2fleet/lib/k2fleet-host.pyz"
 SOURCES = Path(__file__).resolve().parents[1] / "hostprogs"
 PROGRAMS = ("download", "health", "hoststate", "image_pin", "lbctl", "manifest", "overlay", "raygate", "reach", "relay",
-            "verify")
+            "revisions", "verify")
 PROBE_IMPORTS = ("quick_args",)  # host modules the probe's programs import (their bytecode ships too)
 ZIP_TIME = (1980, 1, 1, 0, 0, 0)
 MAIN = '''"""k2fleet's host programs: python3 k2fleet-host.pyz PROGRAM ARGS..."""
