@@ -38,6 +38,9 @@ SANDBOX_DOCKER = False
 LB_PORT = 8080
 NEW_REVISION = "7e57c0de0000000000000000000000000000a2b2"  # the synthetic checkpoint's second revision
 OLD_ENGINE, NEW_ENGINE = "0.33.0", "0.10.0"  # the catalog's default vLLM pin, and another it supports
+# 0.10.0 is a CUDA 12.6 build, which would pick the 570 driver branch: the fleet keeps the 580 the
+# default pin chose (a newer driver serves an older CUDA build), so the change is the engine alone
+SAME_DRIVER = {"k2_driver_branch": 580}
 MODELS = f"/srv/k2fleet/models/{SANDBOX_MODEL.replace('/', '--')}"
 UNIT = "k2-vllm.service"
 
@@ -59,6 +62,11 @@ def control_records(fleet: SandboxFleet) -> list[dict]:
 
 def exec_start(host: dict) -> str:
     return ssh(host, f"systemctl show -p ExecStart --value {UNIT}").stdout
+
+
+def driver_package(host: dict) -> str:
+    """The installed NVIDIA driver package (the TEST DOUBLE repository's) and its version."""
+    return ssh(host, "dpkg-query -W -f '${Package} ${Version}\\n' 'nvidia-open*'").stdout
 
 
 def listing(host: dict, path: str) -> list[str]:
@@ -125,13 +133,15 @@ def test_revision_and_engine_changes_roll_with_no_failed_request_and_going_back_
     assert loop.ok >= 10 and loop.failed == 0, (loop.ok, loop.failed, loop.errors[:5])
 
     # 2. the engine release: its venv installed beside the serving one, then the roll switches
-    new_engine = {**new_rev, "k2_engine_version": NEW_ENGINE}
+    new_engine = {**new_rev, "k2_engine_version": NEW_ENGINE, **SAME_DRIVER}
+    drivers = {h["name"]: driver_package(h) for h in fleet.hosts}
     result, loop, before, after = roll(fleet, new_engine, base, model)
     assert result.returncode == 0, result.tail()
     figures["engine"] = (loop.ok, loop.failed)
     assert all(after[n] != before[n] and after[n] > 0 for n in before), (before, after)
     rolled_one_at_a_time(result.log)
     assert first(result.log, r"operation: k2fleet: engine runtime") < first(result.log, r"operation: k2fleet: [^\n]*rolling 1/2")
+    assert {h["name"]: driver_package(h) for h in fleet.hosts} == drivers  # the driver stayed as it was
     for h in fleet.hosts:
         assert f"/opt/k2fleet/venv/vllm-{NEW_ENGINE}/bin/vllm " in exec_start(h)
         assert listing(h, "/opt/k2fleet/venv") == sorted([".k2fleet-served", f"vllm-{OLD_ENGINE}", f"vllm-{NEW_ENGINE}"])
@@ -139,7 +149,7 @@ def test_revision_and_engine_changes_roll_with_no_failed_request_and_going_back_
 
     # 3. back to the previous revision: re-pinned from each host's kept copy, nothing downloaded
     got_before, sent_before = received_bytes(fleet), control_records(fleet)
-    back = {**lb, "k2_engine_version": NEW_ENGINE}
+    back = {**lb, "k2_engine_version": NEW_ENGINE, **SAME_DRIVER}
     result, loop, before, after = roll(fleet, back, base, model)
     assert result.returncode == 0, result.tail()
     got, sent = received_bytes(fleet), control_records(fleet)
