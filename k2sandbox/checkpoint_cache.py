@@ -38,18 +38,18 @@ def synthetic_checkpoint_dir(base: Path, num_shards: int = SHARDS, shard_bytes: 
     return base.with_name(f"{base.name}-{num_shards}x{shard_bytes}-{style}")
 
 
-def sandbox_checkpoint_dir() -> Path:
-    """Where the sandbox checkpoint lives on the control machine (fixed: the sandbox
-    inventories name it, and they read no environment).
+def sandbox_checkpoint_dir(revision: str = SANDBOX_REVISION) -> Path:
+    """Where the sandbox checkpoint (at ``revision``) lives on the control machine (fixed:
+    the sandbox inventories name it, and they read no environment).
 
     >>> sandbox_checkpoint_dir().parent.name
     'k2fleet-test--Kimi-K2-Thinking-synthetic'
     """
-    return synthetic_checkpoint_dir(_sandbox_base())
+    return synthetic_checkpoint_dir(_sandbox_base(revision))
 
 
-def _sandbox_base() -> Path:
-    return CHECKPOINTS / SANDBOX_MODEL.replace("/", "--") / SANDBOX_REVISION
+def _sandbox_base(revision: str = SANDBOX_REVISION) -> Path:
+    return CHECKPOINTS / SANDBOX_MODEL.replace("/", "--") / revision
 
 
 def _build_once(root: Path, repo: str, revision: str, make: Callable[[Path], list]) -> Path:
@@ -64,11 +64,12 @@ def _build_once(root: Path, repo: str, revision: str, make: Callable[[Path], lis
 
 
 def ensure_synthetic_checkpoint(base: Path, model: str, revision: str, num_shards: int = SHARDS,
-                                shard_bytes: int = SHARD_BYTES, style: str = "thinking") -> Path:
+                                shard_bytes: int = SHARD_BYTES, style: str = "thinking", seed: int = 0) -> Path:
     """Create a synthetic checkpoint of ``model``@``revision`` (``num_shards`` shards of
     ``shard_bytes``, ``style`` naming) and its manifest once, in the directory
     :func:`synthetic_checkpoint_dir` keys by those parameters beside ``base`` (built beside it,
-    renamed into place); return that directory.
+    renamed into place); return that directory. ``seed``: its shard bytes
+    (:func:`~k2sandbox.synthetic_checkpoint.make_checkpoint`).
 
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as tmp:
@@ -79,7 +80,8 @@ def ensure_synthetic_checkpoint(base: Path, model: str, revision: str, num_shard
     """
     root = synthetic_checkpoint_dir(base, num_shards, shard_bytes, style)
     return _build_once(root, model, revision,
-                       lambda tmp: make_checkpoint(tmp, num_shards=num_shards, shard_bytes=shard_bytes, style=style))
+                       lambda tmp: make_checkpoint(tmp, num_shards=num_shards, shard_bytes=shard_bytes, style=style,
+                                                           seed=seed))
 
 
 def ensure_synthetic_gguf(root: Path, repo: str, revision: str, names: list[str], file_bytes: int = SHARD_BYTES) -> Path:
@@ -88,11 +90,22 @@ def ensure_synthetic_gguf(root: Path, repo: str, revision: str, names: list[str]
     return _build_once(root, repo, revision, lambda tmp: make_gguf_files(tmp, names, file_bytes))
 
 
-def ensure_sandbox_checkpoint() -> Path:
-    """Create the sandbox inventories' synthetic checkpoint once; return its directory
-    (:func:`sandbox_checkpoint_dir`, the one they name)."""
-    root = ensure_synthetic_checkpoint(_sandbox_base(), SANDBOX_MODEL, SANDBOX_REVISION)
-    assert root == sandbox_checkpoint_dir(), (root, sandbox_checkpoint_dir())
+def revision_seed(revision: str) -> int:
+    """The shard bytes' seed of a sandbox checkpoint revision: 0 for the sandbox inventories'
+    own, else from the revision itself (another revision holds other bytes).
+
+    >>> revision_seed(SANDBOX_REVISION), revision_seed("00000000000000000000000000000000000000ff")
+    (0, 256)
+    """
+    return 0 if revision == SANDBOX_REVISION else 1 + int(revision[-6:], 16)
+
+
+def ensure_sandbox_checkpoint(revision: str = SANDBOX_REVISION) -> Path:
+    """Create the sandbox inventories' synthetic checkpoint at ``revision`` (default: theirs)
+    once; return its directory (:func:`sandbox_checkpoint_dir`: a ``control:`` source for
+    ``k2_revision: REVISION``). Another revision has the same layout and other shard bytes."""
+    root = ensure_synthetic_checkpoint(_sandbox_base(revision), SANDBOX_MODEL, revision, seed=revision_seed(revision))
+    assert root == sandbox_checkpoint_dir(revision), (root, sandbox_checkpoint_dir(revision))
     return root
 
 

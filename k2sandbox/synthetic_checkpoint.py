@@ -145,12 +145,13 @@ def _write_data(f: Any, nbytes: int, seed: int) -> None:
         counter += 1
 
 
-def write_shard(path: Path, layer: int, data_bytes: int) -> list[str]:
-    """Write one valid safetensors shard; returns its tensor names."""
+def write_shard(path: Path, layer: int, data_bytes: int, seed: int = 0) -> list[str]:
+    """Write one valid safetensors shard; returns its tensor names. ``seed`` varies its data
+    (another revision's shard: same layout, other bytes)."""
     tensors = _shard_tensors(layer, data_bytes)
     with open(path, "wb") as f:
         f.write(safetensors_header(tensors))
-        _write_data(f, sum(t[3] for t in tensors), seed=layer + 1)
+        _write_data(f, sum(t[3] for t in tensors), seed=layer + 1 + (seed << 16))
     return [t[0] for t in tensors]
 
 
@@ -159,8 +160,10 @@ def make_checkpoint(
     num_shards: int = 62,
     shard_bytes: int = 64 * 1024,
     style: str = "thinking",
+    seed: int = 0,
 ) -> list[SynthFile]:
     """Create a synthetic checkpoint under ``root``; returns its files (manifest-worthy).
+    ``seed``: other shard bytes for the same layout (0: the sandbox revision's own).
 
     Example:
         >>> files = make_checkpoint("/tmp/k2synth", num_shards=62, shard_bytes=4096)  # doctest: +SKIP
@@ -173,7 +176,7 @@ def make_checkpoint(
     total = 0
     for i in range(1, num_shards + 1):
         name = shard_name(i, num_shards, style)
-        for tensor in write_shard(root / name, i - 1, shard_bytes):
+        for tensor in write_shard(root / name, i - 1, shard_bytes, seed):
             weight_map[tensor] = name
         total += (root / name).stat().st_size
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

@@ -293,11 +293,11 @@ def test_offline_rehearsal_from_the_bundle_alone(h800_bundle: Path) -> None:
             assert f" from {sandbox.OFFLINE_ADDRESS} " in seen.stdout, seen.stdout[-2000:] + seen.stderr
         lock = lock_of(h800_bundle)
         for host in sandbox.load_hosts():
-            out = sandbox.ssh(host, "/opt/k2fleet/venv/bin/python -c 'from importlib.metadata import version as v; "
+            out = sandbox.ssh(host, "/opt/k2fleet/venv/vllm-0.33.0/bin/python -c 'from importlib.metadata import version as v; "
                                     "print(v(\"k2fleet-engine-doubles\"), v(\"ray\"))'; test -e /opt/k2fleet/doubles; "
-                                    "echo doubles-dir=$?; head -1 /opt/k2fleet/venv/bin/vllm")
+                                    "echo doubles-dir=$?; head -1 /opt/k2fleet/venv/vllm-0.33.0/bin/vllm")
             assert out.stdout.split() == [engine_wheel.version(), "2.60.0", "doubles-dir=1",
-                                          "#!/opt/k2fleet/venv/bin/python3"], out.stdout + out.stderr
+                                          "#!/opt/k2fleet/venv/vllm-0.33.0/bin/python3"], out.stdout + out.stderr
             held = sandbox.ssh(host, "dpkg-query -W -f '${Version}' nvidia-open").stdout
             assert held == next(a.version for a in lock.artifacts if a.name == "nvidia-open:amd64")
     finally:

@@ -72,7 +72,7 @@ def test_ray_gate_runs_before_vllm_serve_and_names_every_planned_node() -> None:
     gate = next(line for line in unit.splitlines() if f"{ARCHIVE} raygate" in line)
     assert gate.startswith("ExecStartPre=") and unit.index(gate) < unit.index("ExecStart=/")
     assert "--node h800-0=192.0.2.20:8 --node h800-1=192.0.2.21:8" in gate
-    assert "--address 192.0.2.20:6379" in gate and "/opt/k2fleet/venv/bin/python3" in gate
+    assert "--address 192.0.2.20:6379" in gate and "/opt/k2fleet/venv/vllm-0.33.0/bin/python3" in gate
 
 
 def test_every_ray_process_authenticates_with_the_deployments_token() -> None:
@@ -103,7 +103,7 @@ def test_every_ray_host_gets_the_engine_side_wheels_and_their_check() -> None:
         venv = OS_TABLES[host.bootstrap.os].venv_packages  # python3-venv (ubuntu-22.04: python3.11-venv)
         assert set(venv) <= set(host.packages) and ENGINE_SIDE_CHECK in host.checks
         assert host.files["engine_side"], name
-        assert "/opt/k2fleet/venv/bin/python" not in host.files["engine"]  # the venv's own python runs the double
+        assert "/opt/k2fleet/venv/vllm-0.33.0/bin/python" not in host.files["engine"]  # the venv's own python runs the double
         assert "'ray[cgraph]==2.60.0'" in host.engine_side_install[2]
 
 

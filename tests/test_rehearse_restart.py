@@ -209,7 +209,7 @@ def test_h800_pp_vllm_flag_change_restarts_only_the_api_server_not_the_ray_clust
     # a real Ray cluster with Ray's token authentication on (#21): a client on a fleet host
     # without the deployment's token is refused by the head's GCS, with it joins
     head, worker = kept.hosts["h800-0"], kept.hosts["h800-1"]
-    probe = (f"/opt/k2fleet/venv/bin/python -c \"import ray; ray.init(address='{head['address']}:6379'); "
+    probe = (f"/opt/k2fleet/venv/vllm-0.33.0/bin/python -c \"import ray; ray.init(address='{head['address']}:6379'); "
              "print('nodes', len(ray.nodes()))\"")
     without = ssh(worker, f"RAY_AUTH_MODE=disabled timeout 60 {probe}", check=False)
     assert without.returncode != 0 and "nodes" not in without.stdout, without.stdout + without.stderr

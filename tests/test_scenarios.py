@@ -54,7 +54,7 @@ def test_h200_one_tp8_replica_per_node_with_parsers() -> None:
     assert set(doc["hosts"]) == {"h200-0", "h200-1"}
     for host in ("h200-0", "h200-1"):
         argv = services(doc, host)["k2-vllm"]["argv"]
-        assert argv[:2] == ["/opt/k2fleet/venv/bin/vllm", "serve"]
+        assert argv[:2] == ["/opt/k2fleet/venv/vllm-0.33.0/bin/vllm", "serve"]
         assert argv[2] == doc["checkpoint_path"]
         assert doc["checkpoint_path"].endswith("a51ccc050d73dab088bf7b0e2dd9b30ae85a4e55")
         assert flag(argv, "--tensor-parallel-size") == "8"

@@ -16,8 +16,8 @@ from k2fleet.planning.desired import HostDesired
 from k2fleet.planning.host_fact import HostReport
 from k2fleet.planning.role_actions import role_actions
 from k2fleet.deploy.fleet_run import FleetRun, side_channel
-from k2fleet.deploy.roles import (bootstrap, checkpoint, engine, firewall, gpu_exporter, health_gate, hub_client, mesh,
-                                  packages, preflight, privileged_ports, reach, record, services)
+from k2fleet.deploy.roles import (bootstrap, checkpoint, engine, firewall, gpu_exporter, health_gate, hub_client,
+                                  kept_revisions, mesh, packages, preflight, privileged_ports, reach, record, services)
 from k2fleet.planning.rollout import Step
 from k2fleet.planning.teardown import program_argv, record_spec
 
@@ -31,7 +31,7 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
                 reboot_steps: list[Step] | None = None, restart_steps: list[Step] | None = None,
                 starting: bool = False) -> None:
     """Carry out one host's desired state: preflight → the record of the host before k2fleet → packages → bootstrap → firewall → privileged ports → SSH mesh →
-    engine → GPU exporter → Hub client → checkpoint → reachability → services → health gate (→ the mesh stopped, under
+    engine → GPU exporter → Hub client → checkpoint → reachability → services → health gate → kept revisions (→ the mesh stopped, under
     ``k2_mesh_after_deploy: stop``).
 
     + run: the run's :class:`~k2fleet.deploy.fleet_run.FleetRun` (deployment, artifacts, tracked operations)
@@ -96,4 +96,5 @@ def deploy_kimi(run: FleetRun, desired: HostDesired, fact: HostReport, reboots: 
     reach.check(actions.reach, starting=starting, probes=run.reach_probes, host_name=desired.name)
     services.start(actions.services, desired, run.tracked, steps=restart_steps)
     health_gate.gate(actions.health, changed=run.fleet_changed)
+    kept_revisions.prune(actions.kept_revisions)
     mesh.rest(actions.mesh)

@@ -11,6 +11,7 @@ gate also import what their venv holds: huggingface_hub, ray), importing one ano
 - :mod:`.relay` (+ :mod:`.swarm`) — the checkpoint relay, serving and receiving peer to peer;
 - :mod:`.verify` and :mod:`.overlay` — the checkpoint verifier and config overlay, which
   the control machine uses too;
+- :mod:`.revisions` — the checkpoint revisions and engine venvs a host keeps (``k2_keep_revisions``);
 - :mod:`.image_pin`, :mod:`.raygate`, :mod:`.groupwatch` (a multi-host instance fails as one), :mod:`.download` (+ :mod:`.manifest`, :mod:`.locks`).
 
 All are shipped one way: as one reproducible archive of their sources,

@@ -427,7 +427,7 @@ def packages(names: list, db=None) -> list:
 
 CHECK_TIMEOUT_S = 60
 ARCHIVE_SUFFIX = "/k2fleet-host.pyz"  # k2fleet.planning.host_archive.ARCHIVE's name
-IN_PROCESS = ("health", "hoststate", "image_pin", "verify")  # read-only programs run as threads here
+IN_PROCESS = ("health", "hoststate", "image_pin", "revisions", "verify")  # read-only programs run as threads here
 
 
 def _archive_program(argv: list) -> tuple | None:

@@ -886,6 +886,14 @@ class HostSettings(BaseModel):
     model_dir: OwnDir = _key(
         FLEET, "Where checkpoints live on hosts: `DIR/<org>--<name>/<revision>`.", default="/srv/k2fleet/models"
     )
+    keep_revisions: PosInt = _key(
+        FLEET,
+        "Revisions of `k2_model` (and of `k2_gguf_repo`) each host keeps under `k2_model_dir`, the pinned one "
+        "included, the others in the order they were last served: 2 (default) keeps the previous one, so "
+        "going back re-pins without a download. Older ones are removed after a deploy's health gate passed "
+        "on the pinned one; engine venvs of releases other than the pinned one are kept to the same count.",
+        default=2,
+    )
     # --- engine ----------------------------------------------------------------
     engine: Literal["vllm", "sglang", "trtllm", "ktransformers"] = _key(
         FLEET, "Serving engine: `vllm`, `sglang`, `trtllm` or `ktransformers`."
@@ -909,7 +917,12 @@ class HostSettings(BaseModel):
         "unit refuses to start any other image under it. Sandbox: the engine test double image's own ID.",
         default=None,
     )
-    venv: OwnDir = _key(FLEET, "Python virtual environment of the engine (venv runtime).", default="/opt/k2fleet/venv")
+    venv: OwnDir = _key(
+        FLEET,
+        "Directory of the engine's Python virtual environments (venv runtime), one per release: "
+        "`DIR/<engine>-<version>`, so a `k2_engine_version` change installs beside the running one.",
+        default="/opt/k2fleet/venv",
+    )
     platform: Literal["cuda", "rocm"] | None = _key(
         FLEET, "Engine build: `cuda` or `rocm`; default from the GPU vendor.", default=None
     )

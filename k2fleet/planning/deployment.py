@@ -133,6 +133,12 @@ class Deployment:
         return catalog.version_tuple(self.version)
 
     @property
+    def venv(self) -> str:
+        """The engine's venv (venv runtime): ``k2_venv/<engine>-<version>``, one per release, so
+        a ``k2_engine_version`` change installs the new engine beside the one that serves."""
+        return posixpath.join(self.s.venv, f"{self.engine}-{self.version}")
+
+    @property
     def checkpoint_path(self) -> str:
         """``k2_model_dir/<org>--<name>/<revision>`` on every host."""
         return posixpath.join(self.s.model_dir, self.s.model.replace("/", "--"), self.s.revision)

@@ -40,6 +40,7 @@ from k2fleet.planning import firewall as fleet_firewall
 from k2fleet.planning import privileged_ports
 from k2fleet.planning import gpu_exporter
 from k2fleet.planning.reach_plan import ReachCheck, reach_checks
+from k2fleet.planning.kept_revisions import Kept, kept_dirs
 from k2fleet.hostprogs import swarm
 from k2fleet.planning.deployment import CHECKPOINT_CHECK, Deployment, WeightSet
 from k2fleet.planning.engines.vllm.render import RAY_TOKEN
@@ -207,6 +208,7 @@ class HostDesired:
     reach: ReachCheck | None = None  # the peers' rendezvous ports checked before the engines start
     gpus_proven_by: list[str] = field(default_factory=list)  # checks whose pass proves every GPU here works
     port_start: int = 0  # net.ipv4.ip_unprivileged_port_start the host holds at least (k2fleet.planning.privileged_ports)
+    kept: list[Kept] = field(default_factory=list)  # old revisions and engine venvs kept (k2_keep_revisions)
 
     def all_paths(self) -> list[str]:
         paths = {p for files in self.files.values() for p in files}
@@ -362,7 +364,7 @@ def host_arch(dep: Deployment) -> str:
 
 def engine_side_requirements(dep: Deployment, hp: HostPlan) -> list[str]:
     """What this host's engine venv needs beside the engine for the services it runs."""
-    return venv_side_requirements(dep.engine, dep.s.venv, [svc.argv for svc in hp.services])
+    return venv_side_requirements(dep.engine, dep.venv, [svc.argv for svc in hp.services])
 
 
 def engine_pin(dep: Deployment, doubles: EngineDoubles | None) -> str:
@@ -395,7 +397,7 @@ def engine_files(dep: Deployment, doubles: EngineDoubles | None, real_venv: bool
     files = host_archive_files()
     if not dep.s.engine_doubles:
         return files
-    venv = dep.s.venv
+    venv = dep.venv
     if doubles is None:  # not read yet (the control step reads them)
         files[f"{DOUBLES_DIR}/"] = FileSpec(None, "644", "engine-doubles")
         return files
@@ -448,14 +450,14 @@ def engine_side_check(dep: Deployment, requirements: list[str], python: str) -> 
             f"[\"python %s (fleet: {python})\" % py]\n"
             "print(\"; \".join(bad) or \"python %s, %s\" % (py, want))\n"
             "sys.exit(1 if bad else 0)\n")
-    return [f"{dep.s.venv}/bin/python", "-c", code]
+    return [f"{dep.venv}/bin/python", "-c", code]
 
 
 def engine_side_install_argv(dep: Deployment, requirements: list[str], python: str, interpreter: str) -> list[str]:
     """Make ``k2_venv`` (``INTERPRETER -m venv``, the OS table's), install the engine-side wheels with no
     package index, then run :func:`engine_side_check` (a host whose Python or pins differ
     from the fleet's fails here, naming what differs)."""
-    venv = dep.s.venv
+    venv = dep.venv
     pip = shell_line([f"{venv}/bin/pip", "install", "--quiet", "--no-index", "--find-links", ENGINE_WHEEL_DIR,
                       *requirements])
     check = shell_line(engine_side_check(dep, requirements, python))
@@ -654,7 +656,7 @@ def hub_client_check(requirement: str) -> list[str]:
 def venv_install_argv(dep: Deployment, interpreter: str) -> list[str]:
     """``INTERPRETER -m venv`` (the OS table's) + pip install of the pinned engine (offline wheelhouse
     first, then the package index: ``k2_pypi_index``, else pip's own configuration)."""
-    venv = dep.s.venv
+    venv = dep.venv
     pip = shell_line([f"{venv}/bin/pip", "install", engine_pin(dep, None)])
     wheelhouse = shell_word(f"{venv}/wheelhouse")
     index = shell_line(["pip", "install", *mirrors.pip_index_args(dep.s)])[len("pip install"):]
@@ -885,7 +887,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts,
         if engine_side:
             d.checks[ENGINE_SIDE_CHECK] = engine_side_check(dep, engine_side, python)
             d.engine_side_install = engine_side_install_argv(dep, engine_side, python, d.python)
-        d.engine_entry = f"{dep.s.venv}/bin/{dep.engine_impl.entry}"
+        d.engine_entry = f"{dep.venv}/bin/{dep.engine_impl.entry}"
         d.exists = [*d.exists, d.engine_entry, *d.device_doubles, RECORD]  # RECORD: kept before the first change
         cache_dir = engine_cache.cache_dir(dep.engine)
         if cache_spec is not None and art.engine_cache and any(engine_cache.cache_dir_of(s.env) == cache_dir
@@ -915,5 +917,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts,
         d.fanout = FanoutPlace(loads_weights=loads_weights(hp), is_root=h.name == fan.root, shared=fan.shared,
                                position=fan.order.index(h.name) if h.name in fan.order else None,
                                relays=relays, relay_fanout=swarm.fanout_for(len(relays)))
+        d.kept = kept_dirs(dep, d.fanout.loads_weights, fetches=d.fanout.is_root or not d.fanout.shared)
+        d.checks.update({k.check: k.argv(check=True) for k in d.kept})
         out[h.name] = d
     return out

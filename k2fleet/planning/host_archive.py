@@ -33,8 +33,8 @@ from pathlib import Path
 
 ARCHIVE = "/opt/k2fleet/lib/k2fleet-host.pyz"
 SOURCES = Path(__file__).resolve().parents[1] / "hostprogs"
-PROGRAMS = ("cache_archive", "download", "groupwatch", "health", "hoststate", "image_pin", "lbctl", "manifest", "overlay", "raygate", "reach", "relay",
-            "verify")
+PROGRAMS = ("cache_archive", "download", "groupwatch", "health", "hoststate", "image_pin", "lbctl", "manifest", "overlay",
+            "raygate", "reach", "relay", "revisions", "verify")
 ZIP_TIME = (1980, 1, 1, 0, 0, 0)
 MAIN = '''"""k2fleet's host programs: python3 k2fleet-host.pyz PROGRAM ARGS..."""
 import runpy

@@ -31,7 +31,7 @@ def required_packages(dep: Deployment, host_plan: HostPlan, mesh: bool, firewall
         needed |= {"openmpi-bin"}
         if dep.s.engine_doubles:
             needed |= {"python3-mpi4py"}
-    engine_side = venv_side_requirements(dep.engine, dep.s.venv, [s.argv for s in host_plan.services])
+    engine_side = venv_side_requirements(dep.engine, dep.venv, [s.argv for s in host_plan.services])
     if dep.runtime == "venv" or dep.s.checkpoint_fetcher == host_plan.name or engine_side:
         entry = next(h for h in dep.fleet.hosts if h.name == host_plan.name)
         needed |= set(OS_TABLES[host_os(entry)].venv_packages)

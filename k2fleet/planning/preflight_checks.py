@@ -75,7 +75,9 @@ def check_host(dep: Deployment, entry: HostEntry, report: HostReport, checkpoint
     if serves_gpus and not checkpoint_present:
         need = int(dep.checkpoint_bytes * 1.05)
         if report.disk_free < need:
-            problems.append(f"{_gib(report.disk_free)} free under {s.model_dir}, the checkpoint needs {_gib(need)}")
+            problems.append(f"{_gib(report.disk_free)} free under {s.model_dir}, the checkpoint needs {_gib(need)} "
+                            f"(k2_revision {s.revision[:12]}, fetched beside the revisions the host keeps: "
+                            f"k2_keep_revisions {s.keep_revisions}); nothing was changed")
     nic = entry.settings.nic
     if nic and nic not in report.nics:
         problems.append(f"k2_nic {nic} does not exist (NICs: {', '.join(sorted(report.nics))})")

@@ -213,6 +213,9 @@ class RoleActions:
     reach: ReachCheck | None
     services: ServicesActions
     health: HealthActions
+    # (what, argv) per directory of revisions whose fact check failed (k2_keep_revisions): run
+    # after the health gate passed on what is pinned
+    kept_revisions: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 def bootstrap_actions(dep: Deployment, desired: HostDesired, fact: HostReport) -> BootstrapActions | None:
@@ -382,5 +385,7 @@ def role_actions(dep: Deployment, desired: HostDesired, fact: HostReport, restar
         mesh=mesh, engine=engine, exporter=exporter, hub_client=hub, checkpoint=checkpoint, reach=desired.reach,
         services=services_actions(desired, fact, restart_all),
         health=HealthActions(tuple(desired.health_argv) if desired.health_argv is not None else None,
-                             fact.passed(HEALTH_CHECK)))
+                             fact.passed(HEALTH_CHECK)),
+        kept_revisions=tuple((f"keep {k.keep} {k.kind} revision(s) in {k.root} (the pinned one first), remove older ones",
+                              tuple(k.argv())) for k in desired.kept if not fact.passed(k.check)))
 

@@ -62,7 +62,7 @@ def engine_env(dep: Deployment, host: HostEntry, pool_env: dict[str, str]) -> di
 
 
 def venv_bin(dep: Deployment, name: str) -> str:
-    return f"{dep.s.venv}/bin/{name}"
+    return f"{dep.venv}/bin/{name}"
 
 
 DOCKER = "/usr/bin/docker"  # Debian's docker.io (k2fleet.planning.host_packages installs it where a service runs this)

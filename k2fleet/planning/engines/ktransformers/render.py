@@ -71,7 +71,7 @@ def _legacy_words(dep: Deployment, kt: dict) -> list[str]:
     words += ["--cache_lens", str(kt.get("cache_lens", 30000)), "--port", str(dep.s.port), "--host", "0.0.0.0"]
     rules = kt.get("optimize_rules", LEGACY_AMX_RULES)
     if rules:
-        words += ["--optimize_config_path", f"{dep.s.venv}/src/ktransformers/{rules}" if not rules.startswith("/") else rules]
+        words += ["--optimize_config_path", f"{dep.venv}/src/ktransformers/{rules}" if not rules.startswith("/") else rules]
     return words
 
 
