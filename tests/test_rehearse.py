@@ -116,10 +116,9 @@ def test_other_engines_in_containers_across_hosts_are_refused() -> None:
     assert proc.stdout == ""
 
 
-def test_a_rehearsal_names_every_value_it_changes_in_its_first_lines(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    """#34: the rehearsal changes k2_os to the sandbox's Debian (and simulates GPUs, ...): its
-    first lines say so, one per value, before anything is booted; a value given with --data is
-    the user's and not listed."""
+def first_lines(monkeypatch: pytest.MonkeyPatch, tmp_path, inventory: str, data: list[str], **kwargs) -> list[str]:
+    """What ``rehearse(inventory, data, **kwargs)`` prints before it would take the sandbox:
+    it is stopped there (nothing is booted; the rehearsal checkpoint is a stand-in path)."""
     import io
 
     from k2sandbox import rehearse as rh
@@ -134,8 +133,15 @@ def test_a_rehearsal_names_every_value_it_changes_in_its_first_lines(monkeypatch
     monkeypatch.setattr(rh.sandbox, "hold_sandbox_lock", no_lock)
     out = io.StringIO()
     with pytest.raises(Stop):
-        rh.rehearse("inventories/h200-k3-sglang.py", ["k2_health_timeout=300"], out=out)
-    lines = out.getvalue().splitlines()
+        rh.rehearse(inventory, data, out=out, **kwargs)
+    return out.getvalue().splitlines()
+
+
+def test_a_rehearsal_names_every_value_it_changes_in_its_first_lines(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """#34: the rehearsal changes k2_os to the sandbox's Debian (and simulates GPUs, ...): its
+    first lines say so, one per value, before anything is booted; a value given with --data is
+    the user's and not listed."""
+    lines = first_lines(monkeypatch, tmp_path, "inventories/h200-k3-sglang.py", ["k2_health_timeout=300"])
     prefix = "rehearse inventories/h200-k3-sglang.py: changes "
     assert lines and all(line.startswith(prefix) for line in lines), lines
     changed = {line[len(prefix):].split(":", 1)[0]: line for line in lines}

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import io
 import json
 import os
 import re
@@ -34,7 +33,8 @@ from k2sandbox import fabric_doubles as fd
 from k2sandbox import nspawn as sandbox
 from k2sandbox import rehearse as rh
 from k2sandbox.harness import ROOT, tool
-from tests.test_rehearse import REHEARSAL_TIMEOUT_S, needs_root, served_model
+from tests.fleet_calls import served_model
+from tests.test_rehearse import REHEARSAL_TIMEOUT_S, first_lines, needs_root
 
 INVENTORY = "inventories/h200-sglang-dpa-ep.py"
 VENV = ("--data", "k2_runtime=venv")  # SGLang containers across hosts: not rehearsed yet (rehearse.unsupported)
@@ -85,18 +85,7 @@ def test_a_fabric_down_that_names_no_port_is_refused(item: str, words: str) -> N
 def test_the_first_lines_say_the_hcas_are_kept_and_the_port_down(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """Before anything boots: ``k2_ib_hcas`` is no longer among the changed values; the
     doubles laid and the port shown DOWN are named."""
-    class Stop(Exception):
-        pass
-
-    def no_lock():
-        raise Stop  # stop where the sandbox would be taken: nothing is booted
-
-    monkeypatch.setattr(rh, "rehearsal_checkpoint", lambda model, revision: (tmp_path / "ckpt", 1234))
-    monkeypatch.setattr(rh.sandbox, "hold_sandbox_lock", no_lock)
-    out = io.StringIO()
-    with pytest.raises(Stop):
-        rh.rehearse(INVENTORY, ["k2_runtime=venv"], out=out, fabric_down=["h200-2:mlx5_3:1"])
-    lines = out.getvalue().splitlines()
+    lines = first_lines(monkeypatch, tmp_path, INVENTORY, ["k2_runtime=venv"], fabric_down=["h200-2:mlx5_3:1"])
     assert not [line for line in lines if "changes k2_ib_hcas" in line], lines
     assert f"rehearse {INVENTORY}: keeps k2_ib_hcas {','.join(HCAS)} (InfiniBand, 400 Gb/s) on h200-0, h200-1, " \
            f"h200-2, h200-3: TEST DOUBLE /sys/class/infiniband trees at /etc/k2fleet-doubles/infiniband on the " \
