@@ -501,12 +501,17 @@ def test_a_new_key_takes_effect_on_reload(front) -> None:
     """The services role rewrites the pattern file and restarts the front; a reload
     (``systemctl reload k2-api-front``: SIGUSR2 to the master) takes the new key too."""
     port, key, engine, proc, cfg, keys = front
+    ready = time.monotonic() + 60  # the master answers SIGUSR2 once its first worker serves
+    while _get(port, "/v1/models", f"Bearer {key}")[0] != 200:
+        assert time.monotonic() < ready, "the front does not serve the first key"
+        time.sleep(0.2)
     new = "sk-" + secrets.token_hex(24)
     keys.write_bytes(api_front.keys_file(new))
     proc.send_signal(signal.SIGUSR2)
     deadline = time.monotonic() + 60  # HAProxy's new worker parses its config under a loaded CPU
     while _get(port, "/v1/models", f"Bearer {new}")[0] != 200:
-        assert time.monotonic() < deadline, "the reloaded front does not take the new key"
+        log = (cfg.parent / "haproxy.log").read_text()[-2000:] if (cfg.parent / "haproxy.log").exists() else ""
+        assert time.monotonic() < deadline, f"the reloaded front does not take the new key:\n{log}"
         time.sleep(0.2)
     assert _get(port, "/v1/models", f"Bearer {key}")[0] == 401
 

@@ -24,7 +24,7 @@ RATIO_NAMES = {  # what each bench measures: a part that did not run leaves its 
     "bundle_bench.py": {"wheels_vs_pip_download", "rerun_vs_build"},
     "distribution_bench.py": {"distribution_vs_link_limit", "tree_vs_link_limit", "hub_to_fleet_vs_link_limit",
                               "stream_vs_raw_tcp", "copy_with_verify_vs_raw_tcp", "simulated_64_vs_link_limit"},
-    "noop_bench.py": {"noop_rerun_vs_floor"},
+    "noop_bench.py": {"noop_rerun_vs_floor", "control_cpu_s_per_host", "probe_wall_s"},
     "plan_bench.py": {"plan_64_nodes_seconds", "plan_128_nodes_seconds", "per_host_128_vs_64"},
     "verify_bench.py": {"verify_vs_read", "verify_vs_sha256sum", "verify_vs_cores", "reverify_vs_full", "egress_vs_size"},
     "warm_restart_bench.py": {"restart_warm_vs_cold", "cold_seconds", "warm_seconds"},
