@@ -43,9 +43,12 @@ REHEARSAL = data_args(airgap.bundle_overlay(True))[1::2]
 TIMEOUT_S = 900
 
 
-def k2fleet(*args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+def k2fleet(*args: str, timeout: float = TIMEOUT_S, lock=None) -> subprocess.CompletedProcess:
+    """``k2fleet ARGS``; with ``lock`` (the sandbox lock this test holds) the command uses the
+    sandbox under it, so no other run takes the kept hosts away before the test has looked."""
+    held = {"env": {**os.environ, **sandbox.lock_env(lock)}, "pass_fds": (lock.fileno(),)} if lock is not None else {}
     return subprocess.run([tool("k2fleet"), *args], cwd=ROOT, capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=timeout)
+                          stdin=subprocess.DEVNULL, timeout=timeout, **held)
 
 
 def sha256(path: Path) -> str:
@@ -274,8 +277,10 @@ def managed_files(inventory: str, bundle: Path) -> dict[str, dict[str, str]]:
 @pytest.mark.sandbox
 @needs_root
 def test_offline_rehearsal_from_the_bundle_alone(h800_bundle: Path) -> None:
+    held = sandbox.hold_sandbox_lock()  # for the rehearsal and the looks at its kept hosts
     try:
-        proc = k2fleet("rehearse", "inventories/h800-pp.py", "--bundle", str(h800_bundle), "--offline", "--keep")
+        proc = k2fleet("rehearse", "inventories/h800-pp.py", "--bundle", str(h800_bundle), "--offline", "--keep",
+                       lock=held)
         assert proc.stdout.strip().splitlines()[-1] == \
             "rehearsal inventories/h800-pp.py: 1/1 endpoints healthy, re-run 0 changes", proc.stdout[-3000:]
         assert "--offline: the deploy runs in netns k2sb-offline" in proc.stdout
@@ -298,11 +303,11 @@ def test_offline_rehearsal_from_the_bundle_alone(h800_bundle: Path) -> None:
                                     "echo doubles-dir=$?; head -1 /opt/k2fleet/venv/vllm-0.33.0/bin/vllm")
             assert out.stdout.split() == [engine_wheel.version(), "2.60.0", "doubles-dir=1",
                                           "#!/opt/k2fleet/venv/vllm-0.33.0/bin/python3"], out.stdout + out.stderr
-            held = sandbox.ssh(host, "dpkg-query -W -f '${Version}' nvidia-open").stdout
-            assert held == next(a.version for a in lock.artifacts if a.name == "nvidia-open:amd64")
+            installed = sandbox.ssh(host, "dpkg-query -W -f '${Version}' nvidia-open").stdout
+            assert installed == next(a.version for a in lock.artifacts if a.name == "nvidia-open:amd64")
     finally:
-        with sandbox.hold_sandbox_lock():
-            sandbox.down()
+        sandbox.down()
+        held.close()
 
 
 @pytest.mark.sandbox
@@ -314,9 +319,11 @@ def test_two_fresh_deploys_from_one_lock_leave_identical_files_and_a_real_docker
     assert proc.returncode == 0, proc.stdout + proc.stderr
     image = lock_of(bundle).part("images")[0]
     runs = []
+    held = sandbox.hold_sandbox_lock()  # for both rehearsals and the looks at their kept hosts
     try:
         for _ in range(2):  # each rehearsal boots bare hosts and a fresh control state
-            proc = k2fleet("rehearse", "inventories/b200-trtllm.py", "--bundle", str(bundle), "--offline", "--keep")
+            proc = k2fleet("rehearse", "inventories/b200-trtllm.py", "--bundle", str(bundle), "--offline", "--keep",
+                           lock=held)
             assert proc.stdout.strip().endswith("1/1 endpoints healthy, re-run 0 changes"), proc.stdout[-3000:]
             runs.append(managed_files("inventories/b200-trtllm.py", bundle))
         assert runs[0] == runs[1] and len(runs[0]["b200-0"]) > 20
@@ -328,5 +335,5 @@ def test_two_fresh_deploys_from_one_lock_leave_identical_files_and_a_real_docker
         out = sandbox.ssh(host, script, timeout=120)
         assert out.returncode == 0 and out.stdout.split() == [image_id, image_id], out.stdout + out.stderr
     finally:
-        with sandbox.hold_sandbox_lock():
-            sandbox.down()
+        sandbox.down()
+        held.close()
