@@ -127,8 +127,11 @@ def test_container_unit_pins_the_image_and_removes_the_container() -> None:
     (svc,) = [s for _, s in plan.services()]
     unit = unit_file(dep, svc, "sha256:" + "ab" * 32).splitlines()
     pre = [line for line in unit if line.startswith("ExecStartPre=")]
-    assert pre[-2:] == ["ExecStartPre=-/usr/bin/docker rm --force k2-trtllm",
-                        f"ExecStartPre=/usr/bin/python3 {ARCHIVE} image_pin {TRT_REF} sha256:{'ab' * 32}"]
+    # the container's removal, the image pin, then the engine cache directory the container binds
+    assert pre[-3:] == ["ExecStartPre=-/usr/bin/docker rm --force k2-trtllm",
+                        f"ExecStartPre=/usr/bin/python3 {ARCHIVE} image_pin {TRT_REF} sha256:{'ab' * 32}",
+                        "ExecStartPre=/usr/bin/install -d -m 0700 -o root -g root /var/cache/k2fleet/engine-cache "
+                        "/var/cache/k2fleet/engine-cache/trtllm"]
     assert "ExecStop=/usr/bin/docker stop --time 30 k2-trtllm" in unit
     assert "ExecStopPost=-/usr/bin/docker rm --force k2-trtllm" in unit
     assert "Requires=docker.service" in unit and "docker.service" in next(x for x in unit if x.startswith("After="))

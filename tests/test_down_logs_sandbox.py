@@ -177,7 +177,8 @@ def test_logs_then_down_gives_each_host_back_as_it_was_bar_the_listed_packages(f
     for name in names:
         rows = [line for line in down.stdout.splitlines() if line.startswith(f"{name}: packages k2fleet installed")]
         assert len(rows) == 1, down.stdout
-        listed[name] = [p for p in rows[0].split(": ", 2)[2].split() if p != "none"]
+        # "NAME" (installed since the record) or "NAME (version changed)" (upgraded as a dependency)
+        listed[name] = [p for p in rows[0].split(": ", 2)[2].replace(" (version changed)", "").split() if p != "none"]
     afters = {}
     for host in fleet.hosts:
         name = host["name"]
