@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -99,12 +98,7 @@ def start_to_ready(venv: Path, model: Path, cache_root: Path, work: Path, label:
         chat(url, str(model))
         ready = time.monotonic() - t0
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        vllm_cpu.stop_server(proc)
     return {"health": healthy, "ready": ready}
 
 

