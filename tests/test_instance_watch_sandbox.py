@@ -68,7 +68,7 @@ def wait_formed(kept: Kept, url: str, model: str, head_before: dict, rank_before
 
 
 def test_a_dead_head_or_rank_restarts_the_whole_instance_head_first(lock) -> None:  # noqa: F811
-    kept = Kept(lock, "inventories/h200-k2-0905.py")
+    kept = Kept(lock, "inventories/h200-k2-0905.py", 1)
     head, rank = kept.hosts["h200-0"], kept.hosts["h200-1"]
     url = f"http://{head['address']}:8000"
     status, models = http_json(f"{url}/v1/models")

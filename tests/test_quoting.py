@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from k2fleet.planning import engine_cache
 from k2fleet.planning import mesh_config, quoting, units
 from k2fleet.planning.quoting import (
     authorized_keys_from,
@@ -682,7 +683,8 @@ def test_unit_file_hostile_description_workdir_argv_env() -> None:
                                   argv=[*svc.argv, "x\ny", "$(id)", ";", "%n", "a\\b"], env={"A": 'x"$y`\\'})
     text = units.unit_file(dep, hostile)
     keys = _directives(text)
-    assert keys.count("ExecStart") == 1 and keys.count("ExecStartPre") == 1 and keys.count("WorkingDirectory") == 1
+    pres = 1 + bool(engine_cache.cache_dir_of(svc.env))  # the weights' gate (+ the engine cache directory)
+    assert keys.count("ExecStart") == 1 and keys.count("ExecStartPre") == pres and keys.count("WorkingDirectory") == 1
     assert len(keys) == len(_directives(units.unit_file(dep, dataclasses.replace(svc, workdir="/w"))))
     assert _parse_env_file(units.env_file(hostile)) == {"A": 'x"$y`\\'}
 
@@ -699,7 +701,9 @@ def test_real_systemd_loads_rendered_units_argv_exactly(tmp_path: Path) -> None:
     for name, svc in services.items():
         lines = dumps[name]
         assert [[_env_expand(w) for w in c] for c in _dump_commands(lines, "ExecStart")] == [svc.argv]
-        assert [[_env_expand(w) for w in c] for c in _dump_commands(lines, "ExecStartPre")] == [units.gate_argv(dep.weight_sets[0])]
+        cache = engine_cache.cache_dir_of(svc.env)  # the engine cache directory, made root-only before start
+        assert [[_env_expand(w) for w in c] for c in _dump_commands(lines, "ExecStartPre")] == \
+            [units.gate_argv(dep.weight_sets[0]), *([engine_cache.make_dir_argv(cache)] if cache else [])]
         assert _dump_field(lines, "EnvironmentFile") == [f"/etc/k2 fleet %i/env/{svc.name}.env"]
         assert _dump_field(lines, "Description") == [f"k2fleet: {svc.description or svc.name}"]
         if svc.workdir:

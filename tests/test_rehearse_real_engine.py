@@ -48,7 +48,7 @@ def test_real_engine_overlay_scales_h200_to_a_cpu_host_and_says_so() -> None:
     hosts = inventory_host_data("inventories/h200.py", {})
     scaled, plan = check_hosts("inventories/h200.py", [(n, {**d, **data, "k2_simulated_gpus": True, "k2_checkpoint_bytes": 10**7}, g) for n, d, g in hosts], None)
     argv = [svc.argv for _, svc in plan.services()]
-    assert len(argv) == 2 and all(a[:2] == [f"{scaled.s.venv}/bin/vllm", "serve"] for a in argv)
+    assert len(argv) == 2 and all(a[:2] == [f"{scaled.venv}/bin/vllm", "serve"] for a in argv)
     for a in argv:  # the inventory's parsers, scaled parallelism
         assert a[a.index("--tensor-parallel-size") + 1] == "1" and "--enforce-eager" in a
         assert a[a.index("--tool-call-parser") + 1] == "kimi_k2" and a[a.index("--reasoning-parser") + 1] == "kimi_k2"
