@@ -55,7 +55,7 @@ def _on_hosts(inventory: str, data: list[str] | tuple[str, ...], names: list[str
               failed: Callable[[str], Any]) -> dict[str, Any]:
     """``one(state, host)`` for every host named, in parallel; host → its value, or
     ``failed(why)``. Every connection is closed at the end, also when interrupted."""
-    from k2fleet.deploy.status import pyinfra_state
+    from k2fleet.deploy.status import disconnect_all, pyinfra_state
 
     import gevent
     from pyinfra.context import ctx_host, ctx_state
@@ -76,12 +76,7 @@ def _on_hosts(inventory: str, data: list[str] | tuple[str, ...], names: list[str
     finally:
         for g in greenlets.values():
             g.kill(block=False)
-        for h in hosts:
-            if h.connected:
-                try:
-                    h.disconnect()
-                except Exception:  # noqa: BLE001 - the results are in; a failing disconnect changes nothing
-                    pass
+        disconnect_all(hosts)
     return {name: g.value if g.successful() and g.value is not None else failed(_one_line(g.exception or
                                                                                           RuntimeError("interrupted")))
             for name, g in greenlets.items()}
