@@ -29,7 +29,6 @@ from k2sandbox import nspawn as sandbox, vllm_cpu
 from k2sandbox.random_kimi_checkpoint import rehearsal_random_checkpoint
 from k2sandbox.harness import ROOT
 from k2sandbox.rehearse import real_engine_data, real_engine_refusal
-from tests.fleet_calls import call_kept_fleet
 
 REHEARSAL_TIMEOUT_S = 1800
 
@@ -84,14 +83,14 @@ def _rehearse_real(*data: str, then=None, inventory: str = "inventories/h200.py"
     return proc.stdout
 
 
-def _bench(out: str, tmp: Path) -> None:
+def _bench(out: str, tmp: Path, inventory: str, endpoints: int) -> None:
     """The test calls the kept fleet itself (:func:`tests.test_rehearse.check_serving`), then runs
     ``k2fleet bench --replicas`` (vLLM's own ``vllm bench serve``, from the cached vllm-cpu venv)
     against its endpoints through the command line the rehearsal printed for them. (``k2fleet
     eval``'s lm-eval client is run against a real vLLM in tests/test_real_vllm.py.)"""
     from tests.test_rehearse import check_serving
 
-    check_serving(subprocess.CompletedProcess([], 0, out, ""), "inventories/h200.py", 2)
+    check_serving(subprocess.CompletedProcess([], 0, out, ""), inventory, endpoints)
     lines = out.splitlines()
     command = lines[lines.index("and look at it with k2fleet status, metrics, bench or eval (COMMAND):") + 1]
     env_part, _, rest = command.strip().partition(" k2fleet COMMAND ")
@@ -108,7 +107,7 @@ def _bench(out: str, tmp: Path) -> None:
     print(bench.stdout)
     doc = json.loads((tmp / "bench" / "bench.json").read_text())
     points = doc["points"] if isinstance(doc, dict) else doc
-    assert len(points) == 4, points  # 2 endpoints x 2 levels
+    assert len(points) == 2 * endpoints, points  # each endpoint at 2 levels
     assert all(p["completed"] == 4 and p["failed"] == 0 for p in points), points
     assert all(p["output_throughput"] > 0 and p["mean_ttft_ms"] > 0 and p["mean_tpot_ms"] > 0 for p in points)
     raw = json.loads(next((tmp / "bench" / "results").glob("*-c2.json")).read_text())
@@ -130,26 +129,20 @@ def _check_real_probes(out: str, endpoints: int) -> None:
 
 @pytest.mark.sandbox
 @pytest.mark.real_engine
-def test_rehearse_h200_with_the_real_vllm(tmp_path: Path) -> None:
-    out = _rehearse_real(then=lambda stdout: _bench(stdout, tmp_path))
-    assert out.splitlines()[-1] == "rehearsal inventories/h200.py: 2/2 endpoints healthy, re-run 0 changes"
-    assert "real engine: scaled k2_tp: 8 -> 1" in out
-    _check_real_probes(out, 2)
-
-
-@pytest.mark.sandbox
-@pytest.mark.real_engine
 def test_rehearse_h200_with_the_real_vllm_tp2_across_two_hosts(tmp_path: Path) -> None:
     """h200.py's fleet as one TP16 instance over its two hosts (its group data with
     ``k2_tp = 16``): the real engine keeps the shape with one rank per host — TP2, vLLM's
     multi-node form (``--nnodes 2 --node-rank``, the second host ``--headless``),
-    torch.distributed over gloo on the sandbox network."""
+    torch.distributed over gloo on the sandbox network. The test calls the kept instance itself,
+    then benchmarks it with ``k2fleet bench --replicas``. (h200.py as written, two TP8 instances,
+    is rehearsed with the engine doubles in tests/test_rehearse.py: one real-engine rehearsal in
+    the suite, each costs minutes.)"""
     (tmp_path / "group_data").mkdir()
     shutil.copy(ROOT / "inventories/h200.py", tmp_path / "h200.py")
     shutil.copy(ROOT / "inventories/group_data/all.py", tmp_path / "group_data/all.py")
     (tmp_path / "group_data/h200.py").write_text((ROOT / "inventories/group_data/h200.py").read_text() + "k2_tp = 16\n")
     inventory = str(tmp_path / "h200.py")
-    out = _rehearse_real(inventory=inventory, then=lambda stdout: call_kept_fleet(stdout, 1))
+    out = _rehearse_real(inventory=inventory, then=lambda stdout: _bench(stdout, tmp_path, inventory, 1))
     assert out.splitlines()[-1] == f"rehearsal {inventory}: 1/1 endpoints healthy, re-run 0 changes"
     assert "real engine: scaled k2_tp: 16 -> 2 (one rank on each of the 2 hosts an instance spans)" in out
     _check_real_probes(out, 1)
