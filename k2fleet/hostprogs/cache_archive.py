@@ -38,6 +38,8 @@ import tarfile
 import tempfile
 import zlib
 
+from k2fleet.hostprogs.verify import hash_fd, plain_relpath
+
 MAX_MEMBERS = 200_000
 MAX_FILE_BYTES = 2 * 2**30  # one file (a compiled kernel library is megabytes)
 MAX_TOTAL_BYTES = 8 * 2**30  # every file's content (the bundle's archive is read into the deploy's memory)
@@ -63,9 +65,7 @@ def check_name(name: str) -> str:
     member '/etc/passwd': not a pl
     member 'a//b': not a plain rel
     """
-    parts = name.split("/")
-    if (not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in name
-            or any(ord(c) < 32 or ord(c) == 127 for c in name)):
+    if not plain_relpath(name):
         raise CacheArchiveError(f"member {name!r}: not a plain relative path (absolute, '..', '.', an empty part, "
                                 "a backslash or a control character)")
     return name
@@ -162,13 +162,6 @@ def _own_dir(path: str, create: bool) -> bool:
     return True
 
 
-def _sha256(fh) -> str:
-    digest = hashlib.sha256()
-    for block in iter(lambda: fh.read(CHUNK), b""):
-        digest.update(block)
-    return digest.hexdigest()
-
-
 def _extract(tar: tarfile.TarFile, into: str, max_members: int, max_file: int, max_total: int) -> tuple[int, int]:
     """Every member of ``tar`` into the fresh directory ``into``; (files, bytes)."""
     files = total = count = 0
@@ -225,7 +218,9 @@ def unpack(archive: str, sha256: str, dest: str, max_members: int = MAX_MEMBERS,
     with os.fdopen(fd, "rb") as fh:
         if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
             raise CacheArchiveError(f"{archive}: not a regular file")
-        got = _sha256(fh)
+        digest = hashlib.sha256()
+        hash_fd(fh.fileno(), digest, bytearray(CHUNK))
+        got = digest.hexdigest()
         if got != sha256:
             raise CacheArchiveError(f"{archive}: sha256 {got[:16]}… is not the bundle lock's {sha256[:16]}…: "
                                     "altered or corrupted; refusing to unpack it")

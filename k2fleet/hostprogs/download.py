@@ -46,7 +46,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from k2fleet.hostprogs import locks
-from k2fleet.hostprogs.manifest import build_manifest, is_commit_sha, manifest_path, read_token, save_manifest
+from k2fleet.hostprogs.manifest import build_manifest, hub_endpoint, is_commit_sha, manifest_path, read_token, save_manifest
 from k2fleet.hostprogs.verify import (
     BAD_HEADER,
     CHANGED,
@@ -60,7 +60,7 @@ from k2fleet.hostprogs.verify import (
     pin_problem,
     new_hasher,
     remove_marker,
-    stat_record,
+    stat_beneath,
     state_dir,
     verify,
 )
@@ -68,17 +68,6 @@ from k2fleet.hostprogs.verify import (
 log = logging.getLogger(__name__)
 
 REPAIRABLE = {MISSING, SIZE_MISMATCH, HASH_MISMATCH, BAD_HEADER, CHANGED}
-
-
-def hub_endpoint(endpoint: str | None = None) -> str | None:
-    """``endpoint`` or env ``HF_ENDPOINT`` (None: huggingface_hub's default).
-
-    Example:
-        >>> hub_endpoint("http://127.0.0.1:8080/")
-        'http://127.0.0.1:8080'
-    """
-    value = endpoint or os.environ.get("HF_ENDPOINT")
-    return value.rstrip("/") if value else None
 
 
 def _require_commit(revision: str) -> None:
@@ -238,13 +227,7 @@ def fetch_file(
 
     Returns ``{"path", "resumed_from", "received", "via", "digest"}``; ``via`` is ``http``
     or ``xet``; ``digest``: with the manifest's ``entry``, the hash :func:`verify.new_hasher`
-    took of the bytes as they were written (http only; None: not hashed).
-
-    Example:
-        >>> fetch_file("moonshotai/Kimi-K2-Thinking", "6126...", "/models/k2",
-        ...            "model-00007-of-000062.safetensors")  # doctest: +SKIP
-        {'path': 'model-00007-of-000062.safetensors', 'resumed_from': 2147483648, ...}
-    """
+    took of the bytes as they were written (http only; None: not hashed)."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
     from huggingface_hub.utils import build_hf_headers
     from huggingface_hub.utils._runtime import is_xet_available
@@ -337,8 +320,7 @@ class Landing:
         """Check ``rel`` in place (with ``digest``, the hash taken as it was written: not read
         again); when it passes, record it (and, publishing, serve it)."""
         entry = self.entry(rel)
-        path = os.path.join(self.root, rel)
-        now = stat_record(path)
+        now = stat_beneath(self.root, rel)
         if now is None:
             return False
         stat, _ = check_one(self.root, self.manifest, rel, (digest, now) if digest else None)
@@ -424,14 +406,7 @@ def download(
     ``local_dir`` yet (largest first); partial files from an earlier run are resumed.
     With a publishing ``landing`` (:class:`Landing`): every file, in name order (the order
     receivers take them in), those in place hashed and kept when right, each checked and
-    served as soon as it is in place.
-
-    Example:
-        >>> m = ensure_manifest("moonshotai/Kimi-K2-Thinking", "6126...", "/models/k2",
-        ...                     token=read_token(), endpoint=None)       # doctest: +SKIP
-        >>> download(m["repo_id"], m["revision"], "/models/k2", m["files"], max_workers=16)  # doctest: +SKIP
-        [{'path': 'model-00001-of-000062.safetensors', 'resumed_from': 0, ...}, ...]
-    """
+    served as soon as it is in place."""
     _require_commit(revision)
     root = Path(local_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -475,11 +450,6 @@ def repair(
     """Delete and re-fetch only ``bad_files`` at the manifest's revision; returns them.
 
     The verified marker is removed first; run :func:`verify` afterwards.
-
-    Example:
-        >>> r = verify("/models/k2", m)                                         # doctest: +SKIP
-        >>> repair("/models/k2", m, sorted({p.path for p in r.problems}))        # doctest: +SKIP
-        ['model-00007-of-000062.safetensors']
     """
     unknown = sorted(set(bad_files) - set(manifest["files"]))
     if unknown:
@@ -552,10 +522,6 @@ def fetch_and_verify(
     Each file is checked as soon as it is in place (:class:`Landing`), so the final verify
     hashes nothing twice. ``publish``: feed this host's checkpoint relay file by file
     while downloading (:class:`Landing`).
-
-    Example:
-        >>> fetch_and_verify("moonshotai/Kimi-K2-Thinking", "6126...", "/models/k2").ok  # doctest: +SKIP
-        True
     """
     landing = Landing(local_dir, publish)
     try:

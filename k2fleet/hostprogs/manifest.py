@@ -12,23 +12,19 @@ import fnmatch
 import json
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 from k2fleet.hostprogs.verify import (
     MANIFEST_NAME,
     atomic_write_json,
+    is_hex,
     load_manifest,
     manifest_problems,
     state_dir,
 )
 
 log = logging.getLogger(__name__)
-
-COMMIT_RE = re.compile(r"[0-9a-f]{40}")
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
-
 
 class UnpinnedRevisionError(ValueError):
     """The revision is a branch/tag (or unknown), not a 40-hex commit sha."""
@@ -41,26 +37,24 @@ def is_commit_sha(revision: str | None) -> bool:
         >>> is_commit_sha("main"), is_commit_sha("a" * 40)
         (False, True)
     """
-    return isinstance(revision, str) and COMMIT_RE.fullmatch(revision) is not None
+    return isinstance(revision, str) and is_hex(revision, 40)
+
+
+def hub_endpoint(endpoint: str | None = None) -> str | None:
+    """``endpoint`` or env ``HF_ENDPOINT`` (None: huggingface_hub's default).
+
+    Example:
+        >>> hub_endpoint("http://127.0.0.1:8080/")
+        'http://127.0.0.1:8080'
+    """
+    value = endpoint or os.environ.get("HF_ENDPOINT")
+    return value.rstrip("/") if value else None
 
 
 def _api(endpoint: str | None, token: str | None) -> Any:
     from huggingface_hub import HfApi
 
-    return HfApi(endpoint=endpoint or os.environ.get("HF_ENDPOINT") or None, token=token)
-
-
-def resolve_revision(repo_id: str, revision: str, *, endpoint: str | None = None, token: str | None = None) -> str:
-    """Commit sha a branch or tag points at right now (report it, then pin it).
-
-    Example:
-        >>> resolve_revision("moonshotai/Kimi-K2-Thinking", "main")  # doctest: +SKIP
-        '612681931a8c906ddb349f8ad0f582cb552189cd'
-    """
-    info = _api(endpoint, token).model_info(repo_id, revision=revision)
-    if not is_commit_sha(info.sha):
-        raise UnpinnedRevisionError(f"the Hub returned no commit sha for {repo_id}@{revision}")
-    return str(info.sha)
+    return HfApi(endpoint=hub_endpoint(endpoint), token=token)
 
 
 def build_manifest(
@@ -78,11 +72,6 @@ def build_manifest(
     names the commit it currently points at) unless ``resolve=True``, in which
     case it is resolved to ``info.sha``, logged, and recorded as
     ``resolved_from`` — the deploy must still pin the returned revision.
-
-    Example:
-        >>> m = build_manifest("moonshotai/Kimi-K2-Thinking", "6126...")  # doctest: +SKIP
-        >>> m["files"]["config.json"]                                    # doctest: +SKIP
-        {'size': 3571, 'sha256': None, 'git_blob_sha1': '...'}
     """
     api = _api(endpoint, token)
     info = api.model_info(repo_id, revision=revision, files_metadata=True)
@@ -140,12 +129,7 @@ def manifest_path(root: str | os.PathLike[str]) -> Path:
 
 
 def save_manifest(root: str | os.PathLike[str], manifest: dict[str, Any]) -> Path:
-    """Validate and atomically write ``manifest`` to ``ROOT/.k2fleet/manifest.json``.
-
-    Example:
-        >>> save_manifest("/models/k2", m)  # doctest: +SKIP
-        PosixPath('/models/k2/.k2fleet/manifest.json')
-    """
+    """Validate and atomically write ``manifest`` to ``ROOT/.k2fleet/manifest.json``."""
     _raise_on_problems(manifest)
     path = manifest_path(root)
     atomic_write_json(str(path), manifest)
@@ -160,10 +144,6 @@ def manifest_from_dir(root: str | os.PathLike[str], repo_id: str | None = None) 
     written from the Hub's answer); an hf cache layout (``models--org--name``
     with ``snapshots/<sha>`` whose symlinks point at ``blobs/<etag>``, or that
     snapshot directory itself).
-
-    Example:
-        >>> manifest_from_dir("/data/hub/models--moonshotai--Kimi-K2-Thinking")  # doctest: +SKIP
-        {'repo_id': 'moonshotai/Kimi-K2-Thinking', 'revision': '...', 'files': {...}}
     """
     root = Path(root)
     own = manifest_path(root)
@@ -204,9 +184,9 @@ def _from_hf_cache(root: Path, repo_id: str | None) -> dict[str, Any]:
             continue
         etag = os.path.basename(os.path.realpath(path))
         size = path.stat().st_size
-        if _SHA256_RE.fullmatch(etag):
+        if is_hex(etag, 64):
             files[rel] = {"size": size, "sha256": etag}
-        elif COMMIT_RE.fullmatch(etag):
+        elif is_hex(etag, 40):
             files[rel] = {"size": size, "sha256": None, "git_blob_sha1": etag}
         else:
             raise ValueError(f"{path}: not a symlink to an hf cache blob, cannot tell its hash")
@@ -226,12 +206,7 @@ def _find_snapshot(root: Path) -> Path:
 
 
 def read_token(token_file: str | os.PathLike[str] | None = None) -> str | None:
-    """Hub token from ``token_file`` if given, else env ``HF_TOKEN``, else None. Never log it.
-
-    Example:
-        >>> read_token("/run/secrets/hf_token")  # doctest: +SKIP
-        'hf_...'
-    """
+    """Hub token from ``token_file`` if given, else env ``HF_TOKEN``, else None. Never log it."""
     if token_file:
         token = Path(token_file).read_text(encoding="utf-8").strip()
         if not token:

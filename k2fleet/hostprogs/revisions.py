@@ -29,15 +29,11 @@ from __future__ import annotations
 import os
 import sys
 
+from k2fleet.hostprogs.verify import is_hex, read_beneath, write_beneath
+
 RECORD = ".k2fleet-served"
 KINDS = ("checkpoint", "venv")
 ENGINES = ("vllm", "sglang", "trtllm", "ktransformers")
-_HEX = "0123456789abcdef"
-
-
-def _is_commit(name: str) -> bool:
-    return len(name) == 40 and all(c in _HEX for c in name)
-
 
 def revision_of(name: str, kind: str) -> str | None:
     """The revision (or release) a directory name of ``kind`` belongs to; None: not of the kind.
@@ -49,7 +45,7 @@ def revision_of(name: str, kind: str) -> str | None:
     """
     if kind == "checkpoint":
         head, dot, tail = name.partition(".")
-        return head if _is_commit(head) and (not dot or (tail.startswith("overlay-") and len(tail) > 8)) else None
+        return head if is_hex(head, 40) and (not dot or (tail.startswith("overlay-") and len(tail) > 8)) else None
     engine, dash, version = name.partition("-")
     if engine in ENGINES and dash and version[:1].isdigit() and all(c.isalnum() or c in ".+_-" for c in version):
         return name
@@ -65,15 +61,11 @@ def kept(served: list[str], current: str, unserved: list[str], keep: int) -> tup
     return order[:keep], order[keep:]
 
 
-def _read_record(fd: int) -> list[str]:
+def _read_record(root: str) -> list[str]:
     try:
-        rfd = os.open(RECORD, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=fd)
+        text = read_beneath(root, RECORD, 1 << 16).decode("utf-8", "replace")
     except OSError:
         return []
-    try:
-        text = os.read(rfd, 1 << 16).decode("utf-8", "replace")
-    finally:
-        os.close(rfd)
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
@@ -120,18 +112,6 @@ def _remove_tree(parent: int, name: str) -> int:
     return freed
 
 
-def _write_record(fd: int, names: list[str]) -> None:
-    tmp = f".{RECORD}.tmp.{os.getpid()}"
-    wfd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644,
-                  dir_fd=fd)
-    try:
-        os.write(wfd, "".join(f"{n}\n" for n in names).encode())
-        os.fsync(wfd)
-    finally:
-        os.close(wfd)
-    os.replace(tmp, RECORD, src_dir_fd=fd, dst_dir_fd=fd)
-
-
 def run(root: str, current: str, keep: int, kind: str, check: bool) -> int:
     try:
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
@@ -143,7 +123,7 @@ def run(root: str, current: str, keep: int, kind: str, check: bool) -> int:
         if current not in found:
             print(f"{root}/{current} is not there (a directory): nothing removed", file=sys.stderr)
             return 1
-        served = [r for r in _read_record(fd) if revision_of(r, kind) == r]
+        served = [r for r in _read_record(root) if revision_of(r, kind) == r]
         unserved = sorted((r for r in found if r not in served and r != current),
                           key=lambda r: -max(m for _, m in found[r]))
         keeps, drops = kept([r for r in served if r in found], current, unserved, keep)
@@ -158,8 +138,7 @@ def run(root: str, current: str, keep: int, kind: str, check: bool) -> int:
         for rev in drops:
             freed = sum(_remove_tree(fd, name) for name, _ in sorted(found[rev]))
             print(f"removed {root}/{rev} ({freed} bytes)")
-        _write_record(fd, keeps)
-        os.fsync(fd)
+        write_beneath(root, RECORD, "".join(f"{n}\n" for n in keeps).encode())  # atomic, fsynced with ROOT
         return 0
     finally:
         os.close(fd)

@@ -38,9 +38,10 @@ Manifest (``DIR/.k2fleet/manifest.json``)::
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import hashlib
 import json
+import math
 import os
 import stat as _stat
 import struct
@@ -81,10 +82,10 @@ UNREADABLE = "unreadable"
 
 
 
-def _hex(text: str, length: int) -> bool:
+def is_hex(text: str, length: int) -> bool:
     """Is ``text`` ``length`` lowercase hex digits (``re.fullmatch("[0-9a-f]{N}", text)``)?
 
-    >>> _hex("0" * 40, 40), _hex("A" * 40, 40), _hex("0" * 39, 40), _hex("0" * 39 + "\\n", 40)
+    >>> is_hex("0" * 40, 40), is_hex("A" * 40, 40), is_hex("0" * 39, 40), is_hex("0" * 39 + "\\n", 40)
     (True, False, False, False)
     """
     return len(text) == length and not text.strip("0123456789abcdef")
@@ -169,11 +170,6 @@ def state_dir(root: str) -> str:
 def load_manifest(path: str) -> dict[str, Any]:
     """Read a manifest JSON file (:func:`manifest_from_bytes`: strict UTF-8, no BOM, no
     duplicate key; ValueError otherwise).
-
-    Example:
-        >>> m = load_manifest("/models/k2/.k2fleet/manifest.json")  # doctest: +SKIP
-        >>> m["revision"]  # doctest: +SKIP
-        '612681931a8c906ddb349f8ad0f582cb552189cd'
     """
     with open(path, "rb") as f:
         return manifest_from_bytes(f.read())
@@ -232,7 +228,7 @@ def manifest_problems(manifest: Any) -> list[Problem]:
         return [Problem("<manifest>", BAD_MANIFEST, "not a JSON object")]
     out: list[Problem] = []
     rev = manifest.get("revision")
-    if not isinstance(rev, str) or not _hex(rev, 40):
+    if not isinstance(rev, str) or not is_hex(rev, 40):
         out.append(Problem("<manifest>", BAD_MANIFEST, f"revision {rev!r} is not a 40-hex commit sha"))
     files = manifest.get("files")
     if not isinstance(files, dict):
@@ -254,24 +250,32 @@ def _entry_problems(rel: str, entry: Any) -> list[Problem]:
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         return [Problem(rel, BAD_MANIFEST, "entry has no integer 'size'")]
     sha256, sha1 = entry.get("sha256"), entry.get("git_blob_sha1")
-    if isinstance(sha256, str) and _hex(sha256, 64):
+    if isinstance(sha256, str) and is_hex(sha256, 64):
         return []
-    if sha256 is None and isinstance(sha1, str) and _hex(sha1, 40):
+    if sha256 is None and isinstance(sha1, str) and is_hex(sha1, 40):
         return []
     return [Problem(rel, BAD_MANIFEST, "entry has neither a sha256 nor a git_blob_sha1")]
 
 
-def _safe_relpath(rel: str) -> bool:
-    """A plain relative name inside the checkpoint: no absolute path, no empty, ``.`` or
-    ``..`` part, not under k2fleet's own ``.k2fleet/`` (its manifest and markers), no
-    control character or backslash.
+def plain_relpath(rel: str) -> bool:
+    """A plain relative name: no absolute path, no empty, ``.`` or ``..`` part, no control
+    character or backslash (a checkpoint's files, the members of an engine cache archive).
 
-    >>> [_safe_relpath(r) for r in ("a/b.json", "/etc/x", "a/../b", "./a", "a//b", ".k2fleet/verified.json", "a\\tb")]
+    >>> [plain_relpath(r) for r in ("a/b.json", "/etc/x", "a/../b", "./a", "a//b", "a\\tb", "a\\\\b")]
     [True, False, False, False, False, False, False]
     """
-    parts = rel.split("/") if isinstance(rel, str) else [""]
-    return (bool(rel) and not rel.startswith("/") and all(p not in ("", ".", "..") for p in parts)
-            and parts[0] != ".k2fleet" and "\\" not in rel and not any(ord(c) < 32 or ord(c) == 127 for c in rel))
+    return (isinstance(rel, str) and bool(rel) and all(p not in ("", ".", "..") for p in rel.split("/"))
+            and "\\" not in rel and not any(ord(c) < 32 or ord(c) == 127 for c in rel))
+
+
+def _safe_relpath(rel: str) -> bool:
+    """A :func:`plain_relpath` inside the checkpoint, not under k2fleet's own ``.k2fleet/`` (its
+    manifest and markers).
+
+    >>> _safe_relpath("a/b.json"), _safe_relpath(".k2fleet/verified.json")
+    (True, False)
+    """
+    return plain_relpath(rel) and rel.split("/")[0] != STATE_DIR
 
 
 def manifest_digest_of(raw: bytes) -> str:
@@ -317,10 +321,8 @@ def open_dir_beneath(root: str, reldir: str, create: bool = False) -> int:
             except FileNotFoundError:
                 if not create:
                     raise
-                try:
+                with contextlib.suppress(FileExistsError):
                     os.mkdir(part, 0o755, dir_fd=fd)
-                except FileExistsError:
-                    pass
                 nfd = _open_dir_part(root, done, part, fd)
             except OSError as e:
                 nfd = _open_dir_part(root, done, part, fd, e)
@@ -374,18 +376,8 @@ def open_beneath(root: str, rel: str, flags: int = os.O_RDONLY, mode: int = 0o64
 
 def read_beneath(root: str, rel: str, limit: int = 1 << 30, follow_last: bool = False) -> bytes:
     """The bytes of ``ROOT/rel`` (:func:`open_beneath`), at most ``limit``."""
-    fd = open_beneath(root, rel, follow_last=follow_last)
-    try:
-        chunks, left = [], limit
-        while left > 0:
-            got = os.read(fd, min(left, 1 << 20))
-            if not got:
-                break
-            chunks.append(got)
-            left -= len(got)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+    with os.fdopen(open_beneath(root, rel, follow_last=follow_last), "rb") as f:
+        return f.read(limit)
 
 
 def stat_beneath(root: str, rel: str) -> dict[str, int] | None:
@@ -444,9 +436,8 @@ def unlink_beneath(root: str, rel: str) -> None:
     except OSError:
         return
     try:
-        os.unlink(name, dir_fd=dfd)
-    except FileNotFoundError:
-        pass
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=dfd)
     finally:
         os.close(dfd)
 
@@ -499,25 +490,10 @@ def remove_marker(root: str) -> None:
 
 
 def atomic_write_json(path: str, obj: Any) -> None:
-    """Write JSON to ``path`` atomically (same-directory temp file + ``os.replace``)."""
-    directory = os.path.dirname(path) or "."
+    """Write JSON to ``path`` atomically and durably (:func:`write_beneath` in its directory, made if missing)."""
+    directory, name = os.path.split(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    dfd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    write_beneath(directory, name, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
 def is_verified(root: str, manifest: dict[str, Any]) -> bool:
@@ -583,12 +559,8 @@ def _tensor_problem(info: Any, data_size: int) -> str | None:
     if not (isinstance(shape, list) and all(isinstance(x, int) and x >= 0 for x in shape)):
         return "shape is not a list of non-negative integers"
     itemsize = _DTYPE_BYTES.get(dtype) if isinstance(dtype, str) else None
-    if itemsize is not None:
-        count = 1
-        for dim in shape:
-            count *= dim
-        if count * itemsize != end - begin:
-            return f"{dtype}{shape} needs {count * itemsize} bytes, data_offsets give {end - begin}"
+    if itemsize is not None and math.prod(shape) * itemsize != end - begin:
+        return f"{dtype}{shape} needs {math.prod(shape) * itemsize} bytes, data_offsets give {end - begin}"
     return None
 
 
@@ -611,10 +583,8 @@ def _advise(fd: int, offset: int, length: int, advice_name: str) -> None:
     advice = getattr(os, advice_name, None)
     if advice is None or not hasattr(os, "posix_fadvise"):
         return
-    try:
+    with contextlib.suppress(OSError):
         os.posix_fadvise(fd, offset, length, advice)
-    except OSError:
-        pass
 
 
 def hash_fd(fd: int, hasher: Any, buf: bytearray) -> int:
@@ -733,14 +703,6 @@ def check_one(root: str, manifest: dict[str, Any], rel: str,
     return (res.stat, []) if res.stat is not None and not res.problems else (None, res.problems)
 
 
-def stat_record(path: str) -> dict[str, int] | None:
-    """The stat record the marker keeps for ``path`` (None: no such file)."""
-    try:
-        return _stat_record(os.stat(path))
-    except OSError:
-        return None
-
-
 def index_problems(root: str, manifest: dict[str, Any], file_symlinks: bool = False) -> list[Problem]:
     """Cross-check ``model.safetensors.index.json``'s weight_map against the manifest.
 
@@ -808,12 +770,6 @@ def verify(
     No file is read through a symlinked directory inside ``root``, nor through a symlinked
     file unless ``file_symlinks`` (a huggingface cache snapshot, checked read-only: such a
     file is still never served by the relay nor passed by the stat-only gate).
-
-    Example:
-        >>> m = load_manifest("/models/k2/.k2fleet/manifest.json")  # doctest: +SKIP
-        >>> r = verify("/models/k2", m, full=True)                  # doctest: +SKIP
-        >>> r.ok, [p.line() for p in r.problems]                    # doctest: +SKIP
-        (True, [])
     """
     t0 = time.monotonic()
     report = Report(dir=root, revision=str(manifest.get("revision")), full=full)
@@ -885,6 +841,8 @@ def pin_problem(manifest: Any, repo: str | None, revision: str | None, digest: s
 
 
 def _parser() -> Any:
+    import argparse  # not imported by the fact's --marker-only check (nor by revisions, which reads through this module)
+
     ap = argparse.ArgumentParser(prog="verify.py", description="Verify a checkpoint directory against its manifest.")
     ap.add_argument("dir")
     ap.add_argument("--manifest", help="manifest path (default DIR/.k2fleet/manifest.json)")
@@ -902,37 +860,24 @@ def _parser() -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; returns the exit code (0 ok, 1 problems).
-
-    Example:
-        $ python3 /opt/k2fleet/lib/k2fleet-host.pyz verify /models/k2 --full
-        OK revision 6126...: 67 files, ...
-    """
+    """CLI entry point; returns the exit code (0 ok, 1 problems)."""
     args = _parser().parse_args(argv)
     root = os.path.abspath(args.dir)
     mpath = args.manifest or os.path.join(state_dir(root), MANIFEST_NAME)
-    if args.marker_only:
-        try:
-            manifest = load_manifest(mpath)
-            pinned = pin_problem(manifest, args.repo, args.revision, args.manifest_digest)
-            return 0 if not pinned and is_verified(root, manifest) else 1
-        except (OSError, ValueError):
-            return 1
     try:
         manifest = load_manifest(mpath)
+        problem = pin_problem(manifest, args.repo, args.revision, args.manifest_digest)
     except (OSError, ValueError) as e:
-        report = Report(dir=root, revision="?", problems=[Problem(mpath, BAD_MANIFEST, f"cannot load: {e}")])
+        manifest, problem = {"revision": "?"}, f"cannot load: {e}"
+    if args.marker_only:
+        return 0 if not problem and is_verified(root, manifest) else 1
+    if problem:
+        report = Report(dir=root, revision=str(manifest.get("revision")), problems=[Problem(mpath, BAD_MANIFEST, problem)])
         report = _finish(report, root, {}, {}, time.monotonic())
     else:
-        pinned = pin_problem(manifest, args.repo, args.revision, args.manifest_digest)
-        if pinned:
-            report = Report(dir=root, revision=str(manifest.get("revision")),
-                            problems=[Problem(mpath, BAD_MANIFEST, pinned)])
-            report = _finish(report, root, {}, {}, time.monotonic())
-        else:
-            report = verify(root, manifest, full=args.full, workers=args.workers)
+        report = verify(root, manifest, full=args.full, workers=args.workers)
     if args.json:
-            print(json.dumps(report.to_dict(), indent=1, sort_keys=True))
+        print(json.dumps(report.to_dict(), indent=1, sort_keys=True))
     else:
         for line in report.lines():
             print(line)
