@@ -20,6 +20,7 @@ socket that answers (:func:`check_server`).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import socket
 import subprocess
@@ -35,19 +36,14 @@ class Untrusted(Exception):
     ValueError, so no retry loop takes it for a server still starting."""
 
 
-_CONTEXTS: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def tls_context(ca_file: str | None):
     """A client context trusting ``ca_file`` alone (None: the system's CAs), TLS 1.2 at least,
     the certificate and the server's name always checked; one per CA file."""
-    ctx = _CONTEXTS.get(ca_file)
-    if ctx is None:
-        import ssl
-        ctx = ssl.create_default_context(cafile=ca_file)  # with cafile: that CA only, not the system's
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.set_alpn_protocols(["http/1.1"])
-        _CONTEXTS[ca_file] = ctx
+    import ssl
+    ctx = ssl.create_default_context(cafile=ca_file)  # with cafile: that CA only, not the system's
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_alpn_protocols(["http/1.1"])
     return ctx
 
 

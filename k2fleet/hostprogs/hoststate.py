@@ -38,6 +38,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -735,15 +736,7 @@ def version_key(version: str) -> tuple:
     >>> version_key("580.65.06") < version_key("580.95.05"), version_key("")
     (True, (0,))
     """
-    out = []
-    for part in version.split("."):
-        digits = ""
-        for c in part:
-            if not c.isdigit():
-                break
-            digits += c
-        out.append(int(digits or 0))
-    return tuple(out)
+    return tuple(int(re.match(r"[0-9]*", part)[0] or 0) for part in version.split("."))
 
 
 def amd_problems(want: dict) -> list:

@@ -16,6 +16,7 @@ naming the host, the target, why, and the fix; exit 1 if any. Standard library o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import selectors
 import socket
@@ -73,11 +74,8 @@ def listen(bind: str, ports: list[int], seconds: float) -> int:
     deadline = time.monotonic() + min(seconds, MAX_SECONDS)
     while held and (left := deadline - time.monotonic()) > 0:
         for key, _ in sel.select(timeout=left):
-            try:
-                conn, _ = key.fileobj.accept()  # type: ignore[union-attr]
-                conn.close()
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):
+                key.fileobj.accept()[0].close()  # type: ignore[union-attr]
     for sock in held:
         sock.close()
     return 0

@@ -66,6 +66,7 @@ which overlap —, files and bytes per source, failovers, bad shards, when it ``
 """
 
 import argparse
+import contextlib
 import fcntl
 import hmac
 import http.client
@@ -108,12 +109,6 @@ DEAD_AFTER_S = 10.0  # a source that does not answer (or idles without the file)
 GIVE_UP_S = 300.0  # no source of a file answered this long: the fetch fails (it does not hang a deploy)
 VERIFY_BEHIND = 4  # landed files of a lane still hashing while the next lands (sha256: ~1.5 GB/s a core)
 STREAMS = 1  # range streams per file: one spliced stream beat four on the sandbox (bench/distribution_bench.py)
-
-
-def load_manifest(root):
-    """``root``'s manifest, read strictly (:func:`verify.manifest_from_bytes`) and not
-    through a symlink below ``root``."""
-    return verify.load_manifest_in(root)
 
 
 def mark_rel(rel):
@@ -162,7 +157,7 @@ def drop_marks(root, manifest):
 
 def mark(root):
     """Hash every file against the manifest; mark the good ones. Returns the bad ones."""
-    manifest = load_manifest(root)
+    manifest = verify.load_manifest_in(root)
     bad = []
     for rel, entry in sorted(manifest["files"].items()):
         stat, _ = verify.check_one(root, manifest, rel)
@@ -221,7 +216,7 @@ def auth_proof(secret, role, client_nonce, server_nonce):
 
 
 def _nonce_ok(value):
-    return isinstance(value, str) and len(value) == 32 and not value.strip("0123456789abcdef")
+    return isinstance(value, str) and verify.is_hex(value, 32)
 
 
 def make_handler(root, secret=None):
@@ -246,9 +241,7 @@ def make_handler(root, secret=None):
         def handle(self):
             try:
                 super().handle()
-            except (TimeoutError, ConnectionError):
-                self.close_connection = True
-            except OSError:  # the watchdog shut the connection down mid-answer
+            except OSError:  # a timeout, a peer gone, or the watchdog shut the connection down mid-answer
                 self.close_connection = True
 
         def handle_one_request(self):
@@ -307,7 +300,7 @@ def make_handler(root, secret=None):
                 except OSError:
                     return self._send(404)
             try:
-                manifest = load_manifest(root)
+                manifest = verify.load_manifest_in(root)
             except (OSError, ValueError):
                 return self._send(503)
             rel = path[len("/file/"):] if path.startswith("/file/") else None
@@ -383,11 +376,9 @@ def big_buffer(sock, option):
     limit the bytes already queued carry it through the moments this process waits for a
     core or the disk instead of idling it."""
     force = {socket.SO_RCVBUF: 33, socket.SO_SNDBUF: 32}[option]  # SO_RCVBUFFORCE, SO_SNDBUFFORCE (Linux)
-    try:
+    with contextlib.suppress(OSError):
         if sock.getsockopt(socket.SOL_SOCKET, option) < 2 * SOCKET_BUFFER:  # the kernel reports twice the size set
             sock.setsockopt(socket.SOL_SOCKET, force, SOCKET_BUFFER)
-    except OSError:
-        pass
 
 
 def _await_marker(root, rel, until):
@@ -457,10 +448,8 @@ class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
                 for c in late:
                     del self._deadlines[c]
             for c in late:
-                try:
+                with contextlib.suppress(OSError):
                     c.shutdown(socket.SHUT_RDWR)  # a blocked read sees EOF, a blocked send (sendfile too) fails
-                except OSError:
-                    pass
 
     def process_request(self, request, client_address):
         source = client_address[0] if isinstance(client_address, tuple) else client_address
@@ -502,23 +491,25 @@ def serve(root, bind, port, exit_with_parent=False, secret=None, idle_exit=0.0):
     server = Server((bind, port), make_handler(root, secret))
     print(json.dumps({"port": server.server_address[1]}), flush=True)
     if idle_exit > 0:
-
-        def idle_watch():
-            while time.monotonic() - server.last_request < idle_exit:
-                time.sleep(min(1.0, idle_exit / 4))
-            os._exit(0)
-
-        threading.Thread(target=idle_watch, daemon=True).start()
+        _exit_when(lambda: time.monotonic() - server.last_request >= idle_exit, min(1.0, idle_exit / 4))
     if exit_with_parent:
         parent = os.getppid()
-
-        def watch():
-            while os.getppid() == parent:
-                time.sleep(0.5)
-            os._exit(0)
-
-        threading.Thread(target=watch, daemon=True).start()
+        _exit_when(lambda: os.getppid() != parent, 0.5)
     server.serve_forever()
+
+
+def _exit_when(done, poll, code=0, why=""):
+    """End this process (exit ``code``, ``why`` on stderr) once ``done()`` holds, asked every ``poll``
+    seconds by a daemon thread, whatever the rest of the process waits on."""
+
+    def watch():
+        while not done():
+            time.sleep(poll)
+        sys.stderr.write(why)
+        sys.stderr.flush()
+        os._exit(code)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 # --------------------------------------------------------------------------- fetching
@@ -786,10 +777,8 @@ def splice_into(sock, fd, offset, stop, landed, slow_after=SLOW_AFTER_S):
     pace = _Pace(slow_after, offset)
     r, w = os.pipe()
     try:
-        try:
+        with contextlib.suppress(OSError):
             fcntl.fcntl(w, 1031, PIPE_BYTES)  # F_SETPIPE_SZ: fewer, larger moves
-        except OSError:
-            pass
         while offset < stop:
             n = os.splice(sock.fileno(), w, min(PIPE_BYTES, stop - offset))
             if n == 0:
@@ -1004,12 +993,7 @@ class Pin:
         problems = verify.manifest_problems(manifest)
         if problems:
             return "manifest: " + "; ".join(p.line() for p in problems[:3])
-        pinned = verify.pin_problem(manifest, self.repo, self.revision)
-        if pinned:
-            return pinned
-        if self.digest is not None and verify.manifest_digest(manifest) != self.digest:  # of these very bytes
-            return "manifest digest differs from the control machine's verified copy"
-        return None
+        return verify.pin_problem(manifest, self.repo, self.revision, self.digest)  # the digest of these very bytes
 
 
 def _manifest_from(sources, wait_s=600.0, pin=None):
@@ -1194,10 +1178,8 @@ def _heartbeat(root, stop):
     try:
         os.write(fd, str(os.getpid()).encode())
         while not stop.wait(HEARTBEAT_S):
-            try:
+            with contextlib.suppress(OSError):
                 os.utime(fd)
-            except OSError:
-                pass
     finally:
         os.close(fd)
         verify.unlink_beneath(root, HEARTBEAT)
@@ -1237,14 +1219,9 @@ def _deadline_watch(seconds):
     """End this process (exit 4, a line on stderr) after ``seconds``: a fetch that would
     outlive its deadline is stopped, whatever it waits on (a dripping source, a blocked
     splice). What it verified stays marked; the next run resumes."""
-
-    def watch():
-        time.sleep(max(0.0, seconds))
-        sys.stderr.write(f"relay: the fetch ran past its deadline ({seconds:.0f}s); stopped\n")
-        sys.stderr.flush()
-        os._exit(4)
-
-    threading.Thread(target=watch, daemon=True).start()
+    end = time.monotonic() + seconds
+    _exit_when(lambda: time.monotonic() >= end, 0.2, 4,
+               f"relay: the fetch ran past its deadline ({seconds:.0f}s); stopped\n")
 
 
 def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_after=DEAD_AFTER_S, fleet=None,
@@ -1283,7 +1260,7 @@ def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_af
         if fleet:
             plan = fleet_plan(manifest["files"], fleet, position, fanout, urls)
         try:
-            old_files = load_manifest(root)["files"]
+            old_files = verify.load_manifest_in(root)["files"]
         except (OSError, ValueError, KeyError):
             old_files = {}
         # nothing is served until hashed again (bit rot keeps sizes and mtimes): the markers of

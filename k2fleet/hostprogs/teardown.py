@@ -24,6 +24,7 @@ installed (or of another version) since the record. Exit 0, or 1 with ``errors``
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -63,14 +64,11 @@ def installed_packages() -> dict[str, str]:
 def _groups() -> dict[str, list[str]]:
     """Group name → its members, from /etc/group."""
     out = {}
-    try:
-        with open("/etc/group", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                parts = line.rstrip("\n").split(":")
-                if len(parts) == 4:
-                    out[parts[0]] = [m for m in parts[3].split(",") if m]
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/etc/group", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            parts = line.rstrip("\n").split(":")
+            if len(parts) == 4:
+                out[parts[0]] = [m for m in parts[3].split(",") if m]
     return out
 
 
@@ -147,6 +145,16 @@ def _remove_except(path: str, keep: list[str], done: list[str], errors: list[str
         _remove_except(os.path.join(path, name), inside, done, errors)
 
 
+def _remove_made(d: str, before: set[str] | None, removed: list[str]) -> None:
+    """Remove directory ``d`` if k2fleet made it (not in the record's ``before``; without a
+    record, a path naming k2fleet) and it is empty (else something else is in it)."""
+    made = d not in before if before is not None else "k2fleet" in d
+    if made and os.path.isdir(d) and not os.path.islink(d):
+        with contextlib.suppress(OSError):
+            os.rmdir(d)
+            removed.append(d)
+
+
 def _existing_units(names: list[str]) -> list[str]:
     """Those of ``names`` systemd knows (loaded, or with a unit file)."""
     if not names:
@@ -213,13 +221,7 @@ def down(spec: dict) -> dict:
     before = set(rec["dirs"]) if rec else None
     dirs = sorted(set(spec.get("dirs", [])), key=lambda d: (-d.count("/"), d))
     for d in dirs:
-        made = d not in before if before is not None else "k2fleet" in d
-        if made and os.path.isdir(d) and not os.path.islink(d):
-            try:
-                os.rmdir(d)
-                removed.append(d)
-            except OSError:
-                pass  # not empty: something else is in it
+        _remove_made(d, before, removed)
     restored = {}
     for key in spec.get("sysctl", []):
         was = (rec or {}).get("sysctl", {}).get(key)
@@ -259,13 +261,7 @@ def down(spec: dict) -> dict:
     # the record goes last: it is k2fleet's too
     if rec_path:
         _remove(rec_path, removed, errors)
-        parent = os.path.dirname(rec_path)
-        if before is not None and parent not in before or before is None and "k2fleet" in parent:
-            try:
-                os.rmdir(parent)
-                removed.append(parent)
-            except OSError:
-                pass
+        _remove_made(os.path.dirname(rec_path), before, removed)
     return {"units": units, "removed": removed, "purged": purged, "kept": kept, "images": images, "nft_tables": tables,
             "sysctl": restored, "groups": left_groups, "packages_installed": installed, "packages_changed": changed,
             "packages_from": source, "errors": errors}
