@@ -55,6 +55,8 @@ from k2fleet.hostprogs.verify import (
     SIZE_MISMATCH,
     Report,
     check_one,
+    expected_hash,
+    hash_fd,
     load_manifest,
     manifest_digest,
     pin_problem,
@@ -136,9 +138,7 @@ class _PartHash:
         self.hasher, self.upto = self.fresh.copy(), 0
         if have:
             with open(part, "rb") as f:
-                while chunk := f.read(min(_STREAM_CHUNK * 8, have - self.upto)):
-                    self.hasher.update(chunk)
-                    self.upto += len(chunk)
+                self.upto = hash_fd(f.fileno(), self.hasher, bytearray(_STREAM_CHUNK * 8))
 
     def restart(self) -> None:
         if self.fresh is not None:
@@ -327,7 +327,7 @@ class Landing:
         if stat is None or entry is None:
             self.hashed.pop(rel, None)
             return False
-        self.hashed[rel] = (entry.get("sha256") or entry["git_blob_sha1"], stat)
+        self.hashed[rel] = (expected_hash(entry), stat)
         if self.publish:
             from k2fleet.hostprogs import relay
 

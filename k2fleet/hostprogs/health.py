@@ -100,10 +100,8 @@ def is_local(address: str) -> bool:
 def listeners(port: int) -> list[tuple[str, int | None]]:
     """(address, owner's uid: :func:`_ss_uid`) of every TCP socket listening on ``port`` here, as
     ``ss -Htne state listening`` lists them (the kernel walks its listening sockets only)."""
-    out = subprocess.run(["ss", "-Htne", "state", "listening", f"( sport = :{port} )"], stdin=subprocess.DEVNULL,
-                         capture_output=True, text=True, timeout=SS_TIMEOUT_S, check=True).stdout
     found = []
-    for line in out.splitlines():
+    for line in _ss("e", port, check=True):
         fields = line.split()  # Recv-Q Send-Q Local Peer details... (one state asked: no State column)
         local = _ss_address(fields[2]) if len(fields) >= 4 else None
         if local and local[1] == port:
@@ -140,11 +138,16 @@ def listener_process(port: int) -> str:
     """Who listens on TCP ``port`` here, as ``ss -p`` names the processes (its
     ``users:(...)``), or ""."""
     try:
-        out = subprocess.run(["ss", "-Htnp", "state", "listening", f"( sport = :{port} )"], stdin=subprocess.DEVNULL,
-                             capture_output=True, text=True, timeout=SS_TIMEOUT_S).stdout
+        lines = _ss("p", port)
     except (OSError, subprocess.SubprocessError):
         return ""
-    return " ".join(sorted({f for line in out.splitlines() for f in line.split() if f.startswith("users:")}))
+    return " ".join(sorted({f for line in lines for f in line.split() if f.startswith("users:")}))
+
+
+def _ss(details: str, port: int, check: bool = False) -> list[str]:
+    """The lines of ``ss -Htn<details> state listening`` for TCP ``port``."""
+    return subprocess.run(["ss", f"-Htn{details}", "state", "listening", f"( sport = :{port} )"], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=SS_TIMEOUT_S, check=check).stdout.splitlines()
 
 
 def check_server(sock, host: str, port: int, required: bool) -> None:

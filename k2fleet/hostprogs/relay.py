@@ -123,18 +123,14 @@ def is_verified_here(root, manifest, rel, verified=None):
     if now is None:
         return False
     try:
-        if json.loads(verify.read_beneath(root, mark_rel(rel), 1 << 16)) == {"sha256": expected(manifest["files"][rel]),
-                                                                             "stat": now}:
+        marked = {"sha256": verify.expected_hash(manifest["files"][rel]), "stat": now}
+        if json.loads(verify.read_beneath(root, mark_rel(rel), 1 << 16)) == marked:
             return True
     except (OSError, ValueError):
         pass
     if verified is None:
         verified = verify.load_marker(root, manifest)
     return verified.get(rel) == now
-
-
-def expected(entry):
-    return entry.get("sha256") or entry.get("git_blob_sha1")
 
 
 def write_mark(root, rel, entry, stat):
@@ -144,8 +140,8 @@ def write_mark(root, rel, entry, stat):
     bytes durable, only the record; a record lost in a crash costs a re-hash (a fetch drops
     and re-hashes every marker anyway), and one that outlives the file's bytes no longer
     matches the file's stat."""
-    verify.write_beneath(root, mark_rel(rel), json.dumps({"sha256": expected(entry), "stat": stat}).encode(),
-                         durable=False)
+    marked = {"sha256": verify.expected_hash(entry), "stat": stat}
+    verify.write_beneath(root, mark_rel(rel), json.dumps(marked).encode(), durable=False)
 
 
 def drop_marks(root, manifest):

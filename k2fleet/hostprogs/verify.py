@@ -570,6 +570,11 @@ def new_hasher(entry: dict[str, Any]) -> Any:
     return _new_hasher(entry, entry["size"])[0]
 
 
+def expected_hash(entry: dict[str, Any]) -> str:
+    """The hex digest a manifest entry's file must have: its sha256, else its git blob sha1."""
+    return entry.get("sha256") or entry["git_blob_sha1"]
+
+
 def _new_hasher(entry: dict[str, Any], size: int) -> tuple[Any, str, str]:
     """(hasher, algorithm label, expected hex) for a manifest entry."""
     if entry.get("sha256"):
