@@ -30,7 +30,7 @@ verified copy on the sandbox bridge, measured in one run:
   paid its page faults: the same transport took 0.5 to 2.5 s).
 
 The link limit is S/B (checkpoint bytes ÷ the nominal shaped rate): one host's transfer
-time. Larger fleets are simulated (:func:`k2fleet.hostprogs.swarm.simulate`) from the
+time. Larger fleets are simulated (:func:`k2sandbox.relay_fleet.simulate`) from the
 5-host chain's measured per-shard time on a busy link, extra per-hop delay and start-up,
 for chains and k trees; the figure for each size is the deploy's plan.
 
@@ -58,7 +58,7 @@ from k2sandbox import nspawn as sandbox  # noqa: E402
 from k2fleet.hostprogs import swarm  # noqa: E402
 from k2sandbox.checkpoint_cache import ensure_synthetic_checkpoint  # noqa: E402
 from k2fleet.planning.host_archive import ARCHIVE  # noqa: E402
-from k2sandbox.relay_fleet import HOST_DIR, RelayFleet, url  # noqa: E402
+from k2sandbox.relay_fleet import HOST_DIR, RelayFleet, simulate, url  # noqa: E402
 from k2fleet.planning import relay_plan  # noqa: E402
 from verify_bench import prefault  # noqa: E402  (bench/ is on sys.path as this script's directory)
 
@@ -325,7 +325,7 @@ def main() -> int:
           f"({rate / 1e6:.1f} MB/s), {hop_s:.3f}s more per hop (ready to ready {hop:.3f}s), start-up {startup:.2f}s")
     for n, fanouts in ((5, (1, 2)), (16, (1, 2, 4)), (64, (1, 2, 4)), (256, (2,))):
         for k in fanouts:
-            t = swarm.simulate(n, sizes, rate, k, hop_s=hop_s, step=limit / (3000 if n <= 64 else 1500)) + startup
+            t = simulate(n, sizes, rate, k, hop_s=hop_s, step=limit / (3000 if n <= 64 else 1500)) + startup
             print(f"simulated {n} hosts, {'chain' if k == 1 else f'{k} trees'}: {t:.1f}s = {t / limit:.3f} × S/B"
                   + (" (the deploy's plan)" if k == swarm.fanout_for(n) else ""))
             if k == swarm.fanout_for(n):

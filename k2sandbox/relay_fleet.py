@@ -1,19 +1,24 @@
 """The checkpoint relay (:mod:`k2fleet.hostprogs.relay`) on sandbox hosts, for the distribution
 bench and its tests: the control machine serves a verified copy on the sandbox bridge,
 every host serves what it has verified, and hosts fetch by a plan (a chain, the doubling
-tree's rounds, or per-shard trees from :mod:`k2fleet.hostprogs.swarm`).
+tree's rounds, or per-shard trees from :mod:`k2fleet.hostprogs.swarm`), and the bench's fluid model
+of a plan for fleets too large to measure (:func:`simulate`: links of one bandwidth, each host's
+ingress and egress shared fairly among its transfers).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from k2fleet.hostprogs import swarm
 from k2fleet.planning import relay_plan
 from k2fleet.planning.host_archive import ARCHIVE, archive_bytes
 from k2sandbox import nspawn as sandbox
@@ -125,3 +130,76 @@ class RelayFleet:
         if self.control is not None:
             self.control.kill()
             self.control.wait()
+
+
+def max_min_rates(flows: list[tuple[object, ...]], capacity: float) -> list[float]:
+    """Max-min fair rates of ``flows`` (each the resources it crosses, every resource of
+    ``capacity``), by progressive filling — how TCP flows share links, roughly.
+
+    >>> max_min_rates([("a", "x"), ("a", "y"), ("b", "y")], 10.0)
+    [5.0, 5.0, 5.0]
+    >>> max_min_rates([("a",), ("b",), ("b",)], 12.0)
+    [12.0, 6.0, 6.0]
+    """
+    rates: list[float | None] = [None] * len(flows)
+    left = {r: capacity for f in flows for r in f}
+    while any(rate is None for rate in rates):
+        users: dict[object, list[int]] = {}
+        for i, f in enumerate(flows):
+            if rates[i] is None:
+                for r in f:
+                    users.setdefault(r, []).append(i)
+        bottleneck = min(users, key=lambda r: left[r] / len(users[r]))
+        share = left[bottleneck] / len(users[bottleneck])
+        for i in users[bottleneck]:
+            rates[i] = share
+            for r in flows[i]:
+                left[r] -= share
+    return [float(r) for r in rates]  # type: ignore[arg-type]
+
+
+def simulate(n: int, sizes: Sequence[int], bandwidth: float, fanout: int, hop_s: float = 0.0,
+             step: float | None = None) -> float:
+    """Seconds until every one of ``n`` hosts holds every shard (``sizes`` bytes each) as
+    the relay moves them: each host takes shard j in lane j mod k (k = ``fanout``, 1 for a
+    chain), in order within a lane, one shard at a time, from its parent in
+    :func:`swarm.plan_sources`; a received shard is passed on ``hop_s`` seconds later (the
+    tail of its hash, its checks and a peer noticing it); every link, the source's too,
+    has ``bandwidth`` bytes/s each way, shared max-min fairly among the transfers crossing
+    it (:func:`max_min_rates`). Fluid, time-stepped.
+
+    >>> round(simulate(1, [100] * 10, 100.0, 1), 1)
+    10.0
+    >>> round(simulate(3, [100] * 10, 100.0, 1), 1)  # S/B + 2 shard-times
+    12.0
+    """
+    k = max(1, fanout)
+    hosts = [f"h{i}" for i in range(n)]
+    shards = [f"s{j}" for j in range(len(sizes))]
+    plan = swarm.plan_sources(hosts, shards, fanout)
+    size = dict(zip(shards, sizes))
+    dt = step or max(sum(sizes) / bandwidth / 2000, 1e-3)
+    lanes = [(h, [s for j, s in enumerate(shards) if j % k == lane]) for h in hosts for lane in range(k)]
+    nxt = [0] * len(lanes)
+    have: dict[tuple[str | None, str], float] = {(swarm.SOURCE, s): 0.0 for s in shards}  # (host, shard) → ready time
+    got = [0.0] * len(lanes)
+    t = 0.0
+    while any(i < len(shards_) for i, (_, shards_) in zip(nxt, lanes)):
+        active = []
+        for li, (h, mine) in enumerate(lanes):
+            if nxt[li] < len(mine):
+                s = mine[nxt[li]]
+                parent = plan[h][s][0]
+                if have.get((parent, s), math.inf) <= t + 1e-9:
+                    active.append((li, h, s, parent))
+        rates = max_min_rates([(("in", h), ("out", p)) for _, h, _, p in active], bandwidth) if active else []
+        for (li, h, s, _), rate in zip(active, rates):
+            got[li] += rate * dt
+            if got[li] >= size[s] - 1e-9:
+                have[(h, s)] = t + dt + hop_s
+                got[li] = 0.0
+                nxt[li] += 1
+        t += dt
+        if t > 1e7:
+            raise RuntimeError("simulation did not converge")
+    return max(have.values())
