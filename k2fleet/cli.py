@@ -7,7 +7,7 @@ with the sandbox package installed, also rehearse an inventory and run the sandb
     k2fleet plan inventories/h200.py [--json] [--data KEY=VALUE ...]
     k2fleet status inventories/h200.py [--json] [--completion]   # read-only: drift and health, exit 1 on either
     k2fleet logs inventories/h200.py [--service S] [--since T] [--follow]   # the fleet's journals, each line prefixed by its host
-    k2fleet down inventories/h200.py [--purge]   # remove what k2fleet placed on every host (checkpoints stay unless --purge)
+    k2fleet down inventories/h200.py [--purge] [--host H]   # remove what k2fleet placed on every host, or on H (drained first); checkpoints stay unless --purge
     k2fleet keys                      # every inventory key, as Markdown
     k2fleet rehearse inventories/h200.py [--keep] [--bundle DIR --offline] [--engine real] [--data KEY=VALUE ...]
     k2fleet bundle inventories/h200.py --out DIR [--rehearsal] [--locked LOCK] [--only PART]
@@ -302,11 +302,24 @@ def format_down(name: str, result, purge: bool) -> list[str]:
 
 def _cmd_down(args: argparse.Namespace) -> int:
     from k2fleet.deploy.fleet_shell import run_on_hosts
-    from k2fleet.planning.teardown import placed, program_argv
+    from k2fleet.planning.teardown import hosts_down, placed, program_argv
 
     dep, plan, desired = _fleet_desired(args)
-    commands = {name: program_argv("down", placed(dep, plan.hosts[name], d).down_spec(args.purge))
-                for name, d in desired.items()}
+    rollout = next(iter(desired.values())).rollout if desired else None
+    try:
+        names, drains = hosts_down(list(desired), rollout, args.host) if rollout else (list(desired), [])
+    except ValueError as exc:
+        sys.stderr.write(f"k2fleet down: {exc}\n")
+        return 2
+    for lb_host, argv in drains:  # the instances' requests in flight finish before their units stop
+        drained = run_on_hosts(str(args.inventory), args.data, {lb_host: argv}, reason="k2fleet down: drain")[lb_host]
+        said = (drained.stdout.strip() or drained.stderr.strip() or drained.error or "").splitlines()
+        print(f"{lb_host}: load balancer: {said[-1] if said else 'drained'}", flush=True)
+        if not drained.ok:
+            print(f"down: the drain on {lb_host} failed: nothing was taken down", flush=True)
+            return 1
+    commands = {name: program_argv("down", placed(dep, plan.hosts[name], desired[name]).down_spec(args.purge))
+                for name in names}
     results = run_on_hosts(str(args.inventory), args.data, commands, reason="k2fleet down")
     failed = []
     for name in commands:
@@ -317,6 +330,9 @@ def _cmd_down(args: argparse.Namespace) -> int:
     print(f"down: {len(commands)} hosts, " + (f"{len(failed)} failed: {', '.join(failed)}" if failed else
                                               "k2fleet's units, files and rules removed"
                                               + ("" if args.purge else "; checkpoints and engine caches kept")))
+    if not failed and len(names) < len(desired):
+        print(f"next: remove {', '.join(names)} from {args.inventory} and deploy: the load balancer and the "
+              "other hosts' firewall allow lists drop it; nothing else changes there")
     return 1 if failed else 0
 
 
@@ -499,6 +515,9 @@ def parser() -> argparse.ArgumentParser:
                         "A bad inventory: one line, exit 2, no host contacted. Exit 1 when a host failed.")
     _inventory_arguments(dn)
     dn.add_argument("--purge", action="store_true", help="also remove the checkpoints (and engine caches)")
+    dn.add_argument("--host", action="append", default=[], metavar="NAME",
+                    help="only this host (repeat for more): its instance is drained at the load balancer first; "
+                    "then remove it from the inventory and deploy")
     dn.set_defaults(func=_cmd_down)
     k = sub.add_parser("keys", help="print the inventory key reference (Markdown)")
     k.set_defaults(func=_cmd_keys)

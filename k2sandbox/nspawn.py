@@ -743,6 +743,41 @@ def start_again(index: int, state_dir: Path = DEFAULT_STATE_DIR, docker: bool = 
     return host
 
 
+def replace_host(index: int, state_dir: Path = DEFAULT_STATE_DIR, docker: bool = False) -> SandboxHost:
+    """A failed host replaced by a new machine under the same name and address: host
+    ``index`` is crashed if it still runs (:func:`crash_host`), its disk (overlay upper, work
+    and Docker directories) is wiped, and it boots bare with a new machine id and a new SSH
+    host key (the known_hosts line for its address is replaced: what an operator does for a
+    reinstalled machine), with the hardware and fabric doubles it was booted with."""
+    from k2sandbox import fabric_doubles
+
+    state_dir = state_dir.resolve()
+    paths, name = _paths(state_dir), host_name(index)
+    entries = _host_entries(state_dir)
+    if not 1 <= index <= len(entries):
+        raise SandboxError(f"no sandbox host {index} (the fleet has {len(entries)})")
+    if _read_pid(paths["run"] / f"{name}.supervisor") and _alive(_read_pid(paths["run"] / f"{name}.supervisor")):
+        crash_host(index, state_dir)
+    hostdir = paths["hosts"] / name
+    _unmount_all(hostdir)
+    for sub in ("upper", "work", "docker"):
+        _safe_rmtree(hostdir / sub)
+    pubkey = Path(f"{ensure_control_key(state_dir)}.pub").read_text()
+    hostkey = prepare_upper(hostdir / "upper", index, len(entries), pubkey)
+    entry = entries[index - 1]
+    if entry.get("hardware") is not None:
+        write_hardware(hostdir / "upper", entry["hardware"])
+    if entry.get("fabric") is not None:
+        fabric_doubles.write_host_doubles(hostdir / "upper", fabric_doubles.devices_of(entry["fabric"]))
+    address = host_address(index)
+    lines = [line for line in paths["known_hosts"].read_text().splitlines() if line.split(" ", 1)[0] != address]
+    _write(paths["known_hosts"], "".join(f"{line}\n" for line in lines + [f"{address} {hostkey}"]))
+    start_host(index, ensure_rootfs(), state_dir, docker)
+    host = load_hosts(state_dir)[index - 1]
+    wait_ready([host], state_dir)
+    return host
+
+
 def _recorded_pids(run_dir: Path, suffix: str, ours) -> list[int]:
     """Live pids recorded in ``run_dir/k2sb-*SUFFIX`` that ``ours(pid, host)`` owns."""
     found = []

@@ -37,6 +37,12 @@ def k2fleet(*args: str) -> subprocess.CompletedProcess:
     (["logs", "inventories/h200.py", "--since", "2026-02-30"], "not a date"),
     (["down", "inventories/h200.py", "--data", "k2_tp=7"], "k2_tp"),
     (["logs", "inventories/h200.py", "--data", "k2_tp=7"], "k2_tp"),
+    (["down", "inventories/h200.py", "--host", "h200-9"], "--host h200-9: not a host of this inventory "
+                                                          "(hosts: h200-0, h200-1)"),
+    (["down", "inventories/h200.py", "--host", "h200-0", "--data", "k2_load_balancer=h200-0"],
+     "--host h200-0: it runs the load balancer (k2_load_balancer) for the hosts that stay"),
+    (["down", "inventories/h200-sglang-tp16.py", "--host", "h200-1"], "--host h200-1: it is part of the instance "
+                                                                      "serve-0 (h200-0, h200-1), which serves only whole"),
 ])
 def test_bad_arguments_one_line_exit_2_no_host_contacted(args: list[str], says: str) -> None:
     # h200.py's hosts are TEST-NET addresses (192.0.2.0/24): a connection attempt would hang

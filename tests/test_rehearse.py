@@ -172,42 +172,34 @@ def test_bad_inventory_is_refused_before_anything_boots() -> None:
 
 @pytest.mark.sandbox
 @needs_root
-def test_rehearse_a_fetcher_host_pinned() -> None:
-    """#33: ``k2_checkpoint_fetcher: h200-1`` rehearses as written: h200-1 downloads from a Hub
-    TEST DOUBLE on the sandbox bridge and feeds h200-0; the control machine pinned the manifest
-    from the double's metadata, so every host's checkpoint gate names that digest."""
-    def pinned(proc: subprocess.CompletedProcess) -> None:
+def test_rehearse_h200_as_a_sudo_user_on_a_custom_port_with_a_fetcher_host_pinned() -> None:
+    """As written, and (#22) the way the inventory goes in — here a user with sudo on port
+    2222 (only the address and key are the sandbox's): the sandbox hosts' sshd logs show that
+    user's logins (the deploy and its re-run) and a listener on that port. In the same
+    rehearsal (#33), ``k2_checkpoint_fetcher: h200-1``: h200-1 downloads from a Hub TEST DOUBLE
+    on the sandbox bridge and feeds h200-0; the control machine pinned the manifest from the
+    double's metadata, so every host's checkpoint gate names that digest."""
+    def went_in_as_ops_and_pinned(proc: subprocess.CompletedProcess) -> None:
         digests = set()
         for host in sandbox.load_hosts():
+            log = sandbox.ssh(host, "journalctl -u ssh --no-pager -o cat").stdout
+            ops = [line for line in log.splitlines() if line.startswith("Accepted publickey for ops ")]
+            assert len(ops) >= 2, log[-2000:]  # the deploy and its re-run went in as ops
+            assert "Server listening on 0.0.0.0 port 2222." in log, log[-2000:]
             pre = sandbox.ssh(host, "systemctl show -p ExecStartPre --value k2-vllm.service").stdout
             found = re.findall(r"--manifest-digest ([0-9a-f]{64})", pre)
             assert found, pre[-2000:]
             digests.update(found)
         assert len(digests) == 1, digests  # one pin for the whole fleet
 
-    proc = rehearse_kept("inventories/h200.py", 2, "--data", "k2_checkpoint_fetcher=h200-1", check=pinned)
-    assert "the Hub TEST DOUBLE at http://10.213.0.1:" in proc.stdout and "h200-1 downloads it" in proc.stdout
-    assert "-> control" not in proc.stdout  # the fetcher host is kept
-
-
-@pytest.mark.sandbox
-@needs_root
-def test_rehearse_h200() -> None:
-    """As written, and (#22) the way the inventory goes in — here a user with sudo on port
-    2222 (only the address and key are the sandbox's): the sandbox hosts' sshd logs show that
-    user's logins (the deploy and its re-run) and a listener on that port."""
-    def went_in_as_ops(proc: subprocess.CompletedProcess) -> None:
-        for host in sandbox.load_hosts():
-            log = sandbox.ssh(host, "journalctl -u ssh --no-pager -o cat").stdout
-            ops = [line for line in log.splitlines() if line.startswith("Accepted publickey for ops ")]
-            assert len(ops) >= 2, log[-2000:]  # the deploy and its re-run went in as ops
-            assert "Server listening on 0.0.0.0 port 2222." in log, log[-2000:]
-
     proc = rehearse_kept("inventories/h200.py", 2, "--data", "ssh_user=ops", "--data", "_sudo=true",
-                         "--data", "ssh_port=2222", check=went_in_as_ops)
+                         "--data", "ssh_port=2222", "--data", "k2_checkpoint_fetcher=h200-1",
+                         check=went_in_as_ops_and_pinned)
     curls = [line for line in proc.stdout.splitlines() if "curl " in line]
     assert len(curls) == 1 and "/v1/chat/completions" in curls[0] and "moonshotai/Kimi-K2-Thinking" in curls[0]
     assert "http://10.213.0.11:8000/v1" in proc.stdout and "http://10.213.0.12:8000/v1" in proc.stdout
+    assert "the Hub TEST DOUBLE at http://10.213.0.1:" in proc.stdout and "h200-1 downloads it" in proc.stdout
+    assert "-> control" not in proc.stdout  # the fetcher host is kept
 
 
 @pytest.mark.sandbox

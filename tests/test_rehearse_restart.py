@@ -204,7 +204,7 @@ def test_sglang_tp16_flag_change_restarts_node0_then_node1(lock) -> None:
     assert again.returncode == 0 and again.changed == 0, again.changed_operations
 
 
-def test_h800_pp_vllm_flag_change_restarts_only_the_api_server_not_the_ray_cluster(lock) -> None:
+def test_h800_pp_flag_change_restarts_only_the_api_server_and_a_ray_worker_that_never_joins_is_named(lock) -> None:
     kept = Kept(lock, "inventories/h800-pp.py", 1)
     # a real Ray cluster with Ray's token authentication on (#21): a client on a fleet host
     # without the deployment's token is refused by the head's GCS, with it joins
@@ -226,6 +226,21 @@ def test_h800_pp_vllm_flag_change_restarts_only_the_api_server_not_the_ray_clust
     assert reloaded(before, after) == [], (before, after)
     again = kept.deploy("k2_max_model_len=1024")
     assert again.returncode == 0 and again.changed == 0, again.changed_operations
+    # a Ray worker that never joins (blocked by a firewall, or hung): its k2-ray unit runs but
+    # starts no Ray node; the next change's restart of the head's k2-vllm waits for it in its
+    # gate and fails the deploy naming the node, within k2_health_timeout
+    never = ("mkdir -p /etc/systemd/system/k2-ray.service.d && printf '%s' "
+             f"{shlex.quote(NEVER_JOINS)} > /etc/systemd/system/k2-ray.service.d/never-joins.conf && "
+             "systemctl daemon-reload && systemctl restart k2-ray.service")
+    assert ssh(worker, never, check=False).returncode == 0
+    failed = kept.deploy("k2_max_model_len=2048", "k2_health_timeout=40")
+    assert failed.returncode != 0, failed.log[-3000:]
+    assert f"k2-vllm: Ray node h800-1 ({worker['address']}) has not joined within 40s" in failed.log, failed.log[-3000:]
+
+
+# Makes the worker's k2-ray unit run but never join the cluster: a systemd drop-in that
+# starts no Ray node (ExecStart= clears the unit's own).
+NEVER_JOINS = "[Service]\nExecStart=\nExecStart=/bin/sleep infinity\n"
 
 
 def test_trtllm_mpi_containers_config_change_restarts_nodes_then_the_mpirun_launcher(lock) -> None:

@@ -39,6 +39,7 @@ from k2fleet.planning.host_bootstrap import repo_paths
 from k2fleet.planning.host_packages import BUNDLE_LIST, REMOTE_REPO_ROOT, REMOTE_TAR_DIR
 from k2fleet.planning.processes import HostPlan
 from k2fleet.planning.relay_plan import HOST_LOG, RELAY_UNIT
+from k2fleet.planning.rollout import Rollout
 from k2fleet.planning.engines.vllm.render import RAY_ROOT
 from k2fleet.planning.units import container_name
 
@@ -158,3 +159,46 @@ def program_argv(verb: str, spec: dict[str, Any], python: str = "python3") -> li
     if verb not in ("record", "down"):
         raise ValueError(f"no teardown verb {verb!r}")
     return [python, "-I", "-S", "-c", _program(), verb, json.dumps(spec, sort_keys=True)]
+
+
+def hosts_down(hosts: list[str], rollout: Rollout, named: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """``k2fleet down --host NAME ...``: the hosts to take down (inventory order) and, to run
+    before them, the drains at the load balancer — (its host, ``lbctl drain`` argv) for each
+    instance they serve behind it, so the requests in flight there finish first and no new one
+    comes (after them the load balancer's health checks see the instance down). No ``named``:
+    every host, no drain. Refused (ValueError, one line): a name the inventory does not have,
+    part of a multi-host instance (it serves only whole), the load balancer's own host while
+    others stay.
+
+    >>> from k2fleet.planning.rollout import Balancer, Instance
+    >>> lb = Balancer("a", "k2-lb", "/run/k2fleet-lb/admin.sock", "k2-replicas", 300, 120)
+    >>> r = Rollout("rolling", (Instance("serve-0", ("a",), "a"), Instance("serve-1", ("b",), "b")), lb)
+    >>> down, drains = hosts_down(["a", "b"], r, ["b"])
+    >>> down, [(h, argv[-4:]) for h, argv in drains]
+    (['b'], [('a', ['drain', 'k2-replicas/b', '--timeout', '300'])])
+    >>> hosts_down(["a", "b"], r, ["a"])
+    Traceback (most recent call last):
+    ...
+    ValueError: --host a: it runs the load balancer (k2_load_balancer) for the hosts that stay: move k2_load_balancer to another host and deploy first
+    """
+    if not named:
+        return list(hosts), []
+    for name in named:
+        if name not in hosts:
+            raise ValueError(f"--host {name}: not a host of this inventory (hosts: {', '.join(hosts)})")
+    down = [h for h in hosts if h in named]
+    if len(down) == len(hosts):
+        return down, []
+    lb = rollout.balancer
+    if lb is not None and lb.host in down:
+        raise ValueError(f"--host {lb.host}: it runs the load balancer (k2_load_balancer) for the hosts that stay: "
+                         "move k2_load_balancer to another host and deploy first")
+    drains = []
+    for instance in rollout.instances:
+        part = [h for h in instance.hosts if h in down]
+        if part and len(part) < len(instance.hosts):
+            raise ValueError(f"--host {part[0]}: it is part of the instance {instance.name} "
+                             f"({', '.join(instance.hosts)}), which serves only whole: name all its hosts")
+        if part and lb is not None and instance.server is not None:
+            drains.append((lb.host, lb.argv("drain", instance.server)))
+    return down, drains

@@ -1,0 +1,161 @@
+"""Issue #36 item 2 on the sandbox: hosts that come and go on a serving fleet. vLLM replicas
+(``inventories/sandbox.py``'s fleet data, engine TEST DOUBLES) behind k2fleet's HAProxy load
+balancer on the first host, k2fleet's firewall on every host, a client loop through the
+load balancer during each change, every request counted. One booted fleet of 3 hosts, the
+inventory a file of this test's listing 2 or 3 of them, in sequence:
+
+1. **add** ``k2sb-3``: only it gets the engine; the others' engines keep running (same
+   MainPID), the load balancer reloads (same MainPID) with the new server and sends it
+   requests, and the others' firewall tables allow the new address — 0 failed requests;
+2. **replace** ``k2sb-2`` under the same name: its machine dies (its container's init
+   killed), a new bare one boots with the same name and address (a new disk and host key),
+   and the deploy makes it serve again; the other engines keep running — 0 failed requests
+   during the deploy;
+3. **drain and remove** ``k2sb-3``: ``k2fleet down INVENTORY --host k2sb-3`` drains it at the
+   load balancer and removes k2fleet's units there, then the inventory without it is
+   deployed: the load balancer and the firewall tables forget it, nothing else restarts —
+   0 failed requests; a re-run changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from k2sandbox import nspawn as sandbox
+from k2sandbox.harness import ROOT, SandboxFleet, main_pid, ssh, tool
+from tests.test_rolling_sandbox import ClientLoop
+
+pytestmark = pytest.mark.sandbox
+SANDBOX_HOSTS = 3
+SANDBOX_DOCKER = False
+LB_PORT = 8080
+UNIT = "k2-vllm.service"
+LB_UNIT = "k2-lb.service"
+# what a change of the fleet's membership may change on a host that stays: its firewall
+# table (the allow lists), the load balancer's config and unit (reloaded), and the fact
+# that the deploy reads again
+MEMBERSHIP_OPERATIONS = ("firewall", "load balancer", "k2-firewall", "k2-lb", "lb.cfg")
+
+
+def inventory(directory: Path, names: list[str]) -> str:
+    """A copy of ``inventories/sandbox.py`` (its group data too) listing only ``names``."""
+    (directory / "group_data").mkdir(exist_ok=True)
+    for name in ("all.py", "sandbox.py"):
+        shutil.copy(ROOT / "inventories/group_data" / name, directory / "group_data" / name)
+    (directory / "sandbox.py").write_text(
+        "from k2sandbox.nspawn import sandbox_inventory_hosts\n\n"
+        f"sandbox_hosts = [h for h in sandbox_inventory_hosts() if h[0] in {names!r}]\n")
+    return str(directory / "sandbox.py")
+
+
+def pids(hosts: list[dict], unit: str = UNIT) -> dict[str, int]:
+    return {h["name"]: main_pid(h, unit) for h in hosts}
+
+
+def served_requests(host: dict) -> float:
+    """The engine double's own request counter (vLLM's ``vllm:request_success_total``)."""
+    with urllib.request.urlopen(f"http://{host['address']}:8000/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:request_success_total"))
+
+
+def with_loop(base: str, model: str, action):
+    """``action()`` with the client loop running through the load balancer; (its result, loop)."""
+    loop = ClientLoop(base, model)
+    loop.start()
+    time.sleep(2)
+    try:
+        result = action()
+    finally:
+        time.sleep(2)
+        loop.stop.set()
+        loop.join(60)
+    return result, loop
+
+
+def changed_elsewhere(result, stayed: list[str]) -> dict[str, list[str]]:
+    """Operations that changed one of the hosts that ``stayed`` beyond what membership changes."""
+    return {op: hosts for op, hosts in result.changed_operations.items()
+            if set(hosts) & set(stayed) and not any(word in op for word in MEMBERSHIP_OPERATIONS)}
+
+
+def test_a_host_is_added_replaced_drained_and_removed_while_the_others_serve(
+        sandbox_fleet: SandboxFleet, tmp_path: Path) -> None:
+    fleet = sandbox_fleet
+    one, two, three = fleet.hosts
+    data = {"k2_load_balancer": one["name"]}
+    (tmp_path / "two").mkdir()
+    (tmp_path / "three").mkdir()
+    two_hosts = inventory(tmp_path / "two", [one["name"], two["name"]])
+    three_hosts = inventory(tmp_path / "three", [one["name"], two["name"], three["name"]])
+    first = fleet.deploy(data, inventory=two_hosts)
+    assert first.returncode == 0, first.tail()
+    base = f"http://{one['address']}:{LB_PORT}/v1"
+    with urllib.request.urlopen(f"{base}/models", timeout=30) as answer:
+        model = json.load(answer)["data"][0]["id"]
+    figures = {}
+
+    # 1. add k2sb-3
+    engines, balancer = pids([one, two]), main_pid(one, LB_UNIT)
+    added, loop = with_loop(base, model, lambda: fleet.deploy(data, inventory=three_hosts))
+    assert added.returncode == 0, added.tail()
+    figures["add"] = (loop.ok, loop.failed)
+    assert loop.ok >= 5 and loop.failed == 0, (loop.ok, loop.failed, loop.errors[:5])
+    assert pids([one, two]) == engines and main_pid(one, LB_UNIT) == balancer  # reloaded, not restarted
+    assert main_pid(three, UNIT) > 0
+    assert changed_elsewhere(added, [one["name"], two["name"]]) == {}, added.changed_operations
+    assert f"{three['address']}:8000" in ssh(one, "cat /etc/k2fleet/lb.cfg").stdout
+    for h in (one, two):
+        assert three["address"] in ssh(h, "nft list ruleset").stdout, h["name"]
+    before = served_requests(three)
+    _, loop = with_loop(base, model, lambda: time.sleep(4))
+    assert served_requests(three) > before and loop.failed == 0  # the load balancer sends it requests
+
+    # 2. replace k2sb-2 under the same name: a new bare machine
+    engines = pids([one, three])
+    ssh(two, "touch /root/old-machine")
+    sandbox.replace_host(2)
+    time.sleep(6)  # the load balancer's health checks (every 2 s, out after 2 failures) see it down
+    replaced, loop = with_loop(base, model, lambda: fleet.deploy(data, inventory=three_hosts))
+    assert replaced.returncode == 0, replaced.tail()
+    figures["replace"] = (loop.ok, loop.failed)
+    assert loop.ok >= 5 and loop.failed == 0, (loop.ok, loop.failed, loop.errors[:5])
+    assert pids([one, three]) == engines
+    assert main_pid(two, UNIT) > 0 and ssh(two, "test -e /root/old-machine; echo $?").stdout.strip() == "1"
+    before = served_requests(two)
+    _, loop = with_loop(base, model, lambda: time.sleep(4))
+    assert served_requests(two) > before and loop.failed == 0
+
+    # 3. drain and remove k2sb-3
+    engines = pids([one, two])
+
+    def remove() -> tuple[subprocess.CompletedProcess, object]:
+        down = subprocess.run([tool("k2fleet"), "down", three_hosts, "--host", three["name"]], cwd=ROOT,
+                              capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600,
+                              env={**os.environ, **fleet.env})
+        return down, fleet.deploy(data, inventory=two_hosts)
+
+    (down, removed), loop = with_loop(base, model, remove)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert f"{one['name']}: load balancer: " in down.stdout and f"{three['name']}: down: " in down.stdout, down.stdout
+    assert removed.returncode == 0, removed.tail()
+    figures["remove"] = (loop.ok, loop.failed)
+    assert loop.ok >= 5 and loop.failed == 0, (loop.ok, loop.failed, loop.errors[:5])
+    assert pids([one, two]) == engines
+    assert changed_elsewhere(removed, [one["name"], two["name"]]) == {}, removed.changed_operations
+    assert ssh(three, "systemctl list-units --all --plain --no-legend 'k2-*'").stdout.strip() == ""
+    assert f"{three['address']}:8000" not in ssh(one, "cat /etc/k2fleet/lb.cfg").stdout
+    for h in (one, two):
+        assert three["address"] not in ssh(h, "nft list ruleset").stdout, h["name"]
+    again = fleet.deploy(data, inventory=two_hosts)
+    assert again.returncode == 0 and again.changed == 0, again.changed_operations or again.tail()
+    print("hosts come and go behind the load balancer: " + "; ".join(
+        f"{step} {ok} ok / {failed} failed" for step, (ok, failed) in figures.items()))
