@@ -235,7 +235,7 @@ def test_h800_pp_flag_change_restarts_only_the_api_server_and_a_ray_worker_that_
     assert ssh(worker, never, check=False).returncode == 0
     failed = kept.deploy("k2_max_model_len=2048", "k2_health_timeout=40")
     assert failed.returncode != 0, failed.log[-3000:]
-    assert f"k2-vllm: Ray node h800-1 ({worker['address']}) has not joined within 40s" in failed.log, failed.log[-3000:]
+    assert f"k2-vllm.service: Ray node h800-1 ({worker['address']}) has not joined within 40s" in failed.log, failed.log[-3000:]
 
 
 # Makes the worker's k2-ray unit run but never join the cluster: a systemd drop-in that
