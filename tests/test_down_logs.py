@@ -151,3 +151,19 @@ def test_the_program_argv_carries_the_spec_as_one_word() -> None:
     assert out.returncode == 2 and "usage" in out.stderr
     with pytest.raises(ValueError):
         program_argv("rm", {})
+
+
+def test_held_packages_count_as_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """dpkg's abbreviated status is desired state then status: ``ii`` installed, ``hi`` installed
+    and held (the bootstrap holds the driver), ``rc`` removed with its config left. A held
+    package is installed: ``down`` must name the driver k2fleet installed and held. The
+    dpkg-query here is a TEST DOUBLE printing lines in dpkg-query's own format (its
+    ``-f '${db:Status-Abbrev}\\t${binary:Package}\\t${Version}\\n'`` output on Debian 12)."""
+    from k2fleet.hostprogs import teardown
+
+    fake = tmp_path / "dpkg-query"
+    fake.write_text("#!/bin/sh\nprintf 'ii \\tbash\\t5.2.15-2+b7\\nhi \\tnvidia-open\\t580.95.05-1\\n"
+                    "rc \\tgone\\t1.0\\nun \\tnever\\t\\n'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert teardown.installed_packages() == {"bash": "5.2.15-2+b7", "nvidia-open": "580.95.05-1"}

@@ -110,10 +110,6 @@ def owned_by(host: dict, packages: list[str]) -> set[str]:
 ISO = re.compile(r"^(\S+) +\| (\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2})")
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (session 16): the host's record lists the GPU stack's "
-                   "packages (nvidia-open, nvidia-fabricmanager, ...) as there before k2fleet, so `down` does not "
-                   "name them among the packages k2fleet installed; the record must be kept before the bootstrap "
-                   "installs them")
 def test_logs_then_down_gives_each_host_back_as_it_was_bar_the_listed_packages(fleet: SandboxFleet) -> None:
     fleet.ensure_bare()
     before = {h["name"]: snapshot(h) for h in fleet.hosts}

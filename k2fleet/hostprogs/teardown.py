@@ -50,11 +50,13 @@ def _run(argv: list[str], timeout: float = TIMEOUT_S) -> tuple[int, str]:
 
 
 def installed_packages() -> dict[str, str]:
-    """Package name (``name:arch`` for dpkg's multi-arch ones as ``dpkg-query -W`` names them) → version."""
+    """Package name (``name:arch`` for dpkg's multi-arch ones as ``dpkg-query -W`` names them) → version,
+    for the installed ones: dpkg's status letter (the second; the first is the wish: ``i``
+    install, ``h`` hold) is ``i`` — a held package is installed."""
     code, out = _run(["dpkg-query", "-W", "-f", "${db:Status-Abbrev}\t${binary:Package}\t${Version}\n"])
     if code == 0:
         rows = (line.split("\t") for line in out.splitlines())
-        return {r[1]: r[2] for r in rows if len(r) == 3 and r[0].startswith("i")}
+        return {r[1]: r[2] for r in rows if len(r) == 3 and r[0][1:2] == "i"}
     code, out = _run(["rpm", "-qa", "--qf", "%{NAME}\t%{VERSION}-%{RELEASE}\n"])
     if code == 0:
         return dict(line.split("\t", 1) for line in out.splitlines() if "\t" in line)
