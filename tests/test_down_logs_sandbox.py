@@ -80,7 +80,8 @@ def package_effects(before: dict, after: dict, owned: set[str]) -> set[str]:
     their own files; the enablement links of the units they ship (``*.wants/UNIT`` → one of
     their unit files); account files where lines were only added (their system users and
     groups: a line removed or changed is not theirs); the linker cache, when they ship a
-    shared library."""
+    shared library; the SysV runlevel links update-rc.d made to their init scripts; the CA
+    configuration and hashed certificate links update-ca-certificates made (ca-certificates)."""
     units = {posixpath.basename(p) for p in owned if "/systemd/system/" in p}
     out = {p for p in owned}
     for path in set(before["etc"]) | set(after["etc"]):
@@ -95,6 +96,15 @@ def package_effects(before: dict, after: dict, owned: set[str]) -> set[str]:
             if set(was) <= set(now):
                 out.add(path)
         if path == "/etc/ld.so.cache" and any(".so" in posixpath.basename(p) for p in owned):
+            out.add(path)
+        # update-rc.d in a listed package's postinst: /etc/rcN.d/{S,K}NNname -> ../init.d/name, its init script
+        link = after["etc"].get(path) or ""
+        if re.fullmatch(r"/etc/rc[0-6S]\.d/[SK]\d\d[\w.-]+", path) and before["etc"].get(path) is None \
+                and link.startswith("l ../init.d/") and f"/etc/init.d/{link[len('l ../init.d/'):]}" in owned:
+            out.add(path)
+        # update-ca-certificates in ca-certificates' postinst: its config and the hashed links it makes
+        if "/usr/sbin/update-ca-certificates" in owned and before["etc"].get(path) is None and (
+                path == "/etc/ca-certificates.conf" or path.startswith("/etc/ssl/certs/")):
             out.add(path)
     return out
 
