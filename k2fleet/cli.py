@@ -305,9 +305,8 @@ def _cmd_down(args: argparse.Namespace) -> int:
     from k2fleet.planning.teardown import hosts_down, placed, program_argv
 
     dep, plan, desired = _fleet_desired(args)
-    rollout = next(iter(desired.values())).rollout if desired else None
-    try:
-        names, drains = hosts_down(list(desired), rollout, args.host) if rollout else (list(desired), [])
+    try:  # every host's desired state carries the same fleet-wide rollout
+        names, drains = hosts_down(list(desired), next(iter(desired.values())).rollout, args.host)
     except ValueError as exc:
         sys.stderr.write(f"k2fleet down: {exc}\n")
         return 2

@@ -333,6 +333,20 @@ def prepare_upper(upper: Path, index: int, count: int, pubkey: str) -> str:
     return f"{keytype} {keydata}"
 
 
+def seed_host(upper: Path, index: int, count: int, pubkey: str, hardware: dict[str, object] | None,
+              fabric: dict[str, object] | None) -> str:
+    """Seed a new host's overlay upper dir: its identity (:func:`prepare_upper`), the simulated
+    ``hardware`` and the RDMA TEST DOUBLE tree of ``fabric`` when given; its host pubkey line."""
+    from k2sandbox import fabric_doubles
+
+    hostkey = prepare_upper(upper, index, count, pubkey)
+    if hardware is not None:
+        write_hardware(upper, hardware)
+    if fabric is not None:
+        fabric_doubles.write_host_doubles(upper, fabric_doubles.devices_of(fabric))
+    return hostkey
+
+
 def simulated_hardware(gpu: str, count: int) -> dict[str, object]:
     """The GPU description of a host with ``count`` ``gpu`` GPUs, as the NVIDIA/AMD TEST
     DOUBLE packages read it from :data:`HARDWARE_FILE`, built from k2fleet's own tables:
@@ -749,26 +763,21 @@ def replace_host(index: int, state_dir: Path = DEFAULT_STATE_DIR, docker: bool =
     and Docker directories) is wiped, and it boots bare with a new machine id and a new SSH
     host key (the known_hosts line for its address is replaced: what an operator does for a
     reinstalled machine), with the hardware and fabric doubles it was booted with."""
-    from k2sandbox import fabric_doubles
-
     state_dir = state_dir.resolve()
     paths, name = _paths(state_dir), host_name(index)
     entries = _host_entries(state_dir)
     if not 1 <= index <= len(entries):
         raise SandboxError(f"no sandbox host {index} (the fleet has {len(entries)})")
-    if _read_pid(paths["run"] / f"{name}.supervisor") and _alive(_read_pid(paths["run"] / f"{name}.supervisor")):
+    supervisor = _read_pid(paths["run"] / f"{name}.supervisor")
+    if supervisor and _alive(supervisor):
         crash_host(index, state_dir)
     hostdir = paths["hosts"] / name
     _unmount_all(hostdir)
     for sub in ("upper", "work", "docker"):
         _safe_rmtree(hostdir / sub)
     pubkey = Path(f"{ensure_control_key(state_dir)}.pub").read_text()
-    hostkey = prepare_upper(hostdir / "upper", index, len(entries), pubkey)
     entry = entries[index - 1]
-    if entry.get("hardware") is not None:
-        write_hardware(hostdir / "upper", entry["hardware"])
-    if entry.get("fabric") is not None:
-        fabric_doubles.write_host_doubles(hostdir / "upper", fabric_doubles.devices_of(entry["fabric"]))
+    hostkey = seed_host(hostdir / "upper", index, len(entries), pubkey, entry.get("hardware"), entry.get("fabric"))
     address = host_address(index)
     lines = [line for line in paths["known_hosts"].read_text().splitlines() if line.split(" ", 1)[0] != address]
     _write(paths["known_hosts"], "".join(f"{line}\n" for line in lines + [f"{address} {hostkey}"]))
@@ -963,8 +972,6 @@ def up(n: int, state_dir: Path = DEFAULT_STATE_DIR, docker: bool = True,
     ``hardware`` (:func:`simulated_hardware`) at :data:`HARDWARE_FILE` if given, and the i-th
     with the RDMA TEST DOUBLE tree of ``fabric[i]`` (:func:`k2sandbox.fabric_doubles.host_spec`;
     None: no RDMA device) if given."""
-    from k2sandbox import fabric_doubles
-
     _require_root()
     if not 1 <= n <= MAX_HOSTS:
         raise SandboxError(f"host count must be 1..{MAX_HOSTS}, got {n}")
@@ -985,12 +992,8 @@ def up(n: int, state_dir: Path = DEFAULT_STATE_DIR, docker: bool = True,
     hosts: list[SandboxHost] = []
     known: list[str] = []
     for index in range(1, n + 1):
-        hostkey = prepare_upper(paths["hosts"] / host_name(index) / "upper", index, n, pubkey)
-        if hardware is not None:
-            write_hardware(paths["hosts"] / host_name(index) / "upper", hardware)
-        if fabric is not None and fabric[index - 1] is not None:
-            fabric_doubles.write_host_doubles(paths["hosts"] / host_name(index) / "upper",
-                                              fabric_doubles.devices_of(fabric[index - 1]))
+        hostkey = seed_host(paths["hosts"] / host_name(index) / "upper", index, n, pubkey, hardware,
+                            fabric[index - 1] if fabric is not None else None)
         known.append(f"{host_address(index)} {hostkey}\n")
         hosts.append(SandboxHost(host_name(index), host_address(index), "root", str(key),
                                  str(paths["known_hosts"])))
