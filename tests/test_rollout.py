@@ -151,17 +151,25 @@ def test_a_new_replica_reloads_the_load_balancer_and_restarts_no_engine(tmp_path
     assert not [c for h in before for c in out.commands(h) if c.startswith("systemctl") and "k2-vllm" in c]
 
 
+def h200_copy(directory: Path, third_host: bool) -> Path:
+    """``directory/h200.py``: inventories/h200.py with its group data, and a third host
+    (h200-2, 192.0.2.12) when ``third_host``; written over on each call."""
+    (directory / "group_data").mkdir(exist_ok=True)
+    for name in ("all.py", "h200.py"):
+        shutil.copy(H200.parent / "group_data" / name, directory / "group_data" / name)
+    second = '    ("h200-1", {"ssh_hostname": "192.0.2.11"}),\n'
+    assert second in H200.read_text()
+    text = H200.read_text().replace(second, second + '    ("h200-2", {"ssh_hostname": "192.0.2.12"}),\n') \
+        if third_host else H200.read_text()
+    (directory / "h200.py").write_text(text)
+    return directory / "h200.py"
+
+
 def test_a_host_added_to_the_fleet_changes_only_the_load_balancers_config_and_the_allow_lists(tmp_path: Path) -> None:
     """h200.py with a third host: on the hosts that stay, the load balancer's config (reloaded)
     and the firewall rules (their allow lists) are the only files that change — its unit file
     names no replica, so k2-lb is not restarted — and no engine unit restarts."""
-    (tmp_path / "group_data").mkdir()
-    for name in ("all.py", "h200.py"):
-        shutil.copy(H200.parent / "group_data" / name, tmp_path / "group_data" / name)
-    three = tmp_path / "h200.py"
-    three.write_text(H200.read_text().replace('    ("h200-1", {"ssh_hostname": "192.0.2.11"}),\n',
-                                              '    ("h200-1", {"ssh_hostname": "192.0.2.11"}),\n'
-                                              '    ("h200-2", {"ssh_hostname": "192.0.2.12"}),\n'))
+    three = h200_copy(tmp_path, third_host=True)
     dep0, plan0, before = planned(str(H200), LB)
     dep1, plan1, after = planned(str(three), LB)
     assert set(after) == {"h200-0", "h200-1", "h200-2"}
@@ -183,15 +191,9 @@ def test_a_host_added_to_the_fleet_changes_only_the_load_balancers_config_and_th
 def test_the_deployment_keeps_its_identity_when_a_host_is_added(tmp_path: Path) -> None:
     from k2fleet.control.artifacts import dep_id
 
-    (tmp_path / "group_data").mkdir()
-    for name in ("all.py", "h200.py"):
-        shutil.copy(H200.parent / "group_data" / name, tmp_path / "group_data" / name)
-    inventory = tmp_path / "h200.py"
-    inventory.write_text(H200.read_text())
+    inventory = h200_copy(tmp_path, third_host=False)
     before, _, _ = planned(str(inventory), LB)
-    inventory.write_text(H200.read_text().replace('    ("h200-1", {"ssh_hostname": "192.0.2.11"}),\n',
-                                                  '    ("h200-1", {"ssh_hostname": "192.0.2.11"}),\n'
-                                                  '    ("h200-2", {"ssh_hostname": "192.0.2.12"}),\n'))
+    h200_copy(tmp_path, third_host=True)  # the same file, edited as an operator adds a host
     after, _, _ = planned(str(inventory), LB)
     assert len(after.fleet.hosts) == 3 and dep_id(after) == dep_id(before)
 
