@@ -167,3 +167,16 @@ def test_held_packages_count_as_installed(tmp_path: Path, monkeypatch: pytest.Mo
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     assert teardown.installed_packages() == {"bash": "5.2.15-2+b7", "nvidia-open": "580.95.05-1"}
+
+
+@pytest.mark.parametrize("args", [
+    ["down", "inventories/h200.py", "--host", "h200-9\nforged: second line"],
+    ["down", "inventories/h200.py", "--host", "h" * 100_000],
+    ["logs", "inventories/h200.py", "--since", "-1h\nforged: second line"],
+    ["logs", "inventories/h200.py", "--since", "1" * 100_000],
+])
+def test_a_hostile_argument_is_refused_in_one_short_line(args: list[str]) -> None:
+    out = k2fleet(*args)
+    assert out.returncode == 2 and out.stdout == "", out.stderr[:300]
+    assert out.stderr.count("\n") == 1 and len(out.stderr) < 400, out.stderr[:300]
+    assert "forged" not in out.stderr.split(":", 1)[0]

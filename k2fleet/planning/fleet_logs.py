@@ -21,6 +21,7 @@ import datetime
 import re
 
 from k2fleet.planning.desired import HostDesired
+from k2fleet.planning.preflight_checks import shown
 
 MAX_SINCE = 64
 _UNITS = (r"(?:usec|us|µs|msec|ms|seconds|second|sec|s|minutes|minute|min|m|hours|hour|hr|h|days|day|d|"
@@ -45,7 +46,7 @@ def check_since(value: str) -> str:
     k2fleet.planning.fleet_logs.LogsError: --since 2026-13-01: not a date (month 1..12, day of the month, 00:00:00..23:59:59)
     """
     if len(value) > MAX_SINCE or not value.isprintable() or value != value.strip():
-        raise LogsError(f"--since {value!r}: not a time journalctl takes ({FORMS})")
+        raise LogsError(f"--since {shown(value)!r}: not a time journalctl takes ({FORMS})")
     if value in WORDS or re.fullmatch(r"@\d{1,12}(?:\.\d{1,6})?", value) or RELATIVE.fullmatch(value):
         return value
     date, clock = DATE.fullmatch(value), TIME.fullmatch(value)

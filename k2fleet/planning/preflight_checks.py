@@ -127,8 +127,8 @@ IB_ACTIVE = "4: ACTIVE"  # the kernel's ports/N/state for IB_PORT_ACTIVE (driver
 ROCE_V2 = "RoCE v2"  # ports/N/gid_attrs/types/K of a RoCE v2 GID (drivers/infiniband/core/cache.c gid_type_str)
 
 
-def _shown(text: object) -> str:
-    """A host-reported value fit for one line: printable ASCII, at most 40 characters."""
+def shown(text: object) -> str:
+    """A value from a host or an argument, fit for one line: printable ASCII, at most 40 characters."""
     out = "".join(c if " " <= c <= "~" else "?" for c in str(text))
     return out[:40] + ("..." if len(out) > 40 else "")
 
@@ -173,14 +173,14 @@ def port_problems(entry: HostEntry, device: str, number: str, port: dict) -> lis
     if state != IB_ACTIVE:
         word = state.partition(": ")[2] or state or "unreadable"
         physical = port.get("phys_state")
-        problems.append(f"{where} is {_shown(word)}" + (f" (physical state {_shown(physical)})" if physical else "")
+        problems.append(f"{where} is {shown(word)}" + (f" (physical state {shown(physical)})" if physical else "")
                         + ", needs ACTIVE: check the cable, the switch port and the subnet manager (ibstat)")
     layer = port.get("link_layer", "")
     if s.ib_link_layer and layer != s.ib_link_layer:
-        problems.append(f"{where} link layer is {_shown(layer or 'unreadable')}, k2_ib_link_layer is {s.ib_link_layer}")
+        problems.append(f"{where} link layer is {shown(layer or 'unreadable')}, k2_ib_link_layer is {s.ib_link_layer}")
     rate = rate_gbps(port.get("rate", ""))
     if s.ib_rate_gbps and state == IB_ACTIVE and (rate is None or rate < s.ib_rate_gbps):  # a down port has no rate
-        problems.append(f"{where} runs at {_shown(port.get('rate') or 'an unreadable rate')}, below k2_ib_rate_gbps "
+        problems.append(f"{where} runs at {shown(port.get('rate') or 'an unreadable rate')}, below k2_ib_rate_gbps "
                         f"{s.ib_rate_gbps}: a link trained down (cable, transceiver or switch port)")
     if layer == "Ethernet":
         gids = port.get("gids") or {}
@@ -206,7 +206,7 @@ def check_fabric(entry: HostEntry, report: HostReport, sandbox: bool = False) ->
     if report.ib_simulated and not sandbox:
         return ["the host's RDMA devices are TEST DOUBLES (/etc/k2fleet-doubles/infiniband): a sandbox host"]
     missing = [h for h in hcas if h.partition(":")[0] not in report.ib_hcas]
-    problems = [f"IB HCAs {', '.join(missing)} not present (found: {', '.join(map(_shown, report.ib_hcas)) or 'none'})"] \
+    problems = [f"IB HCAs {', '.join(missing)} not present (found: {', '.join(map(shown, report.ib_hcas)) or 'none'})"] \
         if missing else []
     for hca in hcas:
         device, numbers = hca_ports(hca, report.ib_ports)
@@ -219,7 +219,7 @@ def check_fabric(entry: HostEntry, report: HostReport, sandbox: bool = False) ->
         for number in numbers:
             if number not in ports:
                 problems.append(f"HCA {device} port {number} does not exist (ports: "
-                                f"{', '.join(_shown(p) for p in sorted(ports, key=_port_order))})")
+                                f"{', '.join(shown(p) for p in sorted(ports, key=_port_order))})")
             else:
                 problems += port_problems(entry, device, number, ports[number])
     return problems

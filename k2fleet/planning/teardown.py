@@ -37,6 +37,7 @@ from k2fleet.planning.desired import (HOST_ARCHIVE, HUB_ENV, RECORD, UNIT_GLOB, 
 from k2fleet.planning.host_archive import SOURCES
 from k2fleet.planning.host_bootstrap import repo_paths
 from k2fleet.planning.host_packages import BUNDLE_LIST, REMOTE_REPO_ROOT, REMOTE_TAR_DIR
+from k2fleet.planning.preflight_checks import shown
 from k2fleet.planning.processes import HostPlan
 from k2fleet.planning.relay_plan import HOST_LOG, RELAY_UNIT
 from k2fleet.planning.rollout import Rollout
@@ -185,7 +186,7 @@ def hosts_down(hosts: list[str], rollout: Rollout, named: list[str]) -> tuple[li
         return list(hosts), []
     for name in named:
         if name not in hosts:
-            raise ValueError(f"--host {name}: not a host of this inventory (hosts: {', '.join(hosts)})")
+            raise ValueError(f"--host {shown(name)}: not a host of this inventory (hosts: {', '.join(hosts)})")
     down = [h for h in hosts if h in named]
     if len(down) == len(hosts):
         return down, []
