@@ -608,9 +608,11 @@ def _fresh_boottime_namespace() -> str | None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(CLONE_NEWTIME) != 0:
         return f"unshare(CLONE_NEWTIME): {os.strerror(ctypes.get_errno())}"
-    offset = int(time.clock_gettime(time.CLOCK_BOOTTIME))
+    # to the nanosecond: whole seconds left the new boot's uptime up to 1 s ahead of the
+    # time since it began (the kernel wants nanoseconds in [0, 1e9), so -1.5 s is "-2 500000000")
+    seconds, nanoseconds = divmod(-time.clock_gettime_ns(time.CLOCK_BOOTTIME), 1_000_000_000)
     try:
-        Path("/proc/self/timens_offsets").write_text(f"boottime -{offset} 0\n")
+        Path("/proc/self/timens_offsets").write_text(f"boottime {seconds} {nanoseconds}\n")
     except OSError as exc:
         return f"/proc/self/timens_offsets: {exc}"
     return None
