@@ -245,13 +245,39 @@ def _unmount_all(path: Path) -> None:
         raise SandboxError(f"still mounted under {path}: {left}")
 
 
+def _namespace_inits(pid: int) -> list[int]:
+    """The children of ``pid`` that are PID 1 of a PID namespace of their own (an nspawn's
+    container init)."""
+    inits = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            kids = children.read_text().split()
+        except OSError:
+            continue
+        for kid in kids:
+            try:
+                status = Path(f"/proc/{kid}/status").read_text()
+            except OSError:
+                continue
+            nspids = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
+            if len(nspids) > 1 and nspids[-1] == "1":
+                inits.append(int(kid))
+    return inits
+
+
+def _vanished_is_fine(function, path, exc_info) -> None:
+    """rmtree's error handler: an entry already gone is what removing it wanted."""
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]
+
+
 def _safe_rmtree(path: Path) -> None:
     """Remove ``path`` after making sure nothing is mounted below it."""
     if not path.exists() and not path.is_symlink():
         return
     _unmount_all(path)
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
+        shutil.rmtree(path, onerror=_vanished_is_fine)
     else:
         path.unlink()
 
@@ -817,9 +843,13 @@ def stop_hosts(state_dir: Path, timeout: float = STOP_TIMEOUT_S) -> None:
         if _alive(pid):
             _signal(pid, signal.SIGKILL)
     pids = sorted(set(pids) | set(_recorded_pids(run_dir, ".pid", _is_our_nspawn)))  # one started meanwhile
+    inits = [init for pid in pids if _alive(pid) for init in _namespace_inits(pid)]
+    for pid in inits:  # a killed nspawn leaves its container running; a PID namespace's init takes it all down
+        _signal(pid, signal.SIGKILL)
     for pid in pids:
         if _alive(pid):
             _signal(pid, signal.SIGKILL)
+    pids += inits
     for pid in supervisors + pids:
         for _ in range(50):
             if not _alive(pid):

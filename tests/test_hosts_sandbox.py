@@ -44,10 +44,6 @@ LB_UNIT = "k2-lb.service"
 # checkpoint relays that feed a new host (peers that must know), the health gate (a check)
 MEMBERSHIP_OPERATIONS = ("k2fleet: firewall |", "load balancer", "k2-lb", "reload systemd units",
                          "k2fleet: checkpoint |", "k2fleet: health gate |")
-# KNOWN DEFECT (tests/test_rollout.py, strict xfail): the deployment's identity on the control
-# machine (its state directory) is derived from the fleet's addresses, so a host added or
-# removed means a new relay secret, rewritten on every host
-KNOWN_DEFECT = "k2fleet: engine runtime | k2fleet host programs and engine files"
 
 
 def inventory(directory: Path, names: list[str]) -> str:
@@ -91,7 +87,7 @@ def with_loop(base: str, model: str, action):
 def changed_elsewhere(result, stayed: list[str]) -> dict[str, list[str]]:
     """Operations that changed one of the hosts that ``stayed`` beyond what membership changes."""
     return {op: hosts for op, hosts in result.changed_operations.items()
-            if set(hosts) & set(stayed) and op != KNOWN_DEFECT and not any(word in op for word in MEMBERSHIP_OPERATIONS)}
+            if set(hosts) & set(stayed) and not any(word in op for word in MEMBERSHIP_OPERATIONS)}
 
 
 def test_a_host_is_added_replaced_drained_and_removed_while_the_others_serve(

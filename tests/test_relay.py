@@ -6,11 +6,13 @@ layout) and, for corruption in flight, a proxy that flips one byte of one shard.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -287,6 +289,38 @@ def test_chain_on_loopback_verifies_every_shard_and_resumes_only_what_is_wrong(s
     finally:
         for s in servers:
             s.kill()
+
+
+def test_a_full_disk_stops_the_fetch_at_once_in_one_line_and_the_source_is_not_blamed(source: Path, tmp_path: Path) -> None:
+    """The fault drill's disk, on loopback: the receiver's directory is a 3 MiB tmpfs (its own
+    mount namespace) for a 15.5 MiB checkpoint. The write's ENOSPC is this host's, so the fetch
+    ends at once naming the disk (no source is marked dead, nothing waits for give-up-after),
+    and no file it could not land is marked verified."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("a tmpfs in a private mount namespace needs root and unshare")
+    port = free_port()
+    server = serve(source, port)
+    target = tmp_path / "small"
+    target.mkdir()
+    script = (f"mount -t tmpfs -o size=3m k2-drill {target} && {sys.executable} {RELAY} fetch {target} "
+              f"--source http://127.0.0.1:{port}; code=$?; ls {target}/.k2fleet/relay 2>/dev/null | wc -l >&2; exit $code")
+    try:
+        started = time.monotonic()
+        proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # a fetch still waiting for a source, if any
+        took = time.monotonic() - started
+    finally:
+        server.kill()
+    lines = stderr.strip().splitlines()
+    assert proc.returncode != 0 and took < 30, (took, stderr[-2000:])
+    assert any("No space left on device writing under" in line and str(target) in line for line in lines), lines
+    assert not any("skipped from now on" in line or "no source answered" in line for line in lines), lines
+    assert 0 < int(lines[-1]) < 72  # what fit is marked (each one verified), the rest is not: 72 files in all
 
 
 def test_fleet_mode_chain_serves_a_gated_peer_and_leaves_the_gate_marker(source: Path, tmp_path: Path) -> None:

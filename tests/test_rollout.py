@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -184,18 +185,26 @@ def test_a_host_added_to_the_fleet_changes_only_the_load_balancers_config_and_th
     assert restart_steps(after, facts) == []  # the reload is not a restart
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (session 17, found by tests/test_hosts_sandbox.py): the "
-                   "deployment's identity on the control machine (k2fleet.control.artifacts.dep_id: model, revision "
-                   "and the fleet's addresses) changes with a host added or removed, so its state directory, relay "
-                   "secret, Ray token and mesh keys are new and rewritten on every host; it should be the inventory's")
-def test_the_deployment_keeps_its_identity_when_a_host_is_added(tmp_path: Path) -> None:
+def test_the_deployment_keeps_its_identity_when_a_host_is_added(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control machine's state directory (relay secret, Ray token, mesh keys) is the
+    inventory file's: a host added to it, a new revision or engine version keep it, so the
+    hosts that stay are not handed new secrets; another inventory file, even with the same
+    hosts, is another deployment; the same file named by another path is the same one."""
     from k2fleet.control.artifacts import dep_id
 
     inventory = h200_copy(tmp_path, third_host=False)
-    before, _, _ = planned(str(inventory), LB)
+    before, _ = load_plan(str(inventory), list(LB))
     h200_copy(tmp_path, third_host=True)  # the same file, edited as an operator adds a host
-    after, _, _ = planned(str(inventory), LB)
-    assert len(after.fleet.hosts) == 3 and dep_id(after) == dep_id(before)
+    monkeypatch.setattr(sys.modules["pyinfra_cli.util"], "PYTHON_CODES", {})  # pyinfra keeps a file's code by name
+    after, _ = load_plan(str(inventory), list(LB))
+    assert len(before.fleet.hosts) == 2 and len(after.fleet.hosts) == 3 and dep_id(after) == dep_id(before)
+    upgraded, _ = load_plan(str(inventory), [*LB, "k2_revision=" + "f" * 40])
+    assert upgraded.s.revision == "f" * 40 and dep_id(upgraded) == dep_id(before)
+    monkeypatch.chdir(tmp_path)
+    assert dep_id(load_plan("h200.py", list(LB))[0]) == dep_id(before)  # relative, from another directory
+    (tmp_path / "other").mkdir()
+    other = h200_copy(tmp_path / "other", third_host=True)
+    assert dep_id(load_plan(str(other), list(LB))[0]) != dep_id(after)
 
 
 # --- the load balancer's plan -------------------------------------------------------------------------

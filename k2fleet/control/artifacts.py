@@ -14,11 +14,11 @@ run by ``deploys/kimi.py``. The checkpoint cache (a Hub download on the control
 machine) is filled later, by the checkpoint role's first operation, and only when a
 host's checkpoint gate fails — a settled fleet never asks the Hub.
 
-Generated state lives under ``$K2FLEET_STATE_DIR/<deployment id>`` (default
+Generated state lives under ``$K2FLEET_STATE_DIR/<deployment id>`` (:func:`deployment_id`: the inventory file's) (default
 ``~/.local/state/k2fleet``; both this user's and writable by no one else, checked before
 anything is read from them: :func:`owned_state_dir`), caches under ``/var/cache/k2fleet``.
 
->>> deployment_id("m/x", "0" * 40, ["10.0.0.2", "10.0.0.1"]) == deployment_id("m/x", "0" * 40, ["10.0.0.1", "10.0.0.2"])
+>>> deployment_id("inventory", "m/x", ["10.0.0.2", "10.0.0.1"]) == deployment_id("inventory", "m/x", ["10.0.0.1", "10.0.0.2"])
 True
 """
 
@@ -50,13 +50,22 @@ if TYPE_CHECKING:
 # tarfile, the lock file): ~5 ms of imports on the deploy's path before its first fact.
 
 
-def deployment_id(model: str, revision: str, addresses: list[str]) -> str:
-    """Stable id of a deployment: its model, revision and the fleet's addresses."""
-    return hashlib.sha256("|".join([model, revision, *sorted(addresses)]).encode()).hexdigest()[:12]
+def deployment_id(inventory: str, model: str, addresses: list[str]) -> str:
+    """Stable id of a deployment: its inventory file's real path, so that a host added,
+    removed or replaced, a new revision or engine version keep the deployment (its relay
+    secret, Ray token and mesh keys stay, and the hosts that stay are not handed new ones).
+    An inventory that is no file (pyinfra's API, an inline host list): its model and the
+    fleet's addresses."""
+    if os.path.isfile(inventory):
+        key = ["inventory", os.path.realpath(inventory)]
+    else:
+        key = [model, *sorted(addresses)]
+    return hashlib.sha256("|".join(key).encode()).hexdigest()[:12]
 
 
 def dep_id(dep: Deployment) -> str:
-    return deployment_id(dep.s.model, dep.s.revision, [h.address for h in dep.fleet.hosts])
+    """:func:`deployment_id` of ``dep`` (its ``fleet.source``: the inventory as named on the command line)."""
+    return deployment_id(dep.fleet.source, dep.s.model, [h.address for h in dep.fleet.hosts])
 
 
 def state_dir(dep: Deployment) -> Path:

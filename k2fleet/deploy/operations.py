@@ -17,6 +17,7 @@ from pyinfra import host, logger
 from pyinfra.api import FileUploadCommand, FunctionCommand, StringCommand, operation
 from pyinfra.connectors.util import clear_askpass_cache
 
+from k2fleet.deploy import failure_lines
 from k2fleet.planning.desired import FileSpec, HostDesired
 from k2fleet.planning.rollout import Step
 from k2fleet.planning.quoting import shell_line, shell_word
@@ -164,7 +165,9 @@ def rebooted(reason: str, reboot_timeout: float = 600, interval: float = 1.0, ru
                     return
                 host.disconnect()  # still going down
             if time.monotonic() > deadline:
-                raise Exception(f"{host.name} did not come back within {reboot_timeout:.0f}s of its reboot ({reason})")
+                why = f"did not come back within {reboot_timeout:.0f}s of its reboot ({reason})"
+                failure_lines.note(state, host, why)
+                raise Exception(f"{host.name} {why}")
             time.sleep(interval)
 
     yield FunctionCommand(wait_until_back, (), {})
@@ -227,6 +230,7 @@ def fleet_barrier(failed: Callable[[], list[str]], what: str):
     def check(state, host) -> bool:
         names = failed()
         if names:  # a failure of this operation (pyinfra's status False), said in one line
+            failure_lines.note(state, host, f"{what} failed on {', '.join(sorted(names))}: the fleet stops here")
             host.log_styled(f"{what} failed on {', '.join(sorted(names))}: {host.name} stops here too, "
                             "so no engine of the fleet starts", fg="red", log_func=logger.error)
             return False

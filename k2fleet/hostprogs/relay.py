@@ -67,6 +67,7 @@ which overlap —, files and bytes per source, failovers, bad shards, when it ``
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import hmac
 import http.client
@@ -892,6 +893,24 @@ def plan_ranges(size, streams, chunk=CHUNK):
     return [(a, min(a + step, size) - 1) for a in range(0, size, step)]
 
 
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # writing a landed file: only this host's disk says these
+
+
+def disk_error(root, rel, exc):
+    """The fetch's one line for a write this host's disk refused (``exc``: ENOSPC, EDQUOT, EROFS).
+
+    >>> disk_error("/nonexistent", "model-3.safetensors", OSError(errno.ENOSPC, "No space left on device"))
+    'model-3.safetensors: No space left on device writing under /nonexistent (free: unknown); free space there and deploy again: the files already verified stay'
+    """
+    try:
+        st = os.statvfs(root)
+        free = f"{st.f_bavail * st.f_frsize / (1 << 30):.2f} GiB"
+    except OSError:
+        free = "unknown"
+    return (f"{rel}: {exc.strerror} writing under {root} (free: {free}); free space there and deploy again: "
+            "the files already verified stay")
+
+
 class Landed:
     """A file whose bytes have all landed in its partial file: its hash may still be
     catching up (:class:`LandingHash`), its checks are still to come (:func:`finish_file`)."""
@@ -1127,7 +1146,9 @@ class _Fetch:
                 sys.stderr.write(f"relay: {src.url} is skipped from now on: {exc}\n")
                 src.note_dead(at_once=True)
                 continue
-            except OSError:
+            except OSError as exc:
+                if exc.errno in DISK_ERRORS:  # this host's disk, not the source: no other source helps
+                    raise SystemExit(disk_error(self.root, rel, exc)) from None
                 src.note_dead()
                 time.sleep(POLL_S)
                 continue
