@@ -11,22 +11,32 @@ from pyinfra.api.connect import connect_all
 from pyinfra.api.exceptions import PyinfraError
 from pyinfra.api.operation import add_op
 from pyinfra.api.operations import run_ops
-from pyinfra.operations import server
+from pyinfra.operations import python, server
 
-from k2fleet.deploy.failure_lines import FailureRecorder, failed_lines, say_failures
+import logging
+
+from k2fleet.deploy.failure_lines import FailureLog, FailureRecorder, failed_lines, say_failures
 
 
-def run_local(*commands: str, name: str) -> State:
+def run_local(*commands: str, name: str, function=None) -> State:
     state = State(Inventory((["@local"], {})), Config())
     state.add_callback_handler(FailureRecorder())
-    connect_all(state)
-    add_op(state, server.shell, name="a step that works", commands=["true"])
-    add_op(state, server.shell, name=name, commands=list(commands))
-    add_op(state, server.shell, name="a step after it", commands=["true"])
+    log = FailureLog(state)
+    logging.getLogger("pyinfra").addHandler(log)
     try:
-        run_ops(state)
-    except PyinfraError:  # the only host failed: "No hosts remaining!"
-        pass
+        connect_all(state)
+        add_op(state, server.shell, name="a step that works", commands=["true"])
+        if function is not None:
+            add_op(state, python.call, name=name, function=function)
+        else:
+            add_op(state, server.shell, name=name, commands=list(commands))
+        add_op(state, server.shell, name="a step after it", commands=["true"])
+        try:
+            run_ops(state)
+        except PyinfraError:  # the only host failed: "No hosts remaining!"
+            pass
+    finally:
+        logging.getLogger("pyinfra").removeHandler(log)
     return state
 
 
@@ -44,3 +54,17 @@ def test_an_unknown_failure_quotes_its_last_line_and_a_run_without_failures_says
     [line] = failed_lines(state)
     assert line.startswith("k2fleet: @local failed at «k2fleet: engine | start»: xxx") and len(line) < 320
     assert failed_lines(run_local("true", name="fine")) == []
+
+
+def test_an_operation_whose_python_raises_is_named_by_the_exceptions_message() -> None:
+    """The checkpoint relay runs in the operation's Python: its error reaches the line although
+    no command printed it (pyinfra logs it as "Unexpected error in Python callback")."""
+
+    def relay():
+        raise RuntimeError("checkpoint relay to root@10.0.0.2 failed: model-28: No space left on device writing "
+                           "under /srv/k2fleet/models (free: 0.00 GiB)")
+
+    [line] = failed_lines(run_local(name="k2fleet: checkpoint | receive", function=relay))
+    assert line == ("k2fleet: @local failed at «k2fleet: checkpoint | receive»: disk full: checkpoint relay to "
+                    "root@10.0.0.2 failed: model-28: No space left on device writing under /srv/k2fleet/models "
+                    "(free: 0.00 GiB)"), line

@@ -37,7 +37,9 @@ def model_name(host: dict) -> str:
 
 
 def failure_lines(result: DeployResult) -> list[str]:
-    return [line for line in result.stderr.splitlines() if line.startswith("k2fleet: ") and " failed at «" in line]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("k2fleet: ") and " failed at «" in line]
+    print("\n" + "\n".join(lines))
+    return lines
 
 
 def converges(fleet: SandboxFleet) -> None:

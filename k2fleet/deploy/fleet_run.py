@@ -33,7 +33,7 @@ from k2fleet.deploy.facts import HostState
 from k2fleet.planning.host_fact import HostReport
 from k2fleet.planning.deployment import Deployment
 from k2fleet.planning.desired import ControlArtifacts, FleetParts, HostDesired, desired_state
-from k2fleet.deploy.failure_lines import FailureRecorder, say_failures
+from k2fleet.deploy.failure_lines import record_failures
 from k2fleet.deploy.gate import check_hosts, refusal_line
 from k2fleet.inventory.loader import host_data
 from k2fleet.planning.processes import Plan
@@ -249,8 +249,7 @@ def _make_fleet_run(state: Any, inventory: Any, dry: bool | None) -> FleetRun:
     setattr(state, STATE_ATTRIBUTE, run)
     if not dry:
         atexit.register(say_endpoints, state, dep, plan)
-        state.add_callback_handler(FailureRecorder())  # each failed host: one line at exit, naming the cause
-        atexit.register(say_failures, state)
+        record_failures(state)  # each failed host: one line at exit, naming the operation and the cause
     return run
 
 

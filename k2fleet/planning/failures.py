@@ -44,8 +44,9 @@ def shorten(line: str, cap: int = LINE_CAP) -> str:
 
 def failure_cause(lines: list[str], connection_lost: bool, note: str | None = None) -> str:
     """The cause of a failed operation: a known message among ``lines`` (the operation's
-    output, stderr last), else a lost connection, else ``note`` (what k2fleet's own check
-    said, e.g. a fleet barrier), else the output's last line.
+    output, stderr last) or ``note`` (what the operation's Python said: an exception's
+    message, a fleet barrier's reason), else a lost connection, else ``note``, else the
+    output's last line.
 
     >>> failure_cause(["ok", "E: Could not get lock /var/lib/dpkg/lock-frontend"], False)
     "another package manager holds apt's lock: E: Could not get lock /var/lib/dpkg/lock-frontend"
@@ -55,7 +56,7 @@ def failure_cause(lines: list[str], connection_lost: bool, note: str | None = No
     see pyinfra's output above
     """
     for needle, cause in CAUSES:
-        for line in lines:
+        for line in [*lines, *([note] if note else [])]:
             if needle in line:
                 return f"{cause}: {shorten(line)}"
     if connection_lost:
