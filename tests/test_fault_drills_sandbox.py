@@ -9,6 +9,10 @@ calling each host's endpoint).
   passes, as when the estimate is wrong or another process fills the disk).
 - A host lost mid-deploy: k2sb-2's container init is killed (the drill of ../shared/NOTES.md)
   while the deploy runs there.
+- A reboot in the middle of the driver install: a dpkg hook on k2sb-2 (``post-invoke``, run
+  after each dpkg run; dpkg sets ``DPKG_HOOK_ACTION``) reboots the host once, right after
+  dpkg unpacked ``nvidia-open`` (the driver TEST DOUBLE) and before it is configured
+  (status ``iU``): the next deploy finishes the install and serves.
 """
 
 from __future__ import annotations
@@ -28,6 +32,17 @@ SANDBOX_HOSTS = 2
 SANDBOX_DOCKER = False
 MODEL_DIR = "/srv/k2fleet/models"  # k2_model_dir's default
 ENGINE = "k2-vllm.service"
+# the drill's dpkg hook (/etc/dpkg/dpkg.cfg.d/k2-drill: post-invoke=REBOOT_HOOK); /root survives the reboot
+REBOOT_HOOK = "/usr/local/sbin/k2-drill-reboot"
+REBOOT_HOOK_SCRIPT = r"""#!/bin/sh
+[ "$DPKG_HOOK_ACTION" = unpack ] || exit 0
+[ -e /root/k2-drill-rebooted ] && exit 0
+dpkg-query -W -f='${db:Status-Abbrev}${Package}\n' 2>/dev/null | grep -q '^iU nvidia-open$' || exit 0
+touch /root/k2-drill-rebooted
+echo "k2-drill: rebooting with nvidia-open unpacked, not configured" >&2
+systemctl reboot
+sleep 60
+"""
 
 
 def model_name(host: dict) -> str:
@@ -101,3 +116,26 @@ def test_a_host_lost_mid_deploy_is_named_and_the_next_deploy_converges(fleet: Sa
     assert "lost: its SSH connection closed" in lines[0], lines
     sandbox.start_again(2)
     converges(fleet)
+
+
+def test_a_reboot_in_the_middle_of_the_driver_install_is_named_and_the_next_deploy_finishes_it(
+        fleet: SandboxFleet) -> None:
+    fleet.ensure_bare()
+    one, two = fleet.hosts
+    ssh(two, f"cat > {REBOOT_HOOK} <<'EOF'\n{REBOOT_HOOK_SCRIPT}EOF\nchmod 755 {REBOOT_HOOK} && "
+             f"echo 'post-invoke={REBOOT_HOOK}' > /etc/dpkg/dpkg.cfg.d/k2-drill")
+    rebooted = fleet.deploy()
+    assert rebooted.returncode != 0 and "k2-drill: rebooting with nvidia-open unpacked" in rebooted.stderr, rebooted.tail()
+    lines = failure_lines(rebooted)
+    assert lines == [f"k2fleet: {two['name']} failed at «k2fleet: bootstrap | install the GPU stack at its pins»: "
+                     "lost: its SSH connection closed during the operation (the host went down, rebooted or left "
+                     "the network); nothing after it ran there"], (lines, rebooted.tail())
+    deadline = time.monotonic() + 60
+    while ssh(two, "systemctl is-system-running", check=False).stdout.strip() not in ("running", "degraded"):
+        assert time.monotonic() < deadline, "k2sb-2 did not come back from its reboot"
+        time.sleep(0.5)
+    left = ssh(two, "dpkg-query -W -f='${db:Status-Abbrev}${Package}\\n' 'nvidia-open*'").stdout.split()
+    assert "iUnvidia-open" in "".join(left).replace(" ", ""), left  # interrupted: unpacked, not configured
+    assert ssh(two, f"systemctl is-active {ENGINE}", check=False).stdout.strip() != "active"
+    converges(fleet)
+    assert ssh(two, "dpkg-query -W -f='${db:Status-Abbrev}' nvidia-open").stdout.startswith("hi")  # configured, held
