@@ -9,10 +9,13 @@ calling each host's endpoint).
   passes, as when the estimate is wrong or another process fills the disk).
 - A host lost mid-deploy: k2sb-2's container init is killed (the drill of ../shared/NOTES.md)
   while the deploy runs there.
-- A reboot in the middle of the driver install: a dpkg hook on k2sb-2 (``post-invoke``, run
-  after each dpkg run; dpkg sets ``DPKG_HOOK_ACTION``) reboots the host once, right after
-  dpkg unpacked ``nvidia-open`` (the driver TEST DOUBLE) and before it is configured
-  (status ``iU``): the next deploy finishes the install and serves.
+- A reboot in the middle of the driver install, as a power cut: a dpkg hook on k2sb-2
+  (``pre-invoke``; dpkg sets ``DPKG_HOOK_ACTION``) starts a watcher when dpkg's configure run
+  begins with ``nvidia-open`` (the driver TEST DOUBLE) unpacked; as soon as dpkg's journal
+  (``/var/lib/dpkg/updates``) records it mid-configure, the watcher freezes dpkg and reboots the
+  host at once (``systemctl reboot -ff``). The host comes back with the journal dirty, on which
+  apt refuses every install ("dpkg was interrupted"): the next deploy finishes dpkg's run first
+  (``dpkg --configure -a``), then the install, and serves.
 """
 
 from __future__ import annotations
@@ -35,13 +38,13 @@ ENGINE = "k2-vllm.service"
 # the drill's dpkg hook (/etc/dpkg/dpkg.cfg.d/k2-drill: post-invoke=REBOOT_HOOK); /root survives the reboot
 REBOOT_HOOK = "/usr/local/sbin/k2-drill-reboot"
 REBOOT_HOOK_SCRIPT = r"""#!/bin/sh
-[ "$DPKG_HOOK_ACTION" = unpack ] || exit 0
+[ "$DPKG_HOOK_ACTION" = configure ] || exit 0
 [ -e /root/k2-drill-rebooted ] && exit 0
 dpkg-query -W -f='${db:Status-Abbrev}${Package}\n' 2>/dev/null | grep -q '^iU nvidia-open$' || exit 0
 touch /root/k2-drill-rebooted
-echo "k2-drill: rebooting with nvidia-open unpacked, not configured" >&2
-systemctl reboot
-sleep 60
+( while ! grep -qs '^Package: nvidia-open$' /var/lib/dpkg/updates/0*; do :; done
+  pkill -STOP -x dpkg; echo "k2-drill: power cut with dpkg's journal holding nvidia-open" >&2
+  systemctl reboot -ff ) </dev/null >&2 &
 """
 
 
@@ -57,7 +60,7 @@ def failure_lines(result: DeployResult) -> list[str]:
     return lines
 
 
-def converges(fleet: SandboxFleet) -> None:
+def converges(fleet: SandboxFleet) -> DeployResult:
     """The next deploy ends healthy and every host serves a completion."""
     again = fleet.deploy()
     assert again.returncode == 0, again.tail()
@@ -66,6 +69,7 @@ def converges(fleet: SandboxFleet) -> None:
                                  {"model": model_name(host), "max_tokens": 4,
                                   "messages": [{"role": "user", "content": "hi"}]}, 15)
         assert status == 200 and body.get("choices"), (host["name"], status, body)
+    return again
 
 
 def test_a_disk_that_fills_during_the_checkpoint_is_named_and_nothing_is_served_from_it(fleet: SandboxFleet) -> None:
@@ -118,14 +122,14 @@ def test_a_host_lost_mid_deploy_is_named_and_the_next_deploy_converges(fleet: Sa
     converges(fleet)
 
 
-def test_a_reboot_in_the_middle_of_the_driver_install_is_named_and_the_next_deploy_finishes_it(
+def test_a_power_cut_in_the_middle_of_the_driver_install_is_named_and_the_next_deploy_finishes_it(
         fleet: SandboxFleet) -> None:
     fleet.ensure_bare()
     one, two = fleet.hosts
     ssh(two, f"cat > {REBOOT_HOOK} <<'EOF'\n{REBOOT_HOOK_SCRIPT}EOF\nchmod 755 {REBOOT_HOOK} && "
-             f"echo 'post-invoke={REBOOT_HOOK}' > /etc/dpkg/dpkg.cfg.d/k2-drill")
+             f"echo 'pre-invoke={REBOOT_HOOK}' > /etc/dpkg/dpkg.cfg.d/k2-drill")
     rebooted = fleet.deploy()
-    assert rebooted.returncode != 0 and "k2-drill: rebooting with nvidia-open unpacked" in rebooted.stderr, rebooted.tail()
+    assert rebooted.returncode != 0 and "k2-drill: power cut with dpkg's journal" in rebooted.stderr, rebooted.tail()
     lines = failure_lines(rebooted)
     assert lines == [f"k2fleet: {two['name']} failed at «k2fleet: bootstrap | install the GPU stack at its pins»: "
                      "lost: its SSH connection closed during the operation (the host went down, rebooted or left "
@@ -134,8 +138,12 @@ def test_a_reboot_in_the_middle_of_the_driver_install_is_named_and_the_next_depl
     while ssh(two, "systemctl is-system-running", check=False).stdout.strip() not in ("running", "degraded"):
         assert time.monotonic() < deadline, "k2sb-2 did not come back from its reboot"
         time.sleep(0.5)
-    left = ssh(two, "dpkg-query -W -f='${db:Status-Abbrev}${Package}\\n' 'nvidia-open*'").stdout.split()
-    assert "iUnvidia-open" in "".join(left).replace(" ", ""), left  # interrupted: unpacked, not configured
+    journal = ssh(two, "ls /var/lib/dpkg/updates").stdout.split()
+    assert "0000" in journal, journal  # dpkg's run did not finish: apt refuses every install now
+    assert ssh(two, "dpkg-query -W -f='${db:Status-Abbrev}' nvidia-open").stdout.startswith("iF")  # half-configured
     assert ssh(two, f"systemctl is-active {ENGINE}", check=False).stdout.strip() != "active"
-    converges(fleet)
+    again = converges(fleet)  # without its dpkg --configure -a, apt's "dpkg was interrupted" fails it
+    finished = [op for op, hosts in again.changed_operations.items() if "dpkg --configure -a" in op]
+    assert finished and again.changed_operations[finished[0]] == [two["name"]], again.changed_operations
+    assert not ssh(two, "ls /var/lib/dpkg/updates").stdout.split()
     assert ssh(two, "dpkg-query -W -f='${db:Status-Abbrev}' nvidia-open").stdout.startswith("hi")  # configured, held

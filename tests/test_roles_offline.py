@@ -42,7 +42,7 @@ from k2fleet.control import checkpoint_copy as fanout
 from k2fleet.planning import relay_plan
 from k2fleet.cli import load_plan
 from k2fleet.planning.deployment import Deployment
-from k2fleet.planning.desired import CHECKPOINT_CHECK, UNIT_GLOB, ControlArtifacts, HostDesired, desired_state
+from k2fleet.planning.desired import CHECKPOINT_CHECK, DPKG_JOURNAL_GLOB, UNIT_GLOB, ControlArtifacts, HostDesired, desired_state
 from k2fleet.planning.host_actions import host_actions
 from k2fleet.planning.host_actions import reboot_steps, restart_steps
 from k2fleet.planning.host_archive import host_argv
@@ -411,6 +411,24 @@ def test_stale_unit_is_removed(tmp_path: Path, control_calls: list[str]) -> None
                                      "reload systemd units",
                                      "health gate: /health 200 and a real chat completion"]
     assert out.absent("h200-0", "stop and remove k2fleet units")
+
+
+def test_an_interrupted_dpkg_run_is_finished_before_any_install_and_nothing_else_changes(
+        tmp_path: Path, control_calls: list[str]) -> None:
+    """dpkg's journal holds files (a reboot or a crash mid-install): apt refuses every install
+    until ``dpkg --configure -a`` ran, so the packages role runs it first, on that host only;
+    the host is not settled until then (tests/test_fault_drills_sandbox.py: the power cut)."""
+    dep, plan, desired = planned(str(H200))
+    facts = settled_fleet(dep, desired)
+    facts["h200-1"] = dataclasses.replace(facts["h200-1"], globs={**facts["h200-1"].globs,
+                                                                  DPKG_JOURNAL_GLOB: ["/var/lib/dpkg/updates/0000"]})
+    actions = host_actions(desired["h200-1"], facts["h200-1"])
+    assert not actions.settled and actions.describe() == "interrupted install: dpkg --configure -a"
+    out = run_roles(dep, plan, desired, facts, tmp_path, control_calls)
+    finish = out.op("h200-1", "finish the install a reboot or crash interrupted (dpkg --configure -a)")
+    assert finish.changed and finish.commands == ["DEBIAN_FRONTEND=noninteractive dpkg --force-confold --configure -a"]
+    assert out.absent("h200-0", "finish the install")
+    assert not [c for c in out.commands("h200-1") if "apt-get" in c or "systemctl" in c], out.commands("h200-1")
 
 
 RELAY_OPS = ["checkpoint: start this host's relay of its verified files (while the fleet receives)",

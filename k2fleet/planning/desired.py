@@ -57,6 +57,10 @@ HUB_ENV = "/opt/k2fleet/hubenv"
 WHEEL_DIR = "/var/cache/k2fleet/wheelhouse"
 ENGINE_WHEEL_DIR = "/var/cache/k2fleet/engine-wheelhouse"
 UNIT_GLOB = "/etc/systemd/system/k2-*.service"
+# dpkg's journal of a run that did not finish (a reboot or a crash mid-install): while it holds
+# files, apt refuses every install ("dpkg was interrupted, you must manually run 'dpkg
+# --configure -a'": apt-pkg/deb/debsystem.cc checks this directory); empty or absent otherwise
+DPKG_JOURNAL_GLOB = "/var/lib/dpkg/updates/*"
 RECORD = "/var/lib/k2fleet/before.json"  # the host before k2fleet's first change (k2fleet.planning.teardown)
 MESH_UNIT_PATH = f"/etc/systemd/system/{mesh_config.UNIT}"
 HEALTH_CHECK = "healthy"
@@ -232,7 +236,7 @@ class HostDesired:
         query = {"disk_path": disk_path, "files": self.all_paths(), "units": units, "checks": self.checks,
                  "exists": self.exists + self.absent + ([self.bundle_repo] if self.bundle_repo else [])
                  + list(boot.reads if boot else ()),  # k2_gpu_stack: provided reads the toolkit, Docker, ib_umad
-                 "globs": [UNIT_GLOB], "packages": self.packages,
+                 "globs": [UNIT_GLOB, DPKG_JOURNAL_GLOB], "packages": self.packages,
                  "package_versions": bootstrap.fact_patterns(boot) if boot else []}
         if self.gpus_proven_by and not full_gpu_look:
             query["gpus_proven_by"] = list(self.gpus_proven_by)

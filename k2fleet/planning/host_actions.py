@@ -5,7 +5,7 @@
 (:class:`~k2fleet.planning.host_fact.HostReport`): files to write, packages to install,
 the bootstrap's pending and obsolete packages (and missing kernel headers) and its reboot, stale units to remove,
 units to start or enable, packages to hold, checks that fail (GPU gate, checkpoint, image pin, Hub client, engine-side
-wheels, health) and paths that must exist. A host with none is *settled*.
+wheels, health), paths that must exist and an install dpkg did not finish. A host with none is *settled*.
 
 Over the whole fleet's facts, :func:`restart_steps` and :func:`reboot_steps` decide which
 running instances restart (or reboot) in this run and in what order: instance by instance
@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from k2fleet.planning import host_bootstrap as bootstrap
-from k2fleet.planning.desired import UNIT_GLOB, HostDesired
+from k2fleet.planning.desired import DPKG_JOURNAL_GLOB, UNIT_GLOB, HostDesired
 from k2fleet.planning.host_fact import HostReport
 from k2fleet.planning.mesh_config import UNIT as MESH_UNIT
 from k2fleet.planning.rollout import Instance, Step
@@ -55,19 +55,21 @@ class HostActions:
     failing_checks: tuple[str, ...] = ()  # the fact's checks that did not pass
     missing: tuple[str, ...] = ()  # paths that must exist and do not
     remove: tuple[str, ...] = ()  # paths that must not exist and do (e.g. a mesh key this host no longer holds)
+    finish_dpkg: bool = False  # dpkg's journal holds an install a reboot or crash interrupted
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def settled(self) -> bool:
         return not (self.files or self.packages or self.bootstrap_packages or self.reboot or self.stale_units
-                    or self.start or self.enable or self.holds or self.failing_checks or self.missing or self.remove)
+                    or self.start or self.enable or self.holds or self.failing_checks or self.missing or self.remove
+                    or self.finish_dpkg)
 
     def describe(self) -> str:
         """One line: what differs (empty when settled)."""
         parts = [("files", self.files), ("packages", self.packages), ("bootstrap packages", self.bootstrap_packages),
                  ("reboot", (self.reboot,) if self.reboot else ()), ("stale units", self.stale_units),
                  ("start", self.start), ("enable", self.enable), ("hold", self.holds), ("failing checks", self.failing_checks), ("missing", self.missing),
-                 ("remove", self.remove)]
+                 ("remove", self.remove), ("interrupted install", ("dpkg --configure -a",) if self.finish_dpkg else ())]
         return "; ".join(f"{what}: {', '.join(items)}" for what, items in parts if items)
 
 
@@ -104,6 +106,7 @@ def host_actions(desired: HostDesired, fact: HostReport) -> HostActions:
         failing_checks=tuple(sorted(name for name in desired.checks if not fact.passed(name))),
         missing=tuple(p for p in desired.exists if not fact.exists.get(p)),
         remove=tuple(p for p in desired.absent if fact.exists.get(p)),
+        finish_dpkg=bool(fact.globs.get(DPKG_JOURNAL_GLOB)),
     )
 
 

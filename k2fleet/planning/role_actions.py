@@ -30,7 +30,7 @@ from k2fleet.planning import gpu_exporter as plan_exporter
 from k2fleet.planning import host_bootstrap as b
 from k2fleet.planning import privileged_ports as plan_ports
 from k2fleet.planning.deployment import Deployment
-from k2fleet.planning.desired import (CHECKPOINT_CHECK, ENGINE_SIDE_CHECK, HEALTH_CHECK,
+from k2fleet.planning.desired import (CHECKPOINT_CHECK, DPKG_JOURNAL_GLOB, ENGINE_SIDE_CHECK, HEALTH_CHECK,
                                       HUB_CLIENT_CHECK, IMAGE_CHECK, RECORD, UNIT_GLOB, FanoutPlace, FileSpec, HostDesired,
                                       ImagePin)
 from k2fleet.planning.host_bootstrap import BootstrapPlan, Package
@@ -75,6 +75,7 @@ class PackagesActions:
     ship_bundle: bool = False  # the offline bundle is shipped and indexed (packages missing, or the bootstrap's)
     refresh: bool = False  # the bootstrap installs from the bundle: its index is read again
     have_repo: bool = False  # the fact saw this bundle extracted already
+    finish_dpkg: bool = False  # dpkg's journal holds an interrupted install: `dpkg --configure -a` before any apt run
 
 
 @dataclass(frozen=True)
@@ -300,7 +301,8 @@ def role_actions(dep: Deployment, desired: HostDesired, fact: HostReport, restar
         sources=differing(desired.files.get("package_sources", {}), seen), source=source,
         install=tuple(desired.packages) if missing else (), missing=missing,
         ship_bundle=source == "bundle" and bool(missing or refresh), refresh=refresh,
-        have_repo=bool(desired.bundle_repo and fact.exists.get(desired.bundle_repo)))
+        have_repo=bool(desired.bundle_repo and fact.exists.get(desired.bundle_repo)),
+        finish_dpkg=bool(fact.globs.get(DPKG_JOURNAL_GLOB)))
 
     fw_files = desired.files.get("firewall", {})
     fw_unit = plan_firewall.UNIT

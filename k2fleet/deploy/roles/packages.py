@@ -107,8 +107,8 @@ def install(actions: PackagesActions, bundle: str | None = None) -> None:
     """
     Install the host's Debian packages, online or from an offline bundle.
 
-    + actions: this host's packages record (``role_actions(...).packages``): the packages,
-      those missing, the source (``apt``: the hosts' own apt sources; ``bundle``: the full
+    + actions: this host's packages record (``role_actions(...).packages``): an install dpkg
+      did not finish (finished first, ``dpkg --configure -a``), the packages, those missing, the source (``apt``: the hosts' own apt sources; ``bundle``: the full
       dependency closure shipped from the control machine, apt restricted to it), whether the
       bundle is shipped (packages missing, or the bootstrap installs from it) and extracted
       already; nothing is planned when no package is missing and the bootstrap needs none
@@ -133,6 +133,9 @@ def install(actions: PackagesActions, bundle: str | None = None) -> None:
     """
     if actions.source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {actions.source!r}")
+    if actions.finish_dpkg:  # apt refuses every install until dpkg has finished the interrupted one
+        command(name="finish the install a reboot or crash interrupted (dpkg --configure -a)",
+                argv="DEBIAN_FRONTEND=noninteractive dpkg --force-confold --configure -a")
     if actions.source == "apt":
         if actions.missing:
             apt.packages(name="Install packages (apt)", packages=list(actions.install), update=True,
