@@ -9,6 +9,11 @@ calling each host's endpoint).
   passes, as when the estimate is wrong or another process fills the disk).
 - A host lost mid-deploy: k2sb-2's container init is killed (the drill of ../shared/NOTES.md)
   while the deploy runs there.
+- A partition between the hosts during the rendezvous of an instance spanning them (TP8 × PP2:
+  k2sb-2 is the ``--headless`` rank): when k2sb-2's engine unit starts, an nftables table of the
+  drill's drops every packet between it and k2sb-1 (a systemd drop-in's ``ExecStartPre``), so
+  the rank never reaches the head's rendezvous port; the head's health gate names the rank
+  host and that the network between them is cut.
 - A reboot in the middle of the driver install, as a power cut: a dpkg hook on k2sb-2
   (``pre-invoke``; dpkg sets ``DPKG_HOOK_ACTION``) starts a watcher when dpkg's configure run
   begins with ``nvidia-open`` (the driver TEST DOUBLE) unpacked; as soon as dpkg's journal
@@ -60,11 +65,11 @@ def failure_lines(result: DeployResult) -> list[str]:
     return lines
 
 
-def converges(fleet: SandboxFleet) -> DeployResult:
-    """The next deploy ends healthy and every host serves a completion."""
-    again = fleet.deploy()
+def converges(fleet: SandboxFleet, data: dict | None = None, serving: list[dict] | None = None) -> DeployResult:
+    """The next deploy ends healthy and every host that serves (default: all) answers a completion."""
+    again = fleet.deploy(data)
     assert again.returncode == 0, again.tail()
-    for host in fleet.hosts:
+    for host in serving or fleet.hosts:
         status, body = http_json(f"http://{host['address']}:8000/v1/chat/completions",
                                  {"model": model_name(host), "max_tokens": 4,
                                   "messages": [{"role": "user", "content": "hi"}]}, 15)
@@ -147,3 +152,32 @@ def test_a_power_cut_in_the_middle_of_the_driver_install_is_named_and_the_next_d
     assert finished and again.changed_operations[finished[0]] == [two["name"]], again.changed_operations
     assert not ssh(two, "ls /var/lib/dpkg/updates").stdout.split()
     assert ssh(two, "dpkg-query -W -f='${db:Status-Abbrev}' nvidia-open").stdout.startswith("hi")  # configured, held
+
+
+INSTANCE = {"k2_pp": 2, "k2_health_timeout": 40}  # one TP8 x PP2 instance over both hosts (k2sb-1 its head)
+
+
+def test_a_partition_during_the_rendezvous_names_the_rank_host_and_the_next_deploy_converges(
+        fleet: SandboxFleet) -> None:
+    fleet.ensure_bare()
+    one, two = fleet.hosts
+    cut = (f"nft add table inet k2drill && nft add chain inet k2drill o '{{ type filter hook output priority 0; }}' && "
+           f"nft add chain inet k2drill i '{{ type filter hook input priority 0; }}' && "
+           f"nft add rule inet k2drill o ip daddr {one['address']} drop && "
+           f"nft add rule inet k2drill i ip saddr {one['address']} drop")
+    ssh(two, "mkdir -p /etc/systemd/system/k2-vllm.service.d && cat > /etc/systemd/system/k2-vllm.service.d/k2-drill.conf"
+             f" <<'EOF'\n[Service]\nExecStartPre=/bin/sh -c \"{cut}\"\nEOF")
+    try:
+        parted = fleet.deploy(INSTANCE)
+        assert parted.returncode != 0, parted.tail()
+        lines = failure_lines(parted)
+        assert len(lines) == 1 and lines[0].startswith(
+            f"k2fleet: {one['name']} failed at «k2fleet: health gate | health gate: /health 200 and a real chat "
+            f"completion»: not healthy: {one['name']}: k2-vllm.service: rank host {two['name']} ({two['address']}) "
+            "never connected to the rendezvous port "), (lines, parted.tail())
+        assert "does not answer from here (TCP to port 22 timed out after 3s): the network between the hosts is cut" \
+            in lines[0], lines
+    finally:  # the network heals
+        ssh(two, "rm -f /etc/systemd/system/k2-vllm.service.d/k2-drill.conf && systemctl daemon-reload && "
+                 "{ nft delete table inet k2drill || true; }")
+    converges(fleet, INSTANCE, serving=[one])

@@ -53,6 +53,36 @@ def test_vllm_nnodes_instance_has_a_member_and_a_head_watchdog() -> None:
     assert not found[("h200-1", "k2-vllm-watch")].needs_checkpoint
 
 
+def test_the_heads_health_gate_names_the_rank_hosts_that_never_joined_its_rendezvous() -> None:
+    """The head's gate carries the rendezvous port and its rank hosts; on failure it names each
+    rank host with no connection there, and whether the network reaches it (a real loopback
+    socket: connected, refused — packets flow — and a timeout are told apart)."""
+    from k2fleet.hostprogs import health
+    from k2fleet.planning.desired import health_argv
+
+    dep, plan = plan_of("h200-k2-0905.py")
+    head, member = plan.hosts["h200-0"], plan.hosts["h200-1"]
+    argv = health_argv(dep, head, 60)
+    assert argv[argv.index("--rendezvous-port") + 1] == str(dep.s.master_port)
+    assert argv[argv.index("--member") + 1] == f"h200-1={member.address}"
+    assert "--rendezvous-port" not in (health_argv(dep, member, 60) or [])
+    single, single_plan = plan_of("h200.py")
+    assert "--rendezvous-port" not in health_argv(single, single_plan.hosts["h200-0"], 60)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        port = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)), server.accept()[0]:
+            assert health.rendezvous_problems(port, ["h1=127.0.0.1"]) == []  # connected: nothing to say
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        refused = closed.getsockname()[1]
+        closed.close()
+        said = health.rendezvous_problems(port, ["h1=127.0.0.1"], probe=lambda a: health.answers(a, refused))
+        assert said == [f"rank host h1 (127.0.0.1) never connected to the rendezvous port {port} (it answers from "
+                        "here: is its rank running?)"]
+
+
 def test_vllm_dp_members_watch_the_api_port_and_the_head_has_no_connection_watchdog() -> None:
     dep, plan = plan_of("h200-dp-ep.py")
     found = services(plan)

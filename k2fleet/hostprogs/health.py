@@ -477,6 +477,52 @@ def _wait_healthy(base: str, model: str, timeout: float, expected: dict | None, 
     raise NotHealthy(f"not healthy after {timeout:.0f}s: {last}")
 
 
+PROBE_PORT = 22  # a rank host's sshd: answered (accepted or refused) when the network between the hosts carries packets
+PROBE_TIMEOUT_S = 3.0
+
+
+def answers(address: str, port: int = PROBE_PORT, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """None when ``address`` answers a TCP connect on ``port`` (accepted, or refused: either way
+    packets flow between the hosts), else why not (timed out, unreachable)."""
+    try:
+        socket.create_connection((address, port), timeout=timeout).close()
+    except ConnectionRefusedError:
+        return None
+    except socket.timeout:
+        return f"TCP to port {port} timed out after {timeout:.0f}s"
+    except OSError as exc:
+        return f"TCP to port {port}: {exc.strerror or exc}"
+    return None
+
+
+def rendezvous_problems(port: int, members: list[str], connected=None, probe=answers) -> list[str]:
+    """For an instance's head whose gate failed: each rank host (``NAME=ADDRESS``) that holds no
+    connection to the rendezvous ``port`` (:func:`groupwatch.held_peers`, as the head's watchdog
+    reads it), and whether the network reaches it at all (``probe``).
+
+    >>> rendezvous_problems(29500, ["h1=10.0.0.2", "h2=10.0.0.3"], connected={"10.0.0.2"},
+    ...                     probe=lambda a: "TCP to port 22 timed out after 3s")
+    ['rank host h2 (10.0.0.3) never connected to the rendezvous port 29500 and does not answer from here (TCP to port 22 timed out after 3s): the network between the hosts is cut']
+    >>> rendezvous_problems(29500, ["h2=10.0.0.3"], connected=set(), probe=lambda a: None)
+    ['rank host h2 (10.0.0.3) never connected to the rendezvous port 29500 (it answers from here: is its rank running?)']
+    """
+    if connected is None:
+        from k2fleet.hostprogs import groupwatch  # beside it in the host archive
+
+        connected = groupwatch.held_peers(port)
+    out = []
+    for member in members:
+        name, _, address = member.rpartition("=")
+        if address in connected:
+            continue
+        who = f"rank host {name} ({address})" if name else f"rank host {address}"
+        why = probe(address)
+        out.append(f"{who} never connected to the rendezvous port {port} and does not answer from here ({why}): the "
+                   "network between the hosts is cut" if why else
+                   f"{who} never connected to the rendezvous port {port} (it answers from here: is its rank running?)")
+    return out
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="health")
     ap.add_argument("--base", required=True)
@@ -493,6 +539,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="root-only file holding the API key to send as Authorization: Bearer (never the key itself)")
     ap.add_argument("--expect-counter", default=None, metavar="FAMILY",
                     help="a request counter of /metrics (Prometheus text) that must move with the completion")
+    ap.add_argument("--rendezvous-port", type=int, default=None,
+                    help="an instance's head: the port its rank hosts stay connected to (torch's TCPStore)")
+    ap.add_argument("--member", action="append", default=[], metavar="NAME=ADDRESS",
+                    help="a rank host of the instance (repeat): named on failure when it holds no connection")
     ap.add_argument("--ca-file", default=None,
                     help="an https:// base: the CA file its certificate must verify against (that CA alone)")
     ap.add_argument("--tls-name", default=None,
@@ -514,7 +564,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{socket.gethostname()}: {args.unit}: {exc}", file=sys.stderr)
         return 1
     except NotHealthy as exc:
-        print(f"{socket.gethostname()}: {args.unit}: {exc}", file=sys.stderr)
+        why = rendezvous_problems(args.rendezvous_port, args.member) if args.rendezvous_port else []
+        print(f"{socket.gethostname()}: {args.unit}: {'; '.join([*why, str(exc)])}", file=sys.stderr)  # the cause first
         print(f"--- last log lines of {args.unit} ---", file=sys.stderr)
         print(journal_tail(args.unit), file=sys.stderr)
         return 1

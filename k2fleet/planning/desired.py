@@ -37,7 +37,7 @@ from k2fleet.planning.host_bootstrap import BootstrapPlan, bootstrap_plan
 from k2fleet.planning.os_tables import OS_TABLES
 from k2fleet.planning import mirrors, relay_plan
 from k2fleet.planning import firewall as fleet_firewall
-from k2fleet.planning import privileged_ports
+from k2fleet.planning import instance_watch, privileged_ports
 from k2fleet.planning import gpu_exporter
 from k2fleet.planning.reach_plan import ReachCheck, reach_checks
 from k2fleet.planning.kept_revisions import Kept, kept_dirs
@@ -640,6 +640,9 @@ def health_argv(dep: Deployment, hp: HostPlan, timeout: int, pd: dict[str, list[
                 argv += ["--expect-pd", json.dumps(pd, sort_keys=True)]
             if metrics and svc.role == "serve" and dep.engine_impl.request_counter:
                 argv += ["--expect-counter", dep.engine_impl.request_counter]
+            held = instance_watch.rendezvous(dep, hp, svc)  # a head: its ranks that never joined, named on failure
+            if held:
+                argv += ["--rendezvous-port", str(held[0]), *(w for m in held[1] for w in ("--member", m))]
             return argv
     return None
 

@@ -14,7 +14,7 @@ the operation printed and from whether the host's connection is still there.
 
 from __future__ import annotations
 
-LINE_CAP = 240  # characters of a quoted output line
+LINE_CAP = 300  # characters of a quoted output line
 
 # What an operation's output says → the cause it names; the first match wins. Sources: the
 # C library's strerror texts (errno(3): ENOSPC, EDQUOT, EROFS) as Python and coreutils print them,
@@ -26,6 +26,7 @@ CAUSES: tuple[tuple[str, str], ...] = (
     ("Read-only file system", "read-only file system"),
     ("dpkg was interrupted", "an earlier package install was interrupted"),
     ("Could not get lock", "another package manager holds apt's lock"),
+    ("not healthy after ", "not healthy"),  # k2fleet's health gate (k2fleet.hostprogs.health), before its log lines
 )
 
 LOST = ("lost: its SSH connection closed during the operation (the host went down, rebooted or left the network); "
@@ -36,7 +37,7 @@ def shorten(line: str, cap: int = LINE_CAP) -> str:
     """``line`` on one line, at most ``cap`` characters.
 
     >>> shorten("a\\nb"), len(shorten("x" * 1000))
-    ('a b', 240)
+    ('a b', 300)
     """
     flat = " ".join(line.split())
     return flat if len(flat) <= cap else flat[:cap - 1] + "…"

@@ -106,3 +106,17 @@ def add_watchdogs(dep: Deployment, plan: Plan) -> None:
                                  *(w for host, _ in ranks for w in ("--member", host.address)),
                                  "--interval", str(INTERVAL_S), "--grace", str(GRACE), "--hold", str(HOLD_S))
                 head_host.services.append(_watch_service(head, argv, "restarts the instance when a rank host leaves"))
+
+
+def rendezvous(dep: Deployment, hp: HostPlan, svc: Service) -> tuple[int, tuple[str, ...]] | None:
+    """When ``svc`` on ``hp`` heads an instance spanning hosts whose ranks stay connected to
+    its rendezvous port (:data:`HELD_PORT`): (that port, each rank host as ``NAME=ADDRESS``),
+    which its health gate names on failure; else None."""
+    held = HELD_PORT.get(dep.engine)
+    if held is None or svc.rank != 0 or watched(svc) or held not in svc.ports:
+        return None
+    for pool in dep.pools.values():
+        for nodes in pool.instances:
+            if len(nodes) > 1 and nodes[0].name == hp.name and pool.role == svc.role:
+                return svc.ports[held], tuple(f"{n.name}={n.address}" for n in nodes[1:])
+    return None
