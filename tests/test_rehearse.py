@@ -42,13 +42,13 @@ def sandbox_is_down() -> bool:
         return not sandbox.status() and not sandbox._sandbox_netns()
 
 
-def check_serving(proc: subprocess.CompletedProcess, inventory: str, endpoints: int) -> None:
+def check_serving(proc: subprocess.CompletedProcess, inventory: str, endpoints: int, key: str | None = None) -> None:
     """A kept rehearsal (``--keep``): it ended healthy with a settled re-run, and the TEST calls the
-    fleet itself (:func:`tests.fleet_calls.call_kept_fleet`) rather than taking "healthy" from the
-    command's own last line."""
+    fleet itself (:func:`tests.fleet_calls.call_kept_fleet`, with the fleet's API ``key``) rather
+    than taking "healthy" from the command's own last line."""
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert last_line(proc) == f"rehearsal {inventory}: {endpoints}/{endpoints} endpoints healthy, re-run 0 changes"
-    call_kept_fleet(proc.stdout, endpoints)
+    call_kept_fleet(proc.stdout, endpoints, key)
 
 
 def rehearse_kept(inventory: str, endpoints: int, *args: str, check=None) -> subprocess.CompletedProcess:

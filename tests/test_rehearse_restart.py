@@ -9,6 +9,8 @@ input and deploys again with the command the rehearsal printed:
   hosts share one kernel, so systemd's monotonic start stamps compare across hosts),
   every other unit keeps its invocation — the firewall's oneshot too, which is not even
   reloaded (its ExecReload never ran); the deploy after that has 0 changes;
+- SGLang PD behind the API front (``k2_api_key_file``): the key is checked there, kept out of
+  every argv, and no other local user reaches the router behind it;
 - a killed vLLM DP rank is seen by the head (vLLM's API server exits on engine death),
   systemd restarts the head, the ranks' watchdog restarts the ranks after it, and the
   instance forms again with its full DP world.
@@ -17,10 +19,14 @@ input and deploys again with the command the rehearsal printed:
 from __future__ import annotations
 
 import ast
+import json
 import os
+import re
+import secrets
 import shlex
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -51,15 +57,17 @@ def lock() -> Iterator:
 class Kept:
     """A rehearsal left up with ``--keep``: its hosts and its deploy command."""
 
-    def __init__(self, lock, inventory: str, endpoints: int) -> None:
-        """Rehearsed as written, then called by the test (:func:`tests.test_rehearse.check_serving`):
+    def __init__(self, lock, inventory: str, endpoints: int, *data: str, key: str | None = None) -> None:
+        """Rehearsed as written (plus ``--data`` ``data``), then called by the test
+        (:func:`tests.test_rehearse.check_serving`, with the API ``key`` when the fleet has one):
         these are the only rehearsals of these seed inventories in the suite."""
-        proc = subprocess.run([tool("k2fleet"), "rehearse", inventory, "--keep"], cwd=ROOT, capture_output=True,
-                              text=True, stdin=subprocess.DEVNULL, timeout=REHEARSAL_TIMEOUT_S,
-                              env={**os.environ, **sandbox.lock_env(lock)}, pass_fds=(lock.fileno(),))
+        proc = subprocess.run([tool("k2fleet"), "rehearse", inventory, "--keep", *(w for d in data for w in ("--data", d))],
+                              cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                              timeout=REHEARSAL_TIMEOUT_S, env={**os.environ, **sandbox.lock_env(lock)},
+                              pass_fds=(lock.fileno(),))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-        check_serving(proc, inventory, endpoints)
-        self.output = proc.stdout
+        check_serving(proc, inventory, endpoints, key)
+        self.output, self.stderr = proc.stdout, proc.stderr
         lines = proc.stdout.splitlines()
         words = shlex.split(lines[lines.index(next(x for x in lines if "deploy again with:" in x)) + 1])
         assert words[:2] == ["cd", str(ROOT)] and words[2] == "&&", words
@@ -175,8 +183,63 @@ def test_dp_ep_flag_change_restarts_head_then_ranks_and_a_killed_rank_restarts_t
     assert healthy.returncode == 0 and healthy.changed == 0, healthy.changed_operations
 
 
-def test_sglang_pd_decode_flag_change_restarts_only_the_decode_instance_in_order(lock) -> None:
-    kept = Kept(lock, "inventories/h200-sglang-pd.py", 3)
+def test_sglang_pd_behind_the_api_front_then_a_decode_flag_change_restarts_only_the_decode_instance(
+        lock, tmp_path: Path) -> None:
+    """``inventories/h200-sglang-pd.py`` with ``k2_api_key_file``: the PD router's host runs
+    k2-api-front.service (HAProxy) on k2_router_port, the router on 127.0.0.1:k2_api_backend_port;
+    the rehearsal's gates and probes pass with the key; from the control machine the endpoint
+    answers 401 without the key or with a wrong one, a completion with it, /health without it;
+    the key is in no argv and in two 0600 files; another local user binds none of k2fleet's
+    ports and cannot reach the router behind the front. Then a decode flag change restarts
+    exactly the decode instance, in order, and the deploy after it has 0 changes."""
+    from tests.test_api_key import _chat, key_file
+
+    key = secrets.token_hex(24)
+    path = key_file(tmp_path, key)
+    kept = Kept(lock, "inventories/h200-sglang-pd.py", 3, f"k2_api_key_file={path}", key=key)
+    assert key not in kept.output + kept.stderr
+    main = re.search(r"^endpoint: (http://\S+/v1)$", kept.output, re.M)
+    sent = re.search(r"^try: curl .* -d '(\{.*\})'$", kept.output, re.M)
+    assert main and sent, kept.output
+    model = json.loads(sent.group(1))["model"]
+    url = f"{main.group(1)}/chat/completions"
+    assert _chat(url, None, model)[0] == 401
+    assert _chat(url, "not-" + key, model)[0] == 401
+    status, answer = _chat(url, key, model)
+    assert status == 200 and answer["choices"][0]["message"], answer
+    base = main.group(1).removesuffix("/v1")
+    with urllib.request.urlopen(f"{base}/health", timeout=30) as resp:
+        assert resp.status == 200
+    address = base.removeprefix("http://").rsplit(":", 1)[0]
+    router = next(h for h in sandbox.load_hosts() if h.address == address)
+    seen = sandbox.ssh(router, "stat -c '%a %U %n' /etc/k2fleet/api-key /etc/k2fleet/api-front.keys; "
+                               "systemctl is-active k2-api-front.service; "
+                               "for u in k2-api-front k2-sglang-router; do "
+                               "tr '\\0' ' ' < /proc/$(systemctl show -p MainPID --value $u.service)/cmdline; echo; "
+                               "done; systemctl show -p ExecStart --value k2-sglang-router.service; ss -ltnH",
+                       timeout=60).stdout
+    assert "600 root /etc/k2fleet/api-key\n600 root /etc/k2fleet/api-front.keys\nactive\n" in seen, seen
+    assert key not in seen  # not in HAProxy's or the router's argv
+    assert "/usr/sbin/haproxy -Ws -f /etc/k2fleet/api-front.cfg" in seen
+    # the router renames its process (sglang::router): its address is read from its unit's ExecStart
+    assert "--host 127.0.0.1 --port 8001" in seen and "127.0.0.1:8001" in seen, seen
+    # another local user (uid 65534) on the router's host: binds none of k2fleet's ports,
+    # cannot reach the router behind the front, still reaches the front (which wants the key)
+    probe = ("import errno, socket\n"
+             "def go(what, fn):\n"
+             "    try:\n        fn(); print(what, 'ok')\n"
+             "    except OSError as e:\n        print(what, errno.errorcode[e.errno])\n"
+             "for port in (8000, 8001, 29700):\n"
+             "    go(f'bind {port}', lambda: socket.socket().bind(('127.0.0.1', port)))\n"
+             "go('backend', lambda: socket.create_connection(('127.0.0.1', 8001), 5))\n"
+             f"go('front', lambda: socket.create_connection(({address!r}, 8000), 5))\n")
+    seen = sandbox.ssh(router, "cat /proc/sys/net/ipv4/ip_unprivileged_port_start /etc/sysctl.d/60-k2fleet-privileged-ports.conf; "
+                               f"setpriv --reuid=65534 --regid=65534 --clear-groups python3 -c {shlex.quote(probe)}",
+                       timeout=60).stdout
+    assert seen.startswith("29701\n") and "net.ipv4.ip_unprivileged_port_start = 29701\n" in seen, seen
+    for line in ("bind 8000 EACCES", "bind 8001 EACCES", "bind 29700 EACCES", "backend ECONNREFUSED", "front ok"):
+        assert line in seen.splitlines(), seen
+
     before = kept.units()
     edit_group_engine_args(kept.inventory, "decode", "max-running-requests", 4096)
     changed = kept.deploy()
