@@ -886,7 +886,10 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         if offline:
             say(f"rehearse {inventory}: --offline: the deploy runs in netns {sandbox.OFFLINE_NS}, whose only link is "
                 f"the sandbox bridge {sandbox.BRIDGE} ({sandbox.OFFLINE_ADDRESS}, no route out)")
-        overlay_args = [*data_args(overlay), *[a for item in data for a in ("--data", item)]]
+        # the operator's --data is in ``dep`` already (and so in what the overlay made of it): passed
+        # on for the keys the rehearsal leaves alone; a key it must change keeps its value (said above)
+        kept_data = [item for item in data if item.partition("=")[0] not in overlay]
+        overlay_args = [*data_args(overlay), *[a for item in kept_data for a in ("--data", item)]]
         argv = [*netns, tool("pyinfra"), "-y", "--json", *overlay_args, str(generated), DEPLOY_FILE]
         env = {"K2FLEET_STATE_DIR": str(work / "state")}
         if company is not None:
@@ -918,7 +921,7 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
                                  f"re-run failed (exit {second.returncode}); its output ends:\n{_tail(second.log)}")
         rerun = second.changed
         # Re-read the plan the deploy ran: endpoint addresses are the sandbox hosts'.
-        _, sb_plan = check_hosts(str(inventory), [(n, {**d, **conn[n], **overlay, **overrides}, g) for n, d, g in hosts],
+        _, sb_plan = check_hosts(str(inventory), [(n, {**d, **conn[n], **overrides, **overlay}, g) for n, d, g in hosts],
                                  company.resolve if company is not None else None)
         model = dep.api_model_name
         failures = []
