@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from k2fleet.hostprogs import locks
+from k2fleet.hostprogs import locks, relay
 from k2fleet.hostprogs.manifest import build_manifest, hub_endpoint, is_commit_sha, manifest_path, read_token, save_manifest
 from k2fleet.hostprogs.verify import (
     BAD_HEADER,
@@ -213,16 +213,8 @@ def _stream_into(url: str, part: Path, size: int | None, headers: dict[str, str]
             raise OSError(f"{url}: stuck at {got} of {size} bytes")
 
 
-def fetch_file(
-    repo_id: str,
-    revision: str,
-    local_dir: str | os.PathLike[str],
-    rel: str,
-    *,
-    token: str | None = None,
-    endpoint: str | None = None,
-    entry: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+def fetch_file(repo_id: str, revision: str, local_dir: str | os.PathLike[str], rel: str, *, token: str | None = None,
+               endpoint: str | None = None, entry: dict[str, Any] | None = None) -> dict[str, Any]:
     """Fetch ``rel`` at commit ``revision`` into ``local_dir/rel``, resuming a partial file.
 
     Returns ``{"path", "resumed_from", "received", "via", "digest"}``; ``via`` is ``http``
@@ -259,11 +251,6 @@ def fetch_file(
     return {"path": rel, "resumed_from": resumed_from, "received": received, "via": "http", "digest": digest}
 
 
-def _remove_partials(local_dir: Path) -> None:
-    """Drop leftover partial files (after every wanted file is in place)."""
-    shutil.rmtree(Path(state_dir(str(local_dir))) / PARTIAL_DIR, ignore_errors=True)
-
-
 class Landing:
     """Each file checked the moment it is in place (:func:`verify.check_one`: size,
     safetensors header, the hash taken as its bytes were written), so the final
@@ -283,35 +270,24 @@ class Landing:
         self.root, self.publish = str(root), publish
         self.manifest: dict[str, Any] = {"files": {}}
         self.hashed: dict[str, tuple[str, dict[str, int]]] = {}
-        self._stop: Any = None
-        self._beat: Any = None
+        self._stop_beat: Any = None
 
     def start_heartbeat(self) -> None:
         """(publish) Receivers asking this host's relay from now on wait for what is missing."""
-        if not self.publish or self._beat is not None:
-            return
-        import threading
-
-        from k2fleet.hostprogs import relay
-
-        os.makedirs(state_dir(self.root), exist_ok=True)
-        self._stop = threading.Event()
-        self._beat = threading.Thread(target=relay._heartbeat, args=(self.root, self._stop), daemon=True)
-        self._beat.start()
+        if self.publish and self._stop_beat is None:
+            os.makedirs(state_dir(self.root), exist_ok=True)
+            self._stop_beat = relay.heartbeat(self.root)
 
     def begin(self, manifest: dict[str, Any]) -> None:
         """The pinned manifest is known: (publish) every older record goes."""
         self.manifest = manifest
         if self.publish:
-            from k2fleet.hostprogs import relay
-
             relay.drop_marks(self.root, manifest)
 
     def end(self) -> None:
-        if self._beat is not None:
-            self._stop.set()
-            self._beat.join()
-            self._beat = None
+        if self._stop_beat is not None:
+            self._stop_beat()
+            self._stop_beat = None
 
     def entry(self, rel: str) -> dict[str, Any] | None:
         return self.manifest["files"].get(rel)
@@ -329,8 +305,6 @@ class Landing:
             return False
         self.hashed[rel] = (expected_hash(entry), stat)
         if self.publish:
-            from k2fleet.hostprogs import relay
-
             relay.write_mark(self.root, rel, entry, stat)
         return True
 
@@ -339,17 +313,9 @@ class Landing:
         return self.publish and os.path.isfile(os.path.join(self.root, rel)) and self.check(rel)
 
 
-def fetch_files(
-    repo_id: str,
-    revision: str,
-    local_dir: str | os.PathLike[str],
-    files: list[str],
-    *,
-    token: str | None = None,
-    endpoint: str | None = None,
-    max_workers: int = 8,
-    landing: Landing | None = None,
-) -> list[dict[str, Any]]:
+def fetch_files(repo_id: str, revision: str, local_dir: str | os.PathLike[str], files: list[str], *,
+                token: str | None = None, endpoint: str | None = None, max_workers: int = 8,
+                landing: Landing | None = None) -> list[dict[str, Any]]:
     """:func:`fetch_file` each of ``files`` in parallel, in that order; every file is
     attempted, then the first error (if any) is raised. Call while holding
     :func:`download_lock`. With ``landing``, each file is checked as soon as it is in
@@ -391,17 +357,9 @@ def fetch_files(
     return results
 
 
-def download(
-    repo_id: str,
-    revision: str,
-    local_dir: str | os.PathLike[str],
-    files: dict[str, Any],
-    *,
-    token: str | None = None,
-    endpoint: str | None = None,
-    max_workers: int = 8,
-    landing: Landing | None = None,
-) -> list[dict[str, Any]]:
+def download(repo_id: str, revision: str, local_dir: str | os.PathLike[str], files: dict[str, Any], *,
+             token: str | None = None, endpoint: str | None = None, max_workers: int = 8,
+             landing: Landing | None = None) -> list[dict[str, Any]]:
     """Fetch the manifest's ``files`` of ``repo_id`` at commit ``revision`` that are not in
     ``local_dir`` yet (largest first); partial files from an earlier run are resumed.
     With a publishing ``landing`` (:class:`Landing`): every file, in name order (the order
@@ -418,7 +376,7 @@ def download(
         todo = sorted(files) if landing is not None and landing.publish else missing
         results = fetch_files(repo_id, revision, root, todo, token=token, endpoint=endpoint, max_workers=max_workers,
                               landing=landing)
-        _remove_partials(root)
+        shutil.rmtree(Path(state_dir(str(root))) / PARTIAL_DIR, ignore_errors=True)  # every wanted file is in place
     return results
 
 
@@ -433,20 +391,11 @@ def _check_free_space(root: Path, needed: int) -> None:
 def _forget_local_copy(local_dir: Path, rel: str) -> None:
     """Delete a file and huggingface_hub's ``.metadata`` for it, so it is fetched again."""
     (local_dir / rel).unlink(missing_ok=True)
-    meta = local_dir / ".cache" / "huggingface" / "download" / f"{rel}.metadata"
-    meta.unlink(missing_ok=True)
+    (local_dir / ".cache" / "huggingface" / "download" / f"{rel}.metadata").unlink(missing_ok=True)
 
 
-def repair(
-    local_dir: str | os.PathLike[str],
-    manifest: dict[str, Any],
-    bad_files: list[str],
-    *,
-    token: str | None = None,
-    endpoint: str | None = None,
-    max_workers: int = 4,
-    landing: Landing | None = None,
-) -> list[str]:
+def repair(local_dir: str | os.PathLike[str], manifest: dict[str, Any], bad_files: list[str], *, token: str | None = None,
+           endpoint: str | None = None, max_workers: int = 4, landing: Landing | None = None) -> list[str]:
     """Delete and re-fetch only ``bad_files`` at the manifest's revision; returns them.
 
     The verified marker is removed first; run :func:`verify` afterwards.
@@ -461,10 +410,8 @@ def repair(
         remove_orphaned_partials(root)
         for rel in files:
             _forget_local_copy(root, rel)
-        fetch_files(
-            manifest["repo_id"], manifest["revision"], root, files,
-            token=token, endpoint=endpoint, max_workers=max_workers, landing=landing,
-        )
+        fetch_files(manifest["repo_id"], manifest["revision"], root, files, token=token, endpoint=endpoint,
+                    max_workers=max_workers, landing=landing)
     return files
 
 
@@ -477,10 +424,9 @@ class PinMismatch(ValueError):
     """The Hub's manifest for the pinned revision is not the one the control machine pinned."""
 
 
-def ensure_manifest(
-    repo_id: str, revision: str, local_dir: str | os.PathLike[str], *, token: str | None, endpoint: str | None,
-    allow_patterns: list[str] | None = None, digest: str | None = None,
-) -> dict[str, Any]:
+def ensure_manifest(repo_id: str, revision: str, local_dir: str | os.PathLike[str], *, token: str | None,
+                    endpoint: str | None, allow_patterns: list[str] | None = None,
+                    digest: str | None = None) -> dict[str, Any]:
     """The directory's manifest if it pins this repo and revision (and, given ``digest``, has
     that :func:`~k2fleet.hostprogs.verify.manifest_digest`), else a fresh one from the Hub
     (saved), of the files matching ``allow_patterns`` (None: all). A fresh one of another
@@ -504,19 +450,10 @@ def ensure_manifest(
     return manifest
 
 
-def fetch_and_verify(
-    repo_id: str,
-    revision: str,
-    local_dir: str | os.PathLike[str],
-    *,
-    token: str | None = None,
-    endpoint: str | None = None,
-    only: list[str] | None = None,
-    max_workers: int = 8,
-    allow_patterns: list[str] | None = None,
-    digest: str | None = None,
-    publish: bool = False,
-) -> Report:
+def fetch_and_verify(repo_id: str, revision: str, local_dir: str | os.PathLike[str], *, token: str | None = None,
+                     endpoint: str | None = None, only: list[str] | None = None, max_workers: int = 8,
+                     allow_patterns: list[str] | None = None, digest: str | None = None,
+                     publish: bool = False) -> Report:
     """Manifest → download (or re-fetch ``only``) → verify → repair bad files once → verify.
     ``digest``: the control machine's pin of the manifest (:func:`ensure_manifest`).
     Each file is checked as soon as it is in place (:class:`Landing`), so the final verify
@@ -565,16 +502,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: revision {args.revision!r} is not a 40-hex commit sha; pin one", file=sys.stderr)
         return 2
     try:
-        report = fetch_and_verify(
-            args.repo_id, args.revision, args.dir,
-            token=read_token(args.token_file), only=args.only, max_workers=args.max_workers,
-            allow_patterns=args.pattern, digest=args.manifest_digest, publish=args.publish,
-        )
+        report = fetch_and_verify(args.repo_id, args.revision, args.dir, token=read_token(args.token_file),
+                                  only=args.only, max_workers=args.max_workers, allow_patterns=args.pattern,
+                                  digest=args.manifest_digest, publish=args.publish)
     except PinMismatch as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    for line in report.lines():
-        print(line)
+    print("\n".join(report.lines()))
     return 0 if report.ok else 1
 
 

@@ -1,7 +1,6 @@
 """Runs ON a host from the host archive, or on the control machine as
-``python -m k2fleet.hostprogs.relay`` (standard library only, with its siblings ``verify``
-and ``swarm``): pipelined checkpoint distribution — each host passes a shard on as soon as
-it has verified it.
+``python -m k2fleet.hostprogs.relay`` (standard library only, with its siblings ``verify`` and ``swarm``):
+pipelined checkpoint distribution — each host passes a shard on as soon as it has verified it.
 
     python3 k2fleet-host.pyz relay mark  DIR                      # hash every file, mark the good ones
     python3 k2fleet-host.pyz relay serve DIR --bind ADDR --port P [--secret-file F] [--idle-exit S]
@@ -10,59 +9,50 @@ it has verified it.
     python3 k2fleet-host.pyz relay fetch DIR --source URL [--source URL ...] [--plan FILE]
 
 The deploy (``k2fleet/deploy/roles/checkpoint.py``) starts ``serve`` on every host that loads weights and
-``fetch --fleet`` on every host whose copy is not verified: per shard, the host at
-position I takes it from its parent in :func:`swarm.plan_sources`'s plan over the fleet
-order (``--fanout 1``: a chain; k: per-shard k-ary trees), falling back to the parent's
-ancestors and last to ``--source`` (the control machine's verified copy). Every host
-receives every byte once over its own link and the shards flow down the fleet one behind
-the other, so the fleet is done a few shard-times after one host's transfer time S/B
-(``bench/distribution_bench.py`` measures it against the doubling tree's 1 + ⌈log2 N⌉
-full rounds).
+``fetch --fleet`` on every host whose copy is not verified: per shard, the host at position I takes it from
+its parent in :func:`swarm.plan_sources`'s plan over the fleet order (``--fanout 1``: a chain; k: per-shard
+k-ary trees), falling back to the parent's ancestors and last to ``--source`` (the control machine's
+verified copy). Every host receives every byte once over its own link and the shards flow down the fleet
+one behind the other, so the fleet is done a few shard-times after one host's transfer time S/B
+(``bench/distribution_bench.py`` measures it against the doubling tree's 1 + ⌈log2 N⌉ full rounds).
 
 Rules it keeps:
 
 - **Never serve unverified.** A file is served only if this relay hashed it right
-  (``DIR/.k2fleet/relay/<file>.ok``: its sha256 and the file's stat then) or verify.py's
-  ``verified.json`` for this manifest lists it, in both cases with the file's size, mtime,
-  ctime and inode unchanged since. Received bytes go through verify.py's checks of one file
-  (size, safetensors header, sha256 or git blob sha1) before they get their final name. A
-  shard corrupted in flight fails them: it is deleted, never marked, never served, and
-  fetched again (from the next source if it fails twice).
-- **Resume and repair.** ``fetch`` first drops every marker (its own and verified.json)
-  and hashes what is in place: a file that passes is kept and marked (bit rot keeps sizes
-  and mtimes, so markers alone are not trusted); the others are fetched. A killed fetch
-  leaves only ``.k2fleet/relay-partial/``, which the next run discards. When every file is
-  in, the index is checked and verify.py's ``verified.json`` written, so the checkpoint
-  gate passes without hashing anything twice.
-- **Wait for what is coming.** A peer whose fetch — or whose Hub download feeding it
-  (``download.py --publish`` on the fetcher host: each file marked here once it passed
-  its check) — is running keeps a heartbeat (``.k2fleet/relay-fetching``); for a file it
-  has not verified yet it answers 409 with ``X-K2-Fetching: 1`` and receivers wait. When
-  no source of a file has it and none is fetching for ``--give-up-after`` seconds (the
-  download failed), the fetch fails naming the file.
-- **Heal around a dead host.** Each file's list is its parent, then the parent's ancestors,
-  then the source: a source that has not answered for ``--dead-after`` seconds is skipped.
-- **One transfer near the wire.** Plain HTTP/1.1 range requests on kept-alive TCP
-  connections over the private mesh (no per-byte cipher, unlike one rsync-over-SSH
-  stream; the checks above are the integrity guarantee, the weights are not secret). A
-  receiver asks for its next file while the current one streams (HTTP/1.1 pipelining on
-  the same connection); the source holds that request until the file is verified there
-  and sends it at once, so a file leaves each host within milliseconds of its check and
-  the link does not idle between files. The
-  bytes never pass through Python: the server ``sendfile``s them, the receiver
-  ``splice``s socket → pipe → file, and a thread hashes the landed prefix meanwhile, so a
-  file is verified a moment after its last byte. The next file starts landing at once:
-  up to ``--verify-behind`` landed files (default 4) are still hashed and checked, each on
-  a thread of its own, so a link faster than one core's sha256 is not held to it.
-  ``--streams`` range streams per file (default 1: on the sandbox one spliced stream got
-  more than four); files of different lanes move at once.
+  (``DIR/.k2fleet/relay/<file>.ok``: its sha256 and the file's stat then) or verify.py's ``verified.json``
+  for this manifest lists it, in both cases with the file's size, mtime, ctime and inode unchanged since.
+  Received bytes go through verify.py's checks of one file (size, safetensors header, sha256 or git blob
+  sha1) before they get their final name. A shard corrupted in flight fails them: it is deleted, never
+  marked, never served, and fetched again (from the next source if it fails twice).
+- **Resume and repair.** ``fetch`` first drops every marker (its own and verified.json) and hashes what is
+  in place: a file that passes is kept and marked (bit rot keeps sizes and mtimes, so markers alone are not
+  trusted); the others are fetched. A killed fetch leaves only ``.k2fleet/relay-partial/``, which the next
+  run discards. When every file is in, the index is checked and verify.py's ``verified.json`` written, so
+  the checkpoint gate passes without hashing anything twice.
+- **Wait for what is coming.** A peer whose fetch — or whose Hub download feeding it (``download.py
+  --publish`` on the fetcher host: each file marked here once it passed its check) — is running keeps a
+  heartbeat (``.k2fleet/relay-fetching``); for a file it has not verified yet it answers 409 with
+  ``X-K2-Fetching: 1`` and receivers wait. When no source of a file has it and none is fetching for
+  ``--give-up-after`` seconds (the download failed), the fetch fails naming the file.
+- **Heal around a dead host.** Each file's list is its parent, then the parent's ancestors, then the
+  source: a source that has not answered for ``--dead-after`` seconds is skipped.
+- **One transfer near the wire.** Plain HTTP/1.1 range requests on kept-alive TCP connections over the
+  private mesh (no per-byte cipher, unlike one rsync-over-SSH stream; the checks above are the integrity
+  guarantee, the weights are not secret). A receiver asks for its next file while the current one streams
+  (HTTP/1.1 pipelining); the source holds that request until the file is verified there and sends it at
+  once, so a file leaves each host within milliseconds of its check and the link does not idle between
+  files. The bytes never pass through Python: the server ``sendfile``s them, the receiver ``splice``s
+  socket → pipe → file, and a thread hashes the landed prefix meanwhile, so a file is verified a moment
+  after its last byte. The next file starts landing at once: up to ``--verify-behind`` landed files
+  (default 4) are still hashed and checked, each on a thread of its own, so a link faster than one core's
+  sha256 is not held to it. ``--streams`` range streams per file (default 1: on the sandbox one spliced
+  stream got more than four); files of different lanes move at once.
 
-Prints one JSON line at the end of ``fetch`` (files, bytes, kept, seconds — and, summed
-over files, ``transfer_seconds`` landing bytes and ``verify_seconds`` finishing checks,
-which overlap —, files and bytes per source, failovers, bad shards, when it ``started``
-(epoch seconds), each file's ``ready_at`` — verified, marked and served from then —, and
-``landed_at`` — its last byte in —, seconds after that) and appends it to
-``--log``.
+Prints one JSON line at the end of ``fetch`` (files, bytes, kept, seconds — and, summed over files,
+``transfer_seconds`` landing bytes and ``verify_seconds`` finishing checks, which overlap —, files and
+bytes per source, failovers, bad shards, when it ``started`` (epoch seconds), each file's ``ready_at`` —
+verified, marked and served from then —, and ``landed_at`` — its last byte in —, seconds after that) and
+appends it to ``--log``.
 """
 
 import argparse
@@ -70,7 +60,6 @@ import contextlib
 import errno
 import fcntl
 import hmac
-import http.client
 import http.server
 import json
 import mmap
@@ -123,12 +112,10 @@ def is_verified_here(root, manifest, rel, verified=None):
     now = verify.stat_beneath(root, rel)  # None behind a symlink: never served through one
     if now is None:
         return False
-    try:
-        marked = {"sha256": verify.expected_hash(manifest["files"][rel]), "stat": now}
+    marked = {"sha256": verify.expected_hash(manifest["files"][rel]), "stat": now}
+    with contextlib.suppress(OSError, ValueError):
         if json.loads(verify.read_beneath(root, mark_rel(rel), 1 << 16)) == marked:
             return True
-    except (OSError, ValueError):
-        pass
     if verified is None:
         verified = verify.load_marker(root, manifest)
     return verified.get(rel) == now
@@ -136,11 +123,10 @@ def is_verified_here(root, manifest, rel, verified=None):
 
 def write_mark(root, rel, entry, stat):
     """Record that ``rel`` hashed right while its file had ``stat``: from now on it is served.
-    Atomic but not fsynced: it is on every file's path down the fleet (an fsync here waited
-    for the journal, with every host's dirty shards in it), and it never made the file's
-    bytes durable, only the record; a record lost in a crash costs a re-hash (a fetch drops
-    and re-hashes every marker anyway), and one that outlives the file's bytes no longer
-    matches the file's stat."""
+    Atomic but not fsynced: it is on every file's path down the fleet (an fsync here waited for
+    the journal, with every host's dirty shards in it), and it never made the file's bytes
+    durable, only the record; a record lost in a crash costs a re-hash (a fetch re-hashes every
+    marker anyway), and one that outlives the file's bytes no longer matches the file's stat."""
     marked = {"sha256": verify.expected_hash(entry), "stat": stat}
     verify.write_beneath(root, mark_rel(rel), json.dumps(marked).encode(), durable=False)
 
@@ -304,7 +290,10 @@ def make_handler(root, secret=None):
             entry = manifest["files"].get(rel) if rel else None
             if entry is None or ".." in rel.split("/"):
                 return self._send(404)
-            wait = self._wait_seconds(self.headers.get("X-K2-Wait"))
+            try:
+                wait = max(0.0, min(float(self.headers.get("X-K2-Wait") or 0), 60.0))
+            except ValueError:
+                wait = 0.0
             deadline = time.monotonic() + wait
             while not is_verified_here(root, manifest, rel):  # never serve unverified
                 fetching = is_fetching(root)
@@ -354,13 +343,6 @@ def make_handler(root, secret=None):
             finally:
                 self.server.watch(self.connection, None)
                 self.connection.settimeout(self.timeout)
-
-        @staticmethod
-        def _wait_seconds(value):
-            try:
-                return max(0.0, min(float(value or 0), 60.0))
-            except ValueError:
-                return 0.0
 
     return Handler
 
@@ -601,10 +583,7 @@ class Source:
     def note_dead(self, at_once=False):
         """It did not answer; ``at_once`` (it dripped, or is an impostor): skipped from now on."""
         with self._lock:
-            if at_once:
-                self.dead_since = -1e12
-            else:
-                self.dead_since = self.dead_since or time.monotonic()
+            self.dead_since = -1e12 if at_once else (self.dead_since or time.monotonic())
 
     def note_alive(self):
         with self._lock:
@@ -739,10 +718,7 @@ def read_head(sock, deadline, keep_body=False):
     lines = head.decode("latin-1").split("\r\n")
     try:
         status = int(lines[0].split()[1])
-        headers = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
+        headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines[1:])}
         length = int(headers.get("content-length", "0"))
     except (IndexError, ValueError) as exc:
         raise OSError(f"not an HTTP response head ({exc})") from None
@@ -886,10 +862,8 @@ def plan_ranges(size, streams, chunk=CHUNK):
     >>> len(plan_ranges(16 << 20, 4)), len(plan_ranges(10 << 30, 4)), len(plan_ranges(10 << 30, 1))
     (16, 160, 160)
     """
-    if streams <= 1:  # one stream: the landed prefix is the stream's own progress
-        step = max(MIN_CHUNK, chunk)
-    else:
-        step = max(MIN_CHUNK, min(chunk, -(-size // (4 * streams))))
+    # one stream: the landed prefix is the stream's own progress
+    step = max(MIN_CHUNK, chunk if streams <= 1 else min(chunk, -(-size // (4 * streams))))
     return [(a, min(a + step, size) - 1) for a in range(0, size, step)]
 
 
@@ -968,16 +942,9 @@ def finish_file(landed, root, manifest, rel):
     if stat is None:
         verify.unlink_beneath(root, PARTIAL + "/" + rel)
         return False
-    head, _, name = rel.rpartition("/")
-    src_dir = verify.open_dir_beneath(root, (PARTIAL + "/" + head).rstrip("/"))
-    try:
-        dest_dir = verify.open_dir_beneath(root, head, create=True)  # never into a symlinked directory
-        try:
-            os.replace(name, name, src_dir_fd=src_dir, dst_dir_fd=dest_dir)
-        finally:
-            os.close(dest_dir)
-    finally:
-        os.close(src_dir)
+    with verify.parent_beneath(root, PARTIAL + "/" + rel) as (src_dir, name), \
+            verify.parent_beneath(root, rel, create=True) as (dest_dir, _):  # never into a symlinked directory
+        os.replace(name, name, src_dir_fd=src_dir, dst_dir_fd=dest_dir)
     moved = verify.stat_beneath(root, rel)  # a rename changes ctime only
     if moved is None or {k: moved[k] for k in ("size", "mtime_ns", "ino")} != {k: stat[k] for k in ("size", "mtime_ns", "ino")}:
         return False
@@ -1186,36 +1153,41 @@ class _Fetch:
             behind.release()
 
 
-def _heartbeat(root, stop):
-    """Keep ``root``'s heartbeat file fresh until ``stop`` is set (then remove it)."""
-    try:
-        fd = verify.open_beneath(root, HEARTBEAT, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    except OSError:
-        return
-    try:
-        os.write(fd, str(os.getpid()).encode())
-        while not stop.wait(HEARTBEAT_S):
-            with contextlib.suppress(OSError):
-                os.utime(fd)
-    finally:
-        os.close(fd)
-        verify.unlink_beneath(root, HEARTBEAT)
+def heartbeat(root):
+    """Keep ``root``'s heartbeat file fresh from a thread; returns the function that stops it
+    (and removes the file)."""
+    stop = threading.Event()
+
+    def beat():
+        try:
+            fd = verify.open_beneath(root, HEARTBEAT, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        except OSError:
+            return
+        try:
+            os.write(fd, str(os.getpid()).encode())
+            while not stop.wait(HEARTBEAT_S):
+                with contextlib.suppress(OSError):
+                    os.utime(fd)
+        finally:
+            os.close(fd)
+            verify.unlink_beneath(root, HEARTBEAT)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    return lambda: (stop.set(), thread.join())
 
 
 def _remove_partial(root):
     """Remove ``.k2fleet/relay-partial`` (a symlink there is removed, never followed)."""
-    state = verify.open_dir_beneath(root, ".k2fleet", create=True)
-    try:
+    with verify.parent_beneath(root, PARTIAL, create=True) as (state, name):
         try:
-            st = os.stat("relay-partial", dir_fd=state, follow_symlinks=False)
+            st = os.stat(name, dir_fd=state, follow_symlinks=False)
         except FileNotFoundError:
             return
         if (st.st_mode & 0o170000) == 0o040000:
             shutil.rmtree(os.path.join(root, PARTIAL))  # .k2fleet checked above; rmtree follows no symlink below
         else:
-            os.unlink("relay-partial", dir_fd=state)
-    finally:
-        os.close(state)
+            os.unlink(name, dir_fd=state)
 
 
 FETCH_BASE_S = 1800.0  # the overall deadline of a fetch: this, plus its bytes at FETCH_MIN_RATE
@@ -1264,9 +1236,7 @@ def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_af
     t0, started = time.monotonic(), time.time()
     if deadline > 0:
         _deadline_watch(deadline)
-    stop = threading.Event()
-    beat = threading.Thread(target=_heartbeat, args=(root, stop), daemon=True)
-    beat.start()
+    stop_beat = heartbeat(root)
     try:
         ancestors = fleet[:position] if fleet else []
         manifest_bytes = _manifest_from([Source(u, secret, slow_after) for u in [*reversed(ancestors), *urls]],
@@ -1300,8 +1270,7 @@ def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_af
             finally:
                 run.abort.set()
     finally:
-        stop.set()
-        beat.join()
+        stop_beat()
     _remove_partial(root)
     report = run.report
     # every file verified and marked: verify.py's marker too (index and headers checked,
@@ -1327,10 +1296,9 @@ def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_af
 def main(argv=None):
     p = argparse.ArgumentParser(prog="relay.py", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    m = sub.add_parser("mark")
-    m.add_argument("dir")
-    s = sub.add_parser("serve")
-    s.add_argument("dir")
+    m, s, f = (sub.add_parser(name) for name in ("mark", "serve", "fetch"))
+    for one in (m, s, f):
+        one.add_argument("dir")
     s.add_argument("--bind", default="0.0.0.0")
     s.add_argument("--port", type=int, required=True, help="0: any free port (printed)")
     s.add_argument("--exit-with-parent", action="store_true")
@@ -1338,8 +1306,6 @@ def main(argv=None):
                    "authenticates both ways with it)")
     s.add_argument("--idle-exit", type=float, default=0.0,
                    help="stop after this many seconds without an authenticated request (0: never)")
-    f = sub.add_parser("fetch")
-    f.add_argument("dir")
     f.add_argument("--source", action="append", default=[], help="http://HOST:PORT of the source's copy")
     f.add_argument("--fleet", help="comma-separated relay URLs of every host in fleet order (with --position)")
     f.add_argument("--position", type=int, help="this host's index in --fleet")
