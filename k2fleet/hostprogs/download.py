@@ -1,34 +1,27 @@
 """Download a checkpoint at a pinned commit with huggingface_hub, verify it, repair bad files.
 
-The token comes from a file (``--token-file``) or env ``HF_TOKEN`` and is
-never printed or put on a command line; the endpoint comes from env
-``HF_ENDPOINT`` (default: the Hub).
+The token comes from a file (``--token-file``) or env ``HF_TOKEN`` and is never printed or put on
+a command line; the endpoint comes from env ``HF_ENDPOINT`` (default: the Hub).
 
-Resumption. huggingface_hub 2.4 resumes a dropped connection only within one
-call: each download goes to a process-unique ``<hash>.<etag>.<uuid>.incomplete``
-that is deleted on failure, so a killed or rebooted download starts that file
-from zero again (read from its ``file_download.py``). k2fleet therefore fetches
-each file itself with huggingface_hub's own pieces — :func:`hf_hub_url`,
-:func:`get_hf_file_metadata` (commit, ETag, size, redirect), its auth headers,
-HTTP client and error mapping — into a *stable* partial file
-``DIR/.k2fleet/partial/<file>.<etag>.part``, appended as bytes arrive. A later
-run (after a kill, a reboot, a lost connection) sends ``Range: bytes=<partial
-size>-`` and only the missing tail crosses the network; a file already in
-place is not fetched again. When the Hub marks a file as Xet-stored and
-``hf_xet`` is installed, the file goes through ``hf_hub_download`` instead (the
-fast path, which keeps its own chunk cache across runs).
+Resumption. huggingface_hub 2.4 resumes a dropped connection only within one call: each download goes to a
+process-unique ``<hash>.<etag>.<uuid>.incomplete`` that is deleted on failure, so a killed or rebooted download
+starts that file from zero again (read from its ``file_download.py``). k2fleet therefore fetches each file
+itself with huggingface_hub's own pieces — :func:`hf_hub_url`, :func:`get_hf_file_metadata` (commit, ETag, size,
+redirect), its auth headers, HTTP client and error mapping — into a *stable* partial file
+``DIR/.k2fleet/partial/<file>.<etag>.part``, appended as bytes arrive. A later run (after a kill, a reboot, a
+lost connection) sends ``Range: bytes=<partial size>-`` and only the missing tail crosses the network; a file
+already in place is not fetched again. When the Hub marks a file as Xet-stored and ``hf_xet`` is installed, the
+file goes through ``hf_hub_download`` instead (the fast path, which keeps its own chunk cache across runs).
 
-Nothing is trusted because it was downloaded: each file is checked against the
-manifest as soon as it is in place (size, header, and the hash taken as its bytes were
-written; fetched once more at once if it fails), every download ends with
-:func:`k2fleet.hostprogs.verify.verify` (which hashes nothing twice), and
-:func:`repair` deletes a bad file before fetching it again.
+Nothing is trusted because it was downloaded: each file is checked against the manifest as soon
+as it is in place (size, header, and the hash taken as its bytes were written; fetched once more
+at once if it fails), every download ends with :func:`k2fleet.hostprogs.verify.verify` (which
+hashes nothing twice), and :func:`repair` deletes a bad file before fetching it again.
 
-Pipelined (``--publish``, the fetcher host's download): the download feeds the
-checkpoint relay serving the same directory (:mod:`k2fleet.hostprogs.relay`) file by file,
-in the order receivers take them: each file is served the moment it passed its check,
-and while the download runs its heartbeat tells receivers to wait for the rest, so the
-fleet holds the checkpoint about when the download ends (:class:`Landing`).
+Pipelined (``--publish``, the fetcher host's download): the download feeds the checkpoint relay serving the same
+directory (:mod:`k2fleet.hostprogs.relay`) file by file, in the order receivers take them: each file is served
+the moment it passed its check, and while the download runs its heartbeat tells receivers to wait for the rest,
+so the fleet holds the checkpoint about when the download ends (:class:`Landing`).
 """
 
 from __future__ import annotations
@@ -78,20 +71,16 @@ def _require_commit(revision: str) -> None:
 
 
 def download_lock(local_dir: str | os.PathLike[str]) -> contextlib.AbstractContextManager[None]:
-    """Exclusive lock on ``DIR/.k2fleet/download.lock`` for the duration of the block.
-
-    A polled ``flock`` (:func:`k2fleet.hostprogs.locks.exclusive`): a second download of the same
-    directory in another greenlet of pyinfra's process waits without blocking the holder.
-    """
+    """Exclusive lock on ``DIR/.k2fleet/download.lock`` for the duration of the block: a polled
+    ``flock`` (:func:`k2fleet.hostprogs.locks.exclusive`), so a second download of the same directory
+    in another greenlet of pyinfra's process waits without blocking the holder."""
     return locks.exclusive(Path(state_dir(str(local_dir))) / "download.lock")
 
 
 def remove_orphaned_partials(local_dir: str | os.PathLike[str]) -> list[Path]:
-    """Delete ``*.incomplete`` files a killed ``hf_hub_download`` left (call while holding the lock).
-
-    huggingface_hub never reuses them (their names are process-unique); k2fleet's own
-    resumable ``.part`` files are kept.
-    """
+    """Delete ``*.incomplete`` files a killed ``hf_hub_download`` left (call while holding the lock):
+    huggingface_hub never reuses them (their names are process-unique); k2fleet's own resumable
+    ``.part`` files are kept."""
     base = Path(local_dir) / ".cache" / "huggingface" / "download"
     removed = sorted(base.rglob("*.incomplete")) if base.is_dir() else []
     for path in removed:
@@ -107,9 +96,8 @@ _RETRIES_WITHOUT_PROGRESS = 5
 def partial_path(local_dir: str | os.PathLike[str], rel: str, etag: str) -> Path:
     """Stable partial-download path of ``rel`` for content ``etag`` (same name on every run).
 
-    Example:
-        >>> str(partial_path("/m/k2", "model-00001-of-000062.safetensors", '"ab12"'))
-        '/m/k2/.k2fleet/partial/model-00001-of-000062.safetensors.ab12.part'
+    >>> str(partial_path("/m/k2", "model-00001-of-000062.safetensors", '"ab12"'))
+    '/m/k2/.k2fleet/partial/model-00001-of-000062.safetensors.ab12.part'
     """
     tag = "".join(c for c in etag if c.isalnum())[:64] or "noetag"
     return Path(state_dir(str(local_dir))) / PARTIAL_DIR / f"{rel}.{tag}.part"
@@ -252,19 +240,16 @@ def fetch_file(repo_id: str, revision: str, local_dir: str | os.PathLike[str], r
 
 
 class Landing:
-    """Each file checked the moment it is in place (:func:`verify.check_one`: size,
-    safetensors header, the hash taken as its bytes were written), so the final
-    :func:`verify` hashes nothing twice (``hashed``) and a file whose bytes do not match
-    is fetched again at once.
+    """Each file checked the moment it is in place (:func:`verify.check_one`: size, safetensors header, the hash
+    taken as its bytes were written), so the final :func:`verify` hashes nothing twice (``hashed``) and a file
+    whose bytes do not match is fetched again at once.
 
-    ``publish``: the download feeds this host's checkpoint relay (``relay serve`` on the
-    same directory) file by file, so receivers start while it runs — each file that
-    passes is recorded where the relay looks (:func:`relay.write_mark`: served from then
-    on, never before), and while the download runs its heartbeat (``relay-fetching``) tells
-    receivers that the files not verified yet are coming (they wait, not fail). Nothing
-    is served on an old record: :meth:`begin` drops every relay record and the verified
-    marker, and files already in place are hashed again before they are served
-    (:meth:`keep`)."""
+    ``publish``: the download feeds this host's checkpoint relay (``relay serve`` on the same directory) file by
+    file, so receivers start while it runs — each file that passes is recorded where the relay looks
+    (:func:`relay.write_mark`: served from then on, never before), and while the download runs its heartbeat
+    (``relay-fetching``) tells receivers that the files not verified yet are coming (they wait, not fail).
+    Nothing is served on an old record: :meth:`begin` drops every relay record and the verified marker, and
+    files already in place are hashed again before they are served (:meth:`keep`)."""
 
     def __init__(self, root: str | os.PathLike[str], publish: bool = False) -> None:
         self.root, self.publish = str(root), publish
@@ -316,12 +301,10 @@ class Landing:
 def fetch_files(repo_id: str, revision: str, local_dir: str | os.PathLike[str], files: list[str], *,
                 token: str | None = None, endpoint: str | None = None, max_workers: int = 8,
                 landing: Landing | None = None) -> list[dict[str, Any]]:
-    """:func:`fetch_file` each of ``files`` in parallel, in that order; every file is
-    attempted, then the first error (if any) is raised. Call while holding
-    :func:`download_lock`. With ``landing``, each file is checked as soon as it is in
-    place (fetched once more at once when it does not pass; the final :func:`verify`
-    reports it if it still does not), and (publishing) a file already in place that
-    hashes right is kept."""
+    """:func:`fetch_file` each of ``files`` in parallel, in that order; every file is attempted, then the first
+    error (if any) is raised. Call while holding :func:`download_lock`. With ``landing``, each file is checked
+    as soon as it is in place (fetched once more at once when it does not pass; the final :func:`verify` reports
+    it if it still does not), and (publishing) a file already in place that hashes right is kept."""
     _require_commit(revision)
     errors: list[BaseException] = []
     done: list[dict[str, Any]] = []
@@ -360,11 +343,10 @@ def fetch_files(repo_id: str, revision: str, local_dir: str | os.PathLike[str], 
 def download(repo_id: str, revision: str, local_dir: str | os.PathLike[str], files: dict[str, Any], *,
              token: str | None = None, endpoint: str | None = None, max_workers: int = 8,
              landing: Landing | None = None) -> list[dict[str, Any]]:
-    """Fetch the manifest's ``files`` of ``repo_id`` at commit ``revision`` that are not in
-    ``local_dir`` yet (largest first); partial files from an earlier run are resumed.
-    With a publishing ``landing`` (:class:`Landing`): every file, in name order (the order
-    receivers take them in), those in place hashed and kept when right, each checked and
-    served as soon as it is in place."""
+    """Fetch the manifest's ``files`` of ``repo_id`` at commit ``revision`` that are not in ``local_dir`` yet
+    (largest first); partial files from an earlier run are resumed. With a publishing ``landing``
+    (:class:`Landing`): every file, in name order (the order receivers take them in), those in place hashed and
+    kept when right, each checked and served as soon as it is in place."""
     _require_commit(revision)
     root = Path(local_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -394,8 +376,9 @@ def _forget_local_copy(local_dir: Path, rel: str) -> None:
     (local_dir / ".cache" / "huggingface" / "download" / f"{rel}.metadata").unlink(missing_ok=True)
 
 
-def repair(local_dir: str | os.PathLike[str], manifest: dict[str, Any], bad_files: list[str], *, token: str | None = None,
-           endpoint: str | None = None, max_workers: int = 4, landing: Landing | None = None) -> list[str]:
+def repair(local_dir: str | os.PathLike[str], manifest: dict[str, Any], bad_files: list[str], *,
+           token: str | None = None, endpoint: str | None = None, max_workers: int = 4,
+           landing: Landing | None = None) -> list[str]:
     """Delete and re-fetch only ``bad_files`` at the manifest's revision; returns them.
 
     The verified marker is removed first; run :func:`verify` afterwards.
@@ -427,11 +410,10 @@ class PinMismatch(ValueError):
 def ensure_manifest(repo_id: str, revision: str, local_dir: str | os.PathLike[str], *, token: str | None,
                     endpoint: str | None, allow_patterns: list[str] | None = None,
                     digest: str | None = None) -> dict[str, Any]:
-    """The directory's manifest if it pins this repo and revision (and, given ``digest``, has
-    that :func:`~k2fleet.hostprogs.verify.manifest_digest`), else a fresh one from the Hub
-    (saved), of the files matching ``allow_patterns`` (None: all). A fresh one of another
-    digest than ``digest`` raises :class:`PinMismatch` before it is saved (nothing is fetched
-    for it)."""
+    """The directory's manifest if it pins this repo and revision (and, given ``digest``, has that
+    :func:`~k2fleet.hostprogs.verify.manifest_digest`), else a fresh one from the Hub (saved), of the files
+    matching ``allow_patterns`` (None: all). A fresh one of another digest than ``digest`` raises
+    :class:`PinMismatch` before it is saved (nothing is fetched for it)."""
     _require_commit(revision)
     path = manifest_path(local_dir)
     if path.is_file():
@@ -454,11 +436,10 @@ def fetch_and_verify(repo_id: str, revision: str, local_dir: str | os.PathLike[s
                      endpoint: str | None = None, only: list[str] | None = None, max_workers: int = 8,
                      allow_patterns: list[str] | None = None, digest: str | None = None,
                      publish: bool = False) -> Report:
-    """Manifest → download (or re-fetch ``only``) → verify → repair bad files once → verify.
-    ``digest``: the control machine's pin of the manifest (:func:`ensure_manifest`).
-    Each file is checked as soon as it is in place (:class:`Landing`), so the final verify
-    hashes nothing twice. ``publish``: feed this host's checkpoint relay file by file
-    while downloading (:class:`Landing`).
+    """Manifest → download (or re-fetch ``only``) → verify → repair bad files once → verify. ``digest``: the
+    control machine's pin of the manifest (:func:`ensure_manifest`). Each file is checked as soon as it is in
+    place (:class:`Landing`), so the final verify hashes nothing twice. ``publish``: feed this host's checkpoint
+    relay file by file while downloading (:class:`Landing`).
     """
     landing = Landing(local_dir, publish)
     try:

@@ -1,8 +1,7 @@
 """Build k2fleet checkpoint manifests from the Hugging Face Hub or from a local directory.
 
-A manifest pins a repo to one 40-hex commit and lists every file with its size
-and sha256 (LFS files) or git blob sha1 (small non-LFS files); see
-:mod:`k2fleet.hostprogs.verify` for the format. k2fleet never serves a
+A manifest pins a repo to one 40-hex commit and lists every file with its size and sha256 (LFS files) or git
+blob sha1 (small non-LFS files); see :mod:`k2fleet.hostprogs.verify` for the format. k2fleet never serves a
 checkpoint that was not verified against one.
 """
 
@@ -68,9 +67,8 @@ def build_manifest(
 ) -> dict[str, Any]:
     """Manifest of ``repo_id`` at a pinned commit, from the Hub's file metadata.
 
-    A branch or tag is refused (:class:`UnpinnedRevisionError`, whose message
-    names the commit it currently points at) unless ``resolve=True``, in which
-    case it is resolved to ``info.sha``, logged, and recorded as
+    A branch or tag is refused (:class:`UnpinnedRevisionError`, whose message names the commit it currently
+    points at) unless ``resolve=True``, in which case it is resolved to ``info.sha``, logged, and recorded as
     ``resolved_from`` — the deploy must still pin the returned revision.
     """
     api = _api(endpoint, token)
@@ -139,11 +137,10 @@ def save_manifest(root: str | os.PathLike[str], manifest: dict[str, Any]) -> Pat
 def manifest_from_dir(root: str | os.PathLike[str], repo_id: str | None = None) -> dict[str, Any]:
     """Manifest for an air-gapped directory, without contacting any Hub.
 
-    Sources, in order: ``ROOT/.k2fleet/manifest.json``; a huggingface_hub
-    ``local_dir`` download (its ``.cache/huggingface/trees/<sha>.json`` listing,
-    written from the Hub's answer); an hf cache layout (``models--org--name``
-    with ``snapshots/<sha>`` whose symlinks point at ``blobs/<etag>``, or that
-    snapshot directory itself).
+    Sources, in order: ``ROOT/.k2fleet/manifest.json``; a huggingface_hub ``local_dir`` download (its
+    ``.cache/huggingface/trees/<sha>.json`` listing, written from the Hub's answer); an hf cache layout
+    (``models--org--name`` with ``snapshots/<sha>`` whose symlinks point at ``blobs/<etag>``, or that snapshot
+    directory itself).
     """
     root = Path(root)
     own = manifest_path(root)

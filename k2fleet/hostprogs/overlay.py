@@ -1,10 +1,9 @@
 """model_type fallback overlay: serve a verified checkpoint under another ``model_type``.
 
-Some serving stacks do not know ``kimi_k2`` but load the same weights as
-``deepseek_v3``. Rather than editing the verified ``config.json``, k2fleet
-builds an overlay directory: a symlink to every verified file except
-``config.json``, plus a rewritten copy of ``config.json``. The verified
-directory is never written to (other than by verify's own marker).
+Some serving stacks do not know ``kimi_k2`` but load the same weights as ``deepseek_v3``. Rather than editing
+the verified ``config.json``, k2fleet builds an overlay directory: a symlink to every verified file except
+``config.json``, plus a rewritten copy of ``config.json``. The verified directory is never written to (other
+than by verify's own marker).
 """
 
 from __future__ import annotations
@@ -53,9 +52,8 @@ def make_overlay(
 ) -> dict[str, Any]:
     """Build ``overlay_dir`` over ``verified_dir``; returns the record for ``manifest["overlay"]``.
 
-    ``model_type`` defaults to the mapping of the source's model_type
-    (``kimi_k2`` → ``deepseek_v3``). The overlay directory is rebuilt from
-    scratch; it must not be the verified directory.
+    ``model_type`` defaults to the mapping of the source's model_type (``kimi_k2`` → ``deepseek_v3``). The
+    overlay directory is rebuilt from scratch; it must not be the verified directory.
     """
     src = Path(verified_dir).resolve()
     dst = Path(overlay_dir).resolve()

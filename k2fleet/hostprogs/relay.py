@@ -49,10 +49,9 @@ Rules it keeps:
   stream got more than four); files of different lanes move at once.
 
 Prints one JSON line at the end of ``fetch`` (files, bytes, kept, seconds — and, summed over files,
-``transfer_seconds`` landing bytes and ``verify_seconds`` finishing checks, which overlap —, files and
-bytes per source, failovers, bad shards, when it ``started`` (epoch seconds), each file's ``ready_at`` —
-verified, marked and served from then —, and ``landed_at`` — its last byte in —, seconds after that) and
-appends it to ``--log``.
+``transfer_seconds`` landing bytes and ``verify_seconds`` finishing checks, which overlap —, files and bytes per
+source, failovers, bad shards, when it ``started`` (epoch seconds), each file's ``ready_at`` — verified, marked
+and served from then —, and ``landed_at`` — its last byte in —, seconds after that) and appends it to ``--log``.
 """
 
 import argparse
@@ -203,13 +202,12 @@ def _nonce_ok(value):
 
 
 def make_handler(root, secret=None):
-    """The request handler serving ``root``. With ``secret``, mutual authentication per
-    connection: the client's first request is ``GET /hello`` with its nonce
-    (``X-K2-Nonce``); the relay answers with its own nonce and :func:`auth_proof` (role
-    server), which the client checks before it sends anything else; every later request
-    of the connection carries the client's proof (``X-K2-Auth``, role client) or gets a 403
-    and the connection is closed. Without ``secret`` nothing is asked (and ``/hello``
-    proves nothing, so a client that holds a secret refuses this relay)."""
+    """The request handler serving ``root``. With ``secret``, mutual authentication per connection: the client's
+    first request is ``GET /hello`` with its nonce (``X-K2-Nonce``); the relay answers with its own nonce and
+    :func:`auth_proof` (role server), which the client checks before it sends anything else; every later request
+    of the connection carries the client's proof (``X-K2-Auth``, role client) or gets a 403 and the connection
+    is closed. Without ``secret`` nothing is asked (and ``/hello`` proves nothing, so a client that holds a
+    secret refuses this relay)."""
     key = secret.encode() if isinstance(secret, str) else secret
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -348,12 +346,11 @@ def make_handler(root, secret=None):
 
 
 def big_buffer(sock, option):
-    """Give ``sock`` a :data:`SOCKET_BUFFER` send or receive buffer (``option``), past
-    ``net.core.[rw]mem_max`` (SO_*BUFFORCE: root, as the deploy's relay runs); nothing when
-    that is refused (a plain SO_*BUF would be capped at [rw]mem_max, below what the
-    kernel's autotuning may reach) or the kernel already gave it as much. On a link at its
-    limit the bytes already queued carry it through the moments this process waits for a
-    core or the disk instead of idling it."""
+    """Give ``sock`` a :data:`SOCKET_BUFFER` send or receive buffer (``option``), past ``net.core.[rw]mem_max``
+    (SO_*BUFFORCE: root, as the deploy's relay runs); nothing when that is refused (a plain SO_*BUF would be
+    capped at [rw]mem_max, below what the kernel's autotuning may reach) or the kernel already gave it as much.
+    On a link at its limit the bytes already queued carry it through the moments this process waits for a core
+    or the disk instead of idling it."""
     force = {socket.SO_RCVBUF: 33, socket.SO_SNDBUF: 32}[option]  # SO_RCVBUFFORCE, SO_SNDBUFFORCE (Linux)
     with contextlib.suppress(OSError):
         if sock.getsockopt(socket.SOL_SOCKET, option) < 2 * SOCKET_BUFFER:  # the kernel reports twice the size set
@@ -460,13 +457,12 @@ class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
 
 
 def serve(root, bind, port, exit_with_parent=False, secret=None, idle_exit=0.0):
-    """Serve ``root`` on ``bind:port`` (0: any free port) until killed; prints
-    ``{"port": N}`` once listening. ``exit_with_parent``: stop when the process that
-    started this one is gone (the control machine's relay outlives no deploy).
-    ``secret``: mutual authentication of every connection (:func:`make_handler`).
-    ``idle_exit``: stop when no authenticated request came for that many seconds (a relay a
-    failed deploy left behind ends soon, not at its unit's RuntimeMaxSec; requests that do
-    not authenticate do not keep it up; 0: never)."""
+    """Serve ``root`` on ``bind:port`` (0: any free port) until killed; prints ``{"port": N}`` once listening.
+    ``exit_with_parent``: stop when the process that started this one is gone (the control machine's relay
+    outlives no deploy). ``secret``: mutual authentication of every connection (:func:`make_handler`).
+    ``idle_exit``: stop when no authenticated request came for that many seconds (a relay a failed deploy left
+    behind ends soon, not at its unit's RuntimeMaxSec; requests that do not authenticate do not keep it up; 0:
+    never)."""
     server = Server((bind, port), make_handler(root, secret))
     print(json.dumps({"port": server.server_address[1]}), flush=True)
     if idle_exit > 0:
@@ -517,11 +513,10 @@ MANIFEST_TIMEOUT_S = 30.0  # the whole manifest answer (head and body)
 
 
 class Source:
-    """One upstream relay (``http://HOST:PORT``): its idle data connections (kept alive
-    between ranges, each authenticated both ways: :func:`make_handler`), and since when it
-    has not answered (``dead_since``) or has answered without a file while no fetch runs
-    there (``idle_since``). A source that fails to prove it holds the secret, or drips
-    its bytes, is dead at once. Shared by the lanes of one fetch."""
+    """One upstream relay (``http://HOST:PORT``): its idle data connections (kept alive between ranges, each
+    authenticated both ways: :func:`make_handler`), and since when it has not answered (``dead_since``) or has
+    answered without a file while no fetch runs there (``idle_since``). A source that fails to prove it holds
+    the secret, or drips its bytes, is dead at once. Shared by the lanes of one fetch."""
 
     def __init__(self, url, secret=None, slow_after=SLOW_AFTER_S):
         self.secret = secret.encode() if isinstance(secret, str) else secret
@@ -645,16 +640,14 @@ class Source:
                       f"Range: bytes={start}-{end}\r\nX-K2-Wait: {wait}\r\n{auth}\r\n").encode())
 
     def get_range(self, rel, fd, start, end, landed=None, wait=WAIT_S, ahead=None):
-        """Write bytes ``start..end`` of ``rel`` at the same offsets of ``fd``, calling
-        ``landed(offset)`` as they land (in order within the range). One HTTP/1.1 request
-        on a kept-alive connection: the source holds it up to ``wait`` seconds until it has
-        verified the file (then :class:`NotReady`). ``ahead`` (file, start, end): the range
-        this lane wants next, asked at once on the same connection (HTTP/1.1 pipelining),
-        so the source, which answers in order, starts on it the moment this body is out and
-        the file is verified there — no round trip, no idle link between files. The body goes
-        socket → pipe → file inside the kernel (splice), or through one buffer where splice
-        is missing (Python < 3.10). The head must come within ``wait`` + DATA_TIMEOUT_S
-        seconds, the body at least :data:`SLOW_MIN_BYTES` every ``slow_after`` seconds
+        """Write bytes ``start..end`` of ``rel`` at the same offsets of ``fd``, calling ``landed(offset)`` as
+        they land (in order within the range). One HTTP/1.1 request on a kept-alive connection: the source holds
+        it up to ``wait`` seconds until it has verified the file (then :class:`NotReady`). ``ahead`` (file,
+        start, end): the range this lane wants next, asked at once on the same connection (HTTP/1.1 pipelining),
+        so the source, which answers in order, starts on it the moment this body is out and the file is verified
+        there — no round trip, no idle link between files. The body goes socket → pipe → file inside the kernel
+        (splice), or through one buffer where splice is missing (Python < 3.10). The head must come within
+        ``wait`` + DATA_TIMEOUT_S seconds, the body at least :data:`SLOW_MIN_BYTES` every ``slow_after`` seconds
         (:class:`Slow` otherwise)."""
         (sock, proof, asked), ok = self._take((rel, start, end)), False
         try:
@@ -695,11 +688,10 @@ HEAD_MAX = 64 << 10
 
 
 def read_head(sock, deadline, keep_body=False):
-    """Read an HTTP/1.1 response head from ``sock``, all of it by ``deadline`` (monotonic;
-    OSError after it, however slowly the bytes come): (status, Content-Length, the body
-    bytes that came with the head — none: the head is read to its end and not a byte
-    beyond, so a body, and the answers pipelined behind it, stay in the socket —, the
-    headers by lower-case name). The socket is left blocking."""
+    """Read an HTTP/1.1 response head from ``sock``, all of it by ``deadline`` (monotonic; OSError after it,
+    however slowly the bytes come): (status, Content-Length, the body bytes that came with the head — none: the
+    head is read to its end and not a byte beyond, so a body, and the answers pipelined behind it, stay in the
+    socket —, the headers by lower-case name). The socket is left blocking."""
     data = b""
     try:
         while not data.endswith(b"\r\n\r\n"):
@@ -718,7 +710,7 @@ def read_head(sock, deadline, keep_body=False):
     lines = head.decode("latin-1").split("\r\n")
     try:
         status = int(lines[0].split()[1])
-        headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines[1:])}
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
         length = int(headers.get("content-length", "0"))
     except (IndexError, ValueError) as exc:
         raise OSError(f"not an HTTP response head ({exc})") from None
@@ -894,11 +886,10 @@ class Landed:
 
 
 def land_file(source, root, manifest, rel, streams, chunk, after=None):
-    """Receive ``rel`` from ``source`` into a partial file over ``streams`` range streams,
-    hashing it as it lands; return once its last byte landed (the hash may lag behind).
-    ``after``: the file this lane takes next from the same source; with one stream, each
-    range asks for the one after it ahead (:meth:`Source.get_range`), the last for
-    ``after``'s first."""
+    """Receive ``rel`` from ``source`` into a partial file over ``streams`` range streams, hashing it as it
+    lands; return once its last byte landed (the hash may lag behind). ``after``: the file this lane takes next
+    from the same source; with one stream, each range asks for the one after it ahead
+    (:meth:`Source.get_range`), the last for ``after``'s first."""
     t0 = time.monotonic()
     part = os.path.join(root, PARTIAL, rel)
     size = manifest["files"][rel]["size"]
@@ -929,9 +920,8 @@ def land_file(source, root, manifest, rel, streams, chunk, after=None):
 
 
 def finish_file(landed, root, manifest, rel):
-    """Wait for ``landed``'s hash, verify it (verify.py's checks of one file, with that
-    hash), move it into place and mark it. True if it verified; False if the bytes were
-    bad (deleted, not marked)."""
+    """Wait for ``landed``'s hash, verify it (verify.py's checks of one file, with that hash), move it into
+    place and mark it. True if it verified; False if the bytes were bad (deleted, not marked)."""
     try:
         digest = landed.hashing.result()
         hashed_stat = verify.stat_beneath(root, PARTIAL + "/" + rel)
@@ -956,10 +946,9 @@ MANIFEST_MAX_BYTES = 64 << 20  # a 1 TB checkpoint's manifest is well under 1 Mi
 
 
 class Pin:
-    """What the control machine proved about the checkpoint: its repository, its pinned
-    revision and (when the control machine holds a verified copy) the digest of that
-    copy's manifest (:func:`verify.manifest_digest`). A manifest any peer serves is taken
-    only if it matches all three."""
+    """What the control machine proved about the checkpoint: its repository, its pinned revision and (when the
+    control machine holds a verified copy) the digest of that copy's manifest (:func:`verify.manifest_digest`).
+    A manifest any peer serves is taken only if it matches all three."""
 
     def __init__(self, repo=None, revision=None, digest=None):
         self.repo, self.revision, self.digest = repo, revision, digest
@@ -1074,11 +1063,10 @@ class _Fetch:
         return live[0]
 
     def lane(self, files):
-        """Take ``files`` in order, each as soon as its source has verified it. Bytes land
-        one file at a time; while the next one lands, up to ``verify_behind`` landed files
-        are still hashed and checked, each on a thread of its own (0: one file at a time).
-        On a link faster than one core's sha256, the hashing spreads over cores instead of
-        holding the link."""
+        """Take ``files`` in order, each as soon as its source has verified it. Bytes land one file at a time;
+        while the next one lands, up to ``verify_behind`` landed files are still hashed and checked, each on a
+        thread of its own (0: one file at a time). On a link faster than one core's sha256, the hashing spreads
+        over cores instead of holding the link."""
         behind = threading.BoundedSemaphore(self.verify_behind + 1)  # + the file landing
         with ThreadPoolExecutor(max_workers=self.verify_behind + 1) as finishers:
             checks = []
@@ -1216,20 +1204,17 @@ def _deadline_watch(seconds):
 def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_after=DEAD_AFTER_S, fleet=None,
           position=None, fanout=1, give_up_after=GIVE_UP_S, verify_behind=VERIFY_BEHIND, pin=None, secret=None,
           slow_after=SLOW_AFTER_S, deadline=0.0):
-    """Fetch every file of the sources' manifest into ``root``, each from the first live
-    source of its list, verifying each before it is marked (and so served onward).
-    The lists: ``plan`` (file → URLs, parent first), or the fleet's per-shard plan
-    (``fleet``: every host's relay URL in fleet order, this host at ``position``; the
-    source is ``urls``), or ``urls`` for every file. Files are taken in ``fanout`` lanes
-    at once (shard j in lane j mod fanout: one lane per tree of the plan, each fed by its
-    own parent), in order within a lane. ``pin`` (:class:`Pin`): the only manifest taken is
-    one of the pinned repository and revision (and digest); names are checked before
-    anything is written (no absolute path, ``..`` or empty part; no name both a file and a
-    directory). Nothing below ``root`` is written or read through a symlink. A source that
-    drips (under :data:`SLOW_MIN_BYTES` per ``slow_after`` seconds) or cannot prove it holds
-    the secret is skipped at once. ``deadline``: the whole fetch ends (exit 4) after that
-    many seconds (0: :func:`default_deadline` of the manifest's size), so a deploy waiting
-    on it gives up rather than hangs."""
+    """Fetch every file of the sources' manifest into ``root``, each from the first live source of its list,
+    verifying each before it is marked (and so served onward). The lists: ``plan`` (file → URLs, parent first),
+    or the fleet's per-shard plan (``fleet``: every host's relay URL in fleet order, this host at ``position``;
+    the source is ``urls``), or ``urls`` for every file. Files are taken in ``fanout`` lanes at once (shard j in
+    lane j mod fanout: one lane per tree of the plan, each fed by its own parent), in order within a lane.
+    ``pin`` (:class:`Pin`): the only manifest taken is one of the pinned repository and revision (and digest);
+    names are checked before anything is written (no absolute path, ``..`` or empty part; no name both a file
+    and a directory). Nothing below ``root`` is written or read through a symlink. A source that drips (under
+    :data:`SLOW_MIN_BYTES` per ``slow_after`` seconds) or cannot prove it holds the secret is skipped at once.
+    ``deadline``: the whole fetch ends (exit 4) after that many seconds (0: :func:`default_deadline` of the
+    manifest's size), so a deploy waiting on it gives up rather than hangs."""
     os.makedirs(root, exist_ok=True)
     os.close(verify.open_dir_beneath(root, ".k2fleet", create=True))  # a symlinked .k2fleet is refused here
     _remove_partial(root)  # a killed run's leftovers

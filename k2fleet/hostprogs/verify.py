@@ -13,12 +13,11 @@ What is checked:
   inside the file, byte counts consistent with dtype/shape);
 * every file's sha256 (LFS files) or git blob sha1 (small non-LFS files) matches.
 
-Files are hashed concurrently (one thread per file, ``hashlib`` releases the GIL),
-``STREAMS_PER_WORKER`` files per hashing worker so that one file's read waits overlap
-another's hashing; each thread reads sequentially (``POSIX_FADV_SEQUENTIAL``) into one reused
-1 MiB buffer, so memory use is constant. When everything passes, ``DIR/.k2fleet/verified.json``
-records the manifest digest and each file's size, mtime_ns, ctime_ns and inode; a later run
-without ``--full`` does not re-hash a file whose stat is unchanged. A failed run removes the marker.
+Files are hashed concurrently (one thread per file, ``hashlib`` releases the GIL), ``STREAMS_PER_WORKER`` files
+per hashing worker so that one file's read waits overlap another's hashing; each thread reads sequentially
+(``POSIX_FADV_SEQUENTIAL``) into one reused 1 MiB buffer, so memory use is constant. When everything passes,
+``DIR/.k2fleet/verified.json`` records the manifest digest and each file's size, mtime_ns, ctime_ns and inode; a
+later run without ``--full`` does not re-hash a file whose stat is unchanged. A failed run removes the marker.
 
 Manifest (``DIR/.k2fleet/manifest.json``)::
 
@@ -52,10 +51,11 @@ MANIFEST_NAME = "manifest.json"
 MARKER_NAME = "verified.json"
 INDEX_NAME = "model.safetensors.index.json"
 # The copy-and-hash block is 1 MiB so it stays in L2 (2-core bench, cold: 512 KiB and 1 MiB beat 2 and 4 MiB).
-# Read-ahead is left to the kernel (POSIX_FADV_SEQUENTIAL doubles its window): an explicit POSIX_FADV_WILLNEED window
-# issued from the hashing thread allocates and submits its pages synchronously there (measured 20% slower cold). With one
-# thread per core, a core idles whenever its thread waits for the disk; STREAMS_PER_WORKER threads per core keep disk and
-# cores busy (2-core bench, cold: 1, 2, 3, 4 streams per core = 1.45, 1.31, 1.19, 1.19 s for 3 GB; warm: all equal).
+# Read-ahead is left to the kernel (POSIX_FADV_SEQUENTIAL doubles its window): an explicit POSIX_FADV_WILLNEED
+# window issued from the hashing thread allocates and submits its pages synchronously there (20% slower cold).
+# With one thread per core, a core idles whenever its thread waits for the disk; STREAMS_PER_WORKER threads per
+# core keep disk and cores busy (2-core bench, cold: 1, 2, 3, 4 streams per core = 1.45, 1.31, 1.19, 1.19 s for
+# 3 GB; warm: all equal).
 BLOCK_SIZE = 1024 * 1024
 STREAMS_PER_WORKER = 3
 MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
@@ -169,11 +169,10 @@ def load_manifest_in(root: str) -> dict[str, Any]:
 
 
 def manifest_from_bytes(raw: bytes) -> Any:
-    """The manifest in ``raw`` as every k2fleet reader sees it: strict UTF-8 (no byte order
-    mark, no UTF-16/32 — ``json.loads`` of bytes would guess those), one JSON value, no
-    object with a key twice, no NaN/Infinity. ValueError otherwise. Digests are taken of
-    what this returns for the bytes as stored (:func:`manifest_digest_of`), so two byte
-    strings with one digest are one manifest to every reader.
+    """The manifest in ``raw`` as every k2fleet reader sees it: strict UTF-8 (no byte order mark, no UTF-16/32 —
+    ``json.loads`` of bytes would guess those), one JSON value, no object with a key twice, no NaN/Infinity.
+    ValueError otherwise. Digests are taken of what this returns for the bytes as stored
+    (:func:`manifest_digest_of`), so two byte strings with one digest are one manifest to every reader.
 
     >>> manifest_from_bytes(b'{"a": 1}')
     {'a': 1}
@@ -292,11 +291,10 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
 
 
 def open_dir_beneath(root: str, reldir: str, create: bool = False) -> int:
-    """An fd of directory ``ROOT/reldir``, every component below ``root`` opened without
-    following a symlink (``O_NOFOLLOW|O_DIRECTORY`` from the directory above): a
-    symlinked directory inside the model directory is never gone through (OSError naming
-    it). ``create``: missing directories are made (0755). ``root`` itself is the
-    operator's path, taken as given. The caller closes the fd."""
+    """An fd of directory ``ROOT/reldir``, every component below ``root`` opened without following a symlink
+    (``O_NOFOLLOW|O_DIRECTORY`` from the directory above): a symlinked directory inside the model directory is
+    never gone through (OSError naming it). ``create``: missing directories are made (0755). ``root`` itself is
+    the operator's path, taken as given. The caller closes the fd."""
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
     done = []
     try:
@@ -344,10 +342,9 @@ def _open_dir_part(root: str, done: list[str], part: str, fd: int, error: OSErro
 
 def open_beneath(root: str, rel: str, flags: int = os.O_RDONLY, mode: int = 0o644, create_dirs: bool = False,
                  follow_last: bool = False) -> int:
-    """``os.open`` of ``ROOT/rel`` without following a symlink at any component below
-    ``root`` (:func:`open_dir_beneath`; the last one with ``O_NOFOLLOW`` unless
-    ``follow_last``: a read-only check of a huggingface cache snapshot, whose files are
-    symlinks to its blobs)."""
+    """``os.open`` of ``ROOT/rel`` without following a symlink at any component below ``root``
+    (:func:`open_dir_beneath`; the last one with ``O_NOFOLLOW`` unless ``follow_last``: a read-only check of a
+    huggingface cache snapshot, whose files are symlinks to its blobs)."""
     with parent_beneath(root, rel, create_dirs) as (dfd, name):
         try:
             return os.open(name, flags | (0 if follow_last else os.O_NOFOLLOW) | _CLOEXEC, mode, dir_fd=dfd)
@@ -388,10 +385,9 @@ def stat_beneath(root: str, rel: str) -> dict[str, int] | None:
 
 
 def write_beneath(root: str, rel: str, data: bytes, durable: bool = True) -> None:
-    """Write ``data`` to ``ROOT/rel`` atomically (temp file, fsync, rename in the same
-    directory, fsync of it), no component below ``root`` followed if a symlink.
-    ``durable=False``: no fsync (still atomic: a reader sees the old file or the whole new
-    one), for a record whose loss after a crash costs only work done again."""
+    """Write ``data`` to ``ROOT/rel`` atomically (temp file, fsync, rename in the same directory, fsync of it),
+    no component below ``root`` followed if a symlink. ``durable=False``: no fsync (still atomic: a reader sees
+    the old file or the whole new one), for a record whose loss after a crash costs only work done again."""
     with parent_beneath(root, rel, create=True) as (dfd, name):
         tmp = f".{name}.tmp.{os.getpid()}.{threading.get_ident()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | _CLOEXEC, 0o644, dir_fd=dfd)
@@ -724,15 +720,14 @@ def verify(root: str, manifest: dict[str, Any], full: bool = False, workers: int
            hashed: dict[str, tuple[str, dict[str, int]]] | None = None, file_symlinks: bool = False) -> Report:
     """Verify directory ``root`` against ``manifest``; write or remove the marker.
 
-    With ``full=False`` a file whose size, mtime_ns, ctime_ns and inode match the marker of a
-    previous successful run is not re-hashed. ``workers``: cores to keep hashing (default: all
-    usable CPUs), each running ``STREAMS_PER_WORKER`` file threads so read waits overlap hashing.
-    ``hashed``: file → (hex digest, stat record) of a hash the caller took of it (the download
-    hashes each file as it is written): compared instead of hashing again, provided the file's
-    stat is still the one recorded then (sizes and headers are still checked). No file is read
-    through a symlinked directory inside ``root``, nor through a symlinked file unless
-    ``file_symlinks`` (a huggingface cache snapshot, checked read-only: such a file is still never
-    served by the relay nor passed by the stat-only gate).
+    With ``full=False`` a file whose size, mtime_ns, ctime_ns and inode match the marker of a previous
+    successful run is not re-hashed. ``workers``: cores to keep hashing (default: all usable CPUs), each running
+    ``STREAMS_PER_WORKER`` file threads so read waits overlap hashing. ``hashed``: file → (hex digest, stat
+    record) of a hash the caller took of it (the download hashes each file as it is written): compared instead
+    of hashing again, provided the file's stat is still the one recorded then (sizes and headers are still
+    checked). No file is read through a symlinked directory inside ``root``, nor through a symlinked file unless
+    ``file_symlinks`` (a huggingface cache snapshot, checked read-only: such a file is still never served by the
+    relay nor passed by the stat-only gate).
     """
     t0 = time.monotonic()
     report = Report(dir=root, revision=str(manifest.get("revision")), full=full)
