@@ -40,25 +40,9 @@ from urllib.parse import urlsplit
 
 from k2fleet.hostprogs import locks, relay
 from k2fleet.hostprogs.manifest import build_manifest, hub_endpoint, is_commit_sha, manifest_path, read_token, save_manifest
-from k2fleet.hostprogs.verify import (
-    BAD_HEADER,
-    CHANGED,
-    HASH_MISMATCH,
-    MISSING,
-    SIZE_MISMATCH,
-    Report,
-    check_one,
-    expected_hash,
-    hash_fd,
-    load_manifest,
-    manifest_digest,
-    pin_problem,
-    new_hasher,
-    remove_marker,
-    stat_beneath,
-    state_dir,
-    verify,
-)
+from k2fleet.hostprogs.verify import (BAD_HEADER, CHANGED, HASH_MISMATCH, MISSING, SIZE_MISMATCH, Report, check_one,
+                                      expected_hash, hash_fd, load_manifest, manifest_digest, new_hasher, pin_problem,
+                                      remove_marker, stat_beneath, state_dir, verify)
 
 log = logging.getLogger(__name__)
 

@@ -207,9 +207,8 @@ def _no_constant(name: str) -> Any:
 def manifest_problems(manifest: Any) -> list[Problem]:
     """Structural problems of a manifest (empty list when it is usable).
 
-    Example:
-        >>> manifest_problems({"repo_id": "a/b", "revision": "0" * 40, "files": {}})
-        []
+    >>> manifest_problems({"repo_id": "a/b", "revision": "0" * 40, "files": {}})
+    []
     """
     if not isinstance(manifest, dict):
         return [Problem("<manifest>", BAD_MANIFEST, "not a JSON object")]
@@ -276,9 +275,8 @@ def manifest_digest(manifest: dict[str, Any]) -> str:
     """sha256 of the manifest's identity (repo_id, revision, files); ``overlay`` is excluded.
     Of a manifest read by :func:`manifest_from_bytes` (:func:`manifest_digest_of`).
 
-    Example:
-        >>> len(manifest_digest({"repo_id": "a/b", "revision": "0" * 40, "files": {}}))
-        64
+    >>> len(manifest_digest({"repo_id": "a/b", "revision": "0" * 40, "files": {}}))
+    64
     """
     core = {k: manifest.get(k) for k in ("repo_id", "revision", "files")}
     return hashlib.sha256(json.dumps(core, separators=(",", ":"), sort_keys=True).encode()).hexdigest()
@@ -480,9 +478,8 @@ def atomic_write_json(path: str, obj: Any) -> None:
 def is_verified(root: str, manifest: dict[str, Any]) -> bool:
     """True when a matching marker exists and no file's stat changed since (no hashing).
 
-    Example:
-        >>> is_verified("/nonexistent", {"revision": "0" * 40, "files": {}})
-        False
+    >>> is_verified("/nonexistent", {"revision": "0" * 40, "files": {}})
+    False
     """
     recorded = load_marker(root, manifest)
     if not recorded or set(recorded) != set(manifest.get("files", {})):
@@ -499,12 +496,11 @@ def is_verified(root: str, manifest: dict[str, Any]) -> bool:
 def safetensors_header_problem(fd: int, size: int) -> str | None:
     """Why the safetensors header of open file ``fd`` (``size`` bytes) is bad, or None.
 
-    Example:
-        >>> import tempfile
-        >>> with tempfile.TemporaryFile() as f:
-        ...     _ = f.write(b"\\x02\\x00\\x00\\x00\\x00\\x00\\x00\\x00{}"); f.flush()
-        ...     safetensors_header_problem(f.fileno(), 10) is None
-        True
+    >>> import tempfile
+    >>> with tempfile.TemporaryFile() as f:
+    ...     _ = f.write(b"\\x02\\x00\\x00\\x00\\x00\\x00\\x00\\x00{}"); f.flush()
+    ...     safetensors_header_problem(f.fileno(), 10) is None
+    True
     """
     if size < 8:
         return f"file is {size} bytes, shorter than the 8-byte header length"
@@ -675,9 +671,8 @@ def check_one(root: str, manifest: dict[str, Any], rel: str,
 def index_problems(root: str, manifest: dict[str, Any], file_symlinks: bool = False) -> list[Problem]:
     """Cross-check ``model.safetensors.index.json``'s weight_map against the manifest.
 
-    Example:
-        >>> index_problems("/nonexistent", {"files": {}})
-        []
+    >>> index_problems("/nonexistent", {"files": {}})
+    []
     """
     files: dict[str, Any] = manifest["files"]
     index_rels = [rel for rel in files if rel.rsplit("/", 1)[-1] == INDEX_NAME]
