@@ -391,9 +391,8 @@ def pd_mismatch(pools: dict) -> str | None:
 
 def journal_tail(unit: str, lines: int = 30) -> str:
     try:
-        out = subprocess.run(["journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "cat"],
-                             capture_output=True, text=True, timeout=20)
-        return out.stdout
+        return subprocess.run(["journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "cat"],
+                              capture_output=True, text=True, timeout=20).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         return f"(no journal: {exc})"
 
@@ -447,20 +446,15 @@ def _wait_healthy(base: str, model: str, timeout: float, expected: dict | None, 
                 # each request within the gate's own timeout (the fact's quick look: 5 s, not 120)
                 answer = chat(base, model, key, timeout=min(120.0, max(1.0, deadline - time.monotonic())), tls=tls,
                               owner="required")
-                if answer and counted:
-                    problem = counter_moved(base, counted, before, key, tls)
-                    if problem:
-                        raise NotHealthy(problem)  # the answer did not come from the engine's request path
-                if answer and expected:
-                    problem = world_mismatch(base, expected, key, timeout=min(30.0, max(1.0, deadline - time.monotonic())),
-                                             tls=tls)
-                    if problem:
-                        raise NotHealthy(problem)  # the topology that formed is not the plan's
-                if answer and pd:
-                    problem = pd_mismatch(pd)
-                    if problem:
-                        raise NotHealthy(problem)  # the router answered without both pools
                 if answer:
+                    # the first of: the answer did not come from the engine's request path, the topology that
+                    # formed is not the plan's, the router answered without both pools
+                    problem = ((counted and counter_moved(base, counted, before, key, tls))
+                               or (expected and world_mismatch(base, expected, key, tls=tls, timeout=min(
+                                   30.0, max(1.0, deadline - time.monotonic()))))
+                               or (pd and pd_mismatch(pd)))
+                    if problem:
+                        raise NotHealthy(problem)
                     return answer
                 last = "chat completion returned an empty answer"
             except (OSError, ValueError, KeyError, IndexError) as exc:

@@ -65,12 +65,8 @@ def gpus(smi=None) -> dict:
     code, out = (smi or _smi)(SMI_QUERY)
     if code == 0 and out:
         rows = [[c.strip() for c in line.split(",")] for line in out.strip().splitlines() if line.strip()]
-        return {
-            "vendor": "nvidia",
-            "names": [r[0] for r in rows],
-            "memory_mib": [int(float(r[1])) for r in rows],
-            "driver": rows[0][2] if rows else None,
-        }
+        return {"vendor": "nvidia", "names": [r[0] for r in rows], "memory_mib": [int(float(r[1])) for r in rows],
+                "driver": rows[0][2] if rows else None}
     out = _run(["rocm-smi", "--showproductname", "--showmeminfo", "vram", "--showdriverversion", "--json"])
     if out:
         try:
@@ -78,12 +74,9 @@ def gpus(smi=None) -> dict:
         except ValueError:
             data = {}
         cards = {k: v for k, v in data.items() if k.startswith("card")}
-        return {
-            "vendor": "amd",
-            "names": [v.get("Card series", v.get("Card SKU", "")) for v in cards.values()],
-            "memory_mib": [int(v.get("VRAM Total Memory (B)", 0)) // 2**20 for v in cards.values()],
-            "driver": data.get("system", {}).get("Driver version"),
-        }
+        return {"vendor": "amd", "names": [v.get("Card series", v.get("Card SKU", "")) for v in cards.values()],
+                "memory_mib": [int(v.get("VRAM Total Memory (B)", 0)) // 2**20 for v in cards.values()],
+                "driver": data.get("system", {}).get("Driver version")}
     return {"vendor": None, "names": [], "memory_mib": [], "driver": None}
 
 
@@ -162,14 +155,11 @@ def os_release() -> dict:
 
 def secure_boot() -> bool | None:
     """UEFI Secure Boot on (True), off (False), or no UEFI variables (None)."""
-    for path in glob.glob("/sys/firmware/efi/efivars/SecureBoot-*"):
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError:
-            return None
-        return bool(data[4:5] == b"\x01")
-    return None
+    try:
+        with open(glob.glob("/sys/firmware/efi/efivars/SecureBoot-*")[0], "rb") as f:
+            return f.read()[4:5] == b"\x01"
+    except (IndexError, OSError):
+        return None
 
 DPKG_QUERY = ["dpkg-query", "-W", "-f", "${db:Status-Abbrev}\t${Package}\t${Version}\n"]
 RPM_QUERY = ["rpm", "-qa", "--qf", "ii \t%{NAME}\t%|EPOCH?{%{EPOCH}:}:{}|%{VERSION}-%{RELEASE}\n"]
@@ -273,14 +263,11 @@ def shm_size() -> int:
 
 def nics() -> dict:
     """Interface name → its addresses (``ip -j addr``'s ``ifname`` → ``addr_info[].local``)."""
-    out = {}
     try:
         links = json.loads(_run(["ip", "-j", "addr", "show"]) or "[]")
     except ValueError:
-        return out
-    for link in links:
-        out[link["ifname"]] = [a["local"] for a in link.get("addr_info", []) if "local" in a]
-    return out
+        return {}
+    return {link["ifname"]: [a["local"] for a in link.get("addr_info", []) if "local" in a] for link in links}
 
 
 IB_SYSFS = "/sys/class/infiniband"  # Documentation/ABI/stable/sysfs-class-infiniband (the kernel's)
