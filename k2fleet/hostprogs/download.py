@@ -1,34 +1,27 @@
 """Download a checkpoint at a pinned commit with huggingface_hub, verify it, repair bad files.
 
-The token comes from a file (``--token-file``) or env ``HF_TOKEN`` and is
-never printed or put on a command line; the endpoint comes from env
-``HF_ENDPOINT`` (default: the Hub).
+The token comes from a file (``--token-file``) or env ``HF_TOKEN`` and is never printed or put on
+a command line; the endpoint comes from env ``HF_ENDPOINT`` (default: the Hub).
 
-Resumption. huggingface_hub 2.4 resumes a dropped connection only within one
-call: each download goes to a process-unique ``<hash>.<etag>.<uuid>.incomplete``
-that is deleted on failure, so a killed or rebooted download starts that file
-from zero again (read from its ``file_download.py``). k2fleet therefore fetches
-each file itself with huggingface_hub's own pieces — :func:`hf_hub_url`,
-:func:`get_hf_file_metadata` (commit, ETag, size, redirect), its auth headers,
-HTTP client and error mapping — into a *stable* partial file
-``DIR/.k2fleet/partial/<file>.<etag>.part``, appended as bytes arrive. A later
-run (after a kill, a reboot, a lost connection) sends ``Range: bytes=<partial
-size>-`` and only the missing tail crosses the network; a file already in
-place is not fetched again. When the Hub marks a file as Xet-stored and
-``hf_xet`` is installed, the file goes through ``hf_hub_download`` instead (the
-fast path, which keeps its own chunk cache across runs).
+Resumption. huggingface_hub 2.4 resumes a dropped connection only within one call: each download goes to a
+process-unique ``<hash>.<etag>.<uuid>.incomplete`` that is deleted on failure, so a killed or rebooted download
+starts that file from zero again (read from its ``file_download.py``). k2fleet therefore fetches each file
+itself with huggingface_hub's own pieces — :func:`hf_hub_url`, :func:`get_hf_file_metadata` (commit, ETag, size,
+redirect), its auth headers, HTTP client and error mapping — into a *stable* partial file
+``DIR/.k2fleet/partial/<file>.<etag>.part``, appended as bytes arrive. A later run (after a kill, a reboot, a
+lost connection) sends ``Range: bytes=<partial size>-`` and only the missing tail crosses the network; a file
+already in place is not fetched again. When the Hub marks a file as Xet-stored and ``hf_xet`` is installed, the
+file goes through ``hf_hub_download`` instead (the fast path, which keeps its own chunk cache across runs).
 
-Nothing is trusted because it was downloaded: each file is checked against the
-manifest as soon as it is in place (size, header, and the hash taken as its bytes were
-written; fetched once more at once if it fails), every download ends with
-:func:`k2fleet.hostprogs.verify.verify` (which hashes nothing twice), and
-:func:`repair` deletes a bad file before fetching it again.
+Nothing is trusted because it was downloaded: each file is checked against the manifest as soon
+as it is in place (size, header, and the hash taken as its bytes were written; fetched once more
+at once if it fails), every download ends with :func:`k2fleet.hostprogs.verify.verify` (which
+hashes nothing twice), and :func:`repair` deletes a bad file before fetching it again.
 
-Pipelined (``--publish``, the fetcher host's download): the download feeds the
-checkpoint relay serving the same directory (:mod:`k2fleet.hostprogs.relay`) file by file,
-in the order receivers take them: each file is served the moment it passed its check,
-and while the download runs its heartbeat tells receivers to wait for the rest, so the
-fleet holds the checkpoint about when the download ends (:class:`Landing`).
+Pipelined (``--publish``, the fetcher host's download): the download feeds the checkpoint relay serving the same
+directory (:mod:`k2fleet.hostprogs.relay`) file by file, in the order receivers take them: each file is served
+the moment it passed its check, and while the download runs its heartbeat tells receivers to wait for the rest,
+so the fleet holds the checkpoint about when the download ends (:class:`Landing`).
 """
 
 from __future__ import annotations
@@ -45,27 +38,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from k2fleet.hostprogs import locks
+from k2fleet.hostprogs import locks, relay
 from k2fleet.hostprogs.manifest import build_manifest, hub_endpoint, is_commit_sha, manifest_path, read_token, save_manifest
-from k2fleet.hostprogs.verify import (
-    BAD_HEADER,
-    CHANGED,
-    HASH_MISMATCH,
-    MISSING,
-    SIZE_MISMATCH,
-    Report,
-    check_one,
-    expected_hash,
-    hash_fd,
-    load_manifest,
-    manifest_digest,
-    pin_problem,
-    new_hasher,
-    remove_marker,
-    stat_beneath,
-    state_dir,
-    verify,
-)
+from k2fleet.hostprogs.verify import (BAD_HEADER, CHANGED, HASH_MISMATCH, MISSING, SIZE_MISMATCH, Report, check_one,
+                                      expected_hash, hash_fd, load_manifest, manifest_digest, new_hasher, pin_problem,
+                                      remove_marker, stat_beneath, state_dir, verify)
 
 log = logging.getLogger(__name__)
 
@@ -78,20 +55,16 @@ def _require_commit(revision: str) -> None:
 
 
 def download_lock(local_dir: str | os.PathLike[str]) -> contextlib.AbstractContextManager[None]:
-    """Exclusive lock on ``DIR/.k2fleet/download.lock`` for the duration of the block.
-
-    A polled ``flock`` (:func:`k2fleet.hostprogs.locks.exclusive`): a second download of the same
-    directory in another greenlet of pyinfra's process waits without blocking the holder.
-    """
+    """Exclusive lock on ``DIR/.k2fleet/download.lock`` for the duration of the block: a polled
+    ``flock`` (:func:`k2fleet.hostprogs.locks.exclusive`), so a second download of the same directory
+    in another greenlet of pyinfra's process waits without blocking the holder."""
     return locks.exclusive(Path(state_dir(str(local_dir))) / "download.lock")
 
 
 def remove_orphaned_partials(local_dir: str | os.PathLike[str]) -> list[Path]:
-    """Delete ``*.incomplete`` files a killed ``hf_hub_download`` left (call while holding the lock).
-
-    huggingface_hub never reuses them (their names are process-unique); k2fleet's own
-    resumable ``.part`` files are kept.
-    """
+    """Delete ``*.incomplete`` files a killed ``hf_hub_download`` left (call while holding the lock):
+    huggingface_hub never reuses them (their names are process-unique); k2fleet's own resumable
+    ``.part`` files are kept."""
     base = Path(local_dir) / ".cache" / "huggingface" / "download"
     removed = sorted(base.rglob("*.incomplete")) if base.is_dir() else []
     for path in removed:
@@ -107,9 +80,8 @@ _RETRIES_WITHOUT_PROGRESS = 5
 def partial_path(local_dir: str | os.PathLike[str], rel: str, etag: str) -> Path:
     """Stable partial-download path of ``rel`` for content ``etag`` (same name on every run).
 
-    Example:
-        >>> str(partial_path("/m/k2", "model-00001-of-000062.safetensors", '"ab12"'))
-        '/m/k2/.k2fleet/partial/model-00001-of-000062.safetensors.ab12.part'
+    >>> str(partial_path("/m/k2", "model-00001-of-000062.safetensors", '"ab12"'))
+    '/m/k2/.k2fleet/partial/model-00001-of-000062.safetensors.ab12.part'
     """
     tag = "".join(c for c in etag if c.isalnum())[:64] or "noetag"
     return Path(state_dir(str(local_dir))) / PARTIAL_DIR / f"{rel}.{tag}.part"
@@ -213,16 +185,8 @@ def _stream_into(url: str, part: Path, size: int | None, headers: dict[str, str]
             raise OSError(f"{url}: stuck at {got} of {size} bytes")
 
 
-def fetch_file(
-    repo_id: str,
-    revision: str,
-    local_dir: str | os.PathLike[str],
-    rel: str,
-    *,
-    token: str | None = None,
-    endpoint: str | None = None,
-    entry: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+def fetch_file(repo_id: str, revision: str, local_dir: str | os.PathLike[str], rel: str, *, token: str | None = None,
+               endpoint: str | None = None, entry: dict[str, Any] | None = None) -> dict[str, Any]:
     """Fetch ``rel`` at commit ``revision`` into ``local_dir/rel``, resuming a partial file.
 
     Returns ``{"path", "resumed_from", "received", "via", "digest"}``; ``via`` is ``http``
@@ -259,59 +223,40 @@ def fetch_file(
     return {"path": rel, "resumed_from": resumed_from, "received": received, "via": "http", "digest": digest}
 
 
-def _remove_partials(local_dir: Path) -> None:
-    """Drop leftover partial files (after every wanted file is in place)."""
-    shutil.rmtree(Path(state_dir(str(local_dir))) / PARTIAL_DIR, ignore_errors=True)
-
-
 class Landing:
-    """Each file checked the moment it is in place (:func:`verify.check_one`: size,
-    safetensors header, the hash taken as its bytes were written), so the final
-    :func:`verify` hashes nothing twice (``hashed``) and a file whose bytes do not match
-    is fetched again at once.
+    """Each file checked the moment it is in place (:func:`verify.check_one`: size, safetensors header, the hash
+    taken as its bytes were written), so the final :func:`verify` hashes nothing twice (``hashed``) and a file
+    whose bytes do not match is fetched again at once.
 
-    ``publish``: the download feeds this host's checkpoint relay (``relay serve`` on the
-    same directory) file by file, so receivers start while it runs — each file that
-    passes is recorded where the relay looks (:func:`relay.write_mark`: served from then
-    on, never before), and while the download runs its heartbeat (``relay-fetching``) tells
-    receivers that the files not verified yet are coming (they wait, not fail). Nothing
-    is served on an old record: :meth:`begin` drops every relay record and the verified
-    marker, and files already in place are hashed again before they are served
-    (:meth:`keep`)."""
+    ``publish``: the download feeds this host's checkpoint relay (``relay serve`` on the same directory) file by
+    file, so receivers start while it runs — each file that passes is recorded where the relay looks
+    (:func:`relay.write_mark`: served from then on, never before), and while the download runs its heartbeat
+    (``relay-fetching``) tells receivers that the files not verified yet are coming (they wait, not fail).
+    Nothing is served on an old record: :meth:`begin` drops every relay record and the verified marker, and
+    files already in place are hashed again before they are served (:meth:`keep`)."""
 
     def __init__(self, root: str | os.PathLike[str], publish: bool = False) -> None:
         self.root, self.publish = str(root), publish
         self.manifest: dict[str, Any] = {"files": {}}
         self.hashed: dict[str, tuple[str, dict[str, int]]] = {}
-        self._stop: Any = None
-        self._beat: Any = None
+        self._stop_beat: Any = None
 
     def start_heartbeat(self) -> None:
         """(publish) Receivers asking this host's relay from now on wait for what is missing."""
-        if not self.publish or self._beat is not None:
-            return
-        import threading
-
-        from k2fleet.hostprogs import relay
-
-        os.makedirs(state_dir(self.root), exist_ok=True)
-        self._stop = threading.Event()
-        self._beat = threading.Thread(target=relay._heartbeat, args=(self.root, self._stop), daemon=True)
-        self._beat.start()
+        if self.publish and self._stop_beat is None:
+            os.makedirs(state_dir(self.root), exist_ok=True)
+            self._stop_beat = relay.heartbeat(self.root)
 
     def begin(self, manifest: dict[str, Any]) -> None:
         """The pinned manifest is known: (publish) every older record goes."""
         self.manifest = manifest
         if self.publish:
-            from k2fleet.hostprogs import relay
-
             relay.drop_marks(self.root, manifest)
 
     def end(self) -> None:
-        if self._beat is not None:
-            self._stop.set()
-            self._beat.join()
-            self._beat = None
+        if self._stop_beat is not None:
+            self._stop_beat()
+            self._stop_beat = None
 
     def entry(self, rel: str) -> dict[str, Any] | None:
         return self.manifest["files"].get(rel)
@@ -329,8 +274,6 @@ class Landing:
             return False
         self.hashed[rel] = (expected_hash(entry), stat)
         if self.publish:
-            from k2fleet.hostprogs import relay
-
             relay.write_mark(self.root, rel, entry, stat)
         return True
 
@@ -339,23 +282,13 @@ class Landing:
         return self.publish and os.path.isfile(os.path.join(self.root, rel)) and self.check(rel)
 
 
-def fetch_files(
-    repo_id: str,
-    revision: str,
-    local_dir: str | os.PathLike[str],
-    files: list[str],
-    *,
-    token: str | None = None,
-    endpoint: str | None = None,
-    max_workers: int = 8,
-    landing: Landing | None = None,
-) -> list[dict[str, Any]]:
-    """:func:`fetch_file` each of ``files`` in parallel, in that order; every file is
-    attempted, then the first error (if any) is raised. Call while holding
-    :func:`download_lock`. With ``landing``, each file is checked as soon as it is in
-    place (fetched once more at once when it does not pass; the final :func:`verify`
-    reports it if it still does not), and (publishing) a file already in place that
-    hashes right is kept."""
+def fetch_files(repo_id: str, revision: str, local_dir: str | os.PathLike[str], files: list[str], *,
+                token: str | None = None, endpoint: str | None = None, max_workers: int = 8,
+                landing: Landing | None = None) -> list[dict[str, Any]]:
+    """:func:`fetch_file` each of ``files`` in parallel, in that order; every file is attempted, then the first
+    error (if any) is raised. Call while holding :func:`download_lock`. With ``landing``, each file is checked
+    as soon as it is in place (fetched once more at once when it does not pass; the final :func:`verify` reports
+    it if it still does not), and (publishing) a file already in place that hashes right is kept."""
     _require_commit(revision)
     errors: list[BaseException] = []
     done: list[dict[str, Any]] = []
@@ -391,22 +324,13 @@ def fetch_files(
     return results
 
 
-def download(
-    repo_id: str,
-    revision: str,
-    local_dir: str | os.PathLike[str],
-    files: dict[str, Any],
-    *,
-    token: str | None = None,
-    endpoint: str | None = None,
-    max_workers: int = 8,
-    landing: Landing | None = None,
-) -> list[dict[str, Any]]:
-    """Fetch the manifest's ``files`` of ``repo_id`` at commit ``revision`` that are not in
-    ``local_dir`` yet (largest first); partial files from an earlier run are resumed.
-    With a publishing ``landing`` (:class:`Landing`): every file, in name order (the order
-    receivers take them in), those in place hashed and kept when right, each checked and
-    served as soon as it is in place."""
+def download(repo_id: str, revision: str, local_dir: str | os.PathLike[str], files: dict[str, Any], *,
+             token: str | None = None, endpoint: str | None = None, max_workers: int = 8,
+             landing: Landing | None = None) -> list[dict[str, Any]]:
+    """Fetch the manifest's ``files`` of ``repo_id`` at commit ``revision`` that are not in ``local_dir`` yet
+    (largest first); partial files from an earlier run are resumed. With a publishing ``landing``
+    (:class:`Landing`): every file, in name order (the order receivers take them in), those in place hashed and
+    kept when right, each checked and served as soon as it is in place."""
     _require_commit(revision)
     root = Path(local_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -418,7 +342,7 @@ def download(
         todo = sorted(files) if landing is not None and landing.publish else missing
         results = fetch_files(repo_id, revision, root, todo, token=token, endpoint=endpoint, max_workers=max_workers,
                               landing=landing)
-        _remove_partials(root)
+        shutil.rmtree(Path(state_dir(str(root))) / PARTIAL_DIR, ignore_errors=True)  # every wanted file is in place
     return results
 
 
@@ -433,20 +357,12 @@ def _check_free_space(root: Path, needed: int) -> None:
 def _forget_local_copy(local_dir: Path, rel: str) -> None:
     """Delete a file and huggingface_hub's ``.metadata`` for it, so it is fetched again."""
     (local_dir / rel).unlink(missing_ok=True)
-    meta = local_dir / ".cache" / "huggingface" / "download" / f"{rel}.metadata"
-    meta.unlink(missing_ok=True)
+    (local_dir / ".cache" / "huggingface" / "download" / f"{rel}.metadata").unlink(missing_ok=True)
 
 
-def repair(
-    local_dir: str | os.PathLike[str],
-    manifest: dict[str, Any],
-    bad_files: list[str],
-    *,
-    token: str | None = None,
-    endpoint: str | None = None,
-    max_workers: int = 4,
-    landing: Landing | None = None,
-) -> list[str]:
+def repair(local_dir: str | os.PathLike[str], manifest: dict[str, Any], bad_files: list[str], *,
+           token: str | None = None, endpoint: str | None = None, max_workers: int = 4,
+           landing: Landing | None = None) -> list[str]:
     """Delete and re-fetch only ``bad_files`` at the manifest's revision; returns them.
 
     The verified marker is removed first; run :func:`verify` afterwards.
@@ -461,10 +377,8 @@ def repair(
         remove_orphaned_partials(root)
         for rel in files:
             _forget_local_copy(root, rel)
-        fetch_files(
-            manifest["repo_id"], manifest["revision"], root, files,
-            token=token, endpoint=endpoint, max_workers=max_workers, landing=landing,
-        )
+        fetch_files(manifest["repo_id"], manifest["revision"], root, files, token=token, endpoint=endpoint,
+                    max_workers=max_workers, landing=landing)
     return files
 
 
@@ -477,15 +391,13 @@ class PinMismatch(ValueError):
     """The Hub's manifest for the pinned revision is not the one the control machine pinned."""
 
 
-def ensure_manifest(
-    repo_id: str, revision: str, local_dir: str | os.PathLike[str], *, token: str | None, endpoint: str | None,
-    allow_patterns: list[str] | None = None, digest: str | None = None,
-) -> dict[str, Any]:
-    """The directory's manifest if it pins this repo and revision (and, given ``digest``, has
-    that :func:`~k2fleet.hostprogs.verify.manifest_digest`), else a fresh one from the Hub
-    (saved), of the files matching ``allow_patterns`` (None: all). A fresh one of another
-    digest than ``digest`` raises :class:`PinMismatch` before it is saved (nothing is fetched
-    for it)."""
+def ensure_manifest(repo_id: str, revision: str, local_dir: str | os.PathLike[str], *, token: str | None,
+                    endpoint: str | None, allow_patterns: list[str] | None = None,
+                    digest: str | None = None) -> dict[str, Any]:
+    """The directory's manifest if it pins this repo and revision (and, given ``digest``, has that
+    :func:`~k2fleet.hostprogs.verify.manifest_digest`), else a fresh one from the Hub (saved), of the files
+    matching ``allow_patterns`` (None: all). A fresh one of another digest than ``digest`` raises
+    :class:`PinMismatch` before it is saved (nothing is fetched for it)."""
     _require_commit(revision)
     path = manifest_path(local_dir)
     if path.is_file():
@@ -504,24 +416,14 @@ def ensure_manifest(
     return manifest
 
 
-def fetch_and_verify(
-    repo_id: str,
-    revision: str,
-    local_dir: str | os.PathLike[str],
-    *,
-    token: str | None = None,
-    endpoint: str | None = None,
-    only: list[str] | None = None,
-    max_workers: int = 8,
-    allow_patterns: list[str] | None = None,
-    digest: str | None = None,
-    publish: bool = False,
-) -> Report:
-    """Manifest → download (or re-fetch ``only``) → verify → repair bad files once → verify.
-    ``digest``: the control machine's pin of the manifest (:func:`ensure_manifest`).
-    Each file is checked as soon as it is in place (:class:`Landing`), so the final verify
-    hashes nothing twice. ``publish``: feed this host's checkpoint relay file by file
-    while downloading (:class:`Landing`).
+def fetch_and_verify(repo_id: str, revision: str, local_dir: str | os.PathLike[str], *, token: str | None = None,
+                     endpoint: str | None = None, only: list[str] | None = None, max_workers: int = 8,
+                     allow_patterns: list[str] | None = None, digest: str | None = None,
+                     publish: bool = False) -> Report:
+    """Manifest → download (or re-fetch ``only``) → verify → repair bad files once → verify. ``digest``: the
+    control machine's pin of the manifest (:func:`ensure_manifest`). Each file is checked as soon as it is in
+    place (:class:`Landing`), so the final verify hashes nothing twice. ``publish``: feed this host's checkpoint
+    relay file by file while downloading (:class:`Landing`).
     """
     landing = Landing(local_dir, publish)
     try:
@@ -565,16 +467,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: revision {args.revision!r} is not a 40-hex commit sha; pin one", file=sys.stderr)
         return 2
     try:
-        report = fetch_and_verify(
-            args.repo_id, args.revision, args.dir,
-            token=read_token(args.token_file), only=args.only, max_workers=args.max_workers,
-            allow_patterns=args.pattern, digest=args.manifest_digest, publish=args.publish,
-        )
+        report = fetch_and_verify(args.repo_id, args.revision, args.dir, token=read_token(args.token_file),
+                                  only=args.only, max_workers=args.max_workers, allow_patterns=args.pattern,
+                                  digest=args.manifest_digest, publish=args.publish)
     except PinMismatch as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    for line in report.lines():
-        print(line)
+    print("\n".join(report.lines()))
     return 0 if report.ok else 1
 
 

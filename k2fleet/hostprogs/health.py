@@ -6,15 +6,13 @@ non-empty answer, within a timeout.
     k2fleet-host.pyz health --base http://127.0.0.1:8000 --model NAME --unit k2-vllm.service --timeout 600 \
         [--api-key-file /etc/k2fleet/api-key] [--ca-file /etc/k2fleet/tls/ca.pem --tls-name 10.0.0.1]
 
-With ``--api-key-file`` every request carries ``Authorization: Bearer KEY``, the key read
-from that root-only file (never from argv, never printed). An ``https://`` base is called
-over TLS, the server's certificate verified against ``--ca-file`` alone and for
-``--tls-name`` (the address clients call; default: the base's host): a certificate that does
-not verify fails the gate at once (:class:`Untrusted`), the key never sent.
+With ``--api-key-file`` every request carries ``Authorization: Bearer KEY``, the key read from that root-only
+file (never from argv, never printed). An ``https://`` base is called over TLS, the server's certificate
+verified against ``--ca-file`` alone and for ``--tls-name`` (the address clients call; default: the base's
+host): a certificate that does not verify fails the gate at once (:class:`Untrusted`), the key never sent.
 
-On failure it exits 1 naming the host and unit, with the unit's last log lines.
-Standard library only (hosts have only python3), and ``ss`` (iproute2) for the owner of the
-socket that answers (:func:`check_server`).
+On failure it exits 1 naming the host and unit, with the unit's last log lines. Standard library only (hosts
+have only python3), and ``ss`` (iproute2) for the owner of the socket that answers (:func:`check_server`).
 """
 
 from __future__ import annotations
@@ -113,11 +111,10 @@ WILDCARDS = {socket.AF_INET: ("0.0.0.0", "*"), socket.AF_INET6: ("::", "*")}  # 
 
 
 def server_uid(sock) -> int | None:
-    """The uid owning the listener that the connected TCP socket ``sock`` reached (an
-    SO_PEERCRED for TCP): the listener on its peer's port bound to its peer's address, else
-    the wildcard one the kernel hands the connection to (``ss`` names the owners:
-    :func:`listeners`); a listener not root's among several is the answer. None when the
-    peer is not an address of this host (the server is elsewhere) or no listener there is
+    """The uid owning the listener that the connected TCP socket ``sock`` reached (an SO_PEERCRED for TCP): the
+    listener on its peer's port bound to its peer's address, else the wildcard one the kernel hands the
+    connection to (``ss`` names the owners: :func:`listeners`); a listener not root's among several is the
+    answer. None when the peer is not an address of this host (the server is elsewhere) or no listener there is
     told (no ``ss`` details). Raises OSError when ``ip`` or ``ss`` cannot answer."""
     try:
         host, port = _ss_address(f"[{sock.getpeername()[0]}]:{sock.getpeername()[1]}") or ("", 0)
@@ -135,8 +132,7 @@ def server_uid(sock) -> int | None:
 
 
 def listener_process(port: int) -> str:
-    """Who listens on TCP ``port`` here, as ``ss -p`` names the processes (its
-    ``users:(...)``), or ""."""
+    """Who listens on TCP ``port`` here, as ``ss -p`` names the processes (its ``users:(...)``), or ""."""
     try:
         lines = _ss("p", port)
     except (OSError, subprocess.SubprocessError):
@@ -151,11 +147,10 @@ def _ss(details: str, port: int, check: bool = False) -> list[str]:
 
 
 def check_server(sock, host: str, port: int, required: bool) -> None:
-    """Raise :class:`Impostor` unless root (:data:`LISTENER_UID`) owns the listener ``sock`` is
-    connected to: nothing (no key, no request) is sent to another local user's socket.
-    ``required``: the server must be on this host (the health gate runs where its service
-    does); otherwise a server elsewhere (not in this host's tables), or a host without ss,
-    passes."""
+    """Raise :class:`Impostor` unless root (:data:`LISTENER_UID`) owns the listener ``sock`` is connected to:
+    nothing (no key, no request) is sent to another local user's socket. ``required``: the server must be on
+    this host (the health gate runs where its service does); otherwise a server elsewhere (not in this host's
+    tables), or a host without ss, passes."""
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         uid = server_uid(sock)
@@ -204,17 +199,16 @@ def _host_port(hostport: str, default: int = 80) -> tuple[str, int]:
 
 def request(url: str, body: bytes | None = None, timeout: float = 30, key: str | None = None,
             tls: tuple[str | None, str | None] | None = None, owner: str | None = None) -> tuple[int, bytes]:
-    """(status, body) of one HTTP/1.1 request (POST with a JSON ``body``, else GET) on a
-    fresh connection, on a plain socket: the owner check (:func:`check_server`) comes between
-    the connection and the first byte sent, which ``urllib`` has no place for. ``http://`` or
-    ``https://`` (``ssl`` imported only then); at most :data:`MAX_BODY` bytes; chunked or
-    length-delimited answers; ``key``: sent as ``Authorization: Bearer KEY``. ``tls``: (CA
-    file, the name the certificate must hold: an IP address or DNS name; None: the URL's
-    host) for ``https://``, which it requires; a plain ``http://`` URL is refused with it
-    (no silent downgrade). ``owner``: ``"required"`` (the server is on this host and root's),
-    ``"local"`` (root's when it is on this host) or None (not checked): :func:`check_server`
-    before the TLS handshake and before anything is sent. Raises OSError, ValueError,
-    :class:`Untrusted` or :class:`Impostor` (no retry can help: a server not root's)."""
+    """(status, body) of one HTTP/1.1 request (POST with a JSON ``body``, else GET) on a fresh connection, on a
+    plain socket: the owner check (:func:`check_server`) comes between the connection and the first byte sent,
+    which ``urllib`` has no place for. ``http://`` or ``https://`` (``ssl`` imported only then); at most
+    :data:`MAX_BODY` bytes; chunked or length-delimited answers; ``key``: sent as ``Authorization: Bearer KEY``.
+    ``tls``: (CA file, the name the certificate must hold: an IP address or DNS name; None: the URL's host) for
+    ``https://``, which it requires; a plain ``http://`` URL is refused with it (no silent downgrade).
+    ``owner``: ``"required"`` (the server is on this host and root's), ``"local"`` (root's when it is on this
+    host) or None (not checked): :func:`check_server` before the TLS handshake and before anything is sent.
+    Raises OSError, ValueError, :class:`Untrusted` or :class:`Impostor` (no retry can help: a server not
+    root's)."""
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in ("http", "https"):
         raise ValueError(f"not an http:// or https:// URL: {url!r}")
@@ -397,9 +391,8 @@ def pd_mismatch(pools: dict) -> str | None:
 
 def journal_tail(unit: str, lines: int = 30) -> str:
     try:
-        out = subprocess.run(["journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "cat"],
-                             capture_output=True, text=True, timeout=20)
-        return out.stdout
+        return subprocess.run(["journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "cat"],
+                              capture_output=True, text=True, timeout=20).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         return f"(no journal: {exc})"
 
@@ -453,20 +446,15 @@ def _wait_healthy(base: str, model: str, timeout: float, expected: dict | None, 
                 # each request within the gate's own timeout (the fact's quick look: 5 s, not 120)
                 answer = chat(base, model, key, timeout=min(120.0, max(1.0, deadline - time.monotonic())), tls=tls,
                               owner="required")
-                if answer and counted:
-                    problem = counter_moved(base, counted, before, key, tls)
-                    if problem:
-                        raise NotHealthy(problem)  # the answer did not come from the engine's request path
-                if answer and expected:
-                    problem = world_mismatch(base, expected, key, timeout=min(30.0, max(1.0, deadline - time.monotonic())),
-                                             tls=tls)
-                    if problem:
-                        raise NotHealthy(problem)  # the topology that formed is not the plan's
-                if answer and pd:
-                    problem = pd_mismatch(pd)
-                    if problem:
-                        raise NotHealthy(problem)  # the router answered without both pools
                 if answer:
+                    # the first of: the answer did not come from the engine's request path, the topology that
+                    # formed is not the plan's, the router answered without both pools
+                    problem = ((counted and counter_moved(base, counted, before, key, tls))
+                               or (expected and world_mismatch(base, expected, key, tls=tls, timeout=min(
+                                   30.0, max(1.0, deadline - time.monotonic()))))
+                               or (pd and pd_mismatch(pd)))
+                    if problem:
+                        raise NotHealthy(problem)
                     return answer
                 last = "chat completion returned an empty answer"
             except (OSError, ValueError, KeyError, IndexError) as exc:

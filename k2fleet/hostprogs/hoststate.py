@@ -1,34 +1,29 @@
 """Host-side state probe: one round trip returns everything the deploy decides on.
 
-This file is run ON THE HOST by the :class:`k2fleet.deploy.facts.HostState` fact: from the
-host archive when the host's copy is the pinned one, else from its source carried in the
-fact's command (a bare host), so it is standard-library only and imports nothing from
-k2fleet. Input: one JSON document (argv[1]) naming what to look at; output: one JSON
-document with hardware facts (GPUs, driver, disk, RAM, /dev/shm, NICs, RDMA devices and their
-ports: :func:`ib_ports`) and the
-state of the files, units, packages and health endpoints the deploy manages, plus what
-the bootstrap decides on (OS release, kernel, Secure Boot, the GPUs on the PCI bus, the
-loaded kernel module's version, installed package versions and holds). It asks the system's
-own tools, each once whatever the number of questions: ``systemctl show`` for every unit,
-``dpkg-query -W`` (``rpm -qa``) for every package, ``ip -j addr`` for the addresses; the
-checks of the query run meanwhile (the archive's read-only programs as threads of this
-process, the others as processes).
+This file is run ON THE HOST by the :class:`k2fleet.deploy.facts.HostState` fact: from the host archive when the
+host's copy is the pinned one, else from its source carried in the fact's command (a bare host), so it is
+standard-library only and imports nothing from k2fleet. Input: one JSON document (argv[1]) naming what to look
+at; output: one JSON document with hardware facts (GPUs, driver, disk, RAM, /dev/shm, NICs, RDMA devices and
+their ports: :func:`ib_ports`) and the state of the files, units, packages and health endpoints the deploy
+manages, plus what the bootstrap decides on (OS release, kernel, Secure Boot, the GPUs on the PCI bus, the
+loaded kernel module's version, installed package versions and holds). It asks the system's own tools, each once
+whatever the number of questions: ``systemctl show`` for every unit, ``dpkg-query -W`` (``rpm -qa``) for every
+package, ``ip -j addr`` for the addresses; the checks of the query run meanwhile (the archive's read-only
+programs as threads of this process, the others as processes).
 
 NVML is asked once per probe (one ``nvidia-smi -q`` on NVLink hosts) unless the query's
 ``gpus_proven_by`` checks pass: a host whose engine answers its health check on all its GPUs
 is not asked again at every re-run (see :func:`gpus`, :func:`nvidia_problems`).
 
-``--gate JSON`` runs the same probe after the bootstrap and compares it with the
-expectations in JSON (GPU count and type, driver branch — any when ``branch`` is null —,
-the oldest driver version, loaded module = installed driver when a ``driver_package`` is
-named, NVLink fabric state, services); it prints one line per mismatch and exits 1
-(0: every expectation holds). Still read-only.
+``--gate JSON`` runs the same probe after the bootstrap and compares it with the expectations in JSON (GPU count
+and type, driver branch — any when ``branch`` is null —, the oldest driver version, loaded module = installed
+driver when a ``driver_package`` is named, NVLink fabric state, services); it prints one line per mismatch and
+exits 1 (0: every expectation holds). Still read-only.
 
-Simulated GPUs (the sandbox, TEST DOUBLES): a host whose ``/etc/k2fleet-doubles/gpus.json``
-exists (written by the sandbox when it boots the host) reports that hardware instead of
-the PCI bus, and the loaded module's version from the NVIDIA/AMD double packages'
-``/run/k2fleet-doubles/*/module-version`` (``/run`` is emptied at every boot, like a
-loaded module).
+Simulated GPUs (the sandbox, TEST DOUBLES): a host whose ``/etc/k2fleet-doubles/gpus.json`` exists (written by
+the sandbox when it boots the host) reports that hardware instead of the PCI bus, and the loaded module's
+version from the NVIDIA/AMD double packages' ``/run/k2fleet-doubles/*/module-version`` (``/run`` is emptied at
+every boot, like a loaded module).
 """
 
 from __future__ import annotations
@@ -59,10 +54,9 @@ SMI_QUERY = ["--query-gpu=name,memory.total,driver_version", "--format=csv,nohea
 
 
 def gpus(smi=None) -> dict:
-    """The GPUs as NVML sees them (nvidia-smi; rocm-smi for AMD): vendor, names, memory,
-    driver. When the probe's proof checks passed (:meth:`Memo.proven`), NVML is not asked:
-    the vendor comes from the PCI bus, the driver is the loaded kernel module's version, no
-    names or memory, and ``proven_by`` names the checks."""
+    """The GPUs as NVML sees them (nvidia-smi; rocm-smi for AMD): vendor, names, memory, driver. When the
+    probe's proof checks passed (:meth:`Memo.proven`), NVML is not asked: the vendor comes from the PCI bus, the
+    driver is the loaded kernel module's version, no names or memory, and ``proven_by`` names the checks."""
     if smi is not None and getattr(smi, "proven", None) and smi.proven():
         hw = hardware()
         module = {"nvidia": "nvidia", "amd": "amdgpu"}.get(hw["vendor"] or "")
@@ -71,12 +65,8 @@ def gpus(smi=None) -> dict:
     code, out = (smi or _smi)(SMI_QUERY)
     if code == 0 and out:
         rows = [[c.strip() for c in line.split(",")] for line in out.strip().splitlines() if line.strip()]
-        return {
-            "vendor": "nvidia",
-            "names": [r[0] for r in rows],
-            "memory_mib": [int(float(r[1])) for r in rows],
-            "driver": rows[0][2] if rows else None,
-        }
+        return {"vendor": "nvidia", "names": [r[0] for r in rows], "memory_mib": [int(float(r[1])) for r in rows],
+                "driver": rows[0][2] if rows else None}
     out = _run(["rocm-smi", "--showproductname", "--showmeminfo", "vram", "--showdriverversion", "--json"])
     if out:
         try:
@@ -84,12 +74,9 @@ def gpus(smi=None) -> dict:
         except ValueError:
             data = {}
         cards = {k: v for k, v in data.items() if k.startswith("card")}
-        return {
-            "vendor": "amd",
-            "names": [v.get("Card series", v.get("Card SKU", "")) for v in cards.values()],
-            "memory_mib": [int(v.get("VRAM Total Memory (B)", 0)) // 2**20 for v in cards.values()],
-            "driver": data.get("system", {}).get("Driver version"),
-        }
+        return {"vendor": "amd", "names": [v.get("Card series", v.get("Card SKU", "")) for v in cards.values()],
+                "memory_mib": [int(v.get("VRAM Total Memory (B)", 0)) // 2**20 for v in cards.values()],
+                "driver": data.get("system", {}).get("Driver version")}
     return {"vendor": None, "names": [], "memory_mib": [], "driver": None}
 
 
@@ -142,11 +129,10 @@ RDMA_MODULES = ("nvidia_peermem", "gdrdrv")  # GPUDirect RDMA (legacy) and GDRCo
 
 
 def nvidia_driver(simulated: bool, proc: str = NVIDIA_PROC) -> dict:
-    """What GPUDirect RDMA depends on in the loaded NVIDIA module: ``open`` (True: the open
-    kernel modules, whose ``version`` file reads ``NVIDIA UNIX Open Kernel Module``; False: the
-    proprietary ones; None: no module loaded, or a sandbox host) and ``params``: the
-    :data:`NVIDIA_PARAMS` lines of its ``params`` file (``EnableStreamMemOPs: 1``,
-    ``RegistryDwords: "PeerMappingOverride=1;"``), each capped."""
+    """What GPUDirect RDMA depends on in the loaded NVIDIA module: ``open`` (True: the open kernel modules,
+    whose ``version`` file reads ``NVIDIA UNIX Open Kernel Module``; False: the proprietary ones; None: no
+    module loaded, or a sandbox host) and ``params``: the :data:`NVIDIA_PARAMS` lines of its ``params`` file
+    (``EnableStreamMemOPs: 1``, ``RegistryDwords: "PeerMappingOverride=1;"``), each capped."""
     if simulated:
         return {"open": None, "params": {}}
     version = _read(f"{proc}/version")
@@ -169,14 +155,11 @@ def os_release() -> dict:
 
 def secure_boot() -> bool | None:
     """UEFI Secure Boot on (True), off (False), or no UEFI variables (None)."""
-    for path in glob.glob("/sys/firmware/efi/efivars/SecureBoot-*"):
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError:
-            return None
-        return bool(data[4:5] == b"\x01")
-    return None
+    try:
+        with open(glob.glob("/sys/firmware/efi/efivars/SecureBoot-*")[0], "rb") as f:
+            return f.read()[4:5] == b"\x01"
+    except (IndexError, OSError):
+        return None
 
 DPKG_QUERY = ["dpkg-query", "-W", "-f", "${db:Status-Abbrev}\t${Package}\t${Version}\n"]
 RPM_QUERY = ["rpm", "-qa", "--qf", "ii \t%{NAME}\t%|EPOCH?{%{EPOCH}:}:{}|%{VERSION}-%{RELEASE}\n"]
@@ -193,11 +176,10 @@ def package_rows(text: str) -> list:
 
 
 class PackageDb:
-    """The host's package database, asked once per probe (one ``dpkg-query -W`` answers every
-    question: the report's package versions, the holds and the GPU gate's installed driver;
-    ``rpm -qa`` where there is no dpkg, every package installed, none held). ``rows()``: see
-    :func:`package_rows`; None with neither tool. ``admindir``: another dpkg database's
-    directory than the system's."""
+    """The host's package database, asked once per probe (one ``dpkg-query -W`` answers every question: the
+    report's package versions, the holds and the GPU gate's installed driver; ``rpm -qa`` where there is no
+    dpkg, every package installed, none held). ``rows()``: see :func:`package_rows`; None with neither tool.
+    ``admindir``: another dpkg database's directory than the system's."""
 
     def __init__(self, admindir: str | None = None):
         self.lock, self.seen = threading.Lock(), None
@@ -281,14 +263,11 @@ def shm_size() -> int:
 
 def nics() -> dict:
     """Interface name → its addresses (``ip -j addr``'s ``ifname`` → ``addr_info[].local``)."""
-    out = {}
     try:
         links = json.loads(_run(["ip", "-j", "addr", "show"]) or "[]")
     except ValueError:
-        return out
-    for link in links:
-        out[link["ifname"]] = [a["local"] for a in link.get("addr_info", []) if "local" in a]
-    return out
+        return {}
+    return {link["ifname"]: [a["local"] for a in link.get("addr_info", []) if "local" in a] for link in links}
 
 
 IB_SYSFS = "/sys/class/infiniband"  # Documentation/ABI/stable/sysfs-class-infiniband (the kernel's)
@@ -316,12 +295,11 @@ def ib_hcas(root: str | None = None) -> list:
 
 
 def ib_port(path: str) -> dict:
-    """One port of an RDMA device (``<root>/<dev>/ports/<n>``), as ``ibstat``/``ibv_devinfo`` see
-    it: ``state`` ("4: ACTIVE"), ``phys_state`` ("5: LinkUp"), ``link_layer`` (InfiniBand or
-    Ethernet), ``rate`` ("400 Gb/sec (4X NDR)"); on an Ethernet (RoCE) port also ``gids``:
-    index → [GID, type ("RoCE v2", "IB/RoCE v1"), netdev] of every non-zero GID (an IB port's
-    GID table is not read: the gate needs none there). Read-only; a file that cannot be read is
-    left out."""
+    """One port of an RDMA device (``<root>/<dev>/ports/<n>``), as ``ibstat``/``ibv_devinfo`` see it: ``state``
+    ("4: ACTIVE"), ``phys_state`` ("5: LinkUp"), ``link_layer`` (InfiniBand or Ethernet), ``rate`` ("400 Gb/sec
+    (4X NDR)"); on an Ethernet (RoCE) port also ``gids``: index → [GID, type ("RoCE v2", "IB/RoCE v1"), netdev]
+    of every non-zero GID (an IB port's GID table is not read: the gate needs none there). Read-only; a file
+    that cannot be read is left out."""
     port = {}
     for name in ("state", "phys_state", "link_layer", "rate"):
         value = _read(f"{path}/{name}")
@@ -366,8 +344,7 @@ UNIT_PROPERTIES = ("Id", "LoadState", "ActiveState", "UnitFileState")
 
 
 def units(names: list) -> dict:
-    """Unit id → its :data:`UNIT_PROPERTIES`, all units in one ``systemctl show`` ({} without
-    systemctl).
+    """Unit id → its :data:`UNIT_PROPERTIES`, all units in one ``systemctl show`` ({} without systemctl).
 
     >>> units([])
     {}
@@ -442,10 +419,9 @@ def _archive_program(argv: list) -> tuple | None:
 
 
 class _Check:
-    """One check run in a thread of this process: ``code`` is its exit code once done. The
-    GPU gate (``hoststate --gate``) is this module's own :func:`gate`, sharing the probe's
-    nvidia-smi answers (``smi``), its one read of the package database (``db``) and its one
-    look at the units (``systemd``)."""
+    """One check run in a thread of this process: ``code`` is its exit code once done. The GPU gate (``hoststate
+    --gate``) is this module's own :func:`gate`, sharing the probe's nvidia-smi answers (``smi``), its one read
+    of the package database (``db``) and its one look at the units (``systemd``)."""
 
     def __init__(self, archive: str, program: str, args: list, smi=None, db=None, systemd=None):
         if archive not in sys.path:
@@ -482,11 +458,10 @@ class _Check:
 
 
 def start_checks(named: dict, smi=None, db=None, systemd=None) -> dict:
-    """Start every named argv at once (when its program exists): name → running check or
-    None. The archive's read-only programs run as threads of this process (their output
-    discarded: stdout and stderr point at /dev/null until :func:`finish_checks`), other
-    argv as processes (``subprocess.Popen``, their output discarded). They run while the
-    rest of the report is gathered."""
+    """Start every named argv at once (when its program exists): name → running check or None. The archive's
+    read-only programs run as threads of this process (their output discarded: stdout and stderr point at
+    /dev/null until :func:`finish_checks`), other argv as processes (``subprocess.Popen``, their output
+    discarded). They run while the rest of the report is gathered."""
     started = {}
     quiet = None
     for name, argv in named.items():
@@ -541,12 +516,11 @@ def _smi(args: list) -> tuple:
 
 
 class Memo:
-    """``_smi`` remembered for one probe: the report and the GPU gate check ask nvidia-smi
-    the same questions once (one lock per question: different ones run at once). With
-    ``full_first`` (the probe will read ``nvidia-smi -q`` anyway: the gate checks the NVLink
-    fabric), the CSV question is answered from that one ``-q`` (:func:`csv_from_full`): one
-    nvidia-smi, so one NVML start, per probe; it is asked itself only when ``-q`` cannot
-    answer it."""
+    """``_smi`` remembered for one probe: the report and the GPU gate check ask nvidia-smi the same questions
+    once (one lock per question: different ones run at once). With ``full_first`` (the probe will read
+    ``nvidia-smi -q`` anyway: the gate checks the NVLink fabric), the CSV question is answered from that one
+    ``-q`` (:func:`csv_from_full`): one nvidia-smi, so one NVML start, per probe; it is asked itself only when
+    ``-q`` cannot answer it."""
 
     def __init__(self, smi=None, full_first: bool = False, awaits_proof: bool = False, deadline: float | None = None):
         self.smi, self.lock, self.locks, self.seen = smi or _smi, threading.Lock(), {}, {}

@@ -7,15 +7,14 @@ HAProxy's runtime API on the root-only admin socket (k2fleet.planning.load_balan
     k2fleet-host.pyz lbctl --socket /run/k2fleet-lb/admin.sock ready k2-replicas/h200-0 --timeout 120
     k2fleet-host.pyz lbctl --socket /run/k2fleet-lb/admin.sock show k2-replicas/h200-0
 
-``drain``: ``set server B/S state drain`` (no new request goes there; the ones in flight go
-on), then waits until the server has no session and nothing queued, at most ``--timeout``
-seconds; past that it says how many are still in flight and exits 0 (the change goes on: the
-wait is capped). ``ready``: ``set server B/S state ready``, then waits until HAProxy's own
-health checks see the server ``UP`` (traffic reaches it again before the next replica is
-drained); not UP within ``--timeout``: exit 1 naming its status. A server the running
-config does not have (a replica added by this change) has nothing to drain or put back:
-exit 0, said. No socket: ``drain`` exits 0 (no load balancer running, nothing to drain),
-``ready`` exits 1. Standard library only (hosts have only python3).
+``drain``: ``set server B/S state drain`` (no new request goes there; the ones in flight go on), then waits
+until the server has no session and nothing queued, at most ``--timeout`` seconds; past that it says how many
+are still in flight and exits 0 (the change goes on: the wait is capped). ``ready``: ``set server B/S state
+ready``, then waits until HAProxy's own health checks see the server ``UP`` (traffic reaches it again before the
+next replica is drained); not UP within ``--timeout``: exit 1 naming its status. A server the running config
+does not have (a replica added by this change) has nothing to drain or put back: exit 0, said. No socket:
+``drain`` exits 0 (no load balancer running, nothing to drain), ``ready`` exits 1. Standard library only (hosts
+have only python3).
 """
 
 from __future__ import annotations

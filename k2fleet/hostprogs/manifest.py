@@ -1,8 +1,7 @@
 """Build k2fleet checkpoint manifests from the Hugging Face Hub or from a local directory.
 
-A manifest pins a repo to one 40-hex commit and lists every file with its size
-and sha256 (LFS files) or git blob sha1 (small non-LFS files); see
-:mod:`k2fleet.hostprogs.verify` for the format. k2fleet never serves a
+A manifest pins a repo to one 40-hex commit and lists every file with its size and sha256 (LFS files) or git
+blob sha1 (small non-LFS files); see :mod:`k2fleet.hostprogs.verify` for the format. k2fleet never serves a
 checkpoint that was not verified against one.
 """
 
@@ -15,14 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from k2fleet.hostprogs.verify import (
-    MANIFEST_NAME,
-    atomic_write_json,
-    is_hex,
-    load_manifest,
-    manifest_problems,
-    state_dir,
-)
+from k2fleet.hostprogs.verify import (MANIFEST_NAME, atomic_write_json, is_hex, load_manifest, manifest_problems,
+                                      state_dir)
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +26,8 @@ class UnpinnedRevisionError(ValueError):
 def is_commit_sha(revision: str | None) -> bool:
     """True for a full 40-hex lowercase commit sha.
 
-    Example:
-        >>> is_commit_sha("main"), is_commit_sha("a" * 40)
-        (False, True)
+    >>> is_commit_sha("main"), is_commit_sha("a" * 40)
+    (False, True)
     """
     return isinstance(revision, str) and is_hex(revision, 40)
 
@@ -43,47 +35,32 @@ def is_commit_sha(revision: str | None) -> bool:
 def hub_endpoint(endpoint: str | None = None) -> str | None:
     """``endpoint`` or env ``HF_ENDPOINT`` (None: huggingface_hub's default).
 
-    Example:
-        >>> hub_endpoint("http://127.0.0.1:8080/")
-        'http://127.0.0.1:8080'
+    >>> hub_endpoint("http://127.0.0.1:8080/")
+    'http://127.0.0.1:8080'
     """
     value = endpoint or os.environ.get("HF_ENDPOINT")
     return value.rstrip("/") if value else None
 
 
-def _api(endpoint: str | None, token: str | None) -> Any:
-    from huggingface_hub import HfApi
-
-    return HfApi(endpoint=hub_endpoint(endpoint), token=token)
-
-
-def build_manifest(
-    repo_id: str,
-    revision: str,
-    *,
-    endpoint: str | None = None,
-    token: str | None = None,
-    allow_patterns: list[str] | None = None,
-    resolve: bool = False,
-) -> dict[str, Any]:
+def build_manifest(repo_id: str, revision: str, *, endpoint: str | None = None, token: str | None = None,
+                   allow_patterns: list[str] | None = None, resolve: bool = False) -> dict[str, Any]:
     """Manifest of ``repo_id`` at a pinned commit, from the Hub's file metadata.
 
-    A branch or tag is refused (:class:`UnpinnedRevisionError`, whose message
-    names the commit it currently points at) unless ``resolve=True``, in which
-    case it is resolved to ``info.sha``, logged, and recorded as
+    A branch or tag is refused (:class:`UnpinnedRevisionError`, whose message names the commit it currently
+    points at) unless ``resolve=True``, in which case it is resolved to ``info.sha``, logged, and recorded as
     ``resolved_from`` — the deploy must still pin the returned revision.
     """
-    api = _api(endpoint, token)
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=hub_endpoint(endpoint), token=token)
     info = api.model_info(repo_id, revision=revision, files_metadata=True)
     if not is_commit_sha(info.sha):
         raise UnpinnedRevisionError(f"the Hub returned no commit sha for {repo_id}@{revision}")
     manifest: dict[str, Any] = {"repo_id": repo_id, "revision": info.sha}
     if not is_commit_sha(revision):
         if not resolve:
-            raise UnpinnedRevisionError(
-                f"revision {revision!r} of {repo_id} is not a commit sha; it currently points at {info.sha}. "
-                "Pin that sha (or pass resolve=True to record it explicitly)."
-            )
+            raise UnpinnedRevisionError(f"revision {revision!r} of {repo_id} is not a commit sha; it currently points "
+                                        f"at {info.sha}. Pin that sha (or pass resolve=True to record it explicitly).")
         log.warning("resolved %s@%s to commit %s; pin this sha in the deploy", repo_id, revision, info.sha)
         manifest["resolved_from"] = revision
     elif info.sha != revision:
@@ -110,9 +87,8 @@ def _files_from_siblings(siblings: list[Any], allow_patterns: list[str] | None) 
 def matches(path: str, patterns: list[str] | None) -> bool:
     """Whether ``path`` matches any fnmatch pattern (all paths match ``None``).
 
-    Example:
-        >>> matches("model-1-of-61.safetensors", ["*.safetensors"])
-        True
+    >>> matches("model-1-of-61.safetensors", ["*.safetensors"])
+    True
     """
     return patterns is None or any(fnmatch.fnmatch(path, p) for p in patterns)
 
@@ -131,19 +107,17 @@ def manifest_path(root: str | os.PathLike[str]) -> Path:
 def save_manifest(root: str | os.PathLike[str], manifest: dict[str, Any]) -> Path:
     """Validate and atomically write ``manifest`` to ``ROOT/.k2fleet/manifest.json``."""
     _raise_on_problems(manifest)
-    path = manifest_path(root)
-    atomic_write_json(str(path), manifest)
+    atomic_write_json(str(path := manifest_path(root)), manifest)
     return path
 
 
 def manifest_from_dir(root: str | os.PathLike[str], repo_id: str | None = None) -> dict[str, Any]:
     """Manifest for an air-gapped directory, without contacting any Hub.
 
-    Sources, in order: ``ROOT/.k2fleet/manifest.json``; a huggingface_hub
-    ``local_dir`` download (its ``.cache/huggingface/trees/<sha>.json`` listing,
-    written from the Hub's answer); an hf cache layout (``models--org--name``
-    with ``snapshots/<sha>`` whose symlinks point at ``blobs/<etag>``, or that
-    snapshot directory itself).
+    Sources, in order: ``ROOT/.k2fleet/manifest.json``; a huggingface_hub ``local_dir`` download (its
+    ``.cache/huggingface/trees/<sha>.json`` listing, written from the Hub's answer); an hf cache layout
+    (``models--org--name`` with ``snapshots/<sha>`` whose symlinks point at ``blobs/<etag>``, or that snapshot
+    directory itself).
     """
     root = Path(root)
     own = manifest_path(root)
@@ -198,10 +172,8 @@ def _find_snapshot(root: Path) -> Path:
         return root
     snapshots = [p for p in (root / "snapshots").glob("*") if p.is_dir() and is_commit_sha(p.name)]
     if len(snapshots) != 1:
-        raise ValueError(
-            f"{root}: no .k2fleet/manifest.json, no local_dir tree listing, and {len(snapshots)} hf cache "
-            "snapshots (need exactly one)"
-        )
+        raise ValueError(f"{root}: no .k2fleet/manifest.json, no local_dir tree listing, and {len(snapshots)} hf cache "
+                         "snapshots (need exactly one)")
     return snapshots[0]
 
 
@@ -227,9 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write here instead of stdout")
     args = ap.parse_args(argv)
     try:
-        manifest = build_manifest(
-            args.repo_id, args.revision, token=read_token(args.token_file), resolve=args.resolve
-        )
+        manifest = build_manifest(args.repo_id, args.revision, token=read_token(args.token_file), resolve=args.resolve)
     except UnpinnedRevisionError as e:
         print(f"error: {e}")
         return 1

@@ -1,10 +1,9 @@
 """model_type fallback overlay: serve a verified checkpoint under another ``model_type``.
 
-Some serving stacks do not know ``kimi_k2`` but load the same weights as
-``deepseek_v3``. Rather than editing the verified ``config.json``, k2fleet
-builds an overlay directory: a symlink to every verified file except
-``config.json``, plus a rewritten copy of ``config.json``. The verified
-directory is never written to (other than by verify's own marker).
+Some serving stacks do not know ``kimi_k2`` but load the same weights as ``deepseek_v3``. Rather than editing
+the verified ``config.json``, k2fleet builds an overlay directory: a symlink to every verified file except
+``config.json``, plus a rewritten copy of ``config.json``. The verified directory is never written to (other
+than by verify's own marker).
 """
 
 from __future__ import annotations
@@ -38,24 +37,18 @@ def _sha256_file(path: Path) -> str:
 def rewritten_config(config: dict[str, Any], model_type: str) -> dict[str, Any]:
     """Copy of ``config`` with ``model_type`` replaced (nothing else changes).
 
-    Example:
-        >>> rewritten_config({"model_type": "kimi_k2", "x": 1}, "deepseek_v3")
-        {'model_type': 'deepseek_v3', 'x': 1}
+    >>> rewritten_config({"model_type": "kimi_k2", "x": 1}, "deepseek_v3")
+    {'model_type': 'deepseek_v3', 'x': 1}
     """
     return {**config, "model_type": model_type}
 
 
-def make_overlay(
-    verified_dir: str | os.PathLike[str],
-    overlay_dir: str | os.PathLike[str],
-    manifest: dict[str, Any],
-    model_type: str | None = None,
-) -> dict[str, Any]:
+def make_overlay(verified_dir: str | os.PathLike[str], overlay_dir: str | os.PathLike[str], manifest: dict[str, Any],
+                 model_type: str | None = None) -> dict[str, Any]:
     """Build ``overlay_dir`` over ``verified_dir``; returns the record for ``manifest["overlay"]``.
 
-    ``model_type`` defaults to the mapping of the source's model_type
-    (``kimi_k2`` → ``deepseek_v3``). The overlay directory is rebuilt from
-    scratch; it must not be the verified directory.
+    ``model_type`` defaults to the mapping of the source's model_type (``kimi_k2`` → ``deepseek_v3``). The
+    overlay directory is rebuilt from scratch; it must not be the verified directory.
     """
     src = Path(verified_dir).resolve()
     dst = Path(overlay_dir).resolve()
@@ -70,38 +63,19 @@ def make_overlay(
     target_type = model_type or DEFAULT_MODEL_TYPE_MAP.get(str(source_type))
     if not target_type:
         raise ValueError(f"no fallback model_type known for {source_type!r}; pass model_type=")
-    _rebuild(dst)
-    links = _link_files(src, dst, manifest)
-    atomic_write_json(str(dst / CONFIG), rewritten_config(source_config, target_type))
-    return {
-        "dir": str(dst),
-        "source_dir": str(src),
-        "source_model_type": source_type,
-        "model_type": target_type,
-        "source_config_sha256": _sha256_file(src / CONFIG),
-        "config_sha256": _sha256_file(dst / CONFIG),
-        "links": links,
-    }
-
-
-def _rebuild(dst: Path) -> None:
     if dst.is_symlink() or dst.is_file():
         raise ValueError(f"{dst} exists and is not a directory")
     if dst.exists():
         shutil.rmtree(dst)
     dst.mkdir(parents=True)
-
-
-def _link_files(src: Path, dst: Path, manifest: dict[str, Any]) -> int:
-    count = 0
-    for rel in sorted(manifest["files"]):
-        if rel == CONFIG:
-            continue
-        link = dst / rel
-        link.parent.mkdir(parents=True, exist_ok=True)
-        os.symlink(src / rel, link)
-        count += 1
-    return count
+    links = [rel for rel in sorted(manifest["files"]) if rel != CONFIG]
+    for rel in links:
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(src / rel, dst / rel)
+    atomic_write_json(str(dst / CONFIG), rewritten_config(source_config, target_type))
+    return {"dir": str(dst), "source_dir": str(src), "source_model_type": source_type, "model_type": target_type,
+            "source_config_sha256": _sha256_file(src / CONFIG), "config_sha256": _sha256_file(dst / CONFIG),
+            "links": len(links)}
 
 
 def overlay_problems(record: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
@@ -111,9 +85,7 @@ def overlay_problems(record: dict[str, Any], manifest: dict[str, Any]) -> list[s
     cfg = dst / CONFIG
     if not cfg.is_file() or cfg.is_symlink() or _sha256_file(cfg) != record["config_sha256"]:
         out.append(f"{cfg}: missing or not the recorded rewrite")
-    for rel in manifest["files"]:
-        if rel == CONFIG:
-            continue
+    for rel in (r for r in manifest["files"] if r != CONFIG):
         link = dst / rel
         if not link.is_symlink() or os.readlink(link) != str(src / rel):
             out.append(f"{link}: not a symlink to {src / rel}")

@@ -6,11 +6,10 @@ node alive with its planned GPUs, or fail naming the node that never joined.
     k2fleet-host.pyz raygate --address 10.0.0.1:6379 --unit k2-vllm.service --timeout 600 \\
         --node h800-0=10.0.0.1:8 --node h800-1=10.0.0.2:8
 
-Run it with the engine venv's python (``k2_venv/bin/python3``): ``ray`` is imported from
-there (the only import outside the standard library). The cluster is asked through Ray's
-own API (``ray.init(address=...)`` + ``ray.nodes()``), polled once a second — the gate
-never sleeps a fixed time. Exit 0 and one line when the cluster is complete; exit 1 with
-``HOST: UNIT: Ray node NAME (ADDRESS) ...`` naming each missing node otherwise.
+Run it with the engine venv's python (``k2_venv/bin/python3``): ``ray`` is imported from there (the only import
+outside the standard library). The cluster is asked through Ray's own API (``ray.init(address=...)`` +
+``ray.nodes()``), polled once a second — the gate never sleeps a fixed time. Exit 0 and one line when the
+cluster is complete; exit 1 with ``HOST: UNIT: Ray node NAME (ADDRESS) ...`` naming each missing node otherwise.
 """
 
 from __future__ import annotations

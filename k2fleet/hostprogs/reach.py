@@ -5,12 +5,11 @@ that hangs after the model has loaded.)
     k2fleet-host.pyz reach listen --bind 10.0.0.1 --ports 29501,13345 --seconds 120
     k2fleet-host.pyz reach probe --host h200-1 --targets 10.0.0.1:29501,10.0.0.1:13345 --timeout 30
 
-``listen`` (started in the background, as a transient unit) holds each port on the host's
-fleet address that nothing listens on yet, accepts and closes connections, and exits after
-``--seconds`` (a port already in use is left to its owner: a running engine answers for it).
-``probe`` connects to every target until it answers or ``--timeout`` passes (the peers'
-listeners may start a moment later), and prints one line per target it could not reach,
-naming the host, the target, why, and the fix; exit 1 if any. Standard library only.
+``listen`` (started in the background, as a transient unit) holds each port on the host's fleet address that
+nothing listens on yet, accepts and closes connections, and exits after ``--seconds`` (a port already in use is
+left to its owner: a running engine answers for it). ``probe`` connects to every target until it answers or
+``--timeout`` passes (the peers' listeners may start a moment later), and prints one line per target it could
+not reach, naming the host, the target, why, and the fix; exit 1 if any. Standard library only.
 """
 
 from __future__ import annotations
@@ -82,8 +81,7 @@ def listen(bind: str, ports: list[int], seconds: float) -> int:
 
 
 def probe(host: str, targets: list[tuple[str, int]], timeout: float) -> int:
-    """Connect to every target until it answers or ``timeout`` passes; one line per target
-    not reached."""
+    """Connect to every target until it answers or ``timeout`` passes; one line per target not reached."""
     deadline = time.monotonic() + min(timeout, MAX_SECONDS)
     pending = {t: "no attempt" for t in targets}
     while pending:

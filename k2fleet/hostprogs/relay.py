@@ -1,7 +1,6 @@
 """Runs ON a host from the host archive, or on the control machine as
-``python -m k2fleet.hostprogs.relay`` (standard library only, with its siblings ``verify``
-and ``swarm``): pipelined checkpoint distribution — each host passes a shard on as soon as
-it has verified it.
+``python -m k2fleet.hostprogs.relay`` (standard library only, with its siblings ``verify`` and ``swarm``):
+pipelined checkpoint distribution — each host passes a shard on as soon as it has verified it.
 
     python3 k2fleet-host.pyz relay mark  DIR                      # hash every file, mark the good ones
     python3 k2fleet-host.pyz relay serve DIR --bind ADDR --port P [--secret-file F] [--idle-exit S]
@@ -10,59 +9,49 @@ it has verified it.
     python3 k2fleet-host.pyz relay fetch DIR --source URL [--source URL ...] [--plan FILE]
 
 The deploy (``k2fleet/deploy/roles/checkpoint.py``) starts ``serve`` on every host that loads weights and
-``fetch --fleet`` on every host whose copy is not verified: per shard, the host at
-position I takes it from its parent in :func:`swarm.plan_sources`'s plan over the fleet
-order (``--fanout 1``: a chain; k: per-shard k-ary trees), falling back to the parent's
-ancestors and last to ``--source`` (the control machine's verified copy). Every host
-receives every byte once over its own link and the shards flow down the fleet one behind
-the other, so the fleet is done a few shard-times after one host's transfer time S/B
-(``bench/distribution_bench.py`` measures it against the doubling tree's 1 + ⌈log2 N⌉
-full rounds).
+``fetch --fleet`` on every host whose copy is not verified: per shard, the host at position I takes it from
+its parent in :func:`swarm.plan_sources`'s plan over the fleet order (``--fanout 1``: a chain; k: per-shard
+k-ary trees), falling back to the parent's ancestors and last to ``--source`` (the control machine's
+verified copy). Every host receives every byte once over its own link and the shards flow down the fleet
+one behind the other, so the fleet is done a few shard-times after one host's transfer time S/B
+(``bench/distribution_bench.py`` measures it against the doubling tree's 1 + ⌈log2 N⌉ full rounds).
 
 Rules it keeps:
 
 - **Never serve unverified.** A file is served only if this relay hashed it right
-  (``DIR/.k2fleet/relay/<file>.ok``: its sha256 and the file's stat then) or verify.py's
-  ``verified.json`` for this manifest lists it, in both cases with the file's size, mtime,
-  ctime and inode unchanged since. Received bytes go through verify.py's checks of one file
-  (size, safetensors header, sha256 or git blob sha1) before they get their final name. A
-  shard corrupted in flight fails them: it is deleted, never marked, never served, and
-  fetched again (from the next source if it fails twice).
-- **Resume and repair.** ``fetch`` first drops every marker (its own and verified.json)
-  and hashes what is in place: a file that passes is kept and marked (bit rot keeps sizes
-  and mtimes, so markers alone are not trusted); the others are fetched. A killed fetch
-  leaves only ``.k2fleet/relay-partial/``, which the next run discards. When every file is
-  in, the index is checked and verify.py's ``verified.json`` written, so the checkpoint
-  gate passes without hashing anything twice.
-- **Wait for what is coming.** A peer whose fetch — or whose Hub download feeding it
-  (``download.py --publish`` on the fetcher host: each file marked here once it passed
-  its check) — is running keeps a heartbeat (``.k2fleet/relay-fetching``); for a file it
-  has not verified yet it answers 409 with ``X-K2-Fetching: 1`` and receivers wait. When
-  no source of a file has it and none is fetching for ``--give-up-after`` seconds (the
-  download failed), the fetch fails naming the file.
-- **Heal around a dead host.** Each file's list is its parent, then the parent's ancestors,
-  then the source: a source that has not answered for ``--dead-after`` seconds is skipped.
-- **One transfer near the wire.** Plain HTTP/1.1 range requests on kept-alive TCP
-  connections over the private mesh (no per-byte cipher, unlike one rsync-over-SSH
-  stream; the checks above are the integrity guarantee, the weights are not secret). A
-  receiver asks for its next file while the current one streams (HTTP/1.1 pipelining on
-  the same connection); the source holds that request until the file is verified there
-  and sends it at once, so a file leaves each host within milliseconds of its check and
-  the link does not idle between files. The
-  bytes never pass through Python: the server ``sendfile``s them, the receiver
-  ``splice``s socket → pipe → file, and a thread hashes the landed prefix meanwhile, so a
-  file is verified a moment after its last byte. The next file starts landing at once:
-  up to ``--verify-behind`` landed files (default 4) are still hashed and checked, each on
-  a thread of its own, so a link faster than one core's sha256 is not held to it.
-  ``--streams`` range streams per file (default 1: on the sandbox one spliced stream got
-  more than four); files of different lanes move at once.
+  (``DIR/.k2fleet/relay/<file>.ok``: its sha256 and the file's stat then) or verify.py's ``verified.json``
+  for this manifest lists it, in both cases with the file's size, mtime, ctime and inode unchanged since.
+  Received bytes go through verify.py's checks of one file (size, safetensors header, sha256 or git blob
+  sha1) before they get their final name. A shard corrupted in flight fails them: it is deleted, never
+  marked, never served, and fetched again (from the next source if it fails twice).
+- **Resume and repair.** ``fetch`` first drops every marker (its own and verified.json) and hashes what is
+  in place: a file that passes is kept and marked (bit rot keeps sizes and mtimes, so markers alone are not
+  trusted); the others are fetched. A killed fetch leaves only ``.k2fleet/relay-partial/``, which the next
+  run discards. When every file is in, the index is checked and verify.py's ``verified.json`` written, so
+  the checkpoint gate passes without hashing anything twice.
+- **Wait for what is coming.** A peer whose fetch — or whose Hub download feeding it (``download.py
+  --publish`` on the fetcher host: each file marked here once it passed its check) — is running keeps a
+  heartbeat (``.k2fleet/relay-fetching``); for a file it has not verified yet it answers 409 with
+  ``X-K2-Fetching: 1`` and receivers wait. When no source of a file has it and none is fetching for
+  ``--give-up-after`` seconds (the download failed), the fetch fails naming the file.
+- **Heal around a dead host.** Each file's list is its parent, then the parent's ancestors, then the
+  source: a source that has not answered for ``--dead-after`` seconds is skipped.
+- **One transfer near the wire.** Plain HTTP/1.1 range requests on kept-alive TCP connections over the
+  private mesh (no per-byte cipher, unlike one rsync-over-SSH stream; the checks above are the integrity
+  guarantee, the weights are not secret). A receiver asks for its next file while the current one streams
+  (HTTP/1.1 pipelining); the source holds that request until the file is verified there and sends it at
+  once, so a file leaves each host within milliseconds of its check and the link does not idle between
+  files. The bytes never pass through Python: the server ``sendfile``s them, the receiver ``splice``s
+  socket → pipe → file, and a thread hashes the landed prefix meanwhile, so a file is verified a moment
+  after its last byte. The next file starts landing at once: up to ``--verify-behind`` landed files
+  (default 4) are still hashed and checked, each on a thread of its own, so a link faster than one core's
+  sha256 is not held to it. ``--streams`` range streams per file (default 1: on the sandbox one spliced
+  stream got more than four); files of different lanes move at once.
 
-Prints one JSON line at the end of ``fetch`` (files, bytes, kept, seconds — and, summed
-over files, ``transfer_seconds`` landing bytes and ``verify_seconds`` finishing checks,
-which overlap —, files and bytes per source, failovers, bad shards, when it ``started``
-(epoch seconds), each file's ``ready_at`` — verified, marked and served from then —, and
-``landed_at`` — its last byte in —, seconds after that) and appends it to
-``--log``.
+Prints one JSON line at the end of ``fetch`` (files, bytes, kept, seconds — and, summed over files,
+``transfer_seconds`` landing bytes and ``verify_seconds`` finishing checks, which overlap —, files and bytes per
+source, failovers, bad shards, when it ``started`` (epoch seconds), each file's ``ready_at`` — verified, marked
+and served from then —, and ``landed_at`` — its last byte in —, seconds after that) and appends it to ``--log``.
 """
 
 import argparse
@@ -70,7 +59,6 @@ import contextlib
 import errno
 import fcntl
 import hmac
-import http.client
 import http.server
 import json
 import mmap
@@ -123,12 +111,10 @@ def is_verified_here(root, manifest, rel, verified=None):
     now = verify.stat_beneath(root, rel)  # None behind a symlink: never served through one
     if now is None:
         return False
-    try:
-        marked = {"sha256": verify.expected_hash(manifest["files"][rel]), "stat": now}
+    marked = {"sha256": verify.expected_hash(manifest["files"][rel]), "stat": now}
+    with contextlib.suppress(OSError, ValueError):
         if json.loads(verify.read_beneath(root, mark_rel(rel), 1 << 16)) == marked:
             return True
-    except (OSError, ValueError):
-        pass
     if verified is None:
         verified = verify.load_marker(root, manifest)
     return verified.get(rel) == now
@@ -136,11 +122,10 @@ def is_verified_here(root, manifest, rel, verified=None):
 
 def write_mark(root, rel, entry, stat):
     """Record that ``rel`` hashed right while its file had ``stat``: from now on it is served.
-    Atomic but not fsynced: it is on every file's path down the fleet (an fsync here waited
-    for the journal, with every host's dirty shards in it), and it never made the file's
-    bytes durable, only the record; a record lost in a crash costs a re-hash (a fetch drops
-    and re-hashes every marker anyway), and one that outlives the file's bytes no longer
-    matches the file's stat."""
+    Atomic but not fsynced: it is on every file's path down the fleet (an fsync here waited for
+    the journal, with every host's dirty shards in it), and it never made the file's bytes
+    durable, only the record; a record lost in a crash costs a re-hash (a fetch re-hashes every
+    marker anyway), and one that outlives the file's bytes no longer matches the file's stat."""
     marked = {"sha256": verify.expected_hash(entry), "stat": stat}
     verify.write_beneath(root, mark_rel(rel), json.dumps(marked).encode(), durable=False)
 
@@ -217,13 +202,12 @@ def _nonce_ok(value):
 
 
 def make_handler(root, secret=None):
-    """The request handler serving ``root``. With ``secret``, mutual authentication per
-    connection: the client's first request is ``GET /hello`` with its nonce
-    (``X-K2-Nonce``); the relay answers with its own nonce and :func:`auth_proof` (role
-    server), which the client checks before it sends anything else; every later request
-    of the connection carries the client's proof (``X-K2-Auth``, role client) or gets a 403
-    and the connection is closed. Without ``secret`` nothing is asked (and ``/hello``
-    proves nothing, so a client that holds a secret refuses this relay)."""
+    """The request handler serving ``root``. With ``secret``, mutual authentication per connection: the client's
+    first request is ``GET /hello`` with its nonce (``X-K2-Nonce``); the relay answers with its own nonce and
+    :func:`auth_proof` (role server), which the client checks before it sends anything else; every later request
+    of the connection carries the client's proof (``X-K2-Auth``, role client) or gets a 403 and the connection
+    is closed. Without ``secret`` nothing is asked (and ``/hello`` proves nothing, so a client that holds a
+    secret refuses this relay)."""
     key = secret.encode() if isinstance(secret, str) else secret
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -304,7 +288,10 @@ def make_handler(root, secret=None):
             entry = manifest["files"].get(rel) if rel else None
             if entry is None or ".." in rel.split("/"):
                 return self._send(404)
-            wait = self._wait_seconds(self.headers.get("X-K2-Wait"))
+            try:
+                wait = max(0.0, min(float(self.headers.get("X-K2-Wait") or 0), 60.0))
+            except ValueError:
+                wait = 0.0
             deadline = time.monotonic() + wait
             while not is_verified_here(root, manifest, rel):  # never serve unverified
                 fetching = is_fetching(root)
@@ -355,23 +342,15 @@ def make_handler(root, secret=None):
                 self.server.watch(self.connection, None)
                 self.connection.settimeout(self.timeout)
 
-        @staticmethod
-        def _wait_seconds(value):
-            try:
-                return max(0.0, min(float(value or 0), 60.0))
-            except ValueError:
-                return 0.0
-
     return Handler
 
 
 def big_buffer(sock, option):
-    """Give ``sock`` a :data:`SOCKET_BUFFER` send or receive buffer (``option``), past
-    ``net.core.[rw]mem_max`` (SO_*BUFFORCE: root, as the deploy's relay runs); nothing when
-    that is refused (a plain SO_*BUF would be capped at [rw]mem_max, below what the
-    kernel's autotuning may reach) or the kernel already gave it as much. On a link at its
-    limit the bytes already queued carry it through the moments this process waits for a
-    core or the disk instead of idling it."""
+    """Give ``sock`` a :data:`SOCKET_BUFFER` send or receive buffer (``option``), past ``net.core.[rw]mem_max``
+    (SO_*BUFFORCE: root, as the deploy's relay runs); nothing when that is refused (a plain SO_*BUF would be
+    capped at [rw]mem_max, below what the kernel's autotuning may reach) or the kernel already gave it as much.
+    On a link at its limit the bytes already queued carry it through the moments this process waits for a core
+    or the disk instead of idling it."""
     force = {socket.SO_RCVBUF: 33, socket.SO_SNDBUF: 32}[option]  # SO_RCVBUFFORCE, SO_SNDBUFFORCE (Linux)
     with contextlib.suppress(OSError):
         if sock.getsockopt(socket.SOL_SOCKET, option) < 2 * SOCKET_BUFFER:  # the kernel reports twice the size set
@@ -478,13 +457,12 @@ class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
 
 
 def serve(root, bind, port, exit_with_parent=False, secret=None, idle_exit=0.0):
-    """Serve ``root`` on ``bind:port`` (0: any free port) until killed; prints
-    ``{"port": N}`` once listening. ``exit_with_parent``: stop when the process that
-    started this one is gone (the control machine's relay outlives no deploy).
-    ``secret``: mutual authentication of every connection (:func:`make_handler`).
-    ``idle_exit``: stop when no authenticated request came for that many seconds (a relay a
-    failed deploy left behind ends soon, not at its unit's RuntimeMaxSec; requests that do
-    not authenticate do not keep it up; 0: never)."""
+    """Serve ``root`` on ``bind:port`` (0: any free port) until killed; prints ``{"port": N}`` once listening.
+    ``exit_with_parent``: stop when the process that started this one is gone (the control machine's relay
+    outlives no deploy). ``secret``: mutual authentication of every connection (:func:`make_handler`).
+    ``idle_exit``: stop when no authenticated request came for that many seconds (a relay a failed deploy left
+    behind ends soon, not at its unit's RuntimeMaxSec; requests that do not authenticate do not keep it up; 0:
+    never)."""
     server = Server((bind, port), make_handler(root, secret))
     print(json.dumps({"port": server.server_address[1]}), flush=True)
     if idle_exit > 0:
@@ -535,11 +513,10 @@ MANIFEST_TIMEOUT_S = 30.0  # the whole manifest answer (head and body)
 
 
 class Source:
-    """One upstream relay (``http://HOST:PORT``): its idle data connections (kept alive
-    between ranges, each authenticated both ways: :func:`make_handler`), and since when it
-    has not answered (``dead_since``) or has answered without a file while no fetch runs
-    there (``idle_since``). A source that fails to prove it holds the secret, or drips
-    its bytes, is dead at once. Shared by the lanes of one fetch."""
+    """One upstream relay (``http://HOST:PORT``): its idle data connections (kept alive between ranges, each
+    authenticated both ways: :func:`make_handler`), and since when it has not answered (``dead_since``) or has
+    answered without a file while no fetch runs there (``idle_since``). A source that fails to prove it holds
+    the secret, or drips its bytes, is dead at once. Shared by the lanes of one fetch."""
 
     def __init__(self, url, secret=None, slow_after=SLOW_AFTER_S):
         self.secret = secret.encode() if isinstance(secret, str) else secret
@@ -601,10 +578,7 @@ class Source:
     def note_dead(self, at_once=False):
         """It did not answer; ``at_once`` (it dripped, or is an impostor): skipped from now on."""
         with self._lock:
-            if at_once:
-                self.dead_since = -1e12
-            else:
-                self.dead_since = self.dead_since or time.monotonic()
+            self.dead_since = -1e12 if at_once else (self.dead_since or time.monotonic())
 
     def note_alive(self):
         with self._lock:
@@ -666,16 +640,14 @@ class Source:
                       f"Range: bytes={start}-{end}\r\nX-K2-Wait: {wait}\r\n{auth}\r\n").encode())
 
     def get_range(self, rel, fd, start, end, landed=None, wait=WAIT_S, ahead=None):
-        """Write bytes ``start..end`` of ``rel`` at the same offsets of ``fd``, calling
-        ``landed(offset)`` as they land (in order within the range). One HTTP/1.1 request
-        on a kept-alive connection: the source holds it up to ``wait`` seconds until it has
-        verified the file (then :class:`NotReady`). ``ahead`` (file, start, end): the range
-        this lane wants next, asked at once on the same connection (HTTP/1.1 pipelining),
-        so the source, which answers in order, starts on it the moment this body is out and
-        the file is verified there — no round trip, no idle link between files. The body goes
-        socket → pipe → file inside the kernel (splice), or through one buffer where splice
-        is missing (Python < 3.10). The head must come within ``wait`` + DATA_TIMEOUT_S
-        seconds, the body at least :data:`SLOW_MIN_BYTES` every ``slow_after`` seconds
+        """Write bytes ``start..end`` of ``rel`` at the same offsets of ``fd``, calling ``landed(offset)`` as
+        they land (in order within the range). One HTTP/1.1 request on a kept-alive connection: the source holds
+        it up to ``wait`` seconds until it has verified the file (then :class:`NotReady`). ``ahead`` (file,
+        start, end): the range this lane wants next, asked at once on the same connection (HTTP/1.1 pipelining),
+        so the source, which answers in order, starts on it the moment this body is out and the file is verified
+        there — no round trip, no idle link between files. The body goes socket → pipe → file inside the kernel
+        (splice), or through one buffer where splice is missing (Python < 3.10). The head must come within
+        ``wait`` + DATA_TIMEOUT_S seconds, the body at least :data:`SLOW_MIN_BYTES` every ``slow_after`` seconds
         (:class:`Slow` otherwise)."""
         (sock, proof, asked), ok = self._take((rel, start, end)), False
         try:
@@ -716,11 +688,10 @@ HEAD_MAX = 64 << 10
 
 
 def read_head(sock, deadline, keep_body=False):
-    """Read an HTTP/1.1 response head from ``sock``, all of it by ``deadline`` (monotonic;
-    OSError after it, however slowly the bytes come): (status, Content-Length, the body
-    bytes that came with the head — none: the head is read to its end and not a byte
-    beyond, so a body, and the answers pipelined behind it, stay in the socket —, the
-    headers by lower-case name). The socket is left blocking."""
+    """Read an HTTP/1.1 response head from ``sock``, all of it by ``deadline`` (monotonic; OSError after it,
+    however slowly the bytes come): (status, Content-Length, the body bytes that came with the head — none: the
+    head is read to its end and not a byte beyond, so a body, and the answers pipelined behind it, stay in the
+    socket —, the headers by lower-case name). The socket is left blocking."""
     data = b""
     try:
         while not data.endswith(b"\r\n\r\n"):
@@ -739,10 +710,7 @@ def read_head(sock, deadline, keep_body=False):
     lines = head.decode("latin-1").split("\r\n")
     try:
         status = int(lines[0].split()[1])
-        headers = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
         length = int(headers.get("content-length", "0"))
     except (IndexError, ValueError) as exc:
         raise OSError(f"not an HTTP response head ({exc})") from None
@@ -886,10 +854,8 @@ def plan_ranges(size, streams, chunk=CHUNK):
     >>> len(plan_ranges(16 << 20, 4)), len(plan_ranges(10 << 30, 4)), len(plan_ranges(10 << 30, 1))
     (16, 160, 160)
     """
-    if streams <= 1:  # one stream: the landed prefix is the stream's own progress
-        step = max(MIN_CHUNK, chunk)
-    else:
-        step = max(MIN_CHUNK, min(chunk, -(-size // (4 * streams))))
+    # one stream: the landed prefix is the stream's own progress
+    step = max(MIN_CHUNK, chunk if streams <= 1 else min(chunk, -(-size // (4 * streams))))
     return [(a, min(a + step, size) - 1) for a in range(0, size, step)]
 
 
@@ -920,11 +886,10 @@ class Landed:
 
 
 def land_file(source, root, manifest, rel, streams, chunk, after=None):
-    """Receive ``rel`` from ``source`` into a partial file over ``streams`` range streams,
-    hashing it as it lands; return once its last byte landed (the hash may lag behind).
-    ``after``: the file this lane takes next from the same source; with one stream, each
-    range asks for the one after it ahead (:meth:`Source.get_range`), the last for
-    ``after``'s first."""
+    """Receive ``rel`` from ``source`` into a partial file over ``streams`` range streams, hashing it as it
+    lands; return once its last byte landed (the hash may lag behind). ``after``: the file this lane takes next
+    from the same source; with one stream, each range asks for the one after it ahead
+    (:meth:`Source.get_range`), the last for ``after``'s first."""
     t0 = time.monotonic()
     part = os.path.join(root, PARTIAL, rel)
     size = manifest["files"][rel]["size"]
@@ -955,9 +920,8 @@ def land_file(source, root, manifest, rel, streams, chunk, after=None):
 
 
 def finish_file(landed, root, manifest, rel):
-    """Wait for ``landed``'s hash, verify it (verify.py's checks of one file, with that
-    hash), move it into place and mark it. True if it verified; False if the bytes were
-    bad (deleted, not marked)."""
+    """Wait for ``landed``'s hash, verify it (verify.py's checks of one file, with that hash), move it into
+    place and mark it. True if it verified; False if the bytes were bad (deleted, not marked)."""
     try:
         digest = landed.hashing.result()
         hashed_stat = verify.stat_beneath(root, PARTIAL + "/" + rel)
@@ -968,16 +932,9 @@ def finish_file(landed, root, manifest, rel):
     if stat is None:
         verify.unlink_beneath(root, PARTIAL + "/" + rel)
         return False
-    head, _, name = rel.rpartition("/")
-    src_dir = verify.open_dir_beneath(root, (PARTIAL + "/" + head).rstrip("/"))
-    try:
-        dest_dir = verify.open_dir_beneath(root, head, create=True)  # never into a symlinked directory
-        try:
-            os.replace(name, name, src_dir_fd=src_dir, dst_dir_fd=dest_dir)
-        finally:
-            os.close(dest_dir)
-    finally:
-        os.close(src_dir)
+    with verify.parent_beneath(root, PARTIAL + "/" + rel) as (src_dir, name), \
+            verify.parent_beneath(root, rel, create=True) as (dest_dir, _):  # never into a symlinked directory
+        os.replace(name, name, src_dir_fd=src_dir, dst_dir_fd=dest_dir)
     moved = verify.stat_beneath(root, rel)  # a rename changes ctime only
     if moved is None or {k: moved[k] for k in ("size", "mtime_ns", "ino")} != {k: stat[k] for k in ("size", "mtime_ns", "ino")}:
         return False
@@ -989,10 +946,9 @@ MANIFEST_MAX_BYTES = 64 << 20  # a 1 TB checkpoint's manifest is well under 1 Mi
 
 
 class Pin:
-    """What the control machine proved about the checkpoint: its repository, its pinned
-    revision and (when the control machine holds a verified copy) the digest of that
-    copy's manifest (:func:`verify.manifest_digest`). A manifest any peer serves is taken
-    only if it matches all three."""
+    """What the control machine proved about the checkpoint: its repository, its pinned revision and (when the
+    control machine holds a verified copy) the digest of that copy's manifest (:func:`verify.manifest_digest`).
+    A manifest any peer serves is taken only if it matches all three."""
 
     def __init__(self, repo=None, revision=None, digest=None):
         self.repo, self.revision, self.digest = repo, revision, digest
@@ -1107,11 +1063,10 @@ class _Fetch:
         return live[0]
 
     def lane(self, files):
-        """Take ``files`` in order, each as soon as its source has verified it. Bytes land
-        one file at a time; while the next one lands, up to ``verify_behind`` landed files
-        are still hashed and checked, each on a thread of its own (0: one file at a time).
-        On a link faster than one core's sha256, the hashing spreads over cores instead of
-        holding the link."""
+        """Take ``files`` in order, each as soon as its source has verified it. Bytes land one file at a time;
+        while the next one lands, up to ``verify_behind`` landed files are still hashed and checked, each on a
+        thread of its own (0: one file at a time). On a link faster than one core's sha256, the hashing spreads
+        over cores instead of holding the link."""
         behind = threading.BoundedSemaphore(self.verify_behind + 1)  # + the file landing
         with ThreadPoolExecutor(max_workers=self.verify_behind + 1) as finishers:
             checks = []
@@ -1186,36 +1141,41 @@ class _Fetch:
             behind.release()
 
 
-def _heartbeat(root, stop):
-    """Keep ``root``'s heartbeat file fresh until ``stop`` is set (then remove it)."""
-    try:
-        fd = verify.open_beneath(root, HEARTBEAT, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    except OSError:
-        return
-    try:
-        os.write(fd, str(os.getpid()).encode())
-        while not stop.wait(HEARTBEAT_S):
-            with contextlib.suppress(OSError):
-                os.utime(fd)
-    finally:
-        os.close(fd)
-        verify.unlink_beneath(root, HEARTBEAT)
+def heartbeat(root):
+    """Keep ``root``'s heartbeat file fresh from a thread; returns the function that stops it
+    (and removes the file)."""
+    stop = threading.Event()
+
+    def beat():
+        try:
+            fd = verify.open_beneath(root, HEARTBEAT, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        except OSError:
+            return
+        try:
+            os.write(fd, str(os.getpid()).encode())
+            while not stop.wait(HEARTBEAT_S):
+                with contextlib.suppress(OSError):
+                    os.utime(fd)
+        finally:
+            os.close(fd)
+            verify.unlink_beneath(root, HEARTBEAT)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    return lambda: (stop.set(), thread.join())
 
 
 def _remove_partial(root):
     """Remove ``.k2fleet/relay-partial`` (a symlink there is removed, never followed)."""
-    state = verify.open_dir_beneath(root, ".k2fleet", create=True)
-    try:
+    with verify.parent_beneath(root, PARTIAL, create=True) as (state, name):
         try:
-            st = os.stat("relay-partial", dir_fd=state, follow_symlinks=False)
+            st = os.stat(name, dir_fd=state, follow_symlinks=False)
         except FileNotFoundError:
             return
         if (st.st_mode & 0o170000) == 0o040000:
             shutil.rmtree(os.path.join(root, PARTIAL))  # .k2fleet checked above; rmtree follows no symlink below
         else:
-            os.unlink("relay-partial", dir_fd=state)
-    finally:
-        os.close(state)
+            os.unlink(name, dir_fd=state)
 
 
 FETCH_BASE_S = 1800.0  # the overall deadline of a fetch: this, plus its bytes at FETCH_MIN_RATE
@@ -1244,29 +1204,24 @@ def _deadline_watch(seconds):
 def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_after=DEAD_AFTER_S, fleet=None,
           position=None, fanout=1, give_up_after=GIVE_UP_S, verify_behind=VERIFY_BEHIND, pin=None, secret=None,
           slow_after=SLOW_AFTER_S, deadline=0.0):
-    """Fetch every file of the sources' manifest into ``root``, each from the first live
-    source of its list, verifying each before it is marked (and so served onward).
-    The lists: ``plan`` (file → URLs, parent first), or the fleet's per-shard plan
-    (``fleet``: every host's relay URL in fleet order, this host at ``position``; the
-    source is ``urls``), or ``urls`` for every file. Files are taken in ``fanout`` lanes
-    at once (shard j in lane j mod fanout: one lane per tree of the plan, each fed by its
-    own parent), in order within a lane. ``pin`` (:class:`Pin`): the only manifest taken is
-    one of the pinned repository and revision (and digest); names are checked before
-    anything is written (no absolute path, ``..`` or empty part; no name both a file and a
-    directory). Nothing below ``root`` is written or read through a symlink. A source that
-    drips (under :data:`SLOW_MIN_BYTES` per ``slow_after`` seconds) or cannot prove it holds
-    the secret is skipped at once. ``deadline``: the whole fetch ends (exit 4) after that
-    many seconds (0: :func:`default_deadline` of the manifest's size), so a deploy waiting
-    on it gives up rather than hangs."""
+    """Fetch every file of the sources' manifest into ``root``, each from the first live source of its list,
+    verifying each before it is marked (and so served onward). The lists: ``plan`` (file → URLs, parent first),
+    or the fleet's per-shard plan (``fleet``: every host's relay URL in fleet order, this host at ``position``;
+    the source is ``urls``), or ``urls`` for every file. Files are taken in ``fanout`` lanes at once (shard j in
+    lane j mod fanout: one lane per tree of the plan, each fed by its own parent), in order within a lane.
+    ``pin`` (:class:`Pin`): the only manifest taken is one of the pinned repository and revision (and digest);
+    names are checked before anything is written (no absolute path, ``..`` or empty part; no name both a file
+    and a directory). Nothing below ``root`` is written or read through a symlink. A source that drips (under
+    :data:`SLOW_MIN_BYTES` per ``slow_after`` seconds) or cannot prove it holds the secret is skipped at once.
+    ``deadline``: the whole fetch ends (exit 4) after that many seconds (0: :func:`default_deadline` of the
+    manifest's size), so a deploy waiting on it gives up rather than hangs."""
     os.makedirs(root, exist_ok=True)
     os.close(verify.open_dir_beneath(root, ".k2fleet", create=True))  # a symlinked .k2fleet is refused here
     _remove_partial(root)  # a killed run's leftovers
     t0, started = time.monotonic(), time.time()
     if deadline > 0:
         _deadline_watch(deadline)
-    stop = threading.Event()
-    beat = threading.Thread(target=_heartbeat, args=(root, stop), daemon=True)
-    beat.start()
+    stop_beat = heartbeat(root)
     try:
         ancestors = fleet[:position] if fleet else []
         manifest_bytes = _manifest_from([Source(u, secret, slow_after) for u in [*reversed(ancestors), *urls]],
@@ -1300,8 +1255,7 @@ def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_af
             finally:
                 run.abort.set()
     finally:
-        stop.set()
-        beat.join()
+        stop_beat()
     _remove_partial(root)
     report = run.report
     # every file verified and marked: verify.py's marker too (index and headers checked,
@@ -1327,10 +1281,9 @@ def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_af
 def main(argv=None):
     p = argparse.ArgumentParser(prog="relay.py", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    m = sub.add_parser("mark")
-    m.add_argument("dir")
-    s = sub.add_parser("serve")
-    s.add_argument("dir")
+    m, s, f = (sub.add_parser(name) for name in ("mark", "serve", "fetch"))
+    for one in (m, s, f):
+        one.add_argument("dir")
     s.add_argument("--bind", default="0.0.0.0")
     s.add_argument("--port", type=int, required=True, help="0: any free port (printed)")
     s.add_argument("--exit-with-parent", action="store_true")
@@ -1338,8 +1291,6 @@ def main(argv=None):
                    "authenticates both ways with it)")
     s.add_argument("--idle-exit", type=float, default=0.0,
                    help="stop after this many seconds without an authenticated request (0: never)")
-    f = sub.add_parser("fetch")
-    f.add_argument("dir")
     f.add_argument("--source", action="append", default=[], help="http://HOST:PORT of the source's copy")
     f.add_argument("--fleet", help="comma-separated relay URLs of every host in fleet order (with --position)")
     f.add_argument("--position", type=int, help="this host's index in --fleet")

@@ -31,12 +31,11 @@ SOURCE = None  # a parent that is the source (the control machine's verified cop
 
 
 def shard_order(hosts: Sequence[str], shard_index: int, fanout: int) -> list[str]:
-    """The host order of one shard's tree: a chain keeps the fleet order; with k-ary trees
-    shard j goes down tree j mod k, the fleet order rotated by (j mod k)·⌈(n-1)/k⌉. A k-ary
-    heap's interior hosts are its first ⌈(n-1)/k⌉ positions, so the k trees have disjoint
-    interiors (SplitStream) when k of them fit in n (:func:`disjoint`): every host
-    forwards the shards of one tree only, k copies of about 1/k of the checkpoint, and
-    receives each tree's shards from one fixed parent.
+    """The host order of one shard's tree: a chain keeps the fleet order; with k-ary trees shard j goes down
+    tree j mod k, the fleet order rotated by (j mod k)·⌈(n-1)/k⌉. A k-ary heap's interior hosts are its first
+    ⌈(n-1)/k⌉ positions, so the k trees have disjoint interiors (SplitStream) when k of them fit in n
+    (:func:`disjoint`): every host forwards the shards of one tree only, k copies of about 1/k of the
+    checkpoint, and receives each tree's shards from one fixed parent.
 
     >>> shard_order(list("abcd"), 1, 2), shard_order(list("abcd"), 2, 2)
     (['c', 'd', 'a', 'b'], ['a', 'b', 'c', 'd'])

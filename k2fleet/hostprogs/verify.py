@@ -7,32 +7,24 @@ STANDARD LIBRARY ONLY: it runs on fleet hosts from the host archive as
 What is checked:
 
 * every file of the manifest is present with the manifest's size;
-* every shard named by ``model.safetensors.index.json``'s ``weight_map`` is in
-  the manifest (and so on disk), and every ``.safetensors`` file beside the
-  index is named by it;
-* every ``.safetensors`` header parses (8-byte little-endian length, JSON,
-  ``data_offsets`` inside the file, byte counts consistent with dtype/shape);
-* every file's sha256 (LFS files) or git blob sha1 (small non-LFS files)
-  matches.
+* every shard named by ``model.safetensors.index.json``'s ``weight_map`` is in the manifest
+  (and so on disk), and every ``.safetensors`` file beside the index is named by it;
+* every ``.safetensors`` header parses (8-byte little-endian length, JSON, ``data_offsets``
+  inside the file, byte counts consistent with dtype/shape);
+* every file's sha256 (LFS files) or git blob sha1 (small non-LFS files) matches.
 
-Files are hashed concurrently (one thread per file, ``hashlib`` releases the
-GIL), ``STREAMS_PER_WORKER`` files per hashing worker so that one file's read
-waits overlap another's hashing; each thread reads sequentially (kernel
-readahead, ``POSIX_FADV_SEQUENTIAL``) into one reused 1 MiB buffer, so memory
-use is constant. When everything passes,
-``DIR/.k2fleet/verified.json`` records the manifest digest and each file's
-size, mtime_ns, ctime_ns and inode; a later
-run without ``--full`` does not re-hash a file whose stat is unchanged. A
-failed run removes the marker.
+Files are hashed concurrently (one thread per file, ``hashlib`` releases the GIL), ``STREAMS_PER_WORKER`` files
+per hashing worker so that one file's read waits overlap another's hashing; each thread reads sequentially
+(``POSIX_FADV_SEQUENTIAL``) into one reused 1 MiB buffer, so memory use is constant. When everything passes,
+``DIR/.k2fleet/verified.json`` records the manifest digest and each file's size, mtime_ns, ctime_ns and inode; a
+later run without ``--full`` does not re-hash a file whose stat is unchanged. A failed run removes the marker.
 
 Manifest (``DIR/.k2fleet/manifest.json``)::
 
     {"repo_id": "moonshotai/Kimi-K2-Thinking",
      "revision": "<40-hex commit>",
-     "files": {"config.json": {"size": 3571, "sha256": null,
-                               "git_blob_sha1": "<40 hex>"},
-               "model-00001-of-000062.safetensors":
-                   {"size": 9_000_000_000, "sha256": "<64 hex>"}},
+     "files": {"config.json": {"size": 3571, "sha256": null, "git_blob_sha1": "<40 hex>"},
+               "model-00001-of-000062.safetensors": {"size": 9_000_000_000, "sha256": "<64 hex>"}},
      "overlay": {...optional, ignored here...}}
 """
 
@@ -51,19 +43,19 @@ import time
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing is not imported on the fact's path (every deploy's --marker-only check)
+    from collections.abc import Iterator
     from typing import Any
 
 STATE_DIR = ".k2fleet"
 MANIFEST_NAME = "manifest.json"
 MARKER_NAME = "verified.json"
 INDEX_NAME = "model.safetensors.index.json"
-# The copy-and-hash block is 1 MiB so it stays in L2 (measured cold on the 2-core bench: 512 KiB
-# and 1 MiB beat 2 and 4 MiB). Read-ahead is left to the kernel
-# (POSIX_FADV_SEQUENTIAL doubles its window): an explicit POSIX_FADV_WILLNEED window issued from
-# the hashing thread allocates and submits its pages synchronously there, and was measured 20%
-# slower cold. With only one thread per core, a core idles whenever its thread waits for the
-# disk; STREAMS_PER_WORKER threads per core keep the disk and the cores busy (2-core bench, cold:
-# 1, 2, 3, 4 streams per core = 1.45, 1.31, 1.19, 1.19 s for 3 GB; warm: all equal).
+# The copy-and-hash block is 1 MiB so it stays in L2 (2-core bench, cold: 512 KiB and 1 MiB beat 2 and 4 MiB).
+# Read-ahead is left to the kernel (POSIX_FADV_SEQUENTIAL doubles its window): an explicit POSIX_FADV_WILLNEED
+# window issued from the hashing thread allocates and submits its pages synchronously there (20% slower cold).
+# With one thread per core, a core idles whenever its thread waits for the disk; STREAMS_PER_WORKER threads per
+# core keep disk and cores busy (2-core bench, cold: 1, 2, 3, 4 streams per core = 1.45, 1.31, 1.19, 1.19 s for
+# 3 GB; warm: all equal).
 BLOCK_SIZE = 1024 * 1024
 STREAMS_PER_WORKER = 3
 MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
@@ -79,7 +71,6 @@ BAD_INDEX = "bad_index"
 BAD_MANIFEST = "bad_manifest"
 CHANGED = "changed_during_verify"
 UNREADABLE = "unreadable"
-
 
 
 def is_hex(text: str, length: int) -> bool:
@@ -105,9 +96,6 @@ class Problem:
 
     def __init__(self, path: str, kind: str, detail: str = "") -> None:
         self.path, self.kind, self.detail = path, kind, detail
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Problem) and (self.path, self.kind, self.detail) == (other.path, other.kind, other.detail)
 
     def __repr__(self) -> str:
         return f"Problem({self.path!r}, {self.kind!r}, {self.detail!r})"
@@ -181,11 +169,10 @@ def load_manifest_in(root: str) -> dict[str, Any]:
 
 
 def manifest_from_bytes(raw: bytes) -> Any:
-    """The manifest in ``raw`` as every k2fleet reader sees it: strict UTF-8 (no byte order
-    mark, no UTF-16/32 — ``json.loads`` of bytes would guess those), one JSON value, no
-    object with a key twice, no NaN/Infinity. ValueError otherwise. Digests are taken of
-    what this returns for the bytes as stored (:func:`manifest_digest_of`), so two byte
-    strings with one digest are one manifest to every reader.
+    """The manifest in ``raw`` as every k2fleet reader sees it: strict UTF-8 (no byte order mark, no UTF-16/32 —
+    ``json.loads`` of bytes would guess those), one JSON value, no object with a key twice, no NaN/Infinity.
+    ValueError otherwise. Digests are taken of what this returns for the bytes as stored
+    (:func:`manifest_digest_of`), so two byte strings with one digest are one manifest to every reader.
 
     >>> manifest_from_bytes(b'{"a": 1}')
     {'a': 1}
@@ -220,9 +207,8 @@ def _no_constant(name: str) -> Any:
 def manifest_problems(manifest: Any) -> list[Problem]:
     """Structural problems of a manifest (empty list when it is usable).
 
-    Example:
-        >>> manifest_problems({"repo_id": "a/b", "revision": "0" * 40, "files": {}})
-        []
+    >>> manifest_problems({"repo_id": "a/b", "revision": "0" * 40, "files": {}})
+    []
     """
     if not isinstance(manifest, dict):
         return [Problem("<manifest>", BAD_MANIFEST, "not a JSON object")]
@@ -289,9 +275,8 @@ def manifest_digest(manifest: dict[str, Any]) -> str:
     """sha256 of the manifest's identity (repo_id, revision, files); ``overlay`` is excluded.
     Of a manifest read by :func:`manifest_from_bytes` (:func:`manifest_digest_of`).
 
-    Example:
-        >>> len(manifest_digest({"repo_id": "a/b", "revision": "0" * 40, "files": {}}))
-        64
+    >>> len(manifest_digest({"repo_id": "a/b", "revision": "0" * 40, "files": {}}))
+    64
     """
     core = {k: manifest.get(k) for k in ("repo_id", "revision", "files")}
     return hashlib.sha256(json.dumps(core, separators=(",", ":"), sort_keys=True).encode()).hexdigest()
@@ -299,16 +284,16 @@ def manifest_digest(manifest: dict[str, Any]) -> str:
 
 # --------------------------------------------------------------------------- files beneath the root
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
 
 
 def open_dir_beneath(root: str, reldir: str, create: bool = False) -> int:
-    """An fd of directory ``ROOT/reldir``, every component below ``root`` opened without
-    following a symlink (``O_NOFOLLOW|O_DIRECTORY`` from the directory above): a
-    symlinked directory inside the model directory is never gone through (OSError naming
-    it). ``create``: missing directories are made (0755). ``root`` itself is the
-    operator's path, taken as given. The caller closes the fd."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    """An fd of directory ``ROOT/reldir``, every component below ``root`` opened without following a symlink
+    (``O_NOFOLLOW|O_DIRECTORY`` from the directory above): a symlinked directory inside the model directory is
+    never gone through (OSError naming it). ``create``: missing directories are made (0755). ``root`` itself is
+    the operator's path, taken as given. The caller closes the fd."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
     done = []
     try:
         for part in reldir.split("/"):
@@ -355,21 +340,27 @@ def _open_dir_part(root: str, done: list[str], part: str, fd: int, error: OSErro
 
 def open_beneath(root: str, rel: str, flags: int = os.O_RDONLY, mode: int = 0o644, create_dirs: bool = False,
                  follow_last: bool = False) -> int:
-    """``os.open`` of ``ROOT/rel`` without following a symlink at any component below
-    ``root`` (:func:`open_dir_beneath`; the last one with ``O_NOFOLLOW`` unless
-    ``follow_last``: a read-only check of a huggingface cache snapshot, whose files are
-    symlinks to its blobs)."""
-    head, _, name = rel.rpartition("/")
-    dfd = open_dir_beneath(root, head, create_dirs)
-    try:
+    """``os.open`` of ``ROOT/rel`` without following a symlink at any component below ``root``
+    (:func:`open_dir_beneath`; the last one with ``O_NOFOLLOW`` unless ``follow_last``: a read-only check of a
+    huggingface cache snapshot, whose files are symlinks to its blobs)."""
+    with parent_beneath(root, rel, create_dirs) as (dfd, name):
         try:
-            nofollow = 0 if follow_last else os.O_NOFOLLOW
-            return os.open(name, flags | nofollow | getattr(os, "O_CLOEXEC", 0), mode, dir_fd=dfd)
+            return os.open(name, flags | (0 if follow_last else os.O_NOFOLLOW) | _CLOEXEC, mode, dir_fd=dfd)
         except OSError as e:
-            if e.errno == 40:  # ELOOP: the last component is a symlink
-                raise OSError(e.errno, f"{os.path.join(root, rel)} is a symlink: k2fleet neither reads nor "
-                              "writes through one inside the model directory (remove it)") from None
-            raise
+            if e.errno != 40:  # ELOOP: the last component is a symlink
+                raise
+            raise OSError(e.errno, f"{os.path.join(root, rel)} is a symlink: k2fleet neither reads nor "
+                          "writes through one inside the model directory (remove it)") from None
+
+
+@contextlib.contextmanager
+def parent_beneath(root: str, rel: str, create: bool = False) -> Iterator[tuple[int, str]]:
+    """(an fd of ``ROOT/rel``'s directory: :func:`open_dir_beneath`, ``rel``'s last component),
+    the fd closed when the block ends."""
+    head, _, name = rel.rpartition("/")
+    dfd = open_dir_beneath(root, head, create)
+    try:
+        yield dfd, name
     finally:
         os.close(dfd)
 
@@ -383,31 +374,21 @@ def read_beneath(root: str, rel: str, limit: int = 1 << 30, follow_last: bool = 
 def stat_beneath(root: str, rel: str) -> dict[str, int] | None:
     """The stat record of regular file ``ROOT/rel`` reached without following a symlink
     (None: missing, a symlink, not a regular file, or behind a symlinked directory)."""
-    head, _, name = rel.rpartition("/")
     try:
-        dfd = open_dir_beneath(root, head)
+        with parent_beneath(root, rel) as (dfd, name):
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
     except OSError:
         return None
-    try:
-        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-    except OSError:
-        return None
-    finally:
-        os.close(dfd)
     return _stat_record(st) if _stat.S_ISREG(st.st_mode) else None
 
 
 def write_beneath(root: str, rel: str, data: bytes, durable: bool = True) -> None:
-    """Write ``data`` to ``ROOT/rel`` atomically (temp file, fsync, rename in the same
-    directory, fsync of it), no component below ``root`` followed if a symlink.
-    ``durable=False``: no fsync (still atomic: a reader sees the old file or the whole new
-    one), for a record whose loss after a crash costs only work done again."""
-    head, _, name = rel.rpartition("/")
-    dfd = open_dir_beneath(root, head, create=True)
-    try:
+    """Write ``data`` to ``ROOT/rel`` atomically (temp file, fsync, rename in the same directory, fsync of it),
+    no component below ``root`` followed if a symlink. ``durable=False``: no fsync (still atomic: a reader sees
+    the old file or the whole new one), for a record whose loss after a crash costs only work done again."""
+    with parent_beneath(root, rel, create=True) as (dfd, name):
         tmp = f".{name}.tmp.{os.getpid()}.{threading.get_ident()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644,
-                     dir_fd=dfd)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | _CLOEXEC, 0o644, dir_fd=dfd)
         try:
             view = memoryview(data)
             while view:
@@ -423,8 +404,6 @@ def write_beneath(root: str, rel: str, data: bytes, durable: bool = True) -> Non
             raise
         if durable:
             os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def unlink_beneath(root: str, rel: str) -> None:
@@ -499,9 +478,8 @@ def atomic_write_json(path: str, obj: Any) -> None:
 def is_verified(root: str, manifest: dict[str, Any]) -> bool:
     """True when a matching marker exists and no file's stat changed since (no hashing).
 
-    Example:
-        >>> is_verified("/nonexistent", {"revision": "0" * 40, "files": {}})
-        False
+    >>> is_verified("/nonexistent", {"revision": "0" * 40, "files": {}})
+    False
     """
     recorded = load_marker(root, manifest)
     if not recorded or set(recorded) != set(manifest.get("files", {})):
@@ -518,12 +496,11 @@ def is_verified(root: str, manifest: dict[str, Any]) -> bool:
 def safetensors_header_problem(fd: int, size: int) -> str | None:
     """Why the safetensors header of open file ``fd`` (``size`` bytes) is bad, or None.
 
-    Example:
-        >>> import tempfile
-        >>> with tempfile.TemporaryFile() as f:
-        ...     _ = f.write(b"\\x02\\x00\\x00\\x00\\x00\\x00\\x00\\x00{}"); f.flush()
-        ...     safetensors_header_problem(f.fileno(), 10) is None
-        True
+    >>> import tempfile
+    >>> with tempfile.TemporaryFile() as f:
+    ...     _ = f.write(b"\\x02\\x00\\x00\\x00\\x00\\x00\\x00\\x00{}"); f.flush()
+    ...     safetensors_header_problem(f.fileno(), 10) is None
+    True
     """
     if size < 8:
         return f"file is {size} bytes, shorter than the 8-byte header length"
@@ -584,23 +561,16 @@ def _new_hasher(entry: dict[str, Any], size: int) -> tuple[Any, str, str]:
     return h, "git_blob_sha1", entry["git_blob_sha1"]
 
 
-def _advise(fd: int, offset: int, length: int, advice_name: str) -> None:
-    advice = getattr(os, advice_name, None)
-    if advice is None or not hasattr(os, "posix_fadvise"):
-        return
-    with contextlib.suppress(OSError):
-        os.posix_fadvise(fd, offset, length, advice)
-
-
 def hash_fd(fd: int, hasher: Any, buf: bytearray) -> int:
     """Stream ``fd`` from offset 0 into ``hasher`` using ``buf``; returns bytes hashed.
 
-    Declares the access ``POSIX_FADV_SEQUENTIAL`` (the kernel doubles its
-    readahead window and keeps it ahead of the reads) and reads into ``buf``
-    without copying it again; the overlap of disk and CPU comes from the other
-    files' threads (see ``STREAMS_PER_WORKER``).
+    Declares the access ``POSIX_FADV_SEQUENTIAL`` (the kernel doubles its readahead window and
+    keeps it ahead of the reads) and reads into ``buf`` without copying it again; the overlap of
+    disk and CPU comes from the other files' threads (see ``STREAMS_PER_WORKER``).
     """
-    _advise(fd, 0, 0, "POSIX_FADV_SEQUENTIAL")
+    if hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
     view = memoryview(buf)
     total = 0
     os.lseek(fd, 0, os.SEEK_SET)
@@ -635,15 +605,13 @@ class _Verifier:
         self._local = threading.local()
 
     def _buffer(self) -> bytearray:
-        buf = getattr(self._local, "buf", None)
-        if buf is None:
-            buf = self._local.buf = bytearray(BLOCK_SIZE)
-        return buf
+        if not hasattr(self._local, "buf"):
+            self._local.buf = bytearray(BLOCK_SIZE)
+        return self._local.buf
 
     def check(self, rel: str) -> _FileResult:
         """Size, header and hash checks of one manifest file."""
         res = _FileResult(rel)
-        entry = self.files[rel]
         try:
             fd = open_beneath(self.root, rel, follow_last=self.file_symlinks)  # never through a symlinked directory
         except FileNotFoundError:
@@ -653,46 +621,38 @@ class _Verifier:
             res.problems.append(Problem(rel, UNREADABLE, str(e)))
             return res
         try:
-            self._check_open(fd, res, entry)
+            problem = self._check_open(fd, res, self.files[rel])
         except OSError as e:
-            res.problems.append(Problem(rel, UNREADABLE, str(e)))
+            problem = Problem(rel, UNREADABLE, str(e))
         finally:
             os.close(fd)
+        res.problems += [problem] if problem else []
         return res
 
-    def _check_open(self, fd: int, res: _FileResult, entry: dict[str, Any]) -> None:
+    def _check_open(self, fd: int, res: _FileResult, entry: dict[str, Any]) -> Problem | None:
         before = _stat_record(os.fstat(fd))
         if before["size"] != entry["size"]:
-            res.problems.append(
-                Problem(res.rel, SIZE_MISMATCH, f"expected {entry['size']} bytes, found {before['size']}")
-            )
-            return
-        if res.rel.endswith(".safetensors"):
-            why = safetensors_header_problem(fd, before["size"])
-            if why:
-                res.problems.append(Problem(res.rel, BAD_HEADER, why))
-                return
+            return Problem(res.rel, SIZE_MISMATCH, f"expected {entry['size']} bytes, found {before['size']}")
+        if res.rel.endswith(".safetensors") and (why := safetensors_header_problem(fd, before["size"])):
+            return Problem(res.rel, BAD_HEADER, why)
         if self.prior.get(res.rel) == before:
             res.stat, res.skipped = before, True
-            return
+            return None
         hasher, algo, expected = _new_hasher(entry, before["size"])
         if res.rel in self.hashed:  # hashed by the caller as it was written: the same file, unchanged since?
             got, when = self.hashed[res.rel]
             if when != before:
-                res.problems.append(Problem(res.rel, CHANGED, "file changed after it was hashed"))
-                return
+                return Problem(res.rel, CHANGED, "file changed after it was hashed")
             res.hashed_bytes = before["size"]
         else:
             res.hashed_bytes = hash_fd(fd, hasher, self._buffer())
             got = hasher.hexdigest()
         if got != expected:
-            res.problems.append(Problem(res.rel, HASH_MISMATCH, f"{algo} expected {expected}, got {got}"))
-            return
-        after = _stat_record(os.fstat(fd))
-        if after != before or res.hashed_bytes != before["size"]:
-            res.problems.append(Problem(res.rel, CHANGED, "file changed while it was being hashed"))
-            return
+            return Problem(res.rel, HASH_MISMATCH, f"{algo} expected {expected}, got {got}")
+        if _stat_record(os.fstat(fd)) != before or res.hashed_bytes != before["size"]:
+            return Problem(res.rel, CHANGED, "file changed while it was being hashed")
         res.stat = before
+        return None
 
 
 def check_one(root: str, manifest: dict[str, Any], rel: str,
@@ -711,18 +671,14 @@ def check_one(root: str, manifest: dict[str, Any], rel: str,
 def index_problems(root: str, manifest: dict[str, Any], file_symlinks: bool = False) -> list[Problem]:
     """Cross-check ``model.safetensors.index.json``'s weight_map against the manifest.
 
-    Example:
-        >>> index_problems("/nonexistent", {"files": {}})
-        []
+    >>> index_problems("/nonexistent", {"files": {}})
+    []
     """
     files: dict[str, Any] = manifest["files"]
     index_rels = [rel for rel in files if rel.rsplit("/", 1)[-1] == INDEX_NAME]
     if not index_rels and os.path.exists(os.path.join(root, INDEX_NAME)):
         index_rels = [INDEX_NAME]
-    out: list[Problem] = []
-    for index_rel in index_rels:
-        out += _one_index_problems(root, index_rel, files, file_symlinks)
-    return out
+    return [p for index_rel in index_rels for p in _one_index_problems(root, index_rel, files, file_symlinks)]
 
 
 def _one_index_problems(root: str, index_rel: str, files: dict[str, Any], file_symlinks: bool = False) -> list[Problem]:
@@ -755,26 +711,18 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def verify(
-    root: str,
-    manifest: dict[str, Any],
-    full: bool = False,
-    workers: int | None = None,
-    hashed: dict[str, tuple[str, dict[str, int]]] | None = None,
-    file_symlinks: bool = False,
-) -> Report:
+def verify(root: str, manifest: dict[str, Any], full: bool = False, workers: int | None = None,
+           hashed: dict[str, tuple[str, dict[str, int]]] | None = None, file_symlinks: bool = False) -> Report:
     """Verify directory ``root`` against ``manifest``; write or remove the marker.
 
-    With ``full=False`` a file whose size, mtime_ns, ctime_ns and inode match
-    the marker of a previous successful run is not re-hashed. ``workers`` is the
-    number of cores to keep hashing (default: all usable CPUs); each worker runs
-    ``STREAMS_PER_WORKER`` file threads so read waits overlap hashing. ``hashed``:
-    file → (hex digest, stat record) of a hash the caller took of it (the download
-    hashes each file as it is written): compared instead of hashing again, provided
-    the file's stat is still the one recorded then (sizes and headers are still checked).
-    No file is read through a symlinked directory inside ``root``, nor through a symlinked
-    file unless ``file_symlinks`` (a huggingface cache snapshot, checked read-only: such a
-    file is still never served by the relay nor passed by the stat-only gate).
+    With ``full=False`` a file whose size, mtime_ns, ctime_ns and inode match the marker of a previous
+    successful run is not re-hashed. ``workers``: cores to keep hashing (default: all usable CPUs), each running
+    ``STREAMS_PER_WORKER`` file threads so read waits overlap hashing. ``hashed``: file → (hex digest, stat
+    record) of a hash the caller took of it (the download hashes each file as it is written): compared instead
+    of hashing again, provided the file's stat is still the one recorded then (sizes and headers are still
+    checked). No file is read through a symlinked directory inside ``root``, nor through a symlinked file unless
+    ``file_symlinks`` (a huggingface cache snapshot, checked read-only: such a file is still never served by the
+    relay nor passed by the stat-only gate).
     """
     t0 = time.monotonic()
     report = Report(dir=root, revision=str(manifest.get("revision")), full=full)
@@ -803,9 +751,7 @@ def verify(
     return _finish(report, root, manifest, stats, t0)
 
 
-def _finish(
-    report: Report, root: str, manifest: dict[str, Any], stats: dict[str, dict[str, int]], t0: float
-) -> Report:
+def _finish(report: Report, root: str, manifest: dict[str, Any], stats: dict[str, dict[str, int]], t0: float) -> Report:
     report.ok = not report.problems
     try:
         if report.ok:
@@ -881,11 +827,7 @@ def main(argv: list[str] | None = None) -> int:
         report = _finish(report, root, {}, {}, time.monotonic())
     else:
         report = verify(root, manifest, full=args.full, workers=args.workers)
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=1, sort_keys=True))
-    else:
-        for line in report.lines():
-            print(line)
+    print(json.dumps(report.to_dict(), indent=1, sort_keys=True) if args.json else "\n".join(report.lines()))
     return 0 if report.ok else 1
 
 
