@@ -209,7 +209,11 @@ def test_trickling_connections_and_a_dripping_parent_do_not_hold_a_real_fetch(tm
     assert report["verified"] and report["files"] == len(json.loads((src / ".k2fleet/manifest.json").read_bytes())["files"])
     assert set(report["sources"]) == {url}  # every file from the source, none from the dripping parent
     print(f"unloaded {unloaded:.2f}s, loaded {loaded:.2f}s (256 tricklers, a dripping parent)")
-    assert loaded <= 2 * unloaded + 1.0, (loaded, unloaded)
+    # within 2x the unloaded fetch, plus the dripping parent's detection, which takes --slow-after
+    # and --dead-after (1 s each) by design, and 1 s of slack for this shared 2-core machine
+    # (2x + 1 s alone failed 1 run in 5 here, unchanged code: the fetch itself takes ~0.5 s);
+    # before the fix the fetch did not end at all
+    assert loaded <= 2 * unloaded + 3.0, (loaded, unloaded)
 
 
 def test_a_fetch_has_an_overall_deadline(tmp_path: Path) -> None:

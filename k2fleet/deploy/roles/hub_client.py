@@ -39,7 +39,7 @@ def install(actions: HubClientActions, requirement: str | None) -> None:
     if actions.files:
         synced_files(name="Hub client: downloader and offline wheelhouse", files=actions.files)
     if actions.install:
-        pip = shell_line([f"{HUB_ENV}/bin/pip", "install", "--quiet", "--no-index", "--find-links", WHEEL_DIR,
-                          requirement or "huggingface_hub"])
+        pip = shell_line([f"{HUB_ENV}/bin/pip", "install", "--no-compile", "--quiet", "--no-index", "--find-links",
+                          WHEEL_DIR, requirement or "huggingface_hub"])
         command(name=f"Hub client: venv {HUB_ENV} with {requirement or 'huggingface_hub'} (no package index)",
                 argv=["sh", "-c", f"{shell_word(actions.python)} -m venv {HUB_ENV} && {pip}"])
