@@ -248,21 +248,23 @@ def _unmount_all(path: Path) -> None:
 def _namespace_inits(pid: int) -> list[int]:
     """The children of ``pid`` that are PID 1 of a PID namespace of their own (an nspawn's
     container init)."""
-    inits = []
+    kids = []
     for children in Path(f"/proc/{pid}/task").glob("*/children"):
         try:
-            kids = children.read_text().split()
+            kids += children.read_text().split()
         except OSError:
             continue
-        for kid in kids:
-            try:
-                status = Path(f"/proc/{kid}/status").read_text()
-            except OSError:
-                continue
-            nspids = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
-            if len(nspids) > 1 and nspids[-1] == "1":
-                inits.append(int(kid))
-    return inits
+    return [int(kid) for kid in kids if _is_namespace_init(kid)]
+
+
+def _is_namespace_init(pid: int | str) -> bool:
+    """Whether ``pid`` (as the control machine sees it) is PID 1 of a PID namespace of its own."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    nspids = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
+    return len(nspids) > 1 and nspids[-1] == "1"
 
 
 def _vanished_is_fine(function, path, exc_info) -> None:
@@ -751,12 +753,7 @@ def container_init(name: str) -> int:
     of its own PID namespace (what the fault drill kills, not the nspawn process)."""
     pids = run(["ip", "netns", "pids", name]).stdout.split()
     for pid in pids:
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except FileNotFoundError:
-            continue
-        nspids = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
-        if len(nspids) > 1 and nspids[-1] == "1":
+        if _is_namespace_init(pid):
             return int(pid)
     raise SandboxError(f"no init found among {name}'s netns pids {pids}")
 
