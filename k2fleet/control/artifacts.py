@@ -14,9 +14,10 @@ run by ``deploys/kimi.py``. The checkpoint cache (a Hub download on the control
 machine) is filled later, by the checkpoint role's first operation, and only when a
 host's checkpoint gate fails — a settled fleet never asks the Hub.
 
-Generated state lives under ``$K2FLEET_STATE_DIR/<deployment id>`` (:func:`deployment_id`: the inventory file's) (default
+Generated state lives under ``$K2FLEET_STATE_DIR/<deployment id>`` (default
 ``~/.local/state/k2fleet``; both this user's and writable by no one else, checked before
-anything is read from them: :func:`owned_state_dir`), caches under ``/var/cache/k2fleet``.
+anything is read from them: :func:`owned_state_dir`; the id is the inventory file's:
+:func:`deployment_id`), caches under ``/var/cache/k2fleet``.
 
 >>> deployment_id("inventory", "m/x", ["10.0.0.2", "10.0.0.1"]) == deployment_id("inventory", "m/x", ["10.0.0.1", "10.0.0.2"])
 True

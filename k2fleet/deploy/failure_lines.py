@@ -57,6 +57,7 @@ def connection_lost(host: Any) -> bool:
 
 _LOGGED = re.compile(r"^\s*\[(?P<host>[^\]]+)\]\s+(?:Unexpected error in Python callback|Command socket/SSH error): "
                      r"(?P<error>.*)$", re.S)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # pyinfra's colours in a logged line
 _EXCEPTION = re.compile(r"^\w+\((?P<q>['\"])(?P<message>.*)(?P=q),?\)$", re.S)
 
 
@@ -80,8 +81,6 @@ class FailureLog(logging.Handler):
             inner = _EXCEPTION.match(error)
             _kept(self.state, NOTES)[found["host"]] = inner["message"] if inner else error
 
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def record_failures(state: Any) -> None:

@@ -108,7 +108,8 @@ def install(actions: PackagesActions, bundle: str | None = None) -> None:
     Install the host's Debian packages, online or from an offline bundle.
 
     + actions: this host's packages record (``role_actions(...).packages``): an install dpkg
-      did not finish (finished first, ``dpkg --configure -a``), the packages, those missing, the source (``apt``: the hosts' own apt sources; ``bundle``: the full
+      did not finish (finished first, ``dpkg --configure -a``), the packages, those missing,
+      the source (``apt``: the hosts' own apt sources; ``bundle``: the full
       dependency closure shipped from the control machine, apt restricted to it), whether the
       bundle is shipped (packages missing, or the bootstrap installs from it) and extracted
       already; nothing is planned when no package is missing and the bootstrap needs none
