@@ -218,8 +218,8 @@ def test_smi_states_offline(tmp_path: Path) -> None:
     assert nounits.stdout.splitlines()[:2] == ["driver_version, memory.total", f"{V580}, 143771"]
     assert run_double(tmp_path, "nvidia-smi", "--query-gpu=bogus", "--format=csv").returncode == 2
     q = run_double(tmp_path, "nvidia-smi", "-q").stdout
-    assert q.count("        State                             : In Progress\n") == 8
-    assert "    Product Name                          : NVIDIA H200\n" in q
+    assert q.count("        State                                          : In Progress\n") == 8
+    assert "    Product Name                                       : NVIDIA H200\n" in q
     (tmp_path / "lib/nvidia/installed-version").write_text(f"{V590}\n")  # new driver on disk, module stays
     assert run_double(tmp_path, "load-module").returncode == 0
     assert (tmp_path / "run/nvidia/module-version").read_text() == f"{V580}\n"
@@ -345,8 +345,8 @@ def test_driver_install_load_fabric_upgrade_reboot(host: sandbox.SandboxHost) ->
     ok(host, "systemctl start nvidia-persistenced nvidia-fabricmanager")
     assert ok(host, "systemctl is-active nvidia-persistenced nvidia-fabricmanager").split() == ["active", "active"]
     q = ok(host, "nvidia-smi -q")
-    assert q.count("        State                             : Completed\n") == 8
-    assert q.count("        Status                            : Success\n") == 8
+    assert q.count("        State                                          : Completed\n") == 8
+    assert q.count("        Status                                         : Success\n") == 8
     print(f"\n580 installed and fabric Completed in {time.monotonic() - started:.1f}s")
 
     # the 590 release: pinning package, then the driver family at 590 (held packages move)
@@ -372,7 +372,7 @@ def test_driver_install_load_fabric_upgrade_reboot(host: sandbox.SandboxHost) ->
     final = smi_query(host)
     assert final.returncode == 0 and final.stdout.splitlines() == [f"{i}, NVIDIA H200, 143771, {V590}" for i in range(8)]
     ok(host, "systemctl start nvidia-fabricmanager nvidia-persistenced")
-    assert ok(host, "nvidia-smi -q").count("        State                             : Completed\n") == 8
+    assert ok(host, "nvidia-smi -q").count("        State                                          : Completed\n") == 8
     ok(host, "systemctl stop nvidia-fabricmanager")
     assert sh(host, f"test -e {nd.FABRIC_STATE}").returncode != 0  # removed on stop
     # IMEX (GB200's daemon): refuses without its nodes_config.cfg, runs with one

@@ -42,6 +42,8 @@ GPUS: dict[str, GpuType] = {
         # reported_gib: PyTorch's OOM message on the device (H100 SXM 79.18, H200 139.81,
         # B200 178.35, MI300X 191.69 GiB: "GPU 0 has a total capacity of ... GiB")
         # smi_mib: nvidia-smi's memory.total of H100 SXM 80GB (81559 MiB) and H200 (143771 MiB)
+        # (H200 checked on a real one, 2026-11-27: 143771 MiB, PyTorch's total 139.80 GiB with
+        # 616 MiB reserved by the driver: tests/fixtures/real_gpu_h200)
         GpuType("h100", "nvidia", 80, "hopper", reported_gib=79.18, smi_mib=81559),
         GpuType("h800", "nvidia", 80, "hopper"),
         GpuType("h20", "nvidia", 96, "hopper"),

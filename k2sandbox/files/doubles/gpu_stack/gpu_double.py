@@ -156,7 +156,8 @@ def _smi_state() -> tuple[dict | None, str | None, int]:
 
 
 def _kv(indent: int, key: str, value: str) -> str:
-    return f"{' ' * indent}{key}".ljust(42) + f": {value}"
+    # the key padded to column 55, as a real nvidia-smi 580 prints it (tests/fixtures/real_gpu_h200)
+    return f"{' ' * indent}{key}".ljust(55) + f": {value}"
 
 
 def _fabric(hw: dict) -> tuple[str, str]:
