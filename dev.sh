@@ -48,10 +48,10 @@ case "${1:-}" in
   test)
     setup
     shift
-    # one process, in order; `./dev.sh test -n 2 --dist loadgroup` runs the sandbox stream (and
-    # what shares the machine with it: tests/conftest.py SERIAL_MODULES) in one xdist worker and
-    # every other test beside it (not yet the default: two failures seen only in that mode)
-    python -m pytest -q -p no:cacheprovider --durations=30 "$@"
+    # two xdist workers: the sandbox stream (and what shares the machine with it:
+    # tests/conftest.py SERIAL_MODULES) in one, in order, every other test beside it
+    # (tests/test_xdist_groups.py); `./dev.sh test -n 0` runs everything in one process
+    python -m pytest -q -p no:cacheprovider --durations=30 -n 2 --dist loadgroup "$@"
     ;;
   *)
     echo "usage: $0 demo|test" >&2

@@ -38,10 +38,14 @@ SERIAL_MODULES = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that asks for the sandbox fleet is a ``sandbox`` test, marked or not (so that
     ``-m "not sandbox"`` never boots or takes down the fleet another run is using). Sandbox,
-    real-engine and :data:`SERIAL_MODULES` tests share one xdist group (one worker, in order)."""
+    real-engine and :data:`SERIAL_MODULES` tests share one xdist group (one worker, in order).
+    ``tryfirst``: xdist's worker reads the groups in its own hook of this name (pytest-xdist 3.8,
+    ``remote.py``), which otherwise ran before this one and found none
+    (tests/test_xdist_groups.py)."""
     for item in items:
         if "sandbox_fleet" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.sandbox)

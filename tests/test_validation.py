@@ -944,7 +944,8 @@ def outcomes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
                         case.inventory_py)
         out[case.id] = Outcome(inv, listener, {})
         jobs += [(case.id, entry, entry_argv(entry, inv, case.cli_data)) for entry in ENTRIES]
-    workers = (os.cpu_count() or 2) + 1
+    # beside the sandbox stream (an xdist worker: ./dev.sh test) one entry at a time, not starving its fleet
+    workers = 1 if os.environ.get("PYTEST_XDIST_WORKER") else (os.cpu_count() or 2) + 1
     zygotes = ZygotePool(workers)
     scratch = tmp_path_factory.mktemp("entry-output")
     try:
