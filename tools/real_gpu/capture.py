@@ -65,6 +65,25 @@ def times(argv, n=5, timeout=120):
     return {"argv": argv[:4] + (["..."] if len(argv) > 4 else []), "rc": code, "wall_s": walls}
 
 
+def deployed_probe(prefix: str) -> tuple[list, str, dict]:
+    """(the state probe's argv as the deploy runs it, the host archive it runs from, host h200-0's fact
+    queries pointing at that archive): the archive built from this checkout into a new temporary
+    directory (``prefix``), with its unpacked copy there too (nothing else on the host is written)."""
+    spec = importlib.util.spec_from_file_location("host_archive", os.path.join(ROOT, "k2fleet/planning/host_archive.py"))
+    ha = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ha)
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    archive = os.path.join(tmp, "k2fleet-host.pyz")
+    data = ha.archive_bytes()
+    with open(archive, "wb") as f:
+        f.write(data)
+    probe = ha.probe_argv(python=sys.executable, archive=archive, sha256=hashlib.sha256(data).hexdigest(),
+                          unpacked=os.path.join(tmp, "unpacked"))
+    with open(os.path.join(HERE, "h200-query.json")) as f:
+        queries = json.loads(f.read().replace(ha.ARCHIVE, archive).replace("/usr/bin/python3", sys.executable))
+    return probe, archive, queries
+
+
 def main(out):
     os.makedirs(out, exist_ok=True)
     meta = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "python": sys.version.split()[0]}
@@ -94,19 +113,7 @@ def main(out):
                 infiniband=sorted(glob.glob("/sys/class/infiniband/*")))
 
     # The probe and the gate as the deploy runs them: the archive built from this checkout.
-    spec = importlib.util.spec_from_file_location("host_archive", os.path.join(ROOT, "k2fleet/planning/host_archive.py"))
-    ha = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ha)
-    tmp = tempfile.mkdtemp(prefix="k2fleet-capture-")
-    archive = os.path.join(tmp, "k2fleet-host.pyz")
-    data = ha.archive_bytes()
-    with open(archive, "wb") as f:
-        f.write(data)
-    unpacked = os.path.join(tmp, "unpacked")
-    probe = ha.probe_argv(python=sys.executable, archive=archive, sha256=hashlib.sha256(data).hexdigest(),
-                          unpacked=unpacked)
-    with open(os.path.join(HERE, "h200-query.json")) as f:
-        queries = json.loads(f.read().replace(ha.ARCHIVE, archive).replace("/usr/bin/python3", sys.executable))
+    probe, archive, queries = deployed_probe("k2fleet-capture-")
     # the probe's own time on NVML: the GPU gate its only check (the others wait on absent services)
     queries["gpu-gate-only"] = dict(queries["status"], checks={"gpu-ready": queries["status"]["checks"]["gpu-ready"]})
     for name, query in queries.items():

@@ -2,27 +2,19 @@
 """The probe's wall time on a real GPU host with and without NVML (run by hand on a GPU machine).
 
 Side by side, alternating, N rounds: the state probe (the deploy's argv from the host archive
-of this checkout) with host h200-0's status-free query reduced to the GPU gate, (a) asking
+of this checkout) with host h200-0's status query (tools/real_gpu/h200-query.json) reduced to the GPU gate, (a) asking
 NVML (``nvidia-smi``) and (b) with ``gpus_proven_by`` naming a check that passes (``/bin/true``
 standing in for a healthy engine), so that neither the report nor the gate asks NVML.
 Prints the median of each and ``ratios: probe_with_nvml_vs_without=...``.
 Usage: ``python3 tools/real_gpu/nvml_skip.py [ROUNDS]`` (standard library only).
 """
-import hashlib, importlib.util, json, os, statistics, subprocess, sys, tempfile, time
+import json, os, statistics, subprocess, sys, time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-spec = importlib.util.spec_from_file_location("host_archive", os.path.join(ROOT, "k2fleet/planning/host_archive.py"))
-ha = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ha)
-tmp = tempfile.mkdtemp(prefix="k2fleet-nvml-")
-archive = os.path.join(tmp, "k2fleet-host.pyz")
-data = ha.archive_bytes()
-open(archive, "wb").write(data)
-probe = ha.probe_argv(python=sys.executable, archive=archive, sha256=hashlib.sha256(data).hexdigest(),
-                      unpacked=os.path.join(tmp, "unpacked"))
-query = json.loads(open(os.path.join(HERE, "h200-query.json")).read().replace(ha.ARCHIVE, archive)
-                   .replace("/usr/bin/python3", sys.executable))["status"]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from capture import deployed_probe  # noqa: E402
+
+probe, archive, queries = deployed_probe("k2fleet-nvml-")
+query = queries["status"]
 want = json.loads(query["checks"]["gpu-ready"][4])
 want.update(count=1, fabric=False, services=[], driver_package=None, branch=None)
 gate = [sys.executable, archive, "hoststate", "--gate", json.dumps(want)]
