@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_serial_group_runs_on_one_worker(tmp_path: Path) -> None:
     # two modules of the serial group (their offline tests) and one of the rest, on two workers
     argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-v",
-            "--basetemp", str(tmp_path / "inner"), "-m", "not sandbox", "-k", "offline or is_short or readme", "tests/test_nvidia_doubles.py",
-            "tests/test_doubles.py", "tests/test_readme.py"]
+            "--basetemp", str(tmp_path / "inner"), "-m", "not sandbox", "-k", "offline or is_short or readme",
+            "tests/test_nvidia_doubles.py", "tests/test_doubles.py", "tests/test_readme.py"]
     out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600).stdout
     ran = re.findall(r"^\[(gw\d)\] .*? PASSED (tests/\S+)", out, re.M)
     serial = [(worker, test) for worker, test in ran if "test_readme.py" not in test]
