@@ -87,7 +87,7 @@ def deployed_probe(prefix: str) -> tuple[list, str, dict]:
 def main(out):
     os.makedirs(out, exist_ok=True)
     meta = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "python": sys.version.split()[0]}
-    meta["uname"] = os.uname()._asdict() if hasattr(os.uname(), "_asdict") else list(os.uname())
+    meta["uname"] = list(os.uname())
     meta["os_release"] = read("/etc/os-release")
     meta["nproc"] = os.cpu_count()
     runs = {}
@@ -126,7 +126,7 @@ def main(out):
     h200_want = json.loads(queries["deploy"]["checks"]["gpu-ready"][4])
     code, so, se, wall = run(gate + [json.dumps(h200_want)])
     runs["gate-h200-plan"] = {"want": h200_want, "rc": code, "stdout": so, "stderr": se[-2000:], "wall_s": round(wall, 4)}
-    csv = open(os.path.join(out, "nvidia-smi-csv.txt")).read().strip().splitlines()
+    csv = read(os.path.join(out, "nvidia-smi-csv.txt")).strip().splitlines()
     rows = [[c.strip() for c in line.split(",")] for line in csv if "," in line]
     own = {"vendor": "nvidia", "count": len(rows), "name": rows[0][0].replace("NVIDIA ", "") if rows else "?",
            "branch": None, "minimum": 580, "minimum_version": "580.65.06", "driver_package": None,
