@@ -32,10 +32,14 @@ def pytest_configure(config: pytest.Config) -> None:
 # run in the one "serial" worker with every sandbox test, one at a time; the rest run beside them.
 SERIAL_MODULES = {
     "test_sudo_uploads", "test_local_users", "test_squatter", "test_airgap", "test_aptroot", "test_bundle",
-    "test_package_mirror", "test_real_vllm", "test_benches", "test_gate_outside_checkout", "test_relay",
-    "test_relay_trust", "test_relay_hostile", "test_checkpoint_fleet", "test_company_network", "test_ktransformers",
-    "test_container_image", "test_doubles", "test_nvidia_doubles", "test_dry_run",
+    "test_real_vllm", "test_benches", "test_relay",
+    "test_relay_hostile", "test_checkpoint_fleet", "test_company_network", "test_ktransformers",
+    "test_container_image", "test_nvidia_doubles", "test_dry_run",
 }
+# Modules that touch nothing the sandbox stream shares (loopback servers on free ports, their own
+# temporary directories): each is its own xdist group, so its tests stay together on one worker
+# (module fixtures built once) and run beside the sandbox stream instead of inside it.
+LOOPBACK_MODULES = {"test_doubles", "test_relay_trust", "test_package_mirror", "test_gate_outside_checkout"}
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -54,6 +58,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if item.get_closest_marker("sandbox") or item.get_closest_marker("real_engine") or name in SERIAL_MODULES \
                 or name.startswith("test_rehearse") or "sandbox" in name:
             item.add_marker(pytest.mark.xdist_group("serial"))
+        elif name in LOOPBACK_MODULES:
+            item.add_marker(pytest.mark.xdist_group(name))
 
 
 @pytest.hookimpl(hookwrapper=True)

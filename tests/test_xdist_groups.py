@@ -20,11 +20,16 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_serial_group_runs_on_one_worker(tmp_path: Path) -> None:
     # two modules of the serial group (their offline tests) and one of the rest, on two workers
     argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-v",
-            "--basetemp", str(tmp_path / "inner"), "-m", "not sandbox", "-k", "offline or is_short or readme",
-            "tests/test_nvidia_doubles.py", "tests/test_doubles.py", "tests/test_readme.py"]
+            "--basetemp", str(tmp_path / "inner"), "-m", "not sandbox",
+            "-k", "offline or is_short or readme or malformed_range",
+            "tests/test_nvidia_doubles.py", "tests/test_readme.py", "tests/test_relay_trust.py"]
     out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600).stdout
     ran = re.findall(r"^\[(gw\d)\] .*? PASSED (tests/\S+)", out, re.M)
-    serial = [(worker, test) for worker, test in ran if "test_readme.py" not in test]
+    serial = [(worker, test) for worker, test in ran if "test_nvidia_doubles.py" in test]
     assert len(serial) >= 4 and all(test.endswith("@serial") for _, test in serial), out[-3000:]
     assert len({worker for worker, _ in serial}) == 1, serial
     assert any("test_readme.py" in test and not test.endswith("@serial") for _, test in ran), out[-3000:]
+    # a LOOPBACK_MODULES module: its own group (one worker, its module fixtures built once), not the serial one
+    loopback = [(worker, test) for worker, test in ran if "test_relay_trust.py" in test]
+    assert len(loopback) >= 2 and all(test.endswith("@test_relay_trust") for _, test in loopback), out[-3000:]
+    assert len({worker for worker, _ in loopback}) == 1, loopback
