@@ -68,7 +68,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from k2fleet.control.aptroot import AptRootError, apt_mirror
+from k2fleet.control.aptroot import AptRootError, apt_mirror, debian_sources
 
 DEFAULT_STATE_DIR = Path(os.environ.get("K2FLEET_SANDBOX_DIR", "/var/lib/k2fleet-sandbox"))
 SHARED_MOUNT = "/mnt/k2shared"  # every host's view of STATE/shared (the sandbox's shared storage)
@@ -77,6 +77,12 @@ ROOTFS_CACHE = Path(os.environ.get("K2FLEET_SANDBOX_CACHE", "/var/cache/k2fleet/
 SUITE = "bookworm"
 HOST_OS = "debian-12"  # the k2_os of sandbox hosts (the bootstrap's package table)
 VARIANT = "minbase"
+# minbase + systemd, sshd, Python, iproute2, sudo, D-Bus, plus the CA bundle, openssl and rsync,
+# which server images carry, and Python's distutils and lib2to3 (python3-venv's dependencies),
+# kept here only for time: each cost every bare sandbox host ~3.5 CPU-seconds at its first deploy
+# (update-ca-certificates and py3compile mostly; measured 2026-11-27 by sampling /proc over a 2-host
+# rehearsal: 18 of its 28 CPU-seconds were on the hosts, 12 of them installing packages). The
+# deploy still installs the rest from its bundle: python3-venv, nftables, the GPU stack, Docker.
 PACKAGES: tuple[str, ...] = (
     "systemd",
     "systemd-sysv",
@@ -85,9 +91,14 @@ PACKAGES: tuple[str, ...] = (
     "iproute2",
     "sudo",
     "dbus",
+    "ca-certificates",
+    "openssl",
+    "rsync",
+    "python3-distutils",
+    "python3-lib2to3",
 )
 # Bump when the post-debootstrap image tweaks change, to invalidate the cache.
-IMAGE_REVISION = 1
+IMAGE_REVISION = 2  # 2: upgraded to the suite's updates and security pockets
 
 PREFIX = "k2sb"
 BRIDGE = "k2sb0"
@@ -298,6 +309,30 @@ def _prepare_image(root: Path) -> None:
         deb.unlink()
 
 
+UPGRADE_LIST = "etc/apt/sources.list.d/k2sb-image-upgrade.list"
+
+
+def _upgrade_image(root: Path) -> None:
+    """Bring a fresh debootstrap tree (the suite's release pocket only) to the suite's point
+    releases and security updates, as a host kept up to date has them, through the mirrors this
+    machine's apt uses. Without it every bare sandbox host upgraded python3.11 and libssl3 from the
+    deploy's bundle (which resolves those pockets) at its first deploy, python3.11-minimal's
+    postinst re-compiling the standard library: ~2 CPU-seconds a host (measured 2026-11-27)."""
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "DEBIAN_FRONTEND": "noninteractive", "LC_ALL": "C"}
+    sources = root / UPGRADE_LIST
+    sources.write_text("\n".join(debian_sources(SUITE)) + "\n")
+    try:
+        run(["chroot", str(root), "apt-get", "-q", "update"], env=env, timeout=600)
+        run(["chroot", str(root), "apt-get", "-q", "-y", "-o", "Dpkg::Options::=--force-confold", "upgrade"],
+            env=env, timeout=900)
+        run(["chroot", str(root), "apt-get", "clean"], env=env)
+    finally:
+        sources.unlink(missing_ok=True)
+    for listed in (root / "var/lib/apt/lists").glob("*"):  # the image keeps debootstrap's index only
+        if listed.is_file() and (f"_{SUITE}-updates_" in listed.name or "security" in listed.name):
+            listed.unlink()
+
+
 def ensure_rootfs(cache: Path = ROOTFS_CACHE) -> Path:
     """Return the cached root fs, building it with debootstrap if missing."""
     target = cache / rootfs_key()
@@ -314,6 +349,7 @@ def ensure_rootfs(cache: Path = ROOTFS_CACHE) -> Path:
            SUITE, str(tmp), mirror]
     try:
         run(cmd)
+        _upgrade_image(tmp)
         _prepare_image(tmp)
         _safe_rmtree(target)
         tmp.rename(target)
