@@ -68,7 +68,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from k2fleet.control.aptroot import AptRootError, apt_mirror, debian_sources
+from k2fleet.control.aptroot import AptRootError, apt_mirror
 
 DEFAULT_STATE_DIR = Path(os.environ.get("K2FLEET_SANDBOX_DIR", "/var/lib/k2fleet-sandbox"))
 SHARED_MOUNT = "/mnt/k2shared"  # every host's view of STATE/shared (the sandbox's shared storage)
@@ -79,7 +79,7 @@ HOST_OS = "debian-12"  # the k2_os of sandbox hosts (the bootstrap's package tab
 VARIANT = "minbase"
 # minbase + systemd, sshd, Python, iproute2, sudo, D-Bus, plus the CA bundle, openssl and rsync,
 # which server images carry, and Python's distutils and lib2to3 (python3-venv's dependencies),
-# kept here only for time: each cost every bare sandbox host ~3.5 CPU-seconds at its first deploy
+# kept here only for time: each cost every bare sandbox host CPU-seconds at its first deploy
 # (update-ca-certificates and py3compile mostly; measured 2026-11-27 by sampling /proc over a 2-host
 # rehearsal: 18 of its 28 CPU-seconds were on the hosts, 12 of them installing packages). The
 # deploy still installs the rest from its bundle: python3-venv, nftables, the GPU stack, Docker.
@@ -98,7 +98,7 @@ PACKAGES: tuple[str, ...] = (
     "python3-lib2to3",
 )
 # Bump when the post-debootstrap image tweaks change, to invalidate the cache.
-IMAGE_REVISION = 2  # 2: upgraded to the suite's updates and security pockets
+IMAGE_REVISION = 3  # 3: upgraded to the suite's -updates pocket, no package index
 
 PREFIX = "k2sb"
 BRIDGE = "k2sb0"
@@ -312,15 +312,17 @@ def _prepare_image(root: Path) -> None:
 UPGRADE_LIST = "etc/apt/sources.list.d/k2sb-image-upgrade.list"
 
 
-def _upgrade_image(root: Path) -> None:
-    """Bring a fresh debootstrap tree (the suite's release pocket only) to the suite's point
-    releases and security updates, as a host kept up to date has them, through the mirrors this
-    machine's apt uses. Without it every bare sandbox host upgraded python3.11 and libssl3 from the
-    deploy's bundle (which resolves those pockets) at its first deploy, python3.11-minimal's
-    postinst re-compiling the standard library: ~2 CPU-seconds a host (measured 2026-11-27)."""
+def _upgrade_image(root: Path, mirror: str) -> None:
+    """Bring a fresh debootstrap tree (the suite's release pocket) to the suite's ``-updates``
+    pocket from ``mirror``, the one debootstrap used. Not to the security archive: every bundle the
+    deploy builds resolves the release and ``-updates`` pockets, but one resolved through a company
+    mirror (``k2_os_mirror``, tests/test_company_network.py) has no security pocket, and a host
+    holding a newer python3.11 than its bundle's python3.11-venv asks for exactly cannot install it
+    (apt does not downgrade). The deploy still upgrades what the security archive moved, from its
+    bundle, as it does on a real host whose image lags."""
     env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "DEBIAN_FRONTEND": "noninteractive", "LC_ALL": "C"}
     sources = root / UPGRADE_LIST
-    sources.write_text("\n".join(debian_sources(SUITE)) + "\n")
+    sources.write_text(f"deb {mirror} {SUITE}-updates main\n")
     try:
         run(["chroot", str(root), "apt-get", "-q", "update"], env=env, timeout=600)
         run(["chroot", str(root), "apt-get", "-q", "-y", "-o", "Dpkg::Options::=--force-confold", "upgrade"],
@@ -328,8 +330,11 @@ def _upgrade_image(root: Path) -> None:
         run(["chroot", str(root), "apt-get", "clean"], env=env)
     finally:
         sources.unlink(missing_ok=True)
-    for listed in (root / "var/lib/apt/lists").glob("*"):  # the image keeps debootstrap's index only
-        if listed.is_file() and (f"_{SUITE}-updates_" in listed.name or "security" in listed.name):
+    # no package index, as a host whose image was cleaned (apt-get update never ran): the deploy reads
+    # its bundle's index only, and every apt run after an index change rebuilt a cache of the whole
+    # archive's 60k packages otherwise (0.9 CPU-seconds each on a sandbox host, measured 2026-11-27)
+    for listed in (root / "var/lib/apt/lists").iterdir():
+        if listed.is_file() and listed.name != "lock":
             listed.unlink()
 
 
@@ -349,7 +354,7 @@ def ensure_rootfs(cache: Path = ROOTFS_CACHE) -> Path:
            SUITE, str(tmp), mirror]
     try:
         run(cmd)
-        _upgrade_image(tmp)
+        _upgrade_image(tmp, mirror)
         _prepare_image(tmp)
         _safe_rmtree(target)
         tmp.rename(target)

@@ -10,7 +10,7 @@ before any change in one line naming host, what was found and what is needed; ho
 pre-imaged with 580 end healthy with their GPU stack's packages (``dpkg-query -W``
 name=version before and after) exactly as delivered — no NVIDIA or Docker package
 installed, removed, held or upgraded —, no package removed, no reboot; the re-run changes
-nothing. (The deploy still installs the plan's host packages — rsync, python3-venv, … —
+nothing. (The deploy still installs the plan's host packages it lacks — python3-venv, nftables, … —
 from the bundle, and their dependencies may move a base package such as python3.11 to the
 bundle's version: the whole list is not equal, the GPU stack's is.)
 """
@@ -97,7 +97,7 @@ def test_pre_imaged_hosts_end_healthy_with_their_packages_untouched(fleet) -> No
         assert sorted(p for p in after if p.startswith(GPU_STACK)) == sorted(p for p in had if p.startswith(GPU_STACK))
         names = {p.split("=", 1)[0] for p in after}
         assert not [p for p in had if p.split("=", 1)[0] not in names], "a package was removed"
-        # the rest: the plan's host packages (rsync, python3-venv, ...) from the bundle, whose
+        # the rest: the plan's host packages it lacks (python3-venv, nftables, ...) from the bundle, whose
         # dependencies may move a base package to the bundle's version (python3.11, libssl3)
         added = sorted(after - had)
         assert ssh(host, "apt-mark showhold").stdout.split() == []
