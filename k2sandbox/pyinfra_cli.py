@@ -11,6 +11,7 @@ and ``results.totals.success`` counts the (operation, host) pairs that changed a
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -53,8 +54,14 @@ class DeployResult:
         return self.stderr + ("" if self.payload is not None else self.stdout)
 
     def tail(self, chars: int = 4000) -> str:
-        """The end of the log, for assertion messages."""
-        return f"$ {' '.join(self.argv)}\n(exit {self.returncode})\n{self.stderr[-chars:]}"
+        """The end of the log, for assertion messages; a failed run's first host error with the
+        lines before it (the failed command's own output, e.g. a unit's journal) ahead of it."""
+        first = ""
+        lines = self.stderr.splitlines()
+        at = next((i for i, line in enumerate(lines) if re.search(r"^\s*\[[^]]+\] Error", line)), None)
+        if self.returncode != 0 and at is not None:
+            first = "\n".join(lines[max(0, at - 30):at + 3])[-3000:] + "\n...\n"
+        return f"$ {' '.join(self.argv)}\n(exit {self.returncode})\n{first}{self.stderr[-chars:]}"
 
     @property
     def ran_operations(self) -> bool:
