@@ -11,8 +11,8 @@ and ``results.totals.success`` counts the (operation, host) pairs that changed a
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys

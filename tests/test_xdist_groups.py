@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_serial_group_runs_on_one_worker(tmp_path: Path) -> None:
-    # two modules of the serial group (their offline tests) and one of the rest, on two workers
+    # a module of the serial group (its offline tests), one of the rest and one LOOPBACK_MODULES module, on two workers
     argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-v",
             "--basetemp", str(tmp_path / "inner"), "-m", "not sandbox",
             "-k", "offline or is_short or readme or malformed_range",
