@@ -41,9 +41,13 @@ class RelayFleet:
     hosts: list[sandbox.SandboxHost]
     control: subprocess.Popen | None = None
     log: list[str] = field(default_factory=list)
+    pieces_digest: str | None = None  # the control copy's pinned pieces (relay pieces), as the deploy pins them
 
     def start(self) -> None:
         subprocess.run([sys.executable, str(RELAY), "mark", str(self.source)], check=True, capture_output=True)
+        pinned = subprocess.run([sys.executable, str(RELAY), "pieces", str(self.source)], check=True,
+                                capture_output=True, text=True)
+        self.pieces_digest = json.loads(pinned.stdout)["pieces_digest"]
         self.control = subprocess.Popen([sys.executable, str(RELAY), "serve", str(self.source), "--bind",
                                          sandbox.BRIDGE_ADDRESS, "--port", str(PORT), "--exit-with-parent"],
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -98,12 +102,13 @@ class RelayFleet:
 
     def pipelined(self, hosts: list[sandbox.SandboxHost], fanout_k: int = 1) -> tuple[float, list[dict]]:
         """Every host fetches at once with the deploy's own argv (:func:`relay_plan.relay_fetch_argv`:
-        its place in the fleet order, the per-shard plan, the source last): seconds until
+        its place in the fleet order, the per-shard plan, the source last, the control copy's
+        pinned pieces): seconds until
         all are done, and their reports in fleet order."""
         fleet = [url(h.address) for h in hosts]
         lines = {h.name: shlex.join(relay_plan.relay_fetch_argv(HOST_DIR, fleet, i, fanout_k, [url(sandbox.BRIDGE_ADDRESS)],
                                                             log_file="/var/log/k2fleet/relay-bench.jsonl",
-                                                            secret_file=None))
+                                                            secret_file=None, pieces_digest=self.pieces_digest))
                  for i, h in enumerate(hosts)}
         t0 = time.monotonic()
         reports = self.run_fetches(lines)

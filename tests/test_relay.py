@@ -231,9 +231,9 @@ def test_files_land_one_after_another_while_earlier_ones_are_still_checked(
     events: list[tuple[float, str, str]] = []
     real_land, real_finish = relay_mod.land_file, relay_mod.finish_file
 
-    def land(src, root, manifest, rel, streams, chunk, after=None):
+    def land(src, root, manifest, rel, streams, chunk, after=None, pieces=None):
         events.append((time.monotonic(), "land", rel))
-        return real_land(src, root, manifest, rel, streams, chunk, after)
+        return real_land(src, root, manifest, rel, streams, chunk, after, pieces)
 
     def slow_finish(landed, root, manifest, rel):  # double: slow hashing and checks
         time.sleep(0.1)

@@ -104,6 +104,8 @@ def relay_to_host(control: ControlRelay, source: str | None, target: str, ssh: l
         elif pinned != digest:
             raise RuntimeError(f"the control machine's copy {source} has manifest digest {digest}, not the pinned "
                                f"{pinned}: refusing to serve it to {target}")
+        if "--pieces-digest" not in fetch_argv:  # the copy's pieces, pinned here: passed on as each verifies
+            fetch_argv = [*fetch_argv[:-1], "--pieces-digest", pieces_pin(source), fetch_argv[-1]]
         argv += ["-o", "ExitOnForwardFailure=yes", "-R", f"127.0.0.1:{tunnel_port}:127.0.0.1:{control.port_for(source)}"]
     result = subprocess.run([*argv, target, shlex.join(fetch_argv)], capture_output=True, text=True,
                             stdin=subprocess.DEVNULL)
@@ -113,6 +115,24 @@ def relay_to_host(control: ControlRelay, source: str | None, target: str, ssh: l
     if log_file:
         _append(log_file, {"step": "relay", **record})
     return record
+
+
+_PIECES_LOCK = threading.Lock()
+
+
+def pieces_pin(source: str) -> str:
+    """The digest of the control copy ``source``'s pieces document (``relay pieces``, :func:`k2fleet.hostprogs.relay.make_pieces`:
+    a sha256 per piece of each file, made once from the verified copy and reused while its files are unchanged),
+    which every fetch from it carries (``--pieces-digest``)."""
+    with _PIECES_LOCK:  # one hashing pass per copy, however many hosts' transfers start at once
+        # a child process: its threads hash on every core (this process's threads are pyinfra's greenlets)
+        done = subprocess.run([sys.executable, "-m", "k2fleet.hostprogs.relay", "pieces", source], capture_output=True,
+                              text=True, stdin=subprocess.DEVNULL, env=_with_this_checkout())
+    try:
+        return str(json.loads(done.stdout.strip().splitlines()[-1])["pieces_digest"])
+    except (ValueError, KeyError, IndexError):
+        raise RuntimeError(f"the control machine's copy {source} cannot be pinned piece by piece: "
+                           f"{done.stderr.strip()[-500:]}") from None
 
 
 # --------------------------------------------------------------------------- the pin

@@ -58,6 +58,7 @@ import argparse
 import contextlib
 import errno
 import fcntl
+import hashlib
 import hmac
 import http.server
 import json
@@ -79,6 +80,11 @@ from k2fleet.hostprogs import swarm, verify  # in the host archive beside it; ne
 MANIFEST = os.path.join(".k2fleet", "manifest.json")
 MARKS = os.path.join(".k2fleet", "relay")
 PARTIAL = os.path.join(".k2fleet", "relay-partial")
+PIECES = os.path.join(".k2fleet", "pieces.json")  # per file: a sha256 per piece, pinned by the control machine
+PROGRESS = PARTIAL + "/.k2fleet"  # per file landing: how much of it has verified pieces (no file is named .k2fleet/…)
+PIECE_MIN = 1 << 20
+PIECES_PER_FILE = 64  # a file's piece: the smallest power of two >= PIECE_MIN giving at most this many
+PIECES_MAX_BYTES = 16 << 20  # a 1 TB checkpoint's pieces document is well under 1 MiB
 HEARTBEAT = os.path.join(".k2fleet", "relay-fetching")  # touched every HEARTBEAT_S while a fetch runs
 HEARTBEAT_S = 1.0
 FETCHING_FRESH_S = 5.0
@@ -148,6 +154,133 @@ def mark(root):
         else:
             write_mark(root, rel, entry, stat)
     return bad
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def piece_size(size):
+    """The piece a file of ``size`` bytes is pinned by: the smallest power of two of at least
+    :data:`PIECE_MIN` that cuts it into at most :data:`PIECES_PER_FILE` pieces.
+
+    >>> piece_size(16 << 20) >> 20, piece_size(9_600_000_000) >> 20
+    (1, 256)
+    """
+    piece = PIECE_MIN
+    while piece * PIECES_PER_FILE < size:
+        piece <<= 1
+    return piece
+
+
+def _piece_hashes(root, rel, size, piece):
+    """sha256 (hex) of each ``piece``-byte piece of ``rel`` (read without following a symlink)."""
+    fd = verify.open_beneath(root, rel)
+    try:
+        if hasattr(os, "posix_fadvise"):
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        out, view = [], memoryview(bytearray(min(piece, HASH_STEP)))
+        for start in range(0, size, piece):
+            h, at, stop = hashlib.sha256(), start, min(start + piece, size)
+            while at < stop:
+                n = os.preadv(fd, [view[: min(len(view), stop - at)]], at)
+                if n <= 0:
+                    raise OSError(f"{rel}: shorter than its manifest's {size} bytes")
+                h.update(view[:n])
+                at += n
+            out.append(h.hexdigest())
+        return out
+    finally:
+        os.close(fd)
+
+
+def make_pieces(root):
+    """Pin each file of a verified copy piece by piece: write ``DIR/.k2fleet/pieces.json`` (the manifest's
+    digest, and per file larger than one piece its :func:`piece_size` and a sha256 per piece) and return the
+    sha256 of those bytes — the ``--pieces-digest`` a fetch from this copy carries, so a receiver serves a file
+    onward piece by piece while it lands, each piece checked against this pin (never a byte of one that is not).
+    Only a copy whose every file is verified here (:func:`is_verified_here`) is pinned; the document is reused
+    while every file's stat is the one it records."""
+    manifest = verify.load_manifest_in(root)
+    digest = verify.manifest_digest(manifest)
+    verified, stats = verify.load_marker(root, manifest), {}
+    for rel in sorted(manifest["files"]):
+        if not is_verified_here(root, manifest, rel, verified):
+            raise SystemExit(f"relay pieces: {rel} is not verified in {root}: nothing is pinned from an unverified copy")
+        stats[rel] = verify.stat_beneath(root, rel)
+    with contextlib.suppress(OSError, ValueError):
+        raw = verify.read_beneath(root, PIECES, PIECES_MAX_BYTES)
+        old = verify.manifest_from_bytes(raw)
+        if isinstance(old, dict) and old.get("manifest") == digest and old.get("stat") == stats:
+            return hashlib.sha256(raw).hexdigest()
+    big = [(rel, e["size"], piece_size(e["size"])) for rel, e in sorted(manifest["files"].items())
+           if e["size"] > piece_size(e["size"])]
+    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
+        hashes = list(pool.map(lambda one: _piece_hashes(root, *one), big))
+    if any(verify.stat_beneath(root, rel) != stats[rel] for rel, _, _ in big):
+        raise SystemExit(f"relay pieces: files in {root} changed while they were hashed")
+    doc = {"manifest": digest, "stat": stats,
+           "files": {rel: {"piece": piece, "sha256": h} for (rel, _, piece), h in zip(big, hashes)}}
+    raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    verify.write_beneath(root, PIECES, raw)
+    return hashlib.sha256(raw).hexdigest()
+
+
+def pieces_problem(raw, manifest, digest):
+    """(None, {file: (piece size, [sha256, ...])}) when ``raw`` is the pieces document the pin ``digest``
+    names, for ``manifest``; else (why not, None)."""
+    if len(raw) > PIECES_MAX_BYTES:
+        return f"pieces document too large ({len(raw)} bytes)", None
+    if not hmac.compare_digest(hashlib.sha256(raw).hexdigest(), digest):
+        return "pieces document is not the pinned one (digest differs)", None
+    try:
+        doc = verify.manifest_from_bytes(raw)
+        if doc["manifest"] != verify.manifest_digest(manifest):
+            return "pieces document is of another manifest", None
+        table = {}
+        for rel, entry in doc["files"].items():
+            size, piece, hashes = manifest["files"][rel]["size"], entry["piece"], entry["sha256"]
+            if (not isinstance(piece, int) or isinstance(piece, bool) or piece < 4096 or not isinstance(hashes, list)
+                    or len(hashes) != -(-size // piece)
+                    or not all(isinstance(h, str) and verify.is_hex(h, 64) for h in hashes)):
+                return f"pieces document: a bad entry for {rel}", None
+            table[rel] = (piece, hashes)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"pieces document unusable ({exc!r})", None
+    return None, table
+
+
+def progress_rel(rel):
+    return PROGRESS + "/" + rel
+
+
+def read_progress(root, rel):
+    """(generation, verified bytes) of ``rel``'s landing here, or None: the record
+    :func:`land_file` keeps while a file with pinned pieces lands (its prefix of verified
+    pieces), read without following a symlink."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        rec = json.loads(verify.read_beneath(root, progress_rel(rel), 4096))
+        return str(rec["generation"]), int(rec["verified"])
+    return None
+
+
+def open_growing(root, rel, size):
+    """(fd, generation, verified bytes) of ``rel``'s partial file while it lands here with a
+    prefix of verified pieces, or None. The record is read before and after the file is
+    opened and must not change between: a landing that starts over first removes its record,
+    so the fd is the file whose prefix the record vouches for, never a new one (even one that
+    reuses its inode number)."""
+    first = read_progress(root, rel)
+    if first is None or not 0 < first[1] <= size:
+        return None
+    try:
+        fd = verify.open_beneath(root, PARTIAL + "/" + rel)  # never read through a symlink
+    except OSError:
+        return None
+    if read_progress(root, rel) != first or os.fstat(fd).st_size != size:
+        os.close(fd)
+        return None
+    return fd, first[0], first[1]
 
 
 # --------------------------------------------------------------------------- serving
@@ -280,6 +413,12 @@ def make_handler(root, secret=None):
                                       [("Content-Type", "application/json")])
                 except OSError:
                     return self._send(404)
+            if path == "/pieces":
+                try:
+                    return self._send(200, verify.read_beneath(root, PIECES, PIECES_MAX_BYTES),
+                                      [("Content-Type", "application/json")])
+                except OSError:
+                    return self._send(404)
             try:
                 manifest = verify.load_manifest_in(root)
             except (OSError, ValueError):
@@ -295,6 +434,12 @@ def make_handler(root, secret=None):
             deadline = time.monotonic() + wait
             while not is_verified_here(root, manifest, rel):  # never serve unverified
                 fetching = is_fetching(root)
+                growing = open_growing(root, rel, entry["size"]) if fetching else None
+                if growing is not None:  # landing here, its first pieces verified against the pin
+                    try:
+                        return self._send_growing(manifest, rel, entry["size"], *growing)
+                    finally:
+                        os.close(growing[0])
                 if time.monotonic() >= deadline or not fetching:
                     return self._send(409, b"not verified here yet", [("X-K2-Fetching", "1" if fetching else "0")])
                 _await_marker(root, rel, min(deadline, time.monotonic() + WAIT_RECHECK_S))
@@ -307,40 +452,91 @@ def make_handler(root, secret=None):
             finally:
                 os.close(fd)
 
-        def _send_file(self, fd, size):
+        def _range(self, size):
+            """(start, end) the request asks for, or None once a 400/416 answered it."""
             start, end = 0, size - 1
             rng = self.headers.get("Range")
             if rng is not None:
                 found = RANGE_RE.fullmatch(rng.strip())
                 if not found:
-                    return self._send(400, b"one Range: bytes=START-[END] only")
+                    self._send(400, b"one Range: bytes=START-[END] only")
+                    return None
                 start = int(found.group(1))
                 end = min(int(found.group(2)) if found.group(2) else size - 1, size - 1)
                 if start > end or start >= size:
-                    return self._send(416, b"", [("Content-Range", f"bytes */{size}")])
-            length = max(0, end - start + 1)
+                    self._send(416, b"", [("Content-Range", f"bytes */{size}")])
+                    return None
+            return start, end
+
+        def _send_head(self, start, end, size):
             big_buffer(self.connection, socket.SO_SNDBUF)
             self.server.watch(self.connection, time.monotonic() + SEND_TIMEOUT_S)
-            self.send_response(206 if rng else 200)
-            self.send_header("Content-Length", str(length))
-            if rng:
+            ranged = self.headers.get("Range") is not None
+            self.send_response(206 if ranged else 200)
+            self.send_header("Content-Length", str(max(0, end - start + 1)))
+            if ranged:
                 self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
             self.end_headers()
             self.wfile.flush()
+            self.server.watch(self.connection, None)
+
+        def _send_bytes(self, fd, offset, stop):
+            """sendfile ``fd``'s bytes ``offset..stop-1`` (the kernel copies file to socket); each block within
+            SEND_TIMEOUT_S, or the watchdog shuts the connection. Returns the offset reached."""
             self.connection.settimeout(None)  # sendfile wants a blocking socket (a timeout makes it non-blocking)
             try:
-                offset, left = start, length  # the kernel copies file to socket (sendfile)
-                while left > 0:
-                    # each block within SEND_TIMEOUT_S, or the watchdog shuts the connection
+                while offset < stop:
                     self.server.watch(self.connection, time.monotonic() + SEND_TIMEOUT_S)
-                    sent = os.sendfile(self.connection.fileno(), fd, offset, min(left, SENDFILE_BLOCK))
+                    sent = os.sendfile(self.connection.fileno(), fd, offset, min(stop - offset, SENDFILE_BLOCK))
                     if sent == 0:
                         break
                     offset += sent
-                    left -= sent
             finally:
                 self.server.watch(self.connection, None)
                 self.connection.settimeout(self.timeout)
+            return offset
+
+        def _send_file(self, fd, size):
+            asked = self._range(size)
+            if asked is None:
+                return
+            start, end = asked
+            self._send_head(start, end, size)
+            self._send_bytes(fd, start, end + 1)
+
+        def _send_growing(self, manifest, rel, size, fd, generation, verified):
+            """Serve a file while it lands here, never a byte beyond its prefix of pieces verified against the
+            pin: what is verified goes at once, the rest as its pieces verify (the landing's record, polled every
+            :data:`WAIT_POLL_S`), or all of it once the whole file is verified and in place (the same inode).
+            A landing that starts over or stalls for DATA_TIMEOUT_S ends the answer short, connection closed:
+            the receiver takes the file from elsewhere."""
+            asked = self._range(size)
+            if asked is None:
+                return
+            start, end = asked
+            self._send_head(start, end, size)
+            offset, moved = start, time.monotonic()
+            ino = os.fstat(fd).st_ino
+            while offset <= end:
+                if offset < verified:
+                    offset = self._send_bytes(fd, offset, min(verified, end + 1))
+                    moved = time.monotonic()
+                    continue
+                if time.monotonic() - moved > DATA_TIMEOUT_S:
+                    break
+                time.sleep(WAIT_POLL_S)
+                now = read_progress(root, rel)
+                if now is not None and now[0] == generation:
+                    verified = max(verified, min(now[1], size))
+                elif now is None and is_verified_here(root, manifest, rel) and \
+                        (verify.stat_beneath(root, rel) or {}).get("ino") == ino:
+                    verified = size  # the whole file checked and moved into place: this very inode
+                else:
+                    break  # started over: what this fd holds beyond ``verified`` is vouched for by nobody
+            if offset <= end:
+                self.close_connection = True
+                with contextlib.suppress(OSError):
+                    self.connection.shutdown(socket.SHUT_RDWR)
 
     return Handler
 
@@ -358,11 +554,12 @@ def big_buffer(sock, option):
 
 
 def _await_marker(root, rel, until):
-    """Sleep until ``rel``'s relay marker or verify.py's marker appears or changes, or
+    """Sleep until ``rel``'s relay marker, verify.py's marker or ``rel``'s landing record appears or changes, or
     ``until`` (monotonic). One ``stat`` of each every :data:`WAIT_POLL_S`: only a trigger to
     look again — whether the file may be served is :func:`is_verified_here`'s call alone
     (which follows no symlink), so a file is passed on within milliseconds of being verified."""
-    paths = (os.path.join(root, mark_rel(rel)), os.path.join(root, verify.STATE_DIR, verify.MARKER_NAME))
+    paths = (os.path.join(root, mark_rel(rel)), os.path.join(root, verify.STATE_DIR, verify.MARKER_NAME),
+             os.path.join(root, progress_rel(rel)))
 
     def seen():
         out = []
@@ -787,8 +984,9 @@ class LandingHash:
     that has landed (read back from the file, so what is hashed is what is on disk), so
     the file's hash is ready a moment after its last byte rather than a full re-read later."""
 
-    def __init__(self, fd, hasher, ranges):
+    def __init__(self, fd, hasher, ranges, pieces=None, on_verified=None):
         self.fd, self.hasher, self.ranges = fd, hasher, ranges
+        self.pieces, self.on_verified = pieces, on_verified  # (piece size, [sha256]); called with each verified prefix
         self.size = ranges[-1][1] + 1 if ranges else 0
         self.landed = [a for a, _ in ranges]  # per range: the offset its bytes reached
         self.hashed = 0
@@ -812,9 +1010,13 @@ class LandingHash:
 
     def _run(self):
         """Hash from a read-only map of the file: the landed bytes go from the page cache
-        to sha256 with no copy through a buffer (one less pass over memory per byte)."""
+        to sha256 with no copy through a buffer (one less pass over memory per byte). With
+        ``pieces``, each piece is also checked against its pinned sha256 as it completes, and
+        ``on_verified`` told the prefix of good pieces (never past a piece that failed)."""
         mapped = mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ) if self.size else None
         view = memoryview(mapped) if mapped is not None else memoryview(b"")
+        piece, pinned = self.pieces if self.pieces else (0, None)
+        piece_hash = hashlib.sha256() if pinned else None
         try:
             while self.hashed < self.size:
                 with self._cond:
@@ -825,8 +1027,23 @@ class LandingHash:
                     frontier = self._frontier()
                 while self.hashed < frontier:
                     step = min(HASH_STEP, frontier - self.hashed)
-                    self.hasher.update(view[self.hashed:self.hashed + step])
+                    if piece_hash is not None:
+                        step = min(step, (self.hashed // piece + 1) * piece - self.hashed)
+                    block = view[self.hashed:self.hashed + step]
+                    self.hasher.update(block)
+                    if piece_hash is not None:
+                        piece_hash.update(block)
+                    block.release()
                     self.hashed += step
+                    if piece_hash is not None and (self.hashed % piece == 0 or self.hashed == self.size):
+                        if not hmac.compare_digest(piece_hash.hexdigest(), pinned[(self.hashed - 1) // piece]):
+                            piece_hash = None  # a bad piece: nothing of this landing is vouched for beyond it
+                            continue
+                        piece_hash = hashlib.sha256()
+                        try:
+                            self.on_verified(self.hashed)
+                        except OSError:
+                            piece_hash = None  # the record cannot be written: the file is served once whole
         finally:
             view.release()
             if mapped is not None:
@@ -885,19 +1102,35 @@ class Landed:
         self.part, self.fd, self.hashing, self.seconds = part, fd, hashing, seconds
 
 
-def land_file(source, root, manifest, rel, streams, chunk, after=None):
+def retract(root, rel):
+    """Withdraw ``rel``'s partial file from serving: its landing record first, then the file."""
+    verify.unlink_beneath(root, progress_rel(rel))
+    verify.unlink_beneath(root, PARTIAL + "/" + rel)
+
+
+def land_file(source, root, manifest, rel, streams, chunk, after=None, pieces=None):
     """Receive ``rel`` from ``source`` into a partial file over ``streams`` range streams, hashing it as it
     lands; return once its last byte landed (the hash may lag behind). ``after``: the file this lane takes next
     from the same source; with one stream, each range asks for the one after it ahead
-    (:meth:`Source.get_range`), the last for ``after``'s first."""
+    (:meth:`Source.get_range`), the last for ``after``'s first. ``pieces`` (piece size, [sha256]: the pinned
+    pieces of ``rel``): each verified piece extends the landing's record (:func:`read_progress`), up to which
+    this host's relay serves the file before it is whole (:func:`open_growing`)."""
     t0 = time.monotonic()
     part = os.path.join(root, PARTIAL, rel)
     size = manifest["files"][rel]["size"]
+    retract(root, rel)  # a new inode each landing: a relay still serving the last one keeps its verified bytes
     fd = verify.open_beneath(root, PARTIAL + "/" + rel, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644, create_dirs=True)
     try:
         os.ftruncate(fd, size)
         ranges = plan_ranges(size, streams, chunk)
-        hashing = LandingHash(fd, verify.new_hasher(manifest["files"][rel]), ranges)
+        publish = None
+        if pieces:  # this host's relay serves the file while it lands, up to its verified pieces
+            record = {"generation": os.urandom(16).hex(), "verified": 0}
+
+            def publish(verified):
+                record["verified"] = verified
+                verify.write_beneath(root, progress_rel(rel), json.dumps(record).encode(), durable=False)
+        hashing = LandingHash(fd, verify.new_hasher(manifest["files"][rel]), ranges, pieces, publish)
         try:
             if streams <= 1 or len(ranges) <= 1:
                 following = [(rel, a, b) for a, b in ranges[1:]]
@@ -930,15 +1163,17 @@ def finish_file(landed, root, manifest, rel):
     stat, _ = verify.check_one(os.path.join(root, PARTIAL), manifest, rel,
                                (digest, hashed_stat) if digest else None)
     if stat is None:
-        verify.unlink_beneath(root, PARTIAL + "/" + rel)
+        retract(root, rel)
         return False
     with verify.parent_beneath(root, PARTIAL + "/" + rel) as (src_dir, name), \
             verify.parent_beneath(root, rel, create=True) as (dest_dir, _):  # never into a symlinked directory
         os.replace(name, name, src_dir_fd=src_dir, dst_dir_fd=dest_dir)
     moved = verify.stat_beneath(root, rel)  # a rename changes ctime only
     if moved is None or {k: moved[k] for k in ("size", "mtime_ns", "ino")} != {k: stat[k] for k in ("size", "mtime_ns", "ino")}:
+        verify.unlink_beneath(root, progress_rel(rel))
         return False
     write_mark(root, rel, manifest["files"][rel], moved)
+    verify.unlink_beneath(root, progress_rel(rel))  # after the marker: a relay streaming it goes on from the marker
     return True
 
 
@@ -967,24 +1202,23 @@ class Pin:
         return verify.pin_problem(manifest, self.repo, self.revision, self.digest)  # the digest of these very bytes
 
 
-def _manifest_from(sources, wait_s=600.0, pin=None):
-    """The manifest from the first source whose manifest the ``pin`` takes; sources that
-    answer without one yet (a peer still fetching it) are waited for, up to ``wait_s``
-    seconds; a source whose manifest is refused is not asked again."""
-    pin = pin or Pin()
+def _document_from(sources, path, problem, limit, wait_s, what):
+    """(body, why not) of the first source whose ``path`` answer ``problem`` takes (None: taken); sources that
+    answer without one yet (a peer still fetching it) are waited for, up to ``wait_s`` seconds; a source whose
+    answer is refused is not asked again. body None: no source gave one."""
     deadline, last, refused = time.monotonic() + wait_s, None, {}
     while time.monotonic() < deadline:
         for src in sources:
             if src.url in refused:
                 continue
             try:
-                status, body = src.request("/manifest", limit=MANIFEST_MAX_BYTES)
+                status, body = src.request(path, limit=limit)
                 if status == 200:
-                    why = pin.problem(body)
+                    why = problem(body)
                     if why is None:
-                        return body
+                        return body, None
                     refused[src.url] = why
-                    sys.stderr.write(f"relay: refused the manifest of {src.url}: {why}\n")
+                    sys.stderr.write(f"relay: refused the {what} of {src.url}: {why}\n")
                     continue
                 last = f"{src.url} answered {status}"
             except Impostor as exc:
@@ -994,13 +1228,37 @@ def _manifest_from(sources, wait_s=600.0, pin=None):
                 last = f"{src.url}: {exc}"
                 if "too large" in str(exc):
                     refused[src.url] = str(exc)
-                    sys.stderr.write(f"relay: refused the manifest of {src.url}: {exc}\n")
+                    sys.stderr.write(f"relay: refused the {what} of {src.url}: {exc}\n")
         if len(refused) == len(sources):
             break
         time.sleep(POLL_S)
-    why = "; ".join(f"{url}: {reason}" for url, reason in refused.items())
-    raise SystemExit(f"no source answered with a manifest of the pinned checkpoint ({why or last}); "
-                     "refused manifests are never used")
+    return None, "; ".join(f"{url}: {reason}" for url, reason in refused.items()) or last
+
+
+def _manifest_from(sources, wait_s=600.0, pin=None):
+    """The manifest from the first source whose manifest the ``pin`` takes; sources that
+    answer without one yet (a peer still fetching it) are waited for, up to ``wait_s``
+    seconds; a source whose manifest is refused is not asked again."""
+    pin = pin or Pin()
+    body, why = _document_from(sources, "/manifest", pin.problem, MANIFEST_MAX_BYTES, wait_s, "manifest")
+    if body is None:
+        raise SystemExit(f"no source answered with a manifest of the pinned checkpoint ({why}); "
+                         "refused manifests are never used")
+    return body
+
+
+PIECES_WAIT_S = 30.0  # a pieces document none of the sources gives in this long: files are passed on whole
+
+
+def _pieces_from(sources, manifest, digest, wait_s=PIECES_WAIT_S):
+    """(raw, {file: (piece size, [sha256])}) of the pieces document pinned by ``digest`` from the first source
+    that has it; (None, {}) when none gives it in ``wait_s`` (every file is then passed on once whole)."""
+    body, why = _document_from(sources, "/pieces", lambda raw: pieces_problem(raw, manifest, digest)[0],
+                               PIECES_MAX_BYTES, wait_s, "pieces document")
+    if body is None:
+        sys.stderr.write(f"relay: no source gave the pinned pieces document ({why}); files pass on once whole\n")
+        return None, {}
+    return body, pieces_problem(body, manifest, digest)[1]
 
 
 def fleet_plan(files, fleet, position, fanout, sources):
@@ -1014,8 +1272,9 @@ class _Fetch:
     """State the lanes of one fetch share (under ``lock``)."""
 
     def __init__(self, root, manifest, urls, plan, streams, chunk, dead_after, give_up_after, t0, verify_behind,
-                 secret=None, slow_after=SLOW_AFTER_S):
+                 secret=None, slow_after=SLOW_AFTER_S, pieces=None):
         self.root, self.manifest, self.urls, self.plan = root, manifest, urls, plan or {}
+        self.pieces = pieces or {}  # file → (piece size, [sha256]): pinned pieces, served onward as they verify
         self.secret, self.slow_after = secret, slow_after
         self.streams, self.chunk, self.dead_after, self.give_up_after = streams, chunk, dead_after, give_up_after
         self.verify_behind = max(0, verify_behind)
@@ -1091,7 +1350,8 @@ class _Fetch:
             except SystemExit:
                 nxt = None
             try:
-                landed = land_file(src, self.root, self.manifest, rel, self.streams, self.chunk, nxt)
+                landed = land_file(src, self.root, self.manifest, rel, self.streams, self.chunk, nxt,
+                                   self.pieces.get(rel))
             except NotReady as exc:  # held for WAIT_S: ask again, or go on if no fetch runs there
                 src.note_idle(rel, not exc.fetching)
                 if not exc.fetching:
@@ -1203,7 +1463,7 @@ def _deadline_watch(seconds):
 
 def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_after=DEAD_AFTER_S, fleet=None,
           position=None, fanout=1, give_up_after=GIVE_UP_S, verify_behind=VERIFY_BEHIND, pin=None, secret=None,
-          slow_after=SLOW_AFTER_S, deadline=0.0):
+          slow_after=SLOW_AFTER_S, deadline=0.0, pieces_digest=None):
     """Fetch every file of the sources' manifest into ``root``, each from the first live source of its list,
     verifying each before it is marked (and so served onward). The lists: ``plan`` (file → URLs, parent first),
     or the fleet's per-shard plan (``fleet``: every host's relay URL in fleet order, this host at ``position``;
@@ -1214,7 +1474,9 @@ def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_af
     and a directory). Nothing below ``root`` is written or read through a symlink. A source that drips (under
     :data:`SLOW_MIN_BYTES` per ``slow_after`` seconds) or cannot prove it holds the secret is skipped at once.
     ``deadline``: the whole fetch ends (exit 4) after that many seconds (0: :func:`default_deadline` of the
-    manifest's size), so a deploy waiting on it gives up rather than hangs."""
+    manifest's size), so a deploy waiting on it gives up rather than hangs. ``pieces_digest``: the pin of the
+    control machine's pieces document (:func:`make_pieces`), taken from the first source that has it and kept
+    here: each file is then served onward piece by piece as its pieces verify against it, not only once whole."""
     os.makedirs(root, exist_ok=True)
     os.close(verify.open_dir_beneath(root, ".k2fleet", create=True))  # a symlinked .k2fleet is refused here
     _remove_partial(root)  # a killed run's leftovers
@@ -1224,9 +1486,11 @@ def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_af
     stop_beat = heartbeat(root)
     try:
         ancestors = fleet[:position] if fleet else []
-        manifest_bytes = _manifest_from([Source(u, secret, slow_after) for u in [*reversed(ancestors), *urls]],
-                                        give_up_after, pin)
+        upstream = [Source(u, secret, slow_after) for u in [*reversed(ancestors), *urls]]
+        manifest_bytes = _manifest_from(upstream, give_up_after, pin)
         manifest = verify.manifest_from_bytes(manifest_bytes)  # what the pin took, and what is stored
+        verify.unlink_beneath(root, PIECES)  # another fetch's: served by nobody until this one pins its own
+        pieces_bytes, pieces = _pieces_from(upstream, manifest, pieces_digest) if pieces_digest else (None, {})
         if deadline <= 0:
             _deadline_watch(default_deadline(manifest) - (time.monotonic() - t0))
         if fleet:
@@ -1239,8 +1503,10 @@ def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_af
         # the old manifest's files and the new one's, and verify.py's marker, go
         drop_marks(root, {"files": {**old_files, **manifest["files"]}})
         verify.write_beneath(root, MANIFEST, manifest_bytes)
+        if pieces_bytes is not None:
+            verify.write_beneath(root, PIECES, pieces_bytes)  # the hosts after this one take it from here
         run = _Fetch(root, manifest, urls, plan, streams, chunk, dead_after, give_up_after, t0, verify_behind, secret,
-                     slow_after)
+                     slow_after, pieces)
         lanes = [[] for _ in range(max(1, fanout if fleet else 1))]
         todo = set(mark(root))  # resume/repair: what hashes right stays (and is served at once)
         run.report["kept"] = len(manifest["files"]) - len(todo)
@@ -1281,8 +1547,8 @@ def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_af
 def main(argv=None):
     p = argparse.ArgumentParser(prog="relay.py", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    m, s, f = (sub.add_parser(name) for name in ("mark", "serve", "fetch"))
-    for one in (m, s, f):
+    m, s, f, pc = (sub.add_parser(name) for name in ("mark", "serve", "fetch", "pieces"))
+    for one in (m, s, f, pc):
         one.add_argument("dir")
     s.add_argument("--bind", default="0.0.0.0")
     s.add_argument("--port", type=int, required=True, help="0: any free port (printed)")
@@ -1308,6 +1574,8 @@ def main(argv=None):
     f.add_argument("--repo", help="the pinned repository: a manifest of another is refused")
     f.add_argument("--revision", help="the pinned revision: a manifest of another is refused")
     f.add_argument("--manifest-digest", help="the control machine's verified copy's manifest digest: any other is refused")
+    f.add_argument("--pieces-digest", help="sha256 of the control machine's pieces document (relay pieces): files are "
+                   "passed on piece by piece as each piece verifies against it")
     f.add_argument("--secret-file", help="a root-only file holding the deployment's relay secret (each source must "
                    "prove it holds it; the secret itself is never sent)")
     f.add_argument("--slow-after", type=float, default=SLOW_AFTER_S,
@@ -1319,6 +1587,9 @@ def main(argv=None):
         bad = mark(a.dir)
         print(json.dumps({"bad": bad}))
         return 1 if bad else 0
+    if a.cmd == "pieces":
+        print(json.dumps({"pieces_digest": make_pieces(a.dir)}))
+        return 0
     if a.cmd == "serve":
         serve(a.dir, a.bind, a.port, a.exit_with_parent, read_secret(a.secret_file), a.idle_exit)
         return 0
@@ -1334,7 +1605,7 @@ def main(argv=None):
     try:
         fetch(a.dir, a.source, a.streams, a.chunk, a.log, plan, a.dead_after, fleet, a.position, a.fanout,
               a.give_up_after, a.verify_behind, Pin(a.repo, a.revision, a.manifest_digest), read_secret(a.secret_file),
-              a.slow_after, a.deadline)
+              a.slow_after, a.deadline, a.pieces_digest)
     except OSError as exc:  # e.g. a symlink in the way: one line, no traceback
         raise SystemExit(f"relay fetch: {exc}") from None
     return 0

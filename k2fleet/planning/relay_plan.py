@@ -127,13 +127,16 @@ def relay_stop_argv() -> list[str]:
 
 def relay_fetch_argv(path: str, fleet: list[str], position: int, fanout_k: int, sources: list[str],
                      log_file: str = HOST_LOG, pin: tuple[str, str] | None = None,
-                     secret_file: str | None = RELAY_SECRET, digest: str | None = None) -> list[str]:
+                     secret_file: str | None = RELAY_SECRET, digest: str | None = None,
+                     pieces_digest: str | None = None) -> list[str]:
     """argv (run on a host) receiving ``path`` shard by shard through the relay: from its
     place ``position`` in the fleet order ``fleet`` (relay URLs), falling back to the
     parent's ancestors and last to ``sources``. ``pin``: (repository, revision) and
     ``digest``: the manifest digest the control machine pinned
     (:func:`k2fleet.control.checkpoint_copy.manifest_pins`) — a manifest of another is
-    refused by the receiving relay, whichever peer serves it.
+    refused by the receiving relay, whichever peer serves it. ``pieces_digest``: the pin of
+    the control copy's pieces (``relay pieces``): each host passes a file on piece by piece
+    as its pieces verify, not only once whole.
 
     >>> relay_fetch_argv("/m/k2", ["http://a:1", "http://b:1"], 1, 1, [])[4:10]
     ['--fleet', 'http://a:1,http://b:1', '--position', '1', '--fanout', '1']
@@ -146,6 +149,8 @@ def relay_fetch_argv(path: str, fleet: list[str], position: int, fanout_k: int, 
         argv += ["--repo", pin[0], "--revision", pin[1]]
     if digest is not None:
         argv += ["--manifest-digest", digest]
+    if pieces_digest is not None:
+        argv += ["--pieces-digest", pieces_digest]
     if secret_file is not None:
         argv += ["--secret-file", secret_file]
     argv += ["--log", log_file]
