@@ -72,7 +72,7 @@ def test_pieces_are_pinned_only_from_a_verified_copy_and_reused_while_it_is_unch
     assert not (copy / ".k2fleet/pieces.json").exists()
 
 
-def landing(parent: Path, root: Path, verified: int, generation: str = "g1") -> None:
+def landing(parent: Path, root: Path, verified: int) -> None:
     """``parent`` as a host whose fetch is landing BIG: manifest and pieces taken, the partial
     file holding BIG's true bytes up to ``verified`` and other bytes after (landed, not checked)."""
     (parent / ".k2fleet").mkdir(parents=True, exist_ok=True)
@@ -82,16 +82,13 @@ def landing(parent: Path, root: Path, verified: int, generation: str = "g1") -> 
     part.parent.mkdir(parents=True, exist_ok=True)
     true = (root / BIG).read_bytes()
     part.write_bytes(true[:verified] + b"\xee" * (len(true) - verified))
-    record(parent, verified, generation)
+    vouch(parent, verified)
     (parent / relay_mod.HEARTBEAT).write_text("1")
 
 
-def record(parent: Path, verified: int, generation: str = "g1") -> None:
-    path = parent / relay_mod.progress_rel(BIG)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(".tmp")
-    tmp.write_text(json.dumps({"generation": generation, "verified": verified}))
-    os.replace(tmp, path)
+def vouch(parent: Path, verified: int) -> None:
+    """What the landing's hash sets as each piece verifies (relay.land_file)."""
+    os.setxattr(parent / relay_mod.PARTIAL / BIG, relay_mod.VERIFIED_XATTR, str(verified).encode())
 
 
 class Reader:
@@ -139,14 +136,13 @@ def test_a_landing_file_is_served_up_to_its_verified_pieces_and_the_rest_once_wh
         with open(part, "r+b") as fh:
             fh.seek(2 * MIB)
             fh.write(true[2 * MIB:5 * MIB])  # landed; two more pieces hashed right
-        record(parent, 4 * MIB)
+        vouch(parent, 4 * MIB)
         assert reader.settle(4 * MIB) == true[:4 * MIB]  # each piece as it verifies, not the landed one after
         with open(part, "r+b") as fh:
             fh.seek(5 * MIB)
             fh.write(true[5 * MIB:])  # landed and hashed: checked whole, moved into place, marked
         os.replace(part, parent / BIG)
         assert subprocess.run([*RELAY, "mark", str(parent)], capture_output=True).returncode == 1  # the rest missing
-        os.unlink(parent / relay_mod.progress_rel(BIG))
         assert reader.settle(len(true)) == true
         assert not reader.closed.is_set()  # the connection stays for the next request
     finally:
@@ -154,9 +150,9 @@ def test_a_landing_file_is_served_up_to_its_verified_pieces_and_the_rest_once_wh
 
 
 def test_a_landing_that_starts_over_is_never_served_beyond_what_was_verified(source, tmp_path: Path) -> None:
-    """The landing starts over (another source: its record withdrawn, a new partial file): an
-    answer streaming the old one ends short at the verified prefix, connection closed, even
-    though the new file's record vouches for more of the new file."""
+    """The landing starts over (another source: the partial file unlinked, a new one): an
+    answer streaming the old one ends short at its verified prefix, connection closed, even
+    though the new file vouches for more of itself."""
     root, _ = source
     true = (root / BIG).read_bytes()
     parent = tmp_path / "parent"
@@ -166,7 +162,7 @@ def test_a_landing_that_starts_over_is_never_served_beyond_what_was_verified(sou
         reader = Reader(port)
         assert reader.settle(3 * MIB) == true[:3 * MIB]
         relay_mod.retract(str(parent), BIG)
-        landing(parent, root, 5 * MIB, generation="g2")
+        landing(parent, root, 5 * MIB)
         assert reader.closed.wait(5)
         assert reader.body() == true[:3 * MIB]
     finally:
@@ -232,3 +228,19 @@ def test_a_chain_fetch_with_the_pin_passes_files_on_and_refuses_a_forged_pieces_
     finally:
         for proc, _ in servers:
             proc.kill()
+
+
+def test_the_control_copy_is_pinned_once_and_an_unpinnable_one_moves_files_whole(source, tmp_path: Path,
+                                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """The deploy's control side (:func:`checkpoint_copy.pieces_pin`): the digest of the copy's
+    pieces document; a copy it cannot pin (here: not verified) gives no pin and a warning, and
+    the fetch then carries none (files move on once whole) rather than failing the deploy."""
+    from k2fleet.control import checkpoint_copy
+
+    root, digest = source
+    assert checkpoint_copy.pieces_pin(str(root)) == digest
+    unverified = tmp_path / "copy"
+    shutil.copytree(root, unverified, ignore=shutil.ignore_patterns("relay", "pieces.json"))
+    with caplog.at_level("WARNING"):
+        assert checkpoint_copy.pieces_pin(str(unverified)) is None
+    assert "not pinned piece by piece" in caplog.text and "not verified" in caplog.text

@@ -104,8 +104,9 @@ def relay_to_host(control: ControlRelay, source: str | None, target: str, ssh: l
         elif pinned != digest:
             raise RuntimeError(f"the control machine's copy {source} has manifest digest {digest}, not the pinned "
                                f"{pinned}: refusing to serve it to {target}")
-        if "--pieces-digest" not in fetch_argv:  # the copy's pieces, pinned here: passed on as each verifies
-            fetch_argv = [*fetch_argv[:-1], "--pieces-digest", pieces_pin(source), fetch_argv[-1]]
+        pieces = pieces_pin(source) if "--pieces-digest" not in fetch_argv else None
+        if pieces is not None:  # the copy's pieces, pinned here: passed on as each verifies
+            fetch_argv = [*fetch_argv[:-1], "--pieces-digest", pieces, fetch_argv[-1]]
         argv += ["-o", "ExitOnForwardFailure=yes", "-R", f"127.0.0.1:{tunnel_port}:127.0.0.1:{control.port_for(source)}"]
     result = subprocess.run([*argv, target, shlex.join(fetch_argv)], capture_output=True, text=True,
                             stdin=subprocess.DEVNULL)
@@ -120,10 +121,12 @@ def relay_to_host(control: ControlRelay, source: str | None, target: str, ssh: l
 _PIECES_LOCK = threading.Lock()
 
 
-def pieces_pin(source: str) -> str:
-    """The digest of the control copy ``source``'s pieces document (``relay pieces``, :func:`k2fleet.hostprogs.relay.make_pieces`:
-    a sha256 per piece of each file, made once from the verified copy and reused while its files are unchanged),
-    which every fetch from it carries (``--pieces-digest``)."""
+def pieces_pin(source: str) -> str | None:
+    """The digest of the control copy ``source``'s pieces document (``relay pieces``,
+    :func:`k2fleet.hostprogs.relay.make_pieces`: a sha256 per piece of each file, made once
+    from the verified copy and reused while its files are unchanged), which every fetch from
+    it carries (``--pieces-digest``). None, with a warning, where it cannot be made (e.g. a
+    ``control:`` directory on a read-only mount): files then move on once whole."""
     with _PIECES_LOCK:  # one hashing pass per copy, however many hosts' transfers start at once
         # a child process: its threads hash on every core (this process's threads are pyinfra's greenlets)
         done = subprocess.run([sys.executable, "-m", "k2fleet.hostprogs.relay", "pieces", source], capture_output=True,
@@ -131,8 +134,9 @@ def pieces_pin(source: str) -> str:
     try:
         return str(json.loads(done.stdout.strip().splitlines()[-1])["pieces_digest"])
     except (ValueError, KeyError, IndexError):
-        raise RuntimeError(f"the control machine's copy {source} cannot be pinned piece by piece: "
-                           f"{done.stderr.strip()[-500:]}") from None
+        log.warning("the control machine's copy %s is not pinned piece by piece (files move on once whole): %s",
+                    source, done.stderr.strip()[-500:])
+        return None
 
 
 # --------------------------------------------------------------------------- the pin

@@ -3,9 +3,10 @@
 pipelined checkpoint distribution — each host passes a shard on as soon as it has verified it.
 
     python3 k2fleet-host.pyz relay mark  DIR                      # hash every file, mark the good ones
+    python3 k2fleet-host.pyz relay pieces DIR                     # pin a verified copy piece by piece (prints the digest)
     python3 k2fleet-host.pyz relay serve DIR --bind ADDR --port P [--secret-file F] [--idle-exit S]
     python3 k2fleet-host.pyz relay fetch DIR --fleet URL,URL,... --position I [--fanout K] [--source URL]
-        [--repo R --revision V] [--manifest-digest D] [--secret-file F] [--log FILE]
+        [--repo R --revision V] [--manifest-digest D] [--pieces-digest P] [--secret-file F] [--log FILE]
     python3 k2fleet-host.pyz relay fetch DIR --source URL [--source URL ...] [--plan FILE]
 
 The deploy (``k2fleet/deploy/roles/checkpoint.py``) starts ``serve`` on every host that loads weights and
@@ -23,7 +24,11 @@ Rules it keeps:
   for this manifest lists it, in both cases with the file's size, mtime, ctime and inode unchanged since.
   Received bytes go through verify.py's checks of one file (size, safetensors header, sha256 or git blob
   sha1) before they get their final name. A shard corrupted in flight fails them: it is deleted, never
-  marked, never served, and fetched again (from the next source if it fails twice).
+  marked, never served, and fetched again (from the next source if it fails twice). The one exception is
+  a file landing with pinned pieces (``--pieces-digest``: the sha256 of the control machine's
+  ``.k2fleet/pieces.json``, :func:`make_pieces`): the hash that follows it checks each piece against the
+  pin as it completes, and the relay serves the landing file up to the last piece that matched, not a byte
+  further (:func:`open_growing`), so each hop of the chain adds one piece's time, not one file's.
 - **Resume and repair.** ``fetch`` first drops every marker (its own and verified.json) and hashes what is
   in place: a file that passes is kept and marked (bit rot keeps sizes and mtimes, so markers alone are not
   trusted); the others are fetched. A killed fetch leaves only ``.k2fleet/relay-partial/``, which the next
@@ -81,7 +86,8 @@ MANIFEST = os.path.join(".k2fleet", "manifest.json")
 MARKS = os.path.join(".k2fleet", "relay")
 PARTIAL = os.path.join(".k2fleet", "relay-partial")
 PIECES = os.path.join(".k2fleet", "pieces.json")  # per file: a sha256 per piece, pinned by the control machine
-PROGRESS = PARTIAL + "/.k2fleet"  # per file landing: how much of it has verified pieces (no file is named .k2fleet/…)
+# on a landing file (root's, 0644: no other user may set it): the bytes of its prefix of pieces verified so far
+VERIFIED_XATTR = "user.k2fleet.verified"
 PIECE_MIN = 1 << 20
 PIECES_PER_FILE = 64  # a file's piece: the smallest power of two >= PIECE_MIN giving at most this many
 PIECES_MAX_BYTES = 16 << 20  # a 1 TB checkpoint's pieces document is well under 1 MiB
@@ -250,37 +256,30 @@ def pieces_problem(raw, manifest, digest):
     return None, table
 
 
-def progress_rel(rel):
-    return PROGRESS + "/" + rel
-
-
-def read_progress(root, rel):
-    """(generation, verified bytes) of ``rel``'s landing here, or None: the record
-    :func:`land_file` keeps while a file with pinned pieces lands (its prefix of verified
-    pieces), read without following a symlink."""
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        rec = json.loads(verify.read_beneath(root, progress_rel(rel), 4096))
-        return str(rec["generation"]), int(rec["verified"])
-    return None
+def verified_prefix(fd):
+    """Bytes of the landing file ``fd``'s prefix of pieces verified against the pin (its
+    :data:`VERIFIED_XATTR`, which :func:`land_file`'s hash sets on that very inode), or 0.
+    Read from the open file, so it is always this inode's: a landing that starts over is a
+    new file, and what this one vouched for stays as it was."""
+    try:
+        value = os.getxattr(fd, VERIFIED_XATTR)
+    except OSError:
+        return 0
+    return int(value) if value.isdigit() and len(value) <= 15 else 0
 
 
 def open_growing(root, rel, size):
-    """(fd, generation, verified bytes) of ``rel``'s partial file while it lands here with a
-    prefix of verified pieces, or None. The record is read before and after the file is
-    opened and must not change between: a landing that starts over first removes its record,
-    so the fd is the file whose prefix the record vouches for, never a new one (even one that
-    reuses its inode number)."""
-    first = read_progress(root, rel)
-    if first is None or not 0 < first[1] <= size:
-        return None
+    """(fd, verified bytes) of ``rel``'s partial file while it lands here with a prefix of
+    verified pieces, or None."""
     try:
         fd = verify.open_beneath(root, PARTIAL + "/" + rel)  # never read through a symlink
     except OSError:
         return None
-    if read_progress(root, rel) != first or os.fstat(fd).st_size != size:
+    verified = verified_prefix(fd)
+    if not 0 < verified <= size or os.fstat(fd).st_size != size:
         os.close(fd)
         return None
-    return fd, first[0], first[1]
+    return fd, verified
 
 
 # --------------------------------------------------------------------------- serving
@@ -504,19 +503,18 @@ def make_handler(root, secret=None):
             self._send_head(start, end, size)
             self._send_bytes(fd, start, end + 1)
 
-        def _send_growing(self, manifest, rel, size, fd, generation, verified):
+        def _send_growing(self, manifest, rel, size, fd, verified):
             """Serve a file while it lands here, never a byte beyond its prefix of pieces verified against the
-            pin: what is verified goes at once, the rest as its pieces verify (the landing's record, polled every
-            :data:`WAIT_POLL_S`), or all of it once the whole file is verified and in place (the same inode).
-            A landing that starts over or stalls for DATA_TIMEOUT_S ends the answer short, connection closed:
-            the receiver takes the file from elsewhere."""
+            pin: what is verified goes at once, the rest as its pieces verify (:func:`verified_prefix` of this
+            very inode, read every :data:`WAIT_POLL_S`), or all of it once the whole file is verified and in
+            place (the same inode). A landing that starts over (this inode unlinked) or stalls for
+            DATA_TIMEOUT_S ends the answer short, connection closed: the receiver takes the file elsewhere."""
             asked = self._range(size)
             if asked is None:
                 return
             start, end = asked
             self._send_head(start, end, size)
             offset, moved = start, time.monotonic()
-            ino = os.fstat(fd).st_ino
             while offset <= end:
                 if offset < verified:
                     offset = self._send_bytes(fd, offset, min(verified, end + 1))
@@ -525,14 +523,14 @@ def make_handler(root, secret=None):
                 if time.monotonic() - moved > DATA_TIMEOUT_S:
                     break
                 time.sleep(WAIT_POLL_S)
-                now = read_progress(root, rel)
-                if now is not None and now[0] == generation:
-                    verified = max(verified, min(now[1], size))
-                elif now is None and is_verified_here(root, manifest, rel) and \
-                        (verify.stat_beneath(root, rel) or {}).get("ino") == ino:
+                verified = max(verified, min(verified_prefix(fd), size))
+                if verified > offset:
+                    continue
+                st = os.fstat(fd)
+                if st.st_nlink == 0:
+                    break  # the landing started over: nobody vouches for this inode's other bytes
+                if is_verified_here(root, manifest, rel) and (verify.stat_beneath(root, rel) or {}).get("ino") == st.st_ino:
                     verified = size  # the whole file checked and moved into place: this very inode
-                else:
-                    break  # started over: what this fd holds beyond ``verified`` is vouched for by nobody
             if offset <= end:
                 self.close_connection = True
                 with contextlib.suppress(OSError):
@@ -554,19 +552,19 @@ def big_buffer(sock, option):
 
 
 def _await_marker(root, rel, until):
-    """Sleep until ``rel``'s relay marker, verify.py's marker or ``rel``'s landing record appears or changes, or
+    """Sleep until ``rel``'s relay marker, verify.py's marker or ``rel``'s landing file appears or changes, or
     ``until`` (monotonic). One ``stat`` of each every :data:`WAIT_POLL_S`: only a trigger to
     look again — whether the file may be served is :func:`is_verified_here`'s call alone
     (which follows no symlink), so a file is passed on within milliseconds of being verified."""
     paths = (os.path.join(root, mark_rel(rel)), os.path.join(root, verify.STATE_DIR, verify.MARKER_NAME),
-             os.path.join(root, progress_rel(rel)))
+             os.path.join(root, PARTIAL, rel))  # a verified piece sets an xattr there: its ctime changes
 
     def seen():
         out = []
         for path in paths:
             try:
                 st = os.stat(path, follow_symlinks=False)
-                out.append((st.st_ino, st.st_mtime_ns, st.st_size))
+                out.append((st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size))
             except OSError:
                 out.append(None)
         return out
@@ -1103,8 +1101,8 @@ class Landed:
 
 
 def retract(root, rel):
-    """Withdraw ``rel``'s partial file from serving: its landing record first, then the file."""
-    verify.unlink_beneath(root, progress_rel(rel))
+    """Withdraw ``rel``'s partial file from serving: unlinked, so a relay still streaming it sees no link left and
+    stops at what it verified, and the next landing is a new inode."""
     verify.unlink_beneath(root, PARTIAL + "/" + rel)
 
 
@@ -1113,7 +1111,7 @@ def land_file(source, root, manifest, rel, streams, chunk, after=None, pieces=No
     lands; return once its last byte landed (the hash may lag behind). ``after``: the file this lane takes next
     from the same source; with one stream, each range asks for the one after it ahead
     (:meth:`Source.get_range`), the last for ``after``'s first. ``pieces`` (piece size, [sha256]: the pinned
-    pieces of ``rel``): each verified piece extends the landing's record (:func:`read_progress`), up to which
+    pieces of ``rel``): each verified piece extends the landing file's :data:`VERIFIED_XATTR`, up to which
     this host's relay serves the file before it is whole (:func:`open_growing`)."""
     t0 = time.monotonic()
     part = os.path.join(root, PARTIAL, rel)
@@ -1125,11 +1123,9 @@ def land_file(source, root, manifest, rel, streams, chunk, after=None, pieces=No
         ranges = plan_ranges(size, streams, chunk)
         publish = None
         if pieces:  # this host's relay serves the file while it lands, up to its verified pieces
-            record = {"generation": os.urandom(16).hex(), "verified": 0}
 
-            def publish(verified):
-                record["verified"] = verified
-                verify.write_beneath(root, progress_rel(rel), json.dumps(record).encode(), durable=False)
+            def publish(verified):  # on this inode: no rename, no other file (a filesystem without xattrs: whole)
+                os.setxattr(fd, VERIFIED_XATTR, str(verified).encode())
         hashing = LandingHash(fd, verify.new_hasher(manifest["files"][rel]), ranges, pieces, publish)
         try:
             if streams <= 1 or len(ranges) <= 1:
@@ -1170,10 +1166,8 @@ def finish_file(landed, root, manifest, rel):
         os.replace(name, name, src_dir_fd=src_dir, dst_dir_fd=dest_dir)
     moved = verify.stat_beneath(root, rel)  # a rename changes ctime only
     if moved is None or {k: moved[k] for k in ("size", "mtime_ns", "ino")} != {k: stat[k] for k in ("size", "mtime_ns", "ino")}:
-        verify.unlink_beneath(root, progress_rel(rel))
         return False
     write_mark(root, rel, manifest["files"][rel], moved)
-    verify.unlink_beneath(root, progress_rel(rel))  # after the marker: a relay streaming it goes on from the marker
     return True
 
 
