@@ -6,9 +6,10 @@ each host's veth, both directions, ACKs ahead of bulk) and a ~1 GB synthetic che
 verified copy on the sandbox bridge, measured in one run:
 
 * **pipelined**: every host fetches at once with :mod:`k2fleet.hostprogs.relay`, with the argv
-  the deploy runs (:func:`k2fleet.control.checkpoint_copy.relay_fetch_argv`, the plan
-  :func:`k2fleet.hostprogs.swarm.fanout_for` picks: a chain for these sizes), each shard
-  from its parent as soon as the parent verified it; on 5 hosts also in 2 trees (the
+  the deploy runs (:func:`k2fleet.planning.relay_plan.relay_fetch_argv`, the plan
+  :func:`k2fleet.hostprogs.swarm.fanout_for` picks: a chain for these sizes, and the control
+  copy's pinned pieces, ``relay pieces``), each shard from its parent piece by piece as the
+  parent verifies each piece (1 MiB pieces of a 16 MiB shard); on 5 hosts also in 2 trees (the
   plan of larger fleets), to check the simulation of trees against a measurement;
 * **doubling tree**: the old schedule (:mod:`k2fleet.control.checkpoint_copy`): round by round,
   a host copies the whole checkpoint from its parent once the parent holds all of it (the
@@ -32,10 +33,11 @@ verified copy on the sandbox bridge, measured in one run:
 The link limit is S/B (checkpoint bytes ÷ the nominal shaped rate): one host's transfer
 time. Larger fleets are simulated (:func:`k2sandbox.relay_fleet.simulate`) from the
 5-host chain's measured per-shard time on a busy link, extra per-hop delay and start-up,
-for chains and k trees; the figure for each size is the deploy's plan.
+for chains and k trees, shards passed on piece by piece as measured; the figure for each
+size is the deploy's plan.
 
     python bench/distribution_bench.py [--rate 200mbit] [--shard-mib 16] [--shards 62] [--only stream|fleet]
-    python bench/distribution_bench.py --short   # the suite's run: 8 shards of 1 MiB, 100mbit
+    python bench/distribution_bench.py --short   # the suite's run: 8 shards of 2 MiB, 100mbit
 
 Ends with ``ratios: distribution_vs_link_limit=X tree_vs_link_limit=X hub_to_fleet_vs_link_limit=X stream_vs_raw_tcp=X
 copy_with_verify_vs_raw_tcp=X simulated_64_vs_link_limit=X`` (distribution and tree: the
@@ -264,10 +266,10 @@ def main() -> int:
     p.add_argument("--only", choices=("stream", "fleet"), help="run one phase (for tuning; no ratios line)")
     p.add_argument("--keep", action="store_true", help="leave the sandbox fleet up (for tuning)")
     p.add_argument("--workdir", type=Path, default=Path("/var/tmp/k2fleet-distribution-bench"))
-    p.add_argument("--short", action="store_true", help="8 shards of 1 MiB on 100mbit links (the test suite's run)")
+    p.add_argument("--short", action="store_true", help="8 shards of 2 MiB on 100mbit links (the test suite's run)")
     args = p.parse_args()
-    if args.short:
-        args.shards, args.shard_mib, args.rate = 8, 1, "100mbit"
+    if args.short:  # shards of 2 pieces: passed on piece by piece, as the full run's are
+        args.shards, args.shard_mib, args.rate = 8, 2, "100mbit"
     # one directory per shape (ensure_synthetic_checkpoint keys it): a --short run never moves a full run's
     src = ensure_synthetic_checkpoint(args.workdir / "source", REPO, REVISION,
                                       num_shards=args.shards, shard_bytes=args.shard_mib << 20)
@@ -285,6 +287,7 @@ def main() -> int:
         hosts = sandbox.up(5, docker=False)
         fleet = RelayFleet(src, hosts)
         fleet.start()
+        pinned_pieces = fleet.pieces_digest is not None
         if args.only != "fleet":
             stream_phase(fleet, hosts, size, results)
         if args.only != "stream":
@@ -325,7 +328,8 @@ def main() -> int:
           f"({rate / 1e6:.1f} MB/s), {hop_s:.3f}s more per hop (ready to ready {hop:.3f}s), start-up {startup:.2f}s")
     for n, fanouts in ((5, (1, 2)), (16, (1, 2, 4)), (64, (1, 2, 4)), (256, (2,))):
         for k in fanouts:
-            t = simulate(n, sizes, rate, k, hop_s=hop_s, step=limit / (3000 if n <= 64 else 1500)) + startup
+            t = simulate(n, sizes, rate, k, hop_s=hop_s, step=limit / (3000 if n <= 64 else 1500),
+                         pieces=pinned_pieces) + startup
             print(f"simulated {n} hosts, {'chain' if k == 1 else f'{k} trees'}: {t:.1f}s = {t / limit:.3f} × S/B"
                   + (" (the deploy's plan)" if k == swarm.fanout_for(n) else ""))
             if k == swarm.fanout_for(n):

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from k2fleet.hostprogs import swarm
+from k2fleet.hostprogs import relay, swarm
 from k2fleet.planning import relay_plan
 from k2fleet.planning.host_archive import ARCHIVE, archive_bytes
 from k2sandbox import nspawn as sandbox
@@ -164,44 +164,62 @@ def max_min_rates(flows: list[tuple[object, ...]], capacity: float) -> list[floa
 
 
 def simulate(n: int, sizes: Sequence[int], bandwidth: float, fanout: int, hop_s: float = 0.0,
-             step: float | None = None) -> float:
+             step: float | None = None, pieces: bool = False) -> float:
     """Seconds until every one of ``n`` hosts holds every shard (``sizes`` bytes each) as
     the relay moves them: each host takes shard j in lane j mod k (k = ``fanout``, 1 for a
     chain), in order within a lane, one shard at a time, from its parent in
     :func:`swarm.plan_sources`; a received shard is passed on ``hop_s`` seconds later (the
     tail of its hash, its checks and a peer noticing it); every link, the source's too,
     has ``bandwidth`` bytes/s each way, shared max-min fairly among the transfers crossing
-    it (:func:`max_min_rates`). Fluid, time-stepped.
+    it (:func:`max_min_rates`). ``pieces``: a shard larger than one piece
+    (:func:`relay.piece_size`) is also passed on while it lands, up to its last complete
+    piece (the control copy's pinned pieces); a host never gets ahead of its parent's
+    prefix. Fluid, time-stepped.
 
     >>> round(simulate(1, [100] * 10, 100.0, 1), 1)
     10.0
     >>> round(simulate(3, [100] * 10, 100.0, 1), 1)  # S/B + 2 shard-times
     12.0
+    >>> round(simulate(3, [4 << 20] * 10, float(4 << 20), 1, pieces=True), 2)  # S/B + 2 piece-times (1 MiB)
+    10.5
     """
     k = max(1, fanout)
     hosts = [f"h{i}" for i in range(n)]
     shards = [f"s{j}" for j in range(len(sizes))]
     plan = swarm.plan_sources(hosts, shards, fanout)
     size = dict(zip(shards, sizes))
+    piece = {s: relay.piece_size(b) if pieces and b > relay.piece_size(b) else 0 for s, b in size.items()}
     dt = step or max(sum(sizes) / bandwidth / 2000, 1e-3)
     lanes = [(h, [s for j, s in enumerate(shards) if j % k == lane]) for h in hosts for lane in range(k)]
     nxt = [0] * len(lanes)
     have: dict[tuple[str | None, str], float] = {(swarm.SOURCE, s): 0.0 for s in shards}  # (host, shard) → ready time
     got = [0.0] * len(lanes)
+    landing: dict[tuple[str, str], int] = {}  # (host, shard) → the lane it is landing in
     t = 0.0
+
+    def prefix(host: str | None, s: str) -> float:
+        """Bytes of ``s`` that ``host`` serves at ``t``."""
+        if have.get((host, s), math.inf) <= t + 1e-9:
+            return float(size[s])
+        li = landing.get((host, s))  # type: ignore[arg-type]
+        return (got[li] // piece[s]) * piece[s] if li is not None and piece[s] else 0.0
+
     while any(i < len(shards_) for i, (_, shards_) in zip(nxt, lanes)):
         active = []
         for li, (h, mine) in enumerate(lanes):
             if nxt[li] < len(mine):
                 s = mine[nxt[li]]
                 parent = plan[h][s][0]
-                if have.get((parent, s), math.inf) <= t + 1e-9:
-                    active.append((li, h, s, parent))
-        rates = max_min_rates([(("in", h), ("out", p)) for _, h, _, p in active], bandwidth) if active else []
-        for (li, h, s, _), rate in zip(active, rates):
-            got[li] += rate * dt
+                ahead = prefix(parent, s)
+                if ahead > got[li] + 1e-9:
+                    active.append((li, h, s, parent, ahead))
+        rates = max_min_rates([(("in", h), ("out", p)) for _, h, _, p, _ in active], bandwidth) if active else []
+        for (li, h, s, _, ahead), rate in zip(active, rates):
+            landing[(h, s)] = li
+            got[li] = min(got[li] + rate * dt, ahead)
             if got[li] >= size[s] - 1e-9:
                 have[(h, s)] = t + dt + hop_s
+                landing.pop((h, s), None)
                 got[li] = 0.0
                 nxt[li] += 1
         t += dt
