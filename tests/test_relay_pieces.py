@@ -6,6 +6,7 @@ byte further. Real relay processes and sockets on loopback; the checkpoint is sy
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -123,15 +125,25 @@ class Reader:
         return self.body()
 
 
+@contextlib.contextmanager
+def served_landing(root: Path, parent: Path, verified: int) -> Iterator[Reader]:
+    """``parent`` landing BIG with ``verified`` bytes vouched for, its relay serving, and a
+    reader that asked it for BIG and got those bytes (and no more)."""
+    landing(parent, root, verified)
+    proc, port = serve(parent)
+    try:
+        reader = Reader(port)
+        assert reader.settle(verified) == (root / BIG).read_bytes()[:verified]  # nothing landed unchecked
+        yield reader
+    finally:
+        proc.kill()
+
+
 def test_a_landing_file_is_served_up_to_its_verified_pieces_and_the_rest_once_whole(source, tmp_path: Path) -> None:
     root, _ = source
     true = (root / BIG).read_bytes()
     parent = tmp_path / "parent"
-    landing(parent, root, 2 * MIB)
-    proc, port = serve(parent)
-    try:
-        reader = Reader(port)
-        assert reader.settle(2 * MIB) == true[:2 * MIB]  # the verified prefix at once, nothing landed unchecked
+    with served_landing(root, parent, 2 * MIB) as reader:
         part = parent / relay_mod.PARTIAL / BIG
         with open(part, "r+b") as fh:
             fh.seek(2 * MIB)
@@ -145,8 +157,6 @@ def test_a_landing_file_is_served_up_to_its_verified_pieces_and_the_rest_once_wh
         assert subprocess.run([*RELAY, "mark", str(parent)], capture_output=True).returncode == 1  # the rest missing
         assert reader.settle(len(true)) == true
         assert not reader.closed.is_set()  # the connection stays for the next request
-    finally:
-        proc.kill()
 
 
 def test_a_landing_that_starts_over_is_never_served_beyond_what_was_verified(source, tmp_path: Path) -> None:
@@ -154,19 +164,12 @@ def test_a_landing_that_starts_over_is_never_served_beyond_what_was_verified(sou
     answer streaming the old one ends short at its verified prefix, connection closed, even
     though the new file vouches for more of itself."""
     root, _ = source
-    true = (root / BIG).read_bytes()
     parent = tmp_path / "parent"
-    landing(parent, root, 3 * MIB)
-    proc, port = serve(parent)
-    try:
-        reader = Reader(port)
-        assert reader.settle(3 * MIB) == true[:3 * MIB]
+    with served_landing(root, parent, 3 * MIB) as reader:
         relay_mod.retract(str(parent), BIG)
         landing(parent, root, 5 * MIB)
         assert reader.closed.wait(5)
-        assert reader.body() == true[:3 * MIB]
-    finally:
-        proc.kill()
+        assert reader.body() == (root / BIG).read_bytes()[:3 * MIB]
 
 
 def test_a_piece_that_does_not_match_its_pin_stops_the_prefix_there(source) -> None:

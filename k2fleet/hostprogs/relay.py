@@ -406,16 +406,10 @@ def make_handler(root, secret=None):
                 self.close_connection = True
                 return self._send(403, b"authenticate first (GET /hello; X-K2-Auth)")
             self.server.authenticated(self.connection)  # off the unauthenticated caps; keeps the relay up
-            if path == "/manifest":
+            document = {"/manifest": (MANIFEST, MANIFEST_MAX_BYTES), "/pieces": (PIECES, PIECES_MAX_BYTES)}.get(path)
+            if document is not None:
                 try:
-                    return self._send(200, verify.read_beneath(root, MANIFEST, MANIFEST_MAX_BYTES),
-                                      [("Content-Type", "application/json")])
-                except OSError:
-                    return self._send(404)
-            if path == "/pieces":
-                try:
-                    return self._send(200, verify.read_beneath(root, PIECES, PIECES_MAX_BYTES),
-                                      [("Content-Type", "application/json")])
+                    return self._send(200, verify.read_beneath(root, *document), [("Content-Type", "application/json")])
                 except OSError:
                     return self._send(404)
             try:
