@@ -174,7 +174,8 @@ def test_a_landing_that_starts_over_is_never_served_beyond_what_was_verified(sou
 
 def test_a_piece_that_does_not_match_its_pin_stops_the_prefix_there(source) -> None:
     """The hash that follows a landing file checks each piece against its pin as it completes:
-    the prefix it vouches for stops before the first bad piece, whatever follows it."""
+    the prefix it vouches for stops before the first bad piece, whatever follows it, and the
+    landing's next bytes stop it (BadPiece: the rest of that copy is not worth landing)."""
     root, _ = source
     data = bytearray((root / BIG).read_bytes())
     data[2 * MIB + 100] ^= 0xFF  # one byte of the third piece
@@ -188,6 +189,8 @@ def test_a_piece_that_does_not_match_its_pin_stops_the_prefix_there(source) -> N
         for i, (_, b) in enumerate(ranges):
             hashing.landed_at(i)(b + 1)
         assert hashing.result() != hashlib.sha256((root / BIG).read_bytes()).hexdigest()
+        with pytest.raises(relay_mod.BadPiece, match="piece 2 does not match"):  # the landing stops there
+            hashing.landed_at(0)(len(data))
     finally:
         os.close(fd)
     assert seen == [MIB, 2 * MIB]
@@ -234,7 +237,8 @@ def test_a_chain_fetch_with_the_pin_passes_files_on_and_refuses_a_forged_pieces_
 
 
 def test_the_control_copy_is_pinned_once_and_an_unpinnable_one_moves_files_whole(source, tmp_path: Path,
-                                                                                 caplog: pytest.LogCaptureFixture) -> None:
+                                                                                 caplog: pytest.LogCaptureFixture,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The deploy's control side (:func:`checkpoint_copy.pieces_pin`): the digest of the copy's
     pieces document; a copy it cannot pin (here: not verified) gives no pin and a warning, and
     the fetch then carries none (files move on once whole) rather than failing the deploy."""
@@ -244,6 +248,88 @@ def test_the_control_copy_is_pinned_once_and_an_unpinnable_one_moves_files_whole
     assert checkpoint_copy.pieces_pin(str(root)) == digest
     unverified = tmp_path / "copy"
     shutil.copytree(root, unverified, ignore=shutil.ignore_patterns("relay", "pieces.json"))
+    runs: list[list[str]] = []
+    real_run = checkpoint_copy.subprocess.run
+
+    def counted(argv, **kw):
+        runs.append(argv)
+        return real_run(argv, **kw)
+
+    monkeypatch.setattr(checkpoint_copy.subprocess, "run", counted)
     with caplog.at_level("WARNING"):
         assert checkpoint_copy.pieces_pin(str(unverified)) is None
+        assert checkpoint_copy.pieces_pin(str(unverified)) is None  # the next host: not hashed again
     assert "not pinned piece by piece" in caplog.text and "not verified" in caplog.text
+    assert len(runs) == 1
+
+
+def forge_verified(copy: Path, rel: str) -> None:
+    """A relay whose own marker for ``rel`` lies: it says the bytes there hashed right."""
+    entry = json.loads((copy / ".k2fleet/manifest.json").read_bytes())["files"][rel]
+    mark = copy / relay_mod.mark_rel(rel)
+    mark.parent.mkdir(parents=True, exist_ok=True)
+    mark.write_text(json.dumps({"sha256": entry["sha256"], "stat": relay_mod.verify.stat_beneath(str(copy), rel)}))
+
+
+def test_a_peer_whose_bytes_fail_a_piece_is_refused_and_the_copy_is_whole_from_an_honest_one(source,
+                                                                                          tmp_path: Path) -> None:
+    """A hostile peer (its marker lies) serves BIG with one byte changed in the third piece: each
+    copy from it counts as bad — twice, then the next source — and the host ends verified."""
+    root, digest = source
+    forger = tmp_path / "forger"
+    shutil.copytree(root, forger)
+    assert subprocess.run([*RELAY, "mark", str(forger)], capture_output=True).returncode == 0  # serves true files,
+    with open(forger / BIG, "r+b") as fh:  # and BIG with one byte changed
+        fh.seek(2 * MIB + 100)
+        flipped = fh.read(1)[0] ^ 0xFF
+        fh.seek(2 * MIB + 100)
+        fh.write(bytes([flipped]))
+    forge_verified(forger, BIG)
+    servers = [serve(root), serve(forger)]
+    url = [f"http://127.0.0.1:{port}" for _, port in servers]
+    try:
+        out = subprocess.run([*RELAY, "fetch", "--source", url[1], "--source", url[0], "--pieces-digest", digest,
+                              str(tmp_path / "h")], capture_output=True, text=True, timeout=120)
+    finally:
+        for proc, _ in servers:
+            proc.kill()
+    assert out.returncode == 0, out.stderr
+    # stopped at the bad piece, or (loopback outruns the hash) refused by the whole-file check: a bad copy each time
+    assert json.loads(out.stdout)["bad_shards"] == [{"file": BIG, "source": url[1]}] * 2
+    assert subprocess.run([*VERIFY, "--full", str(tmp_path / "h")], capture_output=True).returncode == 0
+
+
+def test_a_copy_whose_bytes_no_longer_match_its_manifest_is_not_pinned(source, tmp_path: Path) -> None:
+    """Its marker says verified (a stat: bit rot keeps stats), but the pieces pass hashes the
+    whole file too and refuses it."""
+    root, _ = source
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy, ignore=shutil.ignore_patterns("pieces.json"))
+    with open(copy / BIG, "r+b") as fh:
+        fh.seek(3 * MIB)
+        flipped = fh.read(1)[0] ^ 0xFF
+        fh.seek(3 * MIB)
+        fh.write(bytes([flipped]))
+    subprocess.run([*RELAY, "mark", str(copy)], capture_output=True)
+    forge_verified(copy, BIG)
+    out = subprocess.run([*RELAY, "pieces", str(copy)], capture_output=True, text=True)
+    assert out.returncode != 0 and f"{BIG} in {copy} no longer matches its manifest" in out.stderr, out.stderr
+    assert not (copy / ".k2fleet/pieces.json").exists()
+
+
+def test_two_fetches_into_one_directory_take_turns(source, tmp_path: Path) -> None:
+    """A second fetch into a directory (a re-run while the last still runs) waits for the first:
+    neither removes nor re-creates the other's landing files, and both end verified."""
+    root, digest = source
+    proc, port = serve(root)
+    argv = [*RELAY, "fetch", "--source", f"http://127.0.0.1:{port}", "--pieces-digest", digest, str(tmp_path / "h")]
+    try:
+        first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        second = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        out, err = first.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert first.returncode == 0 and second.returncode == 0, (err, second.stderr)
+    reports = [json.loads(out), json.loads(second.stdout)]
+    assert sorted(r["kept"] for r in reports) == [0, len(json.loads((root / ".k2fleet/manifest.json").read_bytes())["files"])]
+    assert subprocess.run([*VERIFY, "--full", str(tmp_path / "h")], capture_output=True).returncode == 0

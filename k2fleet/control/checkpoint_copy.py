@@ -119,6 +119,7 @@ def relay_to_host(control: ControlRelay, source: str | None, target: str, ssh: l
 
 
 _PIECES_LOCK = threading.Lock()
+_UNPINNABLE: set[str] = set()  # copies this run could not pin piece by piece: not hashed again for each host
 
 
 def pieces_pin(source: str) -> str | None:
@@ -128,15 +129,18 @@ def pieces_pin(source: str) -> str | None:
     it carries (``--pieces-digest``). None, with a warning, where it cannot be made (e.g. a
     ``control:`` directory on a read-only mount): files then move on once whole."""
     with _PIECES_LOCK:  # one hashing pass per copy, however many hosts' transfers start at once
+        if source in _UNPINNABLE:
+            return None
         # a child process: its threads hash on every core (this process's threads are pyinfra's greenlets)
         done = subprocess.run([sys.executable, "-m", "k2fleet.hostprogs.relay", "pieces", source], capture_output=True,
                               text=True, stdin=subprocess.DEVNULL, env=_with_this_checkout())
-    try:
-        return str(json.loads(done.stdout.strip().splitlines()[-1])["pieces_digest"])
-    except (ValueError, KeyError, IndexError):
-        log.warning("the control machine's copy %s is not pinned piece by piece (files move on once whole): %s",
-                    source, done.stderr.strip()[-500:])
-        return None
+        try:
+            return str(json.loads(done.stdout.strip().splitlines()[-1])["pieces_digest"])
+        except (ValueError, KeyError, IndexError):
+            _UNPINNABLE.add(source)
+    log.warning("the control machine's copy %s is not pinned piece by piece (files move on once whole): %s",
+                source, done.stderr.strip()[-500:])
+    return None
 
 
 # --------------------------------------------------------------------------- the pin

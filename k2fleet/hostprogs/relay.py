@@ -28,24 +28,26 @@ Rules it keeps:
   a file landing with pinned pieces (``--pieces-digest``: the sha256 of the control machine's
   ``.k2fleet/pieces.json``, :func:`make_pieces`): the hash that follows it checks each piece against the
   pin as it completes, and the relay serves the landing file up to the last piece that matched, not a byte
-  further (:func:`open_growing`), so each hop of the chain adds one piece's time, not one file's.
+  further (:func:`open_growing`), so each hop of the chain adds one piece's time, not one file's; a piece
+  that fails its pin stops the landing there (:class:`BadPiece`: a bad copy from that source).
 - **Resume and repair.** ``fetch`` first drops every marker (its own and verified.json) and hashes what is
   in place: a file that passes is kept and marked (bit rot keeps sizes and mtimes, so markers alone are not
   trusted); the others are fetched. A killed fetch leaves only ``.k2fleet/relay-partial/``, which the next
-  run discards. When every file is in, the index is checked and verify.py's ``verified.json`` written, so
+  run discards. One fetch into a directory at a time (``.k2fleet/relay-fetch.lock``): a second waits. When every file is in, the index is checked and verify.py's ``verified.json`` written, so
   the checkpoint gate passes without hashing anything twice.
 - **Wait for what is coming.** A peer whose fetch — or whose Hub download feeding it (``download.py
   --publish`` on the fetcher host: each file marked here once it passed its check) — is running keeps a
-  heartbeat (``.k2fleet/relay-fetching``); for a file it has not verified yet it answers 409 with
-  ``X-K2-Fetching: 1`` and receivers wait. When no source of a file has it and none is fetching for
+  heartbeat (``.k2fleet/relay-fetching``); for a file it has not verified yet it holds the request, then
+  answers 409 with ``X-K2-Fetching: 1`` and receivers wait (a file landing with pinned pieces is streamed
+  instead as soon as its first piece verified). When no source of a file has it and none is fetching for
   ``--give-up-after`` seconds (the download failed), the fetch fails naming the file.
 - **Heal around a dead host.** Each file's list is its parent, then the parent's ancestors, then the
   source: a source that has not answered for ``--dead-after`` seconds is skipped.
 - **One transfer near the wire.** Plain HTTP/1.1 range requests on kept-alive TCP connections over the
   private mesh (no per-byte cipher, unlike one rsync-over-SSH stream; the checks above are the integrity
   guarantee, the weights are not secret). A receiver asks for its next file while the current one streams
-  (HTTP/1.1 pipelining); the source holds that request until the file is verified there and sends it at
-  once, so a file leaves each host within milliseconds of its check and the link does not idle between
+  (HTTP/1.1 pipelining); the source holds that request until the file (with pinned pieces: its first piece)
+  is verified there and sends it at once, so a file leaves each host within milliseconds of its check and the link does not idle between
   files. The bytes never pass through Python: the server ``sendfile``s them, the receiver ``splice``s
   socket → pipe → file, and a thread hashes the landed prefix meanwhile, so a file is verified a moment
   after its last byte. The next file starts landing at once: up to ``--verify-behind`` landed files
@@ -89,7 +91,10 @@ PIECES = os.path.join(".k2fleet", "pieces.json")  # per file: a sha256 per piece
 # on a landing file (root's, 0644: no other user may set it): the bytes of its prefix of pieces verified so far
 VERIFIED_XATTR = "user.k2fleet.verified"
 PIECE_MIN = 1 << 20
-PIECES_PER_FILE = 64  # a file's piece: the smallest power of two >= PIECE_MIN giving at most this many
+PIECE_MAX = 16 << 20  # a receiver's answer moves at least a piece at a time: under SLOW_MIN_BYTES per slow_after only
+                      # below ~1.7 MB/s (a 594 GB checkpoint: ~35k pieces, a 2.4 MB pieces document)
+PIECES_PER_FILE = 64  # a file's piece: the smallest power of two >= PIECE_MIN giving at most this many, up to PIECE_MAX
+FETCH_LOCK = os.path.join(".k2fleet", "relay-fetch.lock")  # one fetch into a directory at a time
 PIECES_MAX_BYTES = 16 << 20  # a 1 TB checkpoint's pieces document is well under 1 MiB
 HEARTBEAT = os.path.join(".k2fleet", "relay-fetching")  # touched every HEARTBEAT_S while a fetch runs
 HEARTBEAT_S = 1.0
@@ -167,19 +172,22 @@ def mark(root):
 
 def piece_size(size):
     """The piece a file of ``size`` bytes is pinned by: the smallest power of two of at least
-    :data:`PIECE_MIN` that cuts it into at most :data:`PIECES_PER_FILE` pieces.
+    :data:`PIECE_MIN` that cuts it into at most :data:`PIECES_PER_FILE` pieces, at most :data:`PIECE_MAX`.
 
-    >>> piece_size(16 << 20) >> 20, piece_size(9_600_000_000) >> 20
-    (1, 256)
+    >>> piece_size(16 << 20) >> 20, piece_size(256 << 20) >> 20, piece_size(9_600_000_000) >> 20
+    (1, 4, 16)
     """
     piece = PIECE_MIN
-    while piece * PIECES_PER_FILE < size:
+    while piece * PIECES_PER_FILE < size and piece < PIECE_MAX:
         piece <<= 1
     return piece
 
 
-def _piece_hashes(root, rel, size, piece):
-    """sha256 (hex) of each ``piece``-byte piece of ``rel`` (read without following a symlink)."""
+def _piece_hashes(root, rel, entry, piece):
+    """sha256 (hex) of each ``piece``-byte piece of ``rel`` (read without following a symlink), its whole
+    hash checked against the manifest ``entry`` in the same pass (SystemExit otherwise: a marker is a stat,
+    and bit rot keeps stats)."""
+    size, whole = entry["size"], verify.new_hasher(entry)
     fd = verify.open_beneath(root, rel)
     try:
         if hasattr(os, "posix_fadvise"):
@@ -191,13 +199,16 @@ def _piece_hashes(root, rel, size, piece):
             while at < stop:
                 n = os.preadv(fd, [view[: min(len(view), stop - at)]], at)
                 if n <= 0:
-                    raise OSError(f"{rel}: shorter than its manifest's {size} bytes")
+                    raise SystemExit(f"relay pieces: {rel} is shorter than its manifest's {size} bytes")
                 h.update(view[:n])
+                whole.update(view[:n])
                 at += n
             out.append(h.hexdigest())
-        return out
     finally:
         os.close(fd)
+    if not hmac.compare_digest(whole.hexdigest(), verify.expected_hash(entry)):
+        raise SystemExit(f"relay pieces: {rel} in {root} no longer matches its manifest: nothing is pinned from it")
+    return out
 
 
 def make_pieces(root):
@@ -205,8 +216,9 @@ def make_pieces(root):
     digest, and per file larger than one piece its :func:`piece_size` and a sha256 per piece) and return the
     sha256 of those bytes — the ``--pieces-digest`` a fetch from this copy carries, so a receiver serves a file
     onward piece by piece while it lands, each piece checked against this pin (never a byte of one that is not).
-    Only a copy whose every file is verified here (:func:`is_verified_here`) is pinned; the document is reused
-    while every file's stat is the one it records."""
+    Only a copy whose every file is verified here (:func:`is_verified_here`) is pinned, and each pinned file's
+    whole hash is checked against the manifest in the same pass; the document is reused while every file's
+    stat is the one it records."""
     manifest = verify.load_manifest_in(root)
     digest = verify.manifest_digest(manifest)
     verified, stats = verify.load_marker(root, manifest), {}
@@ -219,7 +231,7 @@ def make_pieces(root):
         old = verify.manifest_from_bytes(raw)
         if isinstance(old, dict) and old.get("manifest") == digest and old.get("stat") == stats:
             return hashlib.sha256(raw).hexdigest()
-    big = [(rel, e["size"], piece_size(e["size"])) for rel, e in sorted(manifest["files"].items())
+    big = [(rel, e, piece_size(e["size"])) for rel, e in sorted(manifest["files"].items())
            if e["size"] > piece_size(e["size"])]
     with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
         hashes = list(pool.map(lambda one: _piece_hashes(root, *one), big))
@@ -501,26 +513,32 @@ def make_handler(root, secret=None):
             """Serve a file while it lands here, never a byte beyond its prefix of pieces verified against the
             pin: what is verified goes at once, the rest as its pieces verify (:func:`verified_prefix` of this
             very inode, read every :data:`WAIT_POLL_S`), or all of it once the whole file is verified and in
-            place (the same inode). A landing that starts over (this inode unlinked) or stalls for
-            DATA_TIMEOUT_S ends the answer short, connection closed: the receiver takes the file elsewhere."""
+            place (the same inode). A landing that starts over (this inode unlinked), shrinks, or stalls for
+            :data:`GROWING_STALL_S` ends the answer short, connection closed: the receiver takes the file elsewhere
+            (a receiver's own pace check may end it first)."""
             asked = self._range(size)
             if asked is None:
                 return
             start, end = asked
             self._send_head(start, end, size)
-            offset, moved = start, time.monotonic()
+            offset, moved, looked = start, time.monotonic(), time.monotonic()
             while offset <= end:
                 if offset < verified:
-                    offset = self._send_bytes(fd, offset, min(verified, end + 1))
-                    moved = time.monotonic()
+                    reached = self._send_bytes(fd, offset, min(verified, end + 1))
+                    if reached == offset:
+                        break  # the file is shorter than what it vouched for: nothing more is sent
+                    offset, moved = reached, time.monotonic()
                     continue
-                if time.monotonic() - moved > DATA_TIMEOUT_S:
+                if time.monotonic() - moved > GROWING_STALL_S:
                     break
                 time.sleep(WAIT_POLL_S)
-                verified = max(verified, min(verified_prefix(fd), size))
-                if verified > offset:
+                now = verified_prefix(fd)
+                if now < verified:
+                    break  # a prefix only grows within one landing: this inode is not what was vouched for
+                verified = min(now, size)
+                if verified > offset or time.monotonic() - looked < WAIT_RECHECK_S:
                     continue
-                st = os.fstat(fd)
+                looked, st = time.monotonic(), os.fstat(fd)
                 if st.st_nlink == 0:
                     break  # the landing started over: nobody vouches for this inode's other bytes
                 if is_verified_here(root, manifest, rel) and (verify.stat_beneath(root, rel) or {}).get("ino") == st.st_ino:
@@ -546,21 +564,25 @@ def big_buffer(sock, option):
 
 
 def _await_marker(root, rel, until):
-    """Sleep until ``rel``'s relay marker, verify.py's marker or ``rel``'s landing file appears or changes, or
+    """Sleep until ``rel``'s relay marker, verify.py's marker or ``rel``'s landing file's verified prefix appears or changes, or
     ``until`` (monotonic). One ``stat`` of each every :data:`WAIT_POLL_S`: only a trigger to
     look again — whether the file may be served is :func:`is_verified_here`'s call alone
     (which follows no symlink), so a file is passed on within milliseconds of being verified."""
-    paths = (os.path.join(root, mark_rel(rel)), os.path.join(root, verify.STATE_DIR, verify.MARKER_NAME),
-             os.path.join(root, PARTIAL, rel))  # a verified piece sets an xattr there: its ctime changes
+    paths = (os.path.join(root, mark_rel(rel)), os.path.join(root, verify.STATE_DIR, verify.MARKER_NAME))
+    landing = os.path.join(root, PARTIAL, rel)  # its verified prefix (not its writes, which come every moment)
 
     def seen():
         out = []
         for path in paths:
             try:
                 st = os.stat(path, follow_symlinks=False)
-                out.append((st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size))
+                out.append((st.st_ino, st.st_mtime_ns, st.st_size))
             except OSError:
                 out.append(None)
+        try:
+            out.append(os.getxattr(landing, VERIFIED_XATTR, follow_symlinks=False))
+        except OSError:
+            out.append(None)
         return out
 
     before = seen()
@@ -695,7 +717,12 @@ class Slow(OSError):
     """A source whose bytes came slower than :data:`SLOW_MIN_BYTES` per ``slow_after`` seconds."""
 
 
+class BadPiece(OSError):
+    """A piece of a landing file did not match its pin: the file's bytes from this source are bad."""
+
+
 SLOW_AFTER_S = 10.0  # a range body with less than SLOW_MIN_BYTES in this many seconds: its source is dead
+GROWING_STALL_S = SLOW_AFTER_S  # a landing file served while it lands whose prefix grew not at all this long
 SLOW_MIN_BYTES = 1 << 20
 CONNECT_TIMEOUT_S = 10.0
 MANIFEST_TIMEOUT_S = 30.0  # the whole manifest answer (head and body)
@@ -979,6 +1006,7 @@ class LandingHash:
     def __init__(self, fd, hasher, ranges, pieces=None, on_verified=None):
         self.fd, self.hasher, self.ranges = fd, hasher, ranges
         self.pieces, self.on_verified = pieces, on_verified  # (piece size, [sha256]); called with each verified prefix
+        self.bad_piece = None  # the index of the first piece that failed its pin
         self.size = ranges[-1][1] + 1 if ranges else 0
         self.landed = [a for a, _ in ranges]  # per range: the offset its bytes reached
         self.hashed = 0
@@ -988,7 +1016,11 @@ class LandingHash:
         self._thread.start()
 
     def landed_at(self, i):
+        """The callback range ``i``'s stream calls with the offset its bytes reached; it raises
+        :class:`BadPiece` once a piece failed its pin (the rest of the file is not worth landing)."""
         def note(offset):
+            if self.bad_piece is not None:
+                raise BadPiece(f"piece {self.bad_piece} does not match its pinned sha256")
             with self._cond:
                 self.landed[i] = offset
                 self._cond.notify()
@@ -1029,7 +1061,8 @@ class LandingHash:
                     self.hashed += step
                     if piece_hash is not None and (self.hashed % piece == 0 or self.hashed == self.size):
                         if not hmac.compare_digest(piece_hash.hexdigest(), pinned[(self.hashed - 1) // piece]):
-                            piece_hash = None  # a bad piece: nothing of this landing is vouched for beyond it
+                            piece_hash = None  # a bad piece: nothing of this landing is vouched for beyond it,
+                            self.bad_piece = (self.hashed - 1) // piece  # and the landing stops (landed_at)
                             continue
                         piece_hash = hashlib.sha256()
                         try:
@@ -1096,8 +1129,10 @@ class Landed:
 
 def retract(root, rel):
     """Withdraw ``rel``'s partial file from serving: unlinked, so a relay still streaming it sees no link left and
-    stops at what it verified, and the next landing is a new inode."""
-    verify.unlink_beneath(root, PARTIAL + "/" + rel)
+    stops at what it verified (the next landing creates a new inode: ``O_EXCL``, and one fetch per directory)."""
+    with verify.parent_beneath(root, PARTIAL + "/" + rel, create=True) as (parent, name):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=parent)
 
 
 def land_file(source, root, manifest, rel, streams, chunk, after=None, pieces=None):
@@ -1110,8 +1145,8 @@ def land_file(source, root, manifest, rel, streams, chunk, after=None, pieces=No
     t0 = time.monotonic()
     part = os.path.join(root, PARTIAL, rel)
     size = manifest["files"][rel]["size"]
-    retract(root, rel)  # a new inode each landing: a relay still serving the last one keeps its verified bytes
-    fd = verify.open_beneath(root, PARTIAL + "/" + rel, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644, create_dirs=True)
+    retract(root, rel)  # a new inode each landing (O_EXCL): a relay still serving the last one keeps its verified bytes
+    fd = verify.open_beneath(root, PARTIAL + "/" + rel, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644, create_dirs=True)
     try:
         os.ftruncate(fd, size)
         ranges = plan_ranges(size, streams, chunk)
@@ -1138,6 +1173,8 @@ def land_file(source, root, manifest, rel, streams, chunk, after=None, pieces=No
             raise
     except BaseException:
         os.close(fd)
+        with contextlib.suppress(OSError):
+            retract(root, rel)  # withdrawn at once: a relay serving it stops where it was
         raise
     return Landed(part, fd, hashing, time.monotonic() - t0)
 
@@ -1345,6 +1382,12 @@ class _Fetch:
                 if not exc.fetching:
                     time.sleep(POLL_S)
                 continue
+            except BadPiece as exc:  # bytes that do not match the pin: as a shard that fails its check
+                sys.stderr.write(f"relay: {rel} from {src.url}: {exc}\n")
+                with self.lock:
+                    self.report["bad_shards"].append({"file": rel, "source": src.url})
+                    self.refused[(rel, src.url)] = self.refused.get((rel, src.url), 0) + 1
+                continue
             except (Slow, Impostor) as exc:  # dripping, or not holding the secret: routed around at once
                 sys.stderr.write(f"relay: {src.url} is skipped from now on: {exc}\n")
                 src.note_dead(at_once=True)
@@ -1467,6 +1510,28 @@ def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_af
     here: each file is then served onward piece by piece as its pieces verify against it, not only once whole."""
     os.makedirs(root, exist_ok=True)
     os.close(verify.open_dir_beneath(root, ".k2fleet", create=True))  # a symlinked .k2fleet is refused here
+    lock = _fetch_lock(root)
+    try:
+        return _fetch(root, urls, streams, chunk, log, plan, dead_after, fleet, position, fanout, give_up_after,
+                      verify_behind, pin, secret, slow_after, deadline, pieces_digest)
+    finally:
+        os.close(lock)
+
+
+def _fetch_lock(root):
+    """An fd holding ``DIR/.k2fleet/relay-fetch.lock`` (flock): one fetch into a directory at a time (a second
+    waits), so no fetch removes or re-creates another's landing files."""
+    fd = verify.open_beneath(root, FETCH_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            time.sleep(POLL_S)
+
+
+def _fetch(root, urls, streams, chunk, log, plan, dead_after, fleet, position, fanout, give_up_after,
+           verify_behind, pin, secret, slow_after, deadline, pieces_digest):
     _remove_partial(root)  # a killed run's leftovers
     t0, started = time.monotonic(), time.time()
     if deadline > 0:
@@ -1576,7 +1641,10 @@ def main(argv=None):
         print(json.dumps({"bad": bad}))
         return 1 if bad else 0
     if a.cmd == "pieces":
-        print(json.dumps({"pieces_digest": make_pieces(a.dir)}))
+        try:
+            print(json.dumps({"pieces_digest": make_pieces(a.dir)}))
+        except OSError as exc:  # e.g. a read-only copy: one line, no traceback
+            raise SystemExit(f"relay pieces: {exc}") from None
         return 0
     if a.cmd == "serve":
         serve(a.dir, a.bind, a.port, a.exit_with_parent, read_secret(a.secret_file), a.idle_exit)
