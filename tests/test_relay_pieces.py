@@ -63,6 +63,7 @@ def test_pieces_are_pinned_only_from_a_verified_copy_and_reused_while_it_is_unch
     data = (root / BIG).read_bytes()
     assert doc["files"][BIG]["sha256"][1] == hashlib.sha256(data[MIB:2 * MIB]).hexdigest()
     assert "config.json" not in doc["files"]  # one piece or less: passed on whole
+    assert set(doc) == {"manifest", "files"}  # nothing of the control machine's own files (stats) goes to hosts
     before = (root / ".k2fleet/pieces.json").stat().st_mtime_ns
     assert json.loads(subprocess.run([*RELAY, "pieces", str(root)], capture_output=True,
                                      text=True).stdout)["pieces_digest"] == digest

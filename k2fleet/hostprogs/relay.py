@@ -88,6 +88,7 @@ MANIFEST = os.path.join(".k2fleet", "manifest.json")
 MARKS = os.path.join(".k2fleet", "relay")
 PARTIAL = os.path.join(".k2fleet", "relay-partial")
 PIECES = os.path.join(".k2fleet", "pieces.json")  # per file: a sha256 per piece, pinned by the control machine
+PIECES_MADE = os.path.join(".k2fleet", "pieces-made.json")  # the copy's file stats it was made from (reused while equal)
 # on a landing file (root's, 0644: no other user may set it): the bytes of its prefix of pieces verified so far
 VERIFIED_XATTR = "user.k2fleet.verified"
 PIECE_MIN = 1 << 20
@@ -218,7 +219,7 @@ def make_pieces(root):
     onward piece by piece while it lands, each piece checked against this pin (never a byte of one that is not).
     Only a copy whose every file is verified here (:func:`is_verified_here`) is pinned, and each pinned file's
     whole hash is checked against the manifest in the same pass; the document is reused while every file's
-    stat is the one it records."""
+    stat is the one recorded beside it (``.k2fleet/pieces-made.json``, not served)."""
     manifest = verify.load_manifest_in(root)
     digest = verify.manifest_digest(manifest)
     verified, stats = verify.load_marker(root, manifest), {}
@@ -227,21 +228,23 @@ def make_pieces(root):
             raise SystemExit(f"relay pieces: {rel} is not verified in {root}: nothing is pinned from an unverified copy")
         stats[rel] = verify.stat_beneath(root, rel)
     with contextlib.suppress(OSError, ValueError):
-        raw = verify.read_beneath(root, PIECES, PIECES_MAX_BYTES)
-        old = verify.manifest_from_bytes(raw)
-        if isinstance(old, dict) and old.get("manifest") == digest and old.get("stat") == stats:
-            return hashlib.sha256(raw).hexdigest()
+        made = json.loads(verify.read_beneath(root, PIECES_MADE, PIECES_MAX_BYTES))
+        pinned = hashlib.sha256(verify.read_beneath(root, PIECES, PIECES_MAX_BYTES)).hexdigest()
+        if made == {"pieces": pinned, "manifest": digest, "stat": stats}:
+            return pinned
     big = [(rel, e, piece_size(e["size"])) for rel, e in sorted(manifest["files"].items())
            if e["size"] > piece_size(e["size"])]
     with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
         hashes = list(pool.map(lambda one: _piece_hashes(root, *one), big))
     if any(verify.stat_beneath(root, rel) != stats[rel] for rel, _, _ in big):
         raise SystemExit(f"relay pieces: files in {root} changed while they were hashed")
-    doc = {"manifest": digest, "stat": stats,
-           "files": {rel: {"piece": piece, "sha256": h} for (rel, _, piece), h in zip(big, hashes)}}
+    doc = {"manifest": digest, "files": {rel: {"piece": piece, "sha256": h} for (rel, _, piece), h in zip(big, hashes)}}
     raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    pinned = hashlib.sha256(raw).hexdigest()
     verify.write_beneath(root, PIECES, raw)
-    return hashlib.sha256(raw).hexdigest()
+    made = {"pieces": pinned, "manifest": digest, "stat": stats}  # kept here, never served: what it was made from
+    verify.write_beneath(root, PIECES_MADE, json.dumps(made).encode())
+    return pinned
 
 
 def pieces_problem(raw, manifest, digest):
