@@ -1281,12 +1281,17 @@ PIECES_WAIT_S = 30.0  # a pieces document none of the sources gives in this long
 def _pieces_from(sources, manifest, digest, wait_s=PIECES_WAIT_S):
     """(raw, {file: (piece size, [sha256])}) of the pieces document pinned by ``digest`` from the first source
     that has it; (None, {}) when none gives it in ``wait_s`` (every file is then passed on once whole)."""
-    body, why = _document_from(sources, "/pieces", lambda raw: pieces_problem(raw, manifest, digest)[0],
-                               PIECES_MAX_BYTES, wait_s, "pieces document")
+    taken = {}
+
+    def problem(raw):  # the table of the document taken is kept: it is parsed and checked once
+        why, taken["table"] = pieces_problem(raw, manifest, digest)
+        return why
+
+    body, why = _document_from(sources, "/pieces", problem, PIECES_MAX_BYTES, wait_s, "pieces document")
     if body is None:
         sys.stderr.write(f"relay: no source gave the pinned pieces document ({why}); files pass on once whole\n")
         return None, {}
-    return body, pieces_problem(body, manifest, digest)[1]
+    return body, taken["table"]
 
 
 def fleet_plan(files, fleet, position, fanout, sources):
