@@ -24,7 +24,9 @@ setup() {
     apt-get update -qq
     optional=""
     for pkg in $OPTIONAL_PACKAGES; do
-      if apt-cache show "$pkg" >/dev/null 2>&1; then optional="$optional $pkg"; fi
+      # madison lists only versions apt can install (`apt-cache show` also succeeds for a name
+      # the archive merely mentions, e.g. bookworm's ubuntu-keyring, and then the install fails)
+      if [ -n "$(apt-cache madison "$pkg" 2>/dev/null)" ]; then optional="$optional $pkg"; fi
     done
     apt-get install -y -qq --no-install-recommends $PACKAGES $optional >/dev/null
   fi
