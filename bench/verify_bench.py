@@ -222,7 +222,7 @@ def fanout_egress(workdir: Path, mb: float) -> float:  # noqa: C901 - one linear
     src = tmp / "ckpt"
     make_checkpoint(src, num_shards=NUM_SHARDS, shard_bytes=int(mb * 1e6 / NUM_SHARDS))
     size = sum(f.size for f in describe_dir(src))
-    tx = Path("/sys/class/net/k2sb0/statistics/tx_bytes")
+    tx = Path(f"/sys/class/net/{sandbox.BRIDGE}/statistics/tx_bytes")
     hardware = sandbox.parse_gpus(SANDBOX_GPU)  # the simulated GPUs the sandbox inventory's k2_gpu asks for
     lock = sandbox.hold_sandbox_lock()
     was_up = sandbox._is_up(sandbox.DEFAULT_STATE_DIR.resolve(), 3, hardware)

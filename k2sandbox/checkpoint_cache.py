@@ -54,13 +54,14 @@ def _sandbox_base(revision: str = SANDBOX_REVISION) -> Path:
 
 def _build_once(root: Path, repo: str, revision: str, make: Callable[[Path], list]) -> Path:
     """``make(dir)`` the files (a list :func:`manifest_for` takes) and
-    their manifest at ``root`` once (built beside it, renamed into place); return ``root``."""
+    their manifest at ``root`` once (built beside it, renamed into place, under the lock beside
+    it: the suite's two sandbox instances may ask at once); return ``root``."""
     def build(tmp: Path) -> None:
         files = make(tmp)
         (tmp / ".k2fleet").mkdir(exist_ok=True)
         (tmp / ".k2fleet" / "manifest.json").write_text(json.dumps(manifest_for(files, repo, revision), indent=1))
 
-    return build_once(root, ".k2fleet/manifest.json", build, lock=False)
+    return build_once(root, ".k2fleet/manifest.json", build)
 
 
 def ensure_synthetic_checkpoint(base: Path, model: str, revision: str, num_shards: int = SHARDS,

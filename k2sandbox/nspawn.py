@@ -69,8 +69,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from k2fleet.control.aptroot import AptRootError, apt_mirror
+from k2fleet.control.cache_dirs import build_once
 
-DEFAULT_STATE_DIR = Path(os.environ.get("K2FLEET_SANDBOX_DIR", "/var/lib/k2fleet-sandbox"))
+# Which of the machine's sandbox fleets this process drives: 0 (the default) is the one a user
+# brings up; the suite runs a second one (1) beside it in its other xdist worker (tests/conftest.py).
+# Each instance has its own names, subnets, lock and state directory, so two never meet; the rootfs
+# cache and the other caches are shared, each built under its own lock.
+INSTANCE_ENV = "K2FLEET_SANDBOX_INSTANCE"
+INSTANCE = int(os.environ.get(INSTANCE_ENV, "0") or 0)
+if not 0 <= INSTANCE <= 9:
+    raise SystemExit(f"{INSTANCE_ENV} must be 0..9, got {INSTANCE}")
+DEFAULT_STATE_DIR = Path(os.environ.get("K2FLEET_SANDBOX_DIR", "/var/lib/k2fleet-sandbox"
+                                        + (f"-{INSTANCE}" if INSTANCE else "")))
 SHARED_MOUNT = "/mnt/k2shared"  # every host's view of STATE/shared (the sandbox's shared storage)
 ROOTFS_CACHE = Path(os.environ.get("K2FLEET_SANDBOX_CACHE", "/var/cache/k2fleet/sandbox-rootfs"))
 
@@ -98,21 +108,22 @@ PACKAGES: tuple[str, ...] = (
     "python3-lib2to3",
 )
 # Bump when the post-debootstrap image tweaks change, to invalidate the cache.
-IMAGE_REVISION = 3  # 3: upgraded to the suite's -updates pocket, no package index
+IMAGE_REVISION = 4  # 3: upgraded to the suite's -updates pocket, no package index; 4: built under a lock, IMAGE_MARKER
+IMAGE_MARKER = "etc/k2sandbox-image"  # written last: the image is whole (its content: the cache key)
 
-PREFIX = "k2sb"
-BRIDGE = "k2sb0"
-SUBNET = "10.213.0"
+PREFIX = f"k2s{INSTANCE}" if INSTANCE else "k2sb"  # of every name the instance makes: hosts, netns, links
+BRIDGE = f"{PREFIX}0"
+SUBNET = f"10.213.{2 * INSTANCE}"
 BRIDGE_ADDRESS = f"{SUBNET}.1"
 PREFIX_LEN = 24
 # a company-shaped sandbox's fleet subnet (k2sandbox.company_network), on the same bridge: the
 # control machine holds an "unreachable" route for it while the sandbox is up, so a connection
 # there fails here instead of leaving by the default route
-COMPANY_SUBNET = "10.213.1"
+COMPANY_SUBNET = f"10.213.{2 * INSTANCE + 1}"
 FIRST_HOST_OCTET = 11
 MAX_HOSTS = 200
 HOST_NIC = "eth0"  # every host's one interface (its veth end, renamed inside its netns)
-LOCK_PATH = "/tmp/k2sb.lock"
+LOCK_PATH = f"/tmp/{PREFIX}.lock"
 
 CONTROL_TOOLS: dict[str, str] = {
     "debootstrap": "debootstrap",
@@ -339,28 +350,20 @@ def _upgrade_image(root: Path, mirror: str) -> None:
 
 
 def ensure_rootfs(cache: Path = ROOTFS_CACHE) -> Path:
-    """Return the cached root fs, building it with debootstrap if missing."""
-    target = cache / rootfs_key()
-    if (target / "etc/os-release").exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = cache / f".build-{rootfs_key()}-{os.getpid()}"
-    _safe_rmtree(tmp)
-    try:
-        mirror = apt_mirror(SUITE)
-    except AptRootError as exc:
-        raise SandboxError(f"{exc}; cannot pick a debootstrap mirror") from exc
-    cmd = ["debootstrap", f"--variant={VARIANT}", f"--include={','.join(PACKAGES)}",
-           SUITE, str(tmp), mirror]
-    try:
-        run(cmd)
+    """Return the cached root fs, building it with debootstrap if missing (once: under the
+    cache's lock, so two sandbox instances booting at once build it once and never replace
+    the one the other's hosts run on)."""
+    def make(tmp: Path) -> None:
+        try:
+            mirror = apt_mirror(SUITE)
+        except AptRootError as exc:
+            raise SandboxError(f"{exc}; cannot pick a debootstrap mirror") from exc
+        run(["debootstrap", f"--variant={VARIANT}", f"--include={','.join(PACKAGES)}", SUITE, str(tmp), mirror])
         _upgrade_image(tmp, mirror)
         _prepare_image(tmp)
-        _safe_rmtree(target)
-        tmp.rename(target)
-    finally:
-        _safe_rmtree(tmp)
-    return target
+        (tmp / IMAGE_MARKER).write_text(rootfs_key() + "\n")
+
+    return build_once(cache / rootfs_key(), IMAGE_MARKER, make)
 
 
 # --------------------------------------------------------------------------
@@ -512,12 +515,13 @@ def shape_argv(index: int, rate: str) -> list[list[str]]:
     that receives and forwards at once had its ACKs queued behind its own upload and
     received ~10% under its link rate.
 
-    >>> shape_argv(2, "200mbit")[5][:12]
-    ['ip', 'netns', 'exec', 'k2sb-2', 'tc', 'qdisc', 'replace', 'dev', 'eth0', 'root', 'handle', '1:']
+    >>> shape_argv(2, "200mbit")[5][:12] == ['ip', 'netns', 'exec', host_name(2), 'tc', 'qdisc', 'replace', 'dev',
+    ...                                      'eth0', 'root', 'handle', '1:']
+    True
     >>> shape_argv(2, "200mbit")[1][-8:]
     ['rate', '200mbit', 'ceil', '200mbit', 'burst', '512k', 'cburst', '512k']
-    >>> shape_argv(1, "off")[0]
-    ['tc', 'qdisc', 'del', 'dev', 'k2sbv1', 'root']
+    >>> shape_argv(1, "off")[0] == ['tc', 'qdisc', 'del', 'dev', veth_names(1)[0], 'root']
+    True
     """
     sides = [([], veth_names(index)[0]), (["ip", "netns", "exec", host_name(index)], HOST_NIC)]
     if rate == "off":

@@ -1,9 +1,15 @@
 """Shared pytest configuration for k2fleet's tests, and THE sandbox fixture.
 
-Every test that uses the sandbox fleet asks for ``fleet`` (or ``sandbox_fleet``): the one
-global lock (``/tmp/k2sb.lock``) is held for the module, the 3 hosts are booted bare at
-its start and brought down at its end. Tests get the state they need from it
-(``fleet.ensure_deployed(...)``, ``fleet.ensure_bare()``), never from an earlier test.
+Every test that uses the sandbox fleet asks for ``fleet`` (or ``sandbox_fleet``): the lock of
+this process's sandbox instance (``/tmp/k2sb.lock`` for instance 0) is held for the module, the
+3 hosts are booted bare at its start and brought down at its end. Tests get the state they need
+from it (``fleet.ensure_deployed(...)``, ``fleet.ensure_bare()``), never from an earlier test.
+
+Under ``pytest -n 2 --dist loadgroup`` (``./dev.sh test``) xdist worker ``gwN`` drives sandbox
+instance N (its own hosts, names, subnets, lock and state directory: ``k2sandbox.nspawn.INSTANCE``),
+so two modules' fleets run side by side and never meet; each sandbox module is an xdist group (one
+worker, in order, its fleet booted once), and the modules that change what the whole machine shares
+are one group that :func:`pytest_xdist_make_scheduler` keeps on worker gw0.
 """
 
 from __future__ import annotations
@@ -13,7 +19,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from k2sandbox.harness import SandboxFleet
+# before anything imports k2sandbox.nspawn (its names are fixed at import): worker gwN drives
+# sandbox instance N; outside xdist (or with the variable set) the instance is the caller's
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER[2:].isdigit() and "K2FLEET_SANDBOX_INSTANCE" not in os.environ:
+    os.environ["K2FLEET_SANDBOX_INSTANCE"] = str(min(int(_WORKER[2:]), 9))
+
+from k2sandbox.harness import SandboxFleet  # noqa: E402
 
 _FAILED = pytest.StashKey[bool]()
 
@@ -22,44 +34,81 @@ def pytest_configure(config: pytest.Config) -> None:
     """Register the markers k2fleet's tests use."""
     config.addinivalue_line(
         "markers",
-        "sandbox: boots the real nspawn sandbox fleet (root; holds /tmp/k2sb.lock)",
+        "sandbox: boots the real nspawn sandbox fleet (root; holds its instance's lock, /tmp/k2sb.lock for instance 0)",
     )
 
 
-# Modules whose tests change or take what the whole machine shares beyond the sandbox lock (local
-# users and sudoers, the control machine's apt and dpkg, the engine and checkpoint caches built on
-# first use, the real vLLM's CPU time): under ``pytest -n 2 --dist loadgroup`` (dev.sh test) they
-# run in the one "serial" worker with every sandbox test, one at a time; the rest run beside them.
-SERIAL_MODULES = {
-    "test_sudo_uploads", "test_local_users", "test_squatter", "test_airgap", "test_aptroot", "test_bundle",
-    "test_real_vllm", "test_benches", "test_relay",
-    "test_relay_hostile", "test_checkpoint_fleet", "test_company_network", "test_ktransformers",
-    "test_container_image", "test_nvidia_doubles", "test_dry_run",
+# Modules whose tests change or watch what the whole machine shares beyond a sandbox instance
+# (local users and sudoers, the control machine's apt and dpkg and its /tmp, the bundle and its
+# offline rehearsal's network namespace, the benches' control state and page cache, a relay's
+# timing against an unloaded run): one xdist group, :data:`MACHINE_GROUP`, run on worker gw0 in
+# order, while the other worker takes the other sandbox modules one after another.
+MACHINE_MODULES = {
+    "test_sudo_uploads", "test_aptroot", "test_bundle", "test_airgap", "test_benches", "test_relay_hostile",
 }
-# Modules that touch nothing the sandbox stream shares (loopback servers on free ports, their own
+MACHINE_GROUP = "machine"
+# Modules that touch nothing the sandbox streams share (loopback servers on free ports, their own
 # temporary directories): each is its own xdist group, so its tests stay together on one worker
-# (module fixtures built once) and run beside the sandbox stream instead of inside it.
+# (module fixtures built once).
 LOOPBACK_MODULES = {"test_doubles", "test_relay_trust", "test_package_mirror", "test_gate_outside_checkout"}
+# Modules that are no sandbox module by name or marker but boot an instance's fleet, build the
+# engine or checkpoint caches, or run the real engine: each is its own group, as a sandbox module is.
+FLEET_MODULES = {
+    "test_local_users", "test_squatter", "test_real_vllm", "test_relay", "test_checkpoint_fleet",
+    "test_company_network", "test_ktransformers", "test_container_image", "test_nvidia_doubles", "test_dry_run",
+}
+
+
+def group_of(item: pytest.Item) -> str | None:
+    """The xdist group ``item`` runs in: :data:`MACHINE_GROUP`, its module's name (a sandbox,
+    real-engine, fleet or loopback module: one worker, in order), or None (any worker)."""
+    module = getattr(item, "module", None)
+    name = module.__name__.rsplit(".", 1)[-1] if module is not None else ""
+    if name in MACHINE_MODULES:
+        return MACHINE_GROUP
+    if item.get_closest_marker("sandbox") or item.get_closest_marker("real_engine") or name in FLEET_MODULES \
+            or name in LOOPBACK_MODULES or name.startswith("test_rehearse") or "sandbox" in name:
+        return name
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that asks for the sandbox fleet is a ``sandbox`` test, marked or not (so that
-    ``-m "not sandbox"`` never boots or takes down the fleet another run is using). Sandbox,
-    real-engine and :data:`SERIAL_MODULES` tests share one xdist group (one worker, in order).
+    ``-m "not sandbox"`` never boots or takes down the fleet another run is using); each test
+    joins the xdist group :func:`group_of` names.
     ``tryfirst``: xdist's worker reads the groups in its own hook of this name (pytest-xdist 3.8,
     ``remote.py``), which otherwise ran before this one and found none
     (tests/test_xdist_groups.py)."""
     for item in items:
         if "sandbox_fleet" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.sandbox)
-        module = getattr(item, "module", None)
-        name = module.__name__.rsplit(".", 1)[-1] if module is not None else ""
-        if item.get_closest_marker("sandbox") or item.get_closest_marker("real_engine") or name in SERIAL_MODULES \
-                or name.startswith("test_rehearse") or "sandbox" in name:
-            item.add_marker(pytest.mark.xdist_group("serial"))
-        elif name in LOOPBACK_MODULES:
-            item.add_marker(pytest.mark.xdist_group(name))
+        if (group := group_of(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 (xdist's scheduler type)
+    """Under ``--dist loadgroup``: xdist's own group scheduling (the groups with the most tests
+    first, each worker given the next when it has two tests left), except that the
+    :data:`MACHINE_GROUP` goes to worker gw0 only (with no gw0, to the first worker): no two of its
+    tests run at once, whatever else does. None: xdist's default for any other ``--dist``."""
+    if config.getoption("dist", "no") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class MachineOnGw0(LoadGroupScheduling):
+        def _assign_work_unit(self, node) -> None:  # noqa: ANN001
+            first = next((n for n in self.nodes if n.gateway.id == "gw0"), self.nodes[0])
+            scope = next((scope for scope in self.workqueue if (scope == MACHINE_GROUP) == (node is first)),
+                         next((scope for scope in self.workqueue if scope != MACHINE_GROUP), None))
+            if scope is None:
+                return  # only the machine group is left, and it is gw0's: this worker idles to the end
+            work_unit = self.workqueue.pop(scope)
+            self.assigned_work.setdefault(node, {})[scope] = work_unit
+            collection = self.registered_collections[node]
+            node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
+
+    return MachineOnGw0(config, log)
 
 
 @pytest.hookimpl(hookwrapper=True)

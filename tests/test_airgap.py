@@ -283,9 +283,9 @@ def test_offline_rehearsal_from_the_bundle_alone(h800_bundle: Path) -> None:
                        lock=held)
         assert proc.stdout.strip().splitlines()[-1] == \
             "rehearsal inventories/h800-pp.py: 1/1 endpoints healthy, re-run 0 changes", proc.stdout[-3000:]
-        assert "--offline: the deploy runs in netns k2sb-offline" in proc.stdout
+        assert f"--offline: the deploy runs in netns {sandbox.OFFLINE_NS}" in proc.stdout
         routes = subprocess.run(["ip", "-n", sandbox.OFFLINE_NS, "route"], capture_output=True, text=True).stdout
-        assert routes.strip().splitlines() == [line for line in routes.strip().splitlines() if "10.213.0.0/24" in line]
+        assert routes.strip().splitlines() == [line for line in routes.strip().splitlines() if f"{sandbox.SUBNET}.0/24" in line]
         unreachable = subprocess.run(["ip", "netns", "exec", sandbox.OFFLINE_NS, "ip", "route", "get", "151.101.0.223"],
                                      capture_output=True, text=True)  # PyPI's address: no route (nothing is sent)
         assert unreachable.returncode != 0 and "unreachable" in unreachable.stderr.lower()

@@ -28,7 +28,7 @@ from k2sandbox.harness import ssh
 
 pytestmark = pytest.mark.sandbox
 SANDBOX_HOSTS = 2
-NAMES = ("k2sb-1", "k2sb-2")
+NAMES = (sandbox.host_name(1), sandbox.host_name(2))
 BRANCH_590 = {"k2_driver_branch": 590}
 ROLLING_590 = {**BRANCH_590, "k2_reboot": "rolling"}
 

@@ -35,6 +35,7 @@ from k2fleet.planning import relay_plan
 from k2fleet.hostprogs.verify import load_manifest
 from k2sandbox.synthetic_checkpoint import describe_dir, make_checkpoint, shard_name
 from k2sandbox.harness import SandboxFleet, data_args, http_json, ssh, start_deploy, tool
+from k2sandbox import nspawn as sandbox
 from k2sandbox.hub_double import HubDouble
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -143,7 +144,7 @@ def relay_url(host: dict[str, Any]) -> str:
 def _bridge_tx() -> int:
     """Bytes the control machine sent into the sandbox bridge (its own IP stack only:
     frames forwarded host-to-host by the bridge are not counted on the bridge device)."""
-    return int(Path("/sys/class/net/k2sb0/statistics/tx_bytes").read_text())
+    return int(Path(f"/sys/class/net/{sandbox.BRIDGE}/statistics/tx_bytes").read_text())
 
 
 @dataclasses.dataclass
@@ -446,7 +447,7 @@ def test_fetcher_host_downloads_from_the_hub_and_the_control_machine_sends_no_ch
     exists on host 2 only while it downloads."""
     fleet = hubfleet
     h1, h2, h3 = fleet.hosts
-    with HubDouble(host="10.213.0.1") as hub:
+    with HubDouble(host=sandbox.BRIDGE_ADDRESS) as hub:
         hub.add_commit(REPO, fleet.served, sha=manifest_revision(fleet))
         fetcher = {"k2_hub_endpoint": hub.url, "k2_checkpoint_fetcher": h2["name"]}
         for host in fleet.hosts:  # nothing on any host: the whole checkpoint must come from the Hub

@@ -27,7 +27,7 @@ from k2sandbox.harness import ssh
 
 pytestmark = pytest.mark.sandbox
 SANDBOX_HOSTS = 2
-NAMES = ("k2sb-1", "k2sb-2")
+NAMES = (sandbox.host_name(1), sandbox.host_name(2))
 PROVIDED = {"k2_gpu_stack": "provided"}
 GPU_STACK = ("nvidia", "libnvidia", "cuda", "libnvsdm", "nvlsm", "docker", "containerd", "runc")
 

@@ -197,8 +197,8 @@ def test_rehearse_h200_as_a_sudo_user_on_a_custom_port_with_a_fetcher_host_pinne
                          check=went_in_as_ops_and_pinned)
     curls = [line for line in proc.stdout.splitlines() if "curl " in line]
     assert len(curls) == 1 and "/v1/chat/completions" in curls[0] and "moonshotai/Kimi-K2-Thinking" in curls[0]
-    assert "http://10.213.0.11:8000/v1" in proc.stdout and "http://10.213.0.12:8000/v1" in proc.stdout
-    assert "the Hub TEST DOUBLE at http://10.213.0.1:" in proc.stdout and "h200-1 downloads it" in proc.stdout
+    assert f"http://{sandbox.host_address(1)}:8000/v1" in proc.stdout and f"http://{sandbox.host_address(2)}:8000/v1" in proc.stdout
+    assert f"the Hub TEST DOUBLE at http://{sandbox.BRIDGE_ADDRESS}:" in proc.stdout and "h200-1 downloads it" in proc.stdout
     assert "-> control" not in proc.stdout  # the fetcher host is kept
 
 
@@ -227,7 +227,7 @@ def test_rehearse_gb200_slurm() -> None:
     proc = rehearse_kept(inventory, 6)  # the front end and 4 ctx + 1 gen servers, each called by this test
     out = proc.stdout
     assert "booting 13 bare sandbox hosts (1 from the inventory + 12 Slurm compute hosts" in out
-    assert "slurmctld on k2sb-1, slurmd on k2sb-2..k2sb-13, partition rehearsal" in out
+    assert f"slurmctld on {sandbox.host_name(1)}, slurmd on {sandbox.host_name(2)}..{sandbox.host_name(13)}, partition rehearsal" in out
     assert "k2_slurm slurm.partition: '<partition>' -> 'rehearsal'" in out
     assert "slurm job topology: ctx/gen servers and parallel sizes as planned" in out
     assert "ctx4_gen1_dep32_batch128_eplb416_mtp0" in out

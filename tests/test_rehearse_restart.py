@@ -75,7 +75,7 @@ class Kept:
         self.env = dict([words[3].split("=", 1)])
         self.argv = words[4:]
         self.inventory = Path(self.argv[-2])
-        mapping = {line.split()[0]: line.split()[2] for line in lines if line.startswith("  ") and " -> k2sb-" in line}
+        mapping = {line.split()[0]: line.split()[2] for line in lines if line.startswith("  ") and f" -> {sandbox.PREFIX}-" in line}
         by_name = {h.name: asdict(h) for h in sandbox.load_hosts()}
         self.hosts = {name: by_name[sb] for name, sb in mapping.items()}
 
@@ -310,7 +310,7 @@ def test_trtllm_mpi_containers_config_change_restarts_nodes_then_the_mpirun_laun
     kept = Kept(lock, "inventories/h200-trtllm-mpi.py", 1)
     # as written: the head docker-execs the real OpenMPI mpirun into its container, which starts
     # orted in the other host's container over SSH on the mesh port; the gate sees TP16 = world 16
-    assert "ok   h200-0 k2-trtllm: http://10.213.0.11:8000/v1" in kept.output
+    assert f"ok   h200-0 k2-trtllm: http://{sandbox.host_address(1)}:8000/v1" in kept.output
     before = kept.units()
     assert serving(before) == {("h200-0", "k2-trtllm-node.service"), ("h200-1", "k2-trtllm-node.service"),
                                ("h200-0", "k2-trtllm.service")}

@@ -33,10 +33,12 @@ def _sandbox_links() -> list[str]:
 
 
 def _live_nspawn_pids() -> list[str]:
-    """systemd-nspawn processes that still run (zombies left to a non-reaping PID 1 excluded)."""
-    out = subprocess.run(["ps", "-eo", "pid=,stat=,comm="], capture_output=True, text=True).stdout
-    rows = [line.split(None, 2) for line in out.splitlines()]
-    return [pid for pid, stat, comm in rows if comm == "systemd-nspawn" and not stat.startswith("Z")]
+    """This instance's systemd-nspawn processes that still run (zombies left to a non-reaping
+    PID 1 excluded; another sandbox instance's hosts, e.g. the suite's other xdist worker's, not counted)."""
+    out = subprocess.run(["ps", "-eo", "pid=,stat=,comm=,args="], capture_output=True, text=True).stdout
+    rows = [line.split(None, 3) for line in out.splitlines()]
+    return [row[0] for row in rows if len(row) == 4 and row[2] == "systemd-nspawn" and not row[1].startswith("Z")
+            and f"--machine={sandbox.PREFIX}-" in row[3]]
 
 
 @pytest.fixture
@@ -51,11 +53,11 @@ def hosts(fleet) -> list[sandbox.SandboxHost]:
 
 
 def test_inventory(hosts: list[sandbox.SandboxHost], state_dir: Path) -> None:
-    assert [h.name for h in hosts] == [f"k2sb-{i}" for i in range(1, N_HOSTS + 1)]
+    assert [h.name for h in hosts] == [sandbox.host_name(i) for i in range(1, N_HOSTS + 1)]
     entries = sandbox.sandbox_inventory_hosts(state_dir=state_dir)
     assert [(name, data["ssh_hostname"], data["k2_nic"]) for name, data in entries] == [
         (h.name, h.address, sandbox.HOST_NIC) for h in hosts]
-    assert [name for name, _ in sandbox.sandbox_inventory_hosts(2, state_dir)] == ["k2sb-1", "k2sb-2"]
+    assert [name for name, _ in sandbox.sandbox_inventory_hosts(2, state_dir)] == [sandbox.host_name(1), sandbox.host_name(2)]
     with pytest.raises(SystemExit, match="has 3 hosts, this inventory needs 4"):
         sandbox.sandbox_inventory_hosts(4, state_dir)
     assert len({h.address for h in hosts}) == N_HOSTS
@@ -153,10 +155,10 @@ def test_sandbox_inventories_read_no_environment(recorded_fleet: Path) -> None:
     again = _plan("inventories/sandbox.py", recorded_fleet, **noise)
     assert again.returncode == 0 and again.stdout == first.stdout, again.stderr
     plan = json.loads(first.stdout)
-    assert sorted(plan["hosts"]) == ["k2sb-1", "k2sb-2", "k2sb-3"]
+    assert sorted(plan["hosts"]) == [sandbox.host_name(i) for i in (1, 2, 3)]
     trt = _plan("inventories/sandbox-trtllm-mpi.py", recorded_fleet)
     assert trt.returncode == 0, trt.stderr
-    assert sorted(json.loads(trt.stdout)["hosts"]) == ["k2sb-1", "k2sb-2"]
+    assert sorted(json.loads(trt.stdout)["hosts"]) == [sandbox.host_name(1), sandbox.host_name(2)]
     assert (plan["engine"], json.loads(trt.stdout)["engine"]) == ("vllm", "trtllm")
 
 
@@ -164,7 +166,7 @@ def test_sandbox_variations_are_pyinfra_data(recorded_fleet: Path) -> None:
     plan = _plan("inventories/sandbox.py", recorded_fleet, 'k2_engine_args={"max-num-seqs": 64}',
                  "k2_shared_storage=true", "k2_model_dir=/mnt/k2shared/models")
     assert plan.returncode == 0, plan.stderr
-    argv = json.loads(plan.stdout)["hosts"]["k2sb-1"]["services"][0]["argv"]
+    argv = json.loads(plan.stdout)["hosts"][sandbox.host_name(1)]["services"][0]["argv"]
     assert "--max-num-seqs" in argv and argv[argv.index("--max-num-seqs") + 1] == "64"
     assert "/mnt/k2shared/models/" in " ".join(argv)
 

@@ -146,9 +146,9 @@ def test_a_killed_host_stays_down_and_down_removes_everything(fleet) -> None:
     assert "supervisor exits" in log.splitlines()[-1], log[-500:]
 
     sandbox.down()
-    assert _live_processes("systemd-nspawn", "--machine=k2sb-") == []
-    assert _live_processes("sandbox.py", "supervise") == []
-    assert sandbox._sandbox_netns() == [] and sandbox._sandbox_links() == []  # netns, veths, k2sb0
+    assert _live_processes("systemd-nspawn", f"--machine={sandbox.PREFIX}-") == []
+    assert _live_processes(f"nspawn.py supervise {sandbox.DEFAULT_STATE_DIR.resolve() / 'run'} ") == []
+    assert sandbox._sandbox_netns() == [] and sandbox._sandbox_links() == []  # netns, veths, the bridge
     assert sandbox.status() == []
 
 
@@ -161,8 +161,8 @@ def test_stopping_a_rebooting_host_starts_nothing_again(fleet) -> None:
     print(f"\n{last}")
     assert last.endswith("(stopped); supervisor exits"), last
     time.sleep(2)  # nothing starts it again
-    assert _live_processes("systemd-nspawn", "--machine=k2sb-") == []
-    assert _live_processes("sandbox.py", "supervise") == []
+    assert _live_processes("systemd-nspawn", f"--machine={sandbox.PREFIX}-") == []
+    assert _live_processes(f"nspawn.py supervise {sandbox.DEFAULT_STATE_DIR.resolve() / 'run'} ") == []
     sandbox.down()
     assert sandbox._sandbox_netns() == [] and sandbox._sandbox_links() == []
 
