@@ -47,29 +47,26 @@ MACHINE_MODULES = {
     "test_sudo_uploads", "test_aptroot", "test_bundle", "test_airgap", "test_benches", "test_relay_hostile",
 }
 MACHINE_GROUP = "machine"
-# Modules that touch nothing the sandbox streams share (loopback servers on free ports, their own
-# temporary directories): each is its own xdist group, so its tests stay together on one worker
-# (module fixtures built once).
-LOOPBACK_MODULES = {"test_doubles", "test_relay_trust", "test_package_mirror", "test_gate_outside_checkout"}
-# Modules that are no sandbox module by name or marker but boot an instance's fleet, build the
-# engine or checkpoint caches, or run the real engine: each is its own group, as a sandbox module is.
-FLEET_MODULES = {
-    "test_local_users", "test_squatter", "test_real_vllm", "test_relay", "test_checkpoint_fleet",
-    "test_company_network", "test_ktransformers", "test_container_image", "test_nvidia_doubles", "test_dry_run",
+
+
+# Seconds each of the longest groups takes in a whole run (./dev.sh test on 2 cores; first estimated
+# from earlier runs' durations): only their order matters, the longest handed out first; a group
+# not named counts 1 s a test.
+GROUP_SECONDS: dict[str, float] = {
+    "test_rehearse_restart": 700, "test_rehearse_real_engine": 400, "test_validation": 400,
+    "test_fault_drills_sandbox": 300, "test_real_vllm": 300, "test_rehearse": 300,
 }
 
 
 def group_of(item: pytest.Item) -> str | None:
-    """The xdist group ``item`` runs in: :data:`MACHINE_GROUP`, its module's name (a sandbox,
-    real-engine, fleet or loopback module: one worker, in order), or None (any worker)."""
+    """The xdist group ``item`` runs in: :data:`MACHINE_GROUP`, else its module's name (a module's
+    tests run on one worker, in order: its module fixtures, a booted fleet or a shared outcome, are
+    made once); None for an item of no module (a doctest: any worker)."""
     module = getattr(item, "module", None)
-    name = module.__name__.rsplit(".", 1)[-1] if module is not None else ""
-    if name in MACHINE_MODULES:
-        return MACHINE_GROUP
-    if item.get_closest_marker("sandbox") or item.get_closest_marker("real_engine") or name in FLEET_MODULES \
-            or name in LOOPBACK_MODULES or name.startswith("test_rehearse") or "sandbox" in name:
-        return name
-    return None
+    if module is None:
+        return None
+    name = module.__name__.rsplit(".", 1)[-1]
+    return MACHINE_GROUP if name in MACHINE_MODULES else name
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -88,10 +85,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 (xdist's scheduler type)
-    """Under ``--dist loadgroup``: xdist's own group scheduling (the groups with the most tests
-    first, each worker given the next when it has two tests left), except that the
-    :data:`MACHINE_GROUP` goes to worker gw0 only (with no gw0, to the first worker): no two of its
-    tests run at once, whatever else does. None: xdist's default for any other ``--dist``."""
+    """Under ``--dist loadgroup``: xdist's own group scheduling (each worker given the next group
+    when it has two tests left), except that the :data:`MACHINE_GROUP` goes to worker gw0 only
+    (with no gw0, to the first worker: no two of its tests run at once, whatever else does), and
+    the next group is the longest left (:data:`GROUP_SECONDS`; a test counts 1 s). None: xdist's
+    default for any other ``--dist``."""
     if config.getoption("dist", "no") != "loadgroup":
         return None
     from xdist.scheduler import LoadGroupScheduling
@@ -99,8 +97,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 (xd
     class MachineOnGw0(LoadGroupScheduling):
         def _assign_work_unit(self, node) -> None:  # noqa: ANN001
             first = next((n for n in self.nodes if n.gateway.id == "gw0"), self.nodes[0])
-            scope = next((scope for scope in self.workqueue if (scope == MACHINE_GROUP) == (node is first)),
-                         next((scope for scope in self.workqueue if scope != MACHINE_GROUP), None))
+            if node is first and MACHINE_GROUP in self.workqueue:
+                scope = MACHINE_GROUP
+            else:  # the longest first (a long module taken last would end the run alone)
+                scope = max((scope for scope in self.workqueue if scope != MACHINE_GROUP),
+                            key=lambda scope: GROUP_SECONDS.get(scope, len(self.workqueue[scope])), default=None)
             if scope is None:
                 return  # only the machine group is left, and it is gw0's: this worker idles to the end
             work_unit = self.workqueue.pop(scope)

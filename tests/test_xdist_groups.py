@@ -1,5 +1,5 @@
-"""The suite's xdist groups hold: under ``-n 2 --dist loadgroup`` (``./dev.sh test``) each sandbox,
-fleet or loopback module runs on one worker, in order; the :data:`tests.conftest.MACHINE_MODULES`
+"""The suite's xdist groups hold: under ``-n 2 --dist loadgroup`` (``./dev.sh test``) each test
+module runs on one worker, in order; the :data:`tests.conftest.MACHINE_MODULES`
 (what the whole machine shares) run on gw0 only, one at a time; and worker gwN drives sandbox
 instance N, so the two workers' fleets never meet.
 
@@ -42,8 +42,7 @@ def test_this_worker_drives_its_own_sandbox_instance() -> None:
 
 
 def test_the_groups_hold_and_the_machine_group_stays_on_gw0(tmp_path: Path) -> None:
-    # a fleet module's offline tests, one of the rest, a loopback module, a machine module and the
-    # instance check above, on two workers
+    # some tests of four modules, one of them a machine module, and the instance check above, on two workers
     argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-v",
             "--basetemp", str(tmp_path / "inner"), "-m", "not sandbox",
             "-k", "offline or is_short or readme or malformed_range or machine_sources or own_sandbox_instance",
@@ -54,8 +53,7 @@ def test_the_groups_hold_and_the_machine_group_stays_on_gw0(tmp_path: Path) -> N
     fleet = [(worker, test) for worker, test in ran if "test_nvidia_doubles.py" in test]
     assert len(fleet) >= 4 and all(test.endswith("@test_nvidia_doubles") for _, test in fleet), out[-3000:]
     assert len({worker for worker, _ in fleet}) == 1, fleet
-    assert any("test_readme.py" in test and "@" not in test for _, test in ran), out[-3000:]
-    # a LOOPBACK_MODULES module: its own group (one worker, its module fixtures built once)
+    assert any("test_readme.py" in test and test.endswith("@test_readme") for _, test in ran), out[-3000:]
     loopback = [(worker, test) for worker, test in ran if "test_relay_trust.py" in test]
     assert len(loopback) >= 2 and all(test.endswith("@test_relay_trust") for _, test in loopback), out[-3000:]
     assert len({worker for worker, _ in loopback}) == 1, loopback
