@@ -50,9 +50,10 @@ case "${1:-}" in
   test)
     setup
     shift
-    # two xdist workers: the sandbox stream (and what shares the machine with it:
-    # tests/conftest.py SERIAL_MODULES) in one, in order, every other test beside it
-    # (tests/test_xdist_groups.py); `./dev.sh test -n 0` runs everything in one process
+    # two xdist workers, each with its own sandbox fleet (worker gwN: sandbox instance N), each
+    # test module on one worker; the modules that change what the whole machine shares
+    # (tests/conftest.py MACHINE_MODULES) on the first (tests/test_xdist_groups.py);
+    # `./dev.sh test -n 0` runs everything in one process
     python -m pytest -q -p no:cacheprovider --durations=30 -n 2 --dist loadgroup "$@"
     ;;
   *)

@@ -84,6 +84,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group(group))
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of xdist's: none without it (-p no:xdist)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 (xdist's scheduler type)
     """Under ``--dist loadgroup``: xdist's own group scheduling (each worker given the next group
     when it has two tests left), except that the :data:`MACHINE_GROUP` goes to worker gw0 only
