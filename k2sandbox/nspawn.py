@@ -79,6 +79,7 @@ INSTANCE_ENV = "K2FLEET_SANDBOX_INSTANCE"
 INSTANCE = int(os.environ.get(INSTANCE_ENV, "0") or 0)
 if not 0 <= INSTANCE <= 9:
     raise SystemExit(f"{INSTANCE_ENV} must be 0..9, got {INSTANCE}")
+# (K2FLEET_SANDBOX_DIR names one instance's directory: set, it is that instance's whatever N is)
 DEFAULT_STATE_DIR = Path(os.environ.get("K2FLEET_SANDBOX_DIR", "/var/lib/k2fleet-sandbox"
                                         + (f"-{INSTANCE}" if INSTANCE else "")))
 SHARED_MOUNT = "/mnt/k2shared"  # every host's view of STATE/shared (the sandbox's shared storage)
@@ -358,9 +359,13 @@ def ensure_rootfs(cache: Path = ROOTFS_CACHE) -> Path:
             mirror = apt_mirror(SUITE)
         except AptRootError as exc:
             raise SandboxError(f"{exc}; cannot pick a debootstrap mirror") from exc
-        run(["debootstrap", f"--variant={VARIANT}", f"--include={','.join(PACKAGES)}", SUITE, str(tmp), mirror])
-        _upgrade_image(tmp, mirror)
-        _prepare_image(tmp)
+        try:
+            run(["debootstrap", f"--variant={VARIANT}", f"--include={','.join(PACKAGES)}", SUITE, str(tmp), mirror])
+            _upgrade_image(tmp, mirror)
+            _prepare_image(tmp)
+        except BaseException:
+            _unmount_all(tmp)  # what a failed debootstrap left mounted: the next build removes the rest
+            raise
         (tmp / IMAGE_MARKER).write_text(rootfs_key() + "\n")
 
     return build_once(cache / rootfs_key(), IMAGE_MARKER, make)

@@ -48,7 +48,9 @@ def test_the_groups_hold_and_the_machine_group_stays_on_gw0(tmp_path: Path) -> N
             "-k", "offline or is_short or readme or malformed_range or machine_sources or own_sandbox_instance",
             "tests/test_nvidia_doubles.py", "tests/test_readme.py", "tests/test_relay_trust.py", "tests/test_aptroot.py",
             "tests/test_xdist_groups.py"]
-    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600).stdout
+    # the inner run's workers pick their own instances (this worker's would be inherited by both)
+    env = {k: v for k, v in os.environ.items() if k != nspawn.INSTANCE_ENV and not k.startswith("PYTEST_XDIST")}
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env).stdout
     ran = re.findall(r"^\[(gw\d)\] .*? PASSED (tests/\S+)", out, re.M)
     fleet = [(worker, test) for worker, test in ran if "test_nvidia_doubles.py" in test]
     assert len(fleet) >= 4 and all(test.endswith("@test_nvidia_doubles") for _, test in fleet), out[-3000:]
