@@ -75,7 +75,7 @@ def start_to_ready(venv: Path, model: Path, cache_root: Path, work: Path, label:
     200 and to the first completion. The server is stopped before returning."""
     home = work / f"home-{label}"
     home.mkdir(mode=0o700)
-    env = vllm_cpu.serve_env({"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "LANG": "C.UTF-8"})
+    env = vllm_cpu.serve_env(work, {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "LANG": "C.UTF-8"})
     env.update(engine_cache.cache_env("vllm", str(cache_root)))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -114,7 +114,8 @@ def main() -> int:
     print(f"checkpoint {model}, venv {venv} ({time.monotonic() - t:.1f} s)", flush=True)
     t = time.monotonic()
     subprocess.run([str(venv / "bin" / "python"), "-c", f"import {vllm_cpu.ENTRY_MODULE}"], check=True,
-                   env=vllm_cpu.serve_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                   env=vllm_cpu.serve_env(Path(tempfile.gettempdir())), stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)  # an import only: no server, no socket
     print(f"prime (import {vllm_cpu.ENTRY_MODULE}): {time.monotonic() - t:.1f} s", flush=True)
     work = Path(tempfile.mkdtemp(prefix="k2-warm-restart-"))
     try:

