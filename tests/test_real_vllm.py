@@ -232,7 +232,8 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     finally:
         vllm_cpu.stop_server(proc)
     # every IPC socket the server made is in its own directory, none in the machine's /tmp
-    assert not _sockets_in(Path(tempfile.gettempdir())) - tmp_before, _sockets_in(Path(tempfile.gettempdir())) - tmp_before
+    left = _sockets_in(Path(tempfile.gettempdir())) - tmp_before
+    assert not left, left
 
 
 @pytest.mark.real_engine
