@@ -838,6 +838,10 @@ if kind == "pyinfra":
     import k2fleet.deploy.gate  # what the repository's config.py imports
 else:
     import k2fleet.cli  # its imports stay loaded; the module itself runs afresh as __main__
+    # and what its validate and plan import late: pyinfra's inventory loader (without gevent's patch)
+    from k2fleet.inventory.loader import _import_pyinfra_cli_inventory
+    _import_pyinfra_cli_inventory()
+    import pyinfra_cli.util, paramiko, jinja2, packaging.requirements
     del sys.modules["k2fleet.cli"]
     del sys.modules["k2fleet"].cli
 reply = os.fdopen(os.dup(1), "w")
