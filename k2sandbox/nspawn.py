@@ -1109,8 +1109,19 @@ def _remove_kept_work(state_dir: Path) -> None:
         return
     work = Path(record.read_text().strip())
     if work.name.startswith(KEPT_WORK_PREFIX) and work.is_dir() and not work.is_symlink():
-        shutil.rmtree(work, ignore_errors=True)
+        remove_work(work)
     record.unlink()
+
+
+def remove_work(work: Path, tries: int = 10) -> None:
+    """Remove a rehearsal's work directory, again while a process that was still writing there
+    (a deploy's helper ending as its hosts stop) adds entries: ``rmtree`` alone left empty
+    ``k2rehearse-*`` directories in /tmp (its rmdir found a file created after its listing)."""
+    for _ in range(tries):
+        shutil.rmtree(work, ignore_errors=True)
+        if not os.path.lexists(work):
+            return
+        time.sleep(0.2)
 
 
 def down(state_dir: Path = DEFAULT_STATE_DIR) -> None:

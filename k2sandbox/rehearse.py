@@ -821,13 +821,13 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
     fabric = fabric_specs(dep, names, down) if "k2_ib_hcas" not in fleet_data else [None] * len(names)
     for line in fabric_lines(dep, names, fabric):
         say(f"rehearse {inventory}: {line}")
-    work = Path(tempfile.mkdtemp(prefix=sandbox.KEPT_WORK_PREFIX))
     booted = False
     company: company_network.CompanyNetwork | None = None
     hub = None  # the Hub TEST DOUBLE a fetcher host downloads from (fetcher_data)
     waiting = time.monotonic()
     lock = sandbox.hold_sandbox_lock()  # one sandbox user at a time; released at exit
     waited = time.monotonic() - waiting
+    work = Path(tempfile.mkdtemp(prefix=sandbox.KEPT_WORK_PREFIX))  # (a rehearsal stopped while it waited leaves none)
     try:
         if waited >= 1:
             say(f"rehearse {inventory}: waited {waited:.0f}s for the sandbox lock (another user had it)")
@@ -1008,5 +1008,5 @@ def rehearse(inventory: str, data: Sequence[str] = (), keep: bool = False, out: 
         else:
             if booted:
                 sandbox.down()
-            shutil.rmtree(work, ignore_errors=True)
+            sandbox.remove_work(work)
         lock.close()

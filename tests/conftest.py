@@ -66,6 +66,17 @@ GROUP_SECONDS: dict[str, float] = {
 }
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the directories test modules made at import (``REMOVE_AT_UNCONFIGURE``: files their
+    parametrized cases name at collection). ``atexit`` handlers do not run in an xdist worker."""
+    import shutil
+    import sys
+
+    for module in list(sys.modules.values()):
+        for directory in getattr(module, "REMOVE_AT_UNCONFIGURE", ()):
+            shutil.rmtree(directory, ignore_errors=True)
+
+
 def group_of(item: pytest.Item) -> str | None:
     """The xdist group ``item`` runs in: :data:`MACHINE_GROUP`, else its module's name (a module's
     tests run on one worker, in order: its module fixtures, a booted fleet or a shared outcome, are

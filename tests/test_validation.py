@@ -24,6 +24,7 @@ import queue
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import types
 import typing
@@ -48,15 +49,16 @@ K0905 = {"k2_model": "moonshotai/Kimi-K2-Instruct-0905", "k2_revision": "9" * 40
 INJECT = "\nExecStartPre=/bin/sh -c id"
 
 
+# this module's files on the control machine (tokens, checkpoint copies), made at import (the cases
+# name them); tests/conftest.py removes the directory when the session ends (in every xdist worker)
+SCRATCH = Path(tempfile.mkdtemp(prefix="k2validation-"))
+REMOVE_AT_UNCONFIGURE = (SCRATCH,)
+
+
 def _token_file(mode: int, content: bytes = b"hf_token_for_validation_tests\n") -> str:
     """A control-machine token file of ``mode`` (made once per test session, in a private temp dir
-    removed when the session's interpreter exits)."""
-    import atexit
-    import shutil
-    import tempfile
-
-    directory = Path(tempfile.mkdtemp(prefix="k2token-"))
-    atexit.register(shutil.rmtree, directory, True)
+    of :data:`SCRATCH`)."""
+    directory = Path(tempfile.mkdtemp(prefix="token-", dir=SCRATCH))
     path = directory / f"token-{mode:o}-{len(content)}"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, content)
@@ -70,13 +72,8 @@ TOKEN_FILE = _token_file(0o600)  # a good one: the twins use it
 
 def _control_copy(manifest: bool = True) -> str:
     """A control-machine checkpoint directory (``control:`` source), with or without its manifest
-    (in a temp dir removed when the session's interpreter exits)."""
-    import atexit
-    import shutil
-    import tempfile
-
-    top = Path(tempfile.mkdtemp(prefix="k2control-"))
-    atexit.register(shutil.rmtree, top, True)
+    (in a temp dir of :data:`SCRATCH`)."""
+    top = Path(tempfile.mkdtemp(prefix="control-", dir=SCRATCH))
     root = top / "kimi-k2+v1"
     (root / ".k2fleet").mkdir(parents=True)
     if manifest:
