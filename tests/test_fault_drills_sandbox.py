@@ -47,7 +47,11 @@ REBOOT_HOOK_SCRIPT = r"""#!/bin/sh
 [ -e /root/k2-drill-rebooted ] && exit 0
 dpkg-query -W -f='${db:Status-Abbrev}${Package}\n' 2>/dev/null | grep -q '^iU nvidia-open$' || exit 0
 touch /root/k2-drill-rebooted
-( while ! grep -qs '^Package: nvidia-open$' /var/lib/dpkg/updates/0*; do :; done
+# the journal's record of nvidia-open half-configured (dpkg may first journal it still unpacked:
+# stopped then, under load, the host came back with it "iU", not "iF")
+half() { for f in /var/lib/dpkg/updates/0*; do
+  grep -qsx 'Package: nvidia-open' "$f" && grep -qsx 'Status: install ok half-configured' "$f" && return 0; done; return 1; }
+( until half; do :; done
   pkill -STOP -x dpkg; echo "k2-drill: power cut with dpkg's journal holding nvidia-open" >&2
   systemctl reboot -ff ) </dev/null >&2 &
 """

@@ -1,7 +1,7 @@
-"""The suite's xdist groups hold: under ``-n 2 --dist loadgroup`` (``./dev.sh test``) each test
-module runs on one worker, in order; the :data:`tests.conftest.MACHINE_MODULES`
+"""The suite's xdist groups hold: under ``-n N --dist loadgroup`` (``./dev.sh test``: three workers) each
+test module runs on one worker, in order; the :data:`tests.conftest.MACHINE_MODULES`
 (what the whole machine shares) run on gw0 only, one at a time; and worker gwN drives sandbox
-instance N, so the two workers' fleets never meet.
+instance N, so the workers' fleets never meet (the inner run below uses two workers).
 
 Found 2026-11-27: with pytest 9.2 (structured node ids) xdist 3.8's loadgroup stopped grouping
 without a word (pytest-xdist issue 1386) and, with this conftest's hook running after xdist's,
@@ -34,11 +34,12 @@ def test_this_worker_drives_its_own_sandbox_instance() -> None:
                             cwd=ROOT, capture_output=True, text=True, check=True,
                             env={**{k: v for k, v in os.environ.items() if k != "K2FLEET_SANDBOX_DIR"},
                                  nspawn.INSTANCE_ENV: str(i)}).stdout.split()
-             for i in (0, 1)]
+             for i in (0, 1, 2)]  # ./dev.sh test's three workers
     assert names[0][:2] == ["k2sb", "k2sb0"] and names[0][2] == "10.213.0", names
-    assert all(a != b for a, b in zip(*names)), names
-    # neither's names start with the other's prefix (teardown deletes every netns and link so named)
-    assert not any(x.startswith(names[1 - i][0]) for i in (0, 1) for x in names[i][6:]), names
+    for i, j in ((0, 1), (0, 2), (1, 2)):
+        assert all(a != b for a, b in zip(names[i], names[j])), names
+        # neither's names start with the other's prefix (teardown deletes every netns and link so named)
+        assert not any(x.startswith(names[b][0]) for a, b in ((i, j), (j, i)) for x in names[a][6:]), names
 
 
 def test_the_groups_hold_and_the_machine_group_stays_on_gw0(tmp_path: Path) -> None:
