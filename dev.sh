@@ -50,11 +50,11 @@ case "${1:-}" in
   test)
     setup
     shift
-    # three xdist workers, each with its own sandbox fleet (worker gwN: sandbox instance N), each
+    # two xdist workers, each with its own sandbox fleet (worker gwN: sandbox instance N), each
     # test module on one worker; the modules that change what the whole machine shares
-    # (tests/conftest.py MACHINE_MODULES) on the first (tests/test_xdist_groups.py);
-    # `./dev.sh test -n 0` runs everything in one process
-    python -m pytest -q -p no:cacheprovider --durations=30 -n 3 --dist loadgroup "$@"
+    # (tests/conftest.py MACHINE_MODULES) on the first (tests/test_xdist_groups.py); three were
+    # faster but less steady on 2 cores (docs/testing.md); `./dev.sh test -n 0`: one process
+    python -m pytest -q -p no:cacheprovider --durations=30 -n 2 --dist loadgroup "$@"
     ;;
   *)
     echo "usage: $0 demo|test" >&2

@@ -343,17 +343,19 @@ def serve_argv(venv: Path, model: Path, port: int, host: str = "127.0.0.1",
 def serve_env(rpc_dir: Path, base: dict[str, str] | None = None, kvcache_gib: int = KVCACHE_GIB) -> dict[str, str]:
     """The server's environment: ``base`` (default this process's) with the KV cache size in
     GiB, the Hub and usage reports off (the model is a local directory), and its processes' ZMQ
-    IPC sockets in ``rpc_dir`` (the caller's, removed after; vLLM's default, the machine's /tmp,
-    keeps one named socket per process that a stopped server never removes).
+    IPC sockets and temporary files in ``rpc_dir`` (the caller's, removed after; vLLM's default,
+    the machine's /tmp, keeps one named socket per process and one ``vllm_dist_<uuid>``
+    torch.distributed file store per start that a stopped server never removes).
 
     >>> sorted(serve_env(Path("/w"), {}).items())[:2]
     [('DO_NOT_TRACK', '1'), ('HF_HUB_OFFLINE', '1')]
-    >>> serve_env(Path("/w"), {})["VLLM_RPC_BASE_PATH"], serve_env(Path("/w"), {})["VLLM_CPU_KVCACHE_SPACE"]
-    ('/w', '1')
+    >>> [serve_env(Path("/w"), {})[k] for k in ("VLLM_RPC_BASE_PATH", "TMPDIR", "VLLM_CPU_KVCACHE_SPACE")]
+    ['/w', '/w', '1']
     """
     env = dict(os.environ if base is None else base)
     env.update({"VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_RPC_BASE_PATH": str(rpc_dir)})
+                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_RPC_BASE_PATH": str(rpc_dir),
+                "TMPDIR": str(rpc_dir)})
     return env
 
 

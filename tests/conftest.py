@@ -5,9 +5,9 @@ this process's sandbox instance (``/tmp/k2sb.lock`` for instance 0) is held for 
 3 hosts are booted bare at its start and brought down at its end. Tests get the state they need
 from it (``fleet.ensure_deployed(...)``, ``fleet.ensure_bare()``), never from an earlier test.
 
-Under ``pytest -n 3 --dist loadgroup`` (``./dev.sh test``) xdist worker ``gwN`` drives sandbox
+Under ``pytest -n 2 --dist loadgroup`` (``./dev.sh test``) xdist worker ``gwN`` drives sandbox
 instance N (its own hosts, names, subnets, lock and state directory: ``k2sandbox.nspawn.INSTANCE``),
-so three modules' fleets run side by side and never meet; each test module is an xdist group (one
+so the modules' fleets run side by side and never meet; each test module is an xdist group (one
 worker, in order, its fleet booted once), and the modules that change what the whole machine shares
 are one group that :func:`pytest_xdist_make_scheduler` keeps on worker gw0.
 """

@@ -176,9 +176,14 @@ class Served:
 
 
 def _sockets_in(directory: Path) -> set[str]:
-    """Names of the sockets in ``directory`` named as vLLM names its IPC paths (a uuid4)."""
+    """Names of what vLLM leaves in ``directory``: sockets named as vLLM names its IPC paths (a uuid4),
+    and the files of its torch.distributed file stores (``vllm_dist_<uuid hex>``,
+    vllm/utils/network_utils.py ``get_distributed_init_method``: one a start, never removed)."""
     found = set()
     for entry in directory.iterdir():
+        if entry.name.startswith("vllm_dist_"):
+            found.add(entry.name)
+            continue
         try:
             uuid.UUID(entry.name)
             if stat.S_ISSOCK(entry.lstat().st_mode):
@@ -231,7 +236,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         yield Served(url, str(model), log, venv)
     finally:
         vllm_cpu.stop_server(proc)
-    # every IPC socket the server made is in its own directory, none in the machine's /tmp
+    # every IPC socket and file store the server made is in its own directory, none in the machine's /tmp
     left = _sockets_in(Path(tempfile.gettempdir())) - tmp_before
     assert not left, left
 

@@ -53,6 +53,27 @@ def test_real_engine_overlay_scales_h200_to_a_cpu_host_and_says_so() -> None:
         assert a[a.index("--tool-call-parser") + 1] == "kimi_k2" and a[a.index("--reasoning-parser") + 1] == "kimi_k2"
 
 
+def test_the_facts_quick_health_look_waits_longer_for_the_cpu_build() -> None:
+    """The fact's quick health check (``checks["healthy"]``): 5 s for an engine on GPUs; 30 s
+    for the engine's CPU build, whose completion took longer than 5 s on a loaded machine (the
+    settled re-run then ran the health gate again: re-run 1 changes)."""
+    from k2fleet.cli import load_plan
+    from k2fleet.control.artifacts import read_control_artifacts
+    from k2fleet.planning.desired import desired_state
+
+    def quick_timeouts(data: list[str]) -> set[str]:
+        dep, plan = load_plan("inventories/h200.py", data)
+        desired = desired_state(dep, plan, read_control_artifacts(dep, plan))
+        argvs = [d.checks["healthy"] for d in desired.values() if "healthy" in d.checks]
+        assert argvs
+        return {argv[argv.index("--timeout") + 1] for argv in argvs}
+
+    assert quick_timeouts([]) == {"5"}
+    overlay, _ = real_engine_data(_dep("inventories/h200.py"))
+    cpu = [f"{k}={json.dumps(v) if isinstance(v, (dict, list, bool)) else v}" for k, v in overlay.items()]
+    assert quick_timeouts([*cpu, "k2_simulated_gpus=true", "k2_checkpoint_bytes=10000000"]) == {"30"}
+
+
 def test_real_engine_is_refused_for_engines_other_than_vllm_in_a_venv() -> None:
     proc = subprocess.run([sys.executable, "-m", "k2fleet.cli", "rehearse", "inventories/b200-trtllm.py", "--engine", "real"],
                           cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120,

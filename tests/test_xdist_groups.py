@@ -1,4 +1,4 @@
-"""The suite's xdist groups hold: under ``-n N --dist loadgroup`` (``./dev.sh test``: three workers) each
+"""The suite's xdist groups hold: under ``-n N --dist loadgroup`` (``./dev.sh test``: two workers) each
 test module runs on one worker, in order; the :data:`tests.conftest.MACHINE_MODULES`
 (what the whole machine shares) run on gw0 only, one at a time; and worker gwN drives sandbox
 instance N, so the workers' fleets never meet (the inner run below uses two workers).
@@ -34,7 +34,7 @@ def test_this_worker_drives_its_own_sandbox_instance() -> None:
                             cwd=ROOT, capture_output=True, text=True, check=True,
                             env={**{k: v for k, v in os.environ.items() if k != "K2FLEET_SANDBOX_DIR"},
                                  nspawn.INSTANCE_ENV: str(i)}).stdout.split()
-             for i in (0, 1, 2)]  # ./dev.sh test's three workers
+             for i in (0, 1, 2)]  # ./dev.sh test's two workers, and a third's (-n 3)
     assert names[0][:2] == ["k2sb", "k2sb0"] and names[0][2] == "10.213.0", names
     for i, j in ((0, 1), (0, 2), (1, 2)):
         assert all(a != b for a, b in zip(names[i], names[j])), names

@@ -622,6 +622,20 @@ def pd_servers(plan: Plan) -> dict[str, list[str]]:
 REQUEST_COUNTERS: dict[str, str] = {name: e.request_counter for name, e in engines.ENGINES.items() if e.request_counter}
 
 
+# The fact's quick look at a serving endpoint (/health and a short completion), in seconds: a
+# GPU engine answers in well under one. An engine's CPU build (k2_engine_cpu_build, sandbox only)
+# took longer than 5 s on a loaded 2-core machine (2026-11-28: two hosts' real vLLM, TP2 over gloo,
+# beside two other sandbox fleets): the settled re-run then saw it unhealthy and ran the gate again.
+QUICK_HEALTH_TIMEOUT_S = 5
+QUICK_HEALTH_TIMEOUT_CPU_BUILD_S = 30  # (an engine that is down costs the fact this long: not 60)
+
+
+def quick_health_timeout(dep: Deployment) -> int:
+    """Seconds the fact's quick health check may take (:data:`QUICK_HEALTH_TIMEOUT_S`, or
+    :data:`QUICK_HEALTH_TIMEOUT_CPU_BUILD_S` for an engine's CPU build)."""
+    return QUICK_HEALTH_TIMEOUT_CPU_BUILD_S if dep.engine_cpu_build else QUICK_HEALTH_TIMEOUT_S
+
+
 def health_argv(dep: Deployment, hp: HostPlan, timeout: int, pd: dict[str, list[str]] | None = None,
                 metrics: bool = True) -> list[str] | None:
     """The health gate of this host's first chat-serving service: its readiness route
@@ -892,7 +906,7 @@ def desired_state(dep: Deployment, plan: Plan, art: ControlArtifacts,
             if bootstrap.CDI_SPEC in " ".join(" ".join(c) for c in d.bootstrap.commands):
                 d.exists.append(bootstrap.CDI_SPEC)
         d.health_argv = health_argv(dep, hp, dep.s.health_timeout, pd)
-        quick = health_argv(dep, hp, 5, pd, metrics=False)  # the fact's quick look: no /metrics reads
+        quick = health_argv(dep, hp, quick_health_timeout(dep), pd, metrics=False)  # the fact's quick look: no /metrics reads
         if quick:
             d.checks[HEALTH_CHECK] = quick
             d.gpus_proven_by = gpus_proven_by(dep, hp)
