@@ -326,8 +326,8 @@ def main() -> int:
     rate, hop_s = shard / cycle, max(0.0, hop - cycle)
     print(f"measured on the 5-host chain: a {shard / 2**20:.0f} MiB shard every {cycle:.3f}s on a busy link "
           f"({rate / 1e6:.1f} MB/s), {hop_s:.3f}s more per hop (ready to ready {hop:.3f}s), start-up {startup:.2f}s")
-    # time steps per S/B: the short run's 10x coarser (the figures move ~2%: 64 hosts in 2 trees
-    # 2.823 -> 2.875 x S/B; 256 hosts' simulation 116 s -> 16 s of one core)
+    # time steps per S/B: the short run's 10x coarser (measured on the short run's shards: 64 hosts in
+    # 2 trees 2.823 -> 2.875 x S/B, 11 s -> 1 s of one core; 256 hosts 3.259 -> 3.387, 116 s -> 6 s)
     steps = 300 if args.short else 3000
     for n, fanouts in ((5, (1, 2)), (16, (1, 2, 4)), (64, (1, 2, 4)), (256, (2,))):
         for k in fanouts:

@@ -91,7 +91,6 @@ import ctypes
 import json
 import re
 import shlex
-import shutil
 import sys
 import tempfile
 import time

