@@ -99,10 +99,17 @@ class socket_port:
 
 
 def watch(directory: str, stop: threading.Event, seen: dict[str, set[int]]) -> None:
-    """Every regular file that appears in ``directory``, with each mode it was seen with."""
+    """Every regular file that appears in ``directory``, with each mode it was seen with (a file
+    there before the watch began is not one: e.g. a stray /tmp/pyinfra.txt failed this test once)."""
+    try:
+        before = {entry.path for entry in os.scandir(directory)}
+    except OSError:
+        before = set()
     while not stop.is_set():
         try:
             for entry in os.scandir(directory):
+                if entry.path in before:
+                    continue
                 try:
                     st = entry.stat(follow_symlinks=False)
                 except OSError:
