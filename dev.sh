@@ -53,7 +53,7 @@ case "${1:-}" in
     # two xdist workers, each with its own sandbox fleet (worker gwN: sandbox instance N), each
     # test module on one worker; the modules that change what the whole machine shares
     # (tests/conftest.py MACHINE_MODULES) on the first (tests/test_xdist_groups.py); three were
-    # faster but less steady on 2 cores (docs/testing.md); `./dev.sh test -n 0`: one process
+    # slower on 2 cores, 47.5 vs 40.5 min (docs/testing.md); `./dev.sh test -n 0`: one process
     python -m pytest -q -p no:cacheprovider --durations=30 -n 2 --dist loadgroup "$@"
     ;;
   *)
