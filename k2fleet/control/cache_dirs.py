@@ -19,10 +19,12 @@ def build_once(target: Path, marker: str, make: Callable[[Path], None], lock: bo
     ``lock``: hold ``target.parent/.lock`` while building (False: the caller holds its own).
 
     >>> import tempfile
-    >>> root = Path(tempfile.mkdtemp())
+    >>> scratch = tempfile.TemporaryDirectory()
+    >>> root = Path(scratch.name)
     >>> made = build_once(root / "a", "DONE", lambda d: (d / "DONE").write_text("x"))
     >>> sorted(p.name for p in made.iterdir()), build_once(root / "a", "DONE", lambda d: 1 / 0) == made
     (['DONE'], True)
+    >>> scratch.cleanup()
     """
     if (target / marker).is_file():
         return target

@@ -23,7 +23,7 @@ def exclusive(path: Path) -> Iterator[None]:
     """Hold an exclusive lock on the file ``path`` (created, with its directory).
 
     >>> import tempfile
-    >>> with exclusive(Path(tempfile.mkdtemp()) / "x" / ".lock"):
+    >>> with tempfile.TemporaryDirectory() as top, exclusive(Path(top) / "x" / ".lock"):
     ...     pass
     """
     path.parent.mkdir(parents=True, exist_ok=True)
