@@ -173,7 +173,8 @@ def test_a_partition_during_the_rendezvous_names_the_rank_host_and_the_next_depl
     ssh(two, "mkdir -p /etc/systemd/system/k2-vllm.service.d && cat > /etc/systemd/system/k2-vllm.service.d/k2-drill.conf"
              f" <<'EOF'\n[Service]\nExecStartPre=/bin/sh -c \"{cut}\"\nEOF")
     try:
-        parted = fleet.deploy(INSTANCE)
+        # a gate that cannot pass waits out k2_health_timeout: 15 s is enough to name the cut
+        parted = fleet.deploy({**INSTANCE, "k2_health_timeout": 15})
         assert parted.returncode != 0, parted.tail()
         lines = failure_lines(parted)
         assert len(lines) == 1 and lines[0].startswith(

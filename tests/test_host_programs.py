@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -351,3 +352,27 @@ def test_a_hung_health_check_keeps_the_probe_within_one_deadline(tmp_path: Path)
     assert report["checks"] == {"healthy": None} and "proven_by" not in report["gpus"]
     assert report["gpus"]["names"] == ["NVIDIA H200"] and len(log.read_text().splitlines()) == 1
     assert took < 3.8, took  # 2 s once, not 2 + 2
+
+
+@pytest.mark.parametrize("units", [["k2-vllm.service"], []])
+def test_the_quick_health_look_at_a_unit_that_is_not_running_fails_at_once(archive: Path, tmp_path: Path,
+                                                                          units: list[str]) -> None:
+    """The fact's quick look (the archive's ``health``, run in the probe) at an engine whose unit
+    the probe's one look at the units saw not running (this machine has no systemd: every unit
+    is "unknown") fails at once, not after its ``--timeout``: nothing can answer while the unit
+    is down, and a failed look only makes the deploy run the full gate. A unit the probe was not
+    asked about is looked at the slow way: the health program polls until its deadline."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    health = ["/usr/bin/python3", str(archive), "health", "--base", f"http://127.0.0.1:{port}", "--model", "m",
+              "--unit", "k2-vllm.service", "--timeout", "4"]
+    query = {"disk_path": "/", "units": units, "checks": {"healthy": health}}
+    python, *rest = probe_argv(archive=str(archive), unpacked=str(tmp_path / "unpacked"))
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, *rest, json.dumps(query)], capture_output=True, text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin"})
+    took = time.monotonic() - started
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["checks"] == {"healthy": 1}
+    assert (took < 3.5) if units else (took >= 4), took

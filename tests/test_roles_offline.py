@@ -37,6 +37,7 @@ from pyinfra.api.operations import run_ops
 from pyinfra.api.state import StateStage
 from pyinfra.context import ctx_host, ctx_state
 
+from k2fleet.deploy.operations import START_CLOCK
 from k2fleet.planning.host_bootstrap import reboot_reason
 from k2fleet.control import checkpoint_copy as fanout
 from k2fleet.planning import relay_plan
@@ -264,7 +265,9 @@ def run_roles(dep: Deployment, plan: Plan, desired: dict[str, HostDesired], fact
             assert meta.did_succeed(), f"{name}: {_name(state, op_hash)} failed"
             op_name = _name(state, op_hash)
             assert op_name not in ops[name], f"two operations named {op_name!r} on {name}"
-            ops[name][op_name] = Op(op_name, meta.did_change(), sliced.get(op_hash, []))
+            # start_or_explain's clock left out: the tests read which units start, stop and restart
+            commands = [c.replace(START_CLOCK, "") for c in sliced.get(op_hash, [])]
+            ops[name][op_name] = Op(op_name, meta.did_change(), commands)
     timeline = [(h.name.removeprefix("@fake/"), _name(state, op_hash)) for h, op_hash in trace.timeline]
     return Outcome(ops=ops, planned_unconditional=unconditional, control_calls=list(control_calls), timeline=timeline)
 

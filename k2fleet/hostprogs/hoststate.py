@@ -418,6 +418,25 @@ def _archive_program(argv: list) -> tuple | None:
     return None
 
 
+RUNNING_STATES = ("active", "reloading", "activating")  # activating: a start, or a restart after RestartSec
+
+
+def unit_not_running(args: list, systemd) -> bool:
+    """The health check ``args`` names (``--unit U``) a unit the probe's one look at the units
+    (``systemd``) saw neither active nor on its way there; False when it was not looked at.
+
+    >>> sd = Systemd(["k2-vllm.service"])
+    >>> sd.seen = {"k2-vllm.service": {"ActiveState": "failed"}}
+    >>> unit_not_running(["--base", "http://h:8000", "--unit", "k2-vllm.service"], sd), unit_not_running([], sd)
+    (True, False)
+    >>> unit_not_running(["--unit", "k2-sglang.service"], sd)  # not looked at: the health program decides
+    False
+    """
+    unit = args[args.index("--unit") + 1] if "--unit" in args[:-1] else None
+    states = systemd.states([unit]) if unit and systemd is not None else None
+    return bool(states) and states[0] not in RUNNING_STATES
+
+
 class _Check:
     """One check run in a thread of this process: ``code`` is its exit code once done. The GPU gate (``hoststate
     --gate``) is this module's own :func:`gate`, sharing the probe's nvidia-smi answers (``smi``), its one read
@@ -436,6 +455,8 @@ class _Check:
         try:
             if program == "hoststate" and args[:1] == ["--gate"] and len(args) == 2:
                 code = gate(json.loads(args[1]), self.smi, self.db, self.systemd)
+            elif program == "health" and unit_not_running(args, self.systemd):
+                code = 1  # nothing answers for a unit that is down: no need to wait out --timeout
             else:
                 import importlib
                 code = importlib.import_module("k2fleet.hostprogs." + program).main(list(args))
