@@ -37,7 +37,7 @@ for chains and k trees, shards passed on piece by piece as measured; the figure 
 size is the deploy's plan.
 
     python bench/distribution_bench.py [--rate 200mbit] [--shard-mib 16] [--shards 62] [--only stream|fleet]
-    python bench/distribution_bench.py --short   # the suite's run: 8 shards of 2 MiB, 100mbit, coarser simulation
+    python bench/distribution_bench.py --short   # the suite's run: 8 shards of 2 MiB, 100mbit, one round, 5 hosts, the plan simulated
 
 Ends with ``ratios: distribution_vs_link_limit=X tree_vs_link_limit=X hub_to_fleet_vs_link_limit=X stream_vs_raw_tcp=X
 copy_with_verify_vs_raw_tcp=X simulated_64_vs_link_limit=X`` (distribution and tree: the
@@ -140,8 +140,9 @@ def one_copy(fleet: RelayFleet, hosts: list[sandbox.SandboxHost], streams: int, 
                                                               streams=streams)})[hosts[1].name]
 
 
-def stream_phase(fleet: RelayFleet, hosts: list[sandbox.SandboxHost], size: int, results: dict[str, float]) -> None:
-    """One host-to-host copy vs raw TCP between the same hosts, unshaped, ``ROUNDS`` times
+def stream_phase(fleet: RelayFleet, hosts: list[sandbox.SandboxHost], size: int, results: dict[str, float],
+                 rounds: int = ROUNDS) -> None:
+    """One host-to-host copy vs raw TCP between the same hosts, unshaped, ``rounds`` times
     over, the best of each: the relay's transport alone (``stream_vs_raw_tcp``), and a
     relay fetch with every file hashed, checked and in place, with 1 and 4 range streams
     per file (``copy_with_verify_vs_raw_tcp``: the better stream count)."""
@@ -149,7 +150,7 @@ def stream_phase(fleet: RelayFleet, hosts: list[sandbox.SandboxHost], size: int,
     fleet.run_fetches({hosts[0].name: fleet.fetch_argv(hosts[0], None, [url(sandbox.BRIDGE_ADDRESS)])})
     copies: dict[int, list[dict]] = {1: [], 4: []}
     raws, transports = [], []
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for streams in copies:
             copies[streams].append(one_copy(fleet, hosts, streams, size))
         transports.append(relay_transport_seconds(hosts[0], hosts[1], size))
@@ -266,7 +267,9 @@ def main() -> int:
     p.add_argument("--only", choices=("stream", "fleet"), help="run one phase (for tuning; no ratios line)")
     p.add_argument("--keep", action="store_true", help="leave the sandbox fleet up (for tuning)")
     p.add_argument("--workdir", type=Path, default=Path("/var/tmp/k2fleet-distribution-bench"))
-    p.add_argument("--short", action="store_true", help="8 shards of 2 MiB on 100mbit links (the test suite's run)")
+    p.add_argument("--short", action="store_true",
+                   help="the test suite's run: 8 shards of 2 MiB on 100mbit links, one round of unshaped copies, "
+                        "the 5-host fleet only, and only the deploy's own plan simulated")
     args = p.parse_args()
     if args.short:  # shards of 2 pieces: passed on piece by piece, as the full run's are
         args.shards, args.shard_mib, args.rate = 8, 2, "100mbit"
@@ -289,10 +292,10 @@ def main() -> int:
         fleet.start()
         pinned_pieces = fleet.pieces_digest is not None
         if args.only != "fleet":
-            stream_phase(fleet, hosts, size, results)
+            stream_phase(fleet, hosts, size, results, rounds=1 if args.short else ROUNDS)
         if args.only != "stream":
             sandbox.shape(args.rate)
-            for n in (3, 5):
+            for n in ((5,) if args.short else (3, 5)):
                 fleet.reset(hosts[:n])
                 t_pipe, reports = fleet.pipelined(hosts[:n], swarm.fanout_for(n))
                 fleet.reset(hosts[:n])
@@ -330,16 +333,15 @@ def main() -> int:
     # 2 trees 2.823 -> 2.875 x S/B, 11 s -> 1 s of one core; 256 hosts 3.259 -> 3.387, 116 s -> 6 s)
     steps = 300 if args.short else 3000
     for n, fanouts in ((5, (1, 2)), (16, (1, 2, 4)), (64, (1, 2, 4)), (256, (2,))):
-        for k in fanouts:
+        for k in (k for k in fanouts if k == swarm.fanout_for(n) or not args.short):
             t = simulate(n, sizes, rate, k, hop_s=hop_s, step=limit / (steps if n <= 64 else steps // 2),
                          pieces=pinned_pieces) + startup
             print(f"simulated {n} hosts, {'chain' if k == 1 else f'{k} trees'}: {t:.1f}s = {t / limit:.3f} × S/B"
                   + (" (the deploy's plan)" if k == swarm.fanout_for(n) else ""))
             if k == swarm.fanout_for(n):
                 results[f"simulated_{n}"] = t / limit
-    print(f"(3-host runs: pipelined {results['pipelined_3']:.3f}, tree {results['tree_3']:.3f}; "
-          f"5 hosts in 2 trees {results['trees_5']:.3f}; simulated 16: {results['simulated_16']:.3f}, "
-          f"256: {results['simulated_256']:.3f})")
+    print(", ".join(f"{name} {value:.3f}" for name, value in results.items()
+                    if name in ("pipelined_3", "tree_3", "trees_5", "simulated_16", "simulated_256")) + " (× S/B)")
     if args.only:
         return 0
     print(f"ratios: distribution_vs_link_limit={results['pipelined_5']:.3f} tree_vs_link_limit={results['tree_5']:.3f} "

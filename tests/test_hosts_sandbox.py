@@ -74,14 +74,21 @@ def with_loop(base: str, model: str, action):
     """``action()`` with the client loop running through the load balancer; (its result, loop)."""
     loop = ClientLoop(base, model)
     loop.start()
-    time.sleep(2)
+    loop.answered()
     try:
         result = action()
     finally:
-        time.sleep(2)
+        loop.answered()
         loop.stop.set()
         loop.join(60)
     return result, loop
+
+
+def until(condition, within: float) -> None:
+    """Poll ``condition()`` every 0.2 s until it holds or ``within`` seconds pass (the caller asserts)."""
+    deadline = time.monotonic() + within
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def changed_elsewhere(result, stayed: list[str]) -> dict[str, list[str]]:
@@ -117,14 +124,14 @@ def test_a_host_is_added_replaced_drained_and_removed_while_the_others_serve(
     for h in (one, two):
         assert three["address"] in ssh(h, "nft list ruleset").stdout, h["name"]
     before = served_requests(three)
-    _, loop = with_loop(base, model, lambda: time.sleep(4))
+    _, loop = with_loop(base, model, lambda: until(lambda: served_requests(three) > before, 30))
     assert served_requests(three) > before and loop.failed == 0  # the load balancer sends it requests
 
     # 2. replace k2sb-2 under the same name: a new bare machine
     engines = pids([one, three])
     ssh(two, "touch /root/old-machine")
     sandbox.replace_host(2)
-    time.sleep(6)  # the load balancer's health checks (every 2 s, out after 2 failures) see it down
+    time.sleep(4)  # the load balancer's health checks (out after 2 failures, within 2.5 s) see it down
     replaced, loop = with_loop(base, model, lambda: fleet.deploy(data, inventory=inv))
     assert replaced.returncode == 0, replaced.tail()
     figures["replace"] = (loop.ok, loop.failed)
@@ -132,7 +139,7 @@ def test_a_host_is_added_replaced_drained_and_removed_while_the_others_serve(
     assert pids([one, three]) == engines
     assert main_pid(two, UNIT) > 0 and ssh(two, "test -e /root/old-machine; echo $?").stdout.strip() == "1"
     before = served_requests(two)
-    _, loop = with_loop(base, model, lambda: time.sleep(4))
+    _, loop = with_loop(base, model, lambda: until(lambda: served_requests(two) > before, 30))
     assert served_requests(two) > before and loop.failed == 0
 
     # 3. drain and remove k2sb-3

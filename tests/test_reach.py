@@ -70,3 +70,32 @@ def test_a_listener_on_an_address_the_host_does_not_have_fails(archive: Path) ->
 def test_bad_arguments_are_refused(archive: Path, args: tuple[str, ...]) -> None:
     done = reach(archive, *args)
     assert done.returncode == 2 and done.stderr.startswith("reach: "), done.stderr
+
+
+def test_a_port_that_drops_connections_is_given_up_after_three_timed_out_attempts(archive: Path) -> None:
+    """A port whose SYNs go unanswered (here: a listener whose accept queue is full, so the
+    kernel drops further SYNs, as a firewall's drop rule does) times out attempt after attempt:
+    the probe names it after three such attempts (~6 s) instead of its whole ``--timeout``,
+    while a refused port (a listener not up yet) is retried until then (the test above)."""
+    port = free_port()
+    full = socket.socket()
+    full.bind(("127.0.0.1", port))
+    full.listen(0)  # never accepted: the queue fills and further SYNs are dropped
+    queued = []
+    try:
+        for _ in range(8):
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex(("127.0.0.1", port))
+            queued.append(c)
+        time.sleep(0.3)
+        started = time.monotonic()
+        out = reach(archive, "probe", "--host", "n1", "--targets", f"127.0.0.1:{port}", "--timeout", "30")
+        took = time.monotonic() - started
+        assert out.returncode == 1, out.stdout
+        assert out.stdout.startswith(f"reach: n1 cannot open 127.0.0.1:{port} (timed out)"), out.stdout
+        assert 5.5 <= took < 12, took
+    finally:
+        for c in queued:
+            c.close()
+        full.close()

@@ -373,7 +373,7 @@ def test_a_re_encoded_manifest_is_refused_and_the_honest_source_used(tmp_path: P
     server, url = serve(honest)
     try:
         out = fetch(tmp_path / "dest", "--source", evil.url, "--source", url, "--manifest-digest", digest_of(honest),
-                    "--give-up-after", "10")
+                    "--give-up-after", "10", "--dead-after", "1")  # the liar's files fail at once: not 10 s of retries
     finally:
         evil.close()
         stop(server)

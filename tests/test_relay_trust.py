@@ -252,29 +252,61 @@ def test_a_malformed_range_gets_a_clean_4xx(served, rng: str) -> None:
     assert _get(port, "/manifest", secret=secret)[0] == 200  # still serving
 
 
-def test_a_thousand_idle_connections_do_not_stop_a_real_fetch(served, tmp_path: Path) -> None:
+def _fetch_through_idle_connections(port: int, secret: Path, dest: Path, sources: list[str]) -> tuple[int, float, str]:
+    """Hold up to 1000 idle connections to the relay from ``sources`` (loopback addresses, in
+    turn), then fetch from it: (connections held, seconds the fetch took, its stdout)."""
     import socket
     import time
 
-    port, secret, root = served
     idle = []
     try:
-        for _ in range(1000):
+        for i in range(1000):
             try:
-                idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+                idle.append(socket.create_connection(("127.0.0.1", port), timeout=5,
+                                                     source_address=(sources[i % len(sources)], 0)))
             except OSError:
                 break  # the server may refuse some at once: that is fine too
         started = time.monotonic()
-        out = subprocess.run([*RELAY_ARGV, "fetch", str(tmp_path / "dest"), "--source", f"http://127.0.0.1:{port}",
+        out = subprocess.run([*RELAY_ARGV, "fetch", str(dest), "--source", f"http://127.0.0.1:{port}",
                               "--secret-file", str(secret), "--repo", REPO, "--revision", REV, "--give-up-after", "60"],
                              capture_output=True, text=True, timeout=120)
         took = time.monotonic() - started
     finally:
         for s in idle:
             s.close()
-    assert len(idle) >= 100  # the connections were really held open
     assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1])["verified"] and took < 60, took
+    assert json.loads(out.stdout.strip().splitlines()[-1])["verified"]
+    return len(idle), took, out.stdout
+
+
+def test_a_thousand_idle_connections_from_other_addresses_do_not_delay_a_real_fetch(served, tmp_path: Path) -> None:
+    """Idle connections from seven other addresses (16 held from each: relay.MAX_UNAUTHENTICATED_PER_SOURCE)
+    take no room from the fleet's peer: its fetch starts at once."""
+    port, secret, _ = served
+    held, took, _ = _fetch_through_idle_connections(port, secret, tmp_path / "dest", [f"127.0.0.{i}" for i in range(2, 9)])
+    assert held >= 100 and took < 10, (held, took)  # the connections were really held open
+
+
+def test_idle_connections_from_the_peers_own_address_are_reclaimed_after_the_idle_timeout(tmp_path: Path) -> None:
+    """The same flood from the fetching peer's own address fills its per-address room; the
+    server's watchdog closes them after relay.IDLE_TIMEOUT_S (2 s in this server, 20 s shipped)
+    and the real fetch goes through."""
+    root = ensure_synthetic_checkpoint(tmp_path / "served", REPO, REV, num_shards=3, shard_bytes=64 << 10)
+    assert subprocess.run([*RELAY_ARGV, "mark", str(root)], capture_output=True).returncode == 0
+    secret = tmp_path / "relay.secret"
+    secret.write_text("s3cret-relay-token-0123456789abcdef\n")
+    secret.chmod(0o600)
+    program = ("import sys; from k2fleet.hostprogs import relay; relay.IDLE_TIMEOUT_S = 2; "
+               "sys.exit(relay.main(sys.argv[1:]))")
+    server = subprocess.Popen([sys.executable, "-c", program, "serve", str(root), "--bind", "127.0.0.1", "--port", "0",
+                               "--secret-file", str(secret)], stdout=subprocess.PIPE, text=True)
+    try:
+        port = json.loads(server.stdout.readline())["port"]  # type: ignore[union-attr]
+        held, took, _ = _fetch_through_idle_connections(port, secret, tmp_path / "dest", ["127.0.0.1"])
+    finally:
+        server.kill()
+        server.wait()
+    assert held >= 16 and took < 30, (held, took)
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o775, 0o1777])

@@ -52,6 +52,14 @@ class ClientLoop(threading.Thread):
                 self.errors.append(repr(exc)[:200])
             time.sleep(0.05)
 
+    def answered(self, more: int = 2, within: float = 60) -> None:
+        """Wait until ``more`` further requests have been answered ok (the loop is serving
+        before a deploy, and again after it); fail after ``within`` seconds."""
+        target, deadline = self.ok + more, time.monotonic() + within
+        while self.ok < target:
+            assert time.monotonic() < deadline and self.is_alive(), (self.ok, self.failed, self.errors[:5])
+            time.sleep(0.05)
+
 
 def test_a_flag_change_rolls_one_replica_at_a_time_and_no_request_fails(sandbox_fleet: SandboxFleet) -> None:
     fleet = sandbox_fleet
@@ -66,11 +74,11 @@ def test_a_flag_change_rolls_one_replica_at_a_time_and_no_request_fails(sandbox_
     before = {h["name"]: main_pid(h, "k2-vllm.service") for h in fleet.hosts}
     loop = ClientLoop(base, model)
     loop.start()
-    time.sleep(2)
+    loop.answered()
     try:
         changed = fleet.deploy({**data, "k2_engine_args": {"max-num-seqs": 64}})
     finally:
-        time.sleep(2)
+        loop.answered()
         loop.stop.set()
         loop.join(60)
     assert changed.returncode == 0, changed.tail()

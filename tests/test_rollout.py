@@ -347,6 +347,15 @@ def _wait_up(sock: str, ref: str, timeout: float = 15) -> None:
     raise AssertionError(f"{ref} not UP")
 
 
+def _status_within(sock: str, ref: str, prefix: str, seconds: float) -> str:
+    """HAProxy's status of ``ref`` once it starts with ``prefix``, or as it is after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not (status := lbctl.server_stat(sock, ref).get("status", "")).startswith(prefix) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return status
+
+
 @pytest.fixture
 def balancer(tmp_path: Path):
     """The real HAProxy with k2fleet's config on 127.0.0.1 before two replicas; yields
@@ -401,13 +410,15 @@ def test_a_drained_replica_restarts_while_clients_see_no_failure(balancer, capsy
             assert row["status"] == "DRAIN" and lbctl.in_flight(row) == 0
             replicas[name].stop()  # the replica's units stop ...
             served = replicas[name].served
-            time.sleep(5)  # ... its health checks fail (fall 2 × inter 2s): HAProxy marks it down
-            assert lbctl.server_stat(sock, ref)["status"].startswith(("DOWN", "DRAIN", "MAINT")), lbctl.server_stat(sock, ref)
+            # ... its health checks fail (fall 2: one at inter 2s, the next at fastinter 0.5s): HAProxy marks it down
+            assert _status_within(sock, ref, "DOWN", 10).startswith("DOWN"), lbctl.server_stat(sock, ref)
             replicas[name] = Replica(name, ports[name])  # ... and start again (its health gate passed)
             assert lbctl.main(["--socket", sock, "ready", ref, "--timeout", "30"]) == 0  # waits until UP
             assert lbctl.server_stat(sock, ref)["status"] == "UP"
             before = replicas[name].served
-            time.sleep(1)
+            deadline = time.monotonic() + 10
+            while replicas[name].served == before and time.monotonic() < deadline:
+                time.sleep(0.05)
             assert replicas[name].served > before, f"{name} takes requests again"
             assert served > 0
     finally:
@@ -474,7 +485,7 @@ def test_drain_is_capped_and_ready_fails_on_a_replica_that_stays_down(balancer, 
     finally:
         loop.finish()
     replicas["r0"].stop()
-    time.sleep(5)
+    assert _status_within(sock, ref, "DOWN", 10).startswith("DOWN")
     assert lbctl.main(["--socket", sock, "ready", ref, "--timeout", "2"]) == 1
     assert "is not UP at the load balancer" in capsys.readouterr().err
 

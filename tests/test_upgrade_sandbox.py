@@ -79,11 +79,11 @@ def roll(fleet: SandboxFleet, data: dict, base: str, model: str):
     before = {h["name"]: main_pid(h, UNIT) for h in fleet.hosts}
     loop = ClientLoop(base, model)
     loop.start()
-    time.sleep(2)
+    loop.answered()
     try:
         result = fleet.deploy(data)
     finally:
-        time.sleep(2)
+        loop.answered()
         loop.stop.set()
         loop.join(60)
     after = {h["name"]: main_pid(h, UNIT) for h in fleet.hosts}

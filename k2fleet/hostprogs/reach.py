@@ -27,6 +27,12 @@ MAX_TARGETS = 1024  # targets one probe tries at most
 MAX_SECONDS = 600.0  # the longest a listener stays or a probe waits
 ATTEMPT_S = 2.0  # one connection attempt
 RETRY_S = 0.5
+# Timed-out attempts in a row after which a target is named: its SYNs are dropped (a firewall's
+# drop rule, a security group), which waiting does not change. Every listener is up before any
+# probe starts (pyinfra runs each operation on every host first), and a port not listened on yet
+# is refused, not dropped: refusals are retried until the timeout. Each attempt (ATTEMPT_S)
+# already includes the kernel's own SYN retransmission.
+TIMEOUTS_IN_A_ROW = 3
 
 
 def _ports(text: str) -> list[int]:
@@ -81,11 +87,13 @@ def listen(bind: str, ports: list[int], seconds: float) -> int:
 
 
 def probe(host: str, targets: list[tuple[str, int]], timeout: float) -> int:
-    """Connect to every target until it answers or ``timeout`` passes; one line per target not reached."""
+    """Connect to every target until it answers, ``timeout`` passes or it timed out
+    :data:`TIMEOUTS_IN_A_ROW` times in a row; one line per target not reached."""
     deadline = time.monotonic() + min(timeout, MAX_SECONDS)
     pending = {t: "no attempt" for t in targets}
-    while pending:
-        for target in list(pending):
+    timeouts = dict.fromkeys(targets, 0)  # timed-out attempts in a row, per target
+    while any(timeouts[t] < TIMEOUTS_IN_A_ROW for t in pending):
+        for target in [t for t in pending if timeouts[t] < TIMEOUTS_IN_A_ROW]:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -93,10 +101,10 @@ def probe(host: str, targets: list[tuple[str, int]], timeout: float) -> int:
                 with socket.create_connection(target, timeout=min(ATTEMPT_S, max(0.1, left))):
                     del pending[target]
             except TimeoutError:
-                pending[target] = "timed out"
+                pending[target], timeouts[target] = "timed out", timeouts[target] + 1
             except OSError as exc:
-                pending[target] = exc.strerror or type(exc).__name__
-        if not pending or time.monotonic() >= deadline:
+                pending[target], timeouts[target] = exc.strerror or type(exc).__name__, 0
+        if time.monotonic() >= deadline or not any(timeouts[t] < TIMEOUTS_IN_A_ROW for t in pending):
             break
         time.sleep(RETRY_S)
     for (address, port), why in sorted(pending.items()):
