@@ -477,8 +477,12 @@ def real_engine_data(dep: Deployment, given: Mapping[str, Any] | None = None) ->
     if dep.s.max_model_len is None or dep.s.max_model_len > REAL_MAX_MODEL_LEN:
         data["k2_max_model_len"] = REAL_MAX_MODEL_LEN
         said.append(f"scaled k2_max_model_len: {dep.s.max_model_len or 'the model’s'} -> {REAL_MAX_MODEL_LEN}")
-    data["k2_env"] = {**dep.s.env, "VLLM_CPU_KVCACHE_SPACE": str(REAL_KVCACHE_GIB)}
+    # vLLM still torch.compiles some helper ops in eager mode (vocab_parallel_embedding's masked input
+    # under TP > 1, the top-k/top-p sampler: @torch.compile with the CPU platform's "inductor" backend),
+    # which g++ -O3 builds on each host at its first start; TorchDynamo off runs them as written
+    data["k2_env"] = {**dep.s.env, "VLLM_CPU_KVCACHE_SPACE": str(REAL_KVCACHE_GIB), "TORCHDYNAMO_DISABLE": "1"}
     said.append(f"added VLLM_CPU_KVCACHE_SPACE={REAL_KVCACHE_GIB} (GiB of KV cache)")
+    said.append("added TORCHDYNAMO_DISABLE=1 (vLLM's torch.compile'd helper ops run eagerly: no C++ build per host)")
     said.append("checkpoint: random-weight Kimi-K2 architecture (4.9 M parameters) under the inventory's "
                 f"{dep.s.model}@{dep.s.revision[:12]}")
     return data, said

@@ -37,6 +37,7 @@ from k2fleet.control.lockfile import LOCK_NAME, Lock
 from k2fleet.inventory.loader import data_args
 from k2sandbox.rehearse import bundle_data, connection_overlay
 from k2sandbox.harness import ROOT, tool
+from tests.test_rehearse import check_serving
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox fleet needs root")
 REHEARSAL = data_args(airgap.bundle_overlay(True))[1::2]
@@ -276,13 +277,18 @@ def managed_files(inventory: str, bundle: Path) -> dict[str, dict[str, str]]:
 
 @pytest.mark.sandbox
 @needs_root
-def test_offline_rehearsal_from_the_bundle_alone(h800_bundle: Path) -> None:
+def test_offline_rehearsal_from_the_bundle_alone(tmp_path: Path) -> None:
+    """K2.5 on one host (its only rehearsal: tests/test_rehearse.py leaves it to this one), from
+    its rehearsal bundle alone, the deploy in a network namespace with no route out; the test
+    calls the kept fleet itself. (The Ray wheels installed from a bundle: the h800-pp rehearsal
+    of tests/test_rehearse_restart.py.)"""
+    inventory, bundle = "inventories/h200-k25.py", tmp_path / "h200-k25"
+    built = k2fleet("bundle", inventory, "--rehearsal", "--out", str(bundle))
+    assert built.returncode == 0, built.stdout + built.stderr
     held = sandbox.hold_sandbox_lock()  # for the rehearsal and the looks at its kept hosts
     try:
-        proc = k2fleet("rehearse", "inventories/h800-pp.py", "--bundle", str(h800_bundle), "--offline", "--keep",
-                       lock=held)
-        assert proc.stdout.strip().splitlines()[-1] == \
-            "rehearsal inventories/h800-pp.py: 1/1 endpoints healthy, re-run 0 changes", proc.stdout[-3000:]
+        proc = k2fleet("rehearse", inventory, "--bundle", str(bundle), "--offline", "--keep", lock=held)
+        check_serving(proc, inventory, 1)
         assert f"--offline: the deploy runs in netns {sandbox.OFFLINE_NS}" in proc.stdout
         routes = subprocess.run(["ip", "-n", sandbox.OFFLINE_NS, "route"], capture_output=True, text=True).stdout
         assert routes.strip().splitlines() == [line for line in routes.strip().splitlines() if f"{sandbox.SUBNET}.0/24" in line]
@@ -296,12 +302,12 @@ def test_offline_rehearsal_from_the_bundle_alone(h800_bundle: Path) -> None:
         for host in sandbox.load_hosts():  # pyinfra ran inside it: every host saw the deploy's SSH from its address
             seen = sandbox.ssh(host, "journalctl --no-pager -o cat -t sshd -t sshd-session | grep 'Accepted publickey'")
             assert f" from {sandbox.OFFLINE_ADDRESS} " in seen.stdout, seen.stdout[-2000:] + seen.stderr
-        lock = lock_of(h800_bundle)
+        lock = lock_of(bundle)
         for host in sandbox.load_hosts():
             out = sandbox.ssh(host, "/opt/k2fleet/venv/vllm-0.33.0/bin/python -c 'from importlib.metadata import version as v; "
-                                    "print(v(\"k2fleet-engine-doubles\"), v(\"ray\"))'; test -e /opt/k2fleet/doubles; "
+                                    "print(v(\"k2fleet-engine-doubles\"))'; test -e /opt/k2fleet/doubles; "
                                     "echo doubles-dir=$?; head -1 /opt/k2fleet/venv/vllm-0.33.0/bin/vllm")
-            assert out.stdout.split() == [engine_wheel.version(), "2.60.0", "doubles-dir=1",
+            assert out.stdout.split() == [engine_wheel.version(), "doubles-dir=1",
                                           "#!/opt/k2fleet/venv/vllm-0.33.0/bin/python3"], out.stdout + out.stderr
             installed = sandbox.ssh(host, "dpkg-query -W -f '${Version}' nvidia-open").stdout
             assert installed == next(a.version for a in lock.artifacts if a.name == "nvidia-open:amd64")
@@ -324,7 +330,8 @@ def test_two_fresh_deploys_from_one_lock_leave_identical_files_and_a_real_docker
         for _ in range(2):  # each rehearsal boots bare hosts and a fresh control state
             proc = k2fleet("rehearse", "inventories/b200-trtllm.py", "--bundle", str(bundle), "--offline", "--keep",
                            lock=held)
-            assert proc.stdout.strip().endswith("1/1 endpoints healthy, re-run 0 changes"), proc.stdout[-3000:]
+            # the test calls the fleet (b200-trtllm's only rehearsal: tests/test_rehearse.py leaves it to this one)
+            check_serving(proc, "inventories/b200-trtllm.py", 1)
             runs.append(managed_files("inventories/b200-trtllm.py", bundle))
         assert runs[0] == runs[1] and len(runs[0]["b200-0"]) > 20
         host = sandbox.load_hosts()[0]

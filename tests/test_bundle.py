@@ -25,7 +25,7 @@ from tests.inventory_factory import write_inventory
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SANDBOX_PACKAGES = ["openmpi-bin", "rsync", "python3-venv", "python3-mpi4py"]
-SANDBOX_HOSTS = 2  # read by the sandbox_fleet fixture (tests/conftest.py)
+SANDBOX_HOSTS = 1  # read by the sandbox_fleet fixture (tests/conftest.py): one host proves the bundle install
 SANDBOX_DOCKER = False
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (apt, sandbox)")

@@ -356,7 +356,7 @@ def test_real_sglang_router_over_prefill_and_decode(procs: Procs, model: str, re
     env = {k: v for k, v in base_env().items() if k != "PYTHONPATH"}  # the real package, not a double
     procs.start([real_router_python, "-m", "sglang_router.launch_router", "--pd-disaggregation",
                  "--prefill", f"http://{LOCAL}:{prefill}", str(boot),
-                 "--decode", f"http://{LOCAL}:{decode}",
+                 "--decode", f"http://{LOCAL}:{decode}", "--worker-startup-check-interval", "1",
                  "--host", LOCAL, "--port", str(router), "--policy", "round_robin"], env=env)
     health = f"http://{LOCAL}:{router}/health"
     wait_status(health, 200)

@@ -26,6 +26,7 @@ from k2sandbox.pyinfra_cli import ROOT, cli_env
 from tests.test_gpu_exporter import REF, parse_exposition
 
 pytestmark = pytest.mark.sandbox
+SANDBOX_HOSTS = 1  # read by the sandbox_fleet fixture (tests/conftest.py): every host is checked alike
 DATA = {"k2_metrics": True, "k2_gpu_exporter": True, "k2_metrics_scrapers": [BRIDGE_ADDRESS], "k2_bind_address": "fleet"}
 
 

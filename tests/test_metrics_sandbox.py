@@ -29,6 +29,7 @@ from tests.test_doubles import free_port
 pytestmark = pytest.mark.sandbox
 DATA = {"k2_metrics": True, "k2_node_exporter": True, "k2_metrics_scrapers": [BRIDGE_ADDRESS]}
 SANDBOX_DOCKER = False
+SANDBOX_HOSTS = 2  # read by the sandbox_fleet fixture (tests/conftest.py)
 
 
 def _api(base: str, path: str, **query: str) -> dict:

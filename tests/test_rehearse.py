@@ -205,14 +205,16 @@ def test_rehearse_h200_as_a_sudo_user_on_a_custom_port_with_a_fetcher_host_pinne
 @pytest.mark.sandbox
 @needs_root
 @pytest.mark.parametrize("inventory, endpoints", [("inventories/h200-dcp.py", 2),
-                                                  # h200-dp-ep, h200-sglang-tp16, h200-sglang-pd and
-                                                  # h200-trtllm-mpi: rehearsed as written, and called, by
-                                                  # tests/test_rehearse_restart.py (one rehearsal each)
-                                                  # the newer Kimi models (issue #25): K2.5/K2.6 with vLLM's
-                                                  # --mm-encoder-tp-mode data, K2-Instruct-0905 over TP8xPP2,
-                                                  # K3 on SGLang TP16 over two nodes
-                                                  ("inventories/h200-k25.py", 1), ("inventories/h200-k26.py", 1),
-                                                  ("inventories/h200-k2-0905.py", 1), ("inventories/h200-k3-sglang.py", 1)])
+                                                  # One rehearsal per seed inventory in the suite, each called by
+                                                  # its test. Elsewhere: h200-dp-ep, h200-sglang-tp16,
+                                                  # h200-sglang-pd, h200-trtllm-mpi and h800-pp in
+                                                  # tests/test_rehearse_restart.py; h200-k2-0905 (TP8xPP2) in
+                                                  # tests/test_instance_watch_sandbox.py; h200-k25 offline from its
+                                                  # bundle, and b200-trtllm twice from one lock, in
+                                                  # tests/test_airgap.py. The newer Kimi models (issue #25) here:
+                                                  # K2.6 with vLLM's --mm-encoder-tp-mode data, K3 on SGLang TP16
+                                                  # over two nodes
+                                                  ("inventories/h200-k26.py", 1), ("inventories/h200-k3-sglang.py", 1)])
 def test_rehearse_scenario_as_written(inventory: str, endpoints: int) -> None:
     rehearse_kept(inventory, endpoints)
 
@@ -235,11 +237,11 @@ def test_rehearse_gb200_slurm() -> None:
 
 
 @pytest.mark.sandbox
-@pytest.mark.parametrize("inventory, image", [("inventories/b200-trtllm.py", "nvcr.io/nvidia/tensorrt-llm/release:1.2.0"),
-                                              ("inventories/mi300x.py", "vllm/vllm-openai-rocm:v0.33.0")])
+@pytest.mark.parametrize("inventory, image", [("inventories/mi300x.py", "vllm/vllm-openai-rocm:v0.33.0")])
 def test_rehearse_container_scenario(inventory: str, image: str) -> None:
     """Docker from the offline bundle, the double image docker-loaded under the
-    inventory's own reference, the planned ``docker run`` under systemd."""
+    inventory's own reference, the planned ``docker run`` under systemd. (b200-trtllm's
+    container: rehearsed twice from one lock in tests/test_airgap.py.)"""
     rehearse_kept(inventory, 1)
 
 

@@ -43,6 +43,7 @@ def test_real_engine_overlay_scales_h200_to_a_cpu_host_and_says_so() -> None:
     data, said = real_engine_data(dep)
     assert (data["k2_engine_doubles"], data["k2_engine_cpu_build"], data["k2_tp"], data["k2_gpus_per_node"]) == (False, True, 1, 1)
     assert data["k2_engine_args"]["enforce-eager"] is True and data["k2_env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert data["k2_env"]["TORCHDYNAMO_DISABLE"] == "1"  # no per-host C++ build of vLLM's compiled helper ops
     assert "scaled k2_tp: 8 -> 1 (a CPU host runs one rank)" in said
     hosts = inventory_host_data("inventories/h200.py", {})
     scaled, plan = check_hosts("inventories/h200.py", [(n, {**d, **data, "k2_simulated_gpus": True, "k2_checkpoint_bytes": 10**7}, g) for n, d, g in hosts], None)

@@ -298,9 +298,9 @@ def test_h800_pp_flag_change_restarts_only_the_api_server_and_a_ray_worker_that_
     assert ssh(worker, never, check=False).returncode == 0
     # The start is not tried a second time (it failed after its gate waited: the deploy fails
     # after one gate timeout, not two; tests/test_start_or_explain.py)
-    failed = kept.deploy("k2_max_model_len=2048", "k2_health_timeout=30")
+    failed = kept.deploy("k2_max_model_len=2048", "k2_health_timeout=20")  # > QUICK_FAILURE_S: no second try
     assert failed.returncode != 0, failed.log[-3000:]
-    never_joined = f"k2-vllm.service: Ray node h800-1 ({worker['address']}) has not joined within 30s"
+    never_joined = f"k2-vllm.service: Ray node h800-1 ({worker['address']}) has not joined within 20s"
     assert failed.log.count(never_joined) == 1, failed.log[-3000:]
 
 

@@ -461,10 +461,11 @@ def _wait_healthy(base: str, model: str, timeout: float, expected: dict | None, 
                 last = f"chat completion failed: {exc}"
         else:
             last = f"{ready_path} answered {status}"
-        time.sleep(1)
+        time.sleep(POLL_S)
     raise NotHealthy(f"not healthy after {timeout:.0f}s: {last}")
 
 
+POLL_S = 0.5  # between looks at a server that is not ready yet (a local GET: an engine just started is seen within 0.5 s)
 PROBE_PORT = 22  # a rank host's sshd: answered (accepted or refused) when the network between the hosts carries packets
 PROBE_TIMEOUT_S = 3.0
 

@@ -765,7 +765,7 @@ def gate(want: dict, smi=None, db=None, systemd=None) -> int:
                 problems.append(f"{unit} is {state or 'unknown'}")
         if not problems or time.monotonic() >= deadline:
             break
-        time.sleep(2)
+        time.sleep(1)
     for line in problems:
         print(f"GPU gate: {line}")
     return 1 if problems else 0

@@ -8,7 +8,7 @@ node alive with its planned GPUs, or fail naming the node that never joined.
 
 Run it with the engine venv's python (``k2_venv/bin/python3``): ``ray`` is imported from there (the only import
 outside the standard library). The cluster is asked through Ray's own API (``ray.init(address=...)`` +
-``ray.nodes()``), polled once a second — the gate never sleeps a fixed time. Exit 0 and one line when the
+``ray.nodes()``), polled twice a second — the gate never sleeps a fixed time. Exit 0 and one line when the
 cluster is complete; exit 1 with ``HOST: UNIT: Ray node NAME (ADDRESS) ...`` naming each missing node otherwise.
 """
 
@@ -73,7 +73,7 @@ def wait_for_cluster(address: str, planned: list[tuple[str, str, int]], timeout:
             problems = [f"the Ray head at {address} did not answer: {exc}"]
         if not problems:
             break
-        time.sleep(1)
+        time.sleep(0.5)
     if connected:
         ray.shutdown()
     return problems

@@ -185,6 +185,9 @@ def _router(dep: Deployment) -> Iterator[tuple[str, Service]]:
         words += ["--prefill", f"http://{host_port(nodes[0].address, dep.s.port)}", str(dep.s.bootstrap_port)]
     for nodes in dep.pools["decode"].instances:
         words += ["--decode", f"http://{host_port(nodes[0].address, dep.s.port)}"]
+    # the router asks its workers' /health every second until they answer (sglang-router 0.3.2's
+    # default: every 30 s, so a router started beside loading servers idled up to 30 s after them)
+    words += ["--worker-startup-check-interval", "1"]
     words += ["--host", "0.0.0.0", "--port", str(dep.s.router_port)]
     env = {"PYTHONUNBUFFERED": "1"}
     yield router.name, Service(
