@@ -41,12 +41,11 @@ def pytest_configure(config: pytest.Config) -> None:
 # Modules whose tests change or watch what the whole machine shares beyond a sandbox instance
 # (local users and sudoers, the control machine's apt and dpkg and its /tmp, the bundle and its
 # offline rehearsal's network namespace, the benches' control state and page cache, the real
-# vLLMs the warm-restart bench and test_real_vllm start on the control machine, a relay's timing
-# against an unloaded run): one xdist group, :data:`MACHINE_GROUP`, run on worker gw0 in order (none
-# of them beside another), while the other worker takes the other modules one after another.
+# vLLM the warm-restart bench starts on the control machine, a relay's timing against an unloaded
+# run): one xdist group, :data:`MACHINE_GROUP`, run on worker gw0 in order (none of them beside
+# another), while the other worker takes the other modules one after another.
 MACHINE_MODULES = {
     "test_sudo_uploads", "test_aptroot", "test_bundle", "test_airgap", "test_benches", "test_relay_hostile",
-    "test_real_vllm",
 }
 MACHINE_GROUP = "machine"
 

@@ -2,7 +2,7 @@
 sweep, the table and the PNG; the commands end to end with stand-in clients (small scripts
 that write what the real ones write) that also record their argv and environment, to show the
 API key reaches them in ``OPENAI_API_KEY`` and never in argv. The real clients against a real
-vLLM: tests/test_real_vllm.py."""
+vLLM: the kept fleet of tests/test_rehearse_real_engine.py."""
 
 from __future__ import annotations
 

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import subprocess
 import sys
+import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -49,6 +52,7 @@ def test_bench_short_mode_prints_its_ratios(bench: str, tmp_path: Path) -> None:
     if bench in NEEDS_ROOT and os.geteuid() != 0:
         pytest.skip("this bench needs root (sandbox hosts, cache drops or apt)")
     workdir = [WORKDIR_FLAG[bench], str(tmp_path / "work")] if bench in WORKDIR_FLAG else []
+    tmp_before = vllm_leftovers_in(Path(tempfile.gettempdir()))
     out = subprocess.run([sys.executable, f"bench/{bench}", "--short", *workdir], cwd=ROOT, capture_output=True,
                          text=True, stdin=subprocess.DEVNULL, timeout=900)
     lines = out.stdout.strip().splitlines()
@@ -56,3 +60,24 @@ def test_bench_short_mode_prints_its_ratios(bench: str, tmp_path: Path) -> None:
     assert RATIOS.match(lines[-1]), f"{bench} ended with {lines[-1]!r}"
     named = {pair.split("=")[0] for pair in lines[-1].split()[1:]}
     assert named == RATIO_NAMES[bench], f"{bench}: {lines[-1]!r}\n{out.stdout[-3000:]}"
+    # the real vLLMs it started (warm_restart_bench) kept every IPC socket and file store in their own
+    # directory (k2sandbox.vllm_cpu.serve_env), none in the machine's /tmp
+    assert not vllm_leftovers_in(Path(tempfile.gettempdir())) - tmp_before
+
+
+def vllm_leftovers_in(directory: Path) -> set[str]:
+    """Names of what vLLM leaves in ``directory``: sockets named as vLLM names its IPC paths (a uuid4),
+    and the files of its torch.distributed file stores (``vllm_dist_<uuid hex>``,
+    vllm/utils/network_utils.py ``get_distributed_init_method``: one a start, never removed)."""
+    found = set()
+    for entry in directory.iterdir():
+        if entry.name.startswith("vllm_dist_"):
+            found.add(entry.name)
+            continue
+        try:
+            uuid.UUID(entry.name)
+            if stat.S_ISSOCK(entry.lstat().st_mode):
+                found.add(entry.name)
+        except (ValueError, OSError):
+            continue
+    return found

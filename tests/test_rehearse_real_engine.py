@@ -19,11 +19,13 @@ import shlex
 import shutil
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from k2fleet.deploy.gate import check_hosts
+from k2fleet.hostprogs.health import counter
 from k2fleet.inventory.loader import inventory_host_data
 from k2sandbox import nspawn as sandbox, vllm_cpu
 from k2sandbox.random_kimi_checkpoint import rehearsal_random_checkpoint
@@ -105,19 +107,23 @@ def _rehearse_real(*data: str, then=None, inventory: str = "inventories/h200.py"
     return proc.stdout
 
 
-def _bench(out: str, tmp: Path, inventory: str, endpoints: int) -> None:
-    """The test calls the kept fleet itself (:func:`tests.test_rehearse.check_serving`), then runs
-    ``k2fleet bench --replicas`` (vLLM's own ``vllm bench serve``, from the cached vllm-cpu venv)
-    against its endpoints through the command line the rehearsal printed for them. (``k2fleet
-    eval``'s lm-eval client is run against a real vLLM in tests/test_real_vllm.py.)"""
-    from tests.test_rehearse import check_serving
-
-    check_serving(subprocess.CompletedProcess([], 0, out, ""), inventory, endpoints)
+def _printed_command(out: str) -> tuple[dict[str, str], list[str]]:
+    """The environment and the words after ``k2fleet COMMAND`` of the line the kept rehearsal
+    printed for looking at it (its inventory and ``--data``)."""
     lines = out.splitlines()
     command = lines[lines.index("and look at it with k2fleet status, metrics, bench or eval (COMMAND):") + 1]
     env_part, _, rest = command.strip().partition(" k2fleet COMMAND ")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), env_part.split("=", 1)[0]: env_part.split("=", 1)[1]}
-    target = shlex.split(rest)
+    return {**os.environ, "PYTHONPATH": str(ROOT), env_part.split("=", 1)[0]: env_part.split("=", 1)[1]}, shlex.split(rest)
+
+
+def _bench(out: str, tmp: Path, inventory: str, endpoints: int) -> None:
+    """The test calls the kept fleet itself (:func:`tests.test_rehearse.check_serving`), then runs
+    ``k2fleet bench --replicas`` (vLLM's own ``vllm bench serve``, from the cached vllm-cpu venv)
+    against its endpoints through the command line the rehearsal printed for them."""
+    from tests.test_rehearse import check_serving
+
+    check_serving(subprocess.CompletedProcess([], 0, out, ""), inventory, endpoints)
+    env, target = _printed_command(out)
     venv = vllm_cpu.ensure_vllm_cpu_venv(vllm_cpu.ensure_vllm_cpu_wheelhouse())
     tokenizer, _ = rehearsal_random_checkpoint(_dep("inventories/h200.py").s.model, _dep("inventories/h200.py").s.revision)
     bench = subprocess.run([sys.executable, "-m", "k2fleet.cli", "bench", *target, "--replicas",
@@ -139,6 +145,83 @@ def _bench(out: str, tmp: Path, inventory: str, endpoints: int) -> None:
     assert "OUT TOK/S" in bench.stdout and "OUT TOK/S" in (tmp / "bench" / "bench.txt").read_text()
 
 
+def _get(url: str, timeout: float = 30) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def _post(url: str, body: dict, timeout: float = 300) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _engine_answers(out: str) -> None:
+    """The test calls the kept vLLM itself: /version; a chat completion with thinking off (text in
+    ``content``, every token asked for) and on (Kimi's reasoning parser moves it to ``reasoning``),
+    each counted in vLLM's own request counter; a required, strict tool choice answered with a
+    parsed Kimi tool call under Kimi's native id."""
+    base = next(line.split()[-1] for line in out.splitlines() if line.startswith("endpoint: "))  # .../v1
+    root = base[: -len("/v1")]
+    model = _dep("inventories/h200.py").api_model_name
+    assert json.loads(_get(f"{root}/version"))["version"] == vllm_cpu.VERSION
+    before = counter(_get(f"{root}/metrics"), "vllm:request_success_total") or 0.0
+    body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16,
+            "seed": 1, "chat_template_kwargs": {"thinking": False}}
+    reply = _post(f"{base}/chat/completions", body)
+    assert reply["choices"][0]["message"]["content"] and reply["usage"]["completion_tokens"] == 16
+    thinking = _post(f"{base}/chat/completions", {**body, "chat_template_kwargs": {}})["choices"][0]["message"]
+    assert thinking["reasoning"] and not thinking["content"]
+    assert (counter(_get(f"{root}/metrics"), "vllm:request_success_total") or 0.0) == before + 2
+    tool = {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather of a city", "strict": True,  # strict: the schema is enforced
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Tokyo", "Paris"]}},
+                       "required": ["city"], "additionalProperties": False}}}
+    choice = _post(f"{base}/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": "Weather in Tokyo?"}], "tools": [tool],
+        "tool_choice": "required", "max_tokens": 256, "seed": 1, "chat_template_kwargs": {"thinking": False}})["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    calls = choice["message"]["tool_calls"]
+    assert calls and all(c["function"]["name"] == "get_weather" for c in calls)
+    assert re.fullmatch(r"functions\.get_weather:\d+", calls[0]["id"])  # Kimi's native id, as the parser keeps it
+    assert json.loads(calls[0]["function"]["arguments"])["city"] in ("Tokyo", "Paris")
+
+
+GSM8K_LINES = [  # gsm8k's format (question, answer ending in "#### N"); made up here, not the data set's
+    ("Tom has 3 apples and buys 4 more. How many apples does he have?", "3 + 4 = <<3+4=7>>7\n#### 7"),
+    ("A box holds 6 eggs. How many eggs are in 5 boxes?", "6 * 5 = <<6*5=30>>30\n#### 30"),
+    ("Sara had 20 dollars and spent 8. How many dollars are left?", "20 - 8 = <<20-8=12>>12\n#### 12"),
+    ("A train travels 60 miles per hour for 2 hours. How far does it go?", "60 * 2 = <<60*2=120>>120\n#### 120"),
+    ("There are 9 birds and 3 fly away. How many remain?", "9 - 3 = <<9-3=6>>6\n#### 6"),
+    ("Each of 4 kids gets 5 stickers. How many stickers in all?", "4 * 5 = <<4*5=20>>20\n#### 20"),
+]
+
+
+def _eval(out: str, tmp: Path) -> None:
+    """``k2fleet eval`` against the kept fleet through the command line the rehearsal printed:
+    lm-eval (lm-eval[api] 0.4.13, no torch: the test extras) from K2FLEET_TEST_LM_EVAL, PATH, or
+    beside this Python, offline on a gsm8k-format file; random weights score 0, below the seeds'
+    0.9416 (exit 1); against 0 it passes."""
+    beside = Path(sys.executable).parent / "lm-eval"  # the test extras' lm-eval, in this venv
+    client = os.environ.get("K2FLEET_TEST_LM_EVAL") or shutil.which("lm-eval") or (str(beside) if beside.exists() else None)
+    assert client, "no lm-eval here: set K2FLEET_TEST_LM_EVAL to an lm-eval executable (pip install 'lm-eval[api]==0.4.13')"
+    test, train = tmp / "test.jsonl", tmp / "train.jsonl"
+    test.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in GSM8K_LINES[:3]))
+    train.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in GSM8K_LINES))
+    env, target = _printed_command(out)
+    common = [sys.executable, "-m", "k2fleet.cli", "eval", *target, "--dataset", str(test), "--fewshot", str(train),
+              "--limit", "3", "--client", client, "--max-gen-toks", "16", "--num-concurrent", "3", "--timeout", "900"]
+    below = subprocess.run([*common, "--out", str(tmp / "eval-one")], cwd=ROOT, capture_output=True, text=True,
+                           env=env, timeout=1200)
+    assert below.returncode == 1, below.stdout[-3000:] + below.stderr[-3000:]
+    assert "|k2fleet_gsm8k|" in below.stdout and "on 3 samples" in below.stdout, below.stdout[-3000:]
+    assert "BELOW" in below.stdout.strip().splitlines()[-1], below.stdout[-3000:]
+    passed = subprocess.run([*common, "--out", str(tmp / "eval-two"), "--expect", "0"], cwd=ROOT, capture_output=True,
+                            text=True, env=env, timeout=1200)
+    assert passed.returncode == 0 and passed.stdout.strip().splitlines()[-1].endswith(": ok"), \
+        passed.stdout[-3000:] + passed.stderr[-3000:]
+
+
 def _check_real_probes(out: str, endpoints: int) -> None:
     seen = [line for line in out.splitlines() if line.strip().startswith("vLLM: ")]
     assert len(seen) == endpoints, out[-4000:]
@@ -155,8 +238,9 @@ def test_rehearse_h200_with_the_real_vllm_tp2_across_two_hosts(tmp_path: Path) -
     """h200.py's fleet as one TP16 instance over its two hosts (its group data with
     ``k2_tp = 16``): the real engine keeps the shape with one rank per host — TP2, vLLM's
     multi-node form (``--nnodes 2 --node-rank``, the second host ``--headless``),
-    torch.distributed over gloo on the sandbox network. The test calls the kept instance itself,
-    then benchmarks it with ``k2fleet bench --replicas``. (h200.py as written, two TP8 instances,
+    torch.distributed over gloo on the sandbox network. The test calls the kept instance itself
+    (:func:`_engine_answers`), benchmarks it with ``k2fleet bench --replicas`` and evaluates it
+    with ``k2fleet eval`` (lm-eval). (h200.py as written, two TP8 instances,
     is rehearsed with the engine doubles in tests/test_rehearse.py: one real-engine rehearsal in
     the suite, each costs minutes.)"""
     (tmp_path / "group_data").mkdir()
@@ -164,7 +248,13 @@ def test_rehearse_h200_with_the_real_vllm_tp2_across_two_hosts(tmp_path: Path) -
     shutil.copy(ROOT / "inventories/group_data/all.py", tmp_path / "group_data/all.py")
     (tmp_path / "group_data/h200.py").write_text((ROOT / "inventories/group_data/h200.py").read_text() + "k2_tp = 16\n")
     inventory = str(tmp_path / "h200.py")
-    out = _rehearse_real(inventory=inventory, then=lambda stdout: _bench(stdout, tmp_path, inventory, 1))
+
+    def calls(stdout: str) -> None:
+        _engine_answers(stdout)
+        _bench(stdout, tmp_path, inventory, 1)
+        _eval(stdout, tmp_path)
+
+    out = _rehearse_real(inventory=inventory, then=calls)
     assert out.splitlines()[-1] == f"rehearsal {inventory}: 1/1 endpoints healthy, re-run 0 changes"
     assert "real engine: scaled k2_tp: 16 -> 2 (one rank on each of the 2 hosts an instance spans)" in out
     _check_real_probes(out, 1)
