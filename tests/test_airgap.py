@@ -280,8 +280,8 @@ def managed_files(inventory: str, bundle: Path) -> dict[str, dict[str, str]]:
 def test_offline_rehearsal_from_the_bundle_alone(tmp_path: Path) -> None:
     """K2.5 on one host (its only rehearsal: tests/test_rehearse.py leaves it to this one), from
     its rehearsal bundle alone, the deploy in a network namespace with no route out; the test
-    calls the kept fleet itself. (The Ray wheels installed from a bundle: the h800-pp rehearsal
-    of tests/test_rehearse_restart.py.)"""
+    calls the kept fleet itself. (Ray installed on the hosts from the control machine's wheelhouse,
+    and its token-authenticated cluster: the h800-pp rehearsal of tests/test_rehearse_restart.py.)"""
     inventory, bundle = "inventories/h200-k25.py", tmp_path / "h200-k25"
     built = k2fleet("bundle", inventory, "--rehearsal", "--out", str(bundle))
     assert built.returncode == 0, built.stdout + built.stderr

@@ -355,13 +355,20 @@ def test_a_hung_health_check_keeps_the_probe_within_one_deadline(tmp_path: Path)
 
 
 @pytest.mark.parametrize("units", [["k2-vllm.service"], []])
-def test_the_quick_health_look_at_a_unit_that_is_not_running_fails_at_once(archive: Path, tmp_path: Path,
-                                                                          units: list[str]) -> None:
+def test_the_quick_health_look_at_a_unit_that_is_down_fails_at_once(archive: Path, tmp_path: Path,
+                                                                    units: list[str]) -> None:
     """The fact's quick look (the archive's ``health``, run in the probe) at an engine whose unit
-    the probe's one look at the units saw not running (this machine has no systemd: every unit
-    is "unknown") fails at once, not after its ``--timeout``: nothing can answer while the unit
-    is down, and a failed look only makes the deploy run the full gate. A unit the probe was not
-    asked about is looked at the slow way: the health program polls until its deadline."""
+    the probe's one look at the units saw down (a ``systemctl`` TEST DOUBLE on PATH answers
+    ``show`` with ``ActiveState=inactive``, as systemd prints it) fails at once, not after its
+    ``--timeout``: nothing can answer while the unit is down, and a failed look only makes the
+    deploy run the full gate. A unit the probe was not asked about is looked at the slow way:
+    the health program polls until its deadline."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemctl").write_text('#!/bin/sh\n[ "$1" = show ] || exit 1\nfor u in "$@"; do case "$u" in *.service) '
+                                       'printf "Id=%s\\nLoadState=loaded\\nActiveState=inactive\\nUnitFileState=enabled\\n\\n" '
+                                       '"$u";; esac; done\n')
+    (bin_dir / "systemctl").chmod(0o755)
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -371,8 +378,11 @@ def test_the_quick_health_look_at_a_unit_that_is_not_running_fails_at_once(archi
     python, *rest = probe_argv(archive=str(archive), unpacked=str(tmp_path / "unpacked"))
     started = time.monotonic()
     out = subprocess.run([sys.executable, *rest, json.dumps(query)], capture_output=True, text=True, timeout=120,
-                         env={"PATH": "/usr/bin:/bin"})
+                         env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
     took = time.monotonic() - started
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["checks"] == {"healthy": 1}
+    report = json.loads(out.stdout)
+    assert report["checks"] == {"healthy": 1}
+    assert report["units"] == ({"k2-vllm.service": {"Id": "k2-vllm.service", "LoadState": "loaded", "ActiveState": "inactive",
+                                                    "UnitFileState": "enabled"}} if units else {})
     assert (took < 3.5) if units else (took >= 4), took

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import time
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from k2fleet.planning import host_archive, load_balancer
 from k2sandbox import nspawn as sandbox
 from k2sandbox.harness import ROOT, SandboxFleet, main_pid, ssh, tool
 from tests.test_rolling_sandbox import ClientLoop
@@ -78,10 +80,19 @@ def with_loop(base: str, model: str, action):
     try:
         result = action()
     finally:
-        loop.answered()
-        loop.stop.set()
-        loop.join(60)
+        try:
+            loop.answered()  # it serves after the change too
+        finally:
+            loop.stop.set()
+            loop.join(60)
     return result, loop
+
+
+def lb_status(lb_host: dict, server: str) -> str:
+    """HAProxy's status of ``server`` on the load balancer host, as lbctl reads it from the admin socket."""
+    program = (f"import sys; sys.path.insert(0, {host_archive.ARCHIVE!r}); from k2fleet.hostprogs import lbctl; "
+               f"print(lbctl.server_stat({load_balancer.SOCKET!r}, {load_balancer.server_ref(server)!r})['status'])")
+    return ssh(lb_host, f"python3 -c {shlex.quote(program)}", check=False).stdout.strip()
 
 
 def until(condition, within: float) -> None:
@@ -131,7 +142,9 @@ def test_a_host_is_added_replaced_drained_and_removed_while_the_others_serve(
     engines = pids([one, three])
     ssh(two, "touch /root/old-machine")
     sandbox.replace_host(2)
-    time.sleep(4)  # the load balancer's health checks (out after 2 failures, within 2.5 s) see it down
+    # the load balancer's health checks see it down (asked on its admin socket, with the host archive's lbctl)
+    until(lambda: lb_status(one, two["name"]).startswith("DOWN"), 30)
+    assert lb_status(one, two["name"]).startswith("DOWN")
     replaced, loop = with_loop(base, model, lambda: fleet.deploy(data, inventory=inv))
     assert replaced.returncode == 0, replaced.tail()
     figures["replace"] = (loop.ok, loop.failed)

@@ -93,7 +93,7 @@ def test_a_port_that_drops_connections_is_given_up_after_three_timed_out_attempt
         out = reach(archive, "probe", "--host", "n1", "--targets", f"127.0.0.1:{port}", "--timeout", "30")
         took = time.monotonic() - started
         assert out.returncode == 1, out.stdout
-        assert out.stdout.startswith(f"reach: n1 cannot open 127.0.0.1:{port} (timed out)"), out.stdout
+        assert out.stdout.startswith(f"reach: n1 cannot open 127.0.0.1:{port} (timed out) 3 times in a row: "), out.stdout
         assert 5.5 <= took < 12, took
     finally:
         for c in queued:

@@ -32,7 +32,7 @@ def test_a_blocked_rendezvous_port_stops_the_fleet_before_any_engine_starts(sand
             ssh(h, "systemctl stop k2-vllm.service")
         blocked = fleet.deploy(DP)
         assert blocked.returncode != 0, blocked.tail()
-        assert f"reach: {worker['name']} cannot open {head['address']}:{RPC_PORT} (timed out)" in blocked.log, \
+        assert f"reach: {worker['name']} cannot open {head['address']}:{RPC_PORT} (timed out) 3 times in a row" in blocked.log, \
             blocked.tail()
         assert "the reachability check failed on" in blocked.log, blocked.tail()
         for h in fleet.hosts:  # no engine started, on either host

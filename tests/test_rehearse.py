@@ -205,8 +205,8 @@ def test_rehearse_h200_as_a_sudo_user_on_a_custom_port_with_a_fetcher_host_pinne
 @pytest.mark.sandbox
 @needs_root
 @pytest.mark.parametrize("inventory, endpoints", [("inventories/h200-dcp.py", 2),
-                                                  # One rehearsal per seed inventory in the suite, each called by
-                                                  # its test. Elsewhere: h200-dp-ep, h200-sglang-tp16,
+                                                  # One rehearsal per seed inventory in the suite (the test
+                                                  # calls the fleet where it serves). Elsewhere: h200-dp-ep, h200-sglang-tp16,
                                                   # h200-sglang-pd, h200-trtllm-mpi and h800-pp in
                                                   # tests/test_rehearse_restart.py; h200-k2-0905 (TP8xPP2) in
                                                   # tests/test_instance_watch_sandbox.py; h200-k25 offline from its

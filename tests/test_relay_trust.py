@@ -252,15 +252,16 @@ def test_a_malformed_range_gets_a_clean_4xx(served, rng: str) -> None:
     assert _get(port, "/manifest", secret=secret)[0] == 200  # still serving
 
 
-def _fetch_through_idle_connections(port: int, secret: Path, dest: Path, sources: list[str]) -> tuple[int, float, str]:
-    """Hold up to 1000 idle connections to the relay from ``sources`` (loopback addresses, in
-    turn), then fetch from it: (connections held, seconds the fetch took, its stdout)."""
+def _fetch_through_idle_connections(port: int, secret: Path, dest: Path, sources: list[str],
+                                    count: int = 1000) -> tuple[int, float, str]:
+    """Hold up to ``count`` idle connections to the relay from ``sources`` (loopback addresses, in
+    turn), then fetch from it: (connections made, seconds the fetch took, its stdout)."""
     import socket
     import time
 
     idle = []
     try:
-        for i in range(1000):
+        for i in range(count):
             try:
                 idle.append(socket.create_connection(("127.0.0.1", port), timeout=5,
                                                      source_address=(sources[i % len(sources)], 0)))
@@ -290,7 +291,7 @@ def test_a_thousand_idle_connections_from_other_addresses_do_not_delay_a_real_fe
 def test_idle_connections_from_the_peers_own_address_are_reclaimed_after_the_idle_timeout(tmp_path: Path) -> None:
     """The same flood from the fetching peer's own address fills its per-address room; the
     server's watchdog closes them after relay.IDLE_TIMEOUT_S (2 s in this server, 20 s shipped)
-    and the real fetch goes through."""
+    and the real fetch goes through. (40 connections, made at once: 16 held, the rest closed.)"""
     root = ensure_synthetic_checkpoint(tmp_path / "served", REPO, REV, num_shards=3, shard_bytes=64 << 10)
     assert subprocess.run([*RELAY_ARGV, "mark", str(root)], capture_output=True).returncode == 0
     secret = tmp_path / "relay.secret"
@@ -302,11 +303,11 @@ def test_idle_connections_from_the_peers_own_address_are_reclaimed_after_the_idl
                                "--secret-file", str(secret)], stdout=subprocess.PIPE, text=True)
     try:
         port = json.loads(server.stdout.readline())["port"]  # type: ignore[union-attr]
-        held, took, _ = _fetch_through_idle_connections(port, secret, tmp_path / "dest", ["127.0.0.1"])
+        held, took, _ = _fetch_through_idle_connections(port, secret, tmp_path / "dest", ["127.0.0.1"], count=40)
     finally:
         server.kill()
         server.wait()
-    assert held >= 16 and took < 30, (held, took)
+    assert held >= 16 and 1.5 <= took < 30, (held, took)  # the flood held the fetch until the watchdog closed it
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o775, 0o1777])

@@ -78,9 +78,11 @@ def test_a_flag_change_rolls_one_replica_at_a_time_and_no_request_fails(sandbox_
     try:
         changed = fleet.deploy({**data, "k2_engine_args": {"max-num-seqs": 64}})
     finally:
-        loop.answered()
-        loop.stop.set()
-        loop.join(60)
+        try:
+            loop.answered()  # it serves after the change too
+        finally:
+            loop.stop.set()
+            loop.join(60)
     assert changed.returncode == 0, changed.tail()
     after = {h["name"]: main_pid(h, "k2-vllm.service") for h in fleet.hosts}
     assert all(after[n] != before[n] and after[n] > 0 for n in before), (before, after)  # both replicas restarted

@@ -409,9 +409,11 @@ def test_a_drained_replica_restarts_while_clients_see_no_failure(balancer, capsy
             row = lbctl.server_stat(sock, ref)
             assert row["status"] == "DRAIN" and lbctl.in_flight(row) == 0
             replicas[name].stop()  # the replica's units stop ...
-            served = replicas[name].served
-            # ... its health checks fail (fall 2: one at inter 2s, the next at fastinter 0.5s): HAProxy marks it down
+            stopped, served = time.monotonic(), replicas[name].served
+            # ... its health checks fail (fall 2: one within inter 2s, the next at fastinter 0.5s): HAProxy
+            # marks it down within 2.5 s (4 s with inter alone)
             assert _status_within(sock, ref, "DOWN", 10).startswith("DOWN"), lbctl.server_stat(sock, ref)
+            assert time.monotonic() - stopped < 3.2
             replicas[name] = Replica(name, ports[name])  # ... and start again (its health gate passed)
             assert lbctl.main(["--socket", sock, "ready", ref, "--timeout", "30"]) == 0  # waits until UP
             assert lbctl.server_stat(sock, ref)["status"] == "UP"

@@ -141,6 +141,7 @@ def test_sglang_pd_dp_attention_ep_and_router() -> None:
     assert argv[1:3] == ["-m", "sglang_router.launch_router"] and "--pd-disaggregation" in argv
     assert argv[argv.index("--prefill") + 1 : argv.index("--prefill") + 3] == ["http://192.0.2.50:8000", "8998"]
     assert flag(argv, "--decode") == "http://192.0.2.52:8000"
+    assert flag(argv, "--worker-startup-check-interval") == "1"  # 0.3.2's default asks its workers every 30 s
     assert router["stage"] > services(doc, "prefill-0")["k2-sglang-prefill"]["stage"]
     env = services(doc, "decode-1")["k2-sglang-decode"]["env"]
     assert env["SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"] == "480"

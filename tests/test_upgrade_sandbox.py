@@ -83,9 +83,11 @@ def roll(fleet: SandboxFleet, data: dict, base: str, model: str):
     try:
         result = fleet.deploy(data)
     finally:
-        loop.answered()
-        loop.stop.set()
-        loop.join(60)
+        try:
+            loop.answered()  # it serves after the change too
+        finally:
+            loop.stop.set()
+            loop.join(60)
     after = {h["name"]: main_pid(h, UNIT) for h in fleet.hosts}
     return result, loop, before, after
 

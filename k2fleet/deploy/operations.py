@@ -111,26 +111,33 @@ def unit_running(unit: str, active: bool = False):
 # at once); one that failed later ran its ExecStartPre gate out, and a second try would only
 # double the wait before the deploy names the failure (a Ray gate: up to 10 minutes more).
 QUICK_FAILURE_S = 10
-START_CLOCK = "k2_t0=$(date +%s); "  # start_or_explain's first words: when the start began
+START_CLOCK = "k2_t0=$(date +%s); "  # start_or_explain's first words for a start: when it began
+TIMED_VERBS = ("start", "enable --now")  # a restart's or reload's own stop may take long: always tried again
 
 
 def start_or_explain(unit: str, verb: str = "start", retry_within_s: int = QUICK_FAILURE_S) -> str:
-    """``systemctl VERB UNIT``; when it fails within ``retry_within_s`` seconds, tried a second
-    time after ``reset-failed`` (a start right after a stop can fail while the old run's cgroup
-    is still being torn down, as seen on nspawn hosts with Docker); when it still fails, or
-    failed later (a gate in ``ExecStartPre`` waited out its timeout: not tried again), the
-    unit's last journal lines go to stderr and the command fails.
+    """``systemctl VERB UNIT``, tried a second time after ``reset-failed`` (a start right after a
+    stop can fail while the old run's cgroup is still being torn down, as seen on nspawn hosts
+    with Docker): for a start (:data:`TIMED_VERBS`) only when it failed within
+    ``retry_within_s`` seconds, since one that failed later waited out a gate in its
+    ``ExecStartPre``; when it still fails, or is not tried again, the unit's last journal lines
+    go to stderr and the command fails.
 
     >>> start_or_explain("k2-vllm.service")  # doctest: +NORMALIZE_WHITESPACE
     'k2_t0=$(date +%s); systemctl start k2-vllm.service || { [ $(( $(date +%s) - k2_t0 )) -lt 10 ]
      && { systemctl reset-failed k2-vllm.service; systemctl start k2-vllm.service; }; }
      || { journalctl -u k2-vllm.service -n 30 --no-pager -o cat >&2; exit 1; }'
+    >>> start_or_explain("k2-lb.service", "restart")  # doctest: +NORMALIZE_WHITESPACE
+    'systemctl restart k2-lb.service || { systemctl reset-failed k2-lb.service; systemctl restart k2-lb.service; }
+     || { journalctl -u k2-lb.service -n 30 --no-pager -o cat >&2; exit 1; }'
     """
     word = shell_word(unit)
+    explain = f"|| {{ journalctl -u {word} -n 30 --no-pager -o cat >&2; exit 1; }}"
+    if verb not in TIMED_VERBS:
+        return f"systemctl {verb} {word} || {{ systemctl reset-failed {word}; systemctl {verb} {word}; }} {explain}"
     return (f"{START_CLOCK}systemctl {verb} {word} || "
             f"{{ [ $(( $(date +%s) - k2_t0 )) -lt {int(retry_within_s)} ] "
-            f"&& {{ systemctl reset-failed {word}; systemctl {verb} {word}; }}; }} "
-            f"|| {{ journalctl -u {word} -n 30 --no-pager -o cat >&2; exit 1; }}")
+            f"&& {{ systemctl reset-failed {word}; systemctl {verb} {word}; }}; }} {explain}")
 
 
 REBOOT_MARKER = "/run/k2fleet-reboot-pending"

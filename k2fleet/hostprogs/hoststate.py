@@ -418,12 +418,13 @@ def _archive_program(argv: list) -> tuple | None:
     return None
 
 
-RUNNING_STATES = ("active", "reloading", "activating")  # activating: a start, or a restart after RestartSec
+DOWN_STATES = ("inactive", "failed", "deactivating")  # nothing of the unit's serves (not "unknown": not seen)
 
 
 def unit_not_running(args: list, systemd) -> bool:
     """The health check ``args`` names (``--unit U``) a unit the probe's one look at the units
-    (``systemd``) saw neither active nor on its way there; False when it was not looked at.
+    (``systemd``) saw down (:data:`DOWN_STATES`); False when it was not looked at, or the look
+    did not answer for it (the health program decides).
 
     >>> sd = Systemd(["k2-vllm.service"])
     >>> sd.seen = {"k2-vllm.service": {"ActiveState": "failed"}}
@@ -431,10 +432,13 @@ def unit_not_running(args: list, systemd) -> bool:
     (True, False)
     >>> unit_not_running(["--unit", "k2-sglang.service"], sd)  # not looked at: the health program decides
     False
+    >>> sd.seen = {}  # systemctl did not answer: "unknown"
+    >>> unit_not_running(["--unit", "k2-vllm.service"], sd)
+    False
     """
     unit = args[args.index("--unit") + 1] if "--unit" in args[:-1] else None
     states = systemd.states([unit]) if unit and systemd is not None else None
-    return bool(states) and states[0] not in RUNNING_STATES
+    return bool(states) and states[0] in DOWN_STATES
 
 
 class _Check:

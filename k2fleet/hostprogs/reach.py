@@ -7,9 +7,10 @@ that hangs after the model has loaded.)
 
 ``listen`` (started in the background, as a transient unit) holds each port on the host's fleet address that
 nothing listens on yet, accepts and closes connections, and exits after ``--seconds`` (a port already in use is
-left to its owner: a running engine answers for it). ``probe`` connects to every target until it answers or
-``--timeout`` passes (the peers' listeners may start a moment later), and prints one line per target it could
-not reach, naming the host, the target, why, and the fix; exit 1 if any. Standard library only.
+left to its owner: a running engine answers for it). ``probe`` connects to every target until it answers,
+``--timeout`` passes (a refused port is tried again: the peers' listeners may start a moment later) or its
+attempts time out :data:`TIMEOUTS_IN_A_ROW` times in a row (its packets are dropped), and prints one line per
+target it could not reach, naming the host, the target, why, and the fix; exit 1 if any. Standard library only.
 """
 
 from __future__ import annotations
@@ -108,7 +109,9 @@ def probe(host: str, targets: list[tuple[str, int]], timeout: float) -> int:
             break
         time.sleep(RETRY_S)
     for (address, port), why in sorted(pending.items()):
-        print(f"reach: {host} cannot open {address}:{port} ({why}) within {timeout:.0f}s: the engines rendezvous "
+        when = (f"{TIMEOUTS_IN_A_ROW} times in a row" if timeouts[(address, port)] >= TIMEOUTS_IN_A_ROW
+                else f"within {timeout:.0f}s")
+        print(f"reach: {host} cannot open {address}:{port} ({why}) {when}: the engines rendezvous "
               "there; let the fleet's hosts reach each other on this port (host firewalls, security groups, "
               "routes), or set k2_address to the host's address on the fleet network")
     return 1 if pending else 0

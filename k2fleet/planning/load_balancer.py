@@ -47,9 +47,9 @@ BACKEND = "k2-replicas"
 RUNTIME_DIR = "k2fleet-lb"  # systemd's RuntimeDirectory=: /run/k2fleet-lb, 0700 root
 SOCKET = f"/run/{RUNTIME_DIR}/admin.sock"
 # A replica is checked every 2 s while up; once a check fails, or while it is down, every 0.5 s
-# (HAProxy's fastinter, downinter): it is out after 2 failed checks (2.5 s at most), and back
-# after 2 good ones (~1 s after its restart answers, not 4 s: a rolling change waits for that
-# once per replica)
+# (HAProxy's fastinter, downinter): it is out after 2 failed checks (within 2.5 s when its port
+# refuses; a check that gets no answer waits its timeout, inter's 2 s), and back after 2 good
+# ones (~1 s after its restart answers, not 4 s: a rolling change waits for that once per replica)
 CHECK = {"inter": "2s", "fastinter": "500ms", "downinter": "500ms", "fall": 2, "rise": 2}
 READY_TIMEOUT_S = 120  # lbctl ready: how long the health checks may take to see a restarted replica UP
 

@@ -29,7 +29,7 @@ from k2fleet.planning.quoting import shell_line
 
 LISTEN_UNIT = "k2-reach"
 LISTEN_SECONDS = 180  # the listener's life (it is stopped as soon as the probes are done)
-PROBE_TIMEOUT_S = 30  # how long a host keeps trying a peer's port
+PROBE_TIMEOUT_S = 30  # how long a host keeps trying a peer's port that refuses (a dropped one: 3 attempts)
 ROUTED_ROLES = ("prefill", "decode")  # backends whose API the fleet's router opens
 
 
