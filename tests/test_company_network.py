@@ -195,12 +195,11 @@ def test_an_ip_pattern_bastion_inventory_rehearses_through_it(tmp_path) -> None:
     config = inv_dir / "corp-ip.ssh_config"
     config.write_text(IP_SSH_CONFIG)
     inv = inv_dir / "corp-ip.py"
-    # one fleet host (DP8 x EP8 on its 8 GPUs): the pattern rewrite is per host, and the two-host
-    # fleet behind a bastion is test_a_fleet_behind_a_bastion_deploys_through_it_alone's
-    inv.write_text('gpu_nodes = [("gpu-0", {"ssh_hostname": "198.51.100.10"})]\n')
+    inv.write_text('gpu_nodes = [("gpu-0", {"ssh_hostname": "198.51.100.10"}), '
+                   '("gpu-1", {"ssh_hostname": "198.51.100.11"})]\n')
     group = (ROOT / "inventories/group_data/corp-dp-ep.py").read_text()
     group = "\n".join(line for line in group.splitlines() if not line.startswith(("ssh_user", "ssh_port", "ssh_config_file")))
-    (inv_dir / "group_data" / "corp-ip.py").write_text(group + f"\nssh_config_file = {str(config)!r}\nk2_dp = 8\nk2_ep = 8\n")
+    (inv_dir / "group_data" / "corp-ip.py").write_text(group + f"\nssh_config_file = {str(config)!r}\n")
     # the lock is held across the rehearsal (shared with it) and the checks, so no other sandbox
     # user takes the kept hosts down or boots its own in between
     lock = sandbox.hold_sandbox_lock()

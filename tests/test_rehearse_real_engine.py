@@ -201,7 +201,7 @@ def _eval(out: str, tmp: Path) -> None:
     """``k2fleet eval`` against the kept fleet through the command line the rehearsal printed:
     lm-eval (lm-eval[api] 0.4.13, no torch: the test extras) from K2FLEET_TEST_LM_EVAL, PATH, or
     beside this Python, offline on a gsm8k-format file; random weights score 0, below the seeds'
-    0.9416 (exit 1); against 0 it passes."""
+    0.9416: the table lm-eval wrote is read and the command exits 1."""
     beside = Path(sys.executable).parent / "lm-eval"  # the test extras' lm-eval, in this venv
     client = os.environ.get("K2FLEET_TEST_LM_EVAL") or shutil.which("lm-eval") or (str(beside) if beside.exists() else None)
     assert client, "no lm-eval here: set K2FLEET_TEST_LM_EVAL to an lm-eval executable (pip install 'lm-eval[api]==0.4.13')"
@@ -216,10 +216,7 @@ def _eval(out: str, tmp: Path) -> None:
     assert below.returncode == 1, below.stdout[-3000:] + below.stderr[-3000:]
     assert "|k2fleet_gsm8k|" in below.stdout and "on 3 samples" in below.stdout, below.stdout[-3000:]
     assert "BELOW" in below.stdout.strip().splitlines()[-1], below.stdout[-3000:]
-    passed = subprocess.run([*common, "--out", str(tmp / "eval-two"), "--expect", "0"], cwd=ROOT, capture_output=True,
-                            text=True, env=env, timeout=1200)
-    assert passed.returncode == 0 and passed.stdout.strip().splitlines()[-1].endswith(": ok"), \
-        passed.stdout[-3000:] + passed.stderr[-3000:]
+    # (the threshold's other side, exit 0 at or above it: tests/test_bench.py, with lm-eval's own output)
 
 
 def _check_real_probes(out: str, endpoints: int) -> None:

@@ -163,17 +163,20 @@ def test_dp_ep_flag_change_restarts_head_then_ranks_and_a_killed_rank_restarts_t
     deaths_before = int(ssh(head, deaths, check=False).stdout.strip() or 0)
     ssh(member, f"kill -9 {after[('h200-1', 'k2-vllm.service')]['MainPID']}")
     deadline = time.monotonic() + 90
+    now: dict = {}
     while time.monotonic() < deadline:
-        now = kept.units()
         status, models = get(f"http://{head['address']}:8000/v1/models")
         # the head restarts on its own (systemd: NRestarts); the ranks' watchdog stops the ranks while
-        # the head is down and starts them after it (a new invocation)
-        if status == 200 and int(now[("h200-0", "k2-vllm.service")]["NRestarts"]) > int(after[("h200-0", "k2-vllm.service")]["NRestarts"]) \
-                and all(now[k]["InvocationID"] != after[k]["InvocationID"] for k in serving(now)) \
-                and now[("h200-0", "k2-vllm.service")]["ActiveState"] == "active" \
-                and get(f"http://{head['address']}:8000/health")[0] == 200:
-            break
-        time.sleep(2)
+        # the head is down and starts them after it (a new invocation); the units are looked at (over
+        # ssh) once the head answers again
+        if status == 200:
+            now = kept.units()
+            if int(now[("h200-0", "k2-vllm.service")]["NRestarts"]) > int(after[("h200-0", "k2-vllm.service")]["NRestarts"]) \
+                    and all(now[k]["InvocationID"] != after[k]["InvocationID"] for k in serving(now)) \
+                    and now[("h200-0", "k2-vllm.service")]["ActiveState"] == "active" \
+                    and get(f"http://{head['address']}:8000/health")[0] == 200:
+                break
+        time.sleep(0.5)
     else:
         pytest.fail(f"instance did not restart and form again: {now}")
     meta = models["data"][0].get("metadata", models["data"][0])
