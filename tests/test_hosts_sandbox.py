@@ -24,7 +24,6 @@ import os
 import shlex
 import shutil
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import pytest
 from k2fleet.planning import host_archive, load_balancer
 from k2sandbox import nspawn as sandbox
 from k2sandbox.harness import ROOT, SandboxFleet, main_pid, ssh, tool
+from tests.test_doubles import wait_for
 from tests.test_rolling_sandbox import ClientLoop
 
 pytestmark = pytest.mark.sandbox
@@ -95,13 +95,6 @@ def lb_status(lb_host: dict, server: str) -> str:
     return ssh(lb_host, f"python3 -c {shlex.quote(program)}", check=False).stdout.strip()
 
 
-def until(condition, within: float) -> None:
-    """Poll ``condition()`` every 0.2 s until it holds or ``within`` seconds pass (the caller asserts)."""
-    deadline = time.monotonic() + within
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.2)
-
-
 def changed_elsewhere(result, stayed: list[str]) -> dict[str, list[str]]:
     """Operations that changed one of the hosts that ``stayed`` beyond what membership changes."""
     return {op: hosts for op, hosts in result.changed_operations.items()
@@ -135,7 +128,7 @@ def test_a_host_is_added_replaced_drained_and_removed_while_the_others_serve(
     for h in (one, two):
         assert three["address"] in ssh(h, "nft list ruleset").stdout, h["name"]
     before = served_requests(three)
-    _, loop = with_loop(base, model, lambda: until(lambda: served_requests(three) > before, 30))
+    _, loop = with_loop(base, model, lambda: wait_for(lambda: served_requests(three) > before, 30, "requests to the added host"))
     assert served_requests(three) > before and loop.failed == 0  # the load balancer sends it requests
 
     # 2. replace k2sb-2 under the same name: a new bare machine
@@ -143,7 +136,7 @@ def test_a_host_is_added_replaced_drained_and_removed_while_the_others_serve(
     ssh(two, "touch /root/old-machine")
     sandbox.replace_host(2)
     # the load balancer's health checks see it down (asked on its admin socket, with the host archive's lbctl)
-    until(lambda: lb_status(one, two["name"]).startswith("DOWN"), 30)
+    wait_for(lambda: lb_status(one, two["name"]).startswith("DOWN"), 30, "the replaced host DOWN at the load balancer")
     assert lb_status(one, two["name"]).startswith("DOWN")
     replaced, loop = with_loop(base, model, lambda: fleet.deploy(data, inventory=inv))
     assert replaced.returncode == 0, replaced.tail()
@@ -152,7 +145,7 @@ def test_a_host_is_added_replaced_drained_and_removed_while_the_others_serve(
     assert pids([one, three]) == engines
     assert main_pid(two, UNIT) > 0 and ssh(two, "test -e /root/old-machine; echo $?").stdout.strip() == "1"
     before = served_requests(two)
-    _, loop = with_loop(base, model, lambda: until(lambda: served_requests(two) > before, 30))
+    _, loop = with_loop(base, model, lambda: wait_for(lambda: served_requests(two) > before, 30, "requests to the replaced host"))
     assert served_requests(two) > before and loop.failed == 0
 
     # 3. drain and remove k2sb-3

@@ -32,7 +32,7 @@ from k2fleet.planning.firewall import ANYONE, host_firewall
 from k2fleet.planning.host_actions import reboot_steps, restart_steps
 from k2fleet.planning.load_balancer import Server
 from k2fleet.planning.units import unit_file
-from tests.test_doubles import LOCAL, free_port
+from tests.test_doubles import LOCAL, free_port, wait_for
 from tests.test_roles_offline import H200, ControlCalls, digests, planned, run_roles, settled_fleet
 
 FLAG = 'k2_engine_args={"max-num-seqs": 64}'
@@ -347,15 +347,6 @@ def _wait_up(sock: str, ref: str, timeout: float = 15) -> None:
     raise AssertionError(f"{ref} not UP")
 
 
-def _status_within(sock: str, ref: str, prefix: str, seconds: float) -> str:
-    """HAProxy's status of ``ref`` once it starts with ``prefix``, or as it is after ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while not (status := lbctl.server_stat(sock, ref).get("status", "")).startswith(prefix) \
-            and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return status
-
-
 @pytest.fixture
 def balancer(tmp_path: Path):
     """The real HAProxy with k2fleet's config on 127.0.0.1 before two replicas; yields
@@ -412,7 +403,7 @@ def test_a_drained_replica_restarts_while_clients_see_no_failure(balancer, capsy
             stopped, served = time.monotonic(), replicas[name].served
             # ... its health checks fail (fall 2: one within inter 2s, the next at fastinter 0.5s): HAProxy
             # marks it down within 2.5 s (4 s with inter alone)
-            assert _status_within(sock, ref, "DOWN", 10).startswith("DOWN"), lbctl.server_stat(sock, ref)
+            wait_for(lambda: lbctl.server_stat(sock, ref).get("status", "").startswith("DOWN"), 10, f"{ref} DOWN")
             assert time.monotonic() - stopped < 3.2
             replicas[name] = Replica(name, ports[name])  # ... and start again (its health gate passed)
             assert lbctl.main(["--socket", sock, "ready", ref, "--timeout", "30"]) == 0  # waits until UP
@@ -487,7 +478,7 @@ def test_drain_is_capped_and_ready_fails_on_a_replica_that_stays_down(balancer, 
     finally:
         loop.finish()
     replicas["r0"].stop()
-    assert _status_within(sock, ref, "DOWN", 10).startswith("DOWN")
+    wait_for(lambda: lbctl.server_stat(sock, ref).get("status", "").startswith("DOWN"), 10, f"{ref} DOWN")
     assert lbctl.main(["--socket", sock, "ready", ref, "--timeout", "2"]) == 1
     assert "is not UP at the load balancer" in capsys.readouterr().err
 
