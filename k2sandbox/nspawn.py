@@ -109,7 +109,7 @@ PACKAGES: tuple[str, ...] = (
     "python3-lib2to3",
 )
 # Bump when the post-debootstrap image tweaks change, to invalidate the cache.
-IMAGE_REVISION = 4  # 3: upgraded to the suite's -updates pocket, no package index; 4: built under a lock, IMAGE_MARKER
+IMAGE_REVISION = 5  # 3: upgraded to the suite's -updates pocket, no package index; 4: built under a lock, IMAGE_MARKER; 5: and -security
 IMAGE_MARKER = "etc/k2sandbox-image"  # written last: the image is whole (its content: the cache key)
 
 PREFIX = f"k2s{INSTANCE}" if INSTANCE else "k2sb"  # of every name the instance makes: hosts, netns, links
@@ -324,17 +324,17 @@ def _prepare_image(root: Path) -> None:
 UPGRADE_LIST = "etc/apt/sources.list.d/k2sb-image-upgrade.list"
 
 
-def _upgrade_image(root: Path, mirror: str) -> None:
+def _upgrade_image(root: Path, mirror: str, security_mirror: str) -> None:
     """Bring a fresh debootstrap tree (the suite's release pocket) to the suite's ``-updates``
-    pocket from ``mirror``, the one debootstrap used. Not to the security archive: every bundle the
-    deploy builds resolves the release and ``-updates`` pockets, but one resolved through a company
-    mirror (``k2_os_mirror``, tests/test_company_network.py) has no security pocket, and a host
-    holding a newer python3.11 than its bundle's python3.11-venv asks for exactly cannot install it
-    (apt does not downgrade). The deploy still upgrades what the security archive moved, from its
-    bundle, as it does on a real host whose image lags."""
+    pocket from ``mirror``, the one debootstrap used, and to its ``-security`` suite from
+    ``security_mirror`` (this machine's): a host kept current, as a real fleet's are. A deploy from a
+    bundle resolved through the same archives then upgrades nothing it installs (it upgraded
+    python3.11 on every bare host otherwise, for python3.11-venv's exact pin: ~3 CPU-seconds each,
+    its stdlib byte-compiled again). A bundle through a company mirror needs that mirror's security
+    archive too (``k2_os_security_mirror``, tests/test_company_network.py), as a real current host does."""
     env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "DEBIAN_FRONTEND": "noninteractive", "LC_ALL": "C"}
     sources = root / UPGRADE_LIST
-    sources.write_text(f"deb {mirror} {SUITE}-updates main\n")
+    sources.write_text(f"deb {mirror} {SUITE}-updates main\ndeb {security_mirror} {SUITE}-security main\n")
     try:
         run(["chroot", str(root), "apt-get", "-q", "update"], env=env, timeout=600)
         run(["chroot", str(root), "apt-get", "-q", "-y", "-o", "Dpkg::Options::=--force-confold", "upgrade"],
@@ -356,12 +356,12 @@ def ensure_rootfs(cache: Path = ROOTFS_CACHE) -> Path:
     the one the other's hosts run on)."""
     def make(tmp: Path) -> None:
         try:
-            mirror = apt_mirror(SUITE)
+            mirror, security_mirror = apt_mirror(SUITE), apt_mirror(f"{SUITE}-security", security=True)
         except AptRootError as exc:
             raise SandboxError(f"{exc}; cannot pick a debootstrap mirror") from exc
         try:
             run(["debootstrap", f"--variant={VARIANT}", f"--include={','.join(PACKAGES)}", SUITE, str(tmp), mirror])
-            _upgrade_image(tmp, mirror)
+            _upgrade_image(tmp, mirror, security_mirror)
             _prepare_image(tmp)
         except BaseException:
             _unmount_all(tmp)  # what a failed debootstrap left mounted: the next build removes the rest

@@ -1,13 +1,15 @@
-"""A company's package mirrors on the sandbox network (issue #22): an apt archive and a PyPI
-index served over https with a certificate signed by the company's own CA, so that
-``k2fleet bundle INVENTORY --rehearsal --data k2_os_mirror=URL --data k2_pypi_index=URL``
-can build an air-gapped bundle from them (k2fleet refuses plain http to a mirror that is not
-on loopback: :func:`k2fleet.inventory.spec.mirror_url`).
+"""A company's package mirrors on the sandbox network (issue #22): an apt archive, its security
+archive and a PyPI index served over https with a certificate signed by the company's own CA, so
+that ``k2fleet bundle INVENTORY --rehearsal --data k2_os_mirror=URL --data
+k2_os_security_mirror=URL --data k2_pypi_index=URL`` can build an air-gapped bundle from them
+(k2fleet refuses plain http to a mirror that is not on loopback:
+:func:`k2fleet.inventory.spec.mirror_url`).
 
 What is real and what is emulated:
 
 - **real**: the packages. ``/debian/...`` is this machine's own Debian archive (the first
   apt source whose URI ends in ``/debian``; apt checks the archive's signatures itself),
+  ``/debian-security/...`` its Debian security archive (the first ending in ``/debian-security``),
   ``/pypi/simple/<project>/`` is PyPI's simple index page for the project with its
   ``files.pythonhosted.org`` links pointing back at ``/pypi/files/`` (their ``#sha256=``
   fragments kept, pip checks them), ``/pypi/files/packages/...`` is files.pythonhosted.org's.
@@ -37,8 +39,8 @@ well as a timeout per socket operation, upstream bodies and index pages capped i
 request log bounded (its newest :data:`LOG_ENTRIES`), a body cut short never made to look whole
 (with a length: short of it; without: chunked to an HTTP/1.1 client, its last chunk never
 sent). Read from disk: the cache directory, and, when the mirror starts, this machine's CA
-bundle (copied into the trusted bundle) and its apt sources (:func:`debian_archive`, unless
-``debian_upstream`` is given).
+bundle (copied into the trusted bundle) and its apt sources (:func:`debian_archive` and
+:func:`debian_security_archive`, unless ``debian_upstream`` and ``debian_security_upstream`` are given).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ SYSTEM_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 PYPI_SIMPLE = "https://pypi.org/simple"
 PYPI_FILES = "https://files.pythonhosted.org"
 DEFAULT_DEBIAN = "http://deb.debian.org/debian"
+DEFAULT_DEBIAN_SECURITY = "http://deb.debian.org/debian-security"
 CA_NAME = "k2fleet sandbox company CA (TEST)"
 MAX_BODY = 4 << 30  # bytes of one upstream body
 MAX_INDEX_PAGE = 64 << 20  # bytes of one PyPI index page (read whole, to rewrite its links)
@@ -93,10 +96,20 @@ class MirrorError(RuntimeError):
 def debian_archive() -> str:
     """The Debian archive this machine's apt uses (the first source URI ending in ``/debian``),
     else :data:`DEFAULT_DEBIAN`."""
+    return _machine_archive("/debian", DEFAULT_DEBIAN)
+
+
+def debian_security_archive() -> str:
+    """The Debian security archive this machine's apt uses (the first source URI ending in
+    ``/debian-security``), else :data:`DEFAULT_DEBIAN_SECURITY`."""
+    return _machine_archive("/debian-security", DEFAULT_DEBIAN_SECURITY)
+
+
+def _machine_archive(suffix: str, default: str) -> str:
     for uri, _ in aptroot.machine_sources():
-        if urlsplit(uri).scheme in ("http", "https") and uri.rstrip("/").endswith("/debian"):
+        if urlsplit(uri).scheme in ("http", "https") and uri.rstrip("/").endswith(suffix):
             return uri.rstrip("/")
-    return DEFAULT_DEBIAN
+    return default
 
 
 @dataclass(frozen=True)
@@ -215,6 +228,7 @@ class PackageMirror:
     cache_dir: Path
     ca: CompanyCA
     debian_upstream: str
+    debian_security_upstream: str = DEFAULT_DEBIAN_SECURITY
     log: RequestLog = field(default_factory=RequestLog)
     upstream_fetches: int = 0  # requests sent upstream (cache hits send none)
     cache_limit: int = MAX_CACHE  # bytes of cache_dir (past it: served, not cached)
@@ -232,6 +246,10 @@ class PackageMirror:
     @property
     def debian_url(self) -> str:
         return f"{self.base}/debian"
+
+    @property
+    def debian_security_url(self) -> str:
+        return f"{self.base}/debian-security"
 
     @property
     def pypi_index(self) -> str:
@@ -259,11 +277,21 @@ class PackageMirror:
 
     def upstream(self, path: str) -> tuple[str, bool, bool] | None:
         """A checked request path → (upstream URL, cached on disk, kept across servers); None
-        for a path outside the three prefixes."""
-        if path.startswith("/debian/") and len(path) > len("/debian/"):
-            rest = path[len("/debian/"):]
-            lasting = rest.startswith("pool/") or "/by-hash/" in rest
-            return f"{self.debian_upstream}/{rest}", True, lasting
+        for a path outside the four prefixes.
+
+        >>> m = PackageMirror("127.0.0.1", 443, Path("cache"), CompanyCA(Path(), Path(), Path()),
+        ...                   "http://a/debian", "http://a/debian-security")
+        >>> m.upstream("/debian-security/pool/updates/main/o/openssl/libssl3_3.0.15-1~deb12u1_amd64.deb")
+        ('http://a/debian-security/pool/updates/main/o/openssl/libssl3_3.0.15-1~deb12u1_amd64.deb', True, True)
+        >>> m.upstream("/debian-security/dists/bookworm-security/InRelease"), m.upstream("/debian-security/")
+        (('http://a/debian-security/dists/bookworm-security/InRelease', True, False), None)
+        """
+        for prefix, archive in (("/debian/", self.debian_upstream),
+                                ("/debian-security/", self.debian_security_upstream)):
+            if path.startswith(prefix) and len(path) > len(prefix):
+                rest = path[len(prefix):]
+                lasting = rest.startswith("pool/") or "/by-hash/" in rest
+                return f"{archive}/{rest}", True, lasting
         if path.startswith("/pypi/files/packages/"):
             return f"{PYPI_FILES}/{path[len('/pypi/files/'):]}", True, True
         if (match := re.fullmatch(r"/pypi/simple/([^/]+)/?", path)) and PROJECT_RE.fullmatch(match[1]):
@@ -342,6 +370,8 @@ def content_digest(path: str) -> tuple[hashlib._Hash, str] | None:
     True
     >>> content_digest("/debian/pool/main/s/six/python3-six_1.16.0-4_all.deb") is None
     True
+    >>> content_digest("/debian-security/dists/bookworm-security/main/binary-amd64/by-hash/SHA256/" + "a" * 64)[1]
+    'aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa'
     >>> content_digest("/pypi/files/packages/d9/5a/" + "e" * 60 + "/six.whl.metadata") is None
     True
     """
@@ -349,7 +379,7 @@ def content_digest(path: str) -> tuple[hashlib._Hash, str] | None:
         return None
     if match := re.fullmatch(r"/pypi/files/packages/([0-9a-f]{2})/([0-9a-f]{2})/([0-9a-f]{60})/[^/]+", path):
         return hashlib.blake2b(digest_size=32), "".join(match.groups())
-    if match := re.fullmatch(r"/debian/dists/.+/by-hash/SHA256/([0-9a-f]{64})", path):
+    if match := re.fullmatch(r"/debian(?:-security)?/dists/.+/by-hash/SHA256/([0-9a-f]{64})", path):
         return hashlib.sha256(), match[1]
     return None
 
@@ -405,7 +435,7 @@ class _Deadline:
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
-    """One client connection: GET/HEAD of the three prefixes, from the cache or upstream."""
+    """One client connection: GET/HEAD of the four prefixes, from the cache or upstream."""
 
     server_version = "k2fleet-sandbox-mirror"
     protocol_version = "HTTP/1.1"  # a body of unknown length chunked to an HTTP/1.1 client; Connection: close
@@ -638,8 +668,8 @@ class _Server(http.server.ThreadingHTTPServer):
 
 @contextlib.contextmanager
 def serving(address: str, cache_dir: Path, port: int = 0, dns_names: Sequence[str] = (),
-            debian_upstream: str | None = None, *, max_connections: int = MAX_CONNECTIONS,
-            request_deadline_s: float = REQUEST_DEADLINE_S,
+            debian_upstream: str | None = None, debian_security_upstream: str | None = None, *,
+            max_connections: int = MAX_CONNECTIONS, request_deadline_s: float = REQUEST_DEADLINE_S,
             cache_limit: int = MAX_CACHE) -> Iterator[PackageMirror]:
     """Serve the mirror on ``address`` (an IP this machine holds) and ``port`` (0: a free one)
     over TLS from a new company CA, in a daemon thread, until the block ends; the CA's
@@ -659,7 +689,7 @@ def serving(address: str, cache_dir: Path, port: int = 0, dns_names: Sequence[st
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         context.load_cert_chain(ca.cert_file, ca.key_file)
         mirror = PackageMirror(address, port, cache_dir.resolve(), ca, debian_upstream or debian_archive(),
-                               cache_limit=cache_limit)
+                               debian_security_upstream or debian_security_archive(), cache_limit=cache_limit)
         handler = type("Handler", (_Handler,), {"mirror": mirror})
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         server = type("Server", (_Server,), {"address_family": family, "deadline_s": request_deadline_s,

@@ -106,11 +106,11 @@ def test_a_fleet_behind_a_bastion_deploys_through_it_alone(tmp_path) -> None:
 
 def test_the_company_inventory_bundled_from_its_mirrors_deploys_offline(tmp_path) -> None:
     """#22: ``k2fleet bundle`` of the company inventory from the company's mirrors — the Debian
-    archive and a PyPI index on the sandbox network, over TLS signed by the company's CA
-    (:mod:`k2sandbox.package_mirror`; the control machine trusts that CA in a mount namespace,
-    as a company's machines do) — from empty caches, then an offline rehearsal from that bundle
-    alone, through the bastion. Every Debian package in the bundle came through the mirror
-    (its request log), none from the machine's own archive (the lock's origins)."""
+    archive, its security archive and a PyPI index on the sandbox network, over TLS signed by the
+    company's CA (:mod:`k2sandbox.package_mirror`; the control machine trusts that CA in a mount
+    namespace, as a company's machines do) — from empty caches, then an offline rehearsal from
+    that bundle alone, through the bastion. Every Debian package in the bundle came through the
+    mirror (its request log), none from the machine's own archives (the lock's origins)."""
     from k2fleet.control.lockfile import LOCK_NAME, Lock
     from k2sandbox import driver_doubles, package_mirror
 
@@ -126,6 +126,7 @@ def test_the_company_inventory_bundled_from_its_mirrors_deploys_offline(tmp_path
                     mirror.trusting([tool("k2fleet"), "bundle", INVENTORY, "--rehearsal", "--out", str(bundle),
                                      "--cache", str(tmp_path / "cache"),
                                      "--data", f"k2_os_mirror={mirror.debian_url}",
+                                     "--data", f"k2_os_security_mirror={mirror.debian_security_url}",
                                      "--data", f"k2_pypi_index={mirror.pypi_index}"]),
                     cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900, env=env)
                 # the company inventory's one wheel is the engine TEST DOUBLE (built here): the PyPI
@@ -143,7 +144,7 @@ def test_the_company_inventory_bundled_from_its_mirrors_deploys_offline(tmp_path
     debs = [a for a in lock.artifacts if a.kind == "deb"]
     assert debs and all(mirror.debian_url in a.origin and "deb.debian.org" not in a.origin for a in debs), debs[0].origin
     fetched = {unquote(path.rsplit("/", 1)[-1]) for method, path, status, _ in served
-               if method == "GET" and status == 200 and path.startswith("/debian/pool/")}
+               if method == "GET" and status == 200 and path.startswith(("/debian/pool/", "/debian-security/pool/"))}
     doubles = {p.filename for p in driver_doubles.double_packages()}
     names = {Path(a.path.rsplit("!", 1)[-1]).name for a in debs}  # (a deb inside a tar: TAR!NAME)
     assert names - doubles and names - doubles <= fetched, sorted(names - doubles - fetched)[:10]

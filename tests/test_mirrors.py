@@ -80,6 +80,29 @@ def test_without_a_keyring_the_distributions_own_key_signs_the_mirror(tmp_path: 
     assert "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n" in text
 
 
+def test_a_debian_security_mirror_is_a_second_stanza_and_a_bundle_source(tmp_path: Path) -> None:
+    """Debian's security archive is a separate archive (debian-security): with
+    ``k2_os_security_mirror`` the hosts' source file lists its ``bookworm-security`` suite,
+    checked with the same key, and a bundle resolves it too; it is a place the hosts fetch from."""
+    from k2fleet.control.airgap import _os_sources
+    from k2fleet.planning.fetches import host_fetches
+
+    data = dict(k2_os_mirror="https://mirror.corp.example/debian", k2_os="debian-12",
+                k2_os_security_mirror="https://mirror.corp.example/debian-security/")
+    files, _ = files_of(tmp_path, **data)
+    text = files["/etc/apt/sources.list.d/k2fleet-os.sources"].content.decode()
+    stanzas = [block.splitlines() for block in text.split("\n\n")]
+    assert stanzas[1] == ["Types: deb", "URIs: https://mirror.corp.example/debian-security", "Suites: bookworm-security",
+                          "Components: main contrib", "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg"]
+    assert stanzas[0][2:4] == ["URIs: https://mirror.corp.example/debian", "Suites: bookworm bookworm-updates"]
+    sources, _ = _os_sources("debian-12", "amd64", data["k2_os_mirror"], None, data["k2_os_security_mirror"])
+    assert sources == ["deb https://mirror.corp.example/debian bookworm main contrib",
+                       "deb https://mirror.corp.example/debian bookworm-updates main contrib",
+                       "deb https://mirror.corp.example/debian-security bookworm-security main contrib"]
+    dep, _ = plan_of(tmp_path, **data)
+    assert ("k2_os_security_mirror", True) in {(f.key, f.declared) for f in host_fetches(dep)["node-0"]}
+
+
 def test_rhel_hosts_get_dnf_repo_files(tmp_path: Path) -> None:
     files, d = files_of(tmp_path, **mirrored(tmp_path, k2_os="rocky-9", k2_os_mirror="https://mirror.corp.example/rocky/9/",
                                              k2_os_mirror_keyring=keyring(tmp_path, "rocky.asc", ARMORED)))
@@ -154,6 +177,12 @@ def test_plan_json_shows_the_sources_and_the_index(tmp_path: Path, capsys) -> No
     ({"k2_container_toolkit_repo_keyring": "/etc/hostname"}, "k2_container_toolkit_repo_keyring",
      "k2_container_toolkit_repo, which is not set"),
     ({"k2_docker_repo": "http://docker.corp.example/rhel"}, "k2_docker_repo", "https"),
+    ({"k2_os_security_mirror": "https://mirror.corp.example/debian-security", "k2_os": "debian-12"},
+     "k2_os_security_mirror", "k2_os_mirror, which is not set"),
+    ({"k2_os_security_mirror": "https://mirror.corp.example/debian-security",
+      "k2_os_mirror": "https://mirror.corp.example/ubuntu"}, "k2_os_security_mirror", "runs ubuntu-22.04"),
+    ({"k2_os_security_mirror": "https://u:pw@mirror.corp.example/debian-security", "k2_os": "debian-12",
+      "k2_os_mirror": "https://mirror.corp.example/debian"}, "k2_os_security_mirror", "user:password@"),
 ])
 def test_mirror_keys_are_refused_with_one_line(tmp_path: Path, data, key, words) -> None:
     data = {k: keyring(tmp_path) if v == "KEYRING" else v for k, v in data.items()}

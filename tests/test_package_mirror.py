@@ -87,6 +87,9 @@ def _pip_download(mirror: package_mirror.PackageMirror, dest: Path) -> list[str]
     ("GET", "/etc/passwd", 404),
     ("GET", "/pypi/simple/", 404),
     ("GET", "/debian/", 404),
+    ("GET", "/debian-security/../../etc/passwd", 400),
+    ("GET", "/debian-security/", 404),
+    ("POST", "/debian-security/dists/bookworm-security/InRelease", 405),
     ("POST", "/debian/dists/bookworm/InRelease", 405),
     ("PUT", "/pypi/files/packages/x", 405),
     ("DELETE", "/debian/x", 405),
@@ -494,6 +497,35 @@ def test_pep658_metadata_is_served_and_cached_without_the_wheels_hash_check(tmp_
                 assert _get(running, "/pypi/files" + path) == (200, b"the wheel")
             assert running.upstream_fetches == 2  # each fetched once, then from the cache
             assert sorted(p.read_bytes() for p in _cache_files(running)) == [metadata, b"the wheel"]
+
+
+def test_the_security_archive_comes_from_its_own_upstream_under_the_same_cache_rules(tmp_path) -> None:
+    """``/debian-security/...`` is proxied from the security archive (never the main one): its
+    InRelease fetched once per server, its pool files and by-hash indices kept across servers,
+    a by-hash index only when it matches its hash."""
+    release = b"-----BEGIN PGP SIGNED MESSAGE-----\nSuite: bookworm-security\n"
+    deb, index = b"a security update", b"Package: libssl3\n"
+    inrelease = "/debian-security/dists/bookworm-security/InRelease"
+    pool = "/debian-security/pool/updates/main/o/openssl/libssl3.deb"
+    by_hash = "/debian-security/dists/bookworm-security/main/binary-amd64/by-hash/SHA256/"
+    good, lie = by_hash + hashlib.sha256(index).hexdigest(), by_hash + "0" * 64
+    security = _upstream({inrelease: _with_length(release), pool: _with_length(deb), good: _with_length(index),
+                          lie: _with_length(b"not what the hash says")})
+    archive = _upstream({})
+    with security as security_base, archive as archive_base:
+        for run in range(2):
+            with package_mirror.serving(LOOPBACK, tmp_path / "cache", debian_upstream=f"{archive_base}/debian",
+                                        debian_security_upstream=f"{security_base}/debian-security") as running:
+                assert running.debian_security_url == f"{running.base}/debian-security"
+                for _ in range(2):
+                    assert _get(running, inrelease) == (200, release)
+                    assert _get(running, pool) == (200, deb)
+                    assert _get(running, good) == (200, index)
+                    assert _get(running, lie) == (200, b"not what the hash says")  # apt checks it and refuses it
+                assert running.upstream_fetches == (5 if run == 0 else 3), run
+    assert security.hits == [inrelease, pool, good, lie, lie] + [inrelease, lie, lie]
+    assert archive.hits == []
+    assert sorted(p.read_bytes() for p in tmp_path.joinpath("cache").iterdir()) == sorted([release, deb, index])
 
 
 def _openssl_leaf(ca_file: Path, ca_key: Path, san: str, out: Path) -> None:

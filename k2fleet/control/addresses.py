@@ -198,7 +198,8 @@ def resolve_egress(fleet: Fleet, names: Sequence[str], resolver: Resolver | None
             raise SpecError("k2_egress", f"mirrors-only: {name} (a repository, mirror or index the hosts fetch from) "
                             f"does not resolve on this control machine ({why or 'no usable address'}); the firewall "
                             "allows IP addresses: make it resolvable here, or declare a mirror that is "
-                            "(k2_os_mirror, k2_nvidia_repo, k2_container_toolkit_repo, k2_docker_repo, k2_pypi_index, "
+                            "(k2_os_mirror, k2_os_security_mirror, k2_nvidia_repo, k2_container_toolkit_repo, k2_docker_repo, "
+                            "k2_pypi_index, "
                             "k2_hub_endpoint, k2_image)", fleet.source)
         out[name] = usable
     return dataclasses.replace(fleet, egress_ips=out)

@@ -148,6 +148,7 @@ class DebSet:
     simulated: bool
     os_mirror: str | None = None  # k2_os_mirror: the distribution's archive is read there
     os_keyring: str | None = None  # k2_os_mirror_keyring (None: the distribution's own key)
+    os_security_mirror: str | None = None  # k2_os_security_mirror: Debian's security archive, read there
     # a vendor repository at a mirror (k2_nvidia_repo, k2_container_toolkit_repo, ...): its name → its
     # control-machine keyring (k2fleet.planning.mirrors.repo_keyrings)
     mirror_keyrings: tuple[tuple[str, str], ...] = ()
@@ -177,7 +178,8 @@ def bundle_needs(dep: Deployment, plan: Plan) -> Needs:
         names = package_set(bundle_request(dep, plan, hp, boot))
         if names:
             debs.add(DebSet(boot.os, DEB_ARCH[host_arch(dep)], names, tuple(boot.repos), dep.s.simulated_gpus,
-                            dep.s.os_mirror, dep.s.os_mirror_keyring, tuple(sorted(mirrors.repo_keyrings(dep.s).items()))))
+                            dep.s.os_mirror, dep.s.os_mirror_keyring, dep.s.os_security_mirror,
+                            tuple(sorted(mirrors.repo_keyrings(dep.s).items()))))
         reqs = engine_requirements(dep, hp, True, doubles)
         if reqs:
             wheels.add(WheelSet("engine", tuple(reqs), (host_python(boot.os),), (host_arch(dep),)))
@@ -212,10 +214,12 @@ def checkpoint_rel(repo: str, revision: str) -> str:
 # ----------------------------------------------------------------------------- building (control-machine effects)
 
 
-def _os_sources(os_name: str, arch: str, mirror: str | None = None, keyring: str | None = None) -> tuple[list[str], list[Path]]:
+def _os_sources(os_name: str, arch: str, mirror: str | None = None, keyring: str | None = None,
+                security_mirror: str | None = None) -> tuple[list[str], list[Path]]:
     """Archive sources and keyrings of a target OS release: at ``mirror`` (``k2_os_mirror``, its
     suites and components from the OS table's mirror layout, checked with ``keyring`` or the
-    distribution's own key), else the distribution's own archive."""
+    distribution's own key; Debian's security suite at ``security_mirror``,
+    ``k2_os_security_mirror``), else the distribution's own archive."""
     table = OS_TABLES[os_name]
     if table.manager != "apt":
         raise AirgapError(f"k2_os {os_name}: `k2fleet bundle` makes apt repositories; {os_name} (dnf) bundles "
@@ -224,7 +228,10 @@ def _os_sources(os_name: str, arch: str, mirror: str | None = None, keyring: str
     if mirror:
         layout = MIRROR_LAYOUTS[os_name]
         key = Path(keyring) if keyring else (aptroot.DEBIAN_KEYRING if os_name.startswith("debian") else UBUNTU_KEYRING)
-        return [f"deb {mirror.rstrip('/')} {suite} {layout.components}" for suite in layout.suites], [key]
+        lines = [f"deb {mirror.rstrip('/')} {suite} {layout.components}" for suite in layout.suites]
+        if security_mirror:
+            lines += [f"deb {security_mirror.rstrip('/')} {suite} {layout.components}" for suite in layout.security_suites]
+        return lines, [key]
     if os_name.startswith("debian"):
         return aptroot.debian_sources(table.codename, components=components), [aptroot.DEBIAN_KEYRING]
     if not UBUNTU_KEYRING.is_file():
@@ -282,7 +289,7 @@ def _vendor_sources(repos: Iterable[Repo], arch: str, caches: Caches,
 
 
 def _apt_root(deb: DebSet, caches: Caches) -> aptroot.AptRoot:
-    sources, keyrings = _os_sources(deb.os, deb.arch, deb.os_mirror, deb.os_keyring)
+    sources, keyrings = _os_sources(deb.os, deb.arch, deb.os_mirror, deb.os_keyring, deb.os_security_mirror)
     if deb.simulated:
         if any(r.kind != "test-double" for r in deb.repos):
             raise AirgapError("simulated GPUs take their driver stack from the TEST DOUBLE repository only")

@@ -948,6 +948,16 @@ class HostSettings(BaseModel):
         "loopback), no credentials. Default: the hosts' own sources.",
         default=None,
     )
+    os_security_mirror: MirrorUrl | None = _key(
+        FLEET,
+        "Debian hosts: mirror of Debian's security archive (`https://security.debian.org/debian-security`), "
+        "e.g. `https://mirror.corp/debian-security`, read with `k2_os_mirror`'s key: its `<codename>-security` "
+        "suite is listed beside `k2_os_mirror`'s in the hosts' source file and in `k2fleet bundle`. Without it a "
+        "host that took security updates can hold packages newer than the mirror's, and apt cannot install "
+        "those pinned to them (python3-venv). Needs `k2_os_mirror`; Ubuntu's `-security` pocket is in "
+        "`k2_os_mirror` itself.",
+        default=None,
+    )
     os_mirror_keyring: AbsPath | None = _key(
         FLEET,
         "Control-machine file with the OpenPGP key(s) `k2_os_mirror` is signed with (binary `.gpg` or "

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 from k2fleet.planning.engine_side import engine_min_python, host_python
 from k2fleet.planning import capacity, catalog, engines, profiles
 from k2fleet.planning.engines.base import Engine, arg as _arg
-from k2fleet.planning.os_tables import DriverChoice, choose_driver, host_os
+from k2fleet.planning.os_tables import MIRROR_LAYOUTS, DriverChoice, choose_driver, host_os
 from k2fleet.inventory.spec import SHA_RE, Fleet, HostEntry, HostSettings, SpecError
 
 DEFAULT_GPU_UTIL = capacity.DEFAULT_GPU_UTIL
@@ -952,6 +952,15 @@ def _check_mirrors(fleet: Fleet, runtime: str, image: str | None) -> None:
         if getattr(s, keyring) and not getattr(s, mirror):
             raise _fail(f"k2_{keyring}", f"is the key of k2_{mirror}, which is not set; set k2_{mirror} or remove it",
                         fleet)
+    if s.os_security_mirror:
+        if not s.os_mirror:
+            raise _fail("k2_os_security_mirror", "is read beside k2_os_mirror, which is not set; set k2_os_mirror "
+                        "(your mirror of the distribution's archive) or remove it", fleet)
+        for h in fleet.hosts:
+            if not MIRROR_LAYOUTS[host_os(h)].security_suites:
+                raise _fail("k2_os_security_mirror", f"names Debian's separate security archive, but host {h.name} "
+                            f"runs {host_os(h)}, whose security updates are in k2_os_mirror's own archive "
+                            "(Ubuntu: its -security pocket) or repositories (dnf); remove it", fleet)
     if s.nvidia_repo and not s.nvidia_repo_keyring:
         raise _fail("k2_nvidia_repo", "needs k2_nvidia_repo_keyring: a file on this control machine with NVIDIA's "
                     "repository key (cuda-archive-keyring.gpg from the cuda-keyring package, or the .pub key the "

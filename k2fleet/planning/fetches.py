@@ -144,6 +144,9 @@ def host_fetches(dep: Deployment) -> dict[str, tuple[Fetch, ...]]:
                          Fetch(OWN_SOURCES, "packages: the distribution, from the hosts' own apt/dnf sources",
                                "k2_os_mirror", False,
                                "set k2_os_mirror to your distribution mirror (or k2_package_source: bundle)"))
+            if s.os_security_mirror:
+                found.append(Fetch(s.os_security_mirror, "packages: the distribution's security archive",
+                                   "k2_os_security_mirror", True))
             sig = (t.host_os(h), host_bootstrap.host_needs_gpu_stack(h), docker)
             if sig not in repos:
                 boot = host_bootstrap.bootstrap_plan(dep, h, docker=docker)

@@ -93,7 +93,7 @@ EGRESS_ALWAYS = (  # what k2_egress: mirrors-only lets every host send besides t
 def egress_names(dep: Deployment) -> list[str]:
     """Every host name the hosts' plans fetch from (sorted,
     :func:`k2fleet.planning.fetches.destinations`): the repositories of each host's bootstrap
-    (``k2_package_source: apt``; ``k2_os_mirror``, NVIDIA's or ``k2_nvidia_repo``, the container
+    (``k2_package_source: apt``; ``k2_os_mirror`` and ``k2_os_security_mirror``, NVIDIA's or ``k2_nvidia_repo``, the container
     toolkit's or ``k2_container_toolkit_repo``, Docker's or ``k2_docker_repo``, AMD's) and their
     keys' URLs, the pip index of a host venv install (``k2_pypi_index``, else PyPI), the Hub
     endpoint of a fetcher host and the image registries of the container runtime and of

@@ -3,7 +3,8 @@
 - ``k2_os_mirror`` (+ ``k2_os_mirror_keyring``): the distribution's mirror as k2fleet's own
   source file, apt deb822 ``/etc/apt/sources.list.d/k2fleet-os.sources`` (suites and components
   from :data:`~k2fleet.planning.os_tables.MIRROR_LAYOUTS`) or dnf ``/etc/yum.repos.d/k2fleet-os.repo``,
-  signed by the uploaded keyring or the distribution's own archive key;
+  signed by the uploaded keyring or the distribution's own archive key; on Debian,
+  ``k2_os_security_mirror`` adds a second stanza there for the separate security archive;
 - ``k2_nvidia_repo`` (+ ``k2_nvidia_repo_keyring``): NVIDIA's CUDA repository at the mirror,
   ``<base>/<os>/<arch>/``, as ``k2fleet-nvidia.sources`` / ``k2fleet-nvidia.repo`` instead of
   NVIDIA's ``cuda-keyring`` package (which would point apt at NVIDIA's own URL);
@@ -143,7 +144,11 @@ def mirror_files(s: HostSettings, os_name: str, arch: str, nvidia: bool, contain
         base = s.os_mirror.rstrip("/")
         key = keyring_path(table.manager, OS, s.os_mirror_keyring) if s.os_mirror_keyring else layout.archive_key
         if table.manager == "apt":
-            files[APT_SOURCES.format(name=OS)] = apt_sources(base, layout.suites, layout.components, key)
+            text = apt_sources(base, layout.suites, layout.components, key)
+            if s.os_security_mirror:  # Debian's separate security archive, same key (refused for others: deployment)
+                text += "\n" + apt_sources(s.os_security_mirror.rstrip("/"), layout.security_suites,
+                                           layout.components, key)[len(HEADER):]
+            files[APT_SOURCES.format(name=OS)] = text
         else:
             dnf_arch = t.DNF_ARCH[arch]
             files[DNF_REPO.format(name=OS)] = dnf_repo(

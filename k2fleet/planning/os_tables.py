@@ -341,13 +341,16 @@ class MirrorLayout:
     suites: tuple[str, ...] = ()
     components: str = ""
     repos: tuple[tuple[str, str], ...] = ()
+    security_suites: tuple[str, ...] = ()  # Debian: the separate security archive's (k2_os_security_mirror)
 
 
 # Ubuntu: the archive's suites (sources.list(5) of a stock jammy/noble install: release,
 # -updates, -security, all four components; ubuntu-keyring's /usr/share/keyrings/
 # ubuntu-archive-keyring.gpg). arm64 (sbsa) hosts need a mirror of ports.ubuntu.com.
 # Debian: the main archive's release and -updates (debian-archive-keyring); security
-# updates live in the separate debian-security archive, which k2_os_mirror does not cover.
+# updates live in the separate debian-security archive (sources.list(5) of a stock bookworm
+# install: `deb http://security.debian.org/debian-security bookworm-security main`, signed by a
+# key in the same debian-archive-keyring), which k2_os_security_mirror names.
 # RHEL 9 family: the Rocky/Alma release-tree layout (BaseOS/<arch>/os, AppStream/<arch>/os;
 # a reposync'd RHEL mirror must be laid out the same), keys from redhat-release /
 # rocky-release under /etc/pki/rpm-gpg. None of these were fetched here.
@@ -357,9 +360,11 @@ MIRROR_LAYOUTS: dict[str, MirrorLayout] = {
     "ubuntu-24.04": MirrorLayout("/usr/share/keyrings/ubuntu-archive-keyring.gpg",
                                  ("noble", "noble-updates", "noble-security"), "main restricted universe multiverse"),
     "debian-12": MirrorLayout("/usr/share/keyrings/debian-archive-keyring.gpg",
-                              ("bookworm", "bookworm-updates"), "main contrib"),
+                              ("bookworm", "bookworm-updates"), "main contrib",
+                              security_suites=("bookworm-security",)),
     "debian-13": MirrorLayout("/usr/share/keyrings/debian-archive-keyring.gpg",
-                              ("trixie", "trixie-updates"), "main contrib"),
+                              ("trixie", "trixie-updates"), "main contrib",
+                              security_suites=("trixie-security",)),
     "rhel-9": MirrorLayout("/etc/pki/rpm-gpg/RPM-GPG-KEY-redhat-release",
                            repos=(("baseos", "BaseOS/{arch}/os/"), ("appstream", "AppStream/{arch}/os/"))),
     "rocky-9": MirrorLayout("/etc/pki/rpm-gpg/RPM-GPG-KEY-Rocky-9",
