@@ -215,14 +215,15 @@ def test_eval_refuses_a_missing_dataset(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_gsm8k_task_yaml_matches_lm_evals_gsm8k() -> None:
-    """The local task is lm-eval's gsm8k (v3) with only the dataset swapped (lm-eval: a test
-    dependency, pyproject's ``test`` extra, which ./dev.sh installs)."""
-    import lm_eval
+    """The local task is lm-eval's gsm8k (v3) with only the dataset swapped (lm-eval's own task file,
+    read from k2sandbox's cached lm-eval venv, :mod:`k2sandbox.lm_eval_client`)."""
     import yaml
+
+    from k2sandbox import lm_eval_client
 
     mine = yaml.safe_load(bp.gsm8k_task_yaml(Path("/data/test.jsonl"), Path("/data/train.jsonl")))
     assert mine["dataset_kwargs"] == {"data_files": {"train": "/data/train.jsonl", "test": "/data/test.jsonl"}}
-    stock = yaml.safe_load((Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / "gsm8k.yaml").read_text())
+    stock = yaml.safe_load((lm_eval_client.lm_eval_package() / "tasks" / "gsm8k" / "gsm8k.yaml").read_text())
     for key in ("dataset_path", "dataset_name", "tag", "task", "dataset_kwargs"):
         stock.pop(key, None), mine.pop(key, None)
     assert mine == stock

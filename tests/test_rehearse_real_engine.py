@@ -27,7 +27,7 @@ import pytest
 from k2fleet.deploy.gate import check_hosts
 from k2fleet.hostprogs.health import counter
 from k2fleet.inventory.loader import inventory_host_data
-from k2sandbox import nspawn as sandbox, vllm_cpu
+from k2sandbox import lm_eval_client, nspawn as sandbox, vllm_cpu
 from k2sandbox.random_kimi_checkpoint import rehearsal_random_checkpoint
 from k2sandbox.harness import ROOT
 from k2sandbox.rehearse import real_engine_data, real_engine_refusal
@@ -199,12 +199,10 @@ GSM8K_LINES = [  # gsm8k's format (question, answer ending in "#### N"); made up
 
 def _eval(out: str, tmp: Path) -> None:
     """``k2fleet eval`` against the kept fleet through the command line the rehearsal printed:
-    lm-eval (lm-eval[api] 0.4.13, no torch: the test extras) from K2FLEET_TEST_LM_EVAL, PATH, or
-    beside this Python, offline on a gsm8k-format file; random weights score 0, below the seeds'
-    0.9416: the table lm-eval wrote is read and the command exits 1."""
-    beside = Path(sys.executable).parent / "lm-eval"  # the test extras' lm-eval, in this venv
-    client = os.environ.get("K2FLEET_TEST_LM_EVAL") or shutil.which("lm-eval") or (str(beside) if beside.exists() else None)
-    assert client, "no lm-eval here: set K2FLEET_TEST_LM_EVAL to an lm-eval executable (pip install 'lm-eval[api]==0.4.13')"
+    lm-eval (lm-eval[api] 0.4.13, no torch) from K2FLEET_TEST_LM_EVAL, else k2sandbox's cached
+    lm-eval venv (:mod:`k2sandbox.lm_eval_client`), offline on a gsm8k-format file; random
+    weights score 0, below the seeds' 0.9416: the table lm-eval wrote is read and the command exits 1."""
+    client = os.environ.get("K2FLEET_TEST_LM_EVAL") or str(lm_eval_client.lm_eval_executable())
     test, train = tmp / "test.jsonl", tmp / "train.jsonl"
     test.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in GSM8K_LINES[:3]))
     train.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in GSM8K_LINES))
