@@ -277,8 +277,11 @@ def test_h800_pp_flag_change_restarts_only_the_api_server_and_a_ray_worker_that_
     head, worker = kept.hosts["h800-0"], kept.hosts["h800-1"]
     probe = (f"/opt/k2fleet/venv/vllm-0.33.0/bin/python -c \"import ray; ray.init(address='{head['address']}:6379'); "
              "print('nodes', len(ray.nodes()))\"")
-    without = ssh(worker, f"RAY_AUTH_MODE=disabled timeout 60 {probe}", check=False)
+    # refused at its first try ("Unauthenticated ... InvalidAuthToken"); Ray's connect loop retries
+    # once a second for 20 s unless RAY_gcs_server_port_wait_time_s bounds it (ray/_private/node.py)
+    without = ssh(worker, f"RAY_AUTH_MODE=disabled RAY_gcs_server_port_wait_time_s=2 timeout 60 {probe}", check=False)
     assert without.returncode != 0 and "nodes" not in without.stdout, without.stdout + without.stderr
+    assert "InvalidAuthToken" in without.stdout + without.stderr, without.stdout + without.stderr
     token = "RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=/etc/k2fleet/ray/auth_token"
     joined = ssh(worker, f"{token} timeout 60 {probe}", check=False)
     assert joined.returncode == 0 and "nodes 2" in joined.stdout, joined.stdout + joined.stderr
@@ -301,9 +304,9 @@ def test_h800_pp_flag_change_restarts_only_the_api_server_and_a_ray_worker_that_
     assert ssh(worker, never, check=False).returncode == 0
     # The start is not tried a second time (it failed after its gate waited: the deploy fails
     # after one gate timeout, not two; tests/test_start_or_explain.py)
-    failed = kept.deploy("k2_max_model_len=2048", "k2_health_timeout=20")  # > QUICK_FAILURE_S: no second try
+    failed = kept.deploy("k2_max_model_len=2048", "k2_health_timeout=12")  # > QUICK_FAILURE_S: no second try
     assert failed.returncode != 0, failed.log[-3000:]
-    never_joined = f"k2-vllm.service: Ray node h800-1 ({worker['address']}) has not joined within 20s"
+    never_joined = f"k2-vllm.service: Ray node h800-1 ({worker['address']}) has not joined within 12s"
     assert failed.log.count(never_joined) == 1, failed.log[-3000:]
 
 
