@@ -51,17 +51,17 @@ MACHINE_GROUP = "machine"
 
 
 # Seconds each of the longest groups took in a whole run (./dev.sh test on this 2-core machine,
-# both workers busy, warm caches, 2026-11-28, 5ed94e9; test_hosts_sandbox from its passing runs):
-# only their order matters, the longest handed out first; a group not named counts 1 s a test.
+# both workers busy, warm caches, 2026-11-28, 11c3820): only their order matters, the longest handed
+# out first; a group not named (a short one, :func:`next_group`) counts 1 s a test.
 GROUP_SECONDS: dict[str, float] = {
-    "test_rehearse_restart": 616, "test_rehearse_real_engine": 536, "test_rehearse": 294,
-    "test_fault_drills_sandbox": 224, "test_company_network": 210, "test_validation": 175,
-    "test_checkpoint_fleet": 175, "test_hosts_sandbox": 160, "test_e2e_sandbox": 152, "test_rehearse_fabric": 103,
-    "test_upgrade_sandbox": 96, "test_bootstrap_sandbox": 88, "test_down_logs_sandbox": 87, "test_ktransformers": 81,
-    "test_firewall_sandbox": 79, "test_status_sandbox": 76, "test_dry_run": 76, "test_instance_watch_sandbox": 71,
-    "test_gpu_stack_provided_sandbox": 64, "test_reach_sandbox": 64, "test_gpu_exporter_sandbox": 60,
-    "test_metrics_sandbox": 57, "test_container_pin": 54, "test_rolling_sandbox": 53, "test_sudo_fleet": 49,
-    "test_scenarios": 47, "test_doubles": 46, "test_container_image": 44, "test_relay": 43,
+    "test_rehearse_restart": 538, "test_rehearse_real_engine": 477, "test_rehearse": 297,
+    "test_fault_drills_sandbox": 231, "test_company_network": 224, "test_validation": 177,
+    "test_checkpoint_fleet": 176, "test_hosts_sandbox": 159, "test_e2e_sandbox": 154, "test_rehearse_fabric": 118,
+    "test_upgrade_sandbox": 85, "test_ktransformers": 85, "test_status_sandbox": 75, "test_bootstrap_sandbox": 74,
+    "test_down_logs_sandbox": 69, "test_instance_watch_sandbox": 67, "test_dry_run": 64, "test_reach_sandbox": 62,
+    "test_gpu_exporter_sandbox": 52, "test_metrics_sandbox": 50, "test_gpu_stack_provided_sandbox": 49,
+    "test_container_pin": 48, "test_firewall_sandbox": 47, "test_doubles": 46, "test_sudo_fleet": 44,
+    "test_rolling_sandbox": 43, "test_scenarios": 41, "test_relay": 40,
 }
 
 
@@ -108,8 +108,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 (xd
     """Under ``--dist loadgroup``: xdist's own group scheduling (each worker given the next group
     when it has two tests left), except that the :data:`MACHINE_GROUP` goes to worker gw0 only
     (with no gw0, to the first worker: no two of its tests run at once, whatever else does), and
-    the next group is the longest left (:data:`GROUP_SECONDS`; a test counts 1 s). None: xdist's
-    default for any other ``--dist``."""
+    the next group is :func:`next_group`'s. None: xdist's default for any other ``--dist``."""
     if config.getoption("dist", "no") != "loadgroup":
         return None
     from xdist.scheduler import LoadGroupScheduling
@@ -119,9 +118,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 (xd
             first = next((n for n in self.nodes if n.gateway.id == "gw0"), self.nodes[0])
             if node is first and MACHINE_GROUP in self.workqueue:
                 scope = MACHINE_GROUP
-            else:  # the longest first (a long module taken last would end the run alone)
-                scope = max((scope for scope in self.workqueue if scope != MACHINE_GROUP),
-                            key=lambda scope: GROUP_SECONDS.get(scope, len(self.workqueue[scope])), default=None)
+            else:
+                running = {scope for other, scopes in self.assigned_work.items() if other is not node
+                           for scope, tests in scopes.items() if not all(tests.values())}
+                scope = next_group({scope: len(tests) for scope, tests in self.workqueue.items()
+                                    if scope != MACHINE_GROUP}, running)
             if scope is None:
                 return  # only the machine group is left, and it is gw0's: this worker idles to the end
             work_unit = self.workqueue.pop(scope)
@@ -130,6 +131,28 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 (xd
             node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
 
     return MachineOnGw0(config, log)
+
+
+def next_group(waiting: dict[str, int], running: set[str]) -> str | None:
+    """The group a worker takes next, of ``waiting`` (group → its number of tests) while the other
+    workers run ``running``: while another worker runs a long group (:data:`GROUP_SECONDS`: a
+    sandbox fleet's, busy on both cores), the longest short group, whose tests mostly wait (on a
+    socket, a deadline, a child) and leave that fleet the cores; otherwise the longest long group
+    (a long group taken last would end the run alone). Short groups all left to the end ran
+    beside each other with 40% of the cores idle for its last ~5 minutes (2026-11-28, 11c3820).
+
+    >>> next_group({"test_rehearse": 9, "test_reach": 12, "test_tls": 3}, set())
+    'test_rehearse'
+    >>> next_group({"test_rehearse": 9, "test_reach": 12, "test_tls": 3}, {"test_e2e_sandbox"})
+    'test_reach'
+    >>> next_group({"test_rehearse": 9}, {"test_e2e_sandbox"}), next_group({}, set())
+    ('test_rehearse', None)
+    """
+    long_running = any(scope in GROUP_SECONDS or scope == MACHINE_GROUP for scope in running)
+    short = [scope for scope in waiting if scope not in GROUP_SECONDS]
+    if long_running and short:
+        return max(short, key=lambda scope: waiting[scope])
+    return max(waiting, key=lambda scope: GROUP_SECONDS.get(scope, waiting[scope]), default=None)
 
 
 @pytest.hookimpl(hookwrapper=True)
