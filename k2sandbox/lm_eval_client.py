@@ -2,7 +2,7 @@
 
 Not in the test extras: lm-eval[api]'s dependency tree (pyarrow, scipy, pandas, scikit-learn,
 nltk, ~700 MB) made most of ``./dev.sh``'s install on every clean checkout (pip install of the
-test extras: ~90 CPU-seconds with lm-eval, ~25 without, on this 2-core machine, 2026-11-28),
+test extras into a fresh venv: ~90 s with lm-eval, ~41 s without, on this 2-core machine, 2026-11-28),
 for two tests. :func:`ensure_lm_eval_venv` installs :data:`REQUIREMENT` with pip, from pip's
 configured index, into a venv under :data:`VENVS` once (a venv is not relocatable: made in place,
 under a lock, marked complete last; an unmarked one is made anew), keyed by the requirement and

@@ -358,7 +358,8 @@ def ensure_rootfs(cache: Path = ROOTFS_CACHE) -> Path:
         try:
             mirror, security_mirror = apt_mirror(SUITE), apt_mirror(f"{SUITE}-security", security=True)
         except AptRootError as exc:
-            raise SandboxError(f"{exc}; cannot pick a debootstrap mirror") from exc
+            raise SandboxError(f"{exc}; the sandbox image is built from this machine's Debian archive and its "
+                               "security archive, both named in its apt sources") from exc
         try:
             run(["debootstrap", f"--variant={VARIANT}", f"--include={','.join(PACKAGES)}", SUITE, str(tmp), mirror])
             _upgrade_image(tmp, mirror, security_mirror)

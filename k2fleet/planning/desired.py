@@ -695,7 +695,7 @@ def venv_install_argv(dep: Deployment, interpreter: str) -> list[str]:
 
 
 def package_source_files(dep: Deployment, plan: BootstrapPlan, art: ControlArtifacts) -> dict[str, FileSpec]:
-    """k2fleet's source files for the mirrors (``k2_os_mirror``, ``k2_nvidia_repo``,
+    """k2fleet's source files for the mirrors (``k2_os_mirror`` with ``k2_os_security_mirror``, ``k2_nvidia_repo``,
     ``k2_container_toolkit_repo``, ``k2_docker_repo``) and their keyrings (``k2_package_source:
     apt``; a bundle carries its own packages): written before any package is installed
     (:mod:`k2fleet.planning.mirrors`)."""

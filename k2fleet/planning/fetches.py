@@ -5,8 +5,8 @@ list (``k2fleet plan``; ``network`` in ``plan --json``) and what a closed plan m
 naming the inventory key that decides the place and whether the inventory set it (a declared
 mirror, index or registry) or left the vendor's default:
 
-- ``k2_package_source: apt``: the distribution (``k2_os_mirror``, else the hosts' own sources,
-  which k2fleet does not read); the repositories of the host's bootstrap
+- ``k2_package_source: apt``: the distribution (``k2_os_mirror``, on Debian with
+  ``k2_os_security_mirror``, else the hosts' own sources, which k2fleet does not read); the repositories of the host's bootstrap
   (:func:`k2fleet.planning.host_bootstrap.bootstrap_plan`): NVIDIA's CUDA repository
   (``k2_nvidia_repo``), where the host runs containers the container toolkit's
   (``k2_container_toolkit_repo``) and, RHEL family, Docker CE's (``k2_docker_repo``), AMD's
