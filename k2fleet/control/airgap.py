@@ -228,10 +228,8 @@ def _os_sources(os_name: str, arch: str, mirror: str | None = None, keyring: str
     if mirror:
         layout = MIRROR_LAYOUTS[os_name]
         key = Path(keyring) if keyring else (aptroot.DEBIAN_KEYRING if os_name.startswith("debian") else UBUNTU_KEYRING)
-        lines = [f"deb {mirror.rstrip('/')} {suite} {layout.components}" for suite in layout.suites]
-        if security_mirror:
-            lines += [f"deb {security_mirror.rstrip('/')} {suite} {layout.components}" for suite in layout.security_suites]
-        return lines, [key]
+        return [f"deb {url} {suite} {layout.components}"
+                for url, suites in mirrors.os_archives(mirror, security_mirror, layout) for suite in suites], [key]
     if os_name.startswith("debian"):
         return aptroot.debian_sources(table.codename, components=components), [aptroot.DEBIAN_KEYRING]
     if not UBUNTU_KEYRING.is_file():

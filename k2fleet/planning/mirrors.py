@@ -73,12 +73,31 @@ def keyring_path(manager: str, name: str, control_path: str) -> str:
 
 
 def apt_sources(uri: str, suites: tuple[str, ...], components: str, signed_by: str) -> str:
-    """One deb822 stanza (sources.list(5)); a flat repository has suite ``/`` and no components."""
+    """A source file of one deb822 stanza (sources.list(5)); a flat repository has suite ``/`` and no components."""
+    return HEADER + apt_stanza(uri, suites, components, signed_by)
+
+
+def apt_stanza(uri: str, suites: tuple[str, ...], components: str, signed_by: str) -> str:
+    """One deb822 stanza; stanzas of one file are separated by an empty line."""
     lines = ["Types: deb", f"URIs: {uri}", f"Suites: {' '.join(suites)}"]
     if components:
         lines.append(f"Components: {components}")
     lines.append(f"Signed-By: {signed_by}")
-    return HEADER + "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
+
+
+def os_archives(mirror: str, security_mirror: str | None, layout: t.MirrorLayout) -> list[tuple[str, tuple[str, ...]]]:
+    """(base URL, suites) of each archive of the distribution at its mirrors: ``k2_os_mirror``'s
+    suites, and on Debian the separate security archive's at ``k2_os_security_mirror``; read by the
+    hosts' source file and by ``k2fleet bundle`` (:mod:`k2fleet.control.airgap`).
+
+    >>> os_archives("https://m/debian/", "https://m/debian-security", t.MIRROR_LAYOUTS["debian-12"])
+    [('https://m/debian', ('bookworm', 'bookworm-updates')), ('https://m/debian-security', ('bookworm-security',))]
+    """
+    archives = [(mirror.rstrip("/"), layout.suites)]
+    if security_mirror:
+        archives.append((security_mirror.rstrip("/"), layout.security_suites))
+    return archives
 
 
 def dnf_repo(repos: list[tuple[str, str, str]], gpgkey: str, signed: str = "packages") -> str:
@@ -143,12 +162,10 @@ def mirror_files(s: HostSettings, os_name: str, arch: str, nvidia: bool, contain
     if s.os_mirror:
         base = s.os_mirror.rstrip("/")
         key = keyring_path(table.manager, OS, s.os_mirror_keyring) if s.os_mirror_keyring else layout.archive_key
-        if table.manager == "apt":
-            text = apt_sources(base, layout.suites, layout.components, key)
-            if s.os_security_mirror:  # Debian's separate security archive, same key (refused for others: deployment)
-                text += "\n" + apt_sources(s.os_security_mirror.rstrip("/"), layout.security_suites,
-                                           layout.components, key)[len(HEADER):]
-            files[APT_SOURCES.format(name=OS)] = text
+        if table.manager == "apt":  # Debian's security archive: same key (refused for other OSes: deployment)
+            files[APT_SOURCES.format(name=OS)] = HEADER + "\n".join(
+                apt_stanza(url, suites, layout.components, key)
+                for url, suites in os_archives(s.os_mirror, s.os_security_mirror, layout))
         else:
             dnf_arch = t.DNF_ARCH[arch]
             files[DNF_REPO.format(name=OS)] = dnf_repo(
