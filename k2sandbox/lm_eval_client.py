@@ -14,18 +14,13 @@ this Python's version.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
-from k2fleet.hostprogs import locks
+from k2sandbox.vllm_cpu import CACHE, venv_once
 
 VERSION = "0.4.13"
 REQUIREMENT = f"lm-eval[api]=={VERSION}"  # no torch: `k2fleet eval` runs local-completions over HTTP
-CACHE = Path(os.environ.get("K2SANDBOX_VLLM_CPU_CACHE", "/var/cache/k2fleet-sandbox"))  # k2sandbox.vllm_cpu's
 VENVS = CACHE / "lm-eval-venvs"
 DONE = "k2sandbox-lm-eval-venv.json"
 INSTALL_TIMEOUT_S = 1800
@@ -44,20 +39,9 @@ def venv_dir(venvs: Path = VENVS) -> Path:
 def ensure_lm_eval_venv(venvs: Path = VENVS) -> Path:
     """The venv with :data:`REQUIREMENT` installed (installed the first time)."""
     venv = venv_dir(venvs)
-    if (venv / DONE).is_file():
-        return venv
-    venvs.mkdir(parents=True, exist_ok=True)
-    with locks.exclusive(venvs / ".lock"):
-        if (venv / DONE).is_file():
-            return venv
-        shutil.rmtree(venv, ignore_errors=True)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, stdin=subprocess.DEVNULL)
-        out = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check", REQUIREMENT],
-                             capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=INSTALL_TIMEOUT_S)
-        if out.returncode:
-            raise RuntimeError(f"pip install {REQUIREMENT} into {venv} failed:\n{out.stderr.strip()[-2000:]}")
-        (venv / DONE).write_text(json.dumps({"requirement": REQUIREMENT}) + "\n")
-    return venv
+    return venv_once(venv, sys.executable, [str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check",
+                                            REQUIREMENT],
+                     f"pip install {REQUIREMENT}", DONE, {"requirement": REQUIREMENT}, timeout=INSTALL_TIMEOUT_S)
 
 
 def lm_eval_executable(venvs: Path = VENVS) -> Path:

