@@ -151,6 +151,26 @@ def test_the_wheelhouse_build_runs_pip_download_against_the_index(tmp_path: Path
     assert argv[argv.index("--index-url") + 1] == "https://pypi.corp.example/simple"
 
 
+def test_plan_notes_a_debian_mirror_read_without_its_security_archive(tmp_path: Path, capsys) -> None:
+    """A current Debian host can hold packages newer than a mirror of the main archive has (its
+    python3.11 from bookworm-security), which apt cannot install python3-venv beside: k2fleet
+    cannot see that before it connects, so ``k2fleet plan`` says so, and not once the security
+    mirror is set or on Ubuntu (whose -security pocket is in k2_os_mirror itself)."""
+    def notes(**data) -> list[str]:
+        where = tmp_path / str(len(list(tmp_path.iterdir())))
+        where.mkdir()
+        inv = write_inventory(where, hosts=[("node-0", {"ssh_hostname": "192.0.2.10"})], k2_tp=8, **data)
+        assert main(["plan", str(inv)]) == 0
+        return [line for line in capsys.readouterr().out.splitlines() if line.startswith("# note: k2_os_mirror")]
+
+    debian = dict(k2_os="debian-12", k2_os_mirror="https://mirror.corp.example/debian")
+    [note] = notes(**debian)
+    assert "k2_os_security_mirror" in note and "debian-12" in note and "python3-venv" in note
+    assert notes(**debian, k2_os_security_mirror="https://mirror.corp.example/debian-security") == []
+    assert notes(k2_os_mirror="https://mirror.corp.example/ubuntu") == []
+    assert notes(k2_os="debian-12") == []
+
+
 def test_plan_json_shows_the_sources_and_the_index(tmp_path: Path, capsys) -> None:
     inv = write_inventory(tmp_path, hosts=[("node-0", {"ssh_hostname": "192.0.2.10"})], k2_tp=8,
                           k2_os_mirror="https://mirror.corp.example/ubuntu", k2_pypi_index="https://pypi.corp.example/simple")

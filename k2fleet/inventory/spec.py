@@ -954,7 +954,8 @@ class HostSettings(BaseModel):
         "e.g. `https://mirror.corp/debian-security`, read with `k2_os_mirror`'s key: its `<codename>-security` "
         "suite is listed beside `k2_os_mirror`'s in the hosts' source file and in `k2fleet bundle`. Without it a "
         "host that took security updates can hold packages newer than the mirror's, and apt cannot install "
-        "those pinned to them (python3-venv). Needs `k2_os_mirror`; Ubuntu's `-security` pocket is in "
+        "those pinned to them (python3-venv); `k2fleet plan` notes a Debian fleet with `k2_os_mirror` and "
+        "not this key. Needs `k2_os_mirror`; Ubuntu's `-security` pocket is in "
         "`k2_os_mirror` itself.",
         default=None,
     )

@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from k2fleet.planning.engine_side import engine_min_python, host_python
-from k2fleet.planning import capacity, catalog, engines, profiles
+from k2fleet.planning import capacity, catalog, engines, mirrors, profiles
 from k2fleet.planning.engines.base import Engine, arg as _arg
 from k2fleet.planning.os_tables import MIRROR_LAYOUTS, DriverChoice, choose_driver, host_os
 from k2fleet.inventory.spec import SHA_RE, Fleet, HostEntry, HostSettings, SpecError
@@ -1021,6 +1021,7 @@ def resolve(fleet: Fleet) -> Deployment:
         raise _fail("k2_gguf_repo", "KTransformers serves GGUF weights; set k2_gguf_repo, k2_gguf_revision and k2_gguf_pattern", fleet)
     _check_hub_transport(fleet)
     _check_mirrors(fleet, runtime, image)
+    notes += filter(None, [mirrors.security_archive_note(s, {host_os(h) for h in fleet.hosts})])
     _check_roles(fleet, engine)
     _check_fetcher(fleet)
     _check_bundle(fleet)

@@ -100,6 +100,26 @@ def os_archives(mirror: str, security_mirror: str | None, layout: t.MirrorLayout
     return archives
 
 
+def security_archive_note(s: HostSettings, host_oses: set[str]) -> str | None:
+    """The plan's note when Debian hosts read ``k2_os_mirror`` without ``k2_os_security_mirror``: k2fleet
+    cannot see which security updates a host already took, so it cannot tell whether apt will find
+    packages as new as those it holds (``k2fleet bundle`` resolves against the same archives).
+
+    >>> s = HostSettings(model="m/x", revision="0" * 40, engine="vllm", gpu="h200", os_mirror="https://m/debian")
+    >>> security_archive_note(s, {"debian-12"})[:58]
+    'k2_os_mirror without k2_os_security_mirror: debian-12 host'
+    >>> security_archive_note(s, {"ubuntu-22.04"}) is None
+    True
+    """
+    debian = sorted(o for o in host_oses if t.MIRROR_LAYOUTS[o].security_suites)
+    if not s.os_mirror or s.os_security_mirror or not debian:
+        return None
+    return (f"k2_os_mirror without k2_os_security_mirror: {', '.join(debian)} hosts and `k2fleet bundle` read no "
+            "security archive, so a host that took Debian's security updates can hold packages newer than the "
+            "mirror's, and apt cannot install those pinned to them (python3-venv); set k2_os_security_mirror "
+            "to your mirror of https://security.debian.org/debian-security")
+
+
 def dnf_repo(repos: list[tuple[str, str, str]], gpgkey: str, signed: str = "packages") -> str:
     """A dnf ``.repo`` file: (id, name, baseurl) sections, each gpg-checked with ``gpgkey``:
     its packages' signatures (``signed="packages"``) or its metadata's (``"metadata"``: the
