@@ -61,15 +61,13 @@ def download_lock(local_dir: str | os.PathLike[str]) -> contextlib.AbstractConte
     return locks.exclusive(Path(state_dir(str(local_dir))) / "download.lock")
 
 
-def remove_orphaned_partials(local_dir: str | os.PathLike[str]) -> list[Path]:
+def remove_orphaned_partials(local_dir: str | os.PathLike[str]) -> None:
     """Delete ``*.incomplete`` files a killed ``hf_hub_download`` left (call while holding the lock):
     huggingface_hub never reuses them (their names are process-unique); k2fleet's own resumable
     ``.part`` files are kept."""
     base = Path(local_dir) / ".cache" / "huggingface" / "download"
-    removed = sorted(base.rglob("*.incomplete")) if base.is_dir() else []
-    for path in removed:
+    for path in sorted(base.rglob("*.incomplete")) if base.is_dir() else []:
         path.unlink(missing_ok=True)
-    return removed
 
 
 PARTIAL_DIR = "partial"
@@ -125,7 +123,7 @@ class _PartHash:
         return self.hasher.hexdigest() if self.hasher is not None and self.upto == size else None
 
 
-def _stream_into(url: str, part: Path, size: int | None, headers: dict[str, str], hashing: _PartHash | None = None) -> int:
+def _stream_into(url: str, part: Path, size: int | None, headers: dict[str, str], hashing: _PartHash) -> int:
     """Append ``url``'s bytes to ``part`` from its current size on; returns bytes received.
 
     ``Range: bytes=N-`` when ``part`` holds N bytes; a 200 answer (Range ignored) restarts
@@ -135,7 +133,6 @@ def _stream_into(url: str, part: Path, size: int | None, headers: dict[str, str]
     """
     from huggingface_hub.utils import hf_raise_for_status, http_stream_backoff
 
-    hashing = hashing or _PartHash(None)
     received, stalls = 0, 0
     while True:
         have = part.stat().st_size if part.exists() else 0

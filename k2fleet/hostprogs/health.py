@@ -224,15 +224,11 @@ def request(url: str, body: bytes | None = None, timeout: float = 30, key: str |
         head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
     deadline = time.monotonic() + timeout
     sock = socket.create_connection((host, port), timeout)
-    if owner is not None:
-        try:
-            check_server(sock, host, port, owner == "required")
-        except BaseException:
-            sock.close()
-            raise
-    if tls is not None:
-        sock = _wrap(sock, tls, host, url)
     try:
+        if owner is not None:
+            check_server(sock, host, port, owner == "required")
+        if tls is not None:
+            sock = _wrap(sock, tls, host, url)
         sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + (body or b""))
         data = b""
         while True:
@@ -268,19 +264,15 @@ def request(url: str, body: bytes | None = None, timeout: float = 30, key: str |
 
 
 def _wrap(sock, tls: tuple[str | None, str | None], host: str, url: str):
-    """``sock`` after a TLS handshake verified against ``tls`` (CA file, name); closed and
-    :class:`Untrusted` when the certificate does not verify (before any request byte)."""
+    """``sock`` after a TLS handshake verified against ``tls`` (CA file, name); :class:`Untrusted`
+    when the certificate does not verify (before any request byte; the caller closes ``sock``)."""
     import ssl
     ca_file, name = tls
     try:
         return tls_context(ca_file).wrap_socket(sock, server_hostname=name or host)
     except ssl.SSLCertVerificationError as exc:
-        sock.close()
         raise Untrusted(f"{url}: the server's certificate does not verify against {ca_file or 'the system CAs'} "
                         f"for {name or host}: {exc.verify_message or exc.reason}") from None
-    except BaseException:
-        sock.close()
-        raise
 
 
 def get_status(url: str, tls: tuple[str | None, str | None] | None = None, owner: str | None = None) -> int | None:
@@ -428,40 +420,35 @@ def wait_healthy(base: str, model: str, timeout: float, expected: dict | None = 
     """The completion's answer once the service is healthy (``counted``: a request counter of
     the engine's /metrics that must move with the gate's completion; ``tls``: see
     :func:`request`); raises NotHealthy, at once for a certificate that does not verify."""
-    try:
-        return _wait_healthy(base, model, timeout, expected, ready_path, pd, key, counted, tls)
-    except Untrusted as exc:
-        raise NotHealthy(f"TLS: {exc}") from None
-
-
-def _wait_healthy(base: str, model: str, timeout: float, expected: dict | None, ready_path: str, pd: dict | None,
-                  key: str | None, counted: str | None, tls: tuple[str | None, str | None] | None) -> str:
     deadline = time.monotonic() + timeout
     last = "no answer"
-    while time.monotonic() < deadline:
-        status = get_status(f"{base}{ready_path}", tls, owner="required")  # the service runs here, as root
-        if status == 200:
-            try:
-                before = read_counter(base, counted, key, tls) if counted else None
-                # each request within the gate's own timeout (the fact's quick look: 5 s, 30 for a CPU build; not 120)
-                answer = chat(base, model, key, timeout=min(120.0, max(1.0, deadline - time.monotonic())), tls=tls,
-                              owner="required")
-                if answer:
-                    # the first of: the answer did not come from the engine's request path, the topology that
-                    # formed is not the plan's, the router answered without both pools
-                    problem = ((counted and counter_moved(base, counted, before, key, tls))
-                               or (expected and world_mismatch(base, expected, key, tls=tls, timeout=min(
-                                   30.0, max(1.0, deadline - time.monotonic()))))
-                               or (pd and pd_mismatch(pd)))
-                    if problem:
-                        raise NotHealthy(problem)
-                    return answer
-                last = "chat completion returned an empty answer"
-            except (OSError, ValueError, KeyError, IndexError) as exc:
-                last = f"chat completion failed: {exc}"
-        else:
-            last = f"{ready_path} answered {status}"
-        time.sleep(POLL_S)
+    try:
+        while time.monotonic() < deadline:
+            status = get_status(f"{base}{ready_path}", tls, owner="required")  # the service runs here, as root
+            if status == 200:
+                try:
+                    before = read_counter(base, counted, key, tls) if counted else None
+                    # each request within the gate's own timeout (the fact's quick look: 5 s, 30 for a CPU build; not 120)
+                    answer = chat(base, model, key, timeout=min(120.0, max(1.0, deadline - time.monotonic())), tls=tls,
+                                  owner="required")
+                    if answer:
+                        # the first of: the answer did not come from the engine's request path, the topology that
+                        # formed is not the plan's, the router answered without both pools
+                        problem = ((counted and counter_moved(base, counted, before, key, tls))
+                                   or (expected and world_mismatch(base, expected, key, tls=tls, timeout=min(
+                                       30.0, max(1.0, deadline - time.monotonic()))))
+                                   or (pd and pd_mismatch(pd)))
+                        if problem:
+                            raise NotHealthy(problem)
+                        return answer
+                    last = "chat completion returned an empty answer"
+                except (OSError, ValueError, KeyError, IndexError) as exc:
+                    last = f"chat completion failed: {exc}"
+            else:
+                last = f"{ready_path} answered {status}"
+            time.sleep(POLL_S)
+    except Untrusted as exc:
+        raise NotHealthy(f"TLS: {exc}") from None
     raise NotHealthy(f"not healthy after {timeout:.0f}s: {last}")
 
 

@@ -290,8 +290,8 @@ def _listdir(path: str) -> list:
         return []
 
 
-def ib_hcas(root: str | None = None) -> list:
-    return _listdir(root if root is not None else ib_root()[0])
+def ib_hcas(root: str) -> list:
+    return _listdir(root)
 
 
 def ib_port(path: str) -> dict:
@@ -316,11 +316,10 @@ def ib_port(path: str) -> dict:
     return port
 
 
-def ib_ports(devices: list, root: str | None = None) -> dict:
+def ib_ports(devices: list, root: str) -> dict:
     """Device → port number → :func:`ib_port`, for each of ``devices`` present under ``root``
-    (default :func:`ib_root`): what the preflight's fabric gate decides on
+    (:func:`ib_root`'s): what the preflight's fabric gate decides on
     (:func:`k2fleet.planning.preflight_checks.check_fabric`)."""
-    root = root if root is not None else ib_root()[0]
     found = {}
     for dev in devices:
         if "/" in dev or dev in (".", "..") or not os.path.isdir(f"{root}/{dev}"):
@@ -396,11 +395,6 @@ class Systemd:
             return None
         shown = self.show()
         return [shown.get(n, {}).get("ActiveState") or "unknown" for n in full]
-
-
-def packages(names: list, db=None) -> list:
-    """The installed ones of ``names``."""
-    return sorted(package_versions(names, db))
 
 
 CHECK_TIMEOUT_S = 60
@@ -508,10 +502,9 @@ def start_checks(named: dict, smi=None, db=None, systemd=None) -> dict:
     return started
 
 
-def finish_checks(started: dict, deadline: float | None = None) -> dict:
-    """Each started check's exit code (None: not run, or past ``deadline``: the probe's, else
-    :data:`CHECK_TIMEOUT_S` from now); the probe's own stdout and stderr are back when it returns."""
-    deadline = time.monotonic() + CHECK_TIMEOUT_S if deadline is None else deadline
+def finish_checks(started: dict, deadline: float) -> dict:
+    """Each started check's exit code (None: not run, or past the probe's ``deadline``, a
+    ``time.monotonic()``); the probe's own stdout and stderr are back when it returns."""
     result = {}
     for name, proc in started.items():
         if proc is None:
@@ -802,7 +795,7 @@ def main(argv: list | None = None) -> int:
         "exists": {p: os.path.exists(p) for p in query.get("exists", [])},
         "globs": {g: sorted(glob.glob(g)) for g in query.get("globs", [])},
         "units": systemd.show(),
-        "packages": packages(query.get("packages", []), db),
+        "packages": sorted(package_versions(query.get("packages", []), db)),  # the installed ones
         "gpus": gpus(smi),  # last: with proof checks, it waits for them
         "checks": finish_checks(running, deadline),
         "bootstrap": bootstrap_state(query, db),

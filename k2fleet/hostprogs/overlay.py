@@ -34,15 +34,6 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def rewritten_config(config: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """Copy of ``config`` with ``model_type`` replaced (nothing else changes).
-
-    >>> rewritten_config({"model_type": "kimi_k2", "x": 1}, "deepseek_v3")
-    {'model_type': 'deepseek_v3', 'x': 1}
-    """
-    return {**config, "model_type": model_type}
-
-
 def make_overlay(verified_dir: str | os.PathLike[str], overlay_dir: str | os.PathLike[str], manifest: dict[str, Any],
                  model_type: str | None = None) -> dict[str, Any]:
     """Build ``overlay_dir`` over ``verified_dir``; returns the record for ``manifest["overlay"]``.
@@ -72,7 +63,7 @@ def make_overlay(verified_dir: str | os.PathLike[str], overlay_dir: str | os.Pat
     for rel in links:
         (dst / rel).parent.mkdir(parents=True, exist_ok=True)
         os.symlink(src / rel, dst / rel)
-    atomic_write_json(str(dst / CONFIG), rewritten_config(source_config, target_type))
+    atomic_write_json(str(dst / CONFIG), {**source_config, "model_type": target_type})  # nothing else changes
     return {"dir": str(dst), "source_dir": str(src), "source_model_type": source_type, "model_type": target_type,
             "source_config_sha256": _sha256_file(src / CONFIG), "config_sha256": _sha256_file(dst / CONFIG),
             "links": len(links)}

@@ -62,6 +62,7 @@ and served from then —, and ``landed_at`` — its last byte in —, seconds af
 """
 
 import argparse
+import collections
 import contextlib
 import errno
 import fcntl
@@ -242,8 +243,7 @@ def make_pieces(root):
     raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     pinned = hashlib.sha256(raw).hexdigest()
     verify.write_beneath(root, PIECES, raw)
-    made = {"pieces": pinned, "manifest": digest, "stat": stats}  # kept here, never served: what it was made from
-    verify.write_beneath(root, PIECES_MADE, json.dumps(made).encode())
+    verify.write_beneath(root, PIECES_MADE, json.dumps({"pieces": pinned, "manifest": digest, "stat": stats}).encode())
     return pinned
 
 
@@ -355,7 +355,6 @@ def make_handler(root, secret=None):
     of the connection carries the client's proof (``X-K2-Auth``, role client) or gets a 403 and the connection
     is closed. Without ``secret`` nothing is asked (and ``/hello`` proves nothing, so a client that holds a
     secret refuses this relay)."""
-    key = secret.encode() if isinstance(secret, str) else secret
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -394,21 +393,21 @@ def make_handler(root, secret=None):
             self.server.watch(self.connection, None)
 
         def _authorized(self):
-            if key is None:
+            if secret is None:
                 return True
             got = (self.headers.get(AUTH_HEADER) or "").encode("latin-1", "replace")
             return self.session is not None and hmac.compare_digest(got, self.session.encode())
 
         def _hello(self):
-            if key is None:
+            if secret is None:
                 return self._send(200)
             cn = self.headers.get(NONCE_HEADER) or ""
             if not _nonce_ok(cn):
                 self.close_connection = True
                 return self._send(400, b"X-K2-Nonce: 32 lower-case hex digits")
             sn = os.urandom(16).hex()
-            self.session = auth_proof(key, b"client", cn, sn)
-            return self._send(200, b"", [(NONCE_HEADER, sn), (PROOF_HEADER, auth_proof(key, b"server", cn, sn))])
+            self.session = auth_proof(secret, b"client", cn, sn)
+            return self._send(200, b"", [(NONCE_HEADER, sn), (PROOF_HEADER, auth_proof(secret, b"server", cn, sn))])
 
         def do_GET(self):
             if self.headers.get("Transfer-Encoding") or (self.headers.get("Content-Length") or "0").strip() != "0":
@@ -456,12 +455,14 @@ def make_handler(root, secret=None):
             except OSError:
                 return self._send(409, b"not verified here", [("X-K2-Fetching", "0")])
             try:
-                self._send_file(fd, entry["size"])
+                asked = self._send_head(entry["size"])
+                if asked is not None:
+                    self._send_bytes(fd, asked[0], asked[1] + 1)
             finally:
                 os.close(fd)
 
-        def _range(self, size):
-            """(start, end) the request asks for, or None once a 400/416 answered it."""
+        def _send_head(self, size):
+            """(start, end) the request asks for, once its answer's head is sent; or None once a 400/416 answered it."""
             start, end = 0, size - 1
             rng = self.headers.get("Range")
             if rng is not None:
@@ -474,19 +475,16 @@ def make_handler(root, secret=None):
                 if start > end or start >= size:
                     self._send(416, b"", [("Content-Range", f"bytes */{size}")])
                     return None
-            return start, end
-
-        def _send_head(self, start, end, size):
             big_buffer(self.connection, socket.SO_SNDBUF)
             self.server.watch(self.connection, time.monotonic() + SEND_TIMEOUT_S)
-            ranged = self.headers.get("Range") is not None
-            self.send_response(206 if ranged else 200)
+            self.send_response(206 if rng is not None else 200)
             self.send_header("Content-Length", str(max(0, end - start + 1)))
-            if ranged:
+            if rng is not None:
                 self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
             self.end_headers()
             self.wfile.flush()
             self.server.watch(self.connection, None)
+            return start, end
 
         def _send_bytes(self, fd, offset, stop):
             """sendfile ``fd``'s bytes ``offset..stop-1`` (the kernel copies file to socket); each block within
@@ -504,14 +502,6 @@ def make_handler(root, secret=None):
                 self.connection.settimeout(self.timeout)
             return offset
 
-        def _send_file(self, fd, size):
-            asked = self._range(size)
-            if asked is None:
-                return
-            start, end = asked
-            self._send_head(start, end, size)
-            self._send_bytes(fd, start, end + 1)
-
         def _send_growing(self, manifest, rel, size, fd, verified):
             """Serve a file while it lands here, never a byte beyond its prefix of pieces verified against the
             pin: what is verified goes at once, the rest as its pieces verify (:func:`verified_prefix` of this
@@ -519,11 +509,10 @@ def make_handler(root, secret=None):
             place (the same inode). A landing that starts over (this inode unlinked), shrinks, or stalls for
             :data:`GROWING_STALL_S` ends the answer short, connection closed: the receiver takes the file elsewhere
             (a receiver's own pace check may end it first)."""
-            asked = self._range(size)
+            asked = self._send_head(size)
             if asked is None:
                 return
             start, end = asked
-            self._send_head(start, end, size)
             offset, moved, looked = start, time.monotonic(), time.monotonic()
             while offset <= end:
                 if offset < verified:
@@ -743,7 +732,6 @@ class Source:
         parsed = urllib.parse.urlsplit(url)
         self.url, self.host, self.port = url, parsed.hostname, parsed.port or 80
         self.dead_since = None
-        self.impostor = False
         self.idle_since = {}  # file → since when it answered without it, no fetch running there
         self._idle = []
         self._lock = threading.Lock()
@@ -759,7 +747,7 @@ class Source:
                 return sock, None
             cn = os.urandom(16).hex()
             sock.sendall(f"GET /hello HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{NONCE_HEADER}: {cn}\r\n\r\n".encode())
-            status, length, _, headers = read_head(sock, deadline)
+            status, length, headers = read_head(sock, deadline)
             sn = headers.get(NONCE_HEADER.lower(), "")
             proof = headers.get(PROOF_HEADER.lower(), "").encode("latin-1", "replace")
             if status != 200 or length != 0 or not _nonce_ok(sn) or sn == cn or not hmac.compare_digest(
@@ -781,7 +769,8 @@ class Source:
                 extra += f"{AUTH_HEADER}: {auth}\r\n"
             sock.sendall(f"GET {urllib.parse.quote(path)} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
                          f"Connection: close\r\n{extra}\r\n".encode())
-            status, length, body, _ = read_head(sock, deadline, keep_body=True)
+            status, length, _ = read_head(sock, deadline)
+            body = b""
             if limit is not None and length > limit:
                 raise OSError(f"{self.url}: an answer of {length} bytes, over {limit}: too large, refused unread")
             while len(body) < length:
@@ -817,12 +806,6 @@ class Source:
             since = [t for t in (self.dead_since, self.idle_since.get(rel)) if t is not None]
         return now - min(since) if since else 0.0
 
-    def skipped(self, rel, dead_after):
-        """Silent, or idle without ``rel``, for ``dead_after`` seconds."""
-        now = time.monotonic()
-        with self._lock:
-            return any(t is not None and now - t > dead_after for t in (self.dead_since, self.idle_since.get(rel)))
-
     def _take(self, want=None):
         """An authenticated data connection: the idle one whose request already sent is
         ``want`` (a range asked ahead), else an idle one with nothing asked, else a new one.
@@ -849,10 +832,6 @@ class Source:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(DATA_TIMEOUT_S))
         return sock, auth, None
 
-    def _give(self, sock, proof, asked):
-        with self._lock:
-            self._idle.append((sock, proof, asked, time.monotonic()))
-
     def _ask(self, sock, proof, rel, start, end, wait):
         auth = f"{AUTH_HEADER}: {proof}\r\n" if proof else ""
         sock.sendall((f"GET {urllib.parse.quote('/file/' + rel)} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
@@ -874,19 +853,13 @@ class Source:
                 self._ask(sock, proof, rel, start, end, wait)
             if ahead is not None:
                 self._ask(sock, proof, *ahead, wait)
-            status, length, body, headers = read_head(sock, time.monotonic() + wait + DATA_TIMEOUT_S)
+            status, length, headers = read_head(sock, time.monotonic() + wait + DATA_TIMEOUT_S)
             if status == 409:
                 raise NotReady(self.url, rel, headers.get("x-k2-fetching", "1") == "1")
             if status not in (200, 206) or length != end - start + 1:
                 raise OSError(f"{self.url} answered {status} ({length} bytes) for {rel} {start}-{end}")
-            offset = start
-            if body:
-                os.pwrite(fd, body, offset)
-                offset += len(body)
-                if landed:
-                    landed(offset)
             move = splice_into if hasattr(os, "splice") else copy_into
-            offset = move(sock, fd, offset, end + 1, landed, self.slow_after)
+            offset = move(sock, fd, start, end + 1, landed, self.slow_after)
             if offset != end + 1:
                 raise OSError(f"{self.url}: short read of {rel} ({offset - start} of {end - start + 1} bytes)")
             ok = True
@@ -894,7 +867,8 @@ class Source:
             raise OSError(f"{self.url}: {exc!r} for {rel}") from exc
         finally:
             if ok:
-                self._give(sock, proof, ahead)
+                with self._lock:
+                    self._idle.append((sock, proof, ahead, time.monotonic()))
             else:
                 sock.close()
 
@@ -906,11 +880,11 @@ def _timeval(seconds):
 HEAD_MAX = 64 << 10
 
 
-def read_head(sock, deadline, keep_body=False):
+def read_head(sock, deadline):
     """Read an HTTP/1.1 response head from ``sock``, all of it by ``deadline`` (monotonic; OSError after it,
-    however slowly the bytes come): (status, Content-Length, the body bytes that came with the head — none: the
-    head is read to its end and not a byte beyond, so a body, and the answers pipelined behind it, stay in the
-    socket —, the headers by lower-case name). The socket is left blocking."""
+    however slowly the bytes come): (status, Content-Length, the headers by lower-case name). The head is read
+    to its end and not a byte beyond, so a body, and the answers pipelined behind it, stay in the socket. The
+    socket is left blocking."""
     data = b""
     try:
         while not data.endswith(b"\r\n\r\n"):
@@ -925,19 +899,14 @@ def read_head(sock, deadline, keep_body=False):
             data += sock.recv(len(seen) if end < 0 else end + 4 - len(data[-3:]))
     finally:
         sock.settimeout(None)
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
+    lines = data[:-4].decode("latin-1").split("\r\n")
     try:
         status = int(lines[0].split()[1])
         headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
         length = int(headers.get("content-length", "0"))
     except (IndexError, ValueError) as exc:
         raise OSError(f"not an HTTP response head ({exc})") from None
-    if len(body) > length and not keep_body:
-        raise OSError("more bytes than the response's Content-Length")
-    if status not in (200, 206) and not keep_body:  # an error's small body: the connection is not kept anyway
-        body = b""
-    return status, length, body, headers
+    return status, length, headers
 
 
 class _Pace:
@@ -1122,12 +1091,9 @@ def disk_error(root, rel, exc):
             "the files already verified stay")
 
 
-class Landed:
-    """A file whose bytes have all landed in its partial file: its hash may still be
-    catching up (:class:`LandingHash`), its checks are still to come (:func:`finish_file`)."""
-
-    def __init__(self, part, fd, hashing, seconds):
-        self.part, self.fd, self.hashing, self.seconds = part, fd, hashing, seconds
+# a file whose bytes have all landed in its partial file: its hash may still be catching up
+# (:class:`LandingHash`), its checks are still to come (:func:`finish_file`)
+Landed = collections.namedtuple("Landed", "fd hashing seconds")
 
 
 def retract(root, rel):
@@ -1146,18 +1112,17 @@ def land_file(source, root, manifest, rel, streams, chunk, after=None, pieces=No
     pieces of ``rel``): each verified piece extends the landing file's :data:`VERIFIED_XATTR`, up to which
     this host's relay serves the file before it is whole (:func:`open_growing`)."""
     t0 = time.monotonic()
-    part = os.path.join(root, PARTIAL, rel)
     size = manifest["files"][rel]["size"]
     retract(root, rel)  # a new inode each landing (O_EXCL): a relay still serving the last one keeps its verified bytes
     fd = verify.open_beneath(root, PARTIAL + "/" + rel, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644, create_dirs=True)
     try:
         os.ftruncate(fd, size)
         ranges = plan_ranges(size, streams, chunk)
-        publish = None
-        if pieces:  # this host's relay serves the file while it lands, up to its verified pieces
 
-            def publish(verified):  # on this inode: no rename, no other file (a filesystem without xattrs: whole)
-                os.setxattr(fd, VERIFIED_XATTR, str(verified).encode())
+        def publish(verified):  # with pieces, this host's relay serves the file while it lands, up to its verified
+            # pieces: on this inode, no rename, no other file (a filesystem without xattrs: whole)
+            os.setxattr(fd, VERIFIED_XATTR, str(verified).encode())
+
         hashing = LandingHash(fd, verify.new_hasher(manifest["files"][rel]), ranges, pieces, publish)
         try:
             if streams <= 1 or len(ranges) <= 1:
@@ -1179,7 +1144,7 @@ def land_file(source, root, manifest, rel, streams, chunk, after=None, pieces=No
         with contextlib.suppress(OSError):
             retract(root, rel)  # withdrawn at once: a relay serving it stops where it was
         raise
-    return Landed(part, fd, hashing, time.monotonic() - t0)
+    return Landed(fd, hashing, time.monotonic() - t0)
 
 
 def finish_file(landed, root, manifest, rel):
@@ -1263,18 +1228,6 @@ def _document_from(sources, path, problem, limit, wait_s, what):
     return None, "; ".join(f"{url}: {reason}" for url, reason in refused.items()) or last
 
 
-def _manifest_from(sources, wait_s=600.0, pin=None):
-    """The manifest from the first source whose manifest the ``pin`` takes; sources that
-    answer without one yet (a peer still fetching it) are waited for, up to ``wait_s``
-    seconds; a source whose manifest is refused is not asked again."""
-    pin = pin or Pin()
-    body, why = _document_from(sources, "/manifest", pin.problem, MANIFEST_MAX_BYTES, wait_s, "manifest")
-    if body is None:
-        raise SystemExit(f"no source answered with a manifest of the pinned checkpoint ({why}); "
-                         "refused manifests are never used")
-    return body
-
-
 PIECES_WAIT_S = 30.0  # a pieces document none of the sources gives in this long: files are passed on whole
 
 
@@ -1335,11 +1288,12 @@ class _Fetch:
             raise SystemExit(f"{rel}: no source to fetch it from")
         with self.lock:
             refused = dict(self.refused)
-        live = [c for c in candidates if refused.get((rel, c.url), 0) < 2 and not c.skipped(rel, self.dead_after)]
+        now = time.monotonic()  # skipped: silent, or idle without rel, for dead_after seconds
+        live = [c for c in candidates
+                if refused.get((rel, c.url), 0) < 2 and not c.gone_for(rel, now) > self.dead_after]
         if not live:  # every source failed this file: start over with the last (the source)
             if all(refused.get((rel, c.url), 0) >= 2 for c in candidates):
                 raise SystemExit(f"{rel}: no source gave bytes matching the manifest")
-            now = time.monotonic()
             if all(c.dead_since and now - c.dead_since > self.give_up_after for c in candidates):
                 raise SystemExit(f"{rel}: no source answered for {self.give_up_after:.0f}s "
                                  f"({', '.join(c.url for c in candidates)})")
@@ -1518,91 +1472,79 @@ def fetch(root, urls, streams=STREAMS, chunk=CHUNK, log=None, plan=None, dead_af
     here: each file is then served onward piece by piece as its pieces verify against it, not only once whole."""
     os.makedirs(root, exist_ok=True)
     os.close(verify.open_dir_beneath(root, ".k2fleet", create=True))  # a symlinked .k2fleet is refused here
-    lock = _fetch_lock(root)
+    lock = verify.open_beneath(root, FETCH_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        return _fetch(root, urls, streams, chunk, log, plan, dead_after, fleet, position, fanout, give_up_after,
-                      verify_behind, pin, secret, slow_after, deadline, pieces_digest)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second fetch waits: none removes or re-creates another's landing files
+        _remove_partial(root)  # a killed run's leftovers
+        t0, started = time.monotonic(), time.time()
+        if deadline > 0:
+            _deadline_watch(deadline)
+        stop_beat = heartbeat(root)
+        try:
+            ancestors = fleet[:position] if fleet else []
+            upstream = [Source(u, secret, slow_after) for u in [*reversed(ancestors), *urls]]
+            manifest_bytes, why = _document_from(upstream, "/manifest", (pin or Pin()).problem, MANIFEST_MAX_BYTES,
+                                                 give_up_after, "manifest")
+            if manifest_bytes is None:
+                raise SystemExit(f"no source answered with a manifest of the pinned checkpoint ({why}); "
+                                 "refused manifests are never used")
+            manifest = verify.manifest_from_bytes(manifest_bytes)  # what the pin took, and what is stored
+            verify.unlink_beneath(root, PIECES)  # another fetch's: served by nobody until this one pins its own
+            pieces_bytes, pieces = _pieces_from(upstream, manifest, pieces_digest) if pieces_digest else (None, {})
+            if deadline <= 0:
+                _deadline_watch(default_deadline(manifest) - (time.monotonic() - t0))
+            if fleet:
+                plan = fleet_plan(manifest["files"], fleet, position, fanout, urls)
+            try:
+                old_files = verify.load_manifest_in(root)["files"]
+            except (OSError, ValueError, KeyError):
+                old_files = {}
+            # nothing is served until hashed again (bit rot keeps sizes and mtimes): the markers of
+            # the old manifest's files and the new one's, and verify.py's marker, go
+            drop_marks(root, {"files": {**old_files, **manifest["files"]}})
+            verify.write_beneath(root, MANIFEST, manifest_bytes)
+            if pieces_bytes is not None:
+                verify.write_beneath(root, PIECES, pieces_bytes)  # the hosts after this one take it from here
+            run = _Fetch(root, manifest, urls, plan, streams, chunk, dead_after, give_up_after, t0, verify_behind,
+                         secret, slow_after, pieces)
+            lanes = [[] for _ in range(max(1, fanout if fleet else 1))]
+            todo = set(mark(root))  # resume/repair: what hashes right stays (and is served at once)
+            run.report["kept"] = len(manifest["files"]) - len(todo)
+            for j, (rel, entry) in enumerate(sorted(manifest["files"].items())):
+                if rel in todo:
+                    lanes[j % len(lanes)].append((rel, entry))
+            with ThreadPoolExecutor(max_workers=len(lanes)) as pool:
+                futures = [pool.submit(run.lane, files) for files in lanes if files]
+                try:
+                    for f in futures:
+                        f.result()
+                finally:
+                    run.abort.set()
+        finally:
+            stop_beat()
+        _remove_partial(root)
+        report = run.report
+        # every file verified and marked: verify.py's marker too (index and headers checked,
+        # nothing hashed twice), so the deploy's checkpoint gate passes without re-hashing
+        stats = {rel: verify.stat_beneath(root, rel) for rel in manifest["files"]}
+        problems = verify.index_problems(root, manifest)
+        if not problems and all(is_verified_here(root, manifest, rel, {}) for rel in manifest["files"]):
+            verify.write_marker(root, manifest, stats)
+        report.update(seconds=round(time.monotonic() - t0, 3), started=round(started, 3), dir=root,
+                      verified=not problems, transfer_seconds=round(run.clock["transfer"], 3),
+                      verify_seconds=round(run.clock["verify"], 3),
+                      time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        line = json.dumps(report, sort_keys=True)
+        print(line, flush=True)
+        if log:
+            os.makedirs(os.path.dirname(log), exist_ok=True)
+            with open(log, "a") as fh:
+                fh.write(line + "\n")
+        if problems:
+            raise SystemExit("index problems: " + "; ".join(p.line() for p in problems))
+        return report
     finally:
         os.close(lock)
-
-
-def _fetch_lock(root):
-    """An fd holding ``DIR/.k2fleet/relay-fetch.lock`` (flock): one fetch into a directory at a time (a second
-    waits), so no fetch removes or re-creates another's landing files."""
-    fd = verify.open_beneath(root, FETCH_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            time.sleep(POLL_S)
-
-
-def _fetch(root, urls, streams, chunk, log, plan, dead_after, fleet, position, fanout, give_up_after,
-           verify_behind, pin, secret, slow_after, deadline, pieces_digest):
-    _remove_partial(root)  # a killed run's leftovers
-    t0, started = time.monotonic(), time.time()
-    if deadline > 0:
-        _deadline_watch(deadline)
-    stop_beat = heartbeat(root)
-    try:
-        ancestors = fleet[:position] if fleet else []
-        upstream = [Source(u, secret, slow_after) for u in [*reversed(ancestors), *urls]]
-        manifest_bytes = _manifest_from(upstream, give_up_after, pin)
-        manifest = verify.manifest_from_bytes(manifest_bytes)  # what the pin took, and what is stored
-        verify.unlink_beneath(root, PIECES)  # another fetch's: served by nobody until this one pins its own
-        pieces_bytes, pieces = _pieces_from(upstream, manifest, pieces_digest) if pieces_digest else (None, {})
-        if deadline <= 0:
-            _deadline_watch(default_deadline(manifest) - (time.monotonic() - t0))
-        if fleet:
-            plan = fleet_plan(manifest["files"], fleet, position, fanout, urls)
-        try:
-            old_files = verify.load_manifest_in(root)["files"]
-        except (OSError, ValueError, KeyError):
-            old_files = {}
-        # nothing is served until hashed again (bit rot keeps sizes and mtimes): the markers of
-        # the old manifest's files and the new one's, and verify.py's marker, go
-        drop_marks(root, {"files": {**old_files, **manifest["files"]}})
-        verify.write_beneath(root, MANIFEST, manifest_bytes)
-        if pieces_bytes is not None:
-            verify.write_beneath(root, PIECES, pieces_bytes)  # the hosts after this one take it from here
-        run = _Fetch(root, manifest, urls, plan, streams, chunk, dead_after, give_up_after, t0, verify_behind, secret,
-                     slow_after, pieces)
-        lanes = [[] for _ in range(max(1, fanout if fleet else 1))]
-        todo = set(mark(root))  # resume/repair: what hashes right stays (and is served at once)
-        run.report["kept"] = len(manifest["files"]) - len(todo)
-        for j, (rel, entry) in enumerate(sorted(manifest["files"].items())):
-            if rel in todo:
-                lanes[j % len(lanes)].append((rel, entry))
-        with ThreadPoolExecutor(max_workers=len(lanes)) as pool:
-            futures = [pool.submit(run.lane, files) for files in lanes if files]
-            try:
-                for f in futures:
-                    f.result()
-            finally:
-                run.abort.set()
-    finally:
-        stop_beat()
-    _remove_partial(root)
-    report = run.report
-    # every file verified and marked: verify.py's marker too (index and headers checked,
-    # nothing hashed twice), so the deploy's checkpoint gate passes without re-hashing
-    stats = {rel: verify.stat_beneath(root, rel) for rel in manifest["files"]}
-    problems = verify.index_problems(root, manifest)
-    if not problems and all(is_verified_here(root, manifest, rel, {}) for rel in manifest["files"]):
-        verify.write_marker(root, manifest, stats)
-    report.update(seconds=round(time.monotonic() - t0, 3), started=round(started, 3), dir=root, verified=not problems,
-                  transfer_seconds=round(run.clock["transfer"], 3), verify_seconds=round(run.clock["verify"], 3),
-                  time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    line = json.dumps(report, sort_keys=True)
-    print(line, flush=True)
-    if log:
-        os.makedirs(os.path.dirname(log), exist_ok=True)
-        with open(log, "a") as fh:
-            fh.write(line + "\n")
-    if problems:
-        raise SystemExit("index problems: " + "; ".join(p.line() for p in problems))
-    return report
 
 
 def main(argv=None):

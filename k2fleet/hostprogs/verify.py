@@ -114,9 +114,8 @@ class Report:
     FIELDS = ("dir", "revision", "ok", "problems", "files_total", "files_hashed", "files_skipped", "bytes_total",
               "bytes_hashed", "seconds", "full", "marker_written", "warnings")
 
-    def __init__(self, dir: str, revision: str, ok: bool = False, problems: list[Problem] | None = None,
-                 full: bool = False) -> None:
-        self.dir, self.revision, self.ok, self.full = dir, revision, ok, full
+    def __init__(self, dir: str, revision: str, problems: list[Problem] | None = None, full: bool = False) -> None:
+        self.dir, self.revision, self.ok, self.full = dir, revision, False, full
         self.problems: list[Problem] = list(problems or [])
         self.files_total = self.files_hashed = self.files_skipped = 0
         self.bytes_total = self.bytes_hashed = 0
@@ -484,10 +483,8 @@ def is_verified(root: str, manifest: dict[str, Any]) -> bool:
     recorded = load_marker(root, manifest)
     if not recorded or set(recorded) != set(manifest.get("files", {})):
         return False
-    for rel, rec in recorded.items():
-        if stat_beneath(root, rel) != rec:  # a file behind a symlink is not the one verified
-            return False
-    return True
+    # a file behind a symlink is not the one verified
+    return all(stat_beneath(root, rel) == rec for rel, rec in recorded.items())
 
 
 # --------------------------------------------------------------------------- checks
@@ -544,21 +541,16 @@ def _tensor_problem(info: Any, data_size: int) -> str | None:
 def new_hasher(entry: dict[str, Any]) -> Any:
     """The hash object a manifest entry's file is checked with (sha256, or the git blob
     sha1 with its header), fresh: feed it the file's bytes in order."""
-    return _new_hasher(entry, entry["size"])[0]
+    if entry.get("sha256"):
+        return hashlib.sha256()
+    h = hashlib.sha1()
+    h.update(b"blob %d\0" % entry["size"])
+    return h
 
 
 def expected_hash(entry: dict[str, Any]) -> str:
     """The hex digest a manifest entry's file must have: its sha256, else its git blob sha1."""
     return entry.get("sha256") or entry["git_blob_sha1"]
-
-
-def _new_hasher(entry: dict[str, Any], size: int) -> tuple[Any, str, str]:
-    """(hasher, algorithm label, expected hex) for a manifest entry."""
-    if entry.get("sha256"):
-        return hashlib.sha256(), "sha256", entry["sha256"]
-    h = hashlib.sha1()
-    h.update(b"blob %d\0" % size)
-    return h, "git_blob_sha1", entry["git_blob_sha1"]
 
 
 def hash_fd(fd: int, hasher: Any, buf: bytearray) -> int:
@@ -638,7 +630,7 @@ class _Verifier:
         if self.prior.get(res.rel) == before:
             res.stat, res.skipped = before, True
             return None
-        hasher, algo, expected = _new_hasher(entry, before["size"])
+        hasher, expected = new_hasher(entry), expected_hash(entry)
         if res.rel in self.hashed:  # hashed by the caller as it was written: the same file, unchanged since?
             got, when = self.hashed[res.rel]
             if when != before:
@@ -648,6 +640,7 @@ class _Verifier:
             res.hashed_bytes = hash_fd(fd, hasher, self._buffer())
             got = hasher.hexdigest()
         if got != expected:
+            algo = "sha256" if entry.get("sha256") else "git_blob_sha1"
             return Problem(res.rel, HASH_MISMATCH, f"{algo} expected {expected}, got {got}")
         if _stat_record(os.fstat(fd)) != before or res.hashed_bytes != before["size"]:
             return Problem(res.rel, CHANGED, "file changed while it was being hashed")
