@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import importlib.util
 import json
 import sys
@@ -265,10 +266,13 @@ def fleet_from_hosts(source: str, hosts: list[HostData]) -> Fleet:
     return build_fleet(source, entries)
 
 
+@functools.cache
 def _pyinfra_types() -> dict[str, tuple[Any, Any]]:
     """pyinfra's own host-data keys → (type, default): its SSH connector's data (checked
     whenever given) and its global arguments (checked when not the default), as pyinfra 3.10
-    checks them (``host_to_connector_data``, ``pop_global_arguments``)."""
+    checks them (``host_to_connector_data``, ``pop_global_arguments``); read once a process
+    (``get_type_hints`` over every global argument took 1.0 of 3.8 s of a 1,024-host plan),
+    not to be changed by callers."""
     from typing import get_type_hints
 
     from pyinfra.api.arguments import all_argument_meta, all_global_arguments
